@@ -1,0 +1,136 @@
+// CPU implementation of the attention operators: the same online-softmax and split-KV algorithm as
+// the CUDA kernels, accumulating in fp32, so the whole pipeline (gates, bisect, benchmarks) runs on
+// machines without a GPU. Correct first; it is not meant to be fast.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention_params.h"
+
+namespace flashmoe::cpu {
+
+// Keys per online-softmax step; also the unit in which KV is divided among splits.
+constexpr int kBlockN = 64;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Keys [begin, end) of the KV cache that query row `i` of batch `b` attends to within split `split`.
+inline void split_key_range(const AttentionParams& p, int b, int i, int split, int* begin, int* end) {
+  const int len_k = p.seqlens_k ? p.seqlens_k[b] : p.seqlen_k;
+  int visible = len_k;
+  if (p.causal) visible = std::min(len_k, i + len_k - p.seqlen_q + 1);
+  visible = std::max(visible, 0);
+  const int keys_per_split = p.n_blocks_per_split * kBlockN;
+  *begin = split * keys_per_split;
+  *end = std::min(visible, (split + 1) * keys_per_split);
+#if FLASHMOE_PLANT_BUG == 1
+  if (split > 0) *begin += 1;
+#endif
+}
+
+// One query row over keys [begin, end): writes the normalised output (D floats) and the log-sum-exp.
+// q, k, v are fp32 and contiguous ([B, H, S, D]).
+inline void attend_row(const AttentionParams& p, const float* q_row, const float* k_head,
+                       const float* v_head, int begin, int end, float* out, float* lse,
+                       std::vector<float>& scores) {
+  const int d = p.head_dim;
+  std::fill(out, out + d, 0.f);
+  float row_max = kNegInf, row_sum = 0.f;
+  for (int n0 = begin; n0 < end; n0 += kBlockN) {
+    const int n1 = std::min(end, n0 + kBlockN);
+    float block_max = kNegInf;
+    for (int j = n0; j < n1; ++j) {
+      const float* k_row = k_head + int64_t(j) * d;
+      float s = 0.f;
+      for (int c = 0; c < d; ++c) s += q_row[c] * k_row[c];
+      scores[j - n0] = s;
+      block_max = std::max(block_max, s);
+    }
+    const float new_max = std::max(row_max, block_max);
+    // A row that has seen only masked keys keeps max = -inf; use 0 so exp2(-inf - 0) = 0, not NaN.
+    const float max_scaled = new_max == kNegInf ? 0.f : new_max * p.scale_log2;
+    const float rescale = std::exp2(row_max * p.scale_log2 - max_scaled);
+    row_sum *= rescale;
+    for (int c = 0; c < d; ++c) out[c] *= rescale;
+    for (int j = n0; j < n1; ++j) {
+      const float prob = std::exp2(scores[j - n0] * p.scale_log2 - max_scaled);
+      row_sum += prob;
+      const float* v_row = v_head + int64_t(j) * d;
+      for (int c = 0; c < d; ++c) out[c] += prob * v_row[c];
+    }
+    row_max = new_max;
+  }
+  if (row_sum == 0.f) {  // no visible key: output 0, log-sum-exp -inf
+    std::fill(out, out + d, 0.f);
+    *lse = kNegInf;
+    return;
+  }
+  const float inv = 1.f / row_sum;
+  for (int c = 0; c < d; ++c) out[c] *= inv;
+  *lse = row_max * p.softmax_scale + std::log(row_sum);
+}
+
+// Reduce per-split partial outputs: lse = log sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * out_s.
+// o_accum: [splits, rows, D], lse_accum: [splits, rows]; out: [rows, D]; lse: [rows].
+inline void split_kv_combine(const float* o_accum, const float* lse_accum, int num_splits,
+                             int64_t rows, int d, float* out, float* lse) {
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float lse_max = kNegInf;
+      for (int s = 0; s < num_splits; ++s) lse_max = std::max(lse_max, lse_accum[s * rows + r]);
+      float* o = out + r * d;
+      std::fill(o, o + d, 0.f);
+      if (lse_max == kNegInf) {  // every split was empty
+        lse[r] = kNegInf;
+        continue;
+      }
+      float sum = 0.f;
+      for (int s = 0; s < num_splits; ++s) sum += std::exp(lse_accum[s * rows + r] - lse_max);
+      const float lse_row = lse_max + std::log(sum);
+      lse[r] = lse_row;
+      for (int s = 0; s < num_splits; ++s) {
+        const float w = std::exp(lse_accum[s * rows + r] - lse_row);
+        const float* os = o_accum + (int64_t(s) * rows + r) * d;
+        for (int c = 0; c < d; ++c) o[c] += w * os[c];
+      }
+#if FLASHMOE_PLANT_BUG == 2
+      const float w0 = std::exp(lse_accum[r] - lse_row);
+      for (int c = 0; c < d; ++c) o[c] += w0 * o_accum[r * d + c];
+#endif
+    }
+  });
+}
+
+// Attention over fp32 contiguous q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]. With one split it writes
+// p.o (fp32 [B, Hq, Sq, D]) and p.lse directly; with more, p.o_accum / p.lse_accum, which the
+// caller combines. Rows are (b, hq, i); GQA maps query head hq to KV head hq / heads_ratio.
+inline void attention_forward(const AttentionParams& p, const float* q, const float* k,
+                              const float* v) {
+  const int d = p.head_dim;
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  const int64_t work = rows * p.num_splits;
+  at::parallel_for(0, work, 16, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores(kBlockN);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int split = int(w / rows);
+      const int64_t row = w % rows;
+      const int i = int(row % p.seqlen_q);
+      const int h = int((row / p.seqlen_q) % p.heads_q);
+      const int b = int(row / (int64_t(p.seqlen_q) * p.heads_q));
+      const int hkv = h / p.heads_ratio;
+      const int64_t kv_offset = (int64_t(b) * p.heads_kv + hkv) * p.seqlen_k * d;
+      int begin, end;
+      split_key_range(p, b, i, split, &begin, &end);
+      float* out = p.num_splits == 1 ? static_cast<float*>(p.o) + row * d
+                                     : p.o_accum + (int64_t(split) * rows + row) * d;
+      float* lse = p.num_splits == 1 ? p.lse + row : p.lse_accum + int64_t(split) * rows + row;
+      attend_row(p, q + row * d, k + kv_offset, v + kv_offset, begin, end, out, lse, scores);
+    }
+  });
+}
+
+}  // namespace flashmoe::cpu

@@ -1,0 +1,216 @@
+// Host side of the operators shared by both compilation units: the operator schemas, input checks
+// with one-line errors, output allocation, empty-input handling and the CPU implementation.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <tuple>
+
+#include "attention_cpu.h"
+#include "attention_params.h"
+
+namespace flashmoe {
+
+using at::Tensor;
+
+inline std::string shape_str(const Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+inline bool is_half_type(at::ScalarType t) {
+  return t == at::ScalarType::Half || t == at::ScalarType::BFloat16;
+}
+
+// Checks shared by the CPU and CUDA implementations. Every message names the argument, what was
+// given and what is supported, in one line.
+inline void check_attention_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const std::optional<Tensor>& seqlens_k, int64_t num_splits) {
+  const Tensor* named[] = {&q, &k, &v};
+  const char* names[] = {"q", "k", "v"};
+  for (int t = 0; t < 3; ++t) {
+    const Tensor& x = *named[t];
+    TORCH_CHECK_VALUE(x.dim() == 4, names[t], " must have 4 dimensions [batch, heads, seq, head_dim], got ",
+                      x.dim(), " (shape ", shape_str(x), ")");
+    TORCH_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ", x.scalar_type(),
+                     "; supported: torch.float16, torch.bfloat16");
+    TORCH_CHECK_VALUE(x.device() == q.device(), names[t], " is on ", x.device(), " but q is on ",
+                      q.device(), "; all inputs must be on the same device");
+    TORCH_CHECK_VALUE(x.size(3) <= 1 || x.stride(3) == 1, names[t],
+                      " must be contiguous in its last dimension (stride 1), got strides ", x.strides(),
+                      "; call .contiguous() first");
+  }
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                   v.scalar_type());
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0),
+                    "batch sizes differ: q ", shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  TORCH_CHECK_VALUE(k.size(3) == q.size(3) && v.size(3) == q.size(3),
+                    "head_dim differs: q ", shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  TORCH_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2),
+                    "k and v must have the same shape, got k ", shape_str(k), ", v ", shape_str(v));
+  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+                    "heads of q (", q.size(1), ") must be a multiple of heads of k and v (", k.size(1),
+                    ") for grouped-query attention");
+  TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxSplits, "num_splits must be in [0, ",
+                    kMaxSplits, "] (0 = automatic), got ", num_splits);
+  if (seqlens_k.has_value()) {
+    const Tensor& s = *seqlens_k;
+    TORCH_CHECK_TYPE(s.scalar_type() == at::ScalarType::Int, "cache_seqlens has dtype ",
+                     s.scalar_type(), "; supported: torch.int32");
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == q.size(0), "cache_seqlens must have shape [batch] = [",
+                      q.size(0), "], got ", shape_str(s));
+    TORCH_CHECK_VALUE(s.device() == q.device(), "cache_seqlens is on ", s.device(), " but q is on ",
+                      q.device());
+  }
+}
+
+// Values are checked on the host, so the caller pays a device sync only when it passes cache_seqlens.
+inline void check_seqlens_values(const Tensor& seqlens_cpu, int64_t seqlen_k) {
+  const int* s = seqlens_cpu.data_ptr<int>();
+  for (int64_t b = 0; b < seqlens_cpu.numel(); ++b) {
+    TORCH_CHECK_VALUE(s[b] >= 0 && s[b] <= seqlen_k, "cache_seqlens[", b, "] = ", s[b],
+                      " is outside [0, ", seqlen_k, "] (the cache length)");
+  }
+}
+
+inline AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                   double softmax_scale) {
+  AttentionParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
+  p.batch = int(q.size(0));
+  p.heads_q = int(q.size(1));
+  p.heads_kv = int(k.size(1));
+  p.seqlen_q = int(q.size(2));
+  p.seqlen_k = int(k.size(2));
+  p.head_dim = int(q.size(3));
+  p.heads_ratio = p.heads_q / p.heads_kv;
+  p.causal = causal;
+  p.softmax_scale = float(softmax_scale);
+  p.scale_log2 = float(softmax_scale * 1.4426950408889634);
+  p.num_splits = 1;
+  return p;
+}
+
+// Outputs for inputs with nothing to compute: B, Hq or Sq is 0 (empty results), or there are no
+// keys (output 0, log-sum-exp -inf, the limit of an empty softmax).
+inline std::optional<std::tuple<Tensor, Tensor>> empty_result(const Tensor& q, const Tensor& k) {
+  const bool no_rows = q.numel() == 0 && (q.size(0) == 0 || q.size(1) == 0 || q.size(2) == 0);
+  if (!no_rows && k.size(2) != 0) return std::nullopt;
+  auto out = at::zeros(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<float>::infinity(),
+                      q.options().dtype(at::kFloat));
+  return std::make_tuple(out, lse);
+}
+
+// ------------------------------------------------------------------------------------------------
+// CPU implementation
+// ------------------------------------------------------------------------------------------------
+
+inline std::tuple<Tensor, Tensor> split_kv_combine_cpu(const Tensor& out_partial,
+                                                      const Tensor& lse_partial,
+                                                      at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(out_partial.scalar_type() == at::kFloat && lse_partial.scalar_type() == at::kFloat,
+                   "out_partial and lse_partial must be torch.float32, got ", out_partial.scalar_type(),
+                   " and ", lse_partial.scalar_type());
+  TORCH_CHECK_VALUE(out_partial.dim() == 5 && lse_partial.dim() == 4 &&
+                        out_partial.sizes().slice(0, 4) == lse_partial.sizes(),
+                    "out_partial must be [splits, B, H, Sq, D] and lse_partial [splits, B, H, Sq], got ",
+                    shape_str(out_partial), " and ", shape_str(lse_partial));
+  TORCH_CHECK_VALUE(out_partial.size(0) >= 1 && out_partial.size(0) <= kMaxSplits,
+                    "the number of splits must be in [1, ", kMaxSplits, "], got ", out_partial.size(0));
+  auto o_acc = out_partial.contiguous();
+  auto l_acc = lse_partial.contiguous();
+  const int64_t rows = l_acc.numel() / l_acc.size(0);
+  const int d = int(o_acc.size(4));
+  auto out = at::empty(o_acc.sizes().slice(1), o_acc.options());
+  auto lse = at::empty(l_acc.sizes().slice(1), l_acc.options());
+  if (rows > 0) {
+    cpu::split_kv_combine(o_acc.data_ptr<float>(), l_acc.data_ptr<float>(), int(o_acc.size(0)), rows,
+                          d, out.data_ptr<float>(), lse.data_ptr<float>());
+  }
+  return {out.to(dtype), lse};
+}
+
+inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                    const std::optional<Tensor>& seqlens_k, bool causal,
+                                                    double softmax_scale, int64_t num_splits,
+                                                    int64_t config) {
+  check_attention_inputs(q, k, v, seqlens_k, num_splits);
+  TORCH_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(), "; this is the CPU implementation");
+  TORCH_CHECK_VALUE(config == 0, "config=", config,
+                    " selects a CUDA tile configuration, but the inputs are CPU tensors; use config=0 "
+                    "(automatic) on the CPU");
+  if (seqlens_k.has_value()) check_seqlens_values(*seqlens_k, k.size(2));
+  if (auto empty = empty_result(q, k)) return *empty;
+
+  auto qf = q.to(at::kFloat).contiguous();
+  auto kf = k.to(at::kFloat).contiguous();
+  auto vf = v.to(at::kFloat).contiguous();
+  AttentionParams p = make_params(qf, kf, vf, causal, softmax_scale);
+  std::optional<Tensor> seqlens_c;
+  if (seqlens_k.has_value()) {
+    seqlens_c = seqlens_k->contiguous();
+    p.seqlens_k = seqlens_c->data_ptr<int>();
+  }
+  const int n_blocks = ceil_div(p.seqlen_k, cpu::kBlockN);
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  int splits = int(num_splits);
+  if (splits == 0) {
+    splits = num_splits_heuristic(int(std::min<int64_t>(rows, 1 << 30)), at::get_num_threads(),
+                                  n_blocks, kMaxSplits);
+  }
+  p.num_splits = splits;
+  p.n_blocks_per_split = ceil_div(n_blocks, splits);
+
+  auto out = at::empty(qf.sizes(), qf.options());
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, qf.options());
+  if (splits == 1) {
+    p.o = out.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    cpu::attention_forward(p, qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>());
+    return {out.to(q.scalar_type()), lse};
+  }
+  auto o_accum = at::empty({splits, q.size(0), q.size(1), q.size(2), q.size(3)}, qf.options());
+  auto lse_accum = at::empty({splits, q.size(0), q.size(1), q.size(2)}, qf.options());
+  p.o_accum = o_accum.data_ptr<float>();
+  p.lse_accum = lse_accum.data_ptr<float>();
+  cpu::attention_forward(p, qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>());
+  return split_kv_combine_cpu(o_accum, lse_accum, q.scalar_type());
+}
+
+inline int64_t planted_bug() { return FLASHMOE_PLANT_BUG; }
+
+}  // namespace flashmoe
+
+// Schemas, written once. Each backend registers its implementation with TORCH_LIBRARY_IMPL.
+//   fwd: attention for prefill (seqlens_k = None) and decode (seqlens_k = per-sequence KV lengths).
+//     num_splits: 0 = automatic, else the split-KV count; config: 0 = automatic, else a CUDA tile
+//     configuration id (so the configurations another architecture selects can be forced and gated).
+//   split_kv_combine: the split-KV reduction on its own, for tests.
+TORCH_LIBRARY(flashmoe_science, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor? seqlens_k, bool causal, float softmax_scale, "
+      "int num_splits, int config) -> (Tensor, Tensor)");
+  m.def("split_kv_combine(Tensor out_partial, Tensor lse_partial, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def("planted_bug() -> int", &flashmoe::planted_bug);
+}
+
+TORCH_LIBRARY_IMPL(flashmoe_science, CPU, m) {
+  m.impl("fwd", &flashmoe::attention_fwd_cpu);
+  m.impl("split_kv_combine", &flashmoe::split_kv_combine_cpu);
+}

@@ -1,0 +1,85 @@
+// The one plain struct that carries shapes, strides and pointers from the host API into the kernels
+// (CPU and CUDA alike), and the split-count heuristic both backends share.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#ifdef __CUDACC__
+#define FLASHMOE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FLASHMOE_HOST_DEVICE inline
+#endif
+
+namespace flashmoe {
+
+// Planted bugs, compiled in only when a test asks for them (-DFLASHMOE_PLANT_BUG=N), so the test
+// suite can prove that the gates catch the bugs a split-KV implementation typically has.
+//   1: off-by-one split boundary (every split but the first skips its first key)
+//   2: the combine step counts split 0 twice
+#ifndef FLASHMOE_PLANT_BUG
+#define FLASHMOE_PLANT_BUG 0
+#endif
+
+constexpr int kMaxSplits = 128;
+
+struct AttentionParams {
+  // q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk(max), D]; only the last dimension must be contiguous.
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;     // [B, Hq, Sq, D], written in the input dtype (unsplit path)
+  float* lse;  // [B, Hq, Sq], contiguous
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+  int heads_ratio;  // heads_q / heads_kv
+  // Fold the query heads that share a KV head into the rows of one tile, so each K and V byte is
+  // read once per KV head (the rows of a tile are then (query, head-in-group) pairs).
+  bool pack_gqa;
+  const int* seqlens_k;  // [B] valid KV length per sequence, or nullptr (all of seqlen_k)
+
+  bool causal;  // bottom-right aligned: query i sees keys j <= i + len_k - seqlen_q
+  float softmax_scale;
+  float scale_log2;  // softmax_scale * log2(e): exp(x * scale) == exp2(x * scale_log2)
+
+  // Split-KV: each split owns n_blocks_per_split KV blocks and writes a normalised fp32 partial
+  // output and its log-sum-exp; split_kv_combine reduces them. num_splits == 1 writes o directly.
+  int num_splits;
+  int n_blocks_per_split;
+  float* o_accum;    // [num_splits, B, Hq, Sq, D] contiguous
+  float* lse_accum;  // [num_splits, B, Hq, Sq] contiguous
+};
+
+FLASHMOE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// FlashAttention's wave-efficiency rule: split only when the grid does not fill the machine, and
+// then take the smallest split count whose last wave is at least 85% as full as the best one.
+inline int num_splits_heuristic(int blocks_without_split, int num_units, int num_n_blocks,
+                                int max_splits) {
+  if (blocks_without_split >= 0.8f * num_units) return 1;
+  max_splits = std::min({max_splits, num_units, num_n_blocks});
+  if (max_splits <= 1) return 1;
+  auto eligible = [&](int s) {
+    return s == 1 || ceil_div(num_n_blocks, s) != ceil_div(num_n_blocks, s - 1);
+  };
+  std::vector<float> efficiency(max_splits + 1, 0.f);
+  float best = 0.f;
+  for (int s = 1; s <= max_splits; ++s) {
+    if (!eligible(s)) continue;
+    const float waves = float(blocks_without_split) * s / num_units;
+    efficiency[s] = waves / std::ceil(waves);
+    best = std::max(best, efficiency[s]);
+  }
+  for (int s = 1; s <= max_splits; ++s) {
+    if (eligible(s) && efficiency[s] >= 0.85f * best) return s;
+  }
+  return 1;
+}
+
+}  // namespace flashmoe

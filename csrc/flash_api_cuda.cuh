@@ -1,0 +1,198 @@
+// Host side of the CUDA operators: checks that only apply on the GPU, tile-configuration choice per
+// architecture, the split-count heuristic, and the launches (on the current stream).
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <array>
+
+#include "attention_ops.h"
+#include "flash_fwd_kernel.cuh"
+
+namespace flashmoe::cuda {
+
+// Tile configurations. Ids are part of the operator's interface (`config=`), so the configuration
+// another architecture selects can be forced and gated on the card at hand.
+//   1: 128 x 64 at d=64, 128 x 32 at d=128, 4 warps. 128 x 64 at d=128 (FA2's sm80 choice) needs
+//      255 registers and spilled 68 bytes per thread here (nvcc 13.0, sm_90), so it is not used.
+//   2:  64 x 64, 4 warps. 48 KB at d=128, so two blocks fit one sm86/sm89 SM (100 KB); FA2 picks
+//       this square tile on sm86/sm89 ("fastest for causal"). Also used when a head has few rows.
+constexpr int kNumConfigs = 2;
+
+struct DeviceInfo {
+  int major = 0, minor = 0, sm_count = 0;
+};
+
+inline DeviceInfo device_info(int device) {
+  static std::array<DeviceInfo, 64> cache{};
+  DeviceInfo& info = cache.at(device);
+  if (info.sm_count == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device));
+  }
+  return info;
+}
+
+inline int choose_config(const DeviceInfo& dev, int head_dim, int rows_per_head) {
+  const bool small_smem = dev.major == 8 && dev.minor != 0;  // sm86, sm87, sm89: 100 KB per SM
+  if (rows_per_head <= 64) return 2;
+  if (head_dim == 128 && small_smem) return 2;
+  return 1;
+}
+
+template <typename T, typename Traits>
+void launch_fwd(const AttentionParams& p, int grid_x, int m_blocks, cudaStream_t stream) {
+  auto kernel = &flash_fwd_kernel<Traits, T>;
+  constexpr int smem = Traits::kSmemBytes;
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  kernel<<<dim3(grid_x, m_blocks, p.num_splits), Traits::kNThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int D>
+void dispatch_config(const AttentionParams& p, int config, int grid_x, int m_blocks, cudaStream_t stream) {
+  if (config == 1) {
+    launch_fwd<T, FwdTraits<D, 128, D == 128 ? 32 : 64, 4>>(p, grid_x, m_blocks, stream);
+  } else {
+    launch_fwd<T, FwdTraits<D, 64, 64, 4>>(p, grid_x, m_blocks, stream);
+  }
+}
+
+template <typename T>
+void dispatch_head_dim(const AttentionParams& p, int config, int grid_x, int m_blocks, cudaStream_t stream) {
+  if (p.head_dim == 64) {
+    dispatch_config<T, 64>(p, config, grid_x, m_blocks, stream);
+  } else {
+    dispatch_config<T, 128>(p, config, grid_x, m_blocks, stream);
+  }
+}
+
+constexpr int block_m_of(int config) { return config == 1 ? 128 : 64; }
+constexpr int block_n_of(int config, int head_dim) { return config == 1 && head_dim == 128 ? 32 : 64; }
+
+template <typename T, int D>
+void launch_combine(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::Tensor& out, at::Tensor& lse,
+                    cudaStream_t stream) {
+  const int64_t rows = lse.numel();
+  const int blocks = int((rows + 3) / 4);
+  split_kv_combine_kernel<T, D><<<blocks, 128, 0, stream>>>(
+      o_accum.data_ptr<float>(), lse_accum.data_ptr<float>(), reinterpret_cast<T*>(out.data_ptr()),
+      lse.data_ptr<float>(), int(o_accum.size(0)), rows);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+inline void combine_into(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::Tensor& out, at::Tensor& lse) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
+  const bool fp16 = out.scalar_type() == at::kHalf;
+  const int d = int(out.size(-1));
+  if (fp16 && d == 64) launch_combine<__half, 64>(o_accum, lse_accum, out, lse, stream);
+  else if (fp16) launch_combine<__half, 128>(o_accum, lse_accum, out, lse, stream);
+  else if (d == 64) launch_combine<__nv_bfloat16, 64>(o_accum, lse_accum, out, lse, stream);
+  else launch_combine<__nv_bfloat16, 128>(o_accum, lse_accum, out, lse, stream);
+}
+
+inline void check_head_dim_cuda(int64_t head_dim) {
+  TORCH_CHECK_VALUE(head_dim == 64 || head_dim == 128, "head_dim=", head_dim,
+                    " is not supported on CUDA; supported: 64, 128 (the CPU implementation takes any)");
+}
+
+// cp.async moves 16-byte chunks: base pointers and row/head/batch strides must be multiples of
+// 16 bytes. Anything else (an odd storage offset, say) is copied once rather than rejected.
+inline at::Tensor aligned_for_cp_async(const at::Tensor& t) {
+  const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
+                  t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0;
+  if (ok) return t;
+  return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous)).copy_(t);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> split_kv_combine_cuda(const at::Tensor& out_partial,
+                                                               const at::Tensor& lse_partial,
+                                                               at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(out_partial.scalar_type() == at::kFloat && lse_partial.scalar_type() == at::kFloat,
+                   "out_partial and lse_partial must be torch.float32, got ", out_partial.scalar_type(),
+                   " and ", lse_partial.scalar_type());
+  TORCH_CHECK_VALUE(out_partial.dim() == 5 && lse_partial.dim() == 4 &&
+                        out_partial.sizes().slice(0, 4) == lse_partial.sizes(),
+                    "out_partial must be [splits, B, H, Sq, D] and lse_partial [splits, B, H, Sq], got ",
+                    shape_str(out_partial), " and ", shape_str(lse_partial));
+  TORCH_CHECK_VALUE(out_partial.size(0) >= 1 && out_partial.size(0) <= kMaxSplits,
+                    "the number of splits must be in [1, ", kMaxSplits, "], got ", out_partial.size(0));
+  TORCH_CHECK_TYPE(is_half_type(dtype), "dtype ", dtype, " is not supported; supported: torch.float16, torch.bfloat16");
+  check_head_dim_cuda(out_partial.size(4));
+  c10::cuda::CUDAGuard guard(out_partial.device());
+  auto o_acc = out_partial.contiguous();
+  auto l_acc = lse_partial.contiguous();
+  auto out = at::empty(o_acc.sizes().slice(1), o_acc.options().dtype(dtype));
+  auto lse = at::empty(l_acc.sizes().slice(1), l_acc.options());
+  if (lse.numel() > 0) combine_into(o_acc, l_acc, out, lse);
+  return {out, lse};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                             const at::Tensor& v_in,
+                                                             const std::optional<at::Tensor>& seqlens_k,
+                                                             bool causal, double softmax_scale,
+                                                             int64_t num_splits, int64_t config) {
+  check_attention_inputs(q_in, k_in, v_in, seqlens_k, num_splits);
+  TORCH_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(), "; this is the CUDA implementation");
+  check_head_dim_cuda(q_in.size(3));
+  TORCH_CHECK_VALUE(config >= 0 && config <= kNumConfigs, "config must be in [0, ", kNumConfigs,
+                    "] (0 = automatic), got ", config);
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const DeviceInfo dev = device_info(q_in.device().index());
+  TORCH_CHECK(dev.major >= 8, "flashmoe_science needs a GPU of compute capability 8.0 or newer (mma.sync "
+              "bf16/fp16), this one is ", dev.major, ".", dev.minor);
+  if (seqlens_k.has_value()) check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
+  if (auto empty = empty_result(q_in, k_in)) return *empty;
+
+  const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in), v = aligned_for_cp_async(v_in);
+  AttentionParams p = make_params(q, k, v, causal, softmax_scale);
+  if (seqlens_k.has_value()) p.seqlens_k = seqlens_k->data_ptr<int>();
+  // Fold the query heads of a GQA group into the rows when the queries are few (decode), so the
+  // group's K and V are read once.
+  p.pack_gqa = p.heads_ratio > 1 && int64_t(p.seqlen_q) * p.heads_ratio <= 128;
+  const int rows_per_head = p.seqlen_q * (p.pack_gqa ? p.heads_ratio : 1);
+  if (config == 0) config = choose_config(dev, p.head_dim, rows_per_head);
+
+  const int m_blocks = ceil_div(rows_per_head, block_m_of(int(config)));
+  const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
+  TORCH_CHECK_VALUE(m_blocks <= 65535 && grid_x < (int64_t(1) << 31), "q of shape ", shape_str(q_in),
+                    " exceeds the launch grid (at most 65535 row blocks per head)");
+  const int n_blocks = ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim));
+  int splits = int(num_splits);
+  if (splits == 0) {
+    // 2 blocks per SM: 128-thread blocks, as FA2 assumes.
+    splits = num_splits_heuristic(int(std::min<int64_t>(grid_x * m_blocks, 1 << 30)), dev.sm_count * 2,
+                                  n_blocks, kMaxSplits);
+  }
+  p.num_splits = splits;
+  p.n_blocks_per_split = std::max(1, ceil_div(n_blocks, splits));
+
+  auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  p.o = out.data_ptr();
+  p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  at::Tensor o_accum, lse_accum;
+  if (splits > 1) {
+    o_accum = at::empty({splits, q.size(0), q.size(1), q.size(2), q.size(3)}, lse.options());
+    lse_accum = at::empty({splits, q.size(0), q.size(1), q.size(2)}, lse.options());
+    p.o_accum = o_accum.data_ptr<float>();
+    p.lse_accum = lse_accum.data_ptr<float>();
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  if (q.scalar_type() == at::kHalf) {
+    dispatch_head_dim<__half>(p, int(config), int(grid_x), m_blocks, stream);
+  } else {
+    dispatch_head_dim<__nv_bfloat16>(p, int(config), int(grid_x), m_blocks, stream);
+  }
+  if (splits > 1) combine_into(o_accum, lse_accum, out, lse);
+  return {out, lse};
+}
+
+}  // namespace flashmoe::cuda

@@ -1,0 +1,314 @@
+// FlashAttention-2-style forward kernel (prefill and split-KV decode) and the split-KV combine
+// kernel. One block owns kBlockM rows of one (batch, head); K and V tiles stream through shared
+// memory; S = Q K^T and O += P V run on mma.sync tensor cores with fp32 accumulation; the softmax is
+// online (running max and sum per row, in fp32, base 2 with the scale folded in).
+#pragma once
+
+#include "attention_params.h"
+#include "flash_kernel_utils.cuh"
+
+namespace flashmoe::cuda {
+
+// Tile shape of one configuration. Warps split the kBlockM rows (each warp owns kMTiles tiles of 16
+// rows) and every warp sees all of K and V, so warps never exchange partial results (FA2's scheme).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct FwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kMTiles = kBlockM / (16 * kNWarps);
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
+  static_assert(kMTiles >= 1 && kBlockM == kMTiles * 16 * kNWarps, "kBlockM must be 16 * warps * k");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "tile shapes must fit the mma and swizzle");
+};
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a [rows][kHeadDim] shared tile. The chunk
+// index is XOR-swizzled with the row, so the 8 rows that one ldmatrix reads hit 8 different bank
+// groups (without it every ldmatrix is an 8-way bank conflict).
+template <int kHeadDim>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_fwd_kernel(const __grid_constant__ AttentionParams p) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  constexpr int MT = Traits::kMTiles, NT = BN / 8, DT = D / 8, kChunks = Traits::kChunks;
+  constexpr int kThreads = Traits::kNThreads;
+
+  extern __shared__ uint4 smem_buf[];  // uint4: 16-byte alignment for cp.async and ldmatrix
+  T* sQ = reinterpret_cast<T*>(smem_buf);
+  T* sK = sQ + BM * D;
+  T* sV = sK + BN * D;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int heads_grid = p.pack_gqa ? p.heads_kv : p.heads_q;
+  const int b = blockIdx.x / heads_grid, head_grid = blockIdx.x % heads_grid;
+  const int m0 = blockIdx.y * BM;
+  const int split = blockIdx.z;
+  const int group = p.pack_gqa ? p.heads_ratio : 1;
+  const int hkv = p.pack_gqa ? head_grid : head_grid / p.heads_ratio;
+  const int rows_total = p.seqlen_q * group;
+  const int len_k = p.seqlens_k ? p.seqlens_k[b] : p.seqlen_k;
+
+  // Tile row r is query r (or, with packed GQA, query r / group of head hkv * group + r % group).
+  auto row_query = [&](int r) { return p.pack_gqa ? r / group : r; };
+  auto row_head = [&](int r) { return p.pack_gqa ? hkv * group + r % group : head_grid; };
+
+  // KV blocks this block visits: causal tiles above the diagonal are skipped, and the split owns
+  // blocks [n_lo, n_hi). A query row i sees keys j <= i + len_k - seqlen_q (bottom-right aligned).
+  const int i_first = row_query(m0);
+  const int i_last = row_query(min(m0 + BM, rows_total) - 1);
+  int n_block_max = ceil_div(len_k, BN);
+  if (p.causal) {
+    const int visible = i_last + len_k - p.seqlen_q + 1;
+    n_block_max = min(n_block_max, visible <= 0 ? 0 : ceil_div(visible, BN));
+  }
+  const int n_lo = split * p.n_blocks_per_split;
+  const int n_hi = min(n_block_max, n_lo + p.n_blocks_per_split);
+#if FLASHMOE_PLANT_BUG == 1
+  const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
+#endif
+
+  const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+
+  auto load_kv = [&](T* tile, const T* base, int64_t row_stride, int n_block) {
+#pragma unroll
+    for (int c = tid; c < BN * kChunks; c += kThreads) {
+      const int r = c / kChunks, ch = c % kChunks, kv = n_block * BN + r;
+      const bool valid = kv < len_k;
+      cp_async_16(tile + swizzle<D>(r, ch), valid ? base + kv * row_stride + ch * 8 : base, valid);
+    }
+  };
+
+  // This thread's rows: within each 16-row m-tile, lane / 4 and lane / 4 + 8.
+  const int warp_row0 = warp * 16 * MT;
+  int my_query[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) my_query[mt][hh] = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8);
+
+  float acc_o[MT][DT][4];
+  float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+
+  if (n_hi > n_lo) {
+#pragma unroll
+    for (int c = tid; c < BM * kChunks; c += kThreads) {
+      const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
+      const bool valid = gr < rows_total;
+      const T* src = valid ? q_base + row_head(gr) * p.q_head_stride + row_query(gr) * p.q_row_stride + ch * 8
+                           : q_base;
+      cp_async_16(sQ + swizzle<D>(r, ch), src, valid);
+    }
+    // KV blocks run from the last to the first, so only the first one visited (the sequence tail
+    // or the diagonal) needs masking, as in FA2.
+    load_kv(sK, k_base, p.k_row_stride, n_hi - 1);
+    cp_async_commit();
+  }
+
+  for (int n = n_hi - 1; n >= n_lo; --n) {
+    cp_async_wait<0>();
+    __syncthreads();  // K(n) has landed, and every warp is done reading V(n+1)
+    load_kv(sV, v_base, p.v_row_stride, n);  // V(n) arrives while S = Q K^T is computed
+    cp_async_commit();
+
+    float acc_s[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(a[mt], sQ + swizzle<D>(warp_row0 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, sK + swizzle<D>(np * 16 + (lane & 7) + (lane >> 4) * 8, kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<T>(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
+          mma_16816<T>(acc_s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    bool need_mask = (n + 1) * BN > len_k || (p.causal && (n + 1) * BN - 1 > i_first + len_k - p.seqlen_q);
+#if FLASHMOE_PLANT_BUG == 1
+    need_mask = need_mask || n * BN < key_begin;
+#endif
+    if (need_mask) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
+            const int i = my_query[mt][e >> 1];
+            bool masked = col >= len_k || (p.causal && col > i + len_k - p.seqlen_q);
+#if FLASHMOE_PLANT_BUG == 1
+            masked = masked || col < key_begin;
+#endif
+            if (masked) acc_s[mt][nt][e] = -INFINITY;
+          }
+    }
+
+    // Online softmax: rescale what was accumulated so far by exp2((m_old - m_new) * scale_log2).
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = row_max[mt][hh];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hh], acc_s[mt][nt][2 * hh + 1]));
+        mx = quad_max(mx);
+        // A row that has seen only masked keys keeps max = -inf; use 0 so exp2(-inf - 0) = 0, not NaN.
+        const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+        const float rescale = exp2f(row_max[mt][hh] * p.scale_log2 - max_scaled);
+        row_max[mt][hh] = mx;
+        row_sum[mt][hh] *= rescale;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          acc_o[mt][dt][2 * hh] *= rescale;
+          acc_o[mt][dt][2 * hh + 1] *= rescale;
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            const float prob = exp2f(fmaf(acc_s[mt][nt][e], p.scale_log2, -max_scaled));
+            acc_s[mt][nt][e] = prob;
+            row_sum[mt][hh] += prob;  // per-thread partial; the quad reduction waits for the end
+          }
+      }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V(n) has landed, and every warp is done reading K(n)
+    if (n > n_lo) {
+      load_kv(sK, k_base, p.k_row_stride, n - 1);  // K(n-1) arrives during P V and the next mask
+      cp_async_commit();
+    }
+
+    // O += P V, with P taken straight from the S accumulators as the A operand (never via smem).
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack2<T>(acc_s[mt][2 * j][0], acc_s[mt][2 * j][1]);
+        a[mt][1] = pack2<T>(acc_s[mt][2 * j][2], acc_s[mt][2 * j][3]);
+        a[mt][2] = pack2<T>(acc_s[mt][2 * j + 1][0], acc_s[mt][2 * j + 1][1]);
+        a[mt][3] = pack2<T>(acc_s[mt][2 * j + 1][2], acc_s[mt][2 * j + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, sV + swizzle<D>(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<T>(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
+          mma_16816<T>(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+
+  // Epilogue: normalise by the row sum; rows that saw no key get 0 and a log-sum-exp of -inf.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float sum = quad_sum(row_sum[mt][hh]);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float lse = sum > 0.f ? row_max[mt][hh] * p.softmax_scale + logf(sum) : -INFINITY;
+      const int r = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
+      if (r >= rows_total) continue;
+      const int i = row_query(r), h = row_head(r);
+      const int64_t lse_index = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
+      if (p.num_splits == 1) {
+        T* o_row = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          *reinterpret_cast<uint32_t*>(o_row + dt * 8 + (lane & 3) * 2) =
+              pack2<T>(acc_o[mt][dt][2 * hh] * inv, acc_o[mt][dt][2 * hh + 1] * inv);
+        }
+        if ((lane & 3) == 0) p.lse[lse_index] = lse;
+      } else {
+        const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+        float* o_row = p.o_accum + (split * rows_all + lse_index) * D;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          *reinterpret_cast<float2*>(o_row + dt * 8 + (lane & 3) * 2) =
+              make_float2(acc_o[mt][dt][2 * hh] * inv, acc_o[mt][dt][2 * hh + 1] * inv);
+        }
+        if ((lane & 3) == 0) p.lse_accum[split * rows_all + lse_index] = lse;
+      }
+    }
+}
+
+// Split-KV combine: one warp per output row. lse = m + log sum_s exp(lse_s - m) with m = max_s lse_s;
+// out = sum_s exp(lse_s - lse) * out_s. Splits with no valid key carry lse = -inf and weigh 0.
+template <typename T, int D>
+__global__ void __launch_bounds__(128)
+    split_kv_combine_kernel(const float* __restrict__ o_accum, const float* __restrict__ lse_accum,
+                            T* __restrict__ out, float* __restrict__ lse, int num_splits, int64_t rows) {
+  constexpr int kPerLane = D / 32;
+  static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (row >= rows) return;
+
+  float lse_max = -INFINITY;
+  for (int s = lane; s < num_splits; s += 32) lse_max = fmaxf(lse_max, lse_accum[s * rows + row]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, off));
+  float sum = 0.f;
+  if (lse_max != -INFINITY)
+    for (int s = lane; s < num_splits; s += 32) sum += expf(lse_accum[s * rows + row] - lse_max);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  const float lse_row = lse_max == -INFINITY ? -INFINITY : lse_max + logf(sum);
+
+  float acc[kPerLane] = {};
+  if (lse_max != -INFINITY) {
+    for (int s = 0; s < num_splits; ++s) {
+      const float w = expf(lse_accum[s * rows + row] - lse_row);
+      const float* src = o_accum + (s * rows + row) * D + lane * kPerLane;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) acc[e] += w * src[e];
+    }
+#if FLASHMOE_PLANT_BUG == 2
+    const float w0 = expf(lse_accum[row] - lse_row);
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) acc[e] += w0 * o_accum[row * D + lane * kPerLane + e];
+#endif
+  }
+  T* dst = out + row * D + lane * kPerLane;
+#pragma unroll
+  for (int e = 0; e < kPerLane; e += 2) *reinterpret_cast<uint32_t*>(dst + e) = pack2<T>(acc[e], acc[e + 1]);
+  if (lane == 0) lse[row] = lse_row;
+}
+
+}  // namespace flashmoe::cuda

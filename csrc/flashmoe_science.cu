@@ -1,0 +1,9 @@
+// The CUDA compilation unit: the whole extension in one translation unit. It holds the operator
+// schemas, the CPU implementation (so one build serves CPU and CUDA tensors) and the CUDA kernels.
+#include "attention_ops.h"
+#include "flash_api_cuda.cuh"
+
+TORCH_LIBRARY_IMPL(flashmoe_science, CUDA, m) {
+  m.impl("fwd", &flashmoe::cuda::attention_fwd_cuda);
+  m.impl("split_kv_combine", &flashmoe::cuda::split_kv_combine_cuda);
+}

@@ -1,0 +1,381 @@
+"""Correctness gates: the case matrix, the references, the two gates and the failure report.
+
+Gate 1 (the user's): max |out - ref| < 0.1.
+Gate 2 (FlashAttention's, stricter): max |out - ref| <= 2 * max |out_pt - ref| + floor, where ref is the
+attention computed in fp32 (fp64 on the CPU) from the same inputs, out_pt is the same attention done
+by PyTorch at the input precision, and floor = 2 * max |(ref + 0.3 - 0.3) - ref| in the input dtype
+(the error of doing any arithmetic at all), so the gate cannot fail only because PyTorch's own error
+happens to be zero (FlashAttention's hopper tests use the same form).
+
+Every case also checks: no NaN or Inf, every output element written (the allocator is poisoned with
+NaN first), the log-sum-exp against the reference, and bit-identical repeated calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+GATE1_MAX_DIFF = 0.1
+GATE2_PT_MULTIPLIER = 2.0
+GATE2_EPS = 1e-5
+LSE_ATOL = 1e-3
+LSE_RTOL = 1e-3
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One gate case. `op` is "fwd" (flash_attention_forward) or "decode" (flash_attention_decode)."""
+
+    op: str
+    dtype: str
+    head_dim: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    causal: bool
+    layout: str = "bhsd"  # "bshd": q, k, v are [B, H, S, D] views of [B, S, H, D] tensors
+    config: int = 0  # forced CUDA tile configuration (0: automatic)
+    num_splits: int = 0  # 0: automatic (decode: None)
+    seqlens: tuple[int, ...] | None = None  # decode: valid KV length per sequence
+
+    @property
+    def id(self) -> str:
+        parts = [
+            self.op,
+            self.dtype,
+            f"d{self.head_dim}",
+            f"b{self.batch}",
+            f"h{self.heads_q}x{self.heads_kv}",
+            f"sq{self.seqlen_q}",
+            f"sk{self.seqlen_k}",
+            "causal" if self.causal else "full",
+        ]
+        if self.layout != "bhsd":
+            parts.append(self.layout)
+        if self.config:
+            parts.append(f"cfg{self.config}")
+        if self.num_splits:
+            parts.append(f"splits{self.num_splits}")
+        if self.seqlens is not None:
+            parts.append("lens" + "_".join(map(str, self.seqlens)))
+        return "-".join(parts)
+
+    def describe(self) -> str:
+        return (
+            f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Sq={self.seqlen_q} "
+            f"Sk={self.seqlen_k} D={self.head_dim} dtype={self.dtype} causal={self.causal} "
+            f"layout={self.layout} config={self.config} num_splits={self.num_splits or 'auto'}"
+            + (f" cache_seqlens={list(self.seqlens)}" if self.seqlens is not None else "")
+        )
+
+    def seed(self) -> int:
+        base = int(os.environ.get("FLASHMOE_SEED", "0"))
+        return (zlib.crc32(self.id.encode()) + base) % (2**31)
+
+    def rerun_command(self, device: str) -> str:
+        return f"nox -s test -- -k '{self.id} and {device}'"
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs and references
+# --------------------------------------------------------------------------------------------------
+
+
+def make_inputs(case: Case, device: str, seed: int | None = None):
+    """Fresh random (never zero) inputs for `case`: q, k, v and, for decode, cache_seqlens."""
+    gen = torch.Generator(device="cpu").manual_seed(case.seed() if seed is None else seed)
+    dtype = DTYPES[case.dtype]
+
+    def rand(heads: int, seqlen: int) -> torch.Tensor:
+        shape = (case.batch, heads, seqlen, case.head_dim)
+        if case.layout == "bshd":
+            t = torch.randn(shape[0], shape[2], shape[1], shape[3], generator=gen)
+            return t.to(device=device, dtype=dtype).transpose(1, 2)
+        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+    q = rand(case.heads_q, case.seqlen_q)
+    k = rand(case.heads_kv, case.seqlen_k)
+    v = rand(case.heads_kv, case.seqlen_k)
+    seqlens = None
+    if case.seqlens is not None:
+        seqlens = torch.tensor(case.seqlens, dtype=torch.int32, device=device)
+    return q, k, v, seqlens
+
+
+def _visible_mask(case_like: tuple[int, int, bool], seqlens, batch: int, device) -> torch.Tensor:
+    """[B, 1, Sq, Sk] True where query i may see key j (bottom-right causal, per-sequence length)."""
+    seqlen_q, seqlen_k, causal = case_like
+    if seqlens is None:
+        lens = torch.full((batch,), seqlen_k, device=device, dtype=torch.int64)
+    else:
+        lens = seqlens.to(device=device, dtype=torch.int64)
+    i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    lens = lens.view(-1, 1, 1, 1)
+    visible = j < lens
+    if causal:
+        visible = visible & (j <= i + lens - seqlen_q)
+    return visible
+
+
+def attention_reference(q, k, v, causal: bool, scale: float, seqlens=None, compute_dtype=None):
+    """Attention computed in `compute_dtype` (fp32 on CUDA, fp64 on the CPU by default) from the same
+    inputs. Rows that see no key get output 0 and log-sum-exp -inf. Returns (out, lse) in compute_dtype."""
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.device.type == "cpu" else torch.float32
+    ratio = q.shape[1] // k.shape[1]
+    qc = q.to(compute_dtype)
+    kc = k.to(compute_dtype).repeat_interleave(ratio, dim=1)
+    vc = v.to(compute_dtype).repeat_interleave(ratio, dim=1)
+    scores = (qc @ kc.transpose(-1, -2)) * scale
+    visible = _visible_mask((q.shape[2], k.shape[2], causal), seqlens, q.shape[0], q.device)
+    scores = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.where(torch.isinf(lse).unsqueeze(-1), torch.zeros_like(probs), probs)
+    return probs @ vc, lse
+
+
+def attention_pytorch_lowp(q, k, v, causal: bool, scale: float, seqlens=None):
+    """The same attention done by plain PyTorch at the input precision, with the scale moved onto k
+    (FlashAttention's `reorder_ops`), to measure the error that precision alone causes."""
+    ratio = q.shape[1] // k.shape[1]
+    kr = k.repeat_interleave(ratio, dim=1)
+    vr = v.repeat_interleave(ratio, dim=1)
+    scores = q @ (kr * scale).transpose(-1, -2)
+    visible = _visible_mask((q.shape[2], k.shape[2], causal), seqlens, q.shape[0], q.device)
+    scores = scores.masked_fill(~visible, -math.inf)
+    probs = torch.softmax(scores.float(), dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0).to(q.dtype)
+    return probs @ vr
+
+
+# --------------------------------------------------------------------------------------------------
+# Gates
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GateResult:
+    case_id: str
+    device: str
+    seed: int
+    max_diff: float
+    mean_diff: float
+    pt_max_diff: float
+    floor: float
+    bound: float
+    ratio: float  # max_diff / pt_max_diff (how many times PyTorch's own error)
+    worst: tuple[int, int, int, int]  # (batch, head, query row, column of D)
+    row_profile: list[tuple[int, int, float]]  # (first row, last row, max diff) per row segment
+    nonfinite: int
+    lse_max_diff: float
+    lse_inf_mismatch: int
+    deterministic: bool
+    failures: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["passed"] = self.passed
+        return {key: (None if isinstance(v, float) and not math.isfinite(v) else v) for key, v in d.items()}
+
+
+def row_profile(err_rows: torch.Tensor, segments: int = 8) -> list[tuple[int, int, float]]:
+    """Max error per contiguous segment of query rows: how the error grows along the rows."""
+    n = err_rows.numel()
+    if n == 0:
+        return []
+    bounds = sorted({round(i * n / segments) for i in range(segments + 1)})
+    return [
+        (lo, hi - 1, float(err_rows[lo:hi].max()))
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)
+        if hi > lo
+    ]
+
+
+def evaluate(case: Case, device: str, seed: int, out, lse, out_again, lse_again, ref, ref_lse, out_pt) -> GateResult:
+    """Apply every gate to one call's results against the references."""
+    dtype = DTYPES[case.dtype]
+    outf = out.to(ref.dtype)
+    err = (outf - ref).abs()
+    nonfinite = int((~torch.isfinite(out)).sum())
+    err = torch.nan_to_num(err, nan=math.inf)
+    max_diff = float(err.max()) if err.numel() else 0.0
+    mean_diff = float(err.mean()) if err.numel() else 0.0
+    pt_max = float((out_pt.to(ref.dtype) - ref).abs().max()) if ref.numel() else 0.0
+    ref_lowp = ref.to(dtype)
+    floor = 2 * float(((ref_lowp + 0.3 - 0.3) - ref_lowp).abs().max()) if ref.numel() else 0.0
+    bound = GATE2_PT_MULTIPLIER * pt_max + floor + GATE2_EPS
+    worst = (0, 0, 0, 0)
+    if err.numel():
+        flat = int(err.argmax())
+        worst = tuple(int(x) for x in torch.unravel_index(torch.tensor(flat), err.shape))
+    err_rows = err.amax(dim=(0, 1, 3)) if err.numel() else err.new_zeros(0)
+
+    lse_max_diff, lse_inf_mismatch = 0.0, 0
+    if lse is not None and ref_lse.numel():
+        lse32 = lse.to(ref_lse.dtype)
+        ref_inf, got_inf = torch.isinf(ref_lse), torch.isinf(lse32)
+        lse_inf_mismatch = int((ref_inf != got_inf).sum()) + int(torch.isnan(lse32).sum())
+        finite = ~ref_inf & ~got_inf
+        if finite.any():
+            excess = (lse32[finite] - ref_lse[finite]).abs() - LSE_RTOL * ref_lse[finite].abs()
+            lse_max_diff = float(excess.max())
+    deterministic = torch.equal(out, out_again) and (lse is None or torch.equal(lse, lse_again))
+
+    result = GateResult(
+        case_id=case.id,
+        device=device,
+        seed=seed,
+        max_diff=max_diff,
+        mean_diff=mean_diff,
+        pt_max_diff=pt_max,
+        floor=floor,
+        bound=bound,
+        ratio=max_diff / pt_max if pt_max > 0 else (0.0 if max_diff == 0 else math.inf),
+        worst=worst,
+        row_profile=row_profile(err_rows.float().cpu()),
+        nonfinite=nonfinite,
+        lse_max_diff=lse_max_diff,
+        lse_inf_mismatch=lse_inf_mismatch,
+        deterministic=deterministic,
+    )
+    if nonfinite:
+        result.failures.append(f"{nonfinite} NaN/Inf output elements (unwritten output or a missing NaN guard)")
+    if not max_diff < GATE1_MAX_DIFF:
+        result.failures.append(f"gate 1: max diff {max_diff:.4g} >= {GATE1_MAX_DIFF}")
+    if not max_diff <= bound:
+        result.failures.append(
+            f"gate 2: max diff {max_diff:.4g} > {GATE2_PT_MULTIPLIER:g} * PyTorch's {pt_max:.4g} + floor {floor:.3g}"
+        )
+    if lse_inf_mismatch:
+        result.failures.append(f"log-sum-exp: {lse_inf_mismatch} rows disagree on -inf/NaN (empty rows)")
+    if lse_max_diff > LSE_ATOL:
+        result.failures.append(f"log-sum-exp: max diff {lse_max_diff:.4g} beyond {LSE_ATOL} + {LSE_RTOL} * |lse|")
+    if not deterministic:
+        result.failures.append("repeated calls on the same inputs are not bit-identical (a race?)")
+    return result
+
+
+def format_failure(case: Case, result: GateResult) -> str:
+    """The multi-line report of a failing case: what, how much, where, how it grows, how to rerun."""
+    b, h, row, col = result.worst
+    profile = ", ".join(f"rows {lo}-{hi}: {mx:.3g}" for lo, hi, mx in result.row_profile)
+    lines = [
+        f"FAILED {case.id} on {result.device} (seed {result.seed})",
+        f"  case: {case.describe()}",
+        *(f"  {f}" for f in result.failures),
+        f"  max diff {result.max_diff:.4g} (mean {result.mean_diff:.3g}); PyTorch {case.dtype} error "
+        f"{result.pt_max_diff:.4g}; error ratio {result.ratio:.3g}x; gate-2 bound {result.bound:.4g}",
+        f"  worst element: batch {b}, head {h}, query row {row}, column {col}",
+        f"  error along query rows: {profile}",
+        f"  rerun: {case.rerun_command(result.device)}",
+    ]
+    return "\n".join(lines)
+
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
+    """Call the public API exactly as a user would."""
+    from . import ops
+
+    if case.op == "decode":
+        return ops.flash_attention_decode(
+            q, k, v, seqlens, softmax_scale, causal=case.causal,
+            num_splits=case.num_splits or None, return_lse=True,
+        )
+    return ops.flash_attention_forward(
+        q, k, v, case.causal, softmax_scale, return_lse=True,
+        num_splits=case.num_splits, config=case.config,
+    )
+
+
+def _poison_allocator(shape, dtype, device: str) -> None:
+    # The CUDA caching allocator hands the next same-sized request this NaN-filled block, so any
+    # output element the kernel forgets to write shows up as NaN.
+    if device.startswith("cuda"):
+        junk = torch.full(shape, math.nan, dtype=dtype, device=device)
+        del junk
+
+
+def check_case(case: Case, device: str, attention_fn: AttentionFn | None = None) -> GateResult:
+    """Run one case through the API (or `attention_fn`, for planted-error tests) and every gate."""
+    fn = attention_fn or call_api
+    seed = case.seed()
+    q, k, v, seqlens = make_inputs(case, device, seed)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    _poison_allocator(q.shape, q.dtype, device)
+    out, lse = fn(case, q, k, v, seqlens, scale)
+    _poison_allocator(q.shape, q.dtype, device)
+    out_again, lse_again = fn(case, q, k, v, seqlens, scale)
+    ref, ref_lse = attention_reference(q, k, v, case.causal, scale, seqlens)
+    out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, seqlens)
+    return evaluate(case, device, seed, out, lse, out_again, lse_again, ref, ref_lse, out_pt)
+
+
+# --------------------------------------------------------------------------------------------------
+# The case matrix
+# --------------------------------------------------------------------------------------------------
+
+SEQLENS = (1, 2, 17, 64, 65, 127, 128, 129, 255, 256, 257, 512, 1000, 1024, 2048, 4096)
+SEQLENS_CPU = (1, 2, 17, 64, 65, 127, 129, 257, 512)
+UNEQUAL = ((1, 4096), (4096, 1), (113, 203), (203, 113), (1024, 1023), (1023, 1024), (1, 1000), (17, 1))
+UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
+GQA_RATIOS = (1, 4, 8)
+
+
+def _heads(index: int, total_q_rows: int) -> tuple[int, int, int]:
+    """Batch, Hq, Hkv for the index-th case: ratios cycle through 1, 4 and 8, and batch and heads
+    shrink as sequences grow so every case stays small enough for the fp32 reference."""
+    ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+    heads_q = 8
+    batch = 2 if total_q_rows <= 1024 else 1
+    return batch, heads_q, heads_q // ratio
+
+
+def forward_cases(tier: str) -> Iterator[Case]:
+    """Forward gate cases. tier "gpu": the full matrix; tier "cpu": a representative subset."""
+    gpu = tier == "gpu"
+    head_dims = (64, 128) if gpu else (64, 128, 96)  # any head dim works on the CPU
+    pairs = [(s, s) for s in (SEQLENS if gpu else SEQLENS_CPU)] + list(UNEQUAL if gpu else UNEQUAL_CPU)
+    index = 0
+    for dtype in DTYPES:
+        for head_dim in head_dims:
+            for causal in (False, True):
+                for seqlen_q, seqlen_k in pairs:
+                    batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+                    if not gpu and max(seqlen_q, seqlen_k) >= 512:
+                        batch, hq, hkv = 1, 4, (1, 4, 2)[index % 3]
+                    layout = "bshd" if index % 4 == 3 else "bhsd"
+                    yield Case("fwd", dtype, head_dim, batch, hq, hkv, seqlen_q, seqlen_k, causal, layout)
+                    index += 1
+    if gpu:
+        # Every tile configuration any architecture selects, forced on this card.
+        for config in (1, 2):
+            for dtype in DTYPES:
+                for head_dim in (64, 128):
+                    for causal in (False, True):
+                        for seqlen_q, seqlen_k in ((1, 1), (65, 65), (257, 257), (1000, 1000), (113, 203), (2048, 2047)):
+                            batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+                            yield Case("fwd", dtype, head_dim, batch, hq, hkv, seqlen_q, seqlen_k, causal, config=config)
+                            index += 1
+
+
+def gate_cases(tier: str) -> list[Case]:
+    return list(forward_cases(tier))

@@ -1,0 +1,169 @@
+"""Public attention API. One tensor's path: flash_attention_forward -> torch.ops.flashmoe_science.fwd
+-> csrc/flash_api_cuda.cuh (attention_fwd_cuda) -> flash_fwd_kernel (csrc/flash_fwd_kernel.cuh), or
+csrc/attention_cpu.h on CPU tensors.
+
+Tensor checks (dtype, shapes, devices, strides) live once, in C++, so direct `torch.ops` callers get
+them too; this module checks only the Python-level arguments and adds the fake (meta) kernels that
+torch.compile and torch.library.opcheck need.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import torch
+
+from . import build
+
+_lock = threading.Lock()
+_loaded = False
+
+
+def build_defines() -> tuple[str, ...]:
+    """Extra -D defines for the build this process loads (tests use it to load planted-bug variants)."""
+    raw = os.environ.get("FLASHMOE_BUILD_DEFINES", "")
+    return tuple(d for d in raw.split(",") if d)
+
+
+def load_library() -> None:
+    """Build the extension if it is missing or stale, load it, and register the fake kernels."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        so_path = build.ensure_built(defines=build_defines())
+        torch.ops.load_library(str(so_path))
+        _register_fakes()
+        _loaded = True
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("flashmoe_science::fwd")
+    def _fwd_fake(q, k, v, seqlens_k, causal, softmax_scale, num_splits, config):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        return out, lse
+
+    @torch.library.register_fake("flashmoe_science::split_kv_combine")
+    def _combine_fake(out_partial, lse_partial, dtype):
+        out = torch.empty(out_partial.shape[1:], dtype=dtype, device=out_partial.device)
+        lse = torch.empty(lse_partial.shape[1:], dtype=torch.float32, device=lse_partial.device)
+        return out, lse
+
+
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _resolve_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+
+
+def _check_int(name: str, value, low: int, high: int, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}] ({meaning}), got {value!r}")
+
+
+def flash_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    return_lse: bool = False,
+    num_splits: int = 0,
+    config: int = 0,
+):
+    """Attention softmax(q k^T * scale) v, computed FlashAttention-style.
+
+    q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq a multiple of Hkv (grouped-query and multi-query
+    attention). fp16 or bf16; head dims 64 and 128 on CUDA, any on the CPU. Only the last dimension
+    must be contiguous: a [B, H, S, D] view of a [B, S, H, D] tensor is used in place.
+
+    causal: query i sees keys j <= i + Sk - Sq, i.e. the mask is aligned to the bottom-right corner
+    as in FlashAttention-2 (with Sq == Sk this is the usual lower triangle; with Sq < Sk the queries
+    are the last Sq positions). A query that sees no key gets output 0 and log-sum-exp -inf.
+    softmax_scale defaults to 1/sqrt(D). num_splits: 0 chooses the split-KV count from the SM count
+    and the work, 1 disables splitting. config: 0 picks the tile configuration for the GPU; 1 or 2
+    force one (see csrc/flash_api_cuda.cuh), which is how every configuration is gated on one card.
+
+    Returns the output [B, Hq, Sq, D] in the input dtype, and with return_lse=True also the
+    log-sum-exp of each row as fp32 [B, Hq, Sq].
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    _check_int("num_splits", num_splits, 0, 128, "0 = automatic")
+    _check_int("config", config, 0, 2, "0 = automatic, 1 = 128x64 tiles, 2 = 64x64 tiles")
+    scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
+    load_library()
+    out, lse = torch.ops.flashmoe_science.fwd(q, k, v, None, causal, scale, num_splits, config)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    *,
+    causal: bool = True,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+):
+    """Decoding attention of a few new queries against a KV cache, split along the cache (flash-decoding).
+
+    q: [B, Hq, Sq, D] with small Sq (1 to 16 typically); k_cache, v_cache: [B, Hkv, Smax, D];
+    cache_seqlens: int32 [B], the valid length of each sequence's cache (all of Smax when None).
+    The Sq queries are the last Sq positions of each sequence, so with causal=True query i of batch b
+    sees keys j <= i + cache_seqlens[b] - Sq. Grouped-query heads that share a KV head are folded
+    into one tile so each K and V byte is read once. num_splits: None chooses from the SM count and
+    the work; 1 gives results bit-identical to the unsplit path; at most 128.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t)
+    if cache_seqlens is not None:
+        _check_tensor("cache_seqlens", cache_seqlens)
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    if num_splits is not None:
+        _check_int("num_splits", num_splits, 1, 128, "None = automatic")
+    scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
+    load_library()
+    out, lse = torch.ops.flashmoe_science.fwd(
+        q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits or 0, 0
+    )
+    return (out, lse) if return_lse else out
+
+
+def split_kv_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, dtype: torch.dtype):
+    """Combine per-split partial attention: out_partial fp32 [S, B, H, Sq, D] (each split normalised
+    on its own) and lse_partial fp32 [S, B, H, Sq] -> (out [B, H, Sq, D] in dtype, lse [B, H, Sq]).
+    Splits with lse = -inf (no valid key) contribute nothing."""
+    _check_tensor("out_partial", out_partial)
+    _check_tensor("lse_partial", lse_partial)
+    load_library()
+    return torch.ops.flashmoe_science.split_kv_combine(out_partial, lse_partial, dtype)
+
+
+def planted_bug() -> int:
+    """Which planted bug the loaded build carries (0: none). Tests use it to prove a gate catches it."""
+    load_library()
+    return int(torch.ops.flashmoe_science.planted_bug())
