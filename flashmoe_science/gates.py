@@ -83,7 +83,7 @@ class Case:
         return (zlib.crc32(self.id.encode()) + base) % (2**31)
 
     def rerun_command(self, device: str) -> str:
-        return f"nox -s test -- -k '{self.id} and {device}'"
+        return f"nox -s test -- -k '{self.id}-{device}'"
 
 
 # --------------------------------------------------------------------------------------------------

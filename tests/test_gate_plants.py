@@ -1,0 +1,116 @@
+"""A gate is only real if a planted bug makes it fail. Each test wraps the real operator with a bug
+and shows which gate catches it, and that the failure report says what a kernel engineer needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashmoe_science import gates
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+BASE = gates.Case("fwd", "fp16", 64, 2, 8, 2, 129, 129, True)
+
+
+def planted(bug):
+    def fn(case, q, k, v, seqlens, scale):
+        return bug(case, q, k, v, seqlens, scale)
+
+    return fn
+
+
+def honest(case, q, k, v, seqlens, scale):
+    return gates.call_api(case, q, k, v, seqlens, scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_honest_operator_passes(device):
+    assert gates.check_case(BASE, device).passed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_error_of_0_02_passes_gate1_and_fails_gate2(device):
+    def perturb(*args):
+        out, lse = honest(*args)
+        return out + 0.02, lse
+
+    result = gates.check_case(BASE, device, planted(perturb))
+    assert result.max_diff < gates.GATE1_MAX_DIFF  # gate 1 alone would let it through
+    assert any(f.startswith("gate 2") for f in result.failures)
+    assert not any(f.startswith("gate 1") for f in result.failures)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_error_fails_gate1(device):
+    def perturb(*args):
+        out, lse = honest(*args)
+        return out + 0.25, lse
+
+    result = gates.check_case(BASE, device, planted(perturb))
+    assert any(f.startswith("gate 1") for f in result.failures)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropped_causal_mask_fails(device):
+    def no_mask(case, q, k, v, seqlens, scale):
+        return honest(dataclasses.replace(case, causal=False), q, k, v, seqlens, scale)
+
+    result = gates.check_case(BASE, device, planted(no_mask))
+    assert any(f.startswith("gate 1") for f in result.failures)
+    assert any(f.startswith("gate 2") for f in result.failures)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wrong_scale_fails(device):
+    def wrong_scale(case, q, k, v, seqlens, scale):
+        return honest(case, q, k, v, seqlens, scale * 1.05)
+
+    result = gates.check_case(BASE, device, planted(wrong_scale))
+    assert any(f.startswith("gate 2") for f in result.failures)
+    assert any(f.startswith("log-sum-exp") for f in result.failures)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_output_is_caught(device):
+    def nan_row(*args):
+        out, lse = honest(*args)
+        out = out.clone()
+        out[0, 0, -1, 0] = float("nan")
+        return out, lse
+
+    result = gates.check_case(BASE, device, planted(nan_row))
+    assert result.nonfinite == 1 and not result.passed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nondeterminism_is_caught(device):
+    calls = []
+
+    def flaky(*args):
+        out, lse = honest(*args)
+        calls.append(1)
+        return (out + 1e-3 * (len(calls) - 1)), lse
+
+    result = gates.check_case(BASE, device, planted(flaky))
+    assert not result.deterministic and not result.passed
+
+
+def test_failure_report_locates_an_error_that_grows_with_the_query_index():
+    """The split-K bug the user chased for days: an error that grows along the query rows."""
+
+    def growing(case, q, k, v, seqlens, scale):
+        out, lse = honest(case, q, k, v, seqlens, scale)
+        rows = torch.arange(case.seqlen_q, dtype=torch.float32).view(1, 1, -1, 1) / case.seqlen_q
+        return (out.float() + 0.2 * rows).to(out.dtype), lse
+
+    result = gates.check_case(BASE, "cpu", planted(growing))
+    assert not result.passed
+    report = gates.format_failure(BASE, result)
+    assert BASE.id in report and "seed" in report
+    assert "B=2 Hq=8 Hkv=2 Sq=129 Sk=129 D=64 dtype=fp16 causal=True" in report
+    assert f"query row {BASE.seqlen_q - 1}" in report  # the worst element sits on the last row
+    first, last = result.row_profile[0][2], result.row_profile[-1][2]
+    assert last > 5 * first  # the profile shows the growth
+    assert f"nox -s test -- -k '{BASE.id}-cpu'" in report
