@@ -27,6 +27,20 @@ inline std::string shape_str(const Tensor& t) {
   return s.str();
 }
 
+// Dtype names as Python spells them, so errors read "torch.float32" rather than "Float".
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
 inline bool is_half_type(at::ScalarType t) {
   return t == at::ScalarType::Half || t == at::ScalarType::BFloat16;
 }
@@ -41,7 +55,7 @@ inline void check_attention_inputs(const Tensor& q, const Tensor& k, const Tenso
     const Tensor& x = *named[t];
     TORCH_CHECK_VALUE(x.dim() == 4, names[t], " must have 4 dimensions [batch, heads, seq, head_dim], got ",
                       x.dim(), " (shape ", shape_str(x), ")");
-    TORCH_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ", x.scalar_type(),
+    TORCH_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ", dtype_name(x.scalar_type()),
                      "; supported: torch.float16, torch.bfloat16");
     TORCH_CHECK_VALUE(x.device() == q.device(), names[t], " is on ", x.device(), " but q is on ",
                       q.device(), "; all inputs must be on the same device");
@@ -50,8 +64,8 @@ inline void check_attention_inputs(const Tensor& q, const Tensor& k, const Tenso
                       "; call .contiguous() first");
   }
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                   "q, k and v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
-                   v.scalar_type());
+                   "q, k and v must share one dtype, got ", dtype_name(q.scalar_type()), ", ",
+                   dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()));
   TORCH_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0),
                     "batch sizes differ: q ", shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
   TORCH_CHECK_VALUE(k.size(3) == q.size(3) && v.size(3) == q.size(3),
@@ -66,7 +80,7 @@ inline void check_attention_inputs(const Tensor& q, const Tensor& k, const Tenso
   if (seqlens_k.has_value()) {
     const Tensor& s = *seqlens_k;
     TORCH_CHECK_TYPE(s.scalar_type() == at::ScalarType::Int, "cache_seqlens has dtype ",
-                     s.scalar_type(), "; supported: torch.int32");
+                     dtype_name(s.scalar_type()), "; supported: torch.int32");
     TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == q.size(0), "cache_seqlens must have shape [batch] = [",
                       q.size(0), "], got ", shape_str(s));
     TORCH_CHECK_VALUE(s.device() == q.device(), "cache_seqlens is on ", s.device(), " but q is on ",
@@ -121,18 +135,26 @@ inline std::optional<std::tuple<Tensor, Tensor>> empty_result(const Tensor& q, c
 // CPU implementation
 // ------------------------------------------------------------------------------------------------
 
-inline std::tuple<Tensor, Tensor> split_kv_combine_cpu(const Tensor& out_partial,
-                                                      const Tensor& lse_partial,
-                                                      at::ScalarType dtype) {
+inline void check_combine_inputs(const Tensor& out_partial, const Tensor& lse_partial, at::ScalarType dtype) {
   TORCH_CHECK_TYPE(out_partial.scalar_type() == at::kFloat && lse_partial.scalar_type() == at::kFloat,
-                   "out_partial and lse_partial must be torch.float32, got ", out_partial.scalar_type(),
-                   " and ", lse_partial.scalar_type());
+                   "out_partial and lse_partial must be torch.float32, got ",
+                   dtype_name(out_partial.scalar_type()), " and ", dtype_name(lse_partial.scalar_type()));
   TORCH_CHECK_VALUE(out_partial.dim() == 5 && lse_partial.dim() == 4 &&
                         out_partial.sizes().slice(0, 4) == lse_partial.sizes(),
                     "out_partial must be [splits, B, H, Sq, D] and lse_partial [splits, B, H, Sq], got ",
                     shape_str(out_partial), " and ", shape_str(lse_partial));
   TORCH_CHECK_VALUE(out_partial.size(0) >= 1 && out_partial.size(0) <= kMaxSplits,
                     "the number of splits must be in [1, ", kMaxSplits, "], got ", out_partial.size(0));
+  TORCH_CHECK_TYPE(is_half_type(dtype), "dtype ", dtype_name(dtype),
+                   " is not supported; supported: torch.float16, torch.bfloat16");
+  TORCH_CHECK_VALUE(lse_partial.device() == out_partial.device(), "lse_partial is on ", lse_partial.device(),
+                    " but out_partial is on ", out_partial.device());
+}
+
+inline std::tuple<Tensor, Tensor> split_kv_combine_cpu(const Tensor& out_partial,
+                                                      const Tensor& lse_partial,
+                                                      at::ScalarType dtype) {
+  check_combine_inputs(out_partial, lse_partial, dtype);
   auto o_acc = out_partial.contiguous();
   auto l_acc = lse_partial.contiguous();
   const int64_t rows = l_acc.numel() / l_acc.size(0);

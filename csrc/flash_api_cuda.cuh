@@ -113,16 +113,7 @@ inline at::Tensor aligned_for_cp_async(const at::Tensor& t) {
 inline std::tuple<at::Tensor, at::Tensor> split_kv_combine_cuda(const at::Tensor& out_partial,
                                                                const at::Tensor& lse_partial,
                                                                at::ScalarType dtype) {
-  TORCH_CHECK_TYPE(out_partial.scalar_type() == at::kFloat && lse_partial.scalar_type() == at::kFloat,
-                   "out_partial and lse_partial must be torch.float32, got ", out_partial.scalar_type(),
-                   " and ", lse_partial.scalar_type());
-  TORCH_CHECK_VALUE(out_partial.dim() == 5 && lse_partial.dim() == 4 &&
-                        out_partial.sizes().slice(0, 4) == lse_partial.sizes(),
-                    "out_partial must be [splits, B, H, Sq, D] and lse_partial [splits, B, H, Sq], got ",
-                    shape_str(out_partial), " and ", shape_str(lse_partial));
-  TORCH_CHECK_VALUE(out_partial.size(0) >= 1 && out_partial.size(0) <= kMaxSplits,
-                    "the number of splits must be in [1, ", kMaxSplits, "], got ", out_partial.size(0));
-  TORCH_CHECK_TYPE(is_half_type(dtype), "dtype ", dtype, " is not supported; supported: torch.float16, torch.bfloat16");
+  check_combine_inputs(out_partial, lse_partial, dtype);
   check_head_dim_cuda(out_partial.size(4));
   c10::cuda::CUDAGuard guard(out_partial.device());
   auto o_acc = out_partial.contiguous();

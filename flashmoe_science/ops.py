@@ -28,8 +28,12 @@ def build_defines() -> tuple[str, ...]:
 
 
 def load_library() -> None:
-    """Build the extension if it is missing or stale, load it, and register the fake kernels."""
+    """Build the extension if it is missing or stale, load it, and register the fake kernels.
+
+    Runs when this module is imported, so torch.compile never traces it (Dynamo cannot enter a lock)."""
     global _loaded
+    if _loaded:
+        return
     with _lock:
         if _loaded:
             return
@@ -51,6 +55,9 @@ def _register_fakes() -> None:
         out = torch.empty(out_partial.shape[1:], dtype=dtype, device=out_partial.device)
         lse = torch.empty(lse_partial.shape[1:], dtype=torch.float32, device=lse_partial.device)
         return out, lse
+
+
+load_library()
 
 
 def _check_tensor(name: str, value) -> None:
@@ -112,7 +119,6 @@ def flash_attention_forward(
     _check_int("num_splits", num_splits, 0, 128, "0 = automatic")
     _check_int("config", config, 0, 2, "0 = automatic, 1 = 128x64 tiles, 2 = 64x64 tiles")
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
-    load_library()
     out, lse = torch.ops.flashmoe_science.fwd(q, k, v, None, causal, scale, num_splits, config)
     return (out, lse) if return_lse else out
 
@@ -146,7 +152,6 @@ def flash_attention_decode(
     if num_splits is not None:
         _check_int("num_splits", num_splits, 1, 128, "None = automatic")
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
-    load_library()
     out, lse = torch.ops.flashmoe_science.fwd(
         q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits or 0, 0
     )
@@ -159,11 +164,9 @@ def split_kv_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, dtype
     Splits with lse = -inf (no valid key) contribute nothing."""
     _check_tensor("out_partial", out_partial)
     _check_tensor("lse_partial", lse_partial)
-    load_library()
     return torch.ops.flashmoe_science.split_kv_combine(out_partial, lse_partial, dtype)
 
 
 def planted_bug() -> int:
     """Which planted bug the loaded build carries (0: none). Tests use it to prove a gate catches it."""
-    load_library()
     return int(torch.ops.flashmoe_science.planted_bug())

@@ -1,0 +1,42 @@
+"""`python -m flashmoe_science COMMAND ...`: the one entry point that nox sessions, the workflows and
+scripts call. Each command lives in its own module; exit codes follow flashmoe_science.exitcodes."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from . import exitcodes
+
+COMMANDS = {
+    "env": ("flashmoe_science.env", "validate the environment (Python, torch, CUDA, nvcc, GPU, NumPy, ...)"),
+    "build": ("flashmoe_science.build", "build the extension as one compilation unit"),
+    "test": ("flashmoe_science.testing", "build incrementally, then run the correctness gates (bisect-safe)"),
+    "bench": ("flashmoe_science.bench", "time the kernels against PyTorch SDPA; --base REF compares commits"),
+    "report": ("flashmoe_science.report", "render reports/*.json into reports/report.md (PR comment, job summary)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m flashmoe_science COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `python -m flashmoe_science COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return exitcodes.OK if argv else exitcodes.USAGE
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"flashmoe_science: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return exitcodes.USAGE
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+    except ImportError as exc:  # torch missing or broken: the machine is at fault, not the commit
+        print(f"flashmoe_science {name}: cannot import {exc.name or exc}: {exc}", file=sys.stderr)
+        print("  fix: run scripts/setup_environment.sh (or activate the environment that holds torch)", file=sys.stderr)
+        return exitcodes.ENV_BROKEN
+    return int(module.main(rest) or 0)

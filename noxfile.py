@@ -1,0 +1,76 @@
+#!/usr/bin/env -S uv run --script
+# /// script
+# dependencies = ["nox>=2025.2.9"]
+# ///
+"""Orchestration only: each session runs `python -m flashmoe_science COMMAND`, where the logic lives.
+
+Sessions run in the interpreter that already holds torch (the one running nox, or FLASHMOE_PYTHON):
+no per-session virtual environments, so `nox -s env build test` works offline on a GPU box whose
+torch was provisioned once. Typical use:
+
+    nox -s build test bench          # locally
+    nox -s env build test -- --require-gpu   (GPU runners pass --require-gpu to env and test)
+    git bisect run nox -s test       # exit codes: 0 good, 1 bad, 125 skip (no build), >127 abort
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["env", "build", "test"]
+
+HERE = Path(__file__).parent
+PYTHON = os.environ.get("FLASHMOE_PYTHON", sys.executable)
+# nox reduces every failing session to exit 1; these codes must reach `git bisect run` unchanged.
+PASS_THROUGH = {125, 126}
+
+
+def flashmoe(session: nox.Session, *args: str) -> None:
+    cmd = [PYTHON, "-m", "flashmoe_science", *args]
+    session.log(" ".join(cmd))
+    rc = subprocess.call(cmd, cwd=HERE)
+    if rc in PASS_THROUGH or rc > 127:
+        raise SystemExit(rc)
+    if rc:
+        session.error(f"`{' '.join(cmd[1:])}` exited with {rc}")
+
+
+@nox.session
+def env(session: nox.Session) -> None:
+    """Validate Python, torch, CUDA, nvcc, GPU, driver, ninja, compiler, disk and NumPy."""
+    flashmoe(session, "env", *session.posargs)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build the extension as one compilation unit (CUDA when a GPU or TORCH_CUDA_ARCH_LIST is there)."""
+    flashmoe(session, "build", *session.posargs)
+
+
+@nox.session
+def test(session: nox.Session) -> None:
+    """Build incrementally, then run the correctness gates (posargs go to pytest, e.g. -k CASE)."""
+    flashmoe(session, "test", *session.posargs)
+
+
+@nox.session(default=False)
+def compile(session: nox.Session) -> None:
+    """CUDA compile-and-link check for the L4 (sm_89) and H100 (sm_90); needs nvcc, not a GPU."""
+    flashmoe(session, "build", "--backend", "cuda", "--arch", "8.9;9.0", *session.posargs)
+
+
+@nox.session(default=False)
+def lint(session: nox.Session) -> None:
+    """pre-commit on all files (ruff, clang-format, shellcheck, YAML and workflow checks)."""
+    session.run(PYTHON, "-m", "pre_commit", "run", "--all-files", "--show-diff-on-failure", *session.posargs)
+
+
+if __name__ == "__main__":
+    nox.main()

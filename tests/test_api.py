@@ -1,0 +1,161 @@
+"""The public API: bad input raises a one-line error naming the argument, what was given and what is
+supported; empty inputs return correctly shaped results; the operators work with torch.compile and
+torch.library.opcheck; CUDA work runs on the current stream."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashmoe_science import flash_attention_decode, flash_attention_forward, gates, ops
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def qkv(device="cpu", b=2, hq=4, hkv=2, sq=16, sk=24, d=64, dtype=torch.float16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, hq, sq, d, generator=g).to(device, dtype)
+    k = torch.randn(b, hkv, sk, d, generator=g).to(device, dtype)
+    v = torch.randn(b, hkv, sk, d, generator=g).to(device, dtype)
+    return q, k, v
+
+
+def one_line_error(exc_info, *needles: str) -> str:
+    msg = str(exc_info.value)
+    first = msg.strip().splitlines()[0]
+    for needle in needles:
+        assert needle in first, f"{needle!r} not in the error's first line: {first!r}"
+    assert len(msg.strip().splitlines()) <= 2, msg
+    return first
+
+
+BAD_INPUTS = [
+    ("float32 dtype", lambda q, k, v: (q.float(), k.float(), v.float()), {}, TypeError, ("q", "torch.float32", "torch.float16, torch.bfloat16")),
+    ("mismatched dtypes", lambda q, k, v: (q, k.bfloat16(), v.bfloat16()), {}, TypeError, ("share one dtype",)),
+    ("rank 3", lambda q, k, v: (q[0], k, v), {}, ValueError, ("q", "4 dimensions", "got 3")),
+    ("batch mismatch", lambda q, k, v: (q, k[:1], v[:1]), {}, ValueError, ("batch sizes differ",)),
+    ("head_dim mismatch", lambda q, k, v: (q, k[..., :32], v[..., :32]), {}, ValueError, ("head_dim differs",)),
+    ("k v shape mismatch", lambda q, k, v: (q, k, v[:, :, :5]), {}, ValueError, ("k and v",)),
+    ("Hq not a multiple of Hkv", lambda q, k, v: (q[:, :3], k, v), {}, ValueError, ("multiple of heads",)),
+    ("non-contiguous last dim", lambda q, k, v: (q.transpose(-1, -2), k, v), {}, ValueError, ("q", "last dimension", "stride")),
+    ("CUDA-only config on CPU", lambda q, k, v: (q, k, v), {"config": 1}, ValueError, ("config=1", "CUDA")),
+    ("config out of range", lambda q, k, v: (q, k, v), {"config": 7}, ValueError, ("config", "got 7")),
+    ("num_splits out of range", lambda q, k, v: (q, k, v), {"num_splits": 500}, ValueError, ("num_splits", "500")),
+    ("negative scale", lambda q, k, v: (q, k, v), {"softmax_scale": -1.0}, ValueError, ("softmax_scale", "-1.0")),
+    ("causal not bool", lambda q, k, v: (q, k, v), {"causal": "yes"}, TypeError, ("causal", "bool")),
+    ("q not a tensor", lambda q, k, v: (q.numpy(), k, v), {}, TypeError, ("q", "torch.Tensor", "ndarray")),
+]
+
+
+@pytest.mark.parametrize("name,mutate,kwargs,exc,needles", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gives_one_line_error(name, mutate, kwargs, exc, needles):
+    q, k, v = qkv()
+    if name == "q not a tensor":
+        q = q.float()
+    with pytest.raises(exc) as info:
+        flash_attention_forward(*mutate(q, k, v), **kwargs)
+    one_line_error(info, *needles)
+
+
+@pytest.mark.gpu
+def test_mismatched_devices():
+    q, k, v = qkv()
+    with pytest.raises(ValueError) as info:
+        flash_attention_forward(q, k.cuda(), v.cuda())
+    one_line_error(info, "same device")
+
+
+@pytest.mark.gpu
+def test_unsupported_head_dim_on_cuda():
+    q, k, v = qkv("cuda", d=96)
+    with pytest.raises(ValueError) as info:
+        flash_attention_forward(q, k, v)
+    one_line_error(info, "head_dim=96", "64, 128")
+
+
+def test_any_head_dim_on_cpu():
+    q, k, v = qkv(d=40)
+    assert flash_attention_forward(q, k, v).shape == q.shape
+
+
+DECODE_BAD = [
+    ("int64 seqlens", lambda s: s.long(), {}, TypeError, ("cache_seqlens", "torch.int64", "torch.int32")),
+    ("wrong shape seqlens", lambda s: s[:1], {}, ValueError, ("cache_seqlens", "[batch]")),
+    ("seqlen above Smax", lambda s: s + 100, {}, ValueError, ("cache_seqlens[0]", "outside [0, 24]")),
+    ("negative seqlen", lambda s: s - 100, {}, ValueError, ("cache_seqlens[0]", "outside")),
+    ("num_splits zero", lambda s: s, {"num_splits": 0}, ValueError, ("num_splits", "None", "got 0")),
+    ("num_splits too many", lambda s: s, {"num_splits": 129}, ValueError, ("num_splits", "129")),
+]
+
+
+@pytest.mark.parametrize("name,mutate,kwargs,exc,needles", DECODE_BAD, ids=[b[0] for b in DECODE_BAD])
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_bad_input(device, name, mutate, kwargs, exc, needles):
+    q, k, v = qkv(device, sq=1)
+    seqlens = torch.tensor([20, 7], dtype=torch.int32, device=device)
+    with pytest.raises(exc) as info:
+        flash_attention_decode(q, k, v, mutate(seqlens), **kwargs)
+    one_line_error(info, *needles)
+
+
+@pytest.mark.gpu
+def test_decode_seqlens_on_wrong_device():
+    q, k, v = qkv("cuda", sq=1)
+    with pytest.raises(ValueError) as info:
+        flash_attention_decode(q, k, v, torch.tensor([3, 4], dtype=torch.int32))
+    one_line_error(info, "cache_seqlens", "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 4, 16, 16), (2, 4, 0, 16), (2, 4, 16, 0)], ids=["B=0", "Sq=0", "Sk=0"])
+def test_empty_inputs(device, shape):
+    b, h, sq, sk = shape
+    q, k, v = qkv(device, b=b, hq=h, hkv=h, sq=sq, sk=sk)
+    out, lse = flash_attention_forward(q, k, v, return_lse=True)
+    assert out.shape == (b, h, sq, 64) and lse.shape == (b, h, sq)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    if sk == 0 and out.numel():
+        assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_scale_and_causal_alignment(device):
+    """softmax_scale defaults to 1/sqrt(D); with Sq < Sk the causal mask is bottom-right aligned."""
+    q, k, v = qkv(device, sq=5, sk=9)
+    out = flash_attention_forward(q, k, v, causal=True)
+    ref, _ = gates.attention_reference(q, k, v, True, 1 / math.sqrt(64))
+    assert (out.double() - ref.double()).abs().max() < 1e-2
+    # The last query sees every key: the same as the non-causal result for that row.
+    full = flash_attention_forward(q, k, v, causal=False)
+    torch.testing.assert_close(out[:, :, -1], full[:, :, -1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    q, k, v = qkv(device)
+    ops.load_library()
+    torch.library.opcheck(torch.ops.flashmoe_science.fwd.default, (q, k, v, None, True, 0.125, 0, 0))
+    seqlens = torch.tensor([20, 7], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.flashmoe_science.fwd.default, (q[:, :, :1], k, v, seqlens, True, 0.125, 3, 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile(device):
+    q, k, v = qkv(device)
+    compiled = torch.compile(lambda q, k, v: flash_attention_forward(q, k, v, causal=True) * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), flash_attention_forward(q, k, v, causal=True) * 2)
+
+
+@pytest.mark.gpu
+def test_runs_on_the_current_stream():
+    q, k, v = qkv("cuda", sq=512, sk=512)
+    expected = flash_attention_forward(q, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q2 = q * 1  # produced on the side stream: a launch on the default stream would race with it
+        out = flash_attention_forward(q2, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

@@ -1,0 +1,542 @@
+"""Tests of flashmoe_science.build: the parsers on real compiler output, and one real tiny CPU build.
+
+The real compiles use a throwaway unit in tmp_path (not csrc/), a build root and a report folder in
+tmp_path, and the CPU backend, so they run on any machine with a compiler and torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashmoe_science import build, exitcodes
+from flashmoe_science.paths import REPO_ROOT
+
+# Real `-Xptxas=-v` output (CUDA 13.0) in the shape nvcc prints it, for two archs. The decode
+# kernel spills on sm_89 only; softmax_rescale is a non-entry device function whose properties
+# block must not be mistaken for a kernel's.
+PTXAS_SAMPLE = """\
+[1/2] /usr/local/cuda-13.0/bin/nvcc -MD -MF flashmoe_science.cuda.o.d -c /work/main/csrc/flashmoe_science.cu -o flashmoe_science.cuda.o
+ptxas warning : Registers are spilled to local memory in function '_Z21flash_decode_split_kvILi128ELi4EEv19Flash_decode_params', 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : 28 bytes gmem
+ptxas info    : Function properties for _ZN5flash15softmax_rescaleEPfi
+    24 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function '_Z16flash_fwd_kernelILi128ELi64ELb1EEv16Flash_fwd_params' for 'sm_89'
+ptxas info    : Function properties for _Z16flash_fwd_kernelILi128ELi64ELb1EEv16Flash_fwd_params
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 33280 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compile time = 48.361 ms
+ptxas info    : Compiling entry function '_Z21flash_decode_split_kvILi128ELi4EEv19Flash_decode_params' for 'sm_89'
+ptxas info    : Function properties for _Z21flash_decode_split_kvILi128ELi4EEv19Flash_decode_params
+    272 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 272 bytes cumulative stack size, 16384 bytes smem, 372 bytes cmem[0]
+ptxas info    : Compile time = 50.101 ms
+ptxas info    : Compiling entry function '_ZN12_GLOBAL__N_111combine_lseEPKfPfi' for 'sm_89'
+ptxas info    : Function properties for _ZN12_GLOBAL__N_111combine_lseEPKfPfi
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 8 registers, used 0 barriers, 360 bytes cmem[0]
+ptxas info    : 28 bytes gmem
+ptxas info    : Compiling entry function '_Z16flash_fwd_kernelILi128ELi64ELb1EEv16Flash_fwd_params' for 'sm_90'
+ptxas info    : Function properties for _Z16flash_fwd_kernelILi128ELi64ELb1EEv16Flash_fwd_params
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 49152 bytes smem
+ptxas info    : Compiling entry function '_Z21flash_decode_split_kvILi128ELi4EEv19Flash_decode_params' for 'sm_90'
+ptxas info    : Function properties for _Z21flash_decode_split_kvILi128ELi4EEv19Flash_decode_params
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers, 16384 bytes smem
+ptxas info    : Compiling entry function '_ZN12_GLOBAL__N_111combine_lseEPKfPfi' for 'sm_90'
+ptxas info    : Function properties for _ZN12_GLOBAL__N_111combine_lseEPKfPfi
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 8 registers, used 0 barriers
+[2/2] c++ flashmoe_science.cuda.o -shared -fopenmp -L/x/torch/lib -lc10 -lc10_cuda -o flashmoe_science_C.so
+"""
+
+# What build.log holds after nvcc fails (CUDA 13.0, torch 2.14.1); command lines shortened.
+NVCC_FAILURE_LOG = """\
+$ /work/main/.venv/bin/python -m flashmoe_science.build --child /work/main/build/torch2.14.1-cu13.0-sm90/child.json
+W1126 02:05:55.282000 6599 torch/utils/cpp_extension.py:183] No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda-13.0'
+[1/2] /usr/local/cuda-13.0/bin/nvcc -MD -MF flashmoe_science.cuda.o.d -DTORCH_EXTENSION_NAME=flashmoe_science_C -c /work/main/csrc/flashmoe_science.cu -o flashmoe_science.cuda.o
+FAILED: [code=255] flashmoe_science.cuda.o
+/usr/local/cuda-13.0/bin/nvcc -MD -MF flashmoe_science.cuda.o.d -DTORCH_EXTENSION_NAME=flashmoe_science_C -c /work/main/csrc/flashmoe_science.cu -o flashmoe_science.cuda.o
+/work/main/csrc/flash_fwd.cuh(212): error: identifier "row_max" is undefined
+        scores[i] = expf(scores[i] - row_max);
+                                     ^
+          detected during instantiation of "void flash_fwd_kernel<kHeadDim,kBlockN,kCausal>(Flash_fwd_params) [with kHeadDim=128, kBlockN=64, kCausal=true]" at line 40 of /work/main/csrc/flashmoe_science.cu
+
+/work/main/csrc/flash_fwd.cuh(230): error: no suitable conversion function from "__half" to "float *" exists
+          acc_o = tile;
+                  ^
+
+2 errors detected in the compilation of "/work/main/csrc/flashmoe_science.cu".
+ninja: build stopped: subcommand failed.
+Traceback (most recent call last):
+  File "/work/main/.venv/lib/python3.11/site-packages/torch/utils/cpp_extension.py", line 2906, in _run_ninja_build
+    subprocess.run(
+subprocess.CalledProcessError: Command '['ninja', '-v']' returned non-zero exit status 255.
+RuntimeError: Error building extension 'flashmoe_science_C'
+FLASHMOE_BUILD_CHILD: error: RuntimeError: Error building extension 'flashmoe_science_C'
+"""
+
+GCC_FAILURE_LOG = """\
+[1/2] c++ -MMD -MF flashmoe_science.o.d -DTORCH_EXTENSION_NAME=flashmoe_science_C -c /work/main/csrc/flashmoe_science.cpp -o flashmoe_science.o
+FAILED: [code=1] flashmoe_science.o
+c++ -MMD -MF flashmoe_science.o.d -DTORCH_EXTENSION_NAME=flashmoe_science_C -c /work/main/csrc/flashmoe_science.cpp -o flashmoe_science.o
+In file included from /work/main/csrc/flashmoe_science.cpp:3:
+/work/main/csrc/attention_cpu.h: In function 'at::Tensor attention_cpu(const at::Tensor&)':
+/work/main/csrc/attention_cpu.h:17:15: error: expected ';' before '}' token
+   17 |   return out
+      |             ^
+      |             ;
+   18 | }
+      | ~
+/work/main/csrc/flashmoe_science.cpp:9:11: error: expected ')' at end of input
+    9 | int g( { }
+      |      ~    ^
+ninja: build stopped: subcommand failed.
+FLASHMOE_BUILD_CHILD: error: RuntimeError: Error building extension 'flashmoe_science_C'
+"""
+
+LINK_FAILURE_LOG = """\
+[2/2] c++ flashmoe_science.cuda.o -shared -fopenmp -L/x/torch/lib -lc10 -o flashmoe_science_C.so
+FAILED: [code=1] flashmoe_science_C.so
+/usr/bin/ld: flashmoe_science.cuda.o: in function `launch_decode(Flash_decode_params&)':
+flashmoe_science.cu:(.text+0x11): undefined reference to `split_kv_combine(float const*, float*, int)'
+collect2: error: ld returned 1 exit status
+ninja: build stopped: subcommand failed.
+"""
+
+PTXAS_FAILURE_LOG = """\
+FAILED: [code=255] flashmoe_science.cuda.o
+ptxas error   : Entry function '_Z3bigPf' uses too much shared data (0x3a980 bytes, 0xc000 max)
+ptxas info    : 0 bytes gmem
+ninja: build stopped: subcommand failed.
+"""
+
+LOAD_FAILURE_LOG = """\
+[2/2] c++ flashmoe_science.cuda.o -shared -o flashmoe_science_C.so
+Traceback (most recent call last):
+OSError: /work/main/build/x/flashmoe_science_C.so: undefined symbol: _Z16split_kv_combinePKfPfi
+FLASHMOE_BUILD_CHILD: error: OSError: /work/main/build/x/flashmoe_science_C.so: undefined symbol: _Z16split_kv_combinePKfPfi
+"""
+
+TINY_UNIT = """\
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/mul.h>
+#include "twice.h"
+
+at::Tensor twice_cpu(const at::Tensor& x) { return at::mul(x, kFactor); }
+
+TORCH_LIBRARY(flashmoe_build_test, m) { m.def("twice(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_IMPL(flashmoe_build_test, CPU, m) { m.impl("twice", &twice_cpu); }
+"""
+
+# No torch headers: the compiler reaches the error in a fraction of a second.
+BROKEN_UNIT = """\
+#include "twice.h"
+int twice(int x) {
+  return x * kFactor
+}
+"""
+
+
+def identity(names: list[str]) -> list[str]:
+    return list(names)
+
+
+# --------------------------------------------------------------------------------------------------
+# ptxas resource report
+# --------------------------------------------------------------------------------------------------
+
+
+def test_parse_ptxas_reads_every_entry_and_arch():
+    kernels = build.parse_ptxas(PTXAS_SAMPLE, demangle=identity)
+    assert [(k["mangled"], k["arch"]) for k in kernels] == [
+        ("_Z16flash_fwd_kernelILi128ELi64ELb1EEv16Flash_fwd_params", "sm_89"),
+        ("_Z21flash_decode_split_kvILi128ELi4EEv19Flash_decode_params", "sm_89"),
+        ("_ZN12_GLOBAL__N_111combine_lseEPKfPfi", "sm_89"),
+        ("_Z16flash_fwd_kernelILi128ELi64ELb1EEv16Flash_fwd_params", "sm_90"),
+        ("_Z21flash_decode_split_kvILi128ELi4EEv19Flash_decode_params", "sm_90"),
+        ("_ZN12_GLOBAL__N_111combine_lseEPKfPfi", "sm_90"),
+    ]
+    fwd89, decode89, combine89, fwd90, decode90, combine90 = kernels
+    assert (fwd89["registers"], fwd89["smem_bytes"], fwd89["stack_bytes"]) == (128, 33280, 0)
+    assert (fwd90["registers"], fwd90["smem_bytes"]) == (168, 49152)
+    assert (decode89["registers"], decode89["stack_bytes"]) == (255, 272)
+    assert (decode89["spill_stores"], decode89["spill_loads"]) == (8, 12)
+    assert (decode90["spill_stores"], decode90["spill_loads"]) == (0, 0)
+    assert combine89["smem_bytes"] == 0 and combine90["registers"] == 8
+    # the device function's 24-byte stack frame belongs to no kernel
+    assert all(k["stack_bytes"] in (0, 272) for k in kernels)
+    assert build.spilling(kernels) == [decode89]
+
+
+@pytest.mark.skipif(not shutil.which("c++filt"), reason="no c++filt (binutils)")
+def test_parse_ptxas_demangles_and_shortens_names():
+    names = [k["kernel"] for k in build.parse_ptxas(PTXAS_SAMPLE)[:3]]
+    assert names == [
+        "flash_fwd_kernel<128, 64, true>",
+        "flash_decode_split_kv<128, 4>",
+        "combine_lse",
+    ]
+
+
+def test_shorten_kernel_name():
+    assert (
+        build.shorten_kernel_name("void flash::fwd<Traits<128, 64>, true>(Params, int (*)(int))")
+        == "fwd<Traits<128, 64>, true>"
+    )
+    long_name = "void k<" + ", ".join(["cutlass::half_t"] * 10) + ">(P)"
+    short = build.shorten_kernel_name(long_name, width=40)
+    assert len(short) == 40 and short.endswith("...")
+
+
+def test_resource_table_is_aligned():
+    rows = build.format_resource_table(build.parse_ptxas(PTXAS_SAMPLE, demangle=identity))
+    assert len(rows) == 7 and len({len(row) for row in rows}) == 1
+    assert "8/12" in rows[2]
+
+
+# --------------------------------------------------------------------------------------------------
+# First error
+# --------------------------------------------------------------------------------------------------
+
+
+def test_first_error_of_nvcc():
+    first = build.extract_first_error(NVCC_FAILURE_LOG)
+    assert first.kind == "compile"
+    assert first.location == "csrc/flash_fwd.cuh:212"
+    assert first.lines[0].endswith('error: identifier "row_max" is undefined')
+    assert "expf(scores[i] - row_max)" in first.lines[1] and first.lines[2].strip() == "^"
+    assert "detected during instantiation" in first.lines[3]
+    assert first.more == 1
+
+
+def test_condensed_nvcc_error_is_short_and_says_what_next():
+    message = build.condense_failure(NVCC_FAILURE_LOG, REPO_ROOT / "build/k/build.log")
+    lines = message.splitlines()
+    assert len(lines) <= 8
+    assert lines[0].startswith('csrc/flash_fwd.cuh(212): error: identifier "row_max"')
+    assert "(+1 more error in the log)" in lines
+    assert lines[-1].startswith("next: fix csrc/flash_fwd.cuh:212")
+    assert lines[-1].endswith("full log: build/k/build.log")
+    assert "Traceback" not in message and "ninja" not in message
+
+
+def test_first_error_of_gcc():
+    first = build.extract_first_error(GCC_FAILURE_LOG)
+    assert first.kind == "compile"
+    assert first.location == "csrc/attention_cpu.h:17"
+    assert first.lines[1].strip().startswith("17 |   return out")
+    assert len(first.lines) == 4 and first.more == 1
+
+
+@pytest.mark.parametrize(
+    ("log", "kind", "needle", "hint"),
+    [
+        (LINK_FAILURE_LOG, "link", "undefined reference to `split_kv_combine", "at link time"),
+        (PTXAS_FAILURE_LOG, "ptxas", "uses too much shared data", "hardware limit"),
+        (LOAD_FAILURE_LOG, "load", "undefined symbol", "does not load"),
+    ],
+)
+def test_first_error_of_linker_ptxas_and_loader(log, kind, needle, hint):
+    first = build.extract_first_error(log)
+    assert first.kind == kind and first.location is None
+    assert any(needle in line for line in first.lines)
+    message = build.condense_failure(log, Path("/tmp/build.log")).splitlines()
+    assert len(message) <= 8 and hint in message[-1]
+
+
+def test_child_without_torch_is_an_environment_failure():
+    log = "FLASHMOE_BUILD_CHILD: error: torch import failed: ImportError: libtorch_cpu.so: cannot open\n"
+    assert build.extract_first_error(log).kind == "environment"
+    assert build._failure_exit_code(log) == exitcodes.ENV_BROKEN
+    assert "pip install ninja" in build.condense_failure(log, Path("/tmp/build.log"))
+
+
+def test_failure_without_a_compiler_error_suggests_fewer_jobs():
+    message = build.condense_failure(
+        "[1/2] nvcc -c a.cu -o a.o\n", Path("/tmp/build.log"), returncode=-9
+    )
+    assert "killed by signal 9" in message and "MAX_JOBS=1" in message.splitlines()[-1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Configuration and keys
+# --------------------------------------------------------------------------------------------------
+
+
+def test_key_encodes_torch_cuda_archs_and_defines():
+    base = build.build_key("2.14.1+cu130", "13.0", ("8.9", "9.0"))
+    assert base == "torch2.14.1-cu13.0-sm89_sm90"
+    assert build.build_key("2.14.1+cu130", None, ()) == "torch2.14.1-cpu"
+    others = {
+        build.build_key("2.15.0+cu130", "13.0", ("8.9", "9.0")),
+        build.build_key("2.14.1+cu130", "13.0", ("9.0",)),
+        build.build_key("2.14.1+cu130", "13.0", ("9.0a",)),
+        build.build_key("2.14.1+cu130", "13.0", ("8.9", "9.0"), ("FLASHMOE_PLANT_BUG=2",)),
+        build.build_key("2.14.1+cu130", "13.0", ("8.9", "9.0"), ("FLASHMOE_PLANT_BUG=3",)),
+    }
+    assert len(others) == 5 and base not in others
+    assert build.build_key(
+        "2.14.1+cu130", "13.0", ("8.9", "9.0"), ("FLASHMOE_PLANT_BUG=2",)
+    ).startswith(base + "-d")
+
+
+def test_parse_arch_list_normalizes_and_rejects_nonsense():
+    assert build.parse_arch_list("9.0;8.9") == ("8.9", "9.0")
+    assert build.parse_arch_list("sm_90a, 89 9.0+PTX 9.0") == ("8.9", "9.0", "9.0+PTX", "9.0a")
+    assert [build.arch_label(a) for a in ("9.0a", "10.0")] == ["sm_90a", "sm_100"]
+    with pytest.raises(build.ConfigError) as excinfo:
+        build.parse_arch_list("hopper")
+    assert excinfo.value.exit_code == exitcodes.USAGE
+
+
+@pytest.fixture
+def cuda_machine(monkeypatch):
+    """A torch with CUDA 13.0 and a matching nvcc, with no GPU and no TORCH_CUDA_ARCH_LIST."""
+    monkeypatch.setattr(build, "torch_versions", lambda: ("2.14.1+cu130", "13.0"))
+    monkeypatch.setattr(
+        build, "find_cuda_toolkit", lambda: build.CudaToolkit("/cuda/bin/nvcc", "/cuda", "13.0")
+    )
+    monkeypatch.setattr(build, "visible_gpu_archs", list)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.delenv("FLASHMOE_BUILD_ROOT", raising=False)  # describe() shows the default build/
+
+
+def test_auto_without_gpu_or_arch_list_builds_cpu_and_says_why(cuda_machine):
+    config = build.resolve_config("auto")
+    assert config.backend == "cpu" and config.source.name == "flashmoe_science.cpp"
+    assert (
+        config.reason == "no GPU visible and TORCH_CUDA_ARCH_LIST unset: building the CPU-only unit"
+    )
+    assert config.key == "torch2.14.1-cpu"
+
+
+def test_auto_with_arch_list_builds_cuda(cuda_machine, monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;8.9")
+    config = build.resolve_config("auto", defines=["-DFLASHMOE_PLANT_BUG=2"])
+    assert config.backend == "cuda" and config.source.name == "flashmoe_science.cu"
+    assert config.arch_list == ("8.9", "9.0") and config.defines == ("FLASHMOE_PLANT_BUG=2",)
+    flags = build.compile_flags(config)
+    assert (
+        "-DFLASHMOE_WITH_CUDA" in flags["cuda_cflags"]
+        and "-DFLASHMOE_PLANT_BUG=2" in flags["cuda_cflags"]
+    )
+    assert "-Xptxas=--warn-on-spills" in flags["cuda_cflags"]
+    assert build.describe(config).startswith(
+        "build: CUDA unit csrc/flashmoe_science.cu for sm_89, sm_90 (torch 2.14.1, CUDA 13.0) with "
+        "-DFLASHMOE_PLANT_BUG=2 -> build/torch2.14.1-cu13.0-sm89_sm90-d"
+    )
+
+
+def test_visible_gpu_gives_the_targets(cuda_machine, monkeypatch):
+    monkeypatch.setattr(build, "visible_gpu_archs", lambda: ["9.0"])
+    config = build.resolve_config("auto")
+    assert config.backend == "cuda" and config.arch_list == ("9.0",) and "sm_90" in config.reason
+
+
+def test_nvcc_major_mismatch_falls_back_to_cpu(cuda_machine, monkeypatch):
+    monkeypatch.setattr(
+        build, "find_cuda_toolkit", lambda: build.CudaToolkit("/c/bin/nvcc", "/c", "12.4")
+    )
+    config = build.resolve_config("auto", arch_list="9.0")
+    assert config.backend == "cpu" and "nvcc 12.4" in config.reason and "13.0" in config.reason
+
+
+def test_backend_cuda_when_impossible_explains_what_is_missing(cuda_machine, monkeypatch):
+    with pytest.raises(build.ConfigError) as excinfo:
+        build.resolve_config("cuda")
+    assert excinfo.value.exit_code == exitcodes.ENV_BROKEN and "--arch" in str(excinfo.value)
+    monkeypatch.setattr(
+        build, "find_cuda_toolkit", lambda: build.CudaToolkit(problem="nvcc not found")
+    )
+    with pytest.raises(build.ConfigError, match="nvcc not found"):
+        build.resolve_config("cuda", arch_list="9.0")
+    assert build.main(["--backend", "cuda", "--arch", "9.0"]) == exitcodes.ENV_BROKEN
+
+
+def test_missing_torch_is_an_environment_failure(monkeypatch, capsys):
+    real_find_spec = build.importlib.util.find_spec
+    monkeypatch.setattr(
+        build.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torch" else real_find_spec(name, *a),
+    )
+    assert build.main(["--backend", "cpu"]) == exitcodes.ENV_BROKEN
+    assert "torch is not installed" in capsys.readouterr().err
+
+
+def test_torch_versions_are_read_without_importing_torch():
+    code = (
+        "import sys; from flashmoe_science import build; v = build.torch_versions(); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; print(v)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_nvcc_threads_follow_archs_and_max_jobs(cuda_machine, monkeypatch):
+    config = build.resolve_config("cuda", arch_list="8.0;8.9;9.0")
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    assert build.nvcc_threads(config) == 3
+    monkeypatch.setenv("MAX_JOBS", "1")
+    assert build.nvcc_threads(config) == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming, locking
+# --------------------------------------------------------------------------------------------------
+
+
+def test_ninja_progress_shows_the_file_not_the_command():
+    nvcc = (
+        "[1/2] /usr/local/cuda/bin/nvcc -MD -MF a.o.d "
+        + "-Ifoo " * 300
+        + "-c /repo/csrc/flashmoe_science.cu -o a.o"
+    )
+    assert build.ninja_progress(nvcc) == "[1/2] nvcc flashmoe_science.cu"
+    link = "[2/2] c++ flashmoe_science.cuda.o -shared -fopenmp -L/x -lc10 -o flashmoe_science_C.so"
+    assert build.ninja_progress(link) == "[2/2] link flashmoe_science_C.so"
+    assert build.ninja_progress("ptxas info    : Used 8 registers") is None
+
+
+def test_streaming_logs_every_line_and_beats_during_silence(tmp_path):
+    script = "import time; print('[1/2] c++ -c /x/unit.cpp -o unit.o', flush=True); time.sleep(0.7); print('bye')"
+    shown: list[str] = []
+    returncode, text = build._run_streaming(
+        [sys.executable, "-c", script],
+        dict(os.environ),
+        tmp_path / "build.log",
+        "unit.cpp",
+        shown.append,
+        heartbeat_s=0.2,
+    )
+    assert returncode == 0 and text.splitlines()[-1] == "bye"
+    assert shown[0].startswith("  [1/2] c++ unit.cpp")
+    assert any(line.startswith("  still compiling unit.cpp ...") for line in shown)
+    assert "bye" in (tmp_path / "build.log").read_text()
+
+
+def test_lock_excludes_a_second_builder(tmp_path):
+    with (
+        build._build_lock(tmp_path, print),
+        open(tmp_path / "build.lock") as other,
+        pytest.raises(BlockingIOError),
+    ):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "build.lock") as other:  # released afterwards
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+# --------------------------------------------------------------------------------------------------
+# Real builds of a tiny unit (CPU backend)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_unit(tmp_path, monkeypatch):
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "flashmoe_science.cpp").write_text(TINY_UNIT)
+    (sources / "twice.h").write_text("constexpr int kFactor = 2;\n")
+    monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "build"))
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    return sources
+
+
+@pytest.mark.slow
+def test_real_build_then_up_to_date_then_rebuild_on_change(tiny_unit, tmp_path, capsys):
+    config = build.resolve_config("cpu", sources_dir=tiny_unit)
+    result = build.build(config)
+    assert result.cold and result.library == build.library_path(config) and result.library.exists()
+    assert result.library.parent == tmp_path / "build" / "torch{}-cpu".format(
+        config.torch_version.split("+")[0]
+    )
+    record = json.loads((result.library.parent / "build.json").read_text())
+    assert record["status"] == "ok" and record["cold"] and record["backend"] == "cpu"
+    assert json.loads((tmp_path / "reports" / "build.json").read_text())["hash"] == record["hash"]
+    assert "[2/2] link flashmoe_science_C.so" in capsys.readouterr().out
+    assert (result.library.parent / "build.log").stat().st_size > 0
+
+    # the library works: the op is registered and computes
+    import torch
+
+    torch.ops.load_library(str(result.library))
+    assert torch.ops.flashmoe_build_test.twice(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+
+    start = time.perf_counter()
+    again = build.build(build.resolve_config("cpu", sources_dir=tiny_unit))
+    assert not again.cold and time.perf_counter() - start < 5
+    assert build.main(["--backend", "cpu", "--sources-dir", str(tiny_unit)]) == exitcodes.OK
+    assert capsys.readouterr().out.splitlines()[-1].startswith("build: up to date (")
+    assert build.ensure_built("cpu", sources_dir=tiny_unit) == result.library
+
+    # a whole `python -m ... build` on an up-to-date tree, interpreter start included
+    start = time.perf_counter()
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashmoe_science.build",
+            "--backend",
+            "cpu",
+            "--sources-dir",
+            str(tiny_unit),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 0 and "up to date" in cli.stdout and time.perf_counter() - start < 5
+
+    (tiny_unit / "twice.h").write_text("constexpr int kFactor = 3;\n")  # a header counts too
+    assert not build.is_up_to_date(config)
+
+
+@pytest.mark.slow
+def test_real_build_with_syntax_error_reports_file_and_line(tiny_unit, capsys):
+    (tiny_unit / "flashmoe_science.cpp").write_text(BROKEN_UNIT)
+    config = build.resolve_config("cpu", sources_dir=tiny_unit)
+    with pytest.raises(build.BuildError) as excinfo:
+        build.build(config, quiet=True)
+    message = str(excinfo.value)
+    assert f"{tiny_unit / 'flashmoe_science.cpp'}:3:" in message.splitlines()[0]
+    assert len(message.splitlines()) <= 10 and message.splitlines()[-1].startswith("next: fix ")
+    assert excinfo.value.log_path.exists()
+    assert json.loads((config.build_dir / "build.json").read_text())["status"] == "failed"
+    assert not build.is_up_to_date(config)
+
+    assert (
+        build.main(["--backend", "cpu", "--sources-dir", str(tiny_unit), "--quiet"])
+        == exitcodes.BUILD_FAILED
+    )
+    err = capsys.readouterr().err
+    assert "flashmoe_science.cpp:3" in err and "Traceback" not in err
+
+
+def test_help_lists_the_options():
+    out = subprocess.run(
+        [sys.executable, "-m", "flashmoe_science.build", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and "--arch LIST" in out.stdout and "--define NAME=VAL" in out.stdout
+
+
+def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "build"))
+    assert (
+        build.main(["--backend", "cpu", "--sources-dir", str(tmp_path)]) == exitcodes.BUILD_FAILED
+    )
