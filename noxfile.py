@@ -61,6 +61,18 @@ def test(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Regression benchmarks against PyTorch SDPA (and `-- --base REF`: head against base, interleaved)."""
+    flashmoe(session, "bench", *session.posargs)
+
+
+@nox.session(default=False)
+def report(session: nox.Session) -> None:
+    """One markdown report (reports/report.md) from the env, build, gate and benchmark JSON."""
+    flashmoe(session, "report", *session.posargs)
+
+
+@nox.session(default=False)
 def compile(session: nox.Session) -> None:
     """CUDA compile-and-link check for the L4 (sm_89) and H100 (sm_90); needs nvcc, not a GPU."""
     flashmoe(session, "build", "--backend", "cuda", "--arch", "8.9;9.0", *session.posargs)

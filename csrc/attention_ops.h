@@ -17,6 +17,13 @@
 #include "attention_cpu.h"
 #include "attention_params.h"
 
+// Input errors are thrown as plain c10::Error with the Python exception type as a prefix, which
+// flashmoe_science/ops.py turns into TypeError / ValueError. Throwing c10::ValueError itself
+// crashed the process (segmentation fault) when the unit was built with the GPU machine's GCC 13
+// wrapper against torch 2.11; c10::Error and std exceptions were caught fine there.
+#define FLASHMOE_CHECK_VALUE(cond, ...) TORCH_CHECK(cond, "ValueError: ", __VA_ARGS__)
+#define FLASHMOE_CHECK_TYPE(cond, ...) TORCH_CHECK(cond, "TypeError: ", __VA_ARGS__)
+
 namespace flashmoe {
 
 using at::Tensor;
@@ -53,37 +60,37 @@ inline void check_attention_inputs(const Tensor& q, const Tensor& k, const Tenso
   const char* names[] = {"q", "k", "v"};
   for (int t = 0; t < 3; ++t) {
     const Tensor& x = *named[t];
-    TORCH_CHECK_VALUE(x.dim() == 4, names[t], " must have 4 dimensions [batch, heads, seq, head_dim], got ",
+    FLASHMOE_CHECK_VALUE(x.dim() == 4, names[t], " must have 4 dimensions [batch, heads, seq, head_dim], got ",
                       x.dim(), " (shape ", shape_str(x), ")");
-    TORCH_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ", dtype_name(x.scalar_type()),
+    FLASHMOE_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ", dtype_name(x.scalar_type()),
                      "; supported: torch.float16, torch.bfloat16");
-    TORCH_CHECK_VALUE(x.device() == q.device(), names[t], " is on ", x.device(), " but q is on ",
+    FLASHMOE_CHECK_VALUE(x.device() == q.device(), names[t], " is on ", x.device(), " but q is on ",
                       q.device(), "; all inputs must be on the same device");
-    TORCH_CHECK_VALUE(x.size(3) <= 1 || x.stride(3) == 1, names[t],
+    FLASHMOE_CHECK_VALUE(x.size(3) <= 1 || x.stride(3) == 1, names[t],
                       " must be contiguous in its last dimension (stride 1), got strides ", x.strides(),
                       "; call .contiguous() first");
   }
-  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+  FLASHMOE_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                    "q, k and v must share one dtype, got ", dtype_name(q.scalar_type()), ", ",
                    dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()));
-  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0),
+  FLASHMOE_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0),
                     "batch sizes differ: q ", shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
-  TORCH_CHECK_VALUE(k.size(3) == q.size(3) && v.size(3) == q.size(3),
+  FLASHMOE_CHECK_VALUE(k.size(3) == q.size(3) && v.size(3) == q.size(3),
                     "head_dim differs: q ", shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
-  TORCH_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2),
+  FLASHMOE_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2),
                     "k and v must have the same shape, got k ", shape_str(k), ", v ", shape_str(v));
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+  FLASHMOE_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
                     "heads of q (", q.size(1), ") must be a multiple of heads of k and v (", k.size(1),
                     ") for grouped-query attention");
-  TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxSplits, "num_splits must be in [0, ",
+  FLASHMOE_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxSplits, "num_splits must be in [0, ",
                     kMaxSplits, "] (0 = automatic), got ", num_splits);
   if (seqlens_k.has_value()) {
     const Tensor& s = *seqlens_k;
-    TORCH_CHECK_TYPE(s.scalar_type() == at::ScalarType::Int, "cache_seqlens has dtype ",
+    FLASHMOE_CHECK_TYPE(s.scalar_type() == at::ScalarType::Int, "cache_seqlens has dtype ",
                      dtype_name(s.scalar_type()), "; supported: torch.int32");
-    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == q.size(0), "cache_seqlens must have shape [batch] = [",
+    FLASHMOE_CHECK_VALUE(s.dim() == 1 && s.size(0) == q.size(0), "cache_seqlens must have shape [batch] = [",
                       q.size(0), "], got ", shape_str(s));
-    TORCH_CHECK_VALUE(s.device() == q.device(), "cache_seqlens is on ", s.device(), " but q is on ",
+    FLASHMOE_CHECK_VALUE(s.device() == q.device(), "cache_seqlens is on ", s.device(), " but q is on ",
                       q.device());
   }
 }
@@ -92,7 +99,7 @@ inline void check_attention_inputs(const Tensor& q, const Tensor& k, const Tenso
 inline void check_seqlens_values(const Tensor& seqlens_cpu, int64_t seqlen_k) {
   const int* s = seqlens_cpu.data_ptr<int>();
   for (int64_t b = 0; b < seqlens_cpu.numel(); ++b) {
-    TORCH_CHECK_VALUE(s[b] >= 0 && s[b] <= seqlen_k, "cache_seqlens[", b, "] = ", s[b],
+    FLASHMOE_CHECK_VALUE(s[b] >= 0 && s[b] <= seqlen_k, "cache_seqlens[", b, "] = ", s[b],
                       " is outside [0, ", seqlen_k, "] (the cache length)");
   }
 }
@@ -136,18 +143,18 @@ inline std::optional<std::tuple<Tensor, Tensor>> empty_result(const Tensor& q, c
 // ------------------------------------------------------------------------------------------------
 
 inline void check_combine_inputs(const Tensor& out_partial, const Tensor& lse_partial, at::ScalarType dtype) {
-  TORCH_CHECK_TYPE(out_partial.scalar_type() == at::kFloat && lse_partial.scalar_type() == at::kFloat,
+  FLASHMOE_CHECK_TYPE(out_partial.scalar_type() == at::kFloat && lse_partial.scalar_type() == at::kFloat,
                    "out_partial and lse_partial must be torch.float32, got ",
                    dtype_name(out_partial.scalar_type()), " and ", dtype_name(lse_partial.scalar_type()));
-  TORCH_CHECK_VALUE(out_partial.dim() == 5 && lse_partial.dim() == 4 &&
+  FLASHMOE_CHECK_VALUE(out_partial.dim() == 5 && lse_partial.dim() == 4 &&
                         out_partial.sizes().slice(0, 4) == lse_partial.sizes(),
                     "out_partial must be [splits, B, H, Sq, D] and lse_partial [splits, B, H, Sq], got ",
                     shape_str(out_partial), " and ", shape_str(lse_partial));
-  TORCH_CHECK_VALUE(out_partial.size(0) >= 1 && out_partial.size(0) <= kMaxSplits,
+  FLASHMOE_CHECK_VALUE(out_partial.size(0) >= 1 && out_partial.size(0) <= kMaxSplits,
                     "the number of splits must be in [1, ", kMaxSplits, "], got ", out_partial.size(0));
-  TORCH_CHECK_TYPE(is_half_type(dtype), "dtype ", dtype_name(dtype),
+  FLASHMOE_CHECK_TYPE(is_half_type(dtype), "dtype ", dtype_name(dtype),
                    " is not supported; supported: torch.float16, torch.bfloat16");
-  TORCH_CHECK_VALUE(lse_partial.device() == out_partial.device(), "lse_partial is on ", lse_partial.device(),
+  FLASHMOE_CHECK_VALUE(lse_partial.device() == out_partial.device(), "lse_partial is on ", lse_partial.device(),
                     " but out_partial is on ", out_partial.device());
 }
 
@@ -173,8 +180,8 @@ inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tenso
                                                     double softmax_scale, int64_t num_splits,
                                                     int64_t config) {
   check_attention_inputs(q, k, v, seqlens_k, num_splits);
-  TORCH_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(), "; this is the CPU implementation");
-  TORCH_CHECK_VALUE(config == 0, "config=", config,
+  FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(), "; this is the CPU implementation");
+  FLASHMOE_CHECK_VALUE(config == 0, "config=", config,
                     " selects a CUDA tile configuration, but the inputs are CPU tensors; use config=0 "
                     "(automatic) on the CPU");
   if (seqlens_k.has_value()) check_seqlens_values(*seqlens_k, k.size(2));

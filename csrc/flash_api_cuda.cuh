@@ -97,7 +97,7 @@ inline void combine_into(const at::Tensor& o_accum, const at::Tensor& lse_accum,
 }
 
 inline void check_head_dim_cuda(int64_t head_dim) {
-  TORCH_CHECK_VALUE(head_dim == 64 || head_dim == 128, "head_dim=", head_dim,
+  FLASHMOE_CHECK_VALUE(head_dim == 64 || head_dim == 128, "head_dim=", head_dim,
                     " is not supported on CUDA; supported: 64, 128 (the CPU implementation takes any)");
 }
 
@@ -130,9 +130,9 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q
                                                              bool causal, double softmax_scale,
                                                              int64_t num_splits, int64_t config) {
   check_attention_inputs(q_in, k_in, v_in, seqlens_k, num_splits);
-  TORCH_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(), "; this is the CUDA implementation");
+  FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(), "; this is the CUDA implementation");
   check_head_dim_cuda(q_in.size(3));
-  TORCH_CHECK_VALUE(config >= 0 && config <= kNumConfigs, "config must be in [0, ", kNumConfigs,
+  FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs, "config must be in [0, ", kNumConfigs,
                     "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
@@ -152,7 +152,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q
 
   const int m_blocks = ceil_div(rows_per_head, block_m_of(int(config)));
   const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
-  TORCH_CHECK_VALUE(m_blocks <= 65535 && grid_x < (int64_t(1) << 31), "q of shape ", shape_str(q_in),
+  FLASHMOE_CHECK_VALUE(m_blocks <= 65535 && grid_x < (int64_t(1) << 31), "q of shape ", shape_str(q_in),
                     " exceeds the launch grid (at most 65535 row blocks per head)");
   const int n_blocks = ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim));
   int splits = int(num_splits);

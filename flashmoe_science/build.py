@@ -40,20 +40,19 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from . import exitcodes
-from .paths import CSRC_DIR, REPO_ROOT, build_root, report_dir
+from .paths import require_gpu_from_env, CSRC_DIR, REPO_ROOT, build_root, report_dir
 
 LIBRARY_NAME = "flashmoe_science_C"
 CUDA_SOURCE = "flashmoe_science.cu"
 CPU_SOURCE = "flashmoe_science.cpp"
 HEARTBEAT_S = 15.0
 
-# torch >= 2.10 headers `#error` below C++20 (ATen/ATen.h, checked with torch 2.14.1), so the standard
-# is C++20 rather than C++17; older torch headers compile under C++20 as well.
-CXX_STD = "-std=c++20"
-HOST_CFLAGS = ("-O3", CXX_STD, "-fopenmp")
+# No -std flag: cpp_extension passes the standard this torch was built with (C++17 for torch 2.11,
+# C++20 for 2.14). Forcing C++20 on torch 2.11 built a unit whose C++ exceptions (every input-check
+# error) crashed the process with a segmentation fault on the H200 machine.
+HOST_CFLAGS = ("-O3", "-fopenmp")
 NVCC_FLAGS = (
     "-O3",
-    CXX_STD,
     "--use_fast_math",
     "-lineinfo",
     "--expt-relaxed-constexpr",
@@ -1133,6 +1132,12 @@ def _parser() -> argparse.ArgumentParser:
         default=CSRC_DIR,
         help="directory holding the unit and its headers (default: csrc/)",
     )
+    parser.add_argument(
+        "--require-gpu",
+        action="store_true",
+        default=require_gpu_from_env(),
+        help="build the CUDA unit or fail (default: FLASHMOE_REQUIRE_GPU=1)",
+    )
     parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     return parser
 
@@ -1142,6 +1147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         return _child_main(args.child)
     start = time.perf_counter()
+    if args.require_gpu and args.backend == "auto":
+        args.backend = "cuda"
     try:
         config = resolve_config(args.backend, args.arch, args.define, sources_dir=args.sources_dir)
     except ConfigError as exc:

@@ -60,6 +60,24 @@ def _register_fakes() -> None:
 load_library()
 
 
+_ERROR_TYPES = {"TypeError: ": TypeError, "ValueError: ": ValueError}
+
+
+def _call(op, *args):
+    """Call an operator, re-raising its input errors with their Python type.
+
+    The C++ checks throw c10::Error with the type as a message prefix (see FLASHMOE_CHECK_VALUE in
+    csrc/attention_ops.h for why), and this is where the prefix becomes the exception's type."""
+    try:
+        return op(*args)
+    except RuntimeError as exc:
+        message = str(exc).strip()
+        for prefix, error_type in _ERROR_TYPES.items():
+            if message.startswith(prefix):
+                raise error_type(message[len(prefix) :].splitlines()[0]) from None
+        raise
+
+
 def _check_tensor(name: str, value) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -119,7 +137,7 @@ def flash_attention_forward(
     _check_int("num_splits", num_splits, 0, 128, "0 = automatic")
     _check_int("config", config, 0, 2, "0 = automatic, 1 = 128x64 tiles, 2 = 64x64 tiles")
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
-    out, lse = torch.ops.flashmoe_science.fwd(q, k, v, None, causal, scale, num_splits, config)
+    out, lse = _call(torch.ops.flashmoe_science.fwd, q, k, v, None, causal, scale, num_splits, config)
     return (out, lse) if return_lse else out
 
 
@@ -152,8 +170,8 @@ def flash_attention_decode(
     if num_splits is not None:
         _check_int("num_splits", num_splits, 1, 128, "None = automatic")
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
-    out, lse = torch.ops.flashmoe_science.fwd(
-        q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits or 0, 0
+    out, lse = _call(
+        torch.ops.flashmoe_science.fwd, q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits or 0, 0
     )
     return (out, lse) if return_lse else out
 
@@ -164,7 +182,7 @@ def split_kv_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, dtype
     Splits with lse = -inf (no valid key) contribute nothing."""
     _check_tensor("out_partial", out_partial)
     _check_tensor("lse_partial", lse_partial)
-    return torch.ops.flashmoe_science.split_kv_combine(out_partial, lse_partial, dtype)
+    return _call(torch.ops.flashmoe_science.split_kv_combine, out_partial, lse_partial, dtype)
 
 
 def planted_bug() -> int:

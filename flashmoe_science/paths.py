@@ -19,3 +19,9 @@ def report_dir() -> Path:
     path = Path(os.environ.get("FLASHMOE_REPORT_DIR", REPO_ROOT / "reports"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def require_gpu_from_env() -> bool:
+    """FLASHMOE_REQUIRE_GPU=1 (set by GPU runners) makes env, build and test demand the CUDA path,
+    so one variable serves `nox -s env build test bench report` without per-session options."""
+    return os.environ.get("FLASHMOE_REQUIRE_GPU", "") == "1"

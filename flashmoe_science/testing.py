@@ -18,7 +18,7 @@ import sys
 import time
 
 from . import exitcodes
-from .paths import REPO_ROOT
+from .paths import REPO_ROOT, require_gpu_from_env
 
 PYTEST_EXIT_GATE_FAILED = 1
 
@@ -29,7 +29,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Build (incrementally) and run the correctness gates. Unknown options go to pytest, "
         "e.g. `-k 'fwd-fp16-d64' -x`.",
     )
-    parser.add_argument("--require-gpu", action="store_true", help="a missing GPU or CUDA build is an error (exit 255)")
+    parser.add_argument(
+        "--require-gpu",
+        action="store_true",
+        default=require_gpu_from_env(),
+        help="a missing GPU or CUDA build is an error, exit 255 (default: FLASHMOE_REQUIRE_GPU=1)",
+    )
     parser.add_argument("--workers", default=None, help="pytest-xdist workers (default: auto, at most 8)")
     return parser
 
@@ -68,7 +73,7 @@ def main(argv: list[str]) -> int:
 
     cmd = [sys.executable, "-m", "pytest", "tests", "-n", _workers(args.workers), "-q", *pytest_args]
     print(f"test: {' '.join(cmd[2:])}", flush=True)
-    env = dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else os.environ.get("FLASHMOE_REQUIRE_GPU", ""))
+    env = dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else "")
     rc = subprocess.call(cmd, cwd=REPO_ROOT, env=env)
     elapsed = time.monotonic() - start
     if rc == 0:

@@ -1,0 +1,383 @@
+"""The PR report (flashmoe_science.report): golden files from fixture runs, the size limit, stages.json.
+
+Each folder in tests/fixtures/report/ holds what one run leaves in reports/ (an L4 run's env.json,
+build.json, gates.json, bench.json, stages.json, build.log; base_build.json is passed as
+--base-build) and expected.md, the report it must render to.
+
+After an intended change to the report's layout, regenerate the golden files and review the diff:
+
+    FLASHMOE_REGEN_GOLDEN=1 python -m pytest tests/test_report.py
+    git diff tests/fixtures/report/
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flashmoe_science import exitcodes, report
+
+FIXTURES = Path(__file__).parent / "fixtures" / "report"
+REGENERATE = os.environ.get("FLASHMOE_REGEN_GOLDEN") == "1"
+SCENARIOS = {
+    # fixture folder: (exit status, first line of the report)
+    "passing": (exitcodes.OK, "## ✅ flashmoe-science: passed"),
+    "failing_gates": (
+        exitcodes.OK,
+        "## ❌ flashmoe-science: 3 gates failed, new register spills in 1 kernel",
+    ),
+    "regressions": (exitcodes.OK, "## ⚠️ flashmoe-science: 2 regressions"),
+    "build_failed": (exitcodes.OK, "## ❌ flashmoe-science: build failed"),
+    "missing": (exitcodes.OK, "## ⚠️ flashmoe-science: nothing ran"),
+    "unreadable": (exitcodes.USAGE, "## ❌ flashmoe-science: gates.json unreadable"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_github_env(monkeypatch):
+    """The report links the run when it runs in Actions; goldens must not depend on that."""
+    for name in ("GITHUB_STEP_SUMMARY", "GITHUB_SERVER_URL", "GITHUB_REPOSITORY", "GITHUB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def run_report(folder: Path, tmp_path: Path, *extra: str) -> tuple[int, str]:
+    reports = tmp_path / "reports"
+    shutil.copytree(
+        folder, reports, ignore=shutil.ignore_patterns("expected.md", "base_build.json", ".gitkeep")
+    )
+    args = ["--dir", str(reports), *extra]
+    if (folder / "base_build.json").exists():
+        args += ["--base-build", str(folder / "base_build.json")]
+    rc = report.main(args)
+    return rc, (reports / "report.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_golden(scenario, tmp_path):
+    expected_rc, headline = SCENARIOS[scenario]
+    rc, text = run_report(FIXTURES / scenario, tmp_path)
+    golden = FIXTURES / scenario / "expected.md"
+    if REGENERATE:
+        golden.write_text(text, encoding="utf-8")
+    assert rc == expected_rc
+    assert text.splitlines()[0] == headline
+    assert text.splitlines()[1] == report.MARKER
+    assert text == golden.read_text(encoding="utf-8"), (
+        f"report for {scenario} differs from {golden}; if the change is intended, "
+        "regenerate with FLASHMOE_REGEN_GOLDEN=1 (see this file's docstring)"
+    )
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_markdown_is_well_formed(scenario, tmp_path):
+    _, text = run_report(FIXTURES / scenario, tmp_path)
+    assert_well_formed(text)
+
+
+def assert_well_formed(text: str) -> None:
+    assert len(text) <= report.MAX_CHARS
+    assert len(text.encode("utf-8")) <= report.MAX_CHARS
+    assert text.count("<details") == text.count("</details>")
+    fences = [line for line in text.splitlines() if line.startswith("```")]
+    assert len(fences) % 2 == 0, "an unclosed code fence"
+    # pre-commit's trailing-whitespace and end-of-file hooks would rewrite the goldens otherwise
+    assert not [line for line in text.splitlines() if line != line.rstrip()]
+    assert text.endswith("\n") and not text.endswith("\n\n")
+
+
+def test_failing_gates_say_how_to_rerun(tmp_path):
+    _, text = run_report(FIXTURES / "failing_gates", tmp_path)
+    gates = json.loads((FIXTURES / "failing_gates" / "gates.json").read_text())
+    failing = [c for c in gates["cases"] if c["outcome"] == "failed"]
+    assert len(failing) == 3
+    for case in failing:
+        assert f"nox -s test -- -k '{case['case_id']}-{case['device']}'" in text
+    assert "NaN/Inf" in text and "not bit-identical" in text
+    assert "🆕 spills" in text
+    # failures first: the gates section comes before the passing environment section
+    assert text.index("Correctness gates</b>") < text.index("Environment</b>")
+    assert "<details open><summary>❌ <b>Correctness gates" in text
+
+
+def test_passing_report_has_bench_table_chart_and_comparison(tmp_path):
+    _, text = run_report(FIXTURES / "passing", tmp_path)
+    assert f"SDPA default ms ({report.TIMES})" in text
+    assert "```mermaid\nxychart-beta" in text
+    assert 'x-axis "sequence length" [512, 1024, 2048, 4096, 8192]' in text
+    assert (
+        "**Head vs base** `origin/main` at `4e0d2b7c91a3`: base built and timed side by side"
+        in text
+    )
+    assert "+8 regs" in text  # register change against the base build
+    assert "**total**" in text and "15m 26s" in text  # stage wall times
+    assert "<details open" not in text  # nothing failed: every section is closed
+
+
+def test_build_failure_shows_log_tail(tmp_path):
+    _, text = run_report(FIXTURES / "build_failed", tmp_path)
+    assert "ninja: build stopped: subcommand failed." in text
+    assert "mma_m16n8k16" in text
+    assert "| ⏭️ | test | not run |" in text and "| ⏭️ | bench | not run |" in text
+
+
+def test_missing_files_render_not_run(tmp_path):
+    rc, text = run_report(FIXTURES / "missing", tmp_path)
+    assert rc == exitcodes.OK
+    for stage in ("env", "build", "test", "bench"):
+        assert f"| ⏭️ | {stage} | not run | — |" in text
+    for name in ("env.json", "build.json", "gates.json", "bench.json"):
+        assert f"no `{name}`" in text
+
+
+def test_build_log_alone_means_the_build_failed(tmp_path):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "build.log").write_text(
+        "csrc/x.cu(1): error: expected a ';'\nninja: build stopped\n"
+    )
+    assert report.main(["--dir", str(reports)]) == exitcodes.OK
+    text = (reports / "report.md").read_text()
+    assert text.startswith("## ❌ flashmoe-science: build failed\n")
+    assert "expected a ';'" in text
+
+
+def test_missing_keys_do_not_crash(tmp_path):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "env.json").write_text("{}")
+    (reports / "build.json").write_text('{"kernels": [{}], "arch_list": null}')
+    (reports / "gates.json").write_text('{"cases": [{"outcome": "failed"}, {}]}')
+    (reports / "bench.json").write_text(
+        '{"cases": [{"id": "x", "kind": "prefill", "ours": {}, "baselines": {"sdpa_flash": {"unsupported": "no"}}}], "comparison": {"source": "stored", "cases": [{}]}}'
+    )
+    (reports / "stages.json").write_text('{"env": 1.5, "bench": "slow"}')
+    assert report.main(["--dir", str(reports)]) == exitcodes.OK
+    text = (reports / "report.md").read_text()
+    assert text.startswith("## ❌ flashmoe-science: 1 gate failed")
+    assert_well_formed(text)
+
+
+# ---- the size limit ----
+
+
+def oversized(tmp_path: Path, failing: int, bench_rows: int) -> Path:
+    """The passing run, blown up: many failing gate cases and benchmark rows."""
+    reports = tmp_path / "reports"
+    shutil.copytree(
+        FIXTURES / "passing",
+        reports,
+        ignore=shutil.ignore_patterns("expected.md", "base_build.json"),
+    )
+    gates = json.loads((reports / "gates.json").read_text())
+    template = gates["cases"][0]
+    cases = []
+    for i in range(failing):
+        case = copy.deepcopy(template)
+        case.update(
+            case_id=f"{template['case_id']}-n{i}",
+            outcome="failed",
+            passed=False,
+            failures=[
+                f"gate 2: max diff 0.{i:04d} > bound",
+                "repeated calls on the same inputs are not bit-identical (a race?)",
+            ],
+        )
+        cases.append(case)
+    for i in range(3000):  # passing cases collapse into a few group rows, whatever their number
+        case = copy.deepcopy(gates["cases"][i % len(gates["cases"])])
+        case["case_id"] += f"-p{i}"
+        cases.append(case)
+    gates.update(cases=cases, total=len(cases), failed=failing)
+    (reports / "gates.json").write_text(json.dumps(gates))
+    bench = json.loads((reports / "bench.json").read_text())
+    rows = []
+    for i in range(bench_rows):
+        case = copy.deepcopy(bench["cases"][i % len(bench["cases"])])
+        case["id"] += f"-r{i}"
+        rows.append(case)
+    bench["cases"] = rows
+    template = bench["comparison"]["cases"][0]
+    bench["comparison"]["cases"] = [
+        {**template, "id": c["id"], "verdict": "regression" if i == 7 else "no change"}
+        for i, c in enumerate(rows)
+    ]
+    (reports / "bench.json").write_text(json.dumps(bench))
+    return reports
+
+
+def test_oversized_report_drops_passing_details_then_bench_rows(tmp_path):
+    reports = oversized(tmp_path, failing=12, bench_rows=400)
+    assert report.main(["--dir", str(reports)]) == exitcodes.OK
+    text = (reports / "report.md").read_text()
+    assert_well_formed(text)
+    assert text.startswith("## ❌ flashmoe-science: 12 gates failed, 1 regression\n")
+    assert "✂️ **Truncated** to fit GitHub's 65,536-character comment limit" in text
+    assert "passing details" in text and "of 400 benchmark rows" in text
+    assert "Passing cases by group" not in text
+    for i in range(12):  # every failing case keeps its figures and rerun command
+        assert f"-n{i}-cuda'`" in text
+    assert "-r7`" in text  # the regressed row is the last to go
+
+
+def test_extremely_oversized_report_cuts_failing_details(tmp_path):
+    reports = oversized(tmp_path, failing=400, bench_rows=50)
+    assert report.main(["--dir", str(reports)]) == exitcodes.OK
+    text = (reports / "report.md").read_text()
+    assert_well_formed(text)
+    assert text.startswith("## ❌ flashmoe-science: 400 gates failed")
+    assert "of 400 failing-case details" in text
+    assert "more failing cases: see `gates.json`" in text
+
+
+def test_hard_cut_is_the_last_resort(tmp_path):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    checks = [
+        {"name": f"check-{i}", "status": "fail", "detail": "x" * 250, "fix": "y" * 250}
+        for i in range(400)
+    ]
+    (reports / "env.json").write_text(json.dumps({"passed": False, "checks": checks}))
+    assert report.main(["--dir", str(reports)]) == exitcodes.OK
+    text = (reports / "report.md").read_text()
+    assert_well_formed(text)
+    assert "✂️ **Cut here**" in text
+
+
+def test_max_chars_option(tmp_path):
+    reports = tmp_path / "reports"
+    shutil.copytree(
+        FIXTURES / "passing",
+        reports,
+        ignore=shutil.ignore_patterns("expected.md", "base_build.json"),
+    )
+    assert report.main(["--dir", str(reports), "--max-chars", "5000"]) == exitcodes.OK
+    text = (reports / "report.md").read_text()
+    assert len(text.encode()) <= 5000
+    assert_well_formed(text)
+
+
+# ---- inputs, outputs ----
+
+
+def test_step_summary_is_appended(tmp_path, monkeypatch):
+    summary = tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    rc, text = run_report(FIXTURES / "build_failed", tmp_path)
+    assert rc == exitcodes.OK
+    assert summary.read_text() == "earlier step\n" + text + "\n"
+
+
+def test_run_link_in_actions(tmp_path, monkeypatch):
+    monkeypatch.setenv("GITHUB_SERVER_URL", "https://github.com")
+    monkeypatch.setenv("GITHUB_REPOSITORY", "org/flashmoe-science")
+    monkeypatch.setenv("GITHUB_RUN_ID", "123")
+    _, text = run_report(FIXTURES / "missing", tmp_path)
+    assert "[this run](https://github.com/org/flashmoe-science/actions/runs/123)" in text
+
+
+def test_missing_base_build_is_a_note_not_an_error(tmp_path):
+    rc, text = run_report(
+        FIXTURES / "regressions", tmp_path, "--base-build", str(tmp_path / "nope.json")
+    )
+    assert rc == exitcodes.OK
+    assert "No base build to compare with" in text
+
+
+def test_report_dir_that_is_not_a_folder(tmp_path):
+    assert report.main(["--dir", str(tmp_path / "absent")]) == exitcodes.USAGE
+
+
+def test_untrusted_text_cannot_break_the_layout(tmp_path):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    evil = "</details></summary><img src=x> | ``` `"
+    (reports / "env.json").write_text(
+        json.dumps(
+            {
+                "passed": False,
+                "checks": [{"name": evil, "status": "fail", "detail": evil, "fix": evil}],
+            }
+        )
+    )
+    (reports / "gates.json").write_text(
+        json.dumps(
+            {
+                "cases": [
+                    {
+                        "case_id": "a'; rm -rf / #",
+                        "device": "cuda",
+                        "outcome": "failed",
+                        "failures": [evil],
+                    }
+                ]
+            }
+        )
+    )
+    report.main(["--dir", str(reports)])
+    text = (reports / "report.md").read_text()
+    assert_well_formed(text)
+    assert "<img" not in text
+    assert "nox -s test -- -k 'a___rm_-rf____-cuda'" in text  # shell metacharacters replaced
+
+
+# ---- stages.json ----
+
+
+def test_record_stage_appends_and_updates(tmp_path):
+    path = report.record_stage("env", 1.25, "ok", directory=tmp_path)
+    report.record_stage("build", 180.0, "ok", directory=tmp_path)
+    report.record_stage("env", 2.5, "fail", directory=tmp_path)
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == report.STAGES_SCHEMA
+    assert list(doc["stages"]) == ["env", "build"]
+    assert doc["stages"]["env"]["seconds"] == 2.5 and doc["stages"]["env"]["status"] == "fail"
+    assert doc["stages"]["build"]["seconds"] == 180.0
+    assert not list(tmp_path.glob("*.tmp")) and not [
+        p for p in tmp_path.iterdir() if not p.name.startswith(".") and p != path
+    ]
+
+
+def test_record_stage_recovers_from_a_corrupt_file(tmp_path):
+    (tmp_path / "stages.json").write_text('{"stages": {"env": ')
+    path = report.record_stage("test", 3.0, directory=tmp_path)
+    assert json.loads(path.read_text())["stages"] == {
+        "test": {
+            "seconds": 3.0,
+            "status": "ok",
+            "timestamp": json.loads(path.read_text())["stages"]["test"]["timestamp"],
+        }
+    }
+
+
+def test_timed_stage_records_failure(tmp_path):
+    with pytest.raises(RuntimeError), report.timed_stage("bench", directory=tmp_path):
+        raise RuntimeError("boom")
+    stage = json.loads((tmp_path / "stages.json").read_text())["stages"]["bench"]
+    assert stage["status"] == "fail" and stage["seconds"] >= 0
+
+
+def test_failed_stage_without_artifact_fails_the_verdict(tmp_path):
+    reports = tmp_path / "reports"
+    shutil.copytree(
+        FIXTURES / "build_failed", reports, ignore=shutil.ignore_patterns("expected.md")
+    )
+    (reports / "build.json").unlink()
+    (reports / "build.log").unlink()
+    report.record_stage("sanitize", 12.0, "fail", directory=reports)
+    assert report.main(["--dir", str(reports)]) == exitcodes.OK
+    first = (reports / "report.md").read_text().splitlines()[0]
+    assert first == "## ❌ flashmoe-science: build failed, sanitize failed"
+
+
+def test_cli_knows_the_command():
+    from flashmoe_science import cli
+
+    assert cli.COMMANDS["report"][0] == "flashmoe_science.report"
+    assert re.search(r"\breport\b", cli.usage())

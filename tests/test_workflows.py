@@ -1,0 +1,296 @@
+"""Static checks of .github/workflows: the rules that keep a self-hosted GPU runner on a public
+repository safe, and the wiring between the workflows. GitHub cannot be reached from here, so these
+run where the workflows are written; cpu-ci.yml also runs actionlint, and pre-commit runs zizmor and
+check-jsonschema on every change."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / ".github" / "workflows"
+ACTIONLINT = ROOT / ".github" / "actionlint.yaml"
+# Labels actionlint knows without configuration (GitHub's own runner labels).
+BUILTIN_SELF_HOSTED = {"self-hosted", "linux", "macos", "windows", "x64", "arm", "arm64"}
+SHA_PIN = re.compile(r"^[\w.-]+/[\w.-]+(/[\w./-]+)?@[0-9a-f]{40}$")
+DIGEST_PIN = re.compile(r"^docker://[\w./:-]+@sha256:[0-9a-f]{64}$")
+IMAGE_DIGEST_PIN = re.compile(r"^[\w./:-]+@sha256:[0-9a-f]{64}$")
+# What a `run:` in the report job must never do: run code from the repository or the artifact.
+EXECUTES_CODE = re.compile(
+    r"(\./|\bscripts/|\bpython[0-9.]*\b|\bnox\b|\bpip\b|\bpytest\b|\bmake\b|\bbash\b|\bsh\s|"
+    r"\bsource\b|^\s*\.\s|\bnpm\b|\bnode\b|\bchmod\b|\bgit\s+(clone|checkout|fetch)\b|\bgh\s+pr\s+checkout\b)",
+    re.MULTILINE,
+)
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((WORKFLOWS / name).read_text())
+
+
+def triggers(workflow: dict) -> dict:
+    on = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` key as True
+    if isinstance(on, str):
+        return {on: None}
+    if isinstance(on, list):
+        return dict.fromkeys(on)
+    return on or {}
+
+
+def all_workflows() -> dict[str, dict]:
+    return {
+        path.name: yaml.safe_load(path.read_text()) for path in sorted(WORKFLOWS.glob("*.y*ml"))
+    }
+
+
+def all_jobs():
+    for name, workflow in all_workflows().items():
+        for job_id, job in workflow["jobs"].items():
+            yield name, workflow, job_id, job
+
+
+def runs_on_labels(job: dict) -> list[str]:
+    labels = job.get("runs-on", [])
+    if isinstance(labels, dict):
+        labels = labels.get("labels", [])
+    return [labels] if isinstance(labels, str) else list(labels)
+
+
+def is_self_hosted(job: dict) -> bool:
+    return "self-hosted" in runs_on_labels(job)
+
+
+def steps(job: dict) -> list[dict]:
+    return job.get("steps", [])
+
+
+def test_the_workflows_exist():
+    assert {"gpu-ci.yml", "pr-report.yml", "cpu-ci.yml"} <= set(all_workflows())
+
+
+def test_no_workflow_uses_pull_request_target():
+    for name, workflow in all_workflows().items():
+        assert "pull_request_target" not in triggers(workflow), name
+
+
+def test_gpu_jobs_are_never_triggered_by_pull_request_target():
+    gpu_jobs = [(name, job_id) for name, workflow, job_id, job in all_jobs() if is_self_hosted(job)]
+    assert ("gpu-ci.yml", "gpu") in gpu_jobs
+    for name, _ in gpu_jobs:
+        on = triggers(all_workflows()[name])
+        assert "pull_request_target" not in on and "workflow_run" not in on, name
+
+
+def test_gpu_job_runs_fork_code_only_when_a_maintainer_allows_it():
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    condition = " ".join(job["if"].split())
+    assert "github.event.pull_request.head.repo.full_name == github.repository" in condition
+    assert "github.event.label.name == 'safe-to-test'" in condition
+    assert "'gpu'" in job["environment"]  # fork runs wait for the protected environment
+    assert job["env"]["FLASHMOE_REQUIRE_GPU"] == "1"
+
+
+def test_every_job_has_a_timeout_and_explicit_permissions():
+    for name, workflow, job_id, job in all_jobs():
+        assert isinstance(job.get("timeout-minutes"), int), (
+            f"{name}:{job_id} has no timeout-minutes"
+        )
+        assert "permissions" in job or "permissions" in workflow, (
+            f"{name}:{job_id} has implicit permissions"
+        )
+        for step in steps(job):
+            limit = step.get("timeout-minutes")
+            if limit is not None:
+                assert limit < job["timeout-minutes"], (
+                    f"{name}:{job_id}: step {step.get('name')} as long as its job"
+                )
+
+
+def test_long_gpu_steps_have_timeouts_that_leave_room_for_the_upload():
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    for step in steps(job):
+        assert "timeout-minutes" in step, (
+            f"gpu step {step.get('name') or step.get('uses')} has no timeout"
+        )
+    assert sum(step["timeout-minutes"] for step in steps(job)) < job["timeout-minutes"]
+
+
+def test_workflow_permissions_are_read_only_or_none():
+    for name, workflow in all_workflows().items():
+        assert workflow.get("permissions") in ({}, {"contents": "read"}), name
+
+
+def test_every_action_and_image_is_pinned():
+    for name, _, job_id, job in all_jobs():
+        for step in steps(job):
+            uses = step.get("uses")
+            if uses:
+                assert SHA_PIN.match(uses) or DIGEST_PIN.match(uses), (
+                    f"{name}:{job_id}: {uses} is not pinned"
+                )
+        container = job.get("container")
+        if container:
+            image = container if isinstance(container, str) else container["image"]
+            assert IMAGE_DIGEST_PIN.match(image), (
+                f"{name}:{job_id}: image {image} is not pinned by digest"
+            )
+
+
+def test_pinned_actions_say_which_version():
+    for path in sorted(WORKFLOWS.glob("*.yml")):
+        for line in path.read_text().splitlines():
+            match = re.search(r"uses:\s*(\S+@[0-9a-f]{40})(.*)$", line)
+            if match:
+                assert re.search(r"#\s*v\d", match.group(2)), (
+                    f"{path.name}: {line.strip()} lacks a # vX comment"
+                )
+
+
+def test_checkouts_do_not_persist_credentials():
+    for name, _, job_id, job in all_jobs():
+        for step in steps(job):
+            if str(step.get("uses", "")).startswith("actions/checkout@"):
+                assert step.get("with", {}).get("persist-credentials") is False, f"{name}:{job_id}"
+
+
+def test_gpu_checkout_has_full_history_for_the_base():
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    checkout = next(s for s in steps(job) if s.get("uses", "").startswith("actions/checkout@"))
+    assert checkout["with"]["fetch-depth"] == 0
+
+
+def test_gpu_runner_labels_are_declared_for_actionlint():
+    declared = set(yaml.safe_load(ACTIONLINT.read_text())["self-hosted-runner"]["labels"])
+    for name, _, job_id, job in all_jobs():
+        if is_self_hosted(job):
+            custom = set(runs_on_labels(job)) - BUILTIN_SELF_HOSTED
+            assert custom <= declared, f"{name}:{job_id}: undeclared labels {custom - declared}"
+    assert runs_on_labels(load("gpu-ci.yml")["jobs"]["gpu"]) == [
+        "self-hosted",
+        "linux",
+        "x64",
+        "gpu",
+        "l4",
+    ]
+
+
+def test_concurrency_cancels_superseded_prs_but_never_main():
+    for name in ("gpu-ci.yml", "cpu-ci.yml"):
+        concurrency = load(name)["concurrency"]
+        assert "github.event.pull_request.number || github.sha" in concurrency["group"]
+        assert concurrency["cancel-in-progress"] == "${{ github.event_name == 'pull_request' }}"
+
+
+def test_gpu_job_uploads_reports_even_when_a_stage_fails():
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    upload = next(s for s in steps(job) if s.get("uses", "").startswith("actions/upload-artifact@"))
+    assert upload["if"] == "${{ always() }}"
+    assert upload["with"]["path"] == "reports/"
+    report = next(s for s in steps(job) if s.get("name") == "report")
+    assert report["if"] == "${{ always() }}"
+    names = [s.get("name") for s in steps(job)]
+    assert (
+        names.index("env")
+        < names.index("build")
+        < names.index("test")
+        < names.index("bench")
+        < names.index("report")
+    )
+    assert all(
+        re.search(
+            r"\bnox -s " + stage + r"\b",
+            next(s["run"] for s in steps(job) if s.get("name") == stage),
+        )
+        for stage in ("env", "build", "test", "bench", "report")
+    )
+
+
+def test_sanitize_runs_only_when_csrc_changed():
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    sanitize = next(s for s in steps(job) if s.get("run", "").strip() == "nox -s sanitize")
+    assert "steps.changes.outputs.csrc == 'true'" in sanitize["if"]
+    assert sanitize["continue-on-error"] is False
+
+
+def test_report_job_never_checks_out_or_runs_pr_code():
+    workflow = load("pr-report.yml")
+    assert set(triggers(workflow)) == {"workflow_run"}
+    assert workflow["permissions"] == {}
+    for job_id, job in workflow["jobs"].items():
+        assert not is_self_hosted(job), job_id
+        assert job["permissions"] == {"actions": "read", "pull-requests": "write"}, job_id
+        for step in steps(job):
+            uses = step.get("uses", "")
+            assert not uses.startswith(("actions/checkout@", "./", "docker://")), (
+                f"{job_id}: {uses}"
+            )
+            assert uses.split("@")[0] in (
+                "",
+                "actions/download-artifact",
+                "marocchino/sticky-pull-request-comment",
+            )
+            run = step.get("run", "")
+            assert not EXECUTES_CODE.search(run), (
+                f"{job_id}: step {step.get('name')} may execute code: {run!r}"
+            )
+            assert "${{" not in run, (
+                f"{job_id}: step {step.get('name')} inlines an expression (use env:)"
+            )
+
+
+def test_report_job_reads_the_gpu_artifact_and_updates_one_comment():
+    gpu = load("gpu-ci.yml")
+    report = load("pr-report.yml")
+    assert triggers(report)["workflow_run"]["workflows"] == [gpu["name"]]
+    assert triggers(report)["workflow_run"]["types"] == ["completed"]
+    upload = next(
+        s
+        for s in steps(gpu["jobs"]["gpu"])
+        if s.get("uses", "").startswith("actions/upload-artifact@")
+    )
+    job = report["jobs"]["comment"]
+    download = next(
+        s for s in steps(job) if s.get("uses", "").startswith("actions/download-artifact@")
+    )
+    assert download["with"]["name"] == upload["with"]["name"]
+    assert download["with"]["run-id"] == "${{ github.event.workflow_run.id }}"
+    assert download["with"]["github-token"] == "${{ github.token }}"
+    sticky = next(
+        s
+        for s in steps(job)
+        if s.get("uses", "").startswith("marocchino/sticky-pull-request-comment@")
+    )
+    assert sticky["with"]["header"] == "flashmoe-science-report"
+    assert sticky["with"]["number"] == "${{ steps.pr.outputs.number }}"
+    # the PR number comes from the artifact as data and is checked against the API
+    resolve = next(s for s in steps(job) if s.get("id") == "pr")["run"]
+    assert "commits/$HEAD_SHA/pulls" in resolve and "pulls/$claimed" in resolve
+    assert '"$pr_head_sha" != "$HEAD_SHA"' in resolve
+
+
+def test_gpu_job_writes_the_pr_number_as_data():
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    step = next(s for s in steps(job) if "reports/pr.json" in s.get("run", ""))
+    assert step["env"]["PR_NUMBER"] == "${{ github.event.pull_request.number }}"
+    assert "${{" not in step["run"]
+
+
+def test_no_run_step_inlines_untrusted_event_fields():
+    untrusted = re.compile(r"\$\{\{\s*github\.(event\.|head_ref|base_ref)")
+    for name, _, job_id, job in all_jobs():
+        for step in steps(job):
+            assert not untrusted.search(step.get("run", "")), f"{name}:{job_id}: {step.get('name')}"
+
+
+def test_zizmor_ignores_are_justified():
+    for path in sorted(WORKFLOWS.glob("*.yml")):
+        for line in path.read_text().splitlines():
+            match = re.search(r"#\s*zizmor:\s*ignore\[[\w-]+\](.*)$", line)
+            if match:
+                assert len(match.group(1).strip()) > 10, (
+                    f"{path.name}: unjustified ignore: {line.strip()}"
+                )
