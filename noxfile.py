@@ -81,7 +81,9 @@ def compile(session: nox.Session) -> None:
 @nox.session(default=False)
 def lint(session: nox.Session) -> None:
     """pre-commit on all files (ruff, clang-format, shellcheck, YAML and workflow checks)."""
-    session.run(PYTHON, "-m", "pre_commit", "run", "--all-files", "--show-diff-on-failure", *session.posargs)
+    session.run(
+        PYTHON, "-m", "pre_commit", "run", "--all-files", "--show-diff-on-failure", *session.posargs
+    )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ constexpr int kBlockN = 64;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Keys [begin, end) of the KV cache that query row `i` of batch `b` attends to within split `split`.
-inline void split_key_range(const AttentionParams& p, int b, int i, int split, int* begin, int* end) {
+// Keys [begin, end) of the KV cache that query row `i` of batch `b` attends to within split
+// `split`.
+inline void split_key_range(const AttentionParams& p, int b, int i, int split, int* begin,
+                            int* end) {
   const int len_k = p.seqlens_k ? p.seqlens_k[b] : p.seqlen_k;
   int visible = len_k;
   if (p.causal) visible = std::min(len_k, i + len_k - p.seqlen_q + 1);
@@ -32,8 +34,8 @@ inline void split_key_range(const AttentionParams& p, int b, int i, int split, i
 #endif
 }
 
-// One query row over keys [begin, end): writes the normalised output (D floats) and the log-sum-exp.
-// q, k, v are fp32 and contiguous ([B, H, S, D]).
+// One query row over keys [begin, end): writes the normalised output (D floats) and the
+// log-sum-exp. q, k, v are fp32 and contiguous ([B, H, S, D]).
 inline void attend_row(const AttentionParams& p, const float* q_row, const float* k_head,
                        const float* v_head, int begin, int end, float* out, float* lse,
                        std::vector<float>& scores) {
@@ -46,7 +48,8 @@ inline void attend_row(const AttentionParams& p, const float* q_row, const float
     for (int j = n0; j < n1; ++j) {
       const float* k_row = k_head + int64_t(j) * d;
       float s = 0.f;
-      for (int c = 0; c < d; ++c) s += q_row[c] * k_row[c];
+      for (int c = 0; c < d; ++c)
+        s += q_row[c] * k_row[c];
       scores[j - n0] = s;
       block_max = std::max(block_max, s);
     }
@@ -55,12 +58,14 @@ inline void attend_row(const AttentionParams& p, const float* q_row, const float
     const float max_scaled = new_max == kNegInf ? 0.f : new_max * p.scale_log2;
     const float rescale = std::exp2(row_max * p.scale_log2 - max_scaled);
     row_sum *= rescale;
-    for (int c = 0; c < d; ++c) out[c] *= rescale;
+    for (int c = 0; c < d; ++c)
+      out[c] *= rescale;
     for (int j = n0; j < n1; ++j) {
       const float prob = std::exp2(scores[j - n0] * p.scale_log2 - max_scaled);
       row_sum += prob;
       const float* v_row = v_head + int64_t(j) * d;
-      for (int c = 0; c < d; ++c) out[c] += prob * v_row[c];
+      for (int c = 0; c < d; ++c)
+        out[c] += prob * v_row[c];
     }
     row_max = new_max;
   }
@@ -70,18 +75,20 @@ inline void attend_row(const AttentionParams& p, const float* q_row, const float
     return;
   }
   const float inv = 1.f / row_sum;
-  for (int c = 0; c < d; ++c) out[c] *= inv;
+  for (int c = 0; c < d; ++c)
+    out[c] *= inv;
   *lse = row_max * p.softmax_scale + std::log(row_sum);
 }
 
-// Reduce per-split partial outputs: lse = log sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * out_s.
-// o_accum: [splits, rows, D], lse_accum: [splits, rows]; out: [rows, D]; lse: [rows].
+// Reduce per-split partial outputs: lse = log sum_s exp(lse_s); out = sum_s exp(lse_s - lse) *
+// out_s. o_accum: [splits, rows, D], lse_accum: [splits, rows]; out: [rows, D]; lse: [rows].
 inline void split_kv_combine(const float* o_accum, const float* lse_accum, int num_splits,
                              int64_t rows, int d, float* out, float* lse) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float lse_max = kNegInf;
-      for (int s = 0; s < num_splits; ++s) lse_max = std::max(lse_max, lse_accum[s * rows + r]);
+      for (int s = 0; s < num_splits; ++s)
+        lse_max = std::max(lse_max, lse_accum[s * rows + r]);
       float* o = out + r * d;
       std::fill(o, o + d, 0.f);
       if (lse_max == kNegInf) {  // every split was empty
@@ -89,17 +96,20 @@ inline void split_kv_combine(const float* o_accum, const float* lse_accum, int n
         continue;
       }
       float sum = 0.f;
-      for (int s = 0; s < num_splits; ++s) sum += std::exp(lse_accum[s * rows + r] - lse_max);
+      for (int s = 0; s < num_splits; ++s)
+        sum += std::exp(lse_accum[s * rows + r] - lse_max);
       const float lse_row = lse_max + std::log(sum);
       lse[r] = lse_row;
       for (int s = 0; s < num_splits; ++s) {
         const float w = std::exp(lse_accum[s * rows + r] - lse_row);
         const float* os = o_accum + (int64_t(s) * rows + r) * d;
-        for (int c = 0; c < d; ++c) o[c] += w * os[c];
+        for (int c = 0; c < d; ++c)
+          o[c] += w * os[c];
       }
 #if FLASHMOE_PLANT_BUG == 2
       const float w0 = std::exp(lse_accum[r] - lse_row);
-      for (int c = 0; c < d; ++c) o[c] += w0 * o_accum[r * d + c];
+      for (int c = 0; c < d; ++c)
+        o[c] += w0 * o_accum[r * d + c];
 #endif
     }
   });

@@ -22,7 +22,7 @@
 // crashed the process (segmentation fault) when the unit was built with the GPU machine's GCC 13
 // wrapper against torch 2.11; c10::Error and std exceptions were caught fine there.
 #define FLASHMOE_CHECK_VALUE(cond, ...) TORCH_CHECK(cond, "ValueError: ", __VA_ARGS__)
-#define FLASHMOE_CHECK_TYPE(cond, ...) TORCH_CHECK(cond, "TypeError: ", __VA_ARGS__)
+#define FLASHMOE_CHECK_TYPE(cond, ...)  TORCH_CHECK(cond, "TypeError: ", __VA_ARGS__)
 
 namespace flashmoe {
 
@@ -37,14 +37,22 @@ inline std::string shape_str(const Tensor& t) {
 // Dtype names as Python spells them, so errors read "torch.float32" rather than "Float".
 inline std::string dtype_name(at::ScalarType t) {
   switch (t) {
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kBool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(t);
+    case at::kHalf:
+      return "torch.float16";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    case at::kFloat:
+      return "torch.float32";
+    case at::kDouble:
+      return "torch.float64";
+    case at::kInt:
+      return "torch.int32";
+    case at::kLong:
+      return "torch.int64";
+    case at::kBool:
+      return "torch.bool";
+    default:
+      return std::string("torch.") + c10::toString(t);
   }
 }
 
@@ -60,47 +68,51 @@ inline void check_attention_inputs(const Tensor& q, const Tensor& k, const Tenso
   const char* names[] = {"q", "k", "v"};
   for (int t = 0; t < 3; ++t) {
     const Tensor& x = *named[t];
-    FLASHMOE_CHECK_VALUE(x.dim() == 4, names[t], " must have 4 dimensions [batch, heads, seq, head_dim], got ",
-                      x.dim(), " (shape ", shape_str(x), ")");
-    FLASHMOE_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ", dtype_name(x.scalar_type()),
-                     "; supported: torch.float16, torch.bfloat16");
+    FLASHMOE_CHECK_VALUE(x.dim() == 4, names[t],
+                         " must have 4 dimensions [batch, heads, seq, head_dim], got ", x.dim(),
+                         " (shape ", shape_str(x), ")");
+    FLASHMOE_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ",
+                        dtype_name(x.scalar_type()), "; supported: torch.float16, torch.bfloat16");
     FLASHMOE_CHECK_VALUE(x.device() == q.device(), names[t], " is on ", x.device(), " but q is on ",
-                      q.device(), "; all inputs must be on the same device");
+                         q.device(), "; all inputs must be on the same device");
     FLASHMOE_CHECK_VALUE(x.size(3) <= 1 || x.stride(3) == 1, names[t],
-                      " must be contiguous in its last dimension (stride 1), got strides ", x.strides(),
-                      "; call .contiguous() first");
+                         " must be contiguous in its last dimension (stride 1), got strides ",
+                         x.strides(), "; call .contiguous() first");
   }
   FLASHMOE_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                   "q, k and v must share one dtype, got ", dtype_name(q.scalar_type()), ", ",
-                   dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()));
-  FLASHMOE_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0),
-                    "batch sizes differ: q ", shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
-  FLASHMOE_CHECK_VALUE(k.size(3) == q.size(3) && v.size(3) == q.size(3),
-                    "head_dim differs: q ", shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+                      "q, k and v must share one dtype, got ", dtype_name(q.scalar_type()), ", ",
+                      dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()));
+  FLASHMOE_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0), "batch sizes differ: q ",
+                       shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  FLASHMOE_CHECK_VALUE(k.size(3) == q.size(3) && v.size(3) == q.size(3), "head_dim differs: q ",
+                       shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
   FLASHMOE_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2),
-                    "k and v must have the same shape, got k ", shape_str(k), ", v ", shape_str(v));
-  FLASHMOE_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-                    "heads of q (", q.size(1), ") must be a multiple of heads of k and v (", k.size(1),
-                    ") for grouped-query attention");
+                       "k and v must have the same shape, got k ", shape_str(k), ", v ",
+                       shape_str(v));
+  FLASHMOE_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "heads of q (", q.size(1),
+                       ") must be a multiple of heads of k and v (", k.size(1),
+                       ") for grouped-query attention");
   FLASHMOE_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxSplits, "num_splits must be in [0, ",
-                    kMaxSplits, "] (0 = automatic), got ", num_splits);
+                       kMaxSplits, "] (0 = automatic), got ", num_splits);
   if (seqlens_k.has_value()) {
     const Tensor& s = *seqlens_k;
     FLASHMOE_CHECK_TYPE(s.scalar_type() == at::ScalarType::Int, "cache_seqlens has dtype ",
-                     dtype_name(s.scalar_type()), "; supported: torch.int32");
-    FLASHMOE_CHECK_VALUE(s.dim() == 1 && s.size(0) == q.size(0), "cache_seqlens must have shape [batch] = [",
-                      q.size(0), "], got ", shape_str(s));
-    FLASHMOE_CHECK_VALUE(s.device() == q.device(), "cache_seqlens is on ", s.device(), " but q is on ",
-                      q.device());
+                        dtype_name(s.scalar_type()), "; supported: torch.int32");
+    FLASHMOE_CHECK_VALUE(s.dim() == 1 && s.size(0) == q.size(0),
+                         "cache_seqlens must have shape [batch] = [", q.size(0), "], got ",
+                         shape_str(s));
+    FLASHMOE_CHECK_VALUE(s.device() == q.device(), "cache_seqlens is on ", s.device(),
+                         " but q is on ", q.device());
   }
 }
 
-// Values are checked on the host, so the caller pays a device sync only when it passes cache_seqlens.
+// Values are checked on the host, so the caller pays a device sync only when it passes
+// cache_seqlens.
 inline void check_seqlens_values(const Tensor& seqlens_cpu, int64_t seqlen_k) {
   const int* s = seqlens_cpu.data_ptr<int>();
   for (int64_t b = 0; b < seqlens_cpu.numel(); ++b) {
     FLASHMOE_CHECK_VALUE(s[b] >= 0 && s[b] <= seqlen_k, "cache_seqlens[", b, "] = ", s[b],
-                      " is outside [0, ", seqlen_k, "] (the cache length)");
+                         " is outside [0, ", seqlen_k, "] (the cache length)");
   }
 }
 
@@ -142,25 +154,29 @@ inline std::optional<std::tuple<Tensor, Tensor>> empty_result(const Tensor& q, c
 // CPU implementation
 // ------------------------------------------------------------------------------------------------
 
-inline void check_combine_inputs(const Tensor& out_partial, const Tensor& lse_partial, at::ScalarType dtype) {
-  FLASHMOE_CHECK_TYPE(out_partial.scalar_type() == at::kFloat && lse_partial.scalar_type() == at::kFloat,
-                   "out_partial and lse_partial must be torch.float32, got ",
-                   dtype_name(out_partial.scalar_type()), " and ", dtype_name(lse_partial.scalar_type()));
-  FLASHMOE_CHECK_VALUE(out_partial.dim() == 5 && lse_partial.dim() == 4 &&
-                        out_partial.sizes().slice(0, 4) == lse_partial.sizes(),
-                    "out_partial must be [splits, B, H, Sq, D] and lse_partial [splits, B, H, Sq], got ",
-                    shape_str(out_partial), " and ", shape_str(lse_partial));
+inline void check_combine_inputs(const Tensor& out_partial, const Tensor& lse_partial,
+                                 at::ScalarType dtype) {
+  FLASHMOE_CHECK_TYPE(
+      out_partial.scalar_type() == at::kFloat && lse_partial.scalar_type() == at::kFloat,
+      "out_partial and lse_partial must be torch.float32, got ",
+      dtype_name(out_partial.scalar_type()), " and ", dtype_name(lse_partial.scalar_type()));
+  FLASHMOE_CHECK_VALUE(
+      out_partial.dim() == 5 && lse_partial.dim() == 4 &&
+          out_partial.sizes().slice(0, 4) == lse_partial.sizes(),
+      "out_partial must be [splits, B, H, Sq, D] and lse_partial [splits, B, H, Sq], got ",
+      shape_str(out_partial), " and ", shape_str(lse_partial));
   FLASHMOE_CHECK_VALUE(out_partial.size(0) >= 1 && out_partial.size(0) <= kMaxSplits,
-                    "the number of splits must be in [1, ", kMaxSplits, "], got ", out_partial.size(0));
+                       "the number of splits must be in [1, ", kMaxSplits, "], got ",
+                       out_partial.size(0));
   FLASHMOE_CHECK_TYPE(is_half_type(dtype), "dtype ", dtype_name(dtype),
-                   " is not supported; supported: torch.float16, torch.bfloat16");
-  FLASHMOE_CHECK_VALUE(lse_partial.device() == out_partial.device(), "lse_partial is on ", lse_partial.device(),
-                    " but out_partial is on ", out_partial.device());
+                      " is not supported; supported: torch.float16, torch.bfloat16");
+  FLASHMOE_CHECK_VALUE(lse_partial.device() == out_partial.device(), "lse_partial is on ",
+                       lse_partial.device(), " but out_partial is on ", out_partial.device());
 }
 
 inline std::tuple<Tensor, Tensor> split_kv_combine_cpu(const Tensor& out_partial,
-                                                      const Tensor& lse_partial,
-                                                      at::ScalarType dtype) {
+                                                       const Tensor& lse_partial,
+                                                       at::ScalarType dtype) {
   check_combine_inputs(out_partial, lse_partial, dtype);
   auto o_acc = out_partial.contiguous();
   auto l_acc = lse_partial.contiguous();
@@ -169,21 +185,24 @@ inline std::tuple<Tensor, Tensor> split_kv_combine_cpu(const Tensor& out_partial
   auto out = at::empty(o_acc.sizes().slice(1), o_acc.options());
   auto lse = at::empty(l_acc.sizes().slice(1), l_acc.options());
   if (rows > 0) {
-    cpu::split_kv_combine(o_acc.data_ptr<float>(), l_acc.data_ptr<float>(), int(o_acc.size(0)), rows,
-                          d, out.data_ptr<float>(), lse.data_ptr<float>());
+    cpu::split_kv_combine(o_acc.data_ptr<float>(), l_acc.data_ptr<float>(), int(o_acc.size(0)),
+                          rows, d, out.data_ptr<float>(), lse.data_ptr<float>());
   }
   return {out.to(dtype), lse};
 }
 
-inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                    const std::optional<Tensor>& seqlens_k, bool causal,
-                                                    double softmax_scale, int64_t num_splits,
-                                                    int64_t config) {
+inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k,
+                                                    const Tensor& v,
+                                                    const std::optional<Tensor>& seqlens_k,
+                                                    bool causal, double softmax_scale,
+                                                    int64_t num_splits, int64_t config) {
   check_attention_inputs(q, k, v, seqlens_k, num_splits);
-  FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(), "; this is the CPU implementation");
-  FLASHMOE_CHECK_VALUE(config == 0, "config=", config,
-                    " selects a CUDA tile configuration, but the inputs are CPU tensors; use config=0 "
-                    "(automatic) on the CPU");
+  FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(),
+                       "; this is the CPU implementation");
+  FLASHMOE_CHECK_VALUE(
+      config == 0, "config=", config,
+      " selects a CUDA tile configuration, but the inputs are CPU tensors; use config=0 "
+      "(automatic) on the CPU");
   if (seqlens_k.has_value()) check_seqlens_values(*seqlens_k, k.size(2));
   if (auto empty = empty_result(q, k)) return *empty;
 
@@ -229,13 +248,16 @@ inline int64_t planted_bug() { return FLASHMOE_PLANT_BUG; }
 // Schemas, written once. Each backend registers its implementation with TORCH_LIBRARY_IMPL.
 //   fwd: attention for prefill (seqlens_k = None) and decode (seqlens_k = per-sequence KV lengths).
 //     num_splits: 0 = automatic, else the split-KV count; config: 0 = automatic, else a CUDA tile
-//     configuration id (so the configurations another architecture selects can be forced and gated).
+//     configuration id (so the configurations another architecture selects can be forced and
+//     gated).
 //   split_kv_combine: the split-KV reduction on its own, for tests.
 TORCH_LIBRARY(flashmoe_science, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? seqlens_k, bool causal, float softmax_scale, "
       "int num_splits, int config) -> (Tensor, Tensor)");
-  m.def("split_kv_combine(Tensor out_partial, Tensor lse_partial, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def(
+      "split_kv_combine(Tensor out_partial, Tensor lse_partial, ScalarType dtype) -> (Tensor, "
+      "Tensor)");
   m.def("planted_bug() -> int", &flashmoe::planted_bug);
 }
 

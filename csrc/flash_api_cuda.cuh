@@ -55,7 +55,8 @@ void launch_fwd(const AttentionParams& p, int grid_x, int m_blocks, cudaStream_t
 }
 
 template <typename T, int D>
-void dispatch_config(const AttentionParams& p, int config, int grid_x, int m_blocks, cudaStream_t stream) {
+void dispatch_config(const AttentionParams& p, int config, int grid_x, int m_blocks,
+                     cudaStream_t stream) {
   if (config == 1) {
     launch_fwd<T, FwdTraits<D, 128, D == 128 ? 32 : 64, 4>>(p, grid_x, m_blocks, stream);
   } else {
@@ -64,7 +65,8 @@ void dispatch_config(const AttentionParams& p, int config, int grid_x, int m_blo
 }
 
 template <typename T>
-void dispatch_head_dim(const AttentionParams& p, int config, int grid_x, int m_blocks, cudaStream_t stream) {
+void dispatch_head_dim(const AttentionParams& p, int config, int grid_x, int m_blocks,
+                       cudaStream_t stream) {
   if (p.head_dim == 64) {
     dispatch_config<T, 64>(p, config, grid_x, m_blocks, stream);
   } else {
@@ -73,11 +75,13 @@ void dispatch_head_dim(const AttentionParams& p, int config, int grid_x, int m_b
 }
 
 constexpr int block_m_of(int config) { return config == 1 ? 128 : 64; }
-constexpr int block_n_of(int config, int head_dim) { return config == 1 && head_dim == 128 ? 32 : 64; }
+constexpr int block_n_of(int config, int head_dim) {
+  return config == 1 && head_dim == 128 ? 32 : 64;
+}
 
 template <typename T, int D>
-void launch_combine(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::Tensor& out, at::Tensor& lse,
-                    cudaStream_t stream) {
+void launch_combine(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::Tensor& out,
+                    at::Tensor& lse, cudaStream_t stream) {
   const int64_t rows = lse.numel();
   const int blocks = int((rows + 3) / 4);
   split_kv_combine_kernel<T, D><<<blocks, 128, 0, stream>>>(
@@ -86,19 +90,25 @@ void launch_combine(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-inline void combine_into(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::Tensor& out, at::Tensor& lse) {
+inline void combine_into(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::Tensor& out,
+                         at::Tensor& lse) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
   const bool fp16 = out.scalar_type() == at::kHalf;
   const int d = int(out.size(-1));
-  if (fp16 && d == 64) launch_combine<__half, 64>(o_accum, lse_accum, out, lse, stream);
-  else if (fp16) launch_combine<__half, 128>(o_accum, lse_accum, out, lse, stream);
-  else if (d == 64) launch_combine<__nv_bfloat16, 64>(o_accum, lse_accum, out, lse, stream);
-  else launch_combine<__nv_bfloat16, 128>(o_accum, lse_accum, out, lse, stream);
+  if (fp16 && d == 64)
+    launch_combine<__half, 64>(o_accum, lse_accum, out, lse, stream);
+  else if (fp16)
+    launch_combine<__half, 128>(o_accum, lse_accum, out, lse, stream);
+  else if (d == 64)
+    launch_combine<__nv_bfloat16, 64>(o_accum, lse_accum, out, lse, stream);
+  else
+    launch_combine<__nv_bfloat16, 128>(o_accum, lse_accum, out, lse, stream);
 }
 
 inline void check_head_dim_cuda(int64_t head_dim) {
-  FLASHMOE_CHECK_VALUE(head_dim == 64 || head_dim == 128, "head_dim=", head_dim,
-                    " is not supported on CUDA; supported: 64, 128 (the CPU implementation takes any)");
+  FLASHMOE_CHECK_VALUE(
+      head_dim == 64 || head_dim == 128, "head_dim=", head_dim,
+      " is not supported on CUDA; supported: 64, 128 (the CPU implementation takes any)");
 }
 
 // cp.async moves 16-byte chunks: base pointers and row/head/batch strides must be multiples of
@@ -111,8 +121,8 @@ inline at::Tensor aligned_for_cp_async(const at::Tensor& t) {
 }
 
 inline std::tuple<at::Tensor, at::Tensor> split_kv_combine_cuda(const at::Tensor& out_partial,
-                                                               const at::Tensor& lse_partial,
-                                                               at::ScalarType dtype) {
+                                                                const at::Tensor& lse_partial,
+                                                                at::ScalarType dtype) {
   check_combine_inputs(out_partial, lse_partial, dtype);
   check_head_dim_cuda(out_partial.size(4));
   c10::cuda::CUDAGuard guard(out_partial.device());
@@ -124,24 +134,27 @@ inline std::tuple<at::Tensor, at::Tensor> split_kv_combine_cuda(const at::Tensor
   return {out, lse};
 }
 
-inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                             const at::Tensor& v_in,
-                                                             const std::optional<at::Tensor>& seqlens_k,
-                                                             bool causal, double softmax_scale,
-                                                             int64_t num_splits, int64_t config) {
+inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& seqlens_k, bool causal, double softmax_scale,
+    int64_t num_splits, int64_t config) {
   check_attention_inputs(q_in, k_in, v_in, seqlens_k, num_splits);
-  FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(), "; this is the CUDA implementation");
+  FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
+                       "; this is the CUDA implementation");
   check_head_dim_cuda(q_in.size(3));
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs, "config must be in [0, ", kNumConfigs,
-                    "] (0 = automatic), got ", config);
+                       "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
-  TORCH_CHECK(dev.major >= 8, "flashmoe_science needs a GPU of compute capability 8.0 or newer (mma.sync "
-              "bf16/fp16), this one is ", dev.major, ".", dev.minor);
+  TORCH_CHECK(dev.major >= 8,
+              "flashmoe_science needs a GPU of compute capability 8.0 or newer (mma.sync "
+              "bf16/fp16), this one is ",
+              dev.major, ".", dev.minor);
   if (seqlens_k.has_value()) check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
   if (auto empty = empty_result(q_in, k_in)) return *empty;
 
-  const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in), v = aligned_for_cp_async(v_in);
+  const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
+                   v = aligned_for_cp_async(v_in);
   AttentionParams p = make_params(q, k, v, causal, softmax_scale);
   if (seqlens_k.has_value()) p.seqlens_k = seqlens_k->data_ptr<int>();
   // Fold the query heads of a GQA group into the rows when the queries are few (decode), so the
@@ -152,14 +165,15 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q
 
   const int m_blocks = ceil_div(rows_per_head, block_m_of(int(config)));
   const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
-  FLASHMOE_CHECK_VALUE(m_blocks <= 65535 && grid_x < (int64_t(1) << 31), "q of shape ", shape_str(q_in),
-                    " exceeds the launch grid (at most 65535 row blocks per head)");
+  FLASHMOE_CHECK_VALUE(m_blocks <= 65535 && grid_x < (int64_t(1) << 31), "q of shape ",
+                       shape_str(q_in),
+                       " exceeds the launch grid (at most 65535 row blocks per head)");
   const int n_blocks = ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim));
   int splits = int(num_splits);
   if (splits == 0) {
     // 2 blocks per SM: 128-thread blocks, as FA2 assumes.
-    splits = num_splits_heuristic(int(std::min<int64_t>(grid_x * m_blocks, 1 << 30)), dev.sm_count * 2,
-                                  n_blocks, kMaxSplits);
+    splits = num_splits_heuristic(int(std::min<int64_t>(grid_x * m_blocks, 1 << 30)),
+                                  dev.sm_count * 2, n_blocks, kMaxSplits);
   }
   p.num_splits = splits;
   p.n_blocks_per_split = std::max(1, ceil_div(n_blocks, splits));

@@ -1,7 +1,7 @@
 // FlashAttention-2-style forward kernel (prefill and split-KV decode) and the split-KV combine
 // kernel. One block owns kBlockM rows of one (batch, head); K and V tiles stream through shared
-// memory; S = Q K^T and O += P V run on mma.sync tensor cores with fp32 accumulation; the softmax is
-// online (running max and sum per row, in fp32, base 2 with the scale folded in).
+// memory; S = Q K^T and O += P V run on mma.sync tensor cores with fp32 accumulation; the softmax
+// is online (running max and sum per row, in fp32, base 2 with the scale folded in).
 #pragma once
 
 #include "attention_params.h"
@@ -21,8 +21,10 @@ struct FwdTraits {
   static constexpr int kMTiles = kBlockM / (16 * kNWarps);
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
-  static_assert(kMTiles >= 1 && kBlockM == kMTiles * 16 * kNWarps, "kBlockM must be 16 * warps * k");
-  static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "tile shapes must fit the mma and swizzle");
+  static_assert(kMTiles >= 1 && kBlockM == kMTiles * 16 * kNWarps,
+                "kBlockM must be 16 * warps * k");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0,
+                "tile shapes must fit the mma and swizzle");
 };
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a [rows][kHeadDim] shared tile. The chunk
@@ -93,7 +95,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) my_query[mt][hh] = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8);
+    for (int hh = 0; hh < 2; ++hh)
+      my_query[mt][hh] = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8);
 
   float acc_o[MT][DT][4];
   float row_max[MT][2], row_sum[MT][2];
@@ -102,7 +105,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+      for (int e = 0; e < 4; ++e)
+        acc_o[mt][dt][e] = 0.f;
     row_max[mt][0] = row_max[mt][1] = -INFINITY;
     row_sum[mt][0] = row_sum[mt][1] = 0.f;
   }
@@ -112,8 +116,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     for (int c = tid; c < BM * kChunks; c += kThreads) {
       const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
       const bool valid = gr < rows_total;
-      const T* src = valid ? q_base + row_head(gr) * p.q_head_stride + row_query(gr) * p.q_row_stride + ch * 8
-                           : q_base;
+      const T* src =
+          valid ? q_base + row_head(gr) * p.q_head_stride + row_query(gr) * p.q_row_stride + ch * 8
+                : q_base;
       cp_async_16(sQ + swizzle<D>(r, ch), src, valid);
     }
     // KV blocks run from the last to the first, so only the first one visited (the sequence tail
@@ -134,18 +139,21 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+        for (int e = 0; e < 4; ++e)
+          acc_s[mt][nt][e] = 0.f;
 
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        ldmatrix_x4(a[mt], sQ + swizzle<D>(warp_row0 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        ldmatrix_x4(a[mt],
+                    sQ + swizzle<D>(warp_row0 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, sK + swizzle<D>(np * 16 + (lane & 7) + (lane >> 4) * 8, kk * 2 + ((lane >> 3) & 1)));
+        ldmatrix_x4(bk, sK + swizzle<D>(np * 16 + (lane & 7) + (lane >> 4) * 8,
+                                        kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_16816<T>(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
@@ -154,7 +162,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       }
     }
 
-    bool need_mask = (n + 1) * BN > len_k || (p.causal && (n + 1) * BN - 1 > i_first + len_k - p.seqlen_q);
+    bool need_mask =
+        (n + 1) * BN > len_k || (p.causal && (n + 1) * BN - 1 > i_first + len_k - p.seqlen_q);
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || n * BN < key_begin;
 #endif
@@ -182,9 +191,11 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       for (int hh = 0; hh < 2; ++hh) {
         float mx = row_max[mt][hh];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hh], acc_s[mt][nt][2 * hh + 1]));
+        for (int nt = 0; nt < NT; ++nt)
+          mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hh], acc_s[mt][nt][2 * hh + 1]));
         mx = quad_max(mx);
-        // A row that has seen only masked keys keeps max = -inf; use 0 so exp2(-inf - 0) = 0, not NaN.
+        // A row that has seen only masked keys keeps max = -inf; use 0 so exp2(-inf - 0) = 0, not
+        // NaN.
         const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
         const float rescale = exp2f(row_max[mt][hh] * p.scale_log2 - max_scaled);
         row_max[mt][hh] = mx;
@@ -225,7 +236,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t bv[4];
-        ldmatrix_x4_trans(bv, sV + swizzle<D>(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4)));
+        ldmatrix_x4_trans(
+            bv, sV + swizzle<D>(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4)));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_16816<T>(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
@@ -248,7 +260,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       const int i = row_query(r), h = row_head(r);
       const int64_t lse_index = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
       if (p.num_splits == 1) {
-        T* o_row = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
+        T* o_row =
+            static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
           *reinterpret_cast<uint32_t*>(o_row + dt * 8 + (lane & 3) * 2) =
@@ -268,12 +281,14 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     }
 }
 
-// Split-KV combine: one warp per output row. lse = m + log sum_s exp(lse_s - m) with m = max_s lse_s;
-// out = sum_s exp(lse_s - lse) * out_s. Splits with no valid key carry lse = -inf and weigh 0.
+// Split-KV combine: one warp per output row. lse = m + log sum_s exp(lse_s - m) with m = max_s
+// lse_s; out = sum_s exp(lse_s - lse) * out_s. Splits with no valid key carry lse = -inf and weigh
+// 0.
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
     split_kv_combine_kernel(const float* __restrict__ o_accum, const float* __restrict__ lse_accum,
-                            T* __restrict__ out, float* __restrict__ lse, int num_splits, int64_t rows) {
+                            T* __restrict__ out, float* __restrict__ lse, int num_splits,
+                            int64_t rows) {
   constexpr int kPerLane = D / 32;
   static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
   const int lane = threadIdx.x % 32;
@@ -281,14 +296,18 @@ __global__ void __launch_bounds__(128)
   if (row >= rows) return;
 
   float lse_max = -INFINITY;
-  for (int s = lane; s < num_splits; s += 32) lse_max = fmaxf(lse_max, lse_accum[s * rows + row]);
+  for (int s = lane; s < num_splits; s += 32)
+    lse_max = fmaxf(lse_max, lse_accum[s * rows + row]);
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, off));
+  for (int off = 16; off > 0; off /= 2)
+    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, off));
   float sum = 0.f;
   if (lse_max != -INFINITY)
-    for (int s = lane; s < num_splits; s += 32) sum += expf(lse_accum[s * rows + row] - lse_max);
+    for (int s = lane; s < num_splits; s += 32)
+      sum += expf(lse_accum[s * rows + row] - lse_max);
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  for (int off = 16; off > 0; off /= 2)
+    sum += __shfl_xor_sync(0xffffffff, sum, off);
   const float lse_row = lse_max == -INFINITY ? -INFINITY : lse_max + logf(sum);
 
   float acc[kPerLane] = {};
@@ -297,17 +316,20 @@ __global__ void __launch_bounds__(128)
       const float w = expf(lse_accum[s * rows + row] - lse_row);
       const float* src = o_accum + (s * rows + row) * D + lane * kPerLane;
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) acc[e] += w * src[e];
+      for (int e = 0; e < kPerLane; ++e)
+        acc[e] += w * src[e];
     }
 #if FLASHMOE_PLANT_BUG == 2
     const float w0 = expf(lse_accum[row] - lse_row);
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) acc[e] += w0 * o_accum[row * D + lane * kPerLane + e];
+    for (int e = 0; e < kPerLane; ++e)
+      acc[e] += w0 * o_accum[row * D + lane * kPerLane + e];
 #endif
   }
   T* dst = out + row * D + lane * kPerLane;
 #pragma unroll
-  for (int e = 0; e < kPerLane; e += 2) *reinterpret_cast<uint32_t*>(dst + e) = pack2<T>(acc[e], acc[e + 1]);
+  for (int e = 0; e < kPerLane; e += 2)
+    *reinterpret_cast<uint32_t*>(dst + e) = pack2<T>(acc[e], acc[e + 1]);
   if (lane == 0) lse[row] = lse_row;
 }
 

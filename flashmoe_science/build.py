@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from . import exitcodes
-from .paths import require_gpu_from_env, CSRC_DIR, REPO_ROOT, build_root, report_dir
+from .paths import CSRC_DIR, REPO_ROOT, build_root, report_dir, require_gpu_from_env
 
 LIBRARY_NAME = "flashmoe_science_C"
 CUDA_SOURCE = "flashmoe_science.cu"

@@ -9,11 +9,23 @@ import sys
 from . import exitcodes
 
 COMMANDS = {
-    "env": ("flashmoe_science.env", "validate the environment (Python, torch, CUDA, nvcc, GPU, NumPy, ...)"),
+    "env": (
+        "flashmoe_science.env",
+        "validate the environment (Python, torch, CUDA, nvcc, GPU, NumPy, ...)",
+    ),
     "build": ("flashmoe_science.build", "build the extension as one compilation unit"),
-    "test": ("flashmoe_science.testing", "build incrementally, then run the correctness gates (bisect-safe)"),
-    "bench": ("flashmoe_science.bench", "time the kernels against PyTorch SDPA; --base REF compares commits"),
-    "report": ("flashmoe_science.report", "render reports/*.json into reports/report.md (PR comment, job summary)"),
+    "test": (
+        "flashmoe_science.testing",
+        "build incrementally, then run the correctness gates (bisect-safe)",
+    ),
+    "bench": (
+        "flashmoe_science.bench",
+        "time the kernels against PyTorch SDPA; --base REF compares commits",
+    ),
+    "report": (
+        "flashmoe_science.report",
+        "render reports/*.json into reports/report.md (PR comment, job summary)",
+    ),
 }
 
 
@@ -37,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(COMMANDS[name][0])
     except ImportError as exc:  # torch missing or broken: the machine is at fault, not the commit
         print(f"flashmoe_science {name}: cannot import {exc.name or exc}: {exc}", file=sys.stderr)
-        print("  fix: run scripts/setup_environment.sh (or activate the environment that holds torch)", file=sys.stderr)
+        print(
+            "  fix: run scripts/setup_environment.sh (or activate the environment that holds torch)",
+            file=sys.stderr,
+        )
         return exitcodes.ENV_BROKEN
     return int(module.main(rest) or 0)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import exitcodes
-from .paths import require_gpu_from_env, build_root, report_dir
+from .paths import build_root, report_dir, require_gpu_from_env
 
 SCHEMA = "flashmoe-science/env/1"
 STATUSES = ("ok", "warn", "fail", "skip")
@@ -602,7 +602,9 @@ def find_build_json(root: Path, torch_version: str | None) -> tuple[Path | None,
     return None, {}, f"the newest build is for torch {newest}, none for torch {torch_version} yet"
 
 
-LOAD_TIMEOUT_S = 8.0  # loading torch plus the extension in a fresh interpreter takes 2-4 s when idle
+LOAD_TIMEOUT_S = (
+    8.0  # loading torch plus the extension in a fresh interpreter takes 2-4 s when idle
+)
 
 
 def check_extension(root: Path, torch_probe: TorchProbe, deadline: Deadline) -> Check:

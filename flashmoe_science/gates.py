@@ -14,6 +14,7 @@ NaN first), the log-sum-exp against the reference, and bit-identical repeated ca
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import zlib
@@ -191,7 +192,10 @@ class GateResult:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["passed"] = self.passed
-        return {key: (None if isinstance(v, float) and not math.isfinite(v) else v) for key, v in d.items()}
+        return {
+            key: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for key, v in d.items()
+        }
 
 
 def row_profile(err_rows: torch.Tensor, segments: int = 8) -> list[tuple[int, int, float]]:
@@ -202,12 +206,14 @@ def row_profile(err_rows: torch.Tensor, segments: int = 8) -> list[tuple[int, in
     bounds = sorted({round(i * n / segments) for i in range(segments + 1)})
     return [
         (lo, hi - 1, float(err_rows[lo:hi].max()))
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)
+        for lo, hi in itertools.pairwise(bounds)
         if hi > lo
     ]
 
 
-def evaluate(case: Case, device: str, seed: int, out, lse, out_again, lse_again, ref, ref_lse, out_pt) -> GateResult:
+def evaluate(
+    case: Case, device: str, seed: int, out, lse, out_again, lse_again, ref, ref_lse, out_pt
+) -> GateResult:
     """Apply every gate to one call's results against the references."""
     dtype = DTYPES[case.dtype]
     outf = out.to(ref.dtype)
@@ -255,7 +261,9 @@ def evaluate(case: Case, device: str, seed: int, out, lse, out_again, lse_again,
         deterministic=deterministic,
     )
     if nonfinite:
-        result.failures.append(f"{nonfinite} NaN/Inf output elements (unwritten output or a missing NaN guard)")
+        result.failures.append(
+            f"{nonfinite} NaN/Inf output elements (unwritten output or a missing NaN guard)"
+        )
     if not max_diff < GATE1_MAX_DIFF:
         result.failures.append(f"gate 1: max diff {max_diff:.4g} >= {GATE1_MAX_DIFF}")
     if not max_diff <= bound:
@@ -263,9 +271,13 @@ def evaluate(case: Case, device: str, seed: int, out, lse, out_again, lse_again,
             f"gate 2: max diff {max_diff:.4g} > {GATE2_PT_MULTIPLIER:g} * PyTorch's {pt_max:.4g} + floor {floor:.3g}"
         )
     if lse_inf_mismatch:
-        result.failures.append(f"log-sum-exp: {lse_inf_mismatch} rows disagree on -inf/NaN (empty rows)")
+        result.failures.append(
+            f"log-sum-exp: {lse_inf_mismatch} rows disagree on -inf/NaN (empty rows)"
+        )
     if lse_max_diff > LSE_ATOL:
-        result.failures.append(f"log-sum-exp: max diff {lse_max_diff:.4g} beyond {LSE_ATOL} + {LSE_RTOL} * |lse|")
+        result.failures.append(
+            f"log-sum-exp: max diff {lse_max_diff:.4g} beyond {LSE_ATOL} + {LSE_RTOL} * |lse|"
+        )
     if not deterministic:
         result.failures.append("repeated calls on the same inputs are not bit-identical (a race?)")
     return result
@@ -297,12 +309,24 @@ def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
 
     if case.op == "decode":
         return ops.flash_attention_decode(
-            q, k, v, seqlens, softmax_scale, causal=case.causal,
-            num_splits=case.num_splits or None, return_lse=True,
+            q,
+            k,
+            v,
+            seqlens,
+            softmax_scale,
+            causal=case.causal,
+            num_splits=case.num_splits or None,
+            return_lse=True,
         )
     return ops.flash_attention_forward(
-        q, k, v, case.causal, softmax_scale, return_lse=True,
-        num_splits=case.num_splits, config=case.config,
+        q,
+        k,
+        v,
+        case.causal,
+        softmax_scale,
+        return_lse=True,
+        num_splits=case.num_splits,
+        config=case.config,
     )
 
 
@@ -335,7 +359,16 @@ def check_case(case: Case, device: str, attention_fn: AttentionFn | None = None)
 
 SEQLENS = (1, 2, 17, 64, 65, 127, 128, 129, 255, 256, 257, 512, 1000, 1024, 2048, 4096)
 SEQLENS_CPU = (1, 2, 17, 64, 65, 127, 129, 257, 512)
-UNEQUAL = ((1, 4096), (4096, 1), (113, 203), (203, 113), (1024, 1023), (1023, 1024), (1, 1000), (17, 1))
+UNEQUAL = (
+    (1, 4096),
+    (4096, 1),
+    (113, 203),
+    (203, 113),
+    (1024, 1023),
+    (1023, 1024),
+    (1, 1000),
+    (17, 1),
+)
 UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
 GQA_RATIOS = (1, 4, 8)
 
@@ -353,7 +386,9 @@ def forward_cases(tier: str) -> Iterator[Case]:
     """Forward gate cases. tier "gpu": the full matrix; tier "cpu": a representative subset."""
     gpu = tier == "gpu"
     head_dims = (64, 128) if gpu else (64, 128, 96)  # any head dim works on the CPU
-    pairs = [(s, s) for s in (SEQLENS if gpu else SEQLENS_CPU)] + list(UNEQUAL if gpu else UNEQUAL_CPU)
+    pairs = [(s, s) for s in (SEQLENS if gpu else SEQLENS_CPU)] + list(
+        UNEQUAL if gpu else UNEQUAL_CPU
+    )
     index = 0
     for dtype in DTYPES:
         for head_dim in head_dims:
@@ -363,7 +398,9 @@ def forward_cases(tier: str) -> Iterator[Case]:
                     if not gpu and max(seqlen_q, seqlen_k) >= 512:
                         batch, hq, hkv = 1, 4, (1, 4, 2)[index % 3]
                     layout = "bshd" if index % 4 == 3 else "bhsd"
-                    yield Case("fwd", dtype, head_dim, batch, hq, hkv, seqlen_q, seqlen_k, causal, layout)
+                    yield Case(
+                        "fwd", dtype, head_dim, batch, hq, hkv, seqlen_q, seqlen_k, causal, layout
+                    )
                     index += 1
     if gpu:
         # Every tile configuration any architecture selects, forced on this card.
@@ -371,9 +408,27 @@ def forward_cases(tier: str) -> Iterator[Case]:
             for dtype in DTYPES:
                 for head_dim in (64, 128):
                     for causal in (False, True):
-                        for seqlen_q, seqlen_k in ((1, 1), (65, 65), (257, 257), (1000, 1000), (113, 203), (2048, 2047)):
+                        for seqlen_q, seqlen_k in (
+                            (1, 1),
+                            (65, 65),
+                            (257, 257),
+                            (1000, 1000),
+                            (113, 203),
+                            (2048, 2047),
+                        ):
                             batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-                            yield Case("fwd", dtype, head_dim, batch, hq, hkv, seqlen_q, seqlen_k, causal, config=config)
+                            yield Case(
+                                "fwd",
+                                dtype,
+                                head_dim,
+                                batch,
+                                hq,
+                                hkv,
+                                seqlen_q,
+                                seqlen_k,
+                                causal,
+                                config=config,
+                            )
                             index += 1
 
 

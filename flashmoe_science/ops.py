@@ -87,7 +87,9 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        raise TypeError(
+            f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}"
+        )
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
     return float(softmax_scale)
@@ -137,7 +139,9 @@ def flash_attention_forward(
     _check_int("num_splits", num_splits, 0, 128, "0 = automatic")
     _check_int("config", config, 0, 2, "0 = automatic, 1 = 128x64 tiles, 2 = 64x64 tiles")
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
-    out, lse = _call(torch.ops.flashmoe_science.fwd, q, k, v, None, causal, scale, num_splits, config)
+    out, lse = _call(
+        torch.ops.flashmoe_science.fwd, q, k, v, None, causal, scale, num_splits, config
+    )
     return (out, lse) if return_lse else out
 
 
@@ -171,7 +175,15 @@ def flash_attention_decode(
         _check_int("num_splits", num_splits, 1, 128, "None = automatic")
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     out, lse = _call(
-        torch.ops.flashmoe_science.fwd, q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits or 0, 0
+        torch.ops.flashmoe_science.fwd,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        causal,
+        scale,
+        num_splits or 0,
+        0,
     )
     return (out, lse) if return_lse else out
 

@@ -35,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
         default=require_gpu_from_env(),
         help="a missing GPU or CUDA build is an error, exit 255 (default: FLASHMOE_REQUIRE_GPU=1)",
     )
-    parser.add_argument("--workers", default=None, help="pytest-xdist workers (default: auto, at most 8)")
+    parser.add_argument(
+        "--workers", default=None, help="pytest-xdist workers (default: auto, at most 8)"
+    )
     return parser
 
 
@@ -51,11 +53,16 @@ def main(argv: list[str]) -> int:
     try:
         import torch
     except ImportError as exc:
-        print(f"test: torch is not importable ({exc}); fix: run scripts/setup_environment.sh", file=sys.stderr)
+        print(
+            f"test: torch is not importable ({exc}); fix: run scripts/setup_environment.sh",
+            file=sys.stderr,
+        )
         return exitcodes.ENV_BROKEN
     if args.require_gpu and not torch.cuda.is_available():
-        print("test: --require-gpu but torch sees no GPU; fix: check `nvidia-smi` and that torch is a CUDA build",
-              file=sys.stderr)
+        print(
+            "test: --require-gpu but torch sees no GPU; fix: check `nvidia-smi` and that torch is a CUDA build",
+            file=sys.stderr,
+        )
         return exitcodes.ENV_BROKEN
 
     from . import build
@@ -67,11 +74,22 @@ def main(argv: list[str]) -> int:
         print(f"test: cannot configure the build: {exc}", file=sys.stderr)
         return exc.exit_code
     except build.BuildError as exc:
-        print(f"test: this commit does not build (exit {exitcodes.BUILD_FAILED}, git bisect skips it)\n{exc}",
-              file=sys.stderr)
+        print(
+            f"test: this commit does not build (exit {exitcodes.BUILD_FAILED}, git bisect skips it)\n{exc}",
+            file=sys.stderr,
+        )
         return exitcodes.BUILD_FAILED
 
-    cmd = [sys.executable, "-m", "pytest", "tests", "-n", _workers(args.workers), "-q", *pytest_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests",
+        "-n",
+        _workers(args.workers),
+        "-q",
+        *pytest_args,
+    ]
     print(f"test: {' '.join(cmd[2:])}", flush=True)
     env = dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else "")
     rc = subprocess.call(cmd, cwd=REPO_ROOT, env=env)
@@ -80,9 +98,14 @@ def main(argv: list[str]) -> int:
         print(f"test: all gates passed in {elapsed:.1f} s")
         return exitcodes.OK
     if rc == PYTEST_EXIT_GATE_FAILED:
-        print(f"test: gates FAILED in {elapsed:.1f} s; each failure above ends with a command that reruns it")
+        print(
+            f"test: gates FAILED in {elapsed:.1f} s; each failure above ends with a command that reruns it"
+        )
         return exitcodes.GATE_FAILED
     # 2 interrupted, 3 internal error, 4 usage error, 5 no tests collected: none says the commit is bad.
-    print(f"test: pytest exited {rc} (interrupted, internal or usage error, or no tests); not a verdict on "
-          "this commit", file=sys.stderr)
+    print(
+        f"test: pytest exited {rc} (interrupted, internal or usage error, or no tests); not a verdict on "
+        "this commit",
+        file=sys.stderr,
+    )
     return exitcodes.ENV_BROKEN

@@ -35,7 +35,9 @@ def has_cuda_kernels() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU and the CUDA build (nox -s build on a GPU machine)")
+    skip_gpu = pytest.mark.skip(
+        reason="needs a CUDA GPU and the CUDA build (nox -s build on a GPU machine)"
+    )
     if not torch.cuda.is_available():
         for item in items:
             if "gpu" in item.keywords:

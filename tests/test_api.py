@@ -32,24 +32,92 @@ def one_line_error(exc_info, *needles: str) -> str:
 
 
 BAD_INPUTS = [
-    ("float32 dtype", lambda q, k, v: (q.float(), k.float(), v.float()), {}, TypeError, ("q", "torch.float32", "torch.float16, torch.bfloat16")),
-    ("mismatched dtypes", lambda q, k, v: (q, k.bfloat16(), v.bfloat16()), {}, TypeError, ("share one dtype",)),
+    (
+        "float32 dtype",
+        lambda q, k, v: (q.float(), k.float(), v.float()),
+        {},
+        TypeError,
+        ("q", "torch.float32", "torch.float16, torch.bfloat16"),
+    ),
+    (
+        "mismatched dtypes",
+        lambda q, k, v: (q, k.bfloat16(), v.bfloat16()),
+        {},
+        TypeError,
+        ("share one dtype",),
+    ),
     ("rank 3", lambda q, k, v: (q[0], k, v), {}, ValueError, ("q", "4 dimensions", "got 3")),
     ("batch mismatch", lambda q, k, v: (q, k[:1], v[:1]), {}, ValueError, ("batch sizes differ",)),
-    ("head_dim mismatch", lambda q, k, v: (q, k[..., :32], v[..., :32]), {}, ValueError, ("head_dim differs",)),
+    (
+        "head_dim mismatch",
+        lambda q, k, v: (q, k[..., :32], v[..., :32]),
+        {},
+        ValueError,
+        ("head_dim differs",),
+    ),
     ("k v shape mismatch", lambda q, k, v: (q, k, v[:, :, :5]), {}, ValueError, ("k and v",)),
-    ("Hq not a multiple of Hkv", lambda q, k, v: (q[:, :3], k, v), {}, ValueError, ("multiple of heads",)),
-    ("non-contiguous last dim", lambda q, k, v: (q.transpose(-1, -2), k, v), {}, ValueError, ("q", "last dimension", "stride")),
-    ("CUDA-only config on CPU", lambda q, k, v: (q, k, v), {"config": 1}, ValueError, ("config=1", "CUDA")),
-    ("config out of range", lambda q, k, v: (q, k, v), {"config": 7}, ValueError, ("config", "got 7")),
-    ("num_splits out of range", lambda q, k, v: (q, k, v), {"num_splits": 500}, ValueError, ("num_splits", "500")),
-    ("negative scale", lambda q, k, v: (q, k, v), {"softmax_scale": -1.0}, ValueError, ("softmax_scale", "-1.0")),
-    ("causal not bool", lambda q, k, v: (q, k, v), {"causal": "yes"}, TypeError, ("causal", "bool")),
-    ("q not a tensor", lambda q, k, v: (q.numpy(), k, v), {}, TypeError, ("q", "torch.Tensor", "ndarray")),
+    (
+        "Hq not a multiple of Hkv",
+        lambda q, k, v: (q[:, :3], k, v),
+        {},
+        ValueError,
+        ("multiple of heads",),
+    ),
+    (
+        "non-contiguous last dim",
+        lambda q, k, v: (q.transpose(-1, -2), k, v),
+        {},
+        ValueError,
+        ("q", "last dimension", "stride"),
+    ),
+    (
+        "CUDA-only config on CPU",
+        lambda q, k, v: (q, k, v),
+        {"config": 1},
+        ValueError,
+        ("config=1", "CUDA"),
+    ),
+    (
+        "config out of range",
+        lambda q, k, v: (q, k, v),
+        {"config": 7},
+        ValueError,
+        ("config", "got 7"),
+    ),
+    (
+        "num_splits out of range",
+        lambda q, k, v: (q, k, v),
+        {"num_splits": 500},
+        ValueError,
+        ("num_splits", "500"),
+    ),
+    (
+        "negative scale",
+        lambda q, k, v: (q, k, v),
+        {"softmax_scale": -1.0},
+        ValueError,
+        ("softmax_scale", "-1.0"),
+    ),
+    (
+        "causal not bool",
+        lambda q, k, v: (q, k, v),
+        {"causal": "yes"},
+        TypeError,
+        ("causal", "bool"),
+    ),
+    (
+        "q not a tensor",
+        lambda q, k, v: (q.numpy(), k, v),
+        {},
+        TypeError,
+        ("q", "torch.Tensor", "ndarray"),
+    ),
 ]
 
 
-@pytest.mark.parametrize("name,mutate,kwargs,exc,needles", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+@pytest.mark.parametrize(
+    "name,mutate,kwargs,exc,needles", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
 def test_bad_input_gives_one_line_error(name, mutate, kwargs, exc, needles):
     q, k, v = qkv()
     if name == "q not a tensor":
@@ -81,16 +149,36 @@ def test_any_head_dim_on_cpu():
 
 
 DECODE_BAD = [
-    ("int64 seqlens", lambda s: s.long(), {}, TypeError, ("cache_seqlens", "torch.int64", "torch.int32")),
+    (
+        "int64 seqlens",
+        lambda s: s.long(),
+        {},
+        TypeError,
+        ("cache_seqlens", "torch.int64", "torch.int32"),
+    ),
     ("wrong shape seqlens", lambda s: s[:1], {}, ValueError, ("cache_seqlens", "[batch]")),
-    ("seqlen above Smax", lambda s: s + 100, {}, ValueError, ("cache_seqlens[0]", "outside [0, 24]")),
+    (
+        "seqlen above Smax",
+        lambda s: s + 100,
+        {},
+        ValueError,
+        ("cache_seqlens[0]", "outside [0, 24]"),
+    ),
     ("negative seqlen", lambda s: s - 100, {}, ValueError, ("cache_seqlens[0]", "outside")),
-    ("num_splits zero", lambda s: s, {"num_splits": 0}, ValueError, ("num_splits", "None", "got 0")),
+    (
+        "num_splits zero",
+        lambda s: s,
+        {"num_splits": 0},
+        ValueError,
+        ("num_splits", "None", "got 0"),
+    ),
     ("num_splits too many", lambda s: s, {"num_splits": 129}, ValueError, ("num_splits", "129")),
 ]
 
 
-@pytest.mark.parametrize("name,mutate,kwargs,exc,needles", DECODE_BAD, ids=[b[0] for b in DECODE_BAD])
+@pytest.mark.parametrize(
+    "name,mutate,kwargs,exc,needles", DECODE_BAD, ids=[b[0] for b in DECODE_BAD]
+)
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_bad_input(device, name, mutate, kwargs, exc, needles):
     q, k, v = qkv(device, sq=1)
@@ -109,7 +197,9 @@ def test_decode_seqlens_on_wrong_device():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", [(0, 4, 16, 16), (2, 4, 0, 16), (2, 4, 16, 0)], ids=["B=0", "Sq=0", "Sk=0"])
+@pytest.mark.parametrize(
+    "shape", [(0, 4, 16, 16), (2, 4, 0, 16), (2, 4, 16, 0)], ids=["B=0", "Sq=0", "Sk=0"]
+)
 def test_empty_inputs(device, shape):
     b, h, sq, sk = shape
     q, k, v = qkv(device, b=b, hq=h, hkv=h, sq=sq, sk=sk)
@@ -136,15 +226,21 @@ def test_default_scale_and_causal_alignment(device):
 def test_opcheck(device):
     q, k, v = qkv(device)
     ops.load_library()
-    torch.library.opcheck(torch.ops.flashmoe_science.fwd.default, (q, k, v, None, True, 0.125, 0, 0))
+    torch.library.opcheck(
+        torch.ops.flashmoe_science.fwd.default, (q, k, v, None, True, 0.125, 0, 0)
+    )
     seqlens = torch.tensor([20, 7], dtype=torch.int32, device=device)
-    torch.library.opcheck(torch.ops.flashmoe_science.fwd.default, (q[:, :, :1], k, v, seqlens, True, 0.125, 3, 0))
+    torch.library.opcheck(
+        torch.ops.flashmoe_science.fwd.default, (q[:, :, :1], k, v, seqlens, True, 0.125, 3, 0)
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile(device):
     q, k, v = qkv(device)
-    compiled = torch.compile(lambda q, k, v: flash_attention_forward(q, k, v, causal=True) * 2, fullgraph=True)
+    compiled = torch.compile(
+        lambda q, k, v: flash_attention_forward(q, k, v, causal=True) * 2, fullgraph=True
+    )
     torch.testing.assert_close(compiled(q, k, v), flash_attention_forward(q, k, v, causal=True) * 2)
 
 

@@ -24,9 +24,16 @@ SUBSET = "test_gate_cpu and fwd-fp16-d64 and sq129"
 
 
 def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@t")
-    return subprocess.run(["git", *args], cwd=repo, env=env, check=check, capture_output=True, text=True)
+    env = dict(
+        os.environ,
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@t",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@t",
+    )
+    return subprocess.run(
+        ["git", *args], cwd=repo, env=env, check=check, capture_output=True, text=True
+    )
 
 
 def commit(repo: Path, message: str) -> str:
@@ -43,8 +50,13 @@ def edit(repo: Path, path: str, old: str, new: str) -> None:
 
 
 def copy_checkout(dest: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
-                           check=True, capture_output=True, text=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     for name in files:
         src = REPO_ROOT / name
         if src.is_file():
@@ -74,12 +86,34 @@ def test_git_bisect_run_names_the_breaking_commit(tmp_path):
     bad = commit(repo, "docs")
 
     # Six commits after the good one: git tests the middle one (the one that does not compile) first.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHMOE_", "PYTEST_XDIST", "TORCH_CUDA_ARCH"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FLASHMOE_", "PYTEST_XDIST", "TORCH_CUDA_ARCH"))
+    }
     env["CUDA_VISIBLE_DEVICES"] = ""  # the nested runs build and gate the CPU unit
     git(repo, "bisect", "start", bad, good)
     run = subprocess.run(
-        ["git", "bisect", "run", sys.executable, "-m", "nox", "-s", "test", "--", "-k", SUBSET, "--workers", "1"],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=1200,
+        [
+            "git",
+            "bisect",
+            "run",
+            sys.executable,
+            "-m",
+            "nox",
+            "-s",
+            "test",
+            "--",
+            "-k",
+            SUBSET,
+            "--workers",
+            "1",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     log = git(repo, "bisect", "log").stdout
     output = run.stdout + run.stderr

@@ -17,7 +17,9 @@ CPU_CASES = gates.gate_cases("cpu")
 
 def _run(case: gates.Case, device: str, record_property) -> None:
     result = gates.check_case(case, device)
-    record_property("gate", {**result.to_json(), "op": case.op, "dtype": case.dtype, "head_dim": case.head_dim})
+    record_property(
+        "gate", {**result.to_json(), "op": case.op, "dtype": case.dtype, "head_dim": case.head_dim}
+    )
     if not result.passed:
         pytest.fail(gates.format_failure(case, result), pytrace=False)
 
@@ -31,7 +33,10 @@ def test_gate_cpu(case, record_property):
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_gate_cuda(case, record_property, has_cuda_kernels):
     if not has_cuda_kernels:
-        pytest.fail("a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`", pytrace=False)
+        pytest.fail(
+            "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
+            pytrace=False,
+        )
     _run(case, "cuda", record_property)
 
 
@@ -43,7 +48,9 @@ def test_matrix_covers_the_issue():
     assert {c.head_dim for c in GPU_CASES} == {64, 128}
     assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
     assert {c.causal for c in GPU_CASES} == {False, True}
-    assert any(c.seqlen_q < c.seqlen_k for c in GPU_CASES) and any(c.seqlen_q > c.seqlen_k for c in GPU_CASES)
+    assert any(c.seqlen_q < c.seqlen_k for c in GPU_CASES) and any(
+        c.seqlen_q > c.seqlen_k for c in GPU_CASES
+    )
     assert {c.heads_q // c.heads_kv for c in GPU_CASES} == {1, 4, 8}
     assert any(c.layout == "bshd" for c in GPU_CASES) and any(c.batch > 1 for c in GPU_CASES)
     assert {c.config for c in GPU_CASES} == {0, 1, 2}
@@ -61,5 +68,6 @@ def test_inputs_are_fresh_and_nonzero():
     qa, _, _, _ = gates.make_inputs(a, "cpu")
     qb, _, _, _ = gates.make_inputs(b, "cpu")
     assert a.seed() != b.seed()
-    assert qa.abs().min() > 0 or qa.count_nonzero() > 0.99 * qa.numel()
-    assert torch.isfinite(qa).all()
+    n = min(qa.numel(), qb.numel())
+    assert not torch.equal(qa.flatten()[:n], qb.flatten()[:n])  # each case draws its own inputs
+    assert qa.count_nonzero() > 0.99 * qa.numel() and torch.isfinite(qa).all()
