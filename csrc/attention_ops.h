@@ -12,27 +12,48 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <tuple>
 
 #include "attention_cpu.h"
 #include "attention_params.h"
 
-// Input errors are thrown as plain c10::Error with the Python exception type as a prefix, which
-// flashmoe_science/ops.py turns into TypeError / ValueError. Throwing c10::ValueError itself
-// crashed the process (segmentation fault) when the unit was built with the GPU machine's GCC 13
-// wrapper against torch 2.11; c10::Error and std exceptions were caught fine there.
-#define FLASHMOE_CHECK_VALUE(cond, ...) TORCH_CHECK(cond, "ValueError: ", __VA_ARGS__)
-#define FLASHMOE_CHECK_TYPE(cond, ...)  TORCH_CHECK(cond, "TypeError: ", __VA_ARGS__)
+// Input errors are thrown as plain c10::Error whose message starts with the Python exception type;
+// flashmoe_science/ops.py turns the prefix into TypeError / ValueError. The message is assembled
+// here with std::to_string rather than by c10::str's ostream: on the GPU machine (torch 2.11, the
+// image's GCC 13 wrapper) a unit whose error path streamed a number or a shape into an ostream
+// crashed the process with a segmentation fault, while string-only messages were caught fine.
+#define FLASHMOE_CHECK_VALUE(cond, ...) \
+  TORCH_CHECK(cond, ::flashmoe::error_text("ValueError: ", __VA_ARGS__))
+#define FLASHMOE_CHECK_TYPE(cond, ...) \
+  TORCH_CHECK(cond, ::flashmoe::error_text("TypeError: ", __VA_ARGS__))
 
 namespace flashmoe {
 
 using at::Tensor;
 
-inline std::string shape_str(const Tensor& t) {
-  std::ostringstream s;
-  s << t.sizes();
-  return s.str();
+inline std::string to_text(const std::string& s) { return s; }
+inline std::string to_text(const char* s) { return s; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+std::string to_text(T value) {
+  return std::to_string(value);
 }
+inline std::string to_text(c10::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+inline std::string to_text(const c10::Device& device) {
+  std::string out = device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : "other";
+  return device.has_index() ? out + ":" + std::to_string(device.index()) : out;
+}
+
+template <typename... Args>
+std::string error_text(const Args&... args) {
+  return (std::string() + ... + to_text(args));
+}
+
+inline std::string shape_str(const Tensor& t) { return to_text(t.sizes()); }
 
 // Dtype names as Python spells them, so errors read "torch.float32" rather than "Float".
 inline std::string dtype_name(at::ScalarType t) {
