@@ -313,6 +313,8 @@ __global__ void __launch_bounds__(128)
   float acc[kPerLane] = {};
   if (lse_max != -INFINITY) {
     for (int s = 0; s < num_splits; ++s) {
+      // An empty split weighs 0; skip it rather than multiply, so whatever it holds cannot leak in.
+      if (lse_accum[s * rows + row] == -INFINITY) continue;
       const float w = expf(lse_accum[s * rows + row] - lse_row);
       const float* src = o_accum + (s * rows + row) * D + lane * kPerLane;
 #pragma unroll

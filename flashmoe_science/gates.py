@@ -432,5 +432,39 @@ def forward_cases(tier: str) -> Iterator[Case]:
                             index += 1
 
 
+DECODE_SEQLENS_K = (1, 2, 63, 64, 65, 257, 1000, 4096, 32768, 131072)
+DECODE_SEQLENS_K_CPU = (1, 2, 63, 65, 257, 1000)
+DECODE_SEQLENS_Q = (1, 2, 4, 16)
+DECODE_SPLITS = (0, 1, 2, 3, 7, 128)  # 0: automatic
+
+
+def _mixed_lengths(seqlen_k: int, batch: int, index: int) -> tuple[int, ...]:
+    """Per-sequence cache lengths for one batch: empty, one token, lengths that end inside a split,
+    and the full cache."""
+    pool = [0, 1, max(0, seqlen_k // 3 + 1), max(0, seqlen_k - 1), seqlen_k, max(0, seqlen_k // 2 + 7)]
+    return tuple(min(seqlen_k, pool[(index + i) % len(pool)]) for i in range(batch))
+
+
+def decode_cases(tier: str) -> Iterator[Case]:
+    """Split-KV decode gate cases: short queries against caches from 1 to 128k tokens, mixed
+    cache_seqlens in one batch, GQA ratios 1/4/8, both dtypes, forced and automatic split counts."""
+    gpu = tier == "gpu"
+    index = 0
+    for dtype in DTYPES:
+        for seqlen_k in DECODE_SEQLENS_K if gpu else DECODE_SEQLENS_K_CPU:
+            for seqlen_q in DECODE_SEQLENS_Q:
+                if seqlen_q > seqlen_k:
+                    continue
+                ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+                head_dim = (64, 128)[index % 2]
+                splits = DECODE_SPLITS[index % len(DECODE_SPLITS)]
+                batch = 1 if seqlen_k >= 32768 else 3
+                heads_q = 8 if seqlen_k < 32768 else 4 * ratio
+                lengths = _mixed_lengths(seqlen_k, batch, index) if index % 3 else None
+                yield Case("decode", dtype, head_dim, batch, heads_q, heads_q // ratio, seqlen_q, seqlen_k, True,
+                           num_splits=splits, seqlens=lengths)
+                index += 1
+
+
 def gate_cases(tier: str) -> list[Case]:
-    return list(forward_cases(tier))
+    return list(forward_cases(tier)) + list(decode_cases(tier))

@@ -1,0 +1,108 @@
+"""Split-KV decode beyond the gate matrix: split against unsplit, the combine step on its own, and
+planted split bugs (an off-by-one split boundary, a combine that double-counts a split) that a gate
+must catch."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashmoe_science import flash_attention_decode, gates, split_kv_combine
+from flashmoe_science.paths import REPO_ROOT
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def decode_inputs(device, seqlen_k=3000, batch=2, heads_q=16, heads_kv=4, seqlen_q=1, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seqlen_k)
+    q = torch.randn(batch, heads_q, seqlen_q, 128, generator=g).to(device, dtype)
+    k = torch.randn(batch, heads_kv, seqlen_k, 128, generator=g).to(device, dtype)
+    v = torch.randn(batch, heads_kv, seqlen_k, 128, generator=g).to(device, dtype)
+    lens = torch.tensor([seqlen_k, seqlen_k // 3 + 5][:batch], dtype=torch.int32, device=device)
+    return q, k, v, lens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [2, 3, 7, 16])
+def test_split_matches_unsplit(device, splits):
+    """FlashAttention's split-KV benchmark flags max > 2e-3 or mean > 1e-4 in bf16."""
+    q, k, v, lens = decode_inputs(device)
+    one = flash_attention_decode(q, k, v, lens, num_splits=1)
+    split = flash_attention_decode(q, k, v, lens, num_splits=splits)
+    diff = (one.float() - split.float()).abs()
+    assert diff.max() <= 2e-3 and diff.mean() <= 1e-4, (float(diff.max()), float(diff.mean()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_split_is_the_unsplit_path(device):
+    """num_splits=1 is bit-identical to the forward (unsplit) path."""
+    q, k, v, _ = decode_inputs(device, seqlen_k=1500, batch=1)
+    from flashmoe_science import flash_attention_forward
+
+    a = flash_attention_decode(q, k, v, None, num_splits=1)
+    b = flash_attention_forward(q, k, v, causal=True, num_splits=1)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_combine_alone(device, dtype):
+    """Synthetic partials: splits of very different magnitude, and splits with no valid key (-inf)."""
+    g = torch.Generator().manual_seed(7)
+    splits, b, h, sq, d = 5, 2, 3, 4, 64
+    out_p = torch.randn(splits, b, h, sq, d, generator=g)
+    lse_p = torch.randn(splits, b, h, sq, generator=g) * 30  # magnitudes e^-90 .. e^90 apart
+    lse_p[1] = -math.inf  # an empty split
+    lse_p[:, 0, 0, 0] = -math.inf  # a row where every split is empty
+    out_p[1] = float("nan")  # an empty split's output must not leak in, even as NaN * 0
+    out, lse = split_kv_combine(out_p.to(device), lse_p.to(device), dtype)
+    ref_lse = torch.logsumexp(lse_p, dim=0)
+    weights = torch.exp(lse_p - ref_lse).nan_to_num(0.0)
+    ref = (weights.unsqueeze(-1) * out_p.nan_to_num(0.0)).sum(0)
+    ref[0, 0, 0] = 0
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float().cpu(), ref, atol=1e-2, rtol=1e-2)
+    finite = torch.isfinite(ref_lse)
+    assert torch.isinf(lse.cpu()[~finite]).all()
+    torch.testing.assert_close(lse.cpu()[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
+
+
+PLANT_SCRIPT = """
+import json, sys
+from flashmoe_science import gates, ops
+cases = [gates.Case("decode", "bf16", 64, 2, 8, 2, 1, 1000, True, num_splits=3, seqlens=(1000, 333)),
+         gates.Case("decode", "fp16", 128, 1, 8, 8, 4, 4096, True, num_splits=7)]
+device = sys.argv[1]
+print(json.dumps({"planted": ops.planted_bug(),
+                  "failures": [gates.check_case(c, device).failures for c in cases]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bug", [1, 2], ids=["split-boundary-off-by-one", "combine-double-counts"])
+def test_planted_split_bug_fails_a_gate(device, bug, tmp_path):
+    """Build the unit with a planted split bug (-DFLASHMOE_PLANT_BUG=N) and show the gates catch it.
+    A separate process, since one process can hold one build of the operator library."""
+    env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    run = subprocess.run([sys.executable, "-c", PLANT_SCRIPT, device], cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["planted"] == bug
+    for failures in result["failures"]:
+        assert any(f.startswith(("gate 1", "gate 2")) for f in failures), failures
+
+
+def test_honest_build_has_no_planted_bug():
+    from flashmoe_science import ops
+
+    assert ops.planted_bug() == 0
