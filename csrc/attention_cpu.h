@@ -101,7 +101,8 @@ inline void split_kv_combine(const float* o_accum, const float* lse_accum, int n
       const float lse_row = lse_max + std::log(sum);
       lse[r] = lse_row;
       for (int s = 0; s < num_splits; ++s) {
-        // An empty split weighs 0; skip it rather than multiply, so whatever it holds cannot leak in.
+        // An empty split weighs 0; skip it rather than multiply, so whatever it holds cannot leak
+        // in.
         if (lse_accum[s * rows + r] == kNegInf) continue;
         const float w = std::exp(lse_accum[s * rows + r] - lse_row);
         const float* os = o_accum + (int64_t(s) * rows + r) * d;

@@ -12,8 +12,8 @@
 #include <optional>
 #include <sstream>
 #include <string>
-#include <type_traits>
 #include <tuple>
+#include <type_traits>
 
 #include "attention_cpu.h"
 #include "attention_params.h"
@@ -40,7 +40,8 @@ std::string to_text(T value) {
 }
 inline std::string to_text(c10::IntArrayRef values) {
   std::string out = "[";
-  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  for (size_t i = 0; i < values.size(); ++i)
+    out += (i ? ", " : "") + std::to_string(values[i]);
   return out + "]";
 }
 inline std::string to_text(const c10::Device& device) {

@@ -146,8 +146,10 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
                        "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
-  TORCH_CHECK(dev.major >= 8, error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
-                                         "(mma.sync bf16/fp16); this one is ", dev.major, ".", dev.minor));
+  TORCH_CHECK(dev.major >= 8,
+              error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
+                         "(mma.sync bf16/fp16); this one is ",
+                         dev.major, ".", dev.minor));
   if (seqlens_k.has_value()) check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
   if (auto empty = empty_result(q_in, k_in)) return *empty;
 

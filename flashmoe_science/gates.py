@@ -441,7 +441,14 @@ DECODE_SPLITS = (0, 1, 2, 3, 7, 128)  # 0: automatic
 def _mixed_lengths(seqlen_k: int, batch: int, index: int) -> tuple[int, ...]:
     """Per-sequence cache lengths for one batch: empty, one token, lengths that end inside a split,
     and the full cache."""
-    pool = [0, 1, max(0, seqlen_k // 3 + 1), max(0, seqlen_k - 1), seqlen_k, max(0, seqlen_k // 2 + 7)]
+    pool = [
+        0,
+        1,
+        max(0, seqlen_k // 3 + 1),
+        max(0, seqlen_k - 1),
+        seqlen_k,
+        max(0, seqlen_k // 2 + 7),
+    ]
     return tuple(min(seqlen_k, pool[(index + i) % len(pool)]) for i in range(batch))
 
 
@@ -461,8 +468,19 @@ def decode_cases(tier: str) -> Iterator[Case]:
                 batch = 1 if seqlen_k >= 32768 else 3
                 heads_q = 8 if seqlen_k < 32768 else 4 * ratio
                 lengths = _mixed_lengths(seqlen_k, batch, index) if index % 3 else None
-                yield Case("decode", dtype, head_dim, batch, heads_q, heads_q // ratio, seqlen_q, seqlen_k, True,
-                           num_splits=splits, seqlens=lengths)
+                yield Case(
+                    "decode",
+                    dtype,
+                    head_dim,
+                    batch,
+                    heads_q,
+                    heads_q // ratio,
+                    seqlen_q,
+                    seqlen_k,
+                    True,
+                    num_splits=splits,
+                    seqlens=lengths,
+                )
                 index += 1
 
 

@@ -127,6 +127,19 @@ OSError: /work/main/build/x/flashmoe_science_C.so: undefined symbol: _Z16split_k
 FLASHMOE_BUILD_CHILD: error: OSError: /work/main/build/x/flashmoe_science_C.so: undefined symbol: _Z16split_kv_combinePKfPfi
 """
 
+# The logs were recorded in a checkout at /work/main; move them into this checkout, wherever it is
+# (CI clones elsewhere), since the condensed errors show paths relative to the repository.
+NVCC_FAILURE_LOG, GCC_FAILURE_LOG, LINK_FAILURE_LOG, PTXAS_FAILURE_LOG, LOAD_FAILURE_LOG = (
+    log.replace("/work/main", str(REPO_ROOT))
+    for log in (
+        NVCC_FAILURE_LOG,
+        GCC_FAILURE_LOG,
+        LINK_FAILURE_LOG,
+        PTXAS_FAILURE_LOG,
+        LOAD_FAILURE_LOG,
+    )
+)
+
 TINY_UNIT = """\
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>

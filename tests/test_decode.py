@@ -13,13 +13,15 @@ import sys
 import pytest
 import torch
 
-from flashmoe_science import flash_attention_decode, gates, split_kv_combine
+from flashmoe_science import flash_attention_decode, split_kv_combine
 from flashmoe_science.paths import REPO_ROOT
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def decode_inputs(device, seqlen_k=3000, batch=2, heads_q=16, heads_kv=4, seqlen_q=1, dtype=torch.bfloat16):
+def decode_inputs(
+    device, seqlen_k=3000, batch=2, heads_q=16, heads_kv=4, seqlen_q=1, dtype=torch.bfloat16
+):
     g = torch.Generator().manual_seed(seqlen_k)
     q = torch.randn(batch, heads_q, seqlen_q, 128, generator=g).to(device, dtype)
     k = torch.randn(batch, heads_kv, seqlen_k, 128, generator=g).to(device, dtype)
@@ -93,8 +95,14 @@ def test_planted_split_bug_fails_a_gate(device, bug, tmp_path):
     env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    run = subprocess.run([sys.executable, "-c", PLANT_SCRIPT, device], cwd=REPO_ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-c", PLANT_SCRIPT, device],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["planted"] == bug
