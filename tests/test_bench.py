@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gitrepo import git
 
 from flashmoe_science import bench, exitcodes, stats
 from flashmoe_science.paths import REPO_ROOT
@@ -419,16 +420,7 @@ def test_history_keeps_the_raw_samples_per_machine(tmp_path):
 
 
 def _git(repo: Path, *args: str) -> str:
-    env = dict(
-        os.environ,
-        GIT_AUTHOR_NAME="t",
-        GIT_AUTHOR_EMAIL="t@t",
-        GIT_COMMITTER_NAME="t",
-        GIT_COMMITTER_EMAIL="t@t",
-    )
-    return subprocess.run(
-        ["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True
-    ).stdout.strip()
+    return git(repo, *args).stdout.strip()
 
 
 def _copy_checkout(dest: Path) -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gitrepo import git
 
 from flashmoe_science.paths import REPO_ROOT
 
@@ -21,19 +22,6 @@ BROKEN_LINE = "const float inv = 1.f / (row_sum * 1.02f);  // 2% too small"
 COMPILE_ERROR = "\nthis line is not C++;\n"
 # A few CPU gate cases keep each bisect step to seconds.
 SUBSET = "test_gate_cpu and fwd-fp16-d64 and sq129"
-
-
-def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ,
-        GIT_AUTHOR_NAME="t",
-        GIT_AUTHOR_EMAIL="t@t",
-        GIT_COMMITTER_NAME="t",
-        GIT_COMMITTER_EMAIL="t@t",
-    )
-    return subprocess.run(
-        ["git", *args], cwd=repo, env=env, check=check, capture_output=True, text=True
-    )
 
 
 def commit(repo: Path, message: str) -> str:
