@@ -79,6 +79,18 @@ def compile(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def sanitize(session: nox.Session) -> None:
+    """compute-sanitizer memcheck/initcheck/synccheck/racecheck over every kernel path (GPU)."""
+    flashmoe(session, "sanitize", *session.posargs)
+
+
+@nox.session(default=False)
+def profile(session: nox.Session) -> None:
+    """Nsight Compute on one bench case (`nox -s profile -- CASE`): metrics and what bounds it."""
+    flashmoe(session, "profile", *session.posargs)
+
+
+@nox.session(default=False)
 def lint(session: nox.Session) -> None:
     """pre-commit on all files (ruff, clang-format, shellcheck, YAML and workflow checks)."""
     session.run(

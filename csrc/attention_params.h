@@ -19,6 +19,8 @@ namespace flashmoe {
 // suite can prove that the gates catch the bugs a split-KV implementation typically has.
 //   1: off-by-one split boundary (every split but the first skips its first key)
 //   2: the combine step counts split 0 twice
+//   3: load_kv reads the KV rows past the sequence end out of bounds (compute-sanitizer's memcheck
+//      must report it: `python -m flashmoe_science sanitize --tool memcheck --define ...`)
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif

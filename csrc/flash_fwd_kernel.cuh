@@ -85,6 +85,16 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     for (int c = tid; c < BN * kChunks; c += kThreads) {
       const int r = c / kChunks, ch = c % kChunks, kv = n_block * BN + r;
       const bool valid = kv < len_k;
+#if FLASHMOE_PLANT_BUG == 3
+      // Rows past the sequence end are read, 4 GiB past where they would lie (outside any
+      // allocation), instead of zero-filled: a plain 16-byte load, so memcheck must report it.
+      if (!valid) {
+        const char* past = reinterpret_cast<const char*>(base + kv * row_stride + ch * 8);
+        *reinterpret_cast<uint4*>(tile + swizzle<D>(r, ch)) =
+            *reinterpret_cast<const uint4*>(past + (int64_t(1) << 32));
+        continue;
+      }
+#endif
       cp_async_16(tile + swizzle<D>(r, ch), valid ? base + kv * row_stride + ch * 8 : base, valid);
     }
   };

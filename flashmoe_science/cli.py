@@ -26,6 +26,8 @@ COMMANDS = {
         "flashmoe_science.report",
         "render reports/*.json into reports/report.md (PR comment, job summary)",
     ),
+    "sanitize": ("flashmoe_science.sanitize", "compute-sanitizer's tools over every kernel path"),
+    "profile": ("flashmoe_science.profile", "Nsight Compute on one bench case: what bounds it"),
 }
 
 

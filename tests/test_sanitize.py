@@ -1,0 +1,569 @@
+"""`python -m flashmoe_science sanitize`: the parser on sample compute-sanitizer output, the workload
+matrix, the command lines, the exit codes (no GPU, tool missing or not permitted) and the driver
+with a stand-in compute-sanitizer, all on the CPU; then, on a GPU, a planted out-of-bounds read that
+memcheck must report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashmoe_science import exitcodes, sanitize
+from flashmoe_science.paths import REPO_ROOT
+
+FWD = (
+    "void flashmoe::cuda::flash_fwd_kernel<flashmoe::cuda::FwdTraits<(int)128, (int)64, (int)64, "
+    "(int)4>, __nv_bfloat16>(flashmoe::AttentionParams)"
+)
+FWD_SHORT = "flash_fwd_kernel<FwdTraits<128, 64, 64, 4>, __nv_bfloat16>"
+CASE = "fwd-bf16-d128-b1-h2x2-sq17-sk17-full-cfg1-splits1"
+
+# compute-sanitizer 2025.x, memcheck, PYTORCH_NO_CUDA_MEMORY_CACHING=1, a build with -lineinfo:
+# one bad load seen by several threads, then the failed synchronize it causes.
+MEMCHECK_OOB = f"""\
+========= COMPUTE-SANITIZER
+sanitize-case: fwd-fp16-d64-b1-h2x2-sq1-sk1-full-cfg1
+sanitize-case: {CASE}
+========= Invalid __global__ read of size 16 bytes
+=========     at {FWD}+0x1b70 in /work/main/csrc/flash_fwd_kernel.cuh:94
+=========     by thread (8,0,0) in block (0,0,0)
+=========     Access at 0x7f5e3c200410 is out of bounds
+=========     and is 4,294,901,776 bytes after the nearest allocation at 0x7f5d3c200000 of size 65,792 bytes
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========         Host Frame: [0x2e0c6f] in libcuda.so.1
+=========         Host Frame: void flashmoe::cuda::launch_fwd<__nv_bfloat16>(...) in flash_api_cuda.cuh:52 [0x8a1f2] in flashmoe_science_C.so
+=========         Host Frame: _PyEval_EvalFrameDefault [0x1e1c2c] in python3.11
+=========
+========= Invalid __global__ read of size 16 bytes
+=========     at {FWD}+0x1b70 in /work/main/csrc/flash_fwd_kernel.cuh:94
+=========     by thread (9,0,0) in block (0,0,0)
+=========     Access at 0x7f5e3c200420 is out of bounds
+=========     and is 4,294,901,792 bytes after the nearest allocation at 0x7f5d3c200000 of size 65,792 bytes
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========         Host Frame: [0x2e0c6f] in libcuda.so.1
+=========
+========= Program hit cudaErrorLaunchFailure (error 719) due to "unspecified launch failure" on CUDA API call to cudaStreamSynchronize.
+=========     Saved host backtrace up to driver entry point at error
+=========         Host Frame: [0x4a1b3e] in libcuda.so.1
+=========
+Traceback (most recent call last):
+  File "/work/main/flashmoe_science/sanitize.py", line 160, in run_workload
+    torch.cuda.synchronize()
+torch.AcceleratorError: CUDA error: unspecified launch failure
+========= Target application returned an error
+========= ERROR SUMMARY: 3 errors
+"""
+
+# Older spellings of the location line: program counter first, function after.
+MEMCHECK_OLD = """\
+========= COMPUTE-SANITIZER
+========= Invalid __shared__ write of size 4 bytes
+=========     at 0x00000230 in /src/kernels.cu:57:saxpy(int, float, float const*, float*)
+=========     by thread (127,0,0) in block (4,0,0)
+=========     Address 0x7f2a4a001000 is out of bounds
+=========
+========= Invalid __global__ read of size 4 bytes
+=========     at 0x3f0 in void lightllm::ops::rope_kernel<float>(float*, int)
+=========     by thread (0,0,0) in block (0,0,0)
+=========     Address 0x7f640548c000 is out of bounds
+=========
+========= ERROR SUMMARY: 2 errors
+"""
+
+RACECHECK_HAZARD = f"""\
+========= COMPUTE-SANITIZER
+sanitize-case: {CASE}
+========= Error: Potential RAW hazard detected at __shared__ 0x4000 in block (1,0,0) :
+=========     Write Thread (36,0,0) at {FWD}+0x1c40 in /work/main/csrc/flash_kernel_utils.cuh:20
+=========     Read Thread (3,0,0) at {FWD}+0x2a90 in /work/main/csrc/flash_kernel_utils.cuh:33
+=========     Current Value : 0, Incoming Value : 15360
+=========
+========= Error: Race reported between Write access at {FWD}+0x1c40 in /work/main/csrc/flash_kernel_utils.cuh:20
+=========     and Read access at {FWD}+0x2a90 in /work/main/csrc/flash_kernel_utils.cuh:33 [2048 hazards]
+=========     and Read access at {FWD}+0x2b30 in /work/main/csrc/flash_kernel_utils.cuh:33 [1,024 hazards]
+=========
+sanitize-done: 136 calls
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+"""
+
+INITCHECK_UNINIT = f"""\
+========= COMPUTE-SANITIZER
+sanitize-case: {CASE}
+========= Uninitialized __global__ memory read of size 2 bytes
+=========     at {FWD}+0x4f0 in /work/main/csrc/flash_fwd_kernel.cuh:120
+=========     by thread (64,0,0) in block (2,1,0)
+=========     Address 0x7f1c2e000a40
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========         Host Frame: [0x2e0c6f] in libcuda.so.1
+=========
+sanitize-done: 136 calls
+========= ERROR SUMMARY: 1 error
+"""
+
+SYNCCHECK_DIVERGENT = f"""\
+========= COMPUTE-SANITIZER
+sanitize-case: {CASE}
+========= Barrier error detected. Divergent thread(s) in block
+=========     at {FWD}+0x2c8 in /work/main/csrc/flash_fwd_kernel.cuh:133
+=========     by thread (0,0,0) in block (3,0,0)
+=========
+========= ERROR SUMMARY: 1 error
+"""
+
+GENERIC = f"""\
+========= COMPUTE-SANITIZER
+========= Out-of-range Shared or Local Address
+=========     at {FWD}+0x300 in /work/main/csrc/flash_fwd_kernel.cuh:150
+=========     by thread (1,0,0) in block (0,0,0)
+=========
+========= ERROR SUMMARY: 1 error
+"""
+
+CLEAN = """\
+========= COMPUTE-SANITIZER
+sanitize-case: fwd-fp16-d64-b1-h2x2-sq1-sk1-full-cfg1
+sanitize-case: fwd-fp16-d64-b2-h4x1-sq17-sk17-full-cfg1-splits1
+sanitize-done: 2 calls
+========= ERROR SUMMARY: 0 errors
+"""
+
+RACECHECK_CLEAN = """\
+========= COMPUTE-SANITIZER
+sanitize-done: 136 calls
+========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
+"""
+
+NOT_SUPPORTED = """\
+========= COMPUTE-SANITIZER
+========= Error: Device not supported. Please refer to the "Supported Devices" section of the sanitizer documentation
+========= Error: Target application terminated before first instrumented API call
+"""
+
+ERROR_999 = """\
+========= COMPUTE-SANITIZER
+========= Internal Sanitizer Error: The Sanitizer failed to initialize the target process (error 999)
+========= ERROR SUMMARY: 0 errors
+"""
+
+NO_PERMISSION = """\
+========= COMPUTE-SANITIZER
+========= Error: Unable to attach to the target process: insufficient permissions
+"""
+
+
+# --------------------------------------------------------------------------------------------------
+# The parser
+# --------------------------------------------------------------------------------------------------
+
+
+def test_memcheck_out_of_bounds_read():
+    report = sanitize.parse_sanitizer_output("memcheck", MEMCHECK_OOB)
+    assert report.errors == 3 and report.cases_started == 2 and not report.workload_done
+    assert sanitize.tool_status(report, sanitize.SANITIZER_ERROR_EXIT) == "fail"
+    first, api = sanitize.merge_findings(report.findings)
+    assert first.check == "Invalid __global__ read of size 16 bytes"
+    assert first.kernel == FWD_SHORT
+    assert first.where == "flash_fwd_kernel.cuh:94"
+    assert (first.thread, first.block) == ("8,0,0", "0,0,0")
+    assert first.detail == (
+        "out of bounds, 4,294,901,776 bytes after the nearest allocation of size 65,792 bytes"
+    )
+    assert first.case == CASE and first.count == 2
+    assert api.severity == "api" and "cudaErrorLaunchFailure" in api.check
+    assert "cudaStreamSynchronize" in api.check
+    lines = sanitize.condensed(report, "fail")
+    assert lines[0] == f"  memcheck: kernels {FWD_SHORT}"
+    assert lines[1] == (
+        f"  memcheck: Invalid __global__ read of size 16 bytes in {FWD_SHORT} at "
+        "flash_fwd_kernel.cuh:94, thread (8,0,0) block (0,0,0): out of bounds, 4,294,901,776 "
+        "bytes after the nearest allocation of size 65,792 bytes (x2) "
+        f"[case {CASE}]"
+    )
+    assert "unspecified launch failure" in lines[2]
+
+
+def test_memcheck_older_location_spellings():
+    report = sanitize.parse_sanitizer_output("memcheck", MEMCHECK_OLD)
+    shared, global_ = report.findings
+    assert shared.check == "Invalid __shared__ write of size 4 bytes"
+    assert (shared.kernel, shared.where) == ("saxpy", "kernels.cu:57")
+    assert shared.detail == "out of bounds"
+    assert (global_.kernel, global_.where) == ("rope_kernel<float>", "0x3f0")
+    assert report.errors == 2
+
+
+@pytest.mark.parametrize(
+    "text, kernel, where",
+    [
+        (f"{FWD}+0x80", FWD_SHORT, "+0x80"),
+        ("add(const float *, const float *, float *, int)+0x80", "add", "+0x80"),
+        (
+            "0x30 in /a/b/memcheck_demo.cu:6:unaligned_kernel(void)",
+            "unaligned_kernel",
+            "memcheck_demo.cu:6",
+        ),
+        (
+            "void flashmoe::cuda::split_kv_combine_kernel<__half, (int)128>(const float *, const "
+            "float *, __half *, float *, int, long)+0x1a0 in /w/csrc/flash_fwd_kernel.cuh:300",
+            "split_kv_combine_kernel<__half, 128>",
+            "flash_fwd_kernel.cuh:300",
+        ),
+    ],
+)
+def test_parse_location(text, kernel, where):
+    assert sanitize.parse_location(text) == (kernel, where)
+
+
+def test_racecheck_hazards_and_analysis():
+    report = sanitize.parse_sanitizer_output("racecheck", RACECHECK_HAZARD)
+    assert (report.errors, report.warnings) == (1, 0)
+    assert sanitize.tool_status(report, sanitize.SANITIZER_ERROR_EXIT) == "fail"
+    hazard, race = sanitize.merge_findings(report.findings)
+    assert hazard.check == "Potential RAW hazard on __shared__"
+    assert hazard.block == "1,0,0" and hazard.thread == "36,0,0"
+    assert hazard.where == "Write at flash_kernel_utils.cuh:20"
+    assert hazard.other == "Read at flash_kernel_utils.cuh:33"
+    assert race.kernel == FWD_SHORT and race.hazards == 3072
+    assert race.line() == (
+        "Race reported between Write access at flash_kernel_utils.cuh:20 and Read access at "
+        f"flash_kernel_utils.cuh:33 in {FWD_SHORT} [3072 hazards] [case {CASE}]"
+    )
+    assert sanitize.count_text(report) == "1 error, 0 warnings"
+
+
+def test_initcheck_uninitialized_read():
+    report = sanitize.parse_sanitizer_output("initcheck", INITCHECK_UNINIT)
+    (finding,) = report.findings
+    assert finding.check == "Uninitialized __global__ memory read of size 2 bytes"
+    assert (finding.kernel, finding.where) == (FWD_SHORT, "flash_fwd_kernel.cuh:120")
+    assert (finding.thread, finding.block) == ("64,0,0", "2,1,0")
+    assert report.workload_done and sanitize.tool_status(report, 99) == "fail"
+
+
+def test_synccheck_divergent_barrier():
+    report = sanitize.parse_sanitizer_output("synccheck", SYNCCHECK_DIVERGENT)
+    (finding,) = report.findings
+    assert finding.check == "Barrier error detected. Divergent thread(s) in block"
+    assert finding.where == "flash_fwd_kernel.cuh:133" and finding.block == "3,0,0"
+
+
+def test_an_unknown_error_with_a_location_is_a_finding():
+    report = sanitize.parse_sanitizer_output("memcheck", GENERIC)
+    (finding,) = report.findings
+    assert finding.check == "Out-of-range Shared or Local Address"
+    assert finding.kernel == FWD_SHORT and finding.thread == "1,0,0"
+
+
+@pytest.mark.parametrize("text, tool", [(CLEAN, "memcheck"), (RACECHECK_CLEAN, "racecheck")])
+def test_clean_runs_pass(text, tool):
+    report = sanitize.parse_sanitizer_output(tool, text)
+    assert report.findings == [] and report.errors == 0
+    assert sanitize.tool_status(report, 0) == "pass"
+    assert sanitize.condensed(report, "pass") == []
+
+
+def test_a_crash_without_findings_is_an_error_not_a_pass():
+    text = CLEAN.replace("sanitize-done: 2 calls\n", "")
+    report = sanitize.parse_sanitizer_output("memcheck", text)
+    assert sanitize.tool_status(report, 1) == "error"
+    assert sanitize.tool_status(report, None, timed_out=True) == "timeout"
+
+
+@pytest.mark.parametrize("text", [NOT_SUPPORTED, ERROR_999, NO_PERMISSION])
+def test_not_permitted_or_not_supported(text):
+    report = sanitize.parse_sanitizer_output("memcheck", text)
+    assert report.unusable and sanitize.tool_status(report, 1) == "unusable"
+    assert "=========" not in report.unusable
+
+
+# --------------------------------------------------------------------------------------------------
+# The workload and the command lines
+# --------------------------------------------------------------------------------------------------
+
+
+def test_workload_covers_every_code_path():
+    cases = sanitize.workload_cases()
+    fwd = [c for c in cases if c.op == "fwd"]
+    dec = [c for c in cases if c.op == "decode"]
+    assert len(cases) <= 150  # racecheck's wall time grows with it
+    instantiations = {(c.dtype, c.head_dim, c.config) for c in fwd}
+    assert instantiations == {
+        (t, d, k) for t in ("fp16", "bf16") for d in (64, 128) for k in (1, 2)
+    }
+    for key in instantiations:  # every kernel instantiation, masked and not, on every length
+        for causal in (False, True):
+            lengths = {
+                (c.seqlen_q, c.seqlen_k)
+                for c in fwd
+                if (c.dtype, c.head_dim, c.config) == key and c.causal == causal
+            }
+            assert {1, 17, 65, 129, 257} <= {q for q, _ in lengths}
+            assert any(q > k for q, k in lengths) and any(q < k for q, k in lengths)
+    assert any(c.heads_q == 4 * c.heads_kv and c.seqlen_q * 4 <= 128 for c in fwd)  # packed GQA
+    assert any(c.heads_q == 4 * c.heads_kv and c.seqlen_q * 4 > 128 for c in fwd)  # unpacked
+    assert {c.num_splits for c in fwd} == {0, 1, 3} and {c.layout for c in fwd} == {"bhsd", "bshd"}
+    assert {1, 3, 7} <= {c.num_splits for c in dec} and 0 in {c.num_splits for c in dec}
+    assert {(c.dtype, c.head_dim) for c in dec} == {
+        (t, d) for t in ("fp16", "bf16") for d in (64, 128)
+    }
+    assert any(c.seqlens and 0 in c.seqlens for c in dec)
+    # short caches with many splits: most splits own no key
+    assert any(c.seqlens and c.num_splits >= 7 and max(c.seqlens) < 64 * c.num_splits for c in dec)
+    assert len({c.id for c in cases}) == len(cases)
+
+
+def test_workload_calls_are_valid_on_the_cpu(capsys):
+    """Every call of the workload is accepted by the API (the CPU takes no tile configuration)."""
+    cases = [dataclasses.replace(c, config=0) for c in sanitize.workload_cases()]
+    assert sanitize.run_workload(cases, device="cpu") == exitcodes.OK
+    out = capsys.readouterr().out
+    report = sanitize.parse_sanitizer_output(
+        "memcheck", out + "========= ERROR SUMMARY: 0 errors\n"
+    )
+    assert report.cases_started == len(cases) and report.workload_done
+    assert sanitize.tool_status(report, 0) == "pass"
+
+
+def test_sanitizer_command_and_environment():
+    memcheck = sanitize.sanitizer_command("/cuda/bin/compute-sanitizer", "memcheck")
+    assert memcheck[:5] == [
+        "/cuda/bin/compute-sanitizer",
+        "--tool",
+        "memcheck",
+        "--error-exitcode",
+        "99",
+    ]
+    assert "--print-limit" in memcheck and memcheck[memcheck.index("--print-limit") + 1] == "20"
+    assert "--racecheck-report" not in memcheck
+    assert "kns=flash_fwd_kernel" in memcheck and "kns=split_kv_combine_kernel" in memcheck
+    assert memcheck[-4:] == [sys.executable, "-m", "flashmoe_science.sanitize", "--workload"]
+    racecheck = sanitize.sanitizer_command("cs", "racecheck", kernel_filter=False)
+    assert racecheck[racecheck.index("--racecheck-report") + 1] == "all"
+    assert "--kernel-name" not in racecheck
+    env = sanitize.tool_env("memcheck", ("FLASHMOE_PLANT_BUG=3",))
+    assert env["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1"
+    assert env["FLASHMOE_BUILD_DEFINES"] == "FLASHMOE_PLANT_BUG=3"
+    racecheck_env = sanitize.tool_env("racecheck", ())
+    assert racecheck_env.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == os.environ.get(
+        "PYTORCH_NO_CUDA_MEMORY_CACHING"
+    )
+
+
+def _executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def test_find_cuda_tool_search_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(sanitize, "FALLBACK_CUDA_HOMES", ())
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    assert sanitize.find_cuda_tool("ncu") is None
+    glob_hit = _executable(tmp_path / "opt" / "2025.3.1" / "ncu")
+    _executable(tmp_path / "opt" / "2024.1.0" / "ncu")
+    assert sanitize.find_cuda_tool("ncu", [str(tmp_path / "opt" / "*" / "ncu")]) == str(glob_hit)
+    home_hit = _executable(tmp_path / "cuda" / "bin" / "ncu")
+    assert sanitize.find_cuda_tool("ncu", [str(tmp_path / "opt" / "*" / "ncu")]) == str(home_hit)
+    path_hit = _executable(tmp_path / "bin" / "ncu")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert sanitize.find_cuda_tool("ncu") == str(path_hit)
+
+
+# --------------------------------------------------------------------------------------------------
+# Exit codes and the driver, with a stand-in compute-sanitizer
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.delenv("FLASHMOE_BUILD_DEFINES", raising=False)
+    monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(sanitize, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    from flashmoe_science import build
+
+    built = []
+    monkeypatch.setattr(
+        build, "ensure_built", lambda backend, defines=(): built.append(defines) or Path("/b/x.so")
+    )
+    return built
+
+
+def test_no_gpu_exits_255_with_one_line(isolated, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sanitize.main([]) == exitcodes.ENV_BROKEN
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "no GPU" in out[0]
+
+
+def test_missing_tool_exits_126_with_one_line(isolated, fake_gpu, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(isolated / "empty"))
+    monkeypatch.setenv("CUDA_HOME", str(isolated / "no-cuda"))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(sanitize, "FALLBACK_CUDA_HOMES", ())
+    assert sanitize.main(["--tool", "memcheck"]) == exitcodes.TOOL_MISSING
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "compute-sanitizer not found" in out[0] and "PATH" in out[0]
+    stages = json.loads((isolated / "reports" / "stages.json").read_text())["stages"]
+    assert stages["sanitize"]["status"].startswith("skip")
+    assert not fake_gpu  # nothing was built
+
+
+FAKE_SANITIZER = """\
+#!/bin/sh
+# Stands in for compute-sanitizer: prints $FAKE_DIR/<tool>.txt and exits with <tool>.rc.
+if [ "$1" = "--version" ]; then
+  echo "NVIDIA (R) Compute Sanitizer"
+  echo "Version 2025.3.1.0 (build 36398416) (public-release)"
+  exit 0
+fi
+tool=memcheck
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--tool" ]; then tool=$2; fi
+  shift
+done
+echo "tool=$tool caching=${PYTORCH_NO_CUDA_MEMORY_CACHING:-on} defines=$FLASHMOE_BUILD_DEFINES" >> "$FAKE_DIR/calls"
+cat "$FAKE_DIR/$tool.txt"
+exit "$(cat "$FAKE_DIR/$tool.rc" 2>/dev/null || echo 0)"
+"""
+
+
+@pytest.fixture
+def fake_sanitizer(isolated, monkeypatch):
+    fake = isolated / "fake"
+    _executable(fake / "bin" / "compute-sanitizer", FAKE_SANITIZER)
+    monkeypatch.setenv("PATH", f"{fake / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_DIR", str(fake))
+
+    def say(tool: str, text: str, rc: int = 0) -> None:
+        (fake / f"{tool}.txt").write_text(text)
+        (fake / f"{tool}.rc").write_text(str(rc))
+
+    return say
+
+
+def test_clean_tools_pass(isolated, fake_gpu, fake_sanitizer, capsys):
+    fake_sanitizer("memcheck", CLEAN)
+    fake_sanitizer("racecheck", RACECHECK_CLEAN)
+    assert sanitize.main(["--tool", "memcheck,racecheck"]) == exitcodes.OK
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("sanitize: clean in ")
+    assert any(line.startswith("sanitize: memcheck  PASS") for line in out)
+    doc = json.loads((isolated / "reports" / "sanitize.json").read_text())
+    assert doc["status"] == "pass" and list(doc["tools"]) == ["memcheck", "racecheck"]
+    assert doc["tools"]["racecheck"]["errors"] == 0
+    calls = (isolated / "fake" / "calls").read_text().splitlines()
+    assert calls == ["tool=memcheck caching=1 defines=", "tool=racecheck caching=on defines="]
+    stages = json.loads((isolated / "reports" / "stages.json").read_text())["stages"]
+    assert stages["sanitize"]["status"] == "ok"
+
+
+def test_a_finding_fails_with_a_condensed_report(isolated, fake_gpu, fake_sanitizer, capsys):
+    fake_sanitizer("memcheck", MEMCHECK_OOB, rc=99)
+    fake_sanitizer("initcheck", INITCHECK_UNINIT, rc=99)
+    args = ["--tool", "memcheck", "--tool", "initcheck", "--define", "FLASHMOE_PLANT_BUG=3"]
+    assert sanitize.main(args) == exitcodes.GATE_FAILED
+    assert fake_gpu == [("FLASHMOE_PLANT_BUG=3",)]
+    out = capsys.readouterr().out
+    assert f"memcheck: Invalid __global__ read of size 16 bytes in {FWD_SHORT}" in out
+    assert "initcheck: Uninitialized __global__ memory read of size 2 bytes" in out
+    assert out.strip().splitlines()[-1].startswith("sanitize: FAILED (memcheck, initcheck) in ")
+    doc = json.loads((isolated / "reports" / "sanitize.json").read_text())
+    memcheck = doc["tools"]["memcheck"]
+    assert memcheck["status"] == "fail" and memcheck["errors"] == 3
+    assert memcheck["findings"][0]["kernel"] == FWD_SHORT
+    assert doc["defines"] == ["FLASHMOE_PLANT_BUG=3"]
+    assert "defines=FLASHMOE_PLANT_BUG=3" in (isolated / "fake" / "calls").read_text()
+    assert (isolated / "reports" / "sanitize-memcheck.log").read_text().count(
+        "Invalid __global__"
+    ) == 2
+    stages = json.loads((isolated / "reports" / "stages.json").read_text())["stages"]
+    assert stages["sanitize"]["status"] == "fail"
+
+
+def test_a_crashed_workload_fails_and_says_why(isolated, fake_gpu, fake_sanitizer, capsys):
+    fake_sanitizer(
+        "synccheck", "========= COMPUTE-SANITIZER\nsanitize-case: x\nSegmentation fault\n", rc=139
+    )
+    assert sanitize.main(["--tool", "synccheck"]) == exitcodes.GATE_FAILED
+    out = capsys.readouterr().out
+    assert (
+        "synccheck: error: the workload exited 139 after 1 calls without a finding: Segmentation fault"
+        in out
+    )
+
+
+@pytest.mark.parametrize("text", [NOT_SUPPORTED, ERROR_999, NO_PERMISSION])
+def test_not_permitted_exits_126_with_one_line(isolated, fake_gpu, fake_sanitizer, capsys, text):
+    fake_sanitizer("memcheck", text, rc=1)
+    assert sanitize.main(["--tool", "memcheck"]) == exitcodes.TOOL_MISSING
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "cannot instrument this GPU here" in out[-1]
+    assert sum("cannot instrument" in line for line in out) == 1
+
+
+def test_unknown_tool_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sanitize.main(["--tool", "leakcheck"])
+    assert exit_info.value.code == exitcodes.USAGE
+
+
+def test_cli_lists_the_command():
+    from flashmoe_science import cli
+
+    assert cli.COMMANDS["sanitize"][0] == "flashmoe_science.sanitize"
+
+
+# --------------------------------------------------------------------------------------------------
+# On a GPU: a planted out-of-bounds read that memcheck must report
+# --------------------------------------------------------------------------------------------------
+
+
+def _sanitize(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    env = dict(os.environ, FLASHMOE_REPORT_DIR=str(tmp_path))
+    env.pop("FLASHMOE_BUILD_DEFINES", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "flashmoe_science", "sanitize", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if run.returncode == exitcodes.TOOL_MISSING:
+        pytest.skip(run.stdout.strip().splitlines()[-1])
+    doc_path = tmp_path / "sanitize.json"
+    return run, json.loads(doc_path.read_text()) if doc_path.exists() else None
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_planted_out_of_bounds_read_fails_memcheck(tmp_path):
+    """FLASHMOE_PLANT_BUG=3 reads the KV rows past the sequence end, far out of bounds, instead of
+    zero-filling them: memcheck reports it in flash_fwd_kernel and the command exits 1."""
+    run, doc = _sanitize(tmp_path, "--tool", "memcheck", "--define", "FLASHMOE_PLANT_BUG=3")
+    assert run.returncode == exitcodes.GATE_FAILED, run.stdout[-3000:] + run.stderr[-3000:]
+    assert doc is not None and doc["tools"]["memcheck"]["status"] == "fail"
+    findings = doc["tools"]["memcheck"]["findings"]
+    assert any(
+        (f["kernel"] or "").startswith("flash_fwd_kernel")
+        and f["check"].startswith("Invalid __")
+        and " read of size " in f["check"]
+        for f in findings
+    ), findings
+    assert "memcheck: Invalid __" in run.stdout and "flash_fwd_kernel" in run.stdout
