@@ -684,6 +684,11 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
         severity = WARN
         summary = "no gate cases ran"
         problems.append((WARN, "no gate cases ran"))
+    elif _stage_failed(inputs, "test"):
+        # Every gate passed but pytest failed elsewhere (a unit test, the bisect test): not a pass.
+        severity = FAIL
+        summary = f"{total} of {total} gates passed; other tests failed"
+        problems.append((FAIL, "tests outside the gates failed (see the job log)"))
     else:
         severity = OK
         summary = f"{total} of {total} passed"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,3 +24,43 @@ def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
         capture_output=True,
         text=True,
     )
+
+
+# What a working tree holds besides the project: never copied into a throwaway history.
+_NOT_PROJECT = {
+    ".git",
+    ".venv",
+    ".nox",
+    ".whl",
+    ".scratch",
+    ".gl",
+    "build",
+    "reports",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+}
+
+
+def project_files(root: Path) -> list[str]:
+    """The files git would track in `root` (tracked plus untracked-not-ignored). A tree without .git
+    (a runner's copy of the working tree, act's host workspace) is walked instead, minus the folders
+    .gitignore names, so the tests that build throwaway histories run there too."""
+    listed = git(root, "ls-files", "--cached", "--others", "--exclude-standard", check=False)
+    if listed.returncode == 0:
+        return listed.stdout.split()
+    return [
+        str(path.relative_to(root))
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+        and not _NOT_PROJECT.intersection(path.relative_to(root).parts)
+        and not path.name.endswith(".egg-info")
+    ]
+
+
+def copy_project(root: Path, dest: Path) -> None:
+    for name in project_files(root):
+        src = root / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)

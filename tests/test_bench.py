@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from gitrepo import git
+from gitrepo import copy_project, git
 
 from flashmoe_science import bench, exitcodes, stats
 from flashmoe_science.paths import REPO_ROOT
@@ -423,14 +422,6 @@ def _git(repo: Path, *args: str) -> str:
     return git(repo, *args).stdout.strip()
 
 
-def _copy_checkout(dest: Path) -> None:
-    names = _git(REPO_ROOT, "ls-files", "--cached", "--others", "--exclude-standard").split()
-    for name in names:
-        if (REPO_ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO_ROOT / name, dest / name)
-
-
 # Appended to ops.py, so edits elsewhere in that file do not break the plant.
 SLOWER_FORWARD = """
 
@@ -446,7 +437,7 @@ def flash_attention_forward(*args, **kwargs):  # planted by tests/test_bench.py:
 @pytest.mark.slow
 def test_base_worktree_comparison_finds_a_planted_slowdown(tmp_path):
     repo = tmp_path / "repo"
-    _copy_checkout(repo)
+    copy_project(REPO_ROOT, repo)
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "base")

@@ -4,13 +4,12 @@ skips the commit that does not compile (CPU backend, so it runs in CI without a 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from gitrepo import git
+from gitrepo import copy_project, git
 
 from flashmoe_science.paths import REPO_ROOT
 
@@ -37,26 +36,11 @@ def edit(repo: Path, path: str, old: str, new: str) -> None:
     file.write_text(text.replace(old, new, 1))
 
 
-def copy_checkout(dest: Path) -> None:
-    files = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO_ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    for name in files:
-        src = REPO_ROOT / name
-        if src.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / name)
-
-
 @pytest.mark.slow
 def test_git_bisect_run_names_the_breaking_commit(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
-    copy_checkout(repo)
+    copy_project(REPO_ROOT, repo)
     git(repo, "init", "-q", "-b", "main")
     good = commit(repo, "good: the project as it is")
     (repo / "NOTES.txt").write_text("1\n")

@@ -381,3 +381,31 @@ def test_cli_knows_the_command():
 
     assert cli.COMMANDS["report"][0] == "flashmoe_science.report"
     assert re.search(r"\breport\b", cli.usage())
+
+
+def test_failed_test_stage_is_not_a_pass_even_when_every_gate_passed(tmp_path):
+    """A unit test (not a gate) failed: gates.json is all green, stages.json says the stage failed."""
+    (tmp_path / "gates.json").write_text(
+        json.dumps(
+            {
+                "schema": "flashmoe-science/gates/1",
+                "total": 1,
+                "failed": 0,
+                "cases": [
+                    {
+                        "case_id": "fwd-fp16-d64-b1-h1x1-sq1-sk1-full",
+                        "device": "cpu",
+                        "outcome": "passed",
+                        "max_diff": 0.001,
+                        "ratio": 0.5,
+                        "failures": [],
+                    }
+                ],
+            }
+        )
+    )
+    report.record_stage("test", 12.0, "fail", tmp_path)
+    out = tmp_path / "report.md"
+    assert report.main(["--dir", str(tmp_path), "--output", str(out), "--no-step-summary"]) == 0
+    first = out.read_text().splitlines()[0]
+    assert first.startswith("## ❌") and "tests outside the gates failed" in first, first

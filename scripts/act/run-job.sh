@@ -169,7 +169,7 @@ OUT="$(cd "$OUT" && pwd)"
 rm -rf "$OUT/act.jsonl" "$OUT/event.json" "$OUT/step-summary.md" "$OUT/artifacts" # an earlier run's
 mkdir -p "$OUT/artifacts"
 REPOSITORY="${GITHUB_REPOSITORY:-local/flashmoe-science}"
-SHA="$(git rev-parse HEAD 2>/dev/null || printf '0%.0s' {1..40})"
+SHA="$(git rev-parse --verify -q HEAD 2>/dev/null)" || SHA="$(printf '0%.0s' {1..40})"
 python3 scripts/act/actlog.py event "$EVENT" "$REPOSITORY" "$SHA" >"$OUT/event.json"
 
 # act's host workspaces (a copy of the tree per job) live here; removed at the end.
