@@ -488,7 +488,13 @@ def test_whole_run_here_is_fast_and_passes(isolated):
     )
     wall = time.monotonic() - started
     assert proc.returncode == exitcodes.OK, proc.stdout + proc.stderr
-    assert wall < env.BUDGET_S, f"env check took {wall:.1f} s"
+    # The 10 s budget is for a machine that is otherwise idle. Under `nox -s test` on a GPU runner,
+    # 8 other pytest-xdist workers are importing torch and building variants at the same moment
+    # (this run took 11.0 s there once, 3-4.5 s alone), so a loaded run gets twice the budget.
+    loaded = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 2
+    budget = env.BUDGET_S * (2 if loaded else 1)
+    assert wall < budget, f"env check took {wall:.1f} s (budget {budget:.0f} s)"
+    assert json.loads(out.read_text())["elapsed_s"] < env.BUDGET_S
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 12 and lines[-1].startswith("env: PASS")
     assert json.loads(out.read_text())["passed"] is True
