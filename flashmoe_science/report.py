@@ -345,6 +345,15 @@ def _not_run(key: str, title: str, missing: str) -> Section:
     return Section(key, title, NOTRUN, "not run", f"no `{missing}`")
 
 
+def _absent(inputs: Inputs, key: str, title: str, missing: str, problem: str, body: str) -> Section:
+    """The section of a stage whose JSON is missing: failed (stages.json says so) or not run."""
+    if _stage_failed(inputs, key):
+        return Section(
+            key, title, FAIL, f"failed before writing {missing}", body, [(FAIL, problem)]
+        )
+    return _not_run(key, title, missing)
+
+
 # ---- environment ----
 
 
@@ -389,16 +398,14 @@ def env_section(inputs: Inputs, detail: Detail) -> Section:
         return _unreadable_section("env", title, "env.json", inputs.unreadable["env.json"])
     env = inputs.env
     if env is None:
-        if _stage_failed(inputs, "env"):
-            return Section(
-                "env",
-                title,
-                FAIL,
-                "failed before writing env.json",
-                "The env stage failed and left no `env.json`; see the job log.",
-                [(FAIL, "environment check failed")],
-            )
-        return _not_run("env", title, "env.json")
+        return _absent(
+            inputs,
+            "env",
+            title,
+            "env.json",
+            "environment check failed",
+            "The env stage failed and left no `env.json`; see the job log.",
+        )
     checks = [c for c in env.get("checks") or [] if isinstance(c, dict)]
     by_status: dict[str, list[dict]] = {}
     for check in checks:
@@ -647,17 +654,15 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
         return _unreadable_section("test", title, "gates.json", inputs.unreadable["gates.json"])
     gates = inputs.gates
     if gates is None:
-        if _stage_failed(inputs, "test"):
-            return Section(
-                "test",
-                title,
-                FAIL,
-                "failed before writing gates.json",
-                "The test stage failed and left no `gates.json` (pytest crashed, or no gate "
-                "ran); see the job log. Reproduce: `nox -s test`.",
-                [(FAIL, "test stage failed")],
-            )
-        return _not_run("test", title, "gates.json")
+        return _absent(
+            inputs,
+            "test",
+            title,
+            "gates.json",
+            "test stage failed",
+            "The test stage failed and left no `gates.json` (pytest crashed, or no gate "
+            "ran); see the job log. Reproduce: `nox -s test`.",
+        )
     cases = [c for c in gates.get("cases") or [] if isinstance(c, dict)]
     failing = [c for c in cases if _case_failed(c)]
     skipped = [c for c in cases if c.get("outcome") == "skipped"]
@@ -1038,16 +1043,15 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
         return _unreadable_section("bench", title, "bench.json", inputs.unreadable["bench.json"])
     bench = inputs.bench
     if bench is None:
-        if _stage_failed(inputs, "bench"):
-            return Section(
-                "bench",
-                title,
-                FAIL,
-                "failed before writing bench.json",
-                "The bench stage failed and left no `bench.json`; see the job log. Reproduce: `nox -s bench`.",
-                [(FAIL, "bench stage failed")],
-            )
-        return _not_run("bench", title, "bench.json")
+        return _absent(
+            inputs,
+            "bench",
+            title,
+            "bench.json",
+            "bench stage failed",
+            "The bench stage failed and left no `bench.json`; see the job log. "
+            "Reproduce: `nox -s bench`.",
+        )
     cases = [c for c in bench.get("cases") or [] if isinstance(c, dict)]
     comparison = bench.get("comparison") if isinstance(bench.get("comparison"), dict) else None
     compared = [c for c in (comparison or {}).get("cases") or [] if isinstance(c, dict)]
