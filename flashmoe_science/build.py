@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from . import exitcodes
+from .env import find_nvcc, find_toolkit_home, parse_nvcc_version
 from .paths import CSRC_DIR, REPO_ROOT, build_root, report_dir, require_gpu_from_env
 
 LIBRARY_NAME = "flashmoe_science_C"
@@ -318,47 +319,27 @@ def torch_versions() -> tuple[str, str | None]:
 
 
 def find_cuda_toolkit() -> CudaToolkit:
-    """nvcc the way torch finds it (CUDA_HOME, then PATH, then /usr/local/cuda), plus its version."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home:
-        nvcc = Path(home) / "bin" / "nvcc"
-        if not nvcc.exists():
-            return CudaToolkit(problem=f"CUDA_HOME={home} has no bin/nvcc")
-    else:
-        found = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-        nvcc = Path(found)
-        if not nvcc.exists():
-            return CudaToolkit(problem="nvcc not found (CUDA_HOME unset, no nvcc on PATH)")
-        home = _toolkit_home(nvcc)
+    """nvcc the way torch finds it (CUDA_HOME, then PATH, then /usr/local/cuda), plus its version.
+
+    The lookup is env's (the environment check reports the same nvcc and toolkit this builds with)."""
+    nvcc, home_set = find_nvcc()
+    if nvcc is None:
+        if home_set:
+            return CudaToolkit(problem=f"CUDA_HOME={home_set} has no bin/nvcc")
+        return CudaToolkit(problem="nvcc not found (CUDA_HOME unset, no nvcc on PATH)")
+    # Without a toolkit beside it (no include/cuda_runtime.h), keep nvcc's grandparent: the
+    # compile then names what is missing.
+    home = (
+        home_set or find_toolkit_home(nvcc, None, 60.0) or str(Path(nvcc).resolve().parent.parent)
+    )
     try:
-        out = subprocess.run(
-            [str(nvcc), "--version"], capture_output=True, text=True, timeout=60
-        ).stdout
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        return CudaToolkit(str(nvcc), home, problem=f"{nvcc} --version failed: {exc}")
-    match = re.search(r"release (\d+\.\d+)", out)
-    if not match:
-        return CudaToolkit(str(nvcc), home, problem=f"cannot read the version of {nvcc}")
-    return CudaToolkit(str(nvcc), home, match.group(1))
-
-
-def _toolkit_home(nvcc: Path) -> str:
-    """The toolkit root. Usually nvcc's grandparent; when nvcc is a wrapper script (/usr/local/bin/nvcc
-    here), torch would wrongly take /usr/local, so ask nvcc where it really lives."""
-    home = nvcc.resolve().parent.parent
-    if (home / "include" / "cuda_runtime.h").exists():
-        return str(home)
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        dry = subprocess.run(
-            [str(nvcc), "-dryrun", "-c", "probe.cu", "-o", os.devnull],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        match = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.MULTILINE)
-        if match:
-            return str(Path(match.group(1).strip()).resolve())
-    return str(home)
+        return CudaToolkit(nvcc, home, problem=f"{nvcc} --version failed: {exc}")
+    version = parse_nvcc_version(out)
+    if version is None:
+        return CudaToolkit(nvcc, home, problem=f"cannot read the version of {nvcc}")
+    return CudaToolkit(nvcc, home, version)
 
 
 def visible_gpu_archs() -> list[str]:
