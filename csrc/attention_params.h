@@ -56,6 +56,9 @@ struct AttentionParams {
   int n_blocks_per_split;
   float* o_accum;    // [num_splits, B, Hq, Sq, D] contiguous
   float* lse_accum;  // [num_splits, B, Hq, Sq] contiguous
+  // Decode kernel only: one arrival counter per row tile, zero between launches; the last split of
+  // a tile to arrive combines the partials and resets its counter.
+  int* split_counters;
 };
 
 FLASHMOE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }

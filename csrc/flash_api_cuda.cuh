@@ -7,8 +7,12 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <array>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "attention_ops.h"
+#include "flash_decode_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
 
 namespace flashmoe::cuda {
@@ -19,7 +23,14 @@ namespace flashmoe::cuda {
 //      255 registers and spilled 68 bytes per thread here (nvcc 13.0, sm_90), so it is not used.
 //   2:  64 x 64, 4 warps. 48 KB at d=128, so two blocks fit one sm86/sm89 SM (100 KB); FA2 picks
 //       this square tile on sm86/sm89 ("fastest for causal"). Also used when a head has few rows.
-constexpr int kNumConfigs = 2;
+//   3:  the decode kernel (flash_decode_kernel.cuh): 16 rows, 4 warps splitting 64-key stages,
+//       3 stages deep: 96 KB at d=128 (one block per sm89 SM, two per sm90 SM), 48 KB at d=64.
+//       Chosen when a head has at most 16 rows (Sq x the query heads packed per KV head).
+//   4: 128 x 64 at d=128, 128 x 128 at d=64, 4 warps (FA2's sm80/sm90 tiles).
+constexpr int kNumConfigs = 4;
+constexpr int kDecodeConfig = 3;
+constexpr int kDecodeStages = 3;
+constexpr int kSm90Config = 4;  // built for sm_90 and newer only
 
 struct DeviceInfo {
   int major = 0, minor = 0, sm_count = 0;
@@ -38,45 +49,108 @@ inline DeviceInfo device_info(int device) {
 
 inline int choose_config(const DeviceInfo& dev, int head_dim, int rows_per_head) {
   const bool small_smem = dev.major == 8 && dev.minor != 0;  // sm86, sm87, sm89: 100 KB per SM
+  if (rows_per_head <= 16) return kDecodeConfig;
   if (rows_per_head <= 64) return 2;
+  if (dev.major >= 9) return kSm90Config;
   if (head_dim == 128 && small_smem) return 2;
   return 1;
 }
 
-template <typename T, typename Traits>
-void launch_fwd(const AttentionParams& p, int grid_x, int m_blocks, cudaStream_t stream) {
-  auto kernel = &flash_fwd_kernel<Traits, T>;
-  constexpr int smem = Traits::kSmemBytes;
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+// Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration).
+template <typename T, int D, typename F>
+void visit_config(int config, F&& f) {
+  if (config == 1) {
+    using Traits = FwdTraits<D, 128, D == 128 ? 32 : 64, 4>;
+    f(&flash_fwd_kernel<Traits, T>, Traits{});
+  } else if (config == 2) {
+    using Traits = FwdTraits<D, 64, 64, 4>;
+    f(&flash_fwd_kernel<Traits, T>, Traits{});
+  } else if (config == kDecodeConfig) {
+    using Traits = DecodeTraits<D, kDecodeStages>;
+    f(&flash_decode_kernel<Traits, T>, Traits{});
+  } else {
+    using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
+    f(&flash_fwd_kernel<Traits, T>, Traits{});
   }
-  kernel<<<dim3(grid_x, m_blocks, p.num_splits), Traits::kNThreads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int D>
-void dispatch_config(const AttentionParams& p, int config, int grid_x, int m_blocks,
-                     cudaStream_t stream) {
-  if (config == 1) {
-    launch_fwd<T, FwdTraits<D, 128, D == 128 ? 32 : 64, 4>>(p, grid_x, m_blocks, stream);
+template <typename T, typename F>
+void visit_kernel(int head_dim, int config, F&& f) {
+  if (head_dim == 64) {
+    visit_config<T, 64>(config, f);
   } else {
-    launch_fwd<T, FwdTraits<D, 64, 64, 4>>(p, grid_x, m_blocks, stream);
+    visit_config<T, 128>(config, f);
+  }
+}
+
+// Opts in to more than the default 48 KB of shared memory; from 47 KB up, since a kernel's static
+// shared memory (the decode kernel's flag) counts against the same limit.
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, int smem) {
+  if (smem > 47 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
 }
 
 template <typename T>
-void dispatch_head_dim(const AttentionParams& p, int config, int grid_x, int m_blocks,
-                       cudaStream_t stream) {
-  if (p.head_dim == 64) {
-    dispatch_config<T, 64>(p, config, grid_x, m_blocks, stream);
-  } else {
-    dispatch_config<T, 128>(p, config, grid_x, m_blocks, stream);
-  }
+void launch_attention(const AttentionParams& p, int config, int grid_x, int m_blocks,
+                      cudaStream_t stream) {
+  visit_kernel<T>(p.head_dim, config, [&](auto kernel, auto traits) {
+    using Traits = decltype(traits);
+    allow_dynamic_smem(kernel, Traits::kSmemBytes);
+    kernel<<<dim3(grid_x, m_blocks, p.num_splits), Traits::kNThreads, Traits::kSmemBytes, stream>>>(
+        p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
-constexpr int block_m_of(int config) { return config == 1 ? 128 : 64; }
+// Blocks of one kernel resident per SM (registers, shared memory and threads), as CUDA computes
+// it; the split heuristic's unit of work. Cached per device, dtype, head_dim and configuration.
+template <typename T>
+int blocks_per_sm(int device, int head_dim, int config) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  int& blocks = cache[{device, head_dim, config}];
+  if (blocks == 0) {
+    visit_kernel<T>(head_dim, config, [&](auto kernel, auto traits) {
+      using Traits = decltype(traits);
+      allow_dynamic_smem(kernel, Traits::kSmemBytes);
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &blocks, kernel, Traits::kNThreads, Traits::kSmemBytes));
+    });
+    blocks = std::max(blocks, 1);
+  }
+  return blocks;
+}
+
+constexpr int block_m_of(int config) {
+  return config == 2 ? 64 : config == kDecodeConfig ? 16 : 128;
+}
 constexpr int block_n_of(int config, int head_dim) {
-  return config == 1 && head_dim == 128 ? 32 : 64;
+  if (config == 1 && head_dim == 128) return 32;
+  if (config == 4 && head_dim == 64) return 128;
+  return 64;
+}
+
+// Arrival counters for the decode kernel's fused combine: one per row tile, all zero between
+// launches (the last block of a tile resets its own). Kept per device and stream, since launches
+// on one stream run in order while launches on two streams may overlap. Under graph capture a
+// fresh zeroed buffer is allocated instead (its memset becomes part of the graph).
+inline at::Tensor split_counters(const at::Tensor& like, cudaStream_t stream, int64_t tiles) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const auto options = like.options().dtype(at::kInt);
+  if (capture != cudaStreamCaptureStatusNone) return at::zeros({tiles}, options);
+  static std::mutex mutex;
+  // Never destroyed: CUDA may be torn down before static destructors run.
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& buffer = (*buffers)[{int(like.device().index()), stream}];
+  if (!buffer.defined() || buffer.numel() < tiles) {
+    buffer = at::zeros({std::max<int64_t>(tiles, 4096)}, options);
+  }
+  return buffer;
 }
 
 template <typename T, int D>
@@ -150,6 +224,9 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
               error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
                          "(mma.sync bf16/fp16); this one is ",
                          dev.major, ".", dev.minor));
+  FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
+                       " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
+                       ".", dev.minor, ": use config 1, 2 or 3 (or 0, automatic)");
   if (seqlens_k.has_value()) check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
   if (auto empty = empty_result(q_in, k_in)) return *empty;
 
@@ -171,9 +248,12 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   const int n_blocks = ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim));
   int splits = int(num_splits);
   if (splits == 0) {
-    // 2 blocks per SM: 128-thread blocks, as FA2 assumes.
+    const int resident = q.scalar_type() == at::kHalf
+                             ? blocks_per_sm<__half>(q.device().index(), p.head_dim, int(config))
+                             : blocks_per_sm<__nv_bfloat16>(q.device().index(), p.head_dim,
+                                                            int(config));
     splits = num_splits_heuristic(int(std::min<int64_t>(grid_x * m_blocks, 1 << 30)),
-                                  dev.sm_count * 2, n_blocks, kMaxSplits);
+                                  dev.sm_count * resident, n_blocks, kMaxSplits);
   }
   p.num_splits = splits;
   p.n_blocks_per_split = std::max(1, ceil_div(n_blocks, splits));
@@ -183,20 +263,25 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   p.o = out.data_ptr();
   p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
   p.lse = lse.data_ptr<float>();
-  at::Tensor o_accum, lse_accum;
+  at::Tensor o_accum, lse_accum, counters;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const bool fused_combine = config == kDecodeConfig;
+  if (splits > 1 && fused_combine) {
+    counters = split_counters(q, stream, grid_x * m_blocks);
+    p.split_counters = counters.data_ptr<int>();
+  }
   if (splits > 1) {
     o_accum = at::empty({splits, q.size(0), q.size(1), q.size(2), q.size(3)}, lse.options());
     lse_accum = at::empty({splits, q.size(0), q.size(1), q.size(2)}, lse.options());
     p.o_accum = o_accum.data_ptr<float>();
     p.lse_accum = lse_accum.data_ptr<float>();
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   if (q.scalar_type() == at::kHalf) {
-    dispatch_head_dim<__half>(p, int(config), int(grid_x), m_blocks, stream);
+    launch_attention<__half>(p, int(config), int(grid_x), m_blocks, stream);
   } else {
-    dispatch_head_dim<__nv_bfloat16>(p, int(config), int(grid_x), m_blocks, stream);
+    launch_attention<__nv_bfloat16>(p, int(config), int(grid_x), m_blocks, stream);
   }
-  if (splits > 1) combine_into(o_accum, lse_accum, out, lse);
+  if (splits > 1 && !fused_combine) combine_into(o_accum, lse_accum, out, lse);
   return {out, lse};
 }
 

@@ -11,13 +11,16 @@ namespace flashmoe::cuda {
 
 // Tile shape of one configuration. Warps split the kBlockM rows (each warp owns kMTiles tiles of 16
 // rows) and every warp sees all of K and V, so warps never exchange partial results (FA2's scheme).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kSm90Only_ = false>
 struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
+  // Built for sm_90 and newer only: below sm_90 the kernel body is a trap (and the host refuses
+  // the configuration), because ptxas spills these tiles there.
+  static constexpr bool kSm90Only = kSm90Only_;
   static constexpr int kMTiles = kBlockM / (16 * kNWarps);
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
@@ -27,22 +30,13 @@ struct FwdTraits {
                 "tile shapes must fit the mma and swizzle");
 };
 
-// Element offset of 16-byte chunk `chunk` of row `row` in a [rows][kHeadDim] shared tile. The chunk
-// index is XOR-swizzled with the row, so the 8 rows that one ldmatrix reads hit 8 different bank
-// groups (without it every ldmatrix is an 8-way bank conflict).
-template <int kHeadDim>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
-}
-
 template <typename Traits, typename T>
-__global__ void __launch_bounds__(Traits::kNThreads)
-    flash_fwd_kernel(const __grid_constant__ AttentionParams p) {
+__device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int MT = Traits::kMTiles, NT = BN / 8, DT = D / 8, kChunks = Traits::kChunks;
   constexpr int kThreads = Traits::kNThreads;
 
-  extern __shared__ uint4 smem_buf[];  // uint4: 16-byte alignment for cp.async and ldmatrix
+  extern __shared__ __align__(256) uint4 smem_buf[];  // swizzle_step needs 256-byte alignment
   T* sQ = reinterpret_cast<T*>(smem_buf);
   T* sK = sQ + BM * D;
   T* sV = sK + BN * D;
@@ -50,7 +44,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int heads_grid = p.pack_gqa ? p.heads_kv : p.heads_q;
   const int b = blockIdx.x / heads_grid, head_grid = blockIdx.x % heads_grid;
-  const int m0 = blockIdx.y * BM;
+  // Row blocks run last to first: with a causal mask the last ones see the most keys, so the heavy
+  // blocks start first and the light ones fill the tail of the grid. (Unconditional: without a
+  // mask the order does not matter, and a select on p.causal cost config 4 a register spill.)
+  const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
   const int split = blockIdx.z;
   const int group = p.pack_gqa ? p.heads_ratio : 1;
   const int hkv = p.pack_gqa ? head_grid : head_grid / p.heads_ratio;
@@ -70,6 +67,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     const int visible = i_last + len_k - p.seqlen_q + 1;
     n_block_max = min(n_block_max, visible <= 0 ? 0 : ceil_div(visible, BN));
   }
+  // Keys below this are visible to every row of the tile: KV blocks that end there need no mask.
+  const int unmasked_end = p.causal ? min(len_k, i_first + len_k - p.seqlen_q + 1) : len_k;
   const int n_lo = split * p.n_blocks_per_split;
   const int n_hi = min(n_block_max, n_lo + p.n_blocks_per_split);
 #if FLASHMOE_PLANT_BUG == 1
@@ -81,32 +80,16 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
 
   auto load_kv = [&](T* tile, const T* base, int64_t row_stride, int n_block) {
-#pragma unroll
-    for (int c = tid; c < BN * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks, kv = n_block * BN + r;
-      const bool valid = kv < len_k;
-#if FLASHMOE_PLANT_BUG == 3
-      // Rows past the sequence end are read, 4 GiB past where they would lie (outside any
-      // allocation), instead of zero-filled: a plain 16-byte load, so memcheck must report it.
-      if (!valid) {
-        const char* past = reinterpret_cast<const char*>(base + kv * row_stride + ch * 8);
-        *reinterpret_cast<uint4*>(tile + swizzle<D>(r, ch)) =
-            *reinterpret_cast<const uint4*>(past + (int64_t(1) << 32));
-        continue;
-      }
-#endif
-      cp_async_16(tile + swizzle<D>(r, ch), valid ? base + kv * row_stride + ch * 8 : base, valid);
-    }
+    load_kv_tile<D, BN, kThreads>(tile, base, row_stride, n_block * BN, len_k, tid);
   };
 
   // This thread's rows: within each 16-row m-tile, lane / 4 and lane / 4 + 8.
   const int warp_row0 = warp * 16 * MT;
-  int my_query[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-      my_query[mt][hh] = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8);
+  // ldmatrix base addresses (see swizzle_step): Q as the A operand (16 rows x 2 chunks), K as the
+  // B operand of S (keys x chunks, two n-tiles per x4), V transposed as the B operand of P V.
+  const uint32_t q_addr = smem_u32(sQ + swizzle<D>(warp_row0 + (lane & 15), lane >> 4));
+  const uint32_t k_addr = smem_u32(sK + swizzle<D>((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1));
+  const uint32_t v_addr = smem_u32(sV + swizzle<D>((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4));
 
   float acc_o[MT][DT][4];
   float row_max[MT][2], row_sum[MT][2];
@@ -157,13 +140,11 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        ldmatrix_x4(a[mt],
-                    sQ + swizzle<D>(warp_row0 + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        ldmatrix_x4(a[mt], swizzle_step<D>(q_addr, mt, kk));
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, sK + swizzle<D>(np * 16 + (lane & 7) + (lane >> 4) * 8,
-                                        kk * 2 + ((lane >> 3) & 1)));
+        ldmatrix_x4(bk, swizzle_step<D>(k_addr, np, kk));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_16816<T>(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
@@ -173,7 +154,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     }
 
     bool need_mask =
-        (n + 1) * BN > len_k || (p.causal && (n + 1) * BN - 1 > i_first + len_k - p.seqlen_q);
+        (n + 1) * BN > unmasked_end;
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || n * BN < key_begin;
 #endif
@@ -185,7 +166,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int col = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
-            const int i = my_query[mt][e >> 1];
+            const int i = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + (e >> 1) * 8);
             bool masked = col >= len_k || (p.causal && col > i + len_k - p.seqlen_q);
 #if FLASHMOE_PLANT_BUG == 1
             masked = masked || col < key_begin;
@@ -195,8 +176,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     }
 
     // Online softmax: rescale what was accumulated so far by exp2((m_old - m_new) * scale_log2).
+    uint32_t p_frag[MT][BN / 16][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         float mx = row_max[mt][hh];
@@ -224,6 +206,14 @@ __global__ void __launch_bounds__(Traits::kNThreads)
             row_sum[mt][hh] += prob;  // per-thread partial; the quad reduction waits for the end
           }
       }
+#pragma unroll
+      for (int j = 0; j < BN / 16; ++j) {
+        p_frag[mt][j][0] = pack2<T>(acc_s[mt][2 * j][0], acc_s[mt][2 * j][1]);
+        p_frag[mt][j][1] = pack2<T>(acc_s[mt][2 * j][2], acc_s[mt][2 * j][3]);
+        p_frag[mt][j][2] = pack2<T>(acc_s[mt][2 * j + 1][0], acc_s[mt][2 * j + 1][1]);
+        p_frag[mt][j][3] = pack2<T>(acc_s[mt][2 * j + 1][2], acc_s[mt][2 * j + 1][3]);
+      }
+    }
 
     cp_async_wait<0>();
     __syncthreads();  // V(n) has landed, and every warp is done reading K(n)
@@ -232,26 +222,17 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       cp_async_commit();
     }
 
-    // O += P V, with P taken straight from the S accumulators as the A operand (never via smem).
+    // O += P V, with P taken straight from registers as the A operand (never via smem).
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        a[mt][0] = pack2<T>(acc_s[mt][2 * j][0], acc_s[mt][2 * j][1]);
-        a[mt][1] = pack2<T>(acc_s[mt][2 * j][2], acc_s[mt][2 * j][3]);
-        a[mt][2] = pack2<T>(acc_s[mt][2 * j + 1][0], acc_s[mt][2 * j + 1][1]);
-        a[mt][3] = pack2<T>(acc_s[mt][2 * j + 1][2], acc_s[mt][2 * j + 1][3]);
-      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t bv[4];
-        ldmatrix_x4_trans(
-            bv, sV + swizzle<D>(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4)));
+        ldmatrix_x4_trans(bv, swizzle_step<D>(v_addr, j, dp));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma_16816<T>(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
-          mma_16816<T>(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+          mma_16816<T>(acc_o[mt][2 * dp], p_frag[mt][j], bv[0], bv[1]);
+          mma_16816<T>(acc_o[mt][2 * dp + 1], p_frag[mt][j], bv[2], bv[3]);
         }
       }
     }
@@ -291,9 +272,22 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     }
 }
 
-// Split-KV combine: one warp per output row. lse = m + log sum_s exp(lse_s - m) with m = max_s
-// lse_s; out = sum_s exp(lse_s - lse) * out_s. Splits with no valid key carry lse = -inf and weigh
-// 0.
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(
+    const __grid_constant__ AttentionParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (Traits::kSm90Only) {
+    __trap();
+  } else {
+    flash_fwd_block<Traits, T>(p);
+  }
+#else
+  flash_fwd_block<Traits, T>(p);
+#endif
+}
+
+// Split-KV combine for the forward kernel's partials (and the split_kv_combine operator): one warp
+// per output row; the lanes reduce the split LSEs together, then each owns D / 32 columns.
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
     split_kv_combine_kernel(const float* __restrict__ o_accum, const float* __restrict__ lse_accum,
@@ -304,40 +298,26 @@ __global__ void __launch_bounds__(128)
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   if (row >= rows) return;
+  auto lse_of = [&](int s) { return lse_accum[s * rows + row]; };
 
   float lse_max = -INFINITY;
   for (int s = lane; s < num_splits; s += 32)
-    lse_max = fmaxf(lse_max, lse_accum[s * rows + row]);
+    lse_max = fmaxf(lse_max, lse_of(s));
 #pragma unroll
   for (int off = 16; off > 0; off /= 2)
     lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, off));
   float sum = 0.f;
   if (lse_max != -INFINITY)
     for (int s = lane; s < num_splits; s += 32)
-      sum += expf(lse_accum[s * rows + row] - lse_max);
+      sum += expf(lse_of(s) - lse_max);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2)
     sum += __shfl_xor_sync(0xffffffff, sum, off);
   const float lse_row = lse_max == -INFINITY ? -INFINITY : lse_max + logf(sum);
 
-  float acc[kPerLane] = {};
-  if (lse_max != -INFINITY) {
-    for (int s = 0; s < num_splits; ++s) {
-      // An empty split weighs 0; skip it rather than multiply, so whatever it holds cannot leak in.
-      if (lse_accum[s * rows + row] == -INFINITY) continue;
-      const float w = expf(lse_accum[s * rows + row] - lse_row);
-      const float* src = o_accum + (s * rows + row) * D + lane * kPerLane;
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e)
-        acc[e] += w * src[e];
-    }
-#if FLASHMOE_PLANT_BUG == 2
-    const float w0 = expf(lse_accum[row] - lse_row);
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e)
-      acc[e] += w0 * o_accum[row * D + lane * kPerLane + e];
-#endif
-  }
+  float acc[kPerLane];
+  combine_split_partials<kPerLane>(o_accum, num_splits, rows, row, D, lane * kPerLane, lse_row,
+                                   lse_of, acc);
   T* dst = out + row * D + lane * kPerLane;
 #pragma unroll
   for (int e = 0; e < kPerLane; e += 2)

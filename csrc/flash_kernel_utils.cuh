@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "attention_params.h"
+
 namespace flashmoe::cuda {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
@@ -27,15 +29,16 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+// `addr` is a shared-memory address (smem_u32), so callers can form it with swizzle_step.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(smem)));
+               : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(smem)));
+               : "r"(addr));
 }
 
 // D = A * B + D for one m16n8k16 tile; A row-major 16x16, B "col" 16x8, D fp32 16x8.
@@ -85,6 +88,108 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 1);
   return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a [rows][kHeadDim] shared tile. The chunk
+// index is XOR-swizzled with the row, so the 8 rows that one ldmatrix reads hit 8 different bank
+// groups (without it every ldmatrix is an 8-way bank conflict).
+template <int kHeadDim>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// Shared-memory address of the ldmatrix row (rows + 16 * block, chunk 2 * step + c) of a swizzled
+// tile, given `base` = the address of (rows, c) with rows < 16 and c < 2. The swizzle XORs the
+// chunk bits only and a row is a multiple of 128 bytes, so every k-step of every 16-row block is
+// one add and one XOR away from a single per-thread base address (the tile must start 256-byte
+// aligned). Without this the compiler keeps one address per (block, step) in registers: at
+// d = 128 that is what pushed 128 x 64 tiles into spilling.
+template <int kHeadDim>
+__device__ __forceinline__ uint32_t swizzle_step(uint32_t base, int block, int step) {
+  return (base + block * 16 * kHeadDim * 2) ^ (step << 5);
+}
+
+// Issues the cp.async copies of rows [row0, row0 + kRows) of a K or V tile ([len][kHeadDim], rows
+// `row_stride` elements apart) into a swizzled shared tile, spread over kThreads threads. Rows at
+// or past `len` are zero-filled and never read. Each thread copies the same chunk of every
+// kThreads / kChunks-th row, so its addresses are one base plus a constant per pass (the swizzle
+// depends on row % 8 only): the loop holds no per-pass addresses across the main loop.
+template <int kHeadDim, int kRows, int kThreads, typename T>
+__device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row_stride, int row0,
+                                             int len, int tid) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
+                "each pass must cover whole rows, a multiple of 8 of them");
+  const int r = tid / kChunks, ch = tid % kChunks;
+  T* dst = tile + swizzle<kHeadDim>(r, ch);
+  const T* src = base + (row0 + r) * row_stride + ch * 8;
+#pragma unroll
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+    const bool valid = row0 + r + pass * kRowsPerPass < len;
+    const T* from = src + pass * kRowsPerPass * row_stride;
+#if FLASHMOE_PLANT_BUG == 3
+    // Rows past the sequence end are read, 4 GiB past where they would lie (outside any
+    // allocation), instead of zero-filled: a plain 16-byte load, so memcheck must report it.
+    if (!valid) {
+      *reinterpret_cast<uint4*>(dst + pass * kRowsPerPass * kHeadDim) =
+          *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(from) + (int64_t(1) << 32));
+      continue;
+    }
+#endif
+    cp_async_16(dst + pass * kRowsPerPass * kHeadDim, valid ? from : base, valid);
+  }
+}
+
+// The split-KV combine of one output row: lse = m + log sum_s exp(lse_s - m) with m = max_s lse_s
+// (-inf when no split saw a key), and out = sum_s exp(lse_s - lse) * out_s. `lse_of(s)` returns
+// lse_s from wherever the caller staged it.
+template <typename LseOf>
+__device__ __forceinline__ float combined_lse(int num_splits, LseOf lse_of) {
+  float lse_max = -INFINITY;
+  for (int s = 0; s < num_splits; ++s)
+    lse_max = fmaxf(lse_max, lse_of(s));
+  if (lse_max == -INFINITY) return -INFINITY;
+  float sum = 0.f;
+  for (int s = 0; s < num_splits; ++s)
+    sum += expf(lse_of(s) - lse_max);  // exp(-inf) = 0
+  return lse_max + logf(sum);
+}
+
+// acc = the combined output of one row over columns [col0, col0 + kCols), given its lse. Splits
+// with no valid key carry lse = -inf: they are skipped, so whatever their partial holds cannot leak
+// in (0 * NaN). Partials are read through L2 (__ldcg): other blocks of the same launch may have
+// written them.
+template <int kCols, typename LseOf>
+__device__ __forceinline__ void combine_split_partials(const float* o_accum, int num_splits,
+                                                       int64_t rows, int64_t row, int head_dim,
+                                                       int col0, float lse_row, LseOf lse_of,
+                                                       float (&acc)[kCols]) {
+  static_assert(kCols % 2 == 0, "columns come in pairs");
+#pragma unroll
+  for (int e = 0; e < kCols; ++e)
+    acc[e] = 0.f;
+  if (lse_row == -INFINITY) return;
+#pragma unroll 4
+  for (int s = 0; s < num_splits; ++s) {
+    const float lse_s = lse_of(s);
+    if (lse_s == -INFINITY) continue;
+    const float w = expf(lse_s - lse_row);
+    const float* src = o_accum + (s * rows + row) * head_dim + col0;
+#pragma unroll
+    for (int e = 0; e < kCols; e += 2) {
+      const float2 x = __ldcg(reinterpret_cast<const float2*>(src + e));
+      acc[e] += w * x.x;
+      acc[e + 1] += w * x.y;
+    }
+  }
+#if FLASHMOE_PLANT_BUG == 2
+  // Planted: split 0 is counted twice.
+  const float w0 = expf(lse_of(0) - lse_row);
+#pragma unroll
+  for (int e = 0; e < kCols; ++e)
+    acc[e] += w0 * __ldcg(o_accum + row * head_dim + col0 + e);
+#endif
 }
 
 }  // namespace flashmoe::cuda

@@ -403,18 +403,20 @@ def forward_cases(tier: str) -> Iterator[Case]:
                     )
                     index += 1
     if gpu:
-        # Every tile configuration any architecture selects, forced on this card.
-        for config in (1, 2):
+        # Every kernel configuration any architecture selects, forced on this card (ids as in
+        # ops.CONFIGS), each also through its split-KV path.
+        for config in (1, 2, 3, 4):
             for dtype in DTYPES:
                 for head_dim in (64, 128):
                     for causal in (False, True):
-                        for seqlen_q, seqlen_k in (
-                            (1, 1),
-                            (65, 65),
-                            (257, 257),
-                            (1000, 1000),
-                            (113, 203),
-                            (2048, 2047),
+                        for seqlen_q, seqlen_k, splits in (
+                            (1, 1, 0),
+                            (65, 65, 0),
+                            (257, 257, 0),
+                            (1000, 1000, 0),
+                            (113, 203, 0),
+                            (2048, 2047, 0),
+                            (16, 2000, 5),
                         ):
                             batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
                             yield Case(
@@ -428,6 +430,7 @@ def forward_cases(tier: str) -> Iterator[Case]:
                                 seqlen_k,
                                 causal,
                                 config=config,
+                                num_splits=splits,
                             )
                             index += 1
 

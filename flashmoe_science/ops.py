@@ -105,6 +105,16 @@ def _check_int(name: str, value, low: int, high: int, meaning: str) -> None:
         raise ValueError(f"{name} must be an int in [{low}, {high}] ({meaning}), got {value!r}")
 
 
+# CUDA kernel configurations that `config=` forces (ids as in csrc/flash_api_cuda.cuh).
+CONFIGS = {
+    1: "128x64 tiles (128x32 at d128), 4 warps",
+    2: "64x64 tiles, 4 warps",
+    3: "decode kernel: 16 rows, 4 warps splitting the keys",
+    4: "128x64 tiles at d128, 128x128 at d64, 4 warps",
+}
+_CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in CONFIGS.items())
+
+
 def flash_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -126,8 +136,9 @@ def flash_attention_forward(
     as in FlashAttention-2 (with Sq == Sk this is the usual lower triangle; with Sq < Sk the queries
     are the last Sq positions). A query that sees no key gets output 0 and log-sum-exp -inf.
     softmax_scale defaults to 1/sqrt(D). num_splits: 0 chooses the split-KV count from the SM count
-    and the work, 1 disables splitting. config: 0 picks the tile configuration for the GPU; 1 or 2
-    force one (see csrc/flash_api_cuda.cuh), which is how every configuration is gated on one card.
+    and the work, 1 disables splitting. config: 0 picks the kernel and tile configuration for the GPU;
+    1 to 4 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
+    architecture selects is gated on one card.
 
     Returns the output [B, Hq, Sq, D] in the input dtype, and with return_lse=True also the
     log-sum-exp of each row as fp32 [B, Hq, Sq].
@@ -137,7 +148,7 @@ def flash_attention_forward(
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     _check_int("num_splits", num_splits, 0, 128, "0 = automatic")
-    _check_int("config", config, 0, 2, "0 = automatic, 1 = 128x64 tiles, 2 = 64x64 tiles")
+    _check_int("config", config, 0, len(CONFIGS), "0 = automatic, " + _CONFIG_TEXT)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     out, lse = _call(
         torch.ops.flashmoe_science.fwd, q, k, v, None, causal, scale, num_splits, config

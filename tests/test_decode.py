@@ -81,6 +81,8 @@ from flashmoe_science import gates, ops
 cases = [gates.Case("decode", "bf16", 64, 2, 8, 2, 1, 1000, True, num_splits=3, seqlens=(1000, 333)),
          gates.Case("decode", "fp16", 128, 1, 8, 8, 4, 4096, True, num_splits=7)]
 device = sys.argv[1]
+if device == "cuda":  # the decode kernel runs the cases above; the forward kernel's split path too
+    cases.append(gates.Case("fwd", "bf16", 128, 1, 4, 4, 16, 2000, True, config=2, num_splits=5))
 print(json.dumps({"planted": ops.planted_bug(),
                   "failures": [gates.check_case(c, device).failures for c in cases]}))
 """

@@ -53,7 +53,11 @@ def test_matrix_covers_the_issue():
     )
     assert {c.heads_q // c.heads_kv for c in GPU_CASES} == {1, 4, 8}
     assert any(c.layout == "bshd" for c in GPU_CASES) and any(c.batch > 1 for c in GPU_CASES)
-    assert {c.config for c in GPU_CASES} == {0, 1, 2}
+    from flashmoe_science.ops import CONFIGS
+
+    assert {c.config for c in GPU_CASES} == {0, *CONFIGS}
+    # each forced configuration is also gated through its split-KV path
+    assert {c.config for c in GPU_CASES if c.num_splits > 1 and c.config} == set(CONFIGS)
 
 
 def test_bshd_view_is_used_in_place():

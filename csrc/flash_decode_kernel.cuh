@@ -1,0 +1,348 @@
+// Split-KV decode kernel (flash-decoding): a few query rows against a long KV cache, read at the
+// memory-bandwidth limit.
+//
+// The forward kernel gives each warp its own query rows and has every warp read all of K and V.
+// With one to sixteen rows that leaves three of four warps computing on padding and a single K/V
+// tile in flight per block. Here the block owns one 16-row tile (Sq x the query heads that share a
+// KV head, packed), and its 4 warps split the keys instead: warp w takes keys [16w, 16w + 16) of
+// every 64-key stage, keeps its own running max, sum and output, and the warps are reduced through
+// shared memory at the end. K and V stream through a kStages-deep cp.async pipeline, so
+// (kStages - 1) x 64 keys of K and V are in flight while a stage is computed.
+//
+// With num_splits > 1 each block writes its fp32 partial and log-sum-exp, and the last block of a
+// tile to finish (an atomic counter per tile) combines all splits itself: no second launch.
+#pragma once
+
+#include "attention_params.h"
+#include "flash_kernel_utils.cuh"
+
+namespace flashmoe::cuda {
+
+template <int kHeadDim_, int kStages_>
+struct DecodeTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kBlockM = 16;  // one mma row tile
+  static constexpr int kBlockN = 64;  // keys per stage; 16 per warp
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kStageElems = 2 * kBlockN * kHeadDim;  // the K tile, then the V tile
+  // Shared memory is the stages alone: Q is staged in the last stage's buffer (free until the
+  // main loop's first refill), and the cross-warp reduction reuses the stages after the loop.
+  static constexpr int kSmemBytes = kStages * kStageElems * 2;
+  // fp32 row stride of the reduction scratch, padded by 8 floats so the 8 rows one store
+  // instruction touches fall in different banks.
+  static constexpr int kScratchStride = kHeadDim + 8;
+  static constexpr int kScratchBytes =
+      (kNWarps * kBlockM * kScratchStride + 2 * kNWarps * kBlockM) * 4;
+  static_assert(kStages >= 2, "a pipeline needs two stages");
+  static_assert(kHeadDim % 64 == 0, "head_dim must fit the mma and swizzle");
+  static_assert(kBlockM * kHeadDim <= kStageElems, "Q must fit in one stage");
+  static_assert(kScratchBytes <= kSmemBytes, "the reduction must fit in the stages");
+  static_assert(kMaxSplits * kBlockM * 4 <= kSmemBytes, "the split LSEs must fit in the stages");
+};
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_decode_kernel(const __grid_constant__ AttentionParams p) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages, kThreads = Traits::kNThreads;
+  constexpr int KT = D / 16, DT = D / 8;
+  constexpr int kWarpKeys = BN / Traits::kNWarps;
+  constexpr int kThreadsPerRow = kThreads / BM, kCols = D / kThreadsPerRow;  // final write-out
+  static_assert(kWarpKeys == 16, "each warp owns one 16-key slice of a stage");
+
+  extern __shared__ __align__(256) uint4 smem_buf[];  // swizzle_step needs 256-byte alignment
+  T* smem = reinterpret_cast<T*>(smem_buf);
+  auto stage_k = [&](int s) { return smem + s * Traits::kStageElems; };
+  auto stage_v = [&](int s) { return smem + s * Traits::kStageElems + BN * D; };
+  T* sQ = stage_k(kStages - 1);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int heads_grid = p.pack_gqa ? p.heads_kv : p.heads_q;
+  const int b = blockIdx.x / heads_grid, head_grid = blockIdx.x % heads_grid;
+  const int m0 = blockIdx.y * BM;
+  const int split = blockIdx.z;
+  const int group = p.pack_gqa ? p.heads_ratio : 1;
+  const int hkv = p.pack_gqa ? head_grid : head_grid / p.heads_ratio;
+  const int rows_total = p.seqlen_q * group;
+  const int len_k = p.seqlens_k ? p.seqlens_k[b] : p.seqlen_k;
+  auto row_query = [&](int r) { return p.pack_gqa ? r / group : r; };
+  auto row_head = [&](int r) { return p.pack_gqa ? hkv * group + r % group : head_grid; };
+
+  // The stages this split visits (query row i sees keys j <= i + len_k - seqlen_q when causal).
+  const int i_first = row_query(m0);
+  const int i_last = row_query(min(m0 + BM, rows_total) - 1);
+  int n_block_max = ceil_div(len_k, BN);
+  if (p.causal) {
+    const int visible = i_last + len_k - p.seqlen_q + 1;
+    n_block_max = min(n_block_max, visible <= 0 ? 0 : ceil_div(visible, BN));
+  }
+  const int n_lo = split * p.n_blocks_per_split;
+  const int n_iters = max(0, min(n_block_max, n_lo + p.n_blocks_per_split) - n_lo);
+#if FLASHMOE_PLANT_BUG == 1
+  const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
+#endif
+
+  const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  auto load_stage = [&](int it) {
+    const int s = it % kStages;
+    load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, (n_lo + it) * BN, len_k, tid);
+    load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, (n_lo + it) * BN, len_k, tid);
+  };
+
+  // Prologue: Q and stages 0 .. kStages-2 in flight; one commit group per stage (empty ones too,
+  // so the wait counts below hold however few stages this split has).
+#pragma unroll
+  for (int c = tid; c < BM * (D / 8); c += kThreads) {
+    const int r = c / (D / 8), ch = c % (D / 8), gr = m0 + r;
+    const bool valid = gr < rows_total;
+    const T* src =
+        valid ? q_base + row_head(gr) * p.q_head_stride + row_query(gr) * p.q_row_stride + ch * 8
+              : q_base;
+    cp_async_16(sQ + swizzle<D>(r, ch), src, valid);
+  }
+#pragma unroll
+  for (int it = 0; it < kStages - 1; ++it) {
+    if (it < n_iters) load_stage(it);
+    cp_async_commit();
+  }
+  cp_async_wait<kStages - 2>();
+  __syncthreads();
+  uint32_t q_frag[KT][4];  // Q stays in registers: every warp multiplies the same 16 rows
+  const uint32_t q_addr = smem_u32(sQ + swizzle<D>(lane & 15, lane >> 4));
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk)
+    ldmatrix_x4(q_frag[kk], swizzle_step<D>(q_addr, 0, kk));
+  // ldmatrix base addresses in stage 0 (see swizzle_step): K as the B operand of S, V transposed
+  // as the B operand of P V; a stage is kStageElems further.
+  const uint32_t k_addr = smem_u32(stage_k(0) + swizzle<D>((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1));
+  const uint32_t v_addr =
+      smem_u32(stage_v(0) + swizzle<D>((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4));
+
+  int my_query[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh)
+    my_query[hh] = row_query(m0 + lane / 4 + hh * 8);
+  float acc_o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      acc_o[dt][e] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  for (int it = 0; it < n_iters; ++it) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage `it` has landed, and every warp is done with the buffer refilled next
+    if (it + kStages - 1 < n_iters) load_stage(it + kStages - 1);
+    cp_async_commit();
+
+    const uint32_t stage_bytes = (it % kStages) * Traits::kStageElems * 2;
+    const int key0 = (n_lo + it) * BN + warp * kWarpKeys;
+
+    // S = Q K^T for this warp's 16 keys.
+    float acc_s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc_s[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      uint32_t bk[4];
+      ldmatrix_x4(bk, swizzle_step<D>(k_addr + stage_bytes, warp, kk));
+      mma_16816<T>(acc_s[0], q_frag[kk], bk[0], bk[1]);
+      mma_16816<T>(acc_s[1], q_frag[kk], bk[2], bk[3]);
+    }
+
+    bool need_mask = key0 + kWarpKeys > len_k ||
+                     (p.causal && key0 + kWarpKeys - 1 > i_first + len_k - p.seqlen_q);
+#if FLASHMOE_PLANT_BUG == 1
+    need_mask = need_mask || key0 < key_begin;
+#endif
+    if (need_mask) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = key0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+          const int i = my_query[e >> 1];
+          bool masked = col >= len_k || (p.causal && col > i + len_k - p.seqlen_q);
+#if FLASHMOE_PLANT_BUG == 1
+          masked = masked || col < key_begin;
+#endif
+          if (masked) acc_s[nt][e] = -INFINITY;
+        }
+    }
+
+    // Online softmax over this warp's keys (base 2, scale folded in).
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = row_max[hh];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
+      mx = quad_max(mx);
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+      const float rescale = exp2f(row_max[hh] * p.scale_log2 - max_scaled);
+      row_max[hh] = mx;
+      row_sum[hh] *= rescale;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        acc_o[dt][2 * hh] *= rescale;
+        acc_o[dt][2 * hh + 1] *= rescale;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+          const float prob = exp2f(fmaf(acc_s[nt][e], p.scale_log2, -max_scaled));
+          acc_s[nt][e] = prob;
+          row_sum[hh] += prob;
+        }
+    }
+
+    // O += P V with P straight from the accumulators (the A operand of a 16x16 k-step).
+    uint32_t a[4];
+    a[0] = pack2<T>(acc_s[0][0], acc_s[0][1]);
+    a[1] = pack2<T>(acc_s[0][2], acc_s[0][3]);
+    a[2] = pack2<T>(acc_s[1][0], acc_s[1][1]);
+    a[3] = pack2<T>(acc_s[1][2], acc_s[1][3]);
+#pragma unroll
+    for (int dp = 0; dp < KT; ++dp) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, swizzle_step<D>(v_addr + stage_bytes, warp, dp));
+      mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
+      mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages: they become the reduction scratch
+
+  // Reduce the 4 warps: each row's max (log2 units) and sum per warp, then every warp writes its
+  // output rescaled to the common max and divided by the common sum; the writers below add them.
+  float* scratch = reinterpret_cast<float*>(smem_buf);  // [warp][row][kScratchStride]
+  float* warp_max = scratch + Traits::kNWarps * BM * Traits::kScratchStride;  // [warp][row]
+  float* warp_sum = warp_max + Traits::kNWarps * BM;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_sum[hh] = quad_sum(row_sum[hh]);
+    if ((lane & 3) == 0) {
+      const int r = lane / 4 + hh * 8;
+      warp_max[warp * BM + r] = row_max[hh] == -INFINITY ? -INFINITY : row_max[hh] * p.scale_log2;
+      warp_sum[warp * BM + r] = row_sum[hh];
+    }
+  }
+  __syncthreads();
+  // The common max and sum of row r over the warps (sum 0: no warp saw a key).
+  auto row_stats = [&](int r, float& mx, float& sum) {
+    mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Traits::kNWarps; ++w)
+      mx = fmaxf(mx, warp_max[w * BM + r]);
+    sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < Traits::kNWarps; ++w)
+      if (warp_sum[w * BM + r] > 0.f) sum += warp_sum[w * BM + r] * exp2f(warp_max[w * BM + r] - mx);
+  };
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = lane / 4 + hh * 8;
+    float mx, sum;
+    row_stats(r, mx, sum);
+    const float f =
+        row_sum[hh] > 0.f ? exp2f(warp_max[warp * BM + r] - mx) / sum : 0.f;
+    float* dst = scratch + (warp * BM + r) * Traits::kScratchStride + (lane & 3) * 2;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      *reinterpret_cast<float2*>(dst + dt * 8) =
+          make_float2(acc_o[dt][2 * hh] * f, acc_o[dt][2 * hh + 1] * f);
+  }
+  __syncthreads();
+
+  // Write-out: thread t owns columns [c0, c0 + kCols) of tile row t / kThreadsPerRow.
+  const int r = tid / kThreadsPerRow, c0 = (tid % kThreadsPerRow) * kCols, gr = m0 + r;
+  float out[kCols];
+#pragma unroll
+  for (int e = 0; e < kCols; ++e)
+    out[e] = 0.f;
+#pragma unroll
+  for (int w = 0; w < Traits::kNWarps; ++w) {
+    const float* src = scratch + (w * BM + r) * Traits::kScratchStride + c0;
+#pragma unroll
+    for (int e = 0; e < kCols; e += 4) {
+      const float4 x = *reinterpret_cast<const float4*>(src + e);
+      out[e] += x.x, out[e + 1] += x.y, out[e + 2] += x.z, out[e + 3] += x.w;
+    }
+  }
+  float mx, sum;
+  row_stats(r, mx, sum);
+  float lse = sum > 0.f ? mx * float(M_LN2) + logf(sum) : -INFINITY;
+
+  const bool row_valid = gr < rows_total;
+  const int i = row_query(gr), h = row_head(gr);
+  const int64_t lse_index = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
+  const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  auto write_out = [&](const float (&vals)[kCols], float row_lse) {
+    T* o_row = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride +
+               i * p.o_row_stride + c0;
+#pragma unroll
+    for (int e = 0; e < kCols; e += 8) {
+      uint4 packed;
+      packed.x = pack2<T>(vals[e], vals[e + 1]);
+      packed.y = pack2<T>(vals[e + 2], vals[e + 3]);
+      packed.z = pack2<T>(vals[e + 4], vals[e + 5]);
+      packed.w = pack2<T>(vals[e + 6], vals[e + 7]);
+      *reinterpret_cast<uint4*>(o_row + e) = packed;
+    }
+    if (c0 == 0) p.lse[lse_index] = row_lse;
+  };
+  if (p.num_splits == 1) {
+    if (row_valid) write_out(out, lse);
+    return;
+  }
+  if (row_valid) {
+    float* o_part = p.o_accum + (split * rows_all + lse_index) * D + c0;
+#pragma unroll
+    for (int e = 0; e < kCols; e += 4)
+      *reinterpret_cast<float4*>(o_part + e) = make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
+    if (c0 == 0) p.lse_accum[split * rows_all + lse_index] = lse;
+  }
+
+  // The last split of this tile to finish combines them all. The fence makes this block's partial
+  // visible before its arrival is counted; the counter is reset for the next launch.
+  __shared__ bool is_last;
+  __threadfence();
+  __syncthreads();
+  const int tile = blockIdx.x * gridDim.y + blockIdx.y;
+  if (tid == 0) is_last = atomicAdd(p.split_counters + tile, 1) == p.num_splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (tid == 0) p.split_counters[tile] = 0;
+  // Stage every split's LSE of this tile's rows in shared memory (the scratch is free: all reads of
+  // it happened before the arrival barrier), so the combine reads them without an L2 round trip
+  // per split.
+  float* split_lse = scratch;  // [num_splits][BM]
+  for (int idx = tid; idx < p.num_splits * BM; idx += kThreads) {
+    const int s = idx / BM, g = m0 + idx % BM;
+    split_lse[idx] =
+        g < rows_total
+            ? __ldcg(p.lse_accum + s * rows_all +
+                     (int64_t(b) * p.heads_q + row_head(g)) * p.seqlen_q + row_query(g))
+            : -INFINITY;
+  }
+  __syncthreads();
+  if (row_valid) {
+    auto lse_of = [&](int s) { return split_lse[s * BM + r]; };
+    lse = combined_lse(p.num_splits, lse_of);
+    combine_split_partials<kCols>(p.o_accum, p.num_splits, rows_all, lse_index, D, c0, lse,
+                                  lse_of, out);
+    write_out(out, lse);
+  }
+}
+
+}  // namespace flashmoe::cuda
