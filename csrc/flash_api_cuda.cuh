@@ -25,7 +25,8 @@ namespace flashmoe::cuda {
 //       this square tile on sm86/sm89 ("fastest for causal"). Also used when a head has few rows.
 //   3:  the decode kernel (flash_decode_kernel.cuh): 16 rows, 4 warps splitting 64-key stages,
 //       3 stages deep: 96 KB at d=128 (one block per sm89 SM, two per sm90 SM), 48 KB at d=64.
-//       Chosen when a head has at most 16 rows (Sq x the query heads packed per KV head).
+//       Chosen when a head has at most 16 rows (Sq x the query heads packed per KV head), and
+//       for grids too small to fill the GPU with 64-row tiles.
 //   4: 128 x 64 at d=128, 128 x 128 at d=64, 4 warps (FA2's sm80/sm90 tiles).
 constexpr int kNumConfigs = 4;
 constexpr int kDecodeConfig = 3;
@@ -47,10 +48,15 @@ inline DeviceInfo device_info(int device) {
   return info;
 }
 
-inline int choose_config(const DeviceInfo& dev, int head_dim, int rows_per_head) {
+// The automatic choice. `heads` is the grid's (batch, head) count, `rows_per_head` its rows.
+// Grids too small to fill the GPU take smaller row tiles (more blocks): the 16-row decode tiles
+// when even 64-row tiles leave SMs idle (one sequence of a few hundred tokens, say).
+inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int rows_per_head) {
   const bool small_smem = dev.major == 8 && dev.minor != 0;  // sm86, sm87, sm89: 100 KB per SM
-  if (rows_per_head <= 16) return kDecodeConfig;
-  if (rows_per_head <= 64) return 2;
+  if (rows_per_head <= 16 || heads * ceil_div(rows_per_head, 64) < dev.sm_count) {
+    return kDecodeConfig;
+  }
+  if (rows_per_head <= 64 || heads * ceil_div(rows_per_head, 128) < dev.sm_count) return 2;
   if (dev.major >= 9) return kSm90Config;
   if (head_dim == 128 && small_smem) return 2;
   return 1;
@@ -98,8 +104,9 @@ void launch_attention(const AttentionParams& p, int config, int grid_x, int m_bl
   visit_kernel<T>(p.head_dim, config, [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
-    kernel<<<dim3(grid_x, m_blocks, p.num_splits), Traits::kNThreads, Traits::kSmemBytes, stream>>>(
-        p);
+    // See TileCoords: x = (batch, head, row block), row block fastest; y = split.
+    kernel<<<dim3(grid_x * m_blocks, p.num_splits), Traits::kNThreads, Traits::kSmemBytes,
+             stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -238,22 +245,27 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   // group's K and V are read once.
   p.pack_gqa = p.heads_ratio > 1 && int64_t(p.seqlen_q) * p.heads_ratio <= 128;
   const int rows_per_head = p.seqlen_q * (p.pack_gqa ? p.heads_ratio : 1);
-  if (config == 0) config = choose_config(dev, p.head_dim, rows_per_head);
+  const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
+  if (config == 0) config = choose_config(dev, p.head_dim, grid_x, rows_per_head);
 
   const int m_blocks = ceil_div(rows_per_head, block_m_of(int(config)));
-  const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
-  FLASHMOE_CHECK_VALUE(m_blocks <= 65535 && grid_x < (int64_t(1) << 31), "q of shape ",
-                       shape_str(q_in),
-                       " exceeds the launch grid (at most 65535 row blocks per head)");
+  FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "q of shape ", shape_str(q_in),
+                       " exceeds the launch grid (batch x heads x row blocks must be below 2^31)");
   const int n_blocks = ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim));
   int splits = int(num_splits);
-  if (splits == 0) {
+  const int tiles = int(std::min<int64_t>(grid_x * m_blocks, 1 << 30));
+  if (splits == 0 && config == kDecodeConfig) {
+    // Decode: aim for one block per SM (not the two that fit) and at least 4 stages (256 keys)
+    // per split. Forced split counts on the H200 (benches/NOTES.md) were fastest there: more,
+    // shorter splits lose more to the pipeline's fill and the combine than they gain.
+    splits = num_splits_heuristic(tiles, dev.sm_count, n_blocks,
+                                  std::max(1, std::min(kMaxSplits, n_blocks / 4)));
+  } else if (splits == 0) {
     const int resident = q.scalar_type() == at::kHalf
                              ? blocks_per_sm<__half>(q.device().index(), p.head_dim, int(config))
                              : blocks_per_sm<__nv_bfloat16>(q.device().index(), p.head_dim,
                                                             int(config));
-    splits = num_splits_heuristic(int(std::min<int64_t>(grid_x * m_blocks, 1 << 30)),
-                                  dev.sm_count * resident, n_blocks, kMaxSplits);
+    splits = num_splits_heuristic(tiles, dev.sm_count * resident, n_blocks, kMaxSplits);
   }
   p.num_splits = splits;
   p.n_blocks_per_split = std::max(1, ceil_div(n_blocks, splits));

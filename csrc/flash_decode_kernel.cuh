@@ -39,7 +39,8 @@ struct DecodeTraits {
   static_assert(kHeadDim % 64 == 0, "head_dim must fit the mma and swizzle");
   static_assert(kBlockM * kHeadDim <= kStageElems, "Q must fit in one stage");
   static_assert(kScratchBytes <= kSmemBytes, "the reduction must fit in the stages");
-  static_assert(kMaxSplits * kBlockM * 4 <= kSmemBytes, "the split LSEs must fit in the stages");
+  static_assert((kMaxSplits + 1) * kBlockM * 4 <= kSmemBytes,
+                "the split LSEs must fit in the stages");
 };
 
 template <typename Traits, typename T>
@@ -59,16 +60,11 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   T* sQ = stage_k(kStages - 1);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int heads_grid = p.pack_gqa ? p.heads_kv : p.heads_q;
-  const int b = blockIdx.x / heads_grid, head_grid = blockIdx.x % heads_grid;
-  const int m0 = blockIdx.y * BM;
-  const int split = blockIdx.z;
-  const int group = p.pack_gqa ? p.heads_ratio : 1;
-  const int hkv = p.pack_gqa ? head_grid : head_grid / p.heads_ratio;
-  const int rows_total = p.seqlen_q * group;
-  const int len_k = p.seqlens_k ? p.seqlens_k[b] : p.seqlen_k;
-  auto row_query = [&](int r) { return p.pack_gqa ? r / group : r; };
-  auto row_head = [&](int r) { return p.pack_gqa ? hkv * group + r % group : head_grid; };
+  const TileCoords t = TileCoords::of_block<BM>(p);
+  const int b = t.b, hkv = t.hkv, rows_total = t.rows_total, len_k = t.len_k, split = t.split;
+  const int m0 = t.m_block * BM;
+  auto row_query = [&](int r) { return t.query(r); };
+  auto row_head = [&](int r) { return t.head(r); };
 
   // The stages this split visits (query row i sees keys j <= i + len_k - seqlen_q when causal).
   const int i_first = row_query(m0);
@@ -280,28 +276,23 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   }
   float mx, sum;
   row_stats(r, mx, sum);
-  float lse = sum > 0.f ? mx * float(M_LN2) + logf(sum) : -INFINITY;
+  const float lse = sum > 0.f ? mx * float(M_LN2) + logf(sum) : -INFINITY;
 
   const bool row_valid = gr < rows_total;
   const int i = row_query(gr), h = row_head(gr);
   const int64_t lse_index = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
   const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  auto write_out = [&](const float (&vals)[kCols], float row_lse) {
+  if (p.num_splits == 1) {
+    if (!row_valid) return;
     T* o_row = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride +
                i * p.o_row_stride + c0;
 #pragma unroll
     for (int e = 0; e < kCols; e += 8) {
-      uint4 packed;
-      packed.x = pack2<T>(vals[e], vals[e + 1]);
-      packed.y = pack2<T>(vals[e + 2], vals[e + 3]);
-      packed.z = pack2<T>(vals[e + 4], vals[e + 5]);
-      packed.w = pack2<T>(vals[e + 6], vals[e + 7]);
-      *reinterpret_cast<uint4*>(o_row + e) = packed;
+      *reinterpret_cast<uint4*>(o_row + e) =
+          make_uint4(pack2<T>(out[e], out[e + 1]), pack2<T>(out[e + 2], out[e + 3]),
+                     pack2<T>(out[e + 4], out[e + 5]), pack2<T>(out[e + 6], out[e + 7]));
     }
-    if (c0 == 0) p.lse[lse_index] = row_lse;
-  };
-  if (p.num_splits == 1) {
-    if (row_valid) write_out(out, lse);
+    if (c0 == 0) p.lse[lse_index] = lse;
     return;
   }
   if (row_valid) {
@@ -317,7 +308,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   __shared__ bool is_last;
   __threadfence();
   __syncthreads();
-  const int tile = blockIdx.x * gridDim.y + blockIdx.y;
+  const int tile = blockIdx.x;
   if (tid == 0) is_last = atomicAdd(p.split_counters + tile, 1) == p.num_splits - 1;
   __syncthreads();
   if (!is_last) return;
@@ -335,13 +326,27 @@ __global__ void __launch_bounds__(Traits::kNThreads)
                      (int64_t(b) * p.heads_q + row_head(g)) * p.seqlen_q + row_query(g))
             : -INFINITY;
   }
+  float* row_lse = split_lse + p.num_splits * BM;  // [BM]
   __syncthreads();
-  if (row_valid) {
-    auto lse_of = [&](int s) { return split_lse[s * BM + r]; };
-    lse = combined_lse(p.num_splits, lse_of);
-    combine_split_partials<kCols>(p.o_accum, p.num_splits, rows_all, lse_index, D, c0, lse,
-                                  lse_of, out);
-    write_out(out, lse);
+  if (tid < BM) {
+    row_lse[tid] = combined_lse(p.num_splits, [&](int s) { return split_lse[s * BM + tid]; });
+  }
+  __syncthreads();
+  // Work items are (valid row, 4 columns): with the 1 to 4 rows of a typical decode tile every
+  // thread gets one, and each reads its splits' partials several at a time.
+  const int valid_rows = min(BM, rows_total - m0);
+  for (int item = tid; item < valid_rows * (D / 4); item += kThreads) {
+    const int rr = item / (D / 4), col = item % (D / 4) * 4, g = m0 + rr;
+    const int hg = row_head(g), ig = row_query(g);
+    const int64_t index = (int64_t(b) * p.heads_q + hg) * p.seqlen_q + ig;
+    float acc[4];
+    combine_split_partials<4>(p.o_accum, p.num_splits, rows_all, index, D, col, row_lse[rr],
+                              [&](int s) { return split_lse[s * BM + rr]; }, acc);
+    T* o_row = static_cast<T*>(p.o) + b * p.o_batch_stride + hg * p.o_head_stride +
+               ig * p.o_row_stride;
+    *reinterpret_cast<uint2*>(o_row + col) =
+        make_uint2(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]));
+    if (col == 0) p.lse[index] = row_lse[rr];
   }
 }
 

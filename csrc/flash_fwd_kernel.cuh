@@ -42,21 +42,15 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   T* sV = sK + BN * D;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int heads_grid = p.pack_gqa ? p.heads_kv : p.heads_q;
-  const int b = blockIdx.x / heads_grid, head_grid = blockIdx.x % heads_grid;
-  // Row blocks run last to first: with a causal mask the last ones see the most keys, so the heavy
-  // blocks start first and the light ones fill the tail of the grid. (Unconditional: without a
-  // mask the order does not matter, and a select on p.causal cost config 4 a register spill.)
-  const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
-  const int split = blockIdx.z;
-  const int group = p.pack_gqa ? p.heads_ratio : 1;
-  const int hkv = p.pack_gqa ? head_grid : head_grid / p.heads_ratio;
-  const int rows_total = p.seqlen_q * group;
-  const int len_k = p.seqlens_k ? p.seqlens_k[b] : p.seqlen_k;
+  const TileCoords t = TileCoords::of_block<BM>(p);
+  const int b = t.b, hkv = t.hkv, rows_total = t.rows_total, len_k = t.len_k, split = t.split;
+  // Row blocks of a head run last to first: with a causal mask the last ones see the most keys, so
+  // the heavy blocks start first and the light ones fill the tail. (Unconditional: without a mask
+  // the order does not matter, and a select on p.causal cost config 4 a register spill.)
+  const int m0 = (t.m_blocks - 1 - t.m_block) * BM;
 
-  // Tile row r is query r (or, with packed GQA, query r / group of head hkv * group + r % group).
-  auto row_query = [&](int r) { return p.pack_gqa ? r / group : r; };
-  auto row_head = [&](int r) { return p.pack_gqa ? hkv * group + r % group : head_grid; };
+  auto row_query = [&](int r) { return t.query(r); };
+  auto row_head = [&](int r) { return t.head(r); };
 
   // KV blocks this block visits: causal tiles above the diagonal are skipped, and the split owns
   // blocks [n_lo, n_hi). A query row i sees keys j <= i + len_k - seqlen_q (bottom-right aligned).
@@ -115,16 +109,26 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
       cp_async_16(sQ + swizzle<D>(r, ch), src, valid);
     }
     // KV blocks run from the last to the first, so only the first one visited (the sequence tail
-    // or the diagonal) needs masking, as in FA2.
+    // or the diagonal) needs masking, as in FA2. The first V goes out with Q and K: a block with
+    // few KV blocks (short sequences) then waits for memory once, not twice, before its first P V.
     load_kv(sK, k_base, p.k_row_stride, n_hi - 1);
+    cp_async_commit();
+    load_kv(sV, v_base, p.v_row_stride, n_hi - 1);
     cp_async_commit();
   }
 
   for (int n = n_hi - 1; n >= n_lo; --n) {
-    cp_async_wait<0>();
+    const bool first = n == n_hi - 1;
+    if (first) {
+      cp_async_wait<1>();  // Q and K(n) have landed; V(n) may still be in flight
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();  // K(n) has landed, and every warp is done reading V(n+1)
-    load_kv(sV, v_base, p.v_row_stride, n);  // V(n) arrives while S = Q K^T is computed
-    cp_async_commit();
+    if (!first) {
+      load_kv(sV, v_base, p.v_row_stride, n);  // V(n) arrives while S = Q K^T is computed
+      cp_async_commit();
+    }
 
     float acc_s[MT][NT][4];
 #pragma unroll
@@ -159,20 +163,26 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     need_mask = need_mask || n * BN < key_begin;
 #endif
     if (need_mask) {
+      // One key limit per row of this thread (the last visible key), so the row-to-query mapping
+      // (a division with packed GQA) runs 2 * MT times per masked tile, not once per element.
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8);
+          const int last_key = p.causal ? min(len_k - 1, i + len_k - p.seqlen_q) : len_k - 1;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
-            const int i = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + (e >> 1) * 8);
-            bool masked = col >= len_k || (p.causal && col > i + len_k - p.seqlen_q);
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+              const int col = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
+              bool masked = col > last_key;
 #if FLASHMOE_PLANT_BUG == 1
-            masked = masked || col < key_begin;
+              masked = masked || col < key_begin;
 #endif
-            if (masked) acc_s[mt][nt][e] = -INFINITY;
-          }
+              if (masked) acc_s[mt][nt][e] = -INFINITY;
+            }
+        }
     }
 
     // Online softmax: rescale what was accumulated so far by exp2((m_old - m_new) * scale_log2).
@@ -238,7 +248,16 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     }
   }
 
-  // Epilogue: normalise by the row sum; rows that saw no key get 0 and a log-sum-exp of -inf.
+  // Epilogue: normalise by the row sum; rows that saw no key get 0 and a log-sum-exp of -inf. The
+  // output goes through this warp's own Q rows in shared memory (no other warp reads them) so that
+  // it leaves in 16-byte row chunks; split partials (fp32) are written straight from registers.
+  // The block's coordinates again, recomputed rather than held in registers through the loop
+  // (config 4 at d=128 has none to spare).
+  const TileCoords te = TileCoords::of_block<BM>(p, opaque_block_x());
+  const int eb = te.b, em0 = (te.m_blocks - 1 - te.m_block) * BM;
+  auto out_query = [&](int r) { return te.query(r); };
+  auto out_head = [&](int r) { return te.head(r); };
+  const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -246,30 +265,39 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
       const float sum = quad_sum(row_sum[mt][hh]);
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const float lse = sum > 0.f ? row_max[mt][hh] * p.softmax_scale + logf(sum) : -INFINITY;
-      const int r = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
-      if (r >= rows_total) continue;
-      const int i = row_query(r), h = row_head(r);
-      const int64_t lse_index = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
+      const int row = warp_row0 + mt * 16 + lane / 4 + hh * 8, r = em0 + row;
       if (p.num_splits == 1) {
-        T* o_row =
-            static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-          *reinterpret_cast<uint32_t*>(o_row + dt * 8 + (lane & 3) * 2) =
+        for (int dt = 0; dt < DT; ++dt)
+          *reinterpret_cast<uint32_t*>(sQ + swizzle<D>(row, dt) + (lane & 3) * 2) =
               pack2<T>(acc_o[mt][dt][2 * hh] * inv, acc_o[mt][dt][2 * hh + 1] * inv);
-        }
+      }
+      if (r >= te.rows_total) continue;
+      const int64_t lse_index = (int64_t(eb) * p.heads_q + out_head(r)) * p.seqlen_q + out_query(r);
+      if (p.num_splits == 1) {
         if ((lane & 3) == 0) p.lse[lse_index] = lse;
       } else {
-        const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-        float* o_row = p.o_accum + (split * rows_all + lse_index) * D;
+        float* o_row = p.o_accum + (te.split * rows_all + lse_index) * D;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
           *reinterpret_cast<float2*>(o_row + dt * 8 + (lane & 3) * 2) =
               make_float2(acc_o[mt][dt][2 * hh] * inv, acc_o[mt][dt][2 * hh + 1] * inv);
         }
-        if ((lane & 3) == 0) p.lse_accum[split * rows_all + lse_index] = lse;
+        if ((lane & 3) == 0) p.lse_accum[te.split * rows_all + lse_index] = lse;
       }
     }
+  if (p.num_splits == 1) {
+    __syncwarp();
+#pragma unroll
+    for (int c = lane; c < 16 * MT * kChunks; c += 32) {
+      const int row = warp_row0 + c / kChunks, ch = c % kChunks, r = em0 + row;
+      if (r >= te.rows_total) continue;
+      T* o_row = static_cast<T*>(p.o) + eb * p.o_batch_stride + out_head(r) * p.o_head_stride +
+                 out_query(r) * p.o_row_stride;
+      *reinterpret_cast<uint4*>(o_row + ch * 8) =
+          *reinterpret_cast<const uint4*>(sQ + swizzle<D>(row, ch));
+    }
+  }
 }
 
 template <typename Traits, typename T>

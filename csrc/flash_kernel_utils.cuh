@@ -90,6 +90,56 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// Where a block sits in the launch grid. grid.x runs over (row block, batch, head) with the head
+// fastest; grid.y is the split. (Row blocks fastest, FA2's order, halved causal speed at S=512:
+// it loses the heavy-first order across heads, see benches/NOTES.md.) Tile row r is query r, or
+// with packed GQA query r / group of head hkv * group + r % group.
+struct TileCoords {
+  int b, head_grid, hkv, group, rows_total, m_block, m_blocks, split, len_k;
+  // r / group == (r * group_mul) >> 20 for every r * group < 2^20; packed tiles have at most 128
+  // rows and groups, so the row mapping needs no integer division (tens of instructions each).
+  unsigned group_mul;
+  bool pack_gqa;
+
+  __device__ __forceinline__ int query(int r) const {
+    return pack_gqa ? int((unsigned(r) * group_mul) >> 20) : r;
+  }
+  __device__ __forceinline__ int head(int r) const {
+    return pack_gqa ? hkv * group + (r - query(r) * group) : head_grid;
+  }
+
+  template <int kBlockM>
+  __device__ __forceinline__ static TileCoords of_block(const AttentionParams& p,
+                                                        int block_x = blockIdx.x) {
+    static_assert(kBlockM <= 128, "the row mapping assumes rows * group < 2^20");
+    TileCoords t;
+    t.pack_gqa = p.pack_gqa;
+    t.group = p.pack_gqa ? p.heads_ratio : 1;
+    t.group_mul = ((1u << 20) + t.group - 1) / t.group;
+    t.rows_total = p.seqlen_q * t.group;
+    t.m_blocks = ceil_div(t.rows_total, kBlockM);
+    const int heads_grid = p.pack_gqa ? p.heads_kv : p.heads_q;
+    const int bh_count = p.batch * heads_grid;
+    t.m_block = block_x / bh_count;
+    const int bh = block_x - t.m_block * bh_count;
+    t.b = bh / heads_grid;
+    t.head_grid = bh - t.b * heads_grid;
+    t.hkv = p.pack_gqa ? t.head_grid : t.head_grid / p.heads_ratio;
+    t.split = blockIdx.y;
+    t.len_k = p.seqlens_k ? p.seqlens_k[t.b] : p.seqlen_k;
+    return t;
+  }
+};
+
+// blockIdx.x through a volatile read the compiler cannot merge with an earlier one: a kernel that
+// recomputes its coordinates after its main loop (from this) does not hold them in registers
+// through the loop.
+__device__ __forceinline__ int opaque_block_x() {
+  int x;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+  return x;
+}
+
 // Element offset of 16-byte chunk `chunk` of row `row` in a [rows][kHeadDim] shared tile. The chunk
 // index is XOR-swizzled with the row, so the 8 rows that one ldmatrix reads hit 8 different bank
 // groups (without it every ldmatrix is an 8-way bank conflict).
@@ -170,7 +220,7 @@ __device__ __forceinline__ void combine_split_partials(const float* o_accum, int
   for (int e = 0; e < kCols; ++e)
     acc[e] = 0.f;
   if (lse_row == -INFINITY) return;
-#pragma unroll 4
+#pragma unroll 8
   for (int s = 0; s < num_splits; ++s) {
     const float lse_s = lse_of(s);
     if (lse_s == -INFINITY) continue;
