@@ -19,15 +19,19 @@ namespace flashmoe::cuda {
 
 // Tile configurations. Ids are part of the operator's interface (`config=`), so the configuration
 // another architecture selects can be forced and gated on the card at hand.
-//   1: 128 x 64 at d=64, 128 x 32 at d=128, 4 warps. 128 x 64 at d=128 (FA2's sm80 choice) needs
-//      255 registers and spilled 68 bytes per thread here (nvcc 13.0, sm_90), so it is not used.
+//   1: 128 x 64 at d=64, 128 x 32 at d=128, 4 warps (FA2's sm8x non-causal tile at d=128).
 //   2:  64 x 64, 4 warps. 48 KB at d=128, so two blocks fit one sm86/sm89 SM (100 KB); FA2 picks
 //       this square tile on sm86/sm89 ("fastest for causal"). Also used when a head has few rows.
 //   3:  the decode kernel (flash_decode_kernel.cuh): 16 rows, 4 warps splitting 64-key stages,
 //       3 stages deep: 96 KB at d=128 (one block per sm89 SM, two per sm90 SM), 48 KB at d=64.
 //       Chosen when a head has at most 16 rows (Sq x the query heads packed per KV head), and
 //       for grids too small to fill the GPU with 64-row tiles.
-//   4: 128 x 64 at d=128, 128 x 128 at d=64, 4 warps (FA2's sm80/sm90 tiles).
+//   4: 128 x 64 at d=128, 128 x 128 at d=64, 4 warps (FA2's sm80/sm90 tiles): 255 registers, no
+//      spill on sm_90 since v2 (benches/NOTES.md); ptxas spills them on sm_89, so they are built
+//      for sm_90 and newer only. The sm_90 choice: 1.03x SDPA flash (FA2) on the H200 where
+//      config 1 gave 0.90x.
+//   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
+//   registers, one block per SM, 0.47-0.63x SDPA flash.
 constexpr int kNumConfigs = 4;
 constexpr int kDecodeConfig = 3;
 constexpr int kDecodeStages = 3;
@@ -144,11 +148,10 @@ constexpr int block_n_of(int config, int head_dim) {
 // launches (the last block of a tile resets its own). Kept per device and stream, since launches
 // on one stream run in order while launches on two streams may overlap. Under graph capture a
 // fresh zeroed buffer is allocated instead (its memset becomes part of the graph).
-inline at::Tensor split_counters(const at::Tensor& like, cudaStream_t stream, int64_t tiles) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+inline at::Tensor split_counters(const at::Tensor& like, cudaStream_t stream, bool capturing,
+                                 int64_t tiles) {
   const auto options = like.options().dtype(at::kInt);
-  if (capture != cudaStreamCaptureStatusNone) return at::zeros({tiles}, options);
+  if (capturing) return at::zeros({tiles}, options);
   static std::mutex mutex;
   // Never destroyed: CUDA may be torn down before static destructors run.
   static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
@@ -234,7 +237,15 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
                        " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
                        ".", dev.minor, ": use config 1, 2 or 3 (or 0, automatic)");
-  if (seqlens_k.has_value()) check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
+  // The values of cache_seqlens are checked on the host, which needs a copy and a sync that CUDA
+  // graph capture forbids: while capturing they are not checked, and the kernels clamp them to
+  // [0, Smax] so a bad value still reads nothing out of bounds.
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (seqlens_k.has_value() && capture == cudaStreamCaptureStatusNone) {
+    check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
+  }
   if (auto empty = empty_result(q_in, k_in)) return *empty;
 
   const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
@@ -261,10 +272,10 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
     splits = num_splits_heuristic(tiles, dev.sm_count, n_blocks,
                                   std::max(1, std::min(kMaxSplits, n_blocks / 4)));
   } else if (splits == 0) {
-    const int resident = q.scalar_type() == at::kHalf
-                             ? blocks_per_sm<__half>(q.device().index(), p.head_dim, int(config))
-                             : blocks_per_sm<__nv_bfloat16>(q.device().index(), p.head_dim,
-                                                            int(config));
+    const int resident =
+        q.scalar_type() == at::kHalf
+            ? blocks_per_sm<__half>(q.device().index(), p.head_dim, int(config))
+            : blocks_per_sm<__nv_bfloat16>(q.device().index(), p.head_dim, int(config));
     splits = num_splits_heuristic(tiles, dev.sm_count * resident, n_blocks, kMaxSplits);
   }
   p.num_splits = splits;
@@ -276,10 +287,9 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
   p.lse = lse.data_ptr<float>();
   at::Tensor o_accum, lse_accum, counters;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const bool fused_combine = config == kDecodeConfig;
   if (splits > 1 && fused_combine) {
-    counters = split_counters(q, stream, grid_x * m_blocks);
+    counters = split_counters(q, stream, capture != cudaStreamCaptureStatusNone, grid_x * m_blocks);
     p.split_counters = counters.data_ptr<int>();
   }
   if (splits > 1) {

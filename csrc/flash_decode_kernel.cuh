@@ -114,7 +114,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     ldmatrix_x4(q_frag[kk], swizzle_step<D>(q_addr, 0, kk));
   // ldmatrix base addresses in stage 0 (see swizzle_step): K as the B operand of S, V transposed
   // as the B operand of P V; a stage is kStageElems further.
-  const uint32_t k_addr = smem_u32(stage_k(0) + swizzle<D>((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1));
+  const uint32_t k_addr =
+      smem_u32(stage_k(0) + swizzle<D>((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1));
   const uint32_t v_addr =
       smem_u32(stage_v(0) + swizzle<D>((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4));
 
@@ -242,15 +243,15 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     sum = 0.f;
 #pragma unroll
     for (int w = 0; w < Traits::kNWarps; ++w)
-      if (warp_sum[w * BM + r] > 0.f) sum += warp_sum[w * BM + r] * exp2f(warp_max[w * BM + r] - mx);
+      if (warp_sum[w * BM + r] > 0.f)
+        sum += warp_sum[w * BM + r] * exp2f(warp_max[w * BM + r] - mx);
   };
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int r = lane / 4 + hh * 8;
     float mx, sum;
     row_stats(r, mx, sum);
-    const float f =
-        row_sum[hh] > 0.f ? exp2f(warp_max[warp * BM + r] - mx) / sum : 0.f;
+    const float f = row_sum[hh] > 0.f ? exp2f(warp_max[warp * BM + r] - mx) / sum : 0.f;
     float* dst = scratch + (warp * BM + r) * Traits::kScratchStride + (lane & 3) * 2;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt)
@@ -284,8 +285,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   if (p.num_splits == 1) {
     if (!row_valid) return;
-    T* o_row = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride +
-               i * p.o_row_stride + c0;
+    T* o_row =
+        static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride + c0;
 #pragma unroll
     for (int e = 0; e < kCols; e += 8) {
       *reinterpret_cast<uint4*>(o_row + e) =
@@ -299,7 +300,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     float* o_part = p.o_accum + (split * rows_all + lse_index) * D + c0;
 #pragma unroll
     for (int e = 0; e < kCols; e += 4)
-      *reinterpret_cast<float4*>(o_part + e) = make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
+      *reinterpret_cast<float4*>(o_part + e) =
+          make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
     if (c0 == 0) p.lse_accum[split * rows_all + lse_index] = lse;
   }
 
@@ -321,10 +323,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   for (int idx = tid; idx < p.num_splits * BM; idx += kThreads) {
     const int s = idx / BM, g = m0 + idx % BM;
     split_lse[idx] =
-        g < rows_total
-            ? __ldcg(p.lse_accum + s * rows_all +
-                     (int64_t(b) * p.heads_q + row_head(g)) * p.seqlen_q + row_query(g))
-            : -INFINITY;
+        g < rows_total ? __ldcg(p.lse_accum + s * rows_all +
+                                (int64_t(b) * p.heads_q + row_head(g)) * p.seqlen_q + row_query(g))
+                       : -INFINITY;
   }
   float* row_lse = split_lse + p.num_splits * BM;  // [BM]
   __syncthreads();
@@ -340,10 +341,11 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     const int hg = row_head(g), ig = row_query(g);
     const int64_t index = (int64_t(b) * p.heads_q + hg) * p.seqlen_q + ig;
     float acc[4];
-    combine_split_partials<4>(p.o_accum, p.num_splits, rows_all, index, D, col, row_lse[rr],
-                              [&](int s) { return split_lse[s * BM + rr]; }, acc);
-    T* o_row = static_cast<T*>(p.o) + b * p.o_batch_stride + hg * p.o_head_stride +
-               ig * p.o_row_stride;
+    combine_split_partials<4>(
+        p.o_accum, p.num_splits, rows_all, index, D, col, row_lse[rr],
+        [&](int s) { return split_lse[s * BM + rr]; }, acc);
+    T* o_row =
+        static_cast<T*>(p.o) + b * p.o_batch_stride + hg * p.o_head_stride + ig * p.o_row_stride;
     *reinterpret_cast<uint2*>(o_row + col) =
         make_uint2(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]));
     if (col == 0) p.lse[index] = row_lse[rr];

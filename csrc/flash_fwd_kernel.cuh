@@ -157,8 +157,7 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
       }
     }
 
-    bool need_mask =
-        (n + 1) * BN > unmasked_end;
+    bool need_mask = (n + 1) * BN > unmasked_end;
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || n * BN < key_begin;
 #endif
@@ -301,8 +300,8 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
 }
 
 template <typename Traits, typename T>
-__global__ void __launch_bounds__(Traits::kNThreads) flash_fwd_kernel(
-    const __grid_constant__ AttentionParams p) {
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_fwd_kernel(const __grid_constant__ AttentionParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   if constexpr (Traits::kSm90Only) {
     __trap();

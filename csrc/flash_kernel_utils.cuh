@@ -126,7 +126,8 @@ struct TileCoords {
     t.head_grid = bh - t.b * heads_grid;
     t.hkv = p.pack_gqa ? t.head_grid : t.head_grid / p.heads_ratio;
     t.split = blockIdx.y;
-    t.len_k = p.seqlens_k ? p.seqlens_k[t.b] : p.seqlen_k;
+    // Clamped: under CUDA graph capture the host cannot check the values (see the host API).
+    t.len_k = p.seqlens_k ? min(max(p.seqlens_k[t.b], 0), p.seqlen_k) : p.seqlen_k;
     return t;
   }
 };

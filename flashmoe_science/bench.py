@@ -312,24 +312,13 @@ class TimingConfig:
 
 
 class CudaTimer:
-    """CUDA events around each call, with the L2 emptied before every timed call by touching a
-    256 MB buffer: "zero" writes it (triton's do_bench), "read" reads it."""
+    """CUDA events around each call, with a 256 MB write before every timed call to empty the L2."""
 
     method = "cuda-events"
     flush_bytes = L2_FLUSH_BYTES
-    FLUSH_MODES = ("zero", "read")
 
-    def __init__(self, flush: str = "zero"):
-        if flush not in self.FLUSH_MODES:
-            raise ValueError(f"flush must be one of {self.FLUSH_MODES}, got {flush!r}")
-        self.flush_mode = flush
-        self._flush_buffer = torch.zeros(self.flush_bytes // 4, dtype=torch.int32, device="cuda")
-
-    def _flush(self) -> None:
-        if self.flush_mode == "zero":
-            self._flush_buffer.zero_()
-        else:
-            self._flush_buffer.amax()
+    def __init__(self):
+        self._flush_buffer = torch.empty(self.flush_bytes // 4, dtype=torch.int32, device="cuda")
 
     def warm(self, fn: Callable[[], object], count: int) -> None:
         for _ in range(count):
@@ -341,7 +330,7 @@ class CudaTimer:
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
         for start, end in zip(starts, ends, strict=True):
             if flush:
-                self._flush()
+                self._flush_buffer.zero_()
             start.record()
             fn()
             end.record()

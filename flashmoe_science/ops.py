@@ -110,9 +110,17 @@ CONFIGS = {
     1: "128x64 tiles (128x32 at d128), 4 warps",
     2: "64x64 tiles, 4 warps",
     3: "decode kernel: 16 rows, 4 warps splitting the keys",
-    4: "128x64 tiles at d128, 128x128 at d64, 4 warps",
+    4: "128x64 tiles at d128, 128x128 at d64, 4 warps (sm_90 and newer)",
 }
 _CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in CONFIGS.items())
+# Built for compute capability 9.0 and newer only (ptxas spills these tiles on sm_80/sm_89); the
+# operator refuses them below that, and the gates skip them there.
+SM90_ONLY_CONFIGS = frozenset({4})
+
+
+def config_supported(config: int, capability: tuple[int, int]) -> bool:
+    """Whether `config=` can run on a GPU of this compute capability (0, automatic, always can)."""
+    return config not in SM90_ONLY_CONFIGS or tuple(capability) >= (9, 0)
 
 
 def flash_attention_forward(
@@ -175,6 +183,10 @@ def flash_attention_decode(
     sees keys j <= i + cache_seqlens[b] - Sq. Grouped-query heads that share a KV head are folded
     into one tile so each K and V byte is read once. num_splits: None chooses from the SM count and
     the work; 1 gives results bit-identical to the unsplit path; at most 128.
+
+    CUDA graphs: the call can be captured. The values of cache_seqlens are checked on the host
+    (outside [0, Smax] raises), except while capturing, where a check would need a sync: captured
+    calls clamp them to [0, Smax] instead.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)

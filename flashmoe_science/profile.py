@@ -62,9 +62,10 @@ from .sanitize import UNUSABLE_PATTERNS, find_cuda_tool, paths_display, run_stre
 
 SCHEMA = "flashmoe-science/profile/1"
 NCU_GLOBS = ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda*/nsight-compute*/ncu")
-KERNEL_FILTER = "regex:flash_fwd|split_kv"
+KERNEL_FILTER = "regex:flash_fwd|flash_decode|split_kv"
 WARMUP_CALLS = 3
 MAX_KERNELS_PER_CALL = 2  # flash_fwd_kernel, then split_kv_combine_kernel when the call splits
+# (flash_decode_kernel combines its splits itself: one launch per call)
 PROFILED_LAUNCHES = 2
 NCU_TIMEOUT_S = 600
 SECTIONS = (
@@ -420,7 +421,12 @@ def summarize(launches: list[dict], case, ceilings: dict, sm_count: int | None) 
         groups.setdefault(launch["kernel"], []).append(launch)
     kernels = []
     for name, group in groups.items():
-        fig = kernel_figures(group, case.flops if "flash_fwd" in name else None, ceilings, sm_count)
+        fig = kernel_figures(
+            group,
+            case.flops if "flash_fwd" in name or "flash_decode" in name else None,
+            ceilings,
+            sm_count,
+        )
         fig["verdict"] = classify_bound(fig)
         kernels.append(fig)
     total_us = sum(k["time_us"] for k in kernels if k["time_us"] is not None)

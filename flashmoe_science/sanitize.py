@@ -11,15 +11,16 @@ public API once per case, inputs on the GPU, with a torch.cuda.synchronize after
 prints a `sanitize-case: ID` line before each call so a finding can be tied to the call that made
 it. The cases cover: odd lengths (1, 17, 65, 129, 257, and Sq != Sk both ways, so causal rows that
 see no key and KV blocks that are only partly valid), causal and not, fp16 and bf16, head dims 64
-and 128, GQA ratio 4 (packed and unpacked), both tile configurations (`config=1` and `2`), the [B,
+and 128, GQA ratio 4 (packed and unpacked), every kernel configuration the card can run (`config=1`
+to `4`; 4 needs sm_90), the [B,
 S, H, D] view layout, forced 1 and 3 splits and automatic splitting, and decode with 1, 3, 7 and 128
 splits, automatic splits over a 4097-token cache, and cache_seqlens holding 0 and short lengths, so
 that many splits are empty.
 
 Each tool runs as `compute-sanitizer --tool T --error-exitcode 99 --print-limit 20
-[--racecheck-report all] --kernel-name kns=flash_fwd_kernel --kernel-name
-kns=split_kv_combine_kernel python -m flashmoe_science.sanitize --workload` (see sanitizer_command;
---all-kernels drops the filter, which otherwise keeps torch's own kernels uninstrumented and the run
+[--racecheck-report all] --kernel-name kns=flash_fwd_kernel --kernel-name kns=flash_decode_kernel
+--kernel-name kns=split_kv_combine_kernel python -m flashmoe_science.sanitize --workload` (see
+sanitizer_command; --all-kernels drops the filter, which otherwise keeps torch's own kernels uninstrumented and the run
 fast). memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1: out of the caching
 allocator's large segments, a read past a tensor lands in another tensor of the same segment and is
 not reported. The extension is built before any tool starts, never under one. memcheck stops a
@@ -65,7 +66,7 @@ TOOLS = ("memcheck", "initcheck", "synccheck", "racecheck")  # racecheck, the sl
 SANITIZER_ERROR_EXIT = 99
 PRINT_LIMIT = 20
 TOOL_TIMEOUT_S = 900
-KERNEL_SUBSTRINGS = ("flash_fwd_kernel", "split_kv_combine_kernel")
+KERNEL_SUBSTRINGS = ("flash_fwd_kernel", "flash_decode_kernel", "split_kv_combine_kernel")
 # A read past a tensor stays inside one of the caching allocator's segments and goes unreported.
 NO_CACHING_TOOLS = ("memcheck", "initcheck")
 CASE_MARK = "sanitize-case: "
@@ -78,7 +79,18 @@ HEARTBEAT_S = 30.0
 # The workload
 # --------------------------------------------------------------------------------------------------
 
-FWD_LENGTHS = ((1, 1), (17, 17), (65, 65), (129, 129), (257, 257), (17, 257), (257, 17))
+FWD_LENGTHS = ((1, 1), (65, 65), (129, 129), (257, 257), (17, 257), (257, 17))
+
+
+def workload_configs() -> list[int]:
+    """The kernel configurations the workload forces: all that this GPU can run (all of them when
+    no GPU is visible, for listing)."""
+    import torch
+
+    from .ops import CONFIGS, config_supported
+
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+    return [c for c in CONFIGS if config_supported(c, capability)]
 
 
 def workload_cases() -> list:
@@ -87,15 +99,17 @@ def workload_cases() -> list:
     4, batch 1 and 2, both layouts and forced or automatic split counts."""
     from .gates import Case
 
+    configs = workload_configs()
     cases = []
     index = 0
     for dtype in ("fp16", "bf16"):
         for head_dim in (64, 128):
-            for config in (1, 2):
+            for config in configs:
                 for causal in (False, True):
                     for seqlen_q, seqlen_k in FWD_LENGTHS:
-                        heads_kv = 1 if index % 2 else 2
-                        heads_q = heads_kv * (4 if index % 2 else 1)
+                        four = (index // 2) % 2 == 1  # GQA ratio 4, packed and not
+                        heads_kv = 1 if four else 2
+                        heads_q = heads_kv * (4 if four else 1)
                         cases.append(
                             Case(
                                 "fwd",

@@ -116,3 +116,37 @@ def test_honest_build_has_no_planted_bug():
     from flashmoe_science import ops
 
     assert ops.planted_bug() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_combine_counters_across_calls_streams_and_graphs():
+    """The decode kernel's last split combines the partials, found through per-tile arrival
+    counters that must be zero before every launch: back-to-back calls, a second stream and a
+    CUDA graph replay (cache_seqlens included: its values cannot be checked on the host while
+    capturing) must all give the bit-identical result of the first call."""
+    q, k, v, lens = decode_inputs("cuda", seqlen_k=9000, batch=2, heads_q=32, heads_kv=8)
+    first = flash_attention_decode(q, k, v, lens, num_splits=7)
+    for _ in range(3):
+        assert torch.equal(flash_attention_decode(q, k, v, lens, num_splits=7), first)
+    assert torch.equal(flash_attention_decode(q, k, v, lens), flash_attention_decode(q, k, v, lens))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = flash_attention_decode(q, k, v, lens, num_splits=7)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_side, first)
+
+    graph = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream()
+    capture.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture):
+        flash_attention_decode(q, k, v, lens, num_splits=7)  # warm-up outside the graph
+        with torch.cuda.graph(graph, stream=capture):
+            captured = flash_attention_decode(q, k, v, lens, num_splits=7)
+    torch.cuda.current_stream().wait_stream(capture)
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)

@@ -37,6 +37,11 @@ def test_gate_cuda(case, record_property, has_cuda_kernels):
             "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
             pytrace=False,
         )
+    from flashmoe_science.ops import config_supported
+
+    capability = torch.cuda.get_device_capability()
+    if not config_supported(case.config, capability):
+        pytest.skip(f"config={case.config} is built for sm_90 and newer; this GPU is {capability}")
     _run(case, "cuda", record_property)
 
 
