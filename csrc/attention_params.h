@@ -44,6 +44,9 @@ struct AttentionParams {
   // Fold the query heads that share a KV head into the rows of one tile, so each K and V byte is
   // read once per KV head (the rows of a tile are then (query, head-in-group) pairs).
   bool pack_gqa;
+  // Launch order of the row blocks (TileCoords): false = heads fastest, row blocks of all heads
+  // heavy-first; true = the row blocks of one head side by side (they share K and V in L2).
+  bool row_blocks_fastest;
   const int* seqlens_k;  // [B] valid KV length per sequence, or nullptr (all of seqlen_k)
 
   bool causal;  // bottom-right aligned: query i sees keys j <= i + len_k - seqlen_q

@@ -147,18 +147,25 @@ constexpr int block_n_of(int config, int head_dim) {
 // Arrival counters for the decode kernel's fused combine: one per row tile, all zero between
 // launches (the last block of a tile resets its own). Kept per device and stream, since launches
 // on one stream run in order while launches on two streams may overlap. Under graph capture a
-// fresh zeroed buffer is allocated instead (its memset becomes part of the graph).
+// fresh zeroed buffer is allocated instead (its memset becomes part of the graph). Zeroed with
+// cudaMemsetAsync rather than a torch fill kernel: compute-sanitizer's initcheck only sees writes
+// by instrumented kernels and CUDA API calls, and the sanitize run instruments ours alone.
+inline at::Tensor zeroed_ints(const at::Tensor& like, cudaStream_t stream, int64_t n) {
+  at::Tensor t = at::empty({n}, like.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, n * sizeof(int), stream));
+  return t;
+}
+
 inline at::Tensor split_counters(const at::Tensor& like, cudaStream_t stream, bool capturing,
                                  int64_t tiles) {
-  const auto options = like.options().dtype(at::kInt);
-  if (capturing) return at::zeros({tiles}, options);
+  if (capturing) return zeroed_ints(like, stream, tiles);
   static std::mutex mutex;
   // Never destroyed: CUDA may be torn down before static destructors run.
   static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
   std::lock_guard<std::mutex> lock(mutex);
   at::Tensor& buffer = (*buffers)[{int(like.device().index()), stream}];
   if (!buffer.defined() || buffer.numel() < tiles) {
-    buffer = at::zeros({std::max<int64_t>(tiles, 4096)}, options);
+    buffer = zeroed_ints(like, stream, std::max<int64_t>(tiles, 4096));
   }
   return buffer;
 }
@@ -260,6 +267,10 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   if (config == 0) config = choose_config(dev, p.head_dim, grid_x, rows_per_head);
 
   const int m_blocks = ceil_div(rows_per_head, block_m_of(int(config)));
+  // Launch order (measured on the H100, benches/NOTES.md v2.5): the row blocks of a head side by
+  // side share its K and V in L2, which pays for short and unmasked sequences; long causal ones
+  // (32+ row blocks of 1 to 32+ KV blocks each) gain more from all heads' heavy blocks first.
+  p.row_blocks_fastest = !(causal && m_blocks >= 32);
   FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "q of shape ", shape_str(q_in),
                        " exceeds the launch grid (batch x heads x row blocks must be below 2^31)");
   const int n_blocks = ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim));

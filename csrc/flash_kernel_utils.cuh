@@ -90,10 +90,11 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// Where a block sits in the launch grid. grid.x runs over (row block, batch, head) with the head
-// fastest; grid.y is the split. (Row blocks fastest, FA2's order, halved causal speed at S=512:
-// it loses the heavy-first order across heads, see benches/NOTES.md.) Tile row r is query r, or
-// with packed GQA query r / group of head hkv * group + r % group.
+// Where a block sits in the launch grid. grid.x runs over (batch, head, row block), with the row
+// block fastest (FA2's order: a head's blocks share its K and V in L2) or, for long causal
+// sequences, the head fastest (every head's heavy row blocks first); see the host API. grid.y is
+// the split. Tile row r is query r, or with packed GQA query r / group of head hkv * group +
+// r % group.
 struct TileCoords {
   int b, head_grid, hkv, group, rows_total, m_block, m_blocks, split, len_k;
   // r / group == (r * group_mul) >> 20 for every r * group < 2^20; packed tiles have at most 128
@@ -120,8 +121,14 @@ struct TileCoords {
     t.m_blocks = ceil_div(t.rows_total, kBlockM);
     const int heads_grid = p.pack_gqa ? p.heads_kv : p.heads_q;
     const int bh_count = p.batch * heads_grid;
-    t.m_block = block_x / bh_count;
-    const int bh = block_x - t.m_block * bh_count;
+    int bh;
+    if (p.row_blocks_fastest) {
+      bh = block_x / t.m_blocks;
+      t.m_block = block_x - bh * t.m_blocks;
+    } else {
+      t.m_block = block_x / bh_count;
+      bh = block_x - t.m_block * bh_count;
+    }
     t.b = bh / heads_grid;
     t.head_grid = bh - t.b * heads_grid;
     t.hkv = p.pack_gqa ? t.head_grid : t.head_grid / p.heads_ratio;

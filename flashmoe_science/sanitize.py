@@ -270,6 +270,8 @@ _AT_RE = re.compile(r"^at (?P<loc>.+)$")
 _AND_RE = re.compile(
     r"^and (?P<access>\w+) access at (?P<loc>.+?)(?: \[(?P<n>[\d,]+) hazards?\])?$"
 )
+# The caller frames of an inlined device function (the kernel that inlined load_kv_tile, say).
+_DEVICE_FRAME_RE = re.compile(r"^Device Frame:\s*(?P<loc>.+?)(?:\s+\[0x[0-9a-fA-F]+\])?$")
 _BY_THREAD_RE = re.compile(r"^by thread \((?P<thread>[^)]*)\) in block \((?P<block>[^)]*)\)")
 _HAZARD_ACCESS_RE = re.compile(
     r"^(?P<access>Write|Read)\w* Thread \((?P<thread>[^)]*)\) at (?P<loc>.+)$"
@@ -304,6 +306,10 @@ def unusable_reason(text: str) -> str | None:
         if any(p.search(line) for p in UNUSABLE_PATTERNS):
             return _PREFIX_RE.sub(r"\g<body>", line).strip()[:300]
     return None
+
+
+def is_our_kernel(name: str) -> bool:
+    return any(name.startswith(kernel) for kernel in KERNEL_SUBSTRINGS)
 
 
 def short_kernel(function: str) -> str:
@@ -368,6 +374,15 @@ def _continue(finding: Finding, body: str, pending_generic: bool) -> bool:
         if finding.kernel is None:
             finding.kernel, finding.where = parse_location(match["loc"])
             return pending_generic
+    elif match := _DEVICE_FRAME_RE.match(body):
+        # The fault sat in a device function inlined into a kernel: name the kernel, keep the
+        # innermost place (the line that faulted).
+        caller, _ = parse_location(match["loc"])
+        if caller and is_our_kernel(caller) and not is_our_kernel(finding.kernel or ""):
+            helper = finding.kernel
+            finding.kernel = caller
+            if helper and finding.where:
+                finding.where = f"{finding.where} ({helper.split('<')[0]})"
     elif match := _AND_RE.match(body):
         _, where = parse_location(match["loc"])
         finding.other = finding.other or f"{match['access']} access at {where}"
