@@ -28,8 +28,8 @@ namespace flashmoe::cuda {
 //       for grids too small to fill the GPU with 64-row tiles.
 //   4: 128 x 64 at d=128, 128 x 128 at d=64, 4 warps (FA2's sm80/sm90 tiles): 255 registers, no
 //      spill on sm_90 since v2 (benches/NOTES.md); ptxas spills them on sm_89, so they are built
-//      for sm_90 and newer only. The sm_90 choice: 1.03x SDPA flash (FA2) on the H200 where
-//      config 1 gave 0.90x.
+//      for sm_90 and newer only. The sm_90 choice: 1.01x SDPA flash (FA2) on the H100 over the
+//      prefill benchmark matrix, where config 1 gave 0.90x (H200).
 //   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
 //   registers, one block per SM, 0.47-0.63x SDPA flash.
 constexpr int kNumConfigs = 4;
@@ -108,7 +108,7 @@ void launch_attention(const AttentionParams& p, int config, int grid_x, int m_bl
   visit_kernel<T>(p.head_dim, config, [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
-    // See TileCoords: x = (batch, head, row block), row block fastest; y = split.
+    // x = (batch, head, row block) in the order p.row_blocks_fastest says (TileCoords); y = split.
     kernel<<<dim3(grid_x * m_blocks, p.num_splits), Traits::kNThreads, Traits::kSmemBytes,
              stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -140,7 +140,7 @@ constexpr int block_m_of(int config) {
 }
 constexpr int block_n_of(int config, int head_dim) {
   if (config == 1 && head_dim == 128) return 32;
-  if (config == 4 && head_dim == 64) return 128;
+  if (config == kSm90Config && head_dim == 64) return 128;
   return 64;
 }
 
@@ -278,8 +278,8 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   const int tiles = int(std::min<int64_t>(grid_x * m_blocks, 1 << 30));
   if (splits == 0 && config == kDecodeConfig) {
     // Decode: aim for one block per SM (not the two that fit) and at least 4 stages (256 keys)
-    // per split. Forced split counts on the H200 (benches/NOTES.md) were fastest there: more,
-    // shorter splits lose more to the pipeline's fill and the combine than they gain.
+    // per split. Forced split counts on the H200 and the H100 (benches/NOTES.md) were fastest
+    // there: more, shorter splits lose more to the pipeline's fill and the combine than they gain.
     splits = num_splits_heuristic(tiles, dev.sm_count, n_blocks,
                                   std::max(1, std::min(kMaxSplits, n_blocks / 4)));
   } else if (splits == 0) {
