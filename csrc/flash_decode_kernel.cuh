@@ -68,19 +68,13 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 
   // The stages this split visits (query row i sees keys j <= i + len_k - seqlen_q when causal).
   const int i_first = row_query(m0);
-  const int i_last = row_query(min(m0 + BM, rows_total) - 1);
-  int n_block_max = ceil_div(len_k, BN);
-  if (p.causal) {
-    const int visible = i_last + len_k - p.seqlen_q + 1;
-    n_block_max = min(n_block_max, visible <= 0 ? 0 : ceil_div(visible, BN));
-  }
+  const int n_block_max = t.kv_block_end<BM, BN>(p, m0);
   const int n_lo = split * p.n_blocks_per_split;
   const int n_iters = max(0, min(n_block_max, n_lo + p.n_blocks_per_split) - n_lo);
 #if FLASHMOE_PLANT_BUG == 1
   const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
 #endif
 
-  const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride;
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
   auto load_stage = [&](int it) {
@@ -91,15 +85,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 
   // Prologue: Q and stages 0 .. kStages-2 in flight; one commit group per stage (empty ones too,
   // so the wait counts below hold however few stages this split has).
-#pragma unroll
-  for (int c = tid; c < BM * (D / 8); c += kThreads) {
-    const int r = c / (D / 8), ch = c % (D / 8), gr = m0 + r;
-    const bool valid = gr < rows_total;
-    const T* src =
-        valid ? q_base + row_head(gr) * p.q_head_stride + row_query(gr) * p.q_row_stride + ch * 8
-              : q_base;
-    cp_async_16(sQ + swizzle<D>(r, ch), src, valid);
-  }
+  t.load_q<D, BM, kThreads>(sQ, p, m0, tid);
 #pragma unroll
   for (int it = 0; it < kStages - 1; ++it) {
     if (it < n_iters) load_stage(it);

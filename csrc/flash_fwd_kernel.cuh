@@ -43,24 +43,18 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const TileCoords t = TileCoords::of_block<BM>(p);
-  const int b = t.b, hkv = t.hkv, rows_total = t.rows_total, len_k = t.len_k, split = t.split;
+  const int b = t.b, hkv = t.hkv, len_k = t.len_k, split = t.split;
   // Row blocks of a head run last to first: with a causal mask the last ones see the most keys, so
   // the heavy blocks start first and the light ones fill the tail. (Unconditional: without a mask
   // the order does not matter, and a select on p.causal cost config 4 a register spill.)
   const int m0 = (t.m_blocks - 1 - t.m_block) * BM;
 
   auto row_query = [&](int r) { return t.query(r); };
-  auto row_head = [&](int r) { return t.head(r); };
 
   // KV blocks this block visits: causal tiles above the diagonal are skipped, and the split owns
-  // blocks [n_lo, n_hi). A query row i sees keys j <= i + len_k - seqlen_q (bottom-right aligned).
+  // blocks [n_lo, n_hi).
   const int i_first = row_query(m0);
-  const int i_last = row_query(min(m0 + BM, rows_total) - 1);
-  int n_block_max = ceil_div(len_k, BN);
-  if (p.causal) {
-    const int visible = i_last + len_k - p.seqlen_q + 1;
-    n_block_max = min(n_block_max, visible <= 0 ? 0 : ceil_div(visible, BN));
-  }
+  const int n_block_max = t.kv_block_end<BM, BN>(p, m0);
   // Keys below this are visible to every row of the tile: KV blocks that end there need no mask.
   const int unmasked_end = p.causal ? min(len_k, i_first + len_k - p.seqlen_q + 1) : len_k;
   const int n_lo = split * p.n_blocks_per_split;
@@ -69,7 +63,6 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
 #endif
 
-  const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride;
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
 
@@ -99,15 +92,7 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   }
 
   if (n_hi > n_lo) {
-#pragma unroll
-    for (int c = tid; c < BM * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
-      const bool valid = gr < rows_total;
-      const T* src =
-          valid ? q_base + row_head(gr) * p.q_head_stride + row_query(gr) * p.q_row_stride + ch * 8
-                : q_base;
-      cp_async_16(sQ + swizzle<D>(r, ch), src, valid);
-    }
+    t.load_q<D, BM, kThreads>(sQ, p, m0, tid);
     // KV blocks run from the last to the first, so only the first one visited (the sequence tail
     // or the diagonal) needs masking, as in FA2. The first V goes out with Q and K: a block with
     // few KV blocks (short sequences) then waits for memory once, not twice, before its first P V.

@@ -90,6 +90,14 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// Element offset of 16-byte chunk `chunk` of row `row` in a [rows][kHeadDim] shared tile. The chunk
+// index is XOR-swizzled with the row, so the 8 rows that one ldmatrix reads hit 8 different bank
+// groups (without it every ldmatrix is an 8-way bank conflict).
+template <int kHeadDim>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
 // Where a block sits in the launch grid. grid.x runs over (batch, head, row block), with the row
 // block fastest (FA2's order: a head's blocks share its K and V in L2) or, for long causal
 // sequences, the head fastest (every head's heavy row blocks first); see the host API. grid.y is
@@ -107,6 +115,36 @@ struct TileCoords {
   }
   __device__ __forceinline__ int head(int r) const {
     return pack_gqa ? hkv * group + (r - query(r) * group) : head_grid;
+  }
+
+  // One past the last KV block of kBlockN keys that tile rows [m0, m0 + kBlockM) see: with a
+  // causal mask (bottom-right aligned: query i sees keys j <= i + len_k - seqlen_q) the blocks
+  // above the diagonal are skipped.
+  template <int kBlockM, int kBlockN>
+  __device__ __forceinline__ int kv_block_end(const AttentionParams& p, int m0) const {
+    int end = ceil_div(len_k, kBlockN);
+    if (p.causal) {
+      const int visible = query(min(m0 + kBlockM, rows_total) - 1) + len_k - p.seqlen_q + 1;
+      end = min(end, visible <= 0 ? 0 : ceil_div(visible, kBlockN));
+    }
+    return end;
+  }
+
+  // Issues the cp.async copies of the tile's Q rows [m0, m0 + kRows) into a swizzled shared tile;
+  // rows past the end are zero-filled.
+  template <int kHeadDim, int kRows, int kThreads, typename T>
+  __device__ __forceinline__ void load_q(T* sQ, const AttentionParams& p, int m0, int tid) const {
+    constexpr int kChunks = kHeadDim / 8;
+    const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+#pragma unroll
+    for (int c = tid; c < kRows * kChunks; c += kThreads) {
+      const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
+      const bool valid = gr < rows_total;
+      const T* src = valid
+                         ? q_base + head(gr) * p.q_head_stride + query(gr) * p.q_row_stride + ch * 8
+                         : q_base;
+      cp_async_16(sQ + swizzle<kHeadDim>(r, ch), src, valid);
+    }
   }
 
   template <int kBlockM>
@@ -146,14 +184,6 @@ __device__ __forceinline__ int opaque_block_x() {
   int x;
   asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
   return x;
-}
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a [rows][kHeadDim] shared tile. The chunk
-// index is XOR-swizzled with the row, so the 8 rows that one ldmatrix reads hit 8 different bank
-// groups (without it every ldmatrix is an 8-way bank conflict).
-template <int kHeadDim>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
 }
 
 // Shared-memory address of the ldmatrix row (rows + 16 * block, chunk 2 * step + c) of a swizzled
