@@ -48,6 +48,9 @@ struct AttentionParams {
   // heavy-first; true = the row blocks of one head side by side (they share K and V in L2).
   bool row_blocks_fastest;
   const int* seqlens_k;  // [B] valid KV length per sequence, or nullptr (all of seqlen_k)
+  // Decode kernel only: each K and V byte is read once (one row tile per KV head), so it streams
+  // through L2 evict-first (see the host API for when).
+  bool kv_evict_first;
 
   bool causal;  // bottom-right aligned: query i sees keys j <= i + len_k - seqlen_q
   float softmax_scale;

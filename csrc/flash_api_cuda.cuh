@@ -38,7 +38,7 @@ constexpr int kDecodeStages = 3;
 constexpr int kSm90Config = 4;  // built for sm_90 and newer only
 
 struct DeviceInfo {
-  int major = 0, minor = 0, sm_count = 0;
+  int major = 0, minor = 0, sm_count = 0, l2_bytes = 0;
 };
 
 inline DeviceInfo device_info(int device) {
@@ -47,6 +47,7 @@ inline DeviceInfo device_info(int device) {
   if (info.sm_count == 0) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.l2_bytes, cudaDevAttrL2CacheSize, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device));
   }
   return info;
@@ -291,6 +292,14 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   }
   p.num_splits = splits;
   p.n_blocks_per_split = std::max(1, ceil_div(n_blocks, splits));
+  // Decode with one row tile per KV head reads each K and V byte once: it streams them through L2
+  // evict-first, so they replace each other rather than what earlier kernels left there (nor force
+  // those kernels' dirty lines out to DRAM mid-kernel). Up to 4x the L2 only: on the H100 with an
+  // L2 full of dirty lines, longer streams ran about 3% slower evict-first (benches/NOTES.md v2.6).
+  const int64_t kv_bytes =
+      2 * int64_t(p.batch) * p.heads_kv * p.seqlen_k * p.head_dim * int64_t(q.element_size());
+  p.kv_evict_first =
+      config == kDecodeConfig && m_blocks == 1 && kv_bytes <= 4 * int64_t(dev.l2_bytes);
 
   auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));

@@ -39,8 +39,6 @@ struct DecodeTraits {
   static_assert(kHeadDim % 64 == 0, "head_dim must fit the mma and swizzle");
   static_assert(kBlockM * kHeadDim <= kStageElems, "Q must fit in one stage");
   static_assert(kScratchBytes <= kSmemBytes, "the reduction must fit in the stages");
-  static_assert((kMaxSplits + 1) * kBlockM * 4 <= kSmemBytes,
-                "the split LSEs must fit in the stages");
 };
 
 template <typename Traits, typename T>
@@ -77,10 +75,11 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  const L2Policy l2{p.kv_evict_first ? l2_policy_evict_first() : l2_policy_evict_normal()};
   auto load_stage = [&](int it) {
-    const int s = it % kStages;
-    load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, (n_lo + it) * BN, len_k, tid);
-    load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, (n_lo + it) * BN, len_k, tid);
+    const int s = it % kStages, row0 = (n_lo + it) * BN;
+    load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, row0, len_k, tid, l2);
+    load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, row0, len_k, tid, l2);
   };
 
   // Prologue: Q and stages 0 .. kStages-2 in flight; one commit group per stage (empty ones too,
@@ -302,39 +301,22 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   if (!is_last) return;
   __threadfence();
   if (tid == 0) p.split_counters[tile] = 0;
-  // Stage every split's LSE of this tile's rows in shared memory (the scratch is free: all reads of
-  // it happened before the arrival barrier), so the combine reads them without an L2 round trip
-  // per split.
-  float* split_lse = scratch;  // [num_splits][BM]
-  for (int idx = tid; idx < p.num_splits * BM; idx += kThreads) {
-    const int s = idx / BM, g = m0 + idx % BM;
-    split_lse[idx] =
-        g < rows_total ? __ldcg(p.lse_accum + s * rows_all +
-                                (int64_t(b) * p.heads_q + row_head(g)) * p.seqlen_q + row_query(g))
-                       : -INFINITY;
-  }
-  float* row_lse = split_lse + p.num_splits * BM;  // [BM]
-  __syncthreads();
-  if (tid < BM) {
-    row_lse[tid] = combined_lse(p.num_splits, [&](int s) { return split_lse[s * BM + tid]; });
-  }
-  __syncthreads();
   // Work items are (valid row, 4 columns): with the 1 to 4 rows of a typical decode tile every
-  // thread gets one, and each reads its splits' partials several at a time.
+  // thread gets at most one, and it reads all its splits' LSEs and partials in one go.
   const int valid_rows = min(BM, rows_total - m0);
   for (int item = tid; item < valid_rows * (D / 4); item += kThreads) {
     const int rr = item / (D / 4), col = item % (D / 4) * 4, g = m0 + rr;
     const int hg = row_head(g), ig = row_query(g);
     const int64_t index = (int64_t(b) * p.heads_q + hg) * p.seqlen_q + ig;
     float acc[4];
-    combine_split_partials<4>(
-        p.o_accum, p.num_splits, rows_all, index, D, col, row_lse[rr],
-        [&](int s) { return split_lse[s * BM + rr]; }, acc);
+    const float lse_row = combine_splits<4>(
+        p.num_splits, [&](int s) { return p.lse_accum + s * rows_all + index; },
+        [&](int s) { return p.o_accum + (s * rows_all + index) * D + col; }, acc);
     T* o_row =
         static_cast<T*>(p.o) + b * p.o_batch_stride + hg * p.o_head_stride + ig * p.o_row_stride;
     *reinterpret_cast<uint2*>(o_row + col) =
         make_uint2(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]));
-    if (col == 0) p.lse[index] = row_lse[rr];
+    if (col == 0) p.lse[index] = lse_row;
   }
 }
 

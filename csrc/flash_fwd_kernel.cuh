@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 }
 
 // Split-KV combine for the forward kernel's partials (and the split_kv_combine operator): one warp
-// per output row; the lanes reduce the split LSEs together, then each owns D / 32 columns.
+// per output row, each lane owning D / 32 columns (the row's split LSEs are one broadcast load).
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
     split_kv_combine_kernel(const float* __restrict__ o_accum, const float* __restrict__ lse_accum,
@@ -310,26 +310,10 @@ __global__ void __launch_bounds__(128)
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   if (row >= rows) return;
-  auto lse_of = [&](int s) { return lse_accum[s * rows + row]; };
-
-  float lse_max = -INFINITY;
-  for (int s = lane; s < num_splits; s += 32)
-    lse_max = fmaxf(lse_max, lse_of(s));
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2)
-    lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, off));
-  float sum = 0.f;
-  if (lse_max != -INFINITY)
-    for (int s = lane; s < num_splits; s += 32)
-      sum += expf(lse_of(s) - lse_max);
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2)
-    sum += __shfl_xor_sync(0xffffffff, sum, off);
-  const float lse_row = lse_max == -INFINITY ? -INFINITY : lse_max + logf(sum);
-
   float acc[kPerLane];
-  combine_split_partials<kPerLane>(o_accum, num_splits, rows, row, D, lane * kPerLane, lse_row,
-                                   lse_of, acc);
+  const float lse_row = combine_splits<kPerLane>(
+      num_splits, [&](int s) { return lse_accum + s * rows + row; },
+      [&](int s) { return o_accum + (s * rows + row) * D + lane * kPerLane; }, acc);
   T* dst = out + row * D + lane * kPerLane;
 #pragma unroll
   for (int e = 0; e < kPerLane; e += 2)

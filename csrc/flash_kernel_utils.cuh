@@ -23,6 +23,39 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
                "r"(src_size));
 }
+// The same copy with an L2 cache policy (createpolicy below) for the lines it brings in.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid,
+                                            uint64_t l2_policy) {
+  const int src_size = valid ? 16 : 0;
+  asm volatile(
+      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_u32(smem)),
+      "l"(gmem), "r"(src_size), "l"(l2_policy));
+}
+// L2 eviction priorities for cp.async. Evict-first lines are the first to go when their set needs
+// room, so data read exactly once (a decode step's K and V) replaces itself instead of what other
+// kernels left in L2; in particular it does not force their dirty lines out to DRAM mid-kernel.
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint64_t l2_policy_evict_normal() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+// How load_kv_tile issues its copies: with the default policy, or with a given one.
+struct L2Default {
+  __device__ __forceinline__ void copy(void* smem, const void* gmem, bool valid) const {
+    cp_async_16(smem, gmem, valid);
+  }
+};
+struct L2Policy {
+  uint64_t policy;
+  __device__ __forceinline__ void copy(void* smem, const void* gmem, bool valid) const {
+    cp_async_16(smem, gmem, valid, policy);
+  }
+};
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -202,9 +235,9 @@ __device__ __forceinline__ uint32_t swizzle_step(uint32_t base, int block, int s
 // or past `len` are zero-filled and never read. Each thread copies the same chunk of every
 // kThreads / kChunks-th row, so its addresses are one base plus a constant per pass (the swizzle
 // depends on row % 8 only): the loop holds no per-pass addresses across the main loop.
-template <int kHeadDim, int kRows, int kThreads, typename T>
+template <int kHeadDim, int kRows, int kThreads, typename T, typename L2 = L2Default>
 __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row_stride, int row0,
-                                             int len, int tid) {
+                                             int len, int tid, L2 l2 = {}) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   constexpr int kRowsPerPass = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
@@ -225,59 +258,82 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row
       continue;
     }
 #endif
-    cp_async_16(dst + pass * kRowsPerPass * kHeadDim, valid ? from : base, valid);
+    l2.copy(dst + pass * kRowsPerPass * kHeadDim, valid ? from : base, valid);
   }
 }
 
-// The split-KV combine of one output row: lse = m + log sum_s exp(lse_s - m) with m = max_s lse_s
-// (-inf when no split saw a key), and out = sum_s exp(lse_s - lse) * out_s. `lse_of(s)` returns
-// lse_s from wherever the caller staged it.
-template <typename LseOf>
-__device__ __forceinline__ float combined_lse(int num_splits, LseOf lse_of) {
-  float lse_max = -INFINITY;
-  for (int s = 0; s < num_splits; ++s)
-    lse_max = fmaxf(lse_max, lse_of(s));
-  if (lse_max == -INFINITY) return -INFINITY;
-  float sum = 0.f;
-  for (int s = 0; s < num_splits; ++s)
-    sum += expf(lse_of(s) - lse_max);  // exp(-inf) = 0
-  return lse_max + logf(sum);
+// Loads kCols (2 or 4) consecutive floats through L2 (__ldcg: other blocks of the same launch may
+// have written them, so L1 must not serve a stale line).
+template <int kCols>
+__device__ __forceinline__ void load_cols_cg(const float* src, float (&x)[kCols]) {
+  static_assert(kCols == 2 || kCols == 4, "2 or 4 columns");
+  if constexpr (kCols == 4) {
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(src));
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else {
+    const float2 v = __ldcg(reinterpret_cast<const float2*>(src));
+    x[0] = v.x, x[1] = v.y;
+  }
 }
 
-// acc = the combined output of one row over columns [col0, col0 + kCols), given its lse. Splits
-// with no valid key carry lse = -inf: they are skipped, so whatever their partial holds cannot leak
-// in (0 * NaN). Partials are read through L2 (__ldcg): other blocks of the same launch may have
-// written them.
-template <int kCols, typename LseOf>
-__device__ __forceinline__ void combine_split_partials(const float* o_accum, int num_splits,
-                                                       int64_t rows, int64_t row, int head_dim,
-                                                       int col0, float lse_row, LseOf lse_of,
-                                                       float (&acc)[kCols]) {
-  static_assert(kCols % 2 == 0, "columns come in pairs");
+// The split-KV combine of one output row over kCols columns: with m = max_s lse_s,
+// lse = m + log sum_s exp(lse_s - m) and out = sum_s exp(lse_s - m) * out_s / sum_s exp(lse_s - m).
+// Returns lse (-inf when no split saw a key; out is then 0). Splits with lse = -inf are skipped by
+// a select, so whatever their partial holds (NaN included) cannot leak in. The splits are taken
+// kChunk at a time with every load of a chunk issued before any is used, and the running max
+// rescales what came before (online softmax): one L2 round trip per chunk. Loads behind a
+// per-split branch cost one round trip per split: on the H100 that was 5 us of a 20 us decode with
+// 16 splits, on the critical path of every split launch (benches/NOTES.md v2.6). lse_at(s) and
+// partial_at(s) point at split s's log-sum-exp and at the row's partial output, first column.
+template <int kCols, int kChunk = 16, typename LseAt, typename PartialAt>
+__device__ __forceinline__ float combine_splits(int num_splits, LseAt lse_at, PartialAt partial_at,
+                                                float (&out)[kCols]) {
+  float m = -INFINITY, sum = 0.f, acc[kCols];
 #pragma unroll
   for (int e = 0; e < kCols; ++e)
     acc[e] = 0.f;
-  if (lse_row == -INFINITY) return;
-#pragma unroll 8
-  for (int s = 0; s < num_splits; ++s) {
-    const float lse_s = lse_of(s);
-    if (lse_s == -INFINITY) continue;
-    const float w = expf(lse_s - lse_row);
-    const float* src = o_accum + (s * rows + row) * head_dim + col0;
+  for (int s0 = 0; s0 < num_splits; s0 += kChunk) {
+    float lse[kChunk], x[kChunk][kCols];
 #pragma unroll
-    for (int e = 0; e < kCols; e += 2) {
-      const float2 x = __ldcg(reinterpret_cast<const float2*>(src + e));
-      acc[e] += w * x.x;
-      acc[e + 1] += w * x.y;
+    for (int j = 0; j < kChunk; ++j) {
+      const bool in_range = s0 + j < num_splits;
+      lse[j] = in_range ? __ldcg(lse_at(s0 + j)) : -INFINITY;
+      if (in_range) load_cols_cg<kCols>(partial_at(s0 + j), x[j]);
     }
-  }
+    float m_new = m;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j)
+      m_new = fmaxf(m_new, lse[j]);
+    if (m_new == -INFINITY) continue;       // no key in any split so far
+    const float rescale = expf(m - m_new);  // 0 while m is -inf (sum and acc are 0 then)
+    sum *= rescale;
+#pragma unroll
+    for (int e = 0; e < kCols; ++e)
+      acc[e] *= rescale;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      if (lse[j] == -INFINITY) continue;  // also the splits past num_splits
+      const float w = expf(lse[j] - m_new);
+      sum += w;
+#pragma unroll
+      for (int e = 0; e < kCols; ++e)
+        acc[e] += w * x[j][e];
 #if FLASHMOE_PLANT_BUG == 2
-  // Planted: split 0 is counted twice.
-  const float w0 = expf(lse_of(0) - lse_row);
+      // Planted: split 0 is counted twice in the output.
+      if (s0 + j == 0) {
+#pragma unroll
+        for (int e = 0; e < kCols; ++e)
+          acc[e] += w * x[j][e];
+      }
+#endif
+    }
+    m = m_new;
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
 #pragma unroll
   for (int e = 0; e < kCols; ++e)
-    acc[e] += w0 * __ldcg(o_accum + row * head_dim + col0 + e);
-#endif
+    out[e] = acc[e] * inv;
+  return sum > 0.f ? m + logf(sum) : -INFINITY;
 }
 
 }  // namespace flashmoe::cuda

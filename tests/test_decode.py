@@ -54,15 +54,23 @@ def test_one_split_is_the_unsplit_path(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_combine_alone(device, dtype):
-    """Synthetic partials: splits of very different magnitude, and splits with no valid key (-inf)."""
+@pytest.mark.parametrize("splits", [5, 37])
+def test_combine_alone(device, dtype, splits):
+    """Synthetic partials: splits of very different magnitude, and splits with no valid key (-inf).
+    With 37 splits the CUDA combine reads them in three chunks (16 at a time): a row whose first
+    chunk is all empty, and a row whose largest split comes in the last chunk, so every earlier
+    chunk must be rescaled."""
     g = torch.Generator().manual_seed(7)
-    splits, b, h, sq, d = 5, 2, 3, 4, 64
+    b, h, sq, d = 2, 3, 4, 64
     out_p = torch.randn(splits, b, h, sq, d, generator=g)
     lse_p = torch.randn(splits, b, h, sq, generator=g) * 30  # magnitudes e^-90 .. e^90 apart
     lse_p[1] = -math.inf  # an empty split
     lse_p[:, 0, 0, 0] = -math.inf  # a row where every split is empty
     out_p[1] = float("nan")  # an empty split's output must not leak in, even as NaN * 0
+    if splits > 32:
+        lse_p[:16, 1, 0, 0] = -math.inf  # the first chunk holds no key
+        out_p[:16, 1, 0, 0] = float("nan")
+        lse_p[-1, 1, 1, 1] = lse_p[:, 1, 1, 1].max() + 20  # the last chunk dominates
     out, lse = split_kv_combine(out_p.to(device), lse_p.to(device), dtype)
     ref_lse = torch.logsumexp(lse_p, dim=0)
     weights = torch.exp(lse_p - ref_lse).nan_to_num(0.0)
