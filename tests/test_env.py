@@ -494,7 +494,8 @@ def test_whole_run_here_is_fast_and_passes(isolated):
     loaded = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 2
     budget = env.BUDGET_S * (2 if loaded else 1)
     assert wall < budget, f"env check took {wall:.1f} s (budget {budget:.0f} s)"
-    assert json.loads(out.read_text())["elapsed_s"] < env.BUDGET_S
+    # The run's own figure gets the same allowance (10.07 s once, under load on an H100 runner).
+    assert json.loads(out.read_text())["elapsed_s"] < budget
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 12 and lines[-1].startswith("env: PASS")
     assert json.loads(out.read_text())["passed"] is True
