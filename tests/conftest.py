@@ -29,6 +29,18 @@ def _hermetic_require_gpu(monkeypatch):
     monkeypatch.delenv("FLASHMOE_REQUIRE_GPU", raising=False)
 
 
+@pytest.fixture
+def no_cuda_tools(tmp_path, monkeypatch):
+    """Hides every place sanitize.find_cuda_tool looks (PATH, CUDA_HOME, CUDA_PATH, the fallback
+    install directories), so compute-sanitizer and ncu are found only where a test puts them."""
+    from flashmoe_science import sanitize
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(sanitize, "FALLBACK_CUDA_HOMES", ())
+
+
 @pytest.fixture(scope="session")
 def has_cuda_kernels() -> bool:
     return cuda_build_loaded()

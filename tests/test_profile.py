@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmoe_science import bench, exitcodes, profile, sanitize
+from flashmoe_science import bench, exitcodes, profile
 from flashmoe_science.paths import REPO_ROOT
 
 PREFILL_ID = "fwd-bf16-d128-h16-b1-s16384-causal"
@@ -305,11 +305,9 @@ def test_no_gpu_exits_255_with_one_line(isolated, monkeypatch, capsys):
     assert len(out) == 1 and "no GPU" in out[0]
 
 
-def test_missing_ncu_exits_126_with_one_line(isolated, fake_gpu, monkeypatch, capsys):
-    monkeypatch.setenv("PATH", str(isolated / "empty"))
-    monkeypatch.setenv("CUDA_HOME", str(isolated / "no-cuda"))
-    monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(sanitize, "FALLBACK_CUDA_HOMES", ())
+def test_missing_ncu_exits_126_with_one_line(
+    isolated, fake_gpu, no_cuda_tools, monkeypatch, capsys
+):
     monkeypatch.setattr(profile, "NCU_GLOBS", ())
     assert profile.main([PREFILL_ID]) == exitcodes.TOOL_MISSING
     out = capsys.readouterr().out.strip().splitlines()

@@ -363,10 +363,7 @@ def _executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
     return path
 
 
-def test_find_cuda_tool_search_order(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(sanitize, "FALLBACK_CUDA_HOMES", ())
+def test_find_cuda_tool_search_order(tmp_path, no_cuda_tools, monkeypatch):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
     assert sanitize.find_cuda_tool("ncu") is None
     glob_hit = _executable(tmp_path / "opt" / "2025.3.1" / "ncu")
@@ -411,11 +408,7 @@ def test_no_gpu_exits_255_with_one_line(isolated, monkeypatch, capsys):
     assert len(out) == 1 and "no GPU" in out[0]
 
 
-def test_missing_tool_exits_126_with_one_line(isolated, fake_gpu, monkeypatch, capsys):
-    monkeypatch.setenv("PATH", str(isolated / "empty"))
-    monkeypatch.setenv("CUDA_HOME", str(isolated / "no-cuda"))
-    monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(sanitize, "FALLBACK_CUDA_HOMES", ())
+def test_missing_tool_exits_126_with_one_line(isolated, fake_gpu, no_cuda_tools, capsys):
     assert sanitize.main(["--tool", "memcheck"]) == exitcodes.TOOL_MISSING
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "compute-sanitizer not found" in out[0] and "PATH" in out[0]
