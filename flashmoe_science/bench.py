@@ -19,6 +19,11 @@ torch.nn.attention.sdpa_kernel (FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTE
 own choice ("sdpa-default"). A backend that refuses a case is recorded as "unsupported" with its
 reason. "ratio" is SDPA's time / ours: above 1, ours is faster.
 
+Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton kernels that only read
+the case's K and V, timed the same way (flashmoe_science.readfloor). No decode kernel is expected
+to beat it by much, so SDPA's time over it bounds what any kernel can gain on SDPA there; its
+"ratio" is its time / ours (1 would be a decode as fast as a bare read).
+
 Head against base (`--base REF`): REF is checked out as a git worktree in
 <build root>/worktrees/<sha12> and built by its own `python -m flashmoe_science build` into its own
 build root (<sha12>.build beside it): two builds of one torch library namespace cannot share a
@@ -83,7 +88,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import build, exitcodes, paths, stats
+from . import build, exitcodes, paths, readfloor, stats
 
 SCHEMA = "flashmoe-science/bench/1"
 WORKER_PROTOCOL = 1
@@ -590,12 +595,41 @@ def measure(
     }
 
 
+def read_floor(case: Case, x: Inputs, timer, config: TimingConfig, calls=None) -> dict:
+    """The fastest of readfloor's pure reads of this case's K and V, timed like the cases: what
+    any decode kernel that reads those bytes could reach on this card (readfloor.py)."""
+    try:
+        calls = calls if calls is not None else readfloor.read_calls(x.k, x.v)
+    except ImportError as exc:
+        return {"status": "unsupported", "reason": f"the read floor needs Triton: {exc}"}
+    best = None
+    for name, fn in calls.items():
+        problem = _first_call(fn)
+        if problem is not None:
+            return {"status": "error", "reason": f"{name}: {problem}"}
+        timing = benchmark(fn, timer, config)
+        if best is None or timing.median_ms < best[1].median_ms:
+            best = (name, timing)
+    name, timing = best
+    return {
+        "status": "ok",
+        "median_ms": _sig(timing.median_ms),
+        "gbps": _sig(case.kv_bytes / timing.median_ms / 1e6, 4),
+        "config": name,
+    }
+
+
 def run_case(
     case: Case, device: str, timer, config: TimingConfig, ceilings: dict, baselines: bool
 ) -> dict:
     x = make_inputs(case, device)
     entry = {"id": case.id, **case.to_dict(), "flops": case.flops, "bytes": case.bytes_moved}
     entry["ours"] = measure(our_call(case, x), None, case, device, timer, config, ceilings)
+    if case.kind == "decode" and device == "cuda":
+        floor = read_floor(case, x, timer, config)
+        if floor["status"] == "ok" and entry["ours"]["status"] == "ok":
+            floor["ratio"] = _sig(floor["median_ms"] / entry["ours"]["median_ms"], 4)
+        entry["read_floor"] = floor
     entry["baselines"] = {}
     for name, backend in BASELINES.items() if baselines else ():
         fn, reason = sdpa_call(case, x)
@@ -1196,7 +1230,8 @@ def _header_lines(doc: dict) -> list[str]:
         f"{where}; torch {doc['torch']}, CUDA {doc['cuda']}; commit {sha}.",
         f"Timing: {timing['method']}"
         + (f", {flush} MiB L2 flush before every call" if flush else ", no cache flush")
-        + "; median ms (IQR). vs X = X's time / ours (above 1: ours is faster).",
+        + "; median ms (IQR). vs X = X's time / ours (above 1: ours is faster); the read floor "
+        "(decode on CUDA) is a bare read of the case's K and V.",
         f"Ceilings measured in this run: copy {_num(copy.get('gbps'), '.0f')} GB/s, "
         f"{matmul.get('dtype', '?')} matmul {matmul.get('n', '?')}^3 "
         f"{_num(matmul.get('tflops'), '.3g')} TFLOP/s; "
@@ -1215,6 +1250,7 @@ def _case_row(case: dict) -> str:
         _num(ours.get("gbps"), ".3g"),
         _num(pct, ".2g"),
         *(_ratio(case["baselines"].get(name)) for name in BASELINES),
+        _ratio(case.get("read_floor")),
         f"{_mib(ours.get('peak_mem_bytes'))} / {_mib(sdpa_mem)}",
     ]
     return "| " + " | ".join(cells) + " |"
@@ -1222,7 +1258,8 @@ def _case_row(case: dict) -> str:
 
 def render_markdown(doc: dict) -> str:
     vs = [f"vs {name.removeprefix('sdpa-')}" for name in BASELINES]
-    columns = ["case", "ours ms (IQR)", "TFLOP/s", "GB/s", "% ceiling", *vs, "peak MiB ours / sdpa"]
+    columns = ["case", "ours ms (IQR)", "TFLOP/s", "GB/s", "% ceiling", *vs, "vs read floor"]
+    columns.append("peak MiB ours / sdpa")
     lines = [
         *_header_lines(doc),
         "",
@@ -1232,7 +1269,9 @@ def render_markdown(doc: dict) -> str:
     lines += [_case_row(case) for case in doc["cases"]]
     reasons: dict[str, set[str]] = {}
     for case in doc["cases"]:
-        for name, result in [("ours", case["ours"]), *case["baselines"].items()]:
+        results = [("ours", case["ours"]), *case["baselines"].items()]
+        results += [("read floor", case["read_floor"])] if "read_floor" in case else []
+        for name, result in results:
             if result["status"] != "ok":
                 reasons.setdefault(f"{name} {result['status']}", set()).add(result["reason"][:200])
     for what, texts in sorted(reasons.items()):

@@ -853,13 +853,21 @@ def _not_measured(result: dict | None) -> tuple[str, str] | None:
     return status, str(reason)
 
 
+def _over_ours(case: dict, result: dict | None) -> float | None:
+    """Another result's time / our time (its stored ratio when a time is missing)."""
+    ours = case.get("ours")
+    if _measured(ours) and _measured(result) and _num(ours["median_ms"]):
+        return _num(result["median_ms"]) / _num(ours["median_ms"])
+    if isinstance(result, dict) and _num(result.get("ratio")):
+        return _num(result["ratio"])
+    return None
+
+
 def _speedup(case: dict, name: str) -> float | None:
     """Baseline time / our time: above 1 we are faster."""
-    ours, base = case.get("ours"), _result(case.get("baselines"), name)
-    if _measured(ours) and _measured(base) and _num(ours["median_ms"]):
-        return _num(base["median_ms"]) / _num(ours["median_ms"])
-    if isinstance(base, dict) and _num(base.get("ratio")):
-        return _num(base["ratio"])
+    speed = _over_ours(case, _result(case.get("baselines"), name))
+    if speed:
+        return speed
     ratios = case.get("ratios") if isinstance(case.get("ratios"), dict) else {}
     return _num(ratios.get(name, ratios.get(name.replace("-", "_"))))
 
@@ -1007,13 +1015,27 @@ def _pct(value: Any) -> str:
     return f" ({_g(value, 2)}%)" if _num(value) is not None else ""
 
 
-def _bench_row(case: dict, regressed: bool, reasons: dict[str, set[str]]) -> list[str]:
+def _measured_cell(result: Any, label: str, speed: float | None, reasons: dict) -> str:
+    """A baseline's or the read floor's cell: ms (its time over ours), or why it is missing."""
+    problem = _not_measured(result)
+    if result is None:
+        return "—"
+    if problem:
+        reasons.setdefault(f"{label}: {problem[0]}", set()).add(problem[1])
+        return "n/a" if problem[0] == "unsupported" else "error"
+    return _g(result.get("median_ms")) + (f" ({speed:.2f}{TIMES})" if speed else "")
+
+
+def _bench_row(
+    case: dict, regressed: bool, reasons: dict[str, set[str]], read_floor: bool = False
+) -> list[str]:
     ours = case.get("ours") or {}
     label = ("⚠️ " if regressed else "") + _code(case.get("id", "?"), 150)
     problem = _not_measured(ours)
     if problem:
         reasons.setdefault(f"ours: {problem[0]}", set()).add(problem[1])
-        return [f"❌ {label}", f"**{_text(problem[0])}**", "—", "—", "—"] + ["—"] * len(BASELINES)
+        dashes = len(BASELINES) + read_floor
+        return [f"❌ {label}", f"**{_text(problem[0])}**", "—", "—", "—"] + ["—"] * dashes
     decode = case.get("kind") == "decode"
     iqr = _num(ours.get("iqr_ms"))
     row = [
@@ -1025,15 +1047,10 @@ def _bench_row(case: dict, regressed: bool, reasons: dict[str, set[str]]) -> lis
     ]
     for name in BASELINES:
         base = _result(case.get("baselines"), name)
-        problem = _not_measured(base)
-        if base is None:
-            row.append("—")
-        elif problem:
-            reasons.setdefault(f"{BASELINE_LABELS[name]}: {problem[0]}", set()).add(problem[1])
-            row.append("n/a" if problem[0] == "unsupported" else "error")
-        else:
-            speed = _speedup(case, name)
-            row.append(_g(base.get("median_ms")) + (f" ({speed:.2f}{TIMES})" if speed else ""))
+        row.append(_measured_cell(base, BASELINE_LABELS[name], _speedup(case, name), reasons))
+    if read_floor:
+        floor = _result(case, "read_floor")
+        row.append(_measured_cell(floor, "read floor", _over_ours(case, floor), reasons))
     return row
 
 
@@ -1086,17 +1103,26 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
     header = ["case", "ours ms", "TFLOP/s", "GB/s", "peak mem"]
     header += [f"{BASELINE_LABELS[n]} ms ({TIMES})" for n in BASELINES]
     for group in groups:
+        in_group = [(i, c) for i, c in enumerate(cases) if _group(c) == group]
+        floor = any("read_floor" in c for _, c in in_group)
         rows = [
-            _bench_row(case, case.get("id") in regressed_ids, reasons)
-            for index, case in enumerate(cases)
-            if _group(case) == group and index in keep
+            _bench_row(case, case.get("id") in regressed_ids, reasons, floor)
+            for index, case in in_group
+            if index in keep
         ]
         if rows:
-            tables.append(f"**{_text(group)}**\n\n" + _table(header, rows))
+            columns = header + ([f"read floor ms ({TIMES})"] if floor else [])
+            tables.append(f"**{_text(group)}**\n\n" + _table(columns, rows))
     if cases:
         parts.append(
             f"Times are medians ± IQR; ({TIMES}) is SDPA's time over ours, so above 1.00{TIMES} we are "
             "faster; (%) is the share of this card's measured ceiling."
+            + (
+                f" The read floor is a bare read of the case's K and V, timed alike; its ({TIMES}) "
+                f"is its time over ours, so 1.00{TIMES} would be a decode as fast as reading the cache."
+                if any("read_floor" in c for c in cases)
+                else ""
+            )
             + (f" Geometric mean against SDPA default: **{geo:.2f}{TIMES}**." if geo else "")
         )
     parts += tables

@@ -332,6 +332,70 @@ def test_benchmark_reports_median_and_iqr_of_the_timed_calls(monkeypatch):
     )
 
 
+class PerCallTimer(FakeTimer):
+    """Every timed call of fn takes fn.ms."""
+
+    def __init__(self):
+        super().__init__([])
+
+    def time(self, fn, count, flush=True):
+        return [fn.ms] * count
+
+
+def timed(ms):
+    def fn():
+        return None
+
+    fn.ms = ms
+    return fn
+
+
+def test_read_floor_is_the_fastest_read_and_missing_triton_is_a_record(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    case = bench.parse_case_id("dec-bf16-d128-h32-b1-q1-k4096")
+    config = bench.TimingConfig.for_device("cpu", warmup_ms=1, rep_ms=1)
+    calls = {"a": timed(0.05), "b": timed(0.02), "c": timed(0.04)}
+    floor = bench.read_floor(case, None, PerCallTimer(), config, calls=calls)
+    assert floor == {"status": "ok", "median_ms": 0.02, "gbps": 3355, "config": "b"}
+    assert floor["gbps"] == round(case.kv_bytes / 0.02e-3 / 1e9)  # 64 MiB of K and V
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    floor = bench.read_floor(case, None, PerCallTimer(), config, calls={"x": broken})
+    assert floor["status"] == "error" and floor["reason"].startswith("x: ")
+
+    def no_triton(k, v):
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(bench.readfloor, "read_calls", no_triton)
+    floor = bench.read_floor(case, bench.Inputs(None, None, None), PerCallTimer(), config)
+    assert floor == {
+        "status": "unsupported",
+        "reason": "the read floor needs Triton: No module named 'triton'",
+    }
+
+
+@pytest.mark.skipif(not bench.torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_read_floor_on_cuda_reads_every_byte_and_fits_the_schema(monkeypatch):
+    """Each reader sums all of K and V (1000 keys: not a multiple of its blocks, so the masked
+    tail counts too); a decode case's record carries the floor as the schema says."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # plumbing only: times are not used
+    case = bench.parse_case_id("dec-bf16-d128-h8-b1-q1-k1000")
+    x = bench.make_inputs(case, "cuda")
+    expected = x.k.double().sum() + x.v.double().sum()
+    for name, call in bench.readfloor.read_calls(x.k, x.v).items():
+        call()
+        got = call.args[2].double().sum()  # one fp32 partial sum per program
+        assert abs(float(got - expected)) < 1e-3 * x.k.numel() ** 0.5, name
+    config = bench.TimingConfig.for_device("cuda", warmup_ms=1, rep_ms=2)
+    entry = bench.run_case(case, "cuda", bench.CudaTimer(), config, {}, baselines=False)
+    floor = entry["read_floor"]
+    assert floor["status"] == "ok" and floor["median_ms"] > 0 and floor["ratio"] > 0, floor
+    schema = json.loads(SCHEMA_PATH.read_text())
+    assert subset_errors(entry, schema["$defs"]["case"], schema) == []
+
+
 def test_benchmark_caps_the_repeats_and_honours_a_fixed_count(monkeypatch):
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     config = bench.TimingConfig(

@@ -119,6 +119,17 @@ def test_passing_report_has_bench_table_chart_and_comparison(tmp_path):
     assert "<details open" not in text  # nothing failed: every section is closed
 
 
+def test_decode_table_alone_gets_the_read_floor_column(tmp_path):
+    _, text = run_report(FIXTURES / "passing", tmp_path)
+    column = f"read floor ms ({report.TIMES})"
+    decode = text[text.index("**decode**") : text.index("**small**")]
+    prefill = text[text.index("**prefill**") : text.index("**decode**")]
+    assert f"| 0.588 (0.89{report.TIMES}) |" in decode  # 0.5884 ms over our 0.6628
+    assert column in decode and column not in prefill
+    assert "- read floor: unsupported: the read floor needs Triton" in text
+    assert f"1.00{report.TIMES} would be a decode as fast as reading the cache" in text
+
+
 def test_build_failure_shows_log_tail(tmp_path):
     _, text = run_report(FIXTURES / "build_failed", tmp_path)
     assert "ninja: build stopped: subcommand failed." in text
