@@ -3,12 +3,12 @@ nothing else, under the benchmark's own timer (L2 flushed by writing, CUDA event
 
 A decode step must read every valid K and V byte, so no decode kernel is expected to run much
 below this floor; SDPA's time over the floor is the most any kernel can gain on SDPA there. On the
-H100 that bound is what limits the short caches: at B=1, Hq=32, Sk=8k the fastest pure read took
-53.7 us against SDPA's 64.7 (1.21x), while our decode took 57.9 (benches/NOTES.md v2.7).
+H100 that bound is what limits the short caches: at B=1, Hq=32, Sk=8k (bf16) the floor was 54.0 us
+against SDPA default's 64.8 (1.20x), and our decode 57.3 (benches/NOTES.md v2.7).
 
 The reader is a Triton kernel (Triton ships with PyTorch's CUDA builds): each program sums a
 contiguous stretch of K and V. The floor is the fastest of CONFIGS, since which is fastest depends
-on the size: evict-first won up to 134 MB on the H100, the default policy at 537 MB.
+on the size: on the H100 evict-first won up to 134 MB, the default policy from 268 MB on.
 """
 
 from __future__ import annotations
