@@ -595,26 +595,25 @@ def measure(
     }
 
 
-def read_floor(case: Case, x: Inputs, timer, config: TimingConfig, calls=None) -> dict:
-    """The fastest of readfloor's pure reads of this case's K and V, timed like the cases: what
-    any decode kernel that reads those bytes could reach on this card (readfloor.py)."""
+def read_floor(case: Case, x: Inputs, device: str, timer, config: TimingConfig, calls=None) -> dict:
+    """The fastest of readfloor's pure reads of this case's K and V, each measured as the cases
+    are (`measure`): what any decode kernel that reads those bytes could reach on this card."""
     try:
         calls = calls if calls is not None else readfloor.read_calls(x.k, x.v)
     except ImportError as exc:
         return {"status": "unsupported", "reason": f"the read floor needs Triton: {exc}"}
     best = None
     for name, fn in calls.items():
-        problem = _first_call(fn)
-        if problem is not None:
-            return {"status": "error", "reason": f"{name}: {problem}"}
-        timing = benchmark(fn, timer, config)
-        if best is None or timing.median_ms < best[1].median_ms:
-            best = (name, timing)
-    name, timing = best
+        result = measure(fn, None, case, device, timer, config, {})
+        if result["status"] != "ok":
+            return {"status": result["status"], "reason": f"{name}: {result['reason']}"}
+        if best is None or result["median_ms"] < best[1]:
+            best = (name, result["median_ms"])
+    name, median_ms = best
     return {
         "status": "ok",
-        "median_ms": _sig(timing.median_ms),
-        "gbps": _sig(case.kv_bytes / timing.median_ms / 1e6, 4),
+        "median_ms": median_ms,
+        "gbps": _sig(case.kv_bytes / median_ms / 1e6, 4),
         "config": name,
     }
 
@@ -626,7 +625,7 @@ def run_case(
     entry = {"id": case.id, **case.to_dict(), "flops": case.flops, "bytes": case.bytes_moved}
     entry["ours"] = measure(our_call(case, x), None, case, device, timer, config, ceilings)
     if case.kind == "decode" and device == "cuda":
-        floor = read_floor(case, x, timer, config)
+        floor = read_floor(case, x, device, timer, config)
         if floor["status"] == "ok" and entry["ours"]["status"] == "ok":
             floor["ratio"] = _sig(floor["median_ms"] / entry["ours"]["median_ms"], 4)
         entry["read_floor"] = floor

@@ -355,21 +355,21 @@ def test_read_floor_is_the_fastest_read_and_missing_triton_is_a_record(monkeypat
     case = bench.parse_case_id("dec-bf16-d128-h32-b1-q1-k4096")
     config = bench.TimingConfig.for_device("cpu", warmup_ms=1, rep_ms=1)
     calls = {"a": timed(0.05), "b": timed(0.02), "c": timed(0.04)}
-    floor = bench.read_floor(case, None, PerCallTimer(), config, calls=calls)
+    floor = bench.read_floor(case, None, "cpu", PerCallTimer(), config, calls=calls)
     assert floor == {"status": "ok", "median_ms": 0.02, "gbps": 3355, "config": "b"}
     assert floor["gbps"] == round(case.kv_bytes / 0.02e-3 / 1e9)  # 64 MiB of K and V
 
     def broken():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    floor = bench.read_floor(case, None, PerCallTimer(), config, calls={"x": broken})
+    floor = bench.read_floor(case, None, "cpu", PerCallTimer(), config, calls={"x": broken})
     assert floor["status"] == "error" and floor["reason"].startswith("x: ")
 
     def no_triton(k, v):
         raise ImportError("No module named 'triton'")
 
     monkeypatch.setattr(bench.readfloor, "read_calls", no_triton)
-    floor = bench.read_floor(case, bench.Inputs(None, None, None), PerCallTimer(), config)
+    floor = bench.read_floor(case, bench.Inputs(None, None, None), "cpu", PerCallTimer(), config)
     assert floor == {
         "status": "unsupported",
         "reason": "the read floor needs Triton: No module named 'triton'",
