@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from . import build
+from .pipeline import build
 
 _lock = threading.Lock()
 _loaded = False

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from flashmoe_science import paths
+from flashmoe_science.pipeline import paths
 
 
 def cuda_build_loaded() -> bool:
@@ -33,7 +33,7 @@ def _hermetic_require_gpu(monkeypatch):
 def no_cuda_tools(tmp_path, monkeypatch):
     """Hides every place sanitize.find_cuda_tool looks (PATH, CUDA_HOME, CUDA_PATH, the fallback
     install directories), so compute-sanitizer and ncu are found only where a test puts them."""
-    from flashmoe_science import sanitize
+    from flashmoe_science.pipeline import sanitize
 
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))

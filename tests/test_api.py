@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from flashmoe_science import flash_attention_decode, flash_attention_forward, gates, ops
+from flashmoe_science import flash_attention_decode, flash_attention_forward, ops
+from flashmoe_science.pipeline import gates
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from gitrepo import copy_project, git
 
-from flashmoe_science import bench, exitcodes, stats
-from flashmoe_science.paths import REPO_ROOT
+from flashmoe_science.pipeline import bench, exitcodes, stats
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 SCHEMA_PATH = REPO_ROOT / "benches" / "bench.schema.json"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from gitrepo import copy_project, git
 
-from flashmoe_science.paths import REPO_ROOT
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 pytest.importorskip("nox")
 

@@ -1,4 +1,4 @@
-"""Tests of flashmoe_science.build: the parsers on real compiler output, and one real tiny CPU build.
+"""Tests of flashmoe_science.pipeline.build: the parsers on real compiler output, and one real tiny CPU build.
 
 The real compiles use a throwaway unit in tmp_path (not csrc/), a build root and a report folder in
 tmp_path, and the CPU backend, so they run on any machine with a compiler and torch.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science import build, exitcodes
-from flashmoe_science.paths import REPO_ROOT
+from flashmoe_science.pipeline import build, exitcodes
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 # Real `-Xptxas=-v` output (CUDA 13.0) in the shape nvcc prints it, for two archs. The decode
 # kernel spills on sm_89 only; softmax_rescale is a non-entry device function whose properties
@@ -61,7 +61,7 @@ ptxas info    : Used 8 registers, used 0 barriers
 
 # What build.log holds after nvcc fails (CUDA 13.0, torch 2.14.1); command lines shortened.
 NVCC_FAILURE_LOG = """\
-$ /work/main/.venv/bin/python -m flashmoe_science.build --child /work/main/build/torch2.14.1-cu13.0-sm90/child.json
+$ /work/main/.venv/bin/python -m flashmoe_science.pipeline.build --child /work/main/build/torch2.14.1-cu13.0-sm90/child.json
 W1126 02:05:55.282000 6599 torch/utils/cpp_extension.py:183] No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda-13.0'
 [1/2] /usr/local/cuda-13.0/bin/nvcc -MD -MF flashmoe_science.cuda.o.d -DTORCH_EXTENSION_NAME=flashmoe_science_C -c /work/main/csrc/flashmoe_science.cu -o flashmoe_science.cuda.o
 FAILED: [code=255] flashmoe_science.cuda.o
@@ -501,7 +501,7 @@ def test_real_build_then_up_to_date_then_rebuild_on_change(tiny_unit, tmp_path, 
         [
             sys.executable,
             "-m",
-            "flashmoe_science.build",
+            "flashmoe_science.pipeline.build",
             "--backend",
             "cpu",
             "--sources-dir",
@@ -540,7 +540,7 @@ def test_real_build_with_syntax_error_reports_file_and_line(tiny_unit, capsys):
 
 def test_help_lists_the_options():
     out = subprocess.run(
-        [sys.executable, "-m", "flashmoe_science.build", "--help"],
+        [sys.executable, "-m", "flashmoe_science.pipeline.build", "--help"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashmoe_science import flash_attention_decode, split_kv_combine
-from flashmoe_science.paths import REPO_ROOT
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -85,7 +85,8 @@ def test_combine_alone(device, dtype, splits):
 
 PLANT_SCRIPT = """
 import json, sys
-from flashmoe_science import gates, ops
+from flashmoe_science import ops
+from flashmoe_science.pipeline import gates
 cases = [gates.Case("decode", "bf16", 64, 2, 8, 2, 1, 1000, True, num_splits=3, seqlens=(1000, 333)),
          gates.Case("decode", "fp16", 128, 1, 8, 8, 4, 4096, True, num_splits=7)]
 device = sys.argv[1]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science import env, exitcodes
-from flashmoe_science.paths import REPO_ROOT
+from flashmoe_science.pipeline import env, exitcodes
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 NVCC_13_0 = """\
 nvcc: NVIDIA (R) Cuda compiler driver
@@ -480,7 +480,7 @@ def test_whole_run_here_is_fast_and_passes(isolated):
     out = isolated / "env.json"
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "flashmoe_science.env", "--json", str(out)],
+        [sys.executable, "-m", "flashmoe_science.pipeline.env", "--json", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from flashmoe_science import gates
+from flashmoe_science.pipeline import gates
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BASE = gates.Case("fwd", "fp16", 64, 2, 8, 2, 129, 129, True)

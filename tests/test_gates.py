@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmoe_science import gates
+from flashmoe_science.pipeline import gates
 
 GPU_CASES = gates.gate_cases("gpu")
 CPU_CASES = gates.gate_cases("cpu")

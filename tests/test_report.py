@@ -1,4 +1,4 @@
-"""The PR report (flashmoe_science.report): golden files from fixture runs, the size limit, stages.json.
+"""The PR report (flashmoe_science.pipeline.report): golden files from fixture runs, the size limit, stages.json.
 
 Each folder in tests/fixtures/report/ holds what one run leaves in reports/ (an L4 run's env.json,
 build.json, gates.json, bench.json, stages.json, build.log; base_build.json is passed as
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science import exitcodes, report
+from flashmoe_science.pipeline import exitcodes, report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 REGENERATE = os.environ.get("FLASHMOE_REGEN_GOLDEN") == "1"
@@ -388,9 +388,9 @@ def test_failed_stage_without_artifact_fails_the_verdict(tmp_path):
 
 
 def test_cli_knows_the_command():
-    from flashmoe_science import cli
+    from flashmoe_science.pipeline import cli
 
-    assert cli.COMMANDS["report"][0] == "flashmoe_science.report"
+    assert cli.COMMANDS["report"][0] == "flashmoe_science.pipeline.report"
     assert re.search(r"\breport\b", cli.usage())
 
 

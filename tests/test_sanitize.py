@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmoe_science import exitcodes, sanitize
-from flashmoe_science.paths import REPO_ROOT
+from flashmoe_science.pipeline import exitcodes, sanitize
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 FWD = (
     "void flashmoe::cuda::flash_fwd_kernel<flashmoe::cuda::FwdTraits<(int)128, (int)64, (int)64, "
@@ -343,7 +343,7 @@ def test_sanitizer_command_and_environment():
     assert "--print-limit" in memcheck and memcheck[memcheck.index("--print-limit") + 1] == "20"
     assert "--racecheck-report" not in memcheck
     assert "kns=flash_fwd_kernel" in memcheck and "kns=split_kv_combine_kernel" in memcheck
-    assert memcheck[-4:] == [sys.executable, "-m", "flashmoe_science.sanitize", "--workload"]
+    assert memcheck[-4:] == [sys.executable, "-m", "flashmoe_science.pipeline.sanitize", "--workload"]
     racecheck = sanitize.sanitizer_command("cs", "racecheck", kernel_filter=False)
     assert racecheck[racecheck.index("--racecheck-report") + 1] == "all"
     assert "--kernel-name" not in racecheck
@@ -392,7 +392,7 @@ def isolated(tmp_path, monkeypatch):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(sanitize, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
-    from flashmoe_science import build
+    from flashmoe_science.pipeline import build
 
     built = []
     monkeypatch.setattr(
@@ -517,9 +517,9 @@ def test_unknown_tool_is_a_usage_error(capsys):
 
 
 def test_cli_lists_the_command():
-    from flashmoe_science import cli
+    from flashmoe_science.pipeline import cli
 
-    assert cli.COMMANDS["sanitize"][0] == "flashmoe_science.sanitize"
+    assert cli.COMMANDS["sanitize"][0] == "flashmoe_science.pipeline.sanitize"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -575,8 +575,8 @@ def test_every_kernel_is_instrumented():
     missing from them would go unchecked without a word. Every __global__ in csrc/ must pass both."""
     import re
 
-    from flashmoe_science import profile
-    from flashmoe_science.paths import REPO_ROOT
+    from flashmoe_science.pipeline import profile
+    from flashmoe_science.pipeline.paths import REPO_ROOT
 
     source = "\n".join(p.read_text() for p in sorted((REPO_ROOT / "csrc").glob("*.cuh")))
     kernels = set(

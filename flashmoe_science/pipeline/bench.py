@@ -20,18 +20,18 @@ own choice ("sdpa-default"). A backend that refuses a case is recorded as "unsup
 reason. "ratio" is SDPA's time / ours: above 1, ours is faster.
 
 Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton kernels that only read
-the case's K and V, timed the same way (flashmoe_science.readfloor). No decode kernel is expected
+the case's K and V, timed the same way (flashmoe_science.pipeline.readfloor). No decode kernel is expected
 to beat it by much, so SDPA's time over it bounds what any kernel can gain on SDPA there; its
 "ratio" is its time / ours (1 would be a decode as fast as a bare read).
 
 Head against base (`--base REF`): REF is checked out as a git worktree in
 <build root>/worktrees/<sha12> and built by its own `python -m flashmoe_science build` into its own
 build root (<sha12>.build beside it): two builds of one torch library namespace cannot share a
-process. One worker process per side (`python -m flashmoe_science.bench --worker`, started in its
+process. One worker process per side (`python -m flashmoe_science.pipeline.bench --worker`, started in its
 tree) times one case per JSON-lines request. Requests alternate base, head, base, head, ... for
 --rounds rounds per case, so drift of clocks or temperature hits both sides alike. A case is a
 "regression" or an "improvement" only when the medians differ by more than --threshold percent AND
-a Mann-Whitney U test gives p < --alpha (flashmoe_science.stats, after asv), so identical code comes
+a Mann-Whitney U test gives p < --alpha (flashmoe_science.pipeline.stats, after asv), so identical code comes
 out "no change" on a GPU. (On the CPU backend, separate processes running identical code were
 measured up to 2x apart on a 2-vCPU VM: CPU comparisons check the plumbing only.) `--base-dir DIR`
 uses an existing checkout as the base instead of a worktree.
@@ -54,7 +54,7 @@ bad timings measured on the same machine. Every commit bisected needs this bench
 fail in a way git bisect counts as bad, so bisect older ranges with a driver script kept outside the
 tree. --backend cpu bisects CPU timings on a machine without a GPU.
 
-Exit codes (flashmoe_science.exitcodes): 0 ok; 1 a regression with --fail-on-regression, or our
+Exit codes (flashmoe_science.pipeline.exitcodes): 0 ok; 1 a regression with --fail-on-regression, or our
 kernel failed on a case; 2 usage; 125 this checkout does not build; 255 environment broken (no
 torch, no GPU for --backend cuda or --bisect, running under pytest-xdist).
 
@@ -466,7 +466,7 @@ def make_inputs(case: Case, device: str, seed: int = 0) -> Inputs:
 def _ops():
     """flashmoe_science.ops, imported late: importing it loads the extension (building it when
     stale), which must happen in build_checkout, where a failed build becomes exit 125."""
-    from . import ops
+    from .. import ops
 
     return ops
 
@@ -817,7 +817,7 @@ class WorkerDied(RuntimeError):
 
 
 class Worker:
-    """A `python -m flashmoe_science.bench --worker` process in one tree, speaking JSON lines."""
+    """A `python -m flashmoe_science.pipeline.bench --worker` process in one tree, speaking JSON lines."""
 
     def __init__(
         self, name: str, tree: Path, env: dict, device: str, timing_args: Sequence[str] = ()
@@ -826,7 +826,7 @@ class Worker:
         command = [
             sys.executable,
             "-m",
-            "flashmoe_science.bench",
+            "flashmoe_science.pipeline.bench",
             "--worker",
             "--backend",
             device,

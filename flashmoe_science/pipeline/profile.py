@@ -6,7 +6,7 @@ benchmark case, a short summary per kernel, and a one-line verdict of what bound
     python -m flashmoe_science profile CASE --import reports/profile-CASE.ncu-rep   # summary only
 
 CASE is a bench case id (`python -m flashmoe_science bench --list`), parsed and given inputs exactly
-as bench does. ncu runs `python -m flashmoe_science.profile --workload CASE`, which calls our
+as bench does. ncu runs `python -m flashmoe_science.pipeline.profile --workload CASE`, which calls our
 operator 2 * WARMUP_CALLS + PROFILED_LAUNCHES times; ncu skips the first 2 * WARMUP_CALLS launches
 of our kernels (a call launches one or two: the forward kernel and, when it splits, the combine
 kernel, so that many launches are always past the warm-up) and profiles the next PROFILED_LAUNCHES,
@@ -150,7 +150,7 @@ def ncu_command(ncu: str, case_id: str, report_base: Path) -> list[str]:
     for section in SECTIONS:
         command += ["--section", section]
     command += ["--metrics", ",".join(METRICS)]
-    workload = ["-m", "flashmoe_science.profile", "--workload", case_id]
+    workload = ["-m", "flashmoe_science.pipeline.profile", "--workload", case_id]
     return [*command, sys.executable, *workload, "--calls", str(workload_calls())]
 
 

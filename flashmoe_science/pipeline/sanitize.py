@@ -4,9 +4,9 @@ initcheck, synccheck and racecheck over a small workload that still reaches ever
     python -m flashmoe_science sanitize                      # all four tools (budget: 10 min, H100)
     python -m flashmoe_science sanitize --tool memcheck      # one tool (repeatable, or a,b)
     python -m flashmoe_science sanitize --tool memcheck --define FLASHMOE_PLANT_BUG=3
-    python -m flashmoe_science.sanitize --list               # the workload's calls (case ids)
+    python -m flashmoe_science.pipeline.sanitize --list               # the workload's calls (case ids)
 
-The workload (`python -m flashmoe_science.sanitize --workload`, run under each tool) calls the
+The workload (`python -m flashmoe_science.pipeline.sanitize --workload`, run under each tool) calls the
 public API once per case, inputs on the GPU, with a torch.cuda.synchronize after each call, and
 prints a `sanitize-case: ID` line before each call so a finding can be tied to the call that made
 it. The cases cover: odd lengths (1, 17, 65, 129, 257, and Sq != Sk both ways, so causal rows that
@@ -19,7 +19,7 @@ that many splits are empty.
 
 Each tool runs as `compute-sanitizer --tool T --error-exitcode 99 --print-limit 20
 [--racecheck-report all] --kernel-name kns=flash_fwd_kernel --kernel-name kns=flash_decode_kernel
---kernel-name kns=split_kv_combine_kernel python -m flashmoe_science.sanitize --workload` (see
+--kernel-name kns=split_kv_combine_kernel python -m flashmoe_science.pipeline.sanitize --workload` (see
 sanitizer_command; --all-kernels drops the filter, which otherwise keeps torch's own kernels uninstrumented and the run
 fast). memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1: out of the caching
 allocator's large segments, a read past a tensor lands in another tensor of the same segment and is
@@ -32,7 +32,7 @@ and the case, condensed from the tool's output (parse_sanitizer_output, a pure f
 output is in <reports>/sanitize-<tool>.log. <reports>/sanitize.json holds, per tool, the status, the
 wall time and the findings, and stages.json gets a "sanitize" stage, which the PR report shows.
 
-Exit codes (flashmoe_science.exitcodes): 0 every tool clean; 1 a finding (or the workload crashed,
+Exit codes (flashmoe_science.pipeline.exitcodes): 0 every tool clean; 1 a finding (or the workload crashed,
 or a tool timed out); 2 usage; 125 the extension does not build; 126 compute-sanitizer is missing or
 may not instrument this GPU here; 255 no GPU.
 """
@@ -87,7 +87,7 @@ def workload_configs() -> list[int]:
     no GPU is visible, for listing)."""
     import torch
 
-    from .ops import CONFIGS, config_supported
+    from ..ops import CONFIGS, config_supported
 
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
     return [c for c in CONFIGS if config_supported(c, capability)]
@@ -162,7 +162,8 @@ def run_workload(cases: Sequence | None = None, device: str = "cuda") -> int:
     it on the CPU to prove every call is a valid one)."""
     import torch
 
-    from . import gates, ops
+    from .. import ops
+    from . import gates
 
     ops.load_library()
     cases = workload_cases() if cases is None else cases
@@ -546,7 +547,7 @@ def sanitizer_command(
     if kernel_filter:  # torch's own kernels run uninstrumented: much faster
         for substring in KERNEL_SUBSTRINGS:
             command += ["--kernel-name", f"kns={substring}"]
-    return [*command, sys.executable, "-m", "flashmoe_science.sanitize", "--workload"]
+    return [*command, sys.executable, "-m", "flashmoe_science.pipeline.sanitize", "--workload"]
 
 
 def tool_env(tool: str, defines: Sequence[str]) -> dict[str, str]:

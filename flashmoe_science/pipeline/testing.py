@@ -1,6 +1,6 @@
 """`python -m flashmoe_science test` (and so `nox -s test`): build incrementally, then run the gates.
 
-Exit codes follow the `git bisect run` contract (flashmoe_science.exitcodes), so
+Exit codes follow the `git bisect run` contract (flashmoe_science.pipeline.exitcodes), so
 `git bisect run nox -s test` finds the commit that broke correctness:
   0   every gate passed                         -> good
   1   a gate failed                             -> bad

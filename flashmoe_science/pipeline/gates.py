@@ -305,7 +305,7 @@ AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
     """Call the public API exactly as a user would."""
-    from . import ops
+    from .. import ops
 
     if case.op == "decode":
         return ops.flash_attention_decode(

@@ -1,5 +1,5 @@
 """`python -m flashmoe_science COMMAND ...`: the one entry point that nox sessions, the workflows and
-scripts call. Each command lives in its own module; exit codes follow flashmoe_science.exitcodes."""
+scripts call. Each command lives in its own module; exit codes follow flashmoe_science.pipeline.exitcodes."""
 
 from __future__ import annotations
 
@@ -10,24 +10,24 @@ from . import exitcodes
 
 COMMANDS = {
     "env": (
-        "flashmoe_science.env",
+        "flashmoe_science.pipeline.env",
         "validate the environment (Python, torch, CUDA, nvcc, GPU, NumPy, ...)",
     ),
-    "build": ("flashmoe_science.build", "build the extension as one compilation unit"),
+    "build": ("flashmoe_science.pipeline.build", "build the extension as one compilation unit"),
     "test": (
-        "flashmoe_science.testing",
+        "flashmoe_science.pipeline.testing",
         "build incrementally, then run the correctness gates (bisect-safe)",
     ),
     "bench": (
-        "flashmoe_science.bench",
+        "flashmoe_science.pipeline.bench",
         "time the kernels against PyTorch SDPA; --base REF compares commits",
     ),
     "report": (
-        "flashmoe_science.report",
+        "flashmoe_science.pipeline.report",
         "render reports/*.json into reports/report.md (PR comment, job summary)",
     ),
-    "sanitize": ("flashmoe_science.sanitize", "compute-sanitizer's tools over every kernel path"),
-    "profile": ("flashmoe_science.profile", "Nsight Compute on one bench case: what bounds it"),
+    "sanitize": ("flashmoe_science.pipeline.sanitize", "compute-sanitizer's tools over every kernel path"),
+    "profile": ("flashmoe_science.pipeline.profile", "Nsight Compute on one bench case: what bounds it"),
 }
 
 

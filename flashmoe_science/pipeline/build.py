@@ -654,7 +654,7 @@ def _child_command(config: BuildConfig) -> tuple[list[str], dict[str, str]]:
     if config.backend == "cuda":
         env["TORCH_CUDA_ARCH_LIST"] = ";".join(config.arch_list)
         env["CUDA_HOME"] = config.toolkit.home or ""
-    command = [sys.executable, "-m", "flashmoe_science.build", "--child", str(spec_path)]
+    command = [sys.executable, "-m", "flashmoe_science.pipeline.build", "--child", str(spec_path)]
     return command, env
 
 

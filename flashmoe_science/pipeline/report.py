@@ -1,7 +1,7 @@
 """`python -m flashmoe_science report`: one markdown report of a pipeline run, for the PR comment and
 the job summary.
 
-It reads what the other commands left in the report folder (flashmoe_science.paths.report_dir()):
+It reads what the other commands left in the report folder (flashmoe_science.pipeline.paths.report_dir()):
 env.json, build.json (or a build.log tail when the build failed), gates.json, bench.json and
 stages.json, and writes report.md there. A missing file renders as "not run", never as an error.
 
