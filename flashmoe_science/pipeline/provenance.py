@@ -1,0 +1,110 @@
+"""Which code and which run a pipeline record describes.
+
+Every JSON file a stage writes under the report directory carries `provenance()`: the commit (sha,
+whether the tree was dirty, and a fingerprint of the uncommitted change), and the run id. The report
+compares them with the checkout it renders for, so inputs left behind by another commit (a bisect
+step, an older run) show as stale instead of as a pass.
+
+The run id is FLASHMOE_RUN_ID when set: the workflows set it to the GitHub run, and the noxfile sets
+one per `nox` invocation, so `nox -s env build test bench report` is one run. A command started by
+hand without it gets a fresh id of its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+from .paths import REPO_ROOT, report_dir
+
+RUN_ID_VAR = "FLASHMOE_RUN_ID"
+_PROCESS_RUN_ID = None
+
+
+def new_run_id() -> str:
+    """'20261126T141500Z-3fa2c1': sortable by start time, unique enough for one machine."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{uuid.uuid4().hex[:6]}"
+
+
+def run_id() -> str:
+    """This run's id: FLASHMOE_RUN_ID, else one id for the life of this process."""
+    global _PROCESS_RUN_ID
+    value = os.environ.get(RUN_ID_VAR, "").strip()
+    if value:
+        return value
+    if _PROCESS_RUN_ID is None:
+        _PROCESS_RUN_ID = new_run_id()
+    return _PROCESS_RUN_ID
+
+
+def _git(tree: Path, *args: str) -> bytes | None:
+    try:
+        result = subprocess.run(
+            ["git", *args], cwd=tree, capture_output=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def commit(tree: Path = REPO_ROOT) -> dict:
+    """{"sha": full sha or None (not a git checkout), "dirty": bool, "fingerprint": str or None}.
+
+    The fingerprint hashes the uncommitted change (tracked diff against HEAD plus untracked files
+    that git does not ignore), so two runs over the same dirty tree agree and any edit between them
+    does not. It is None for a clean tree."""
+    sha = _git(tree, "rev-parse", "--verify", "HEAD")
+    if sha is None:
+        return {"sha": None, "dirty": False, "fingerprint": None}
+    diff = _git(tree, "diff", "HEAD", "--binary", "--no-ext-diff") or b""
+    untracked = _git(tree, "ls-files", "--others", "--exclude-standard", "-z") or b""
+    if not diff and not untracked:
+        return {"sha": sha.decode().strip(), "dirty": False, "fingerprint": None}
+    digest = hashlib.sha256(diff)
+    for name in sorted(n for n in untracked.split(b"\0") if n):
+        digest.update(b"\0" + name + b"\0")
+        path = tree / os.fsdecode(name)
+        try:
+            digest.update(path.read_bytes())
+        except OSError:  # vanished or unreadable: its name still counts
+            pass
+    return {"sha": sha.decode().strip(), "dirty": True, "fingerprint": digest.hexdigest()[:16]}
+
+
+def provenance(tree: Path = REPO_ROOT) -> dict:
+    """The block every record carries: {"commit": commit(tree), "run_id": run_id()}."""
+    return {"commit": commit(tree), "run_id": run_id()}
+
+
+def same_code(a: dict | None, b: dict | None) -> bool:
+    """True when two commit blocks describe the same code (same sha, same uncommitted change)."""
+    if not a or not b or not a.get("sha") or not b.get("sha"):
+        return False
+    return (a.get("sha"), bool(a.get("dirty")), a.get("fingerprint")) == (
+        b.get("sha"),
+        bool(b.get("dirty")),
+        b.get("fingerprint"),
+    )
+
+
+def describe_commit(block: dict | None) -> str:
+    """'3fa2c1d4e5f6' / '3fa2c1d4e5f6 (dirty 9b1c2d3e)' / 'unknown commit'."""
+    if not block or not block.get("sha"):
+        return "unknown commit"
+    text = str(block["sha"])[:12]
+    if block.get("dirty"):
+        text += f" (dirty {block.get('fingerprint') or '?'})"
+    return text
+
+
+def clear_outputs(*names: str) -> None:
+    """Remove this stage's files from the report directory before it runs, so a stage that fails
+    or stops early never leaves an older run's file behind to be read as its result."""
+    directory = report_dir()
+    for name in names:
+        (directory / name).unlink(missing_ok=True)
