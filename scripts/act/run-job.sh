@@ -28,8 +28,8 @@ leaving out what .gitignore ignores), with no container and without GitHub. EVEN
     without a stand-in is an error, as a job with a container or a docker:// step is (act needs
     Docker for those).
   * Steps see ACT=true (the workflows' act-only steps check the report artifact), RUNNER_PYTHON and
-    the variable FLASHMOE_RUNNER_PYTHON (the interpreter whose torch the job reuses), and
-    GITHUB_REPOSITORY.
+    FLASHMOE_RUNNER_PYTHON (the interpreter whose torch the job reuses, as a GPU runner's .env sets
+    it), and GITHUB_REPOSITORY.
   * At the end it prints the job's step summary (what each step wrote to \$GITHUB_STEP_SUMMARY; act
     deletes the file with the workspace, and reports it in its log) and exits with act's status.
 
@@ -180,7 +180,7 @@ ENV_ARGS=(
   --env "GITHUB_REPOSITORY=$REPOSITORY"
   --env "ACT_ARTIFACT_DIR=$OUT/artifacts"
   --env "RUNNER_PYTHON=$PYTHON"
-  --var "FLASHMOE_RUNNER_PYTHON=$PYTHON"
+  --env "FLASHMOE_RUNNER_PYTHON=$PYTHON"
 )
 if ((OFFLINE)); then
   ENV_ARGS+=(--env FLASHMOE_SETUP_NO_INSTALL=1 --env PIP_NO_INDEX=1)

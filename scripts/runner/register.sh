@@ -167,7 +167,7 @@ preflight() {
   say "preflight with $PYTHON"
   if ((DRY)); then
     echo "+ PYTHONPATH=$repo_root $PYTHON -m flashmoe_science.pipeline.runner_requirements"
-    echo "+ PYTHONPATH=$repo_root $PYTHON -m flashmoe_science env --require-gpu"
+    echo "+ PYTHONPATH=$repo_root $PYTHON -m flashmoe_science env --require-gpu --json /dev/null"
     return 0
   fi
   [[ -x "$PYTHON" ]] ||
@@ -177,7 +177,8 @@ preflight() {
       "run scripts/runner/register.sh from a checkout of the repository"
   PYTHONPATH="$repo_root" "$PYTHON" -m flashmoe_science.pipeline.runner_requirements ||
     die "the driver or nvcc does not match torch's CUDA (above)" "install the versions named above"
-  (cd "$repo_root" && PYTHONPATH="$repo_root" "$PYTHON" -m flashmoe_science env --require-gpu) ||
+  # --json /dev/null: a check of the machine, not a CI record to leave in the checkout's reports/.
+  PYTHONPATH="$repo_root" "$PYTHON" -m flashmoe_science env --require-gpu --json /dev/null ||
     die "the environment check failed (above)" "fix what it names, then rerun"
 }
 
