@@ -85,9 +85,13 @@ remove() {
   if ((DRY)); then
     say "would remove $path"
   else
-    # A job may have made its files read-only; chmod follows no link inside (-P is its default).
-    [[ -L "$path" || ! -d "$path" ]] || chmod -R -P u+rwX -- "$path" 2>/dev/null || true
-    rm -rf --one-file-system -- "$path"
+    # A job may have made its folders read-only. chmod -R ignores the links it meets inside; the
+    # path itself is not a link here.
+    [[ -L "$path" || ! -d "$path" ]] || chmod -R u+rwX -- "$path" 2>/dev/null || true
+    if ! rm -rf --one-file-system -- "$path"; then
+      problem "could not remove all of $path" "remove it as root, then rerun the job"
+      return 0
+    fi
     say "removed $path"
   fi
   REMOVED=$((REMOVED + 1))

@@ -30,6 +30,8 @@ Commands (the README's "GPU CI on a self-hosted L4 runner" walks through them):
   preflight  Check this machine for the GPU job: the driver and nvcc that torch's CUDA needs
              (python -m flashmoe_science.pipeline.runner_requirements) and the environment
              check (python -m flashmoe_science env --require-gpu), with --python's interpreter.
+  download   Download actions/runner $RUNNER_VERSION into $CACHE and check its SHA-256
+             (install does this; no root needed where $CACHE is writable).
   install    As root, once per machine: preflight; download actions/runner $RUNNER_VERSION and
              check its SHA-256; install its dependencies; install this script, the job-started
              hook and the .env template under $ROOT/bin (root-owned); write $CONF;
@@ -95,13 +97,13 @@ while [[ $# -gt 0 ]]; do
     --user-prefix) USER_PREFIX="${2:?--user-prefix needs a name}"; shift 2 ;;
     --user) RUN_USER="${2:?--user needs a name}"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
-    preflight | install | serve | once)
+    preflight | download | install | serve | once)
       [[ -z "$COMMAND" ]] || usage_error "two commands given: $COMMAND and $1"
       COMMAND="$1"; shift ;;
     *) usage_error "unknown argument '$1'" ;;
   esac
 done
-[[ -n "$COMMAND" ]] || usage_error "no command given (preflight, install, serve or once)"
+[[ -n "$COMMAND" ]] || usage_error "no command given (preflight, download, install, serve or once)"
 
 # serve and once read what install wrote; options given here win.
 if [[ -f "$CONF" && "$COMMAND" != install ]]; then
@@ -241,6 +243,8 @@ once() {
   name="$(runner_name "$GPU")"
   labels="$(runner_labels)"
   say "GPU $GPU: runner $name ($labels) as user $user in $dir"
+  ((DRY)) || [[ -f "$CACHE/$ARCHIVE" ]] ||
+    die "no runner archive at $CACHE/$ARCHIVE" "run: scripts/runner/register.sh download (or install)"
   # A fresh directory from the checked archive: nothing of the last job's runner survives.
   run rm -rf --one-file-system "$dir"
   run mkdir -p "$dir"
@@ -305,9 +309,10 @@ gpu_list() {
 install() {
   need_repo
   need_root
-  local gpus=() gpu user
-  mapfile -t gpus < <(gpu_list)
-  ((${#gpus[@]})) || die "no GPU found" "check nvidia-smi, or pass --gpus"
+  local gpus=() gpu user listed
+  listed="$(gpu_list)" # a failure here stops the script with gpu_list's message and status
+  mapfile -t gpus <<<"$listed"
+  [[ -n "$listed" ]] || die "no GPU found" "check nvidia-smi, or pass --gpus"
   say "installing ${#gpus[@]} runner(s) for $REPO, one per GPU: ${gpus[*]}"
   preflight
   download
@@ -365,6 +370,7 @@ install() {
 
 case "$COMMAND" in
   preflight) preflight ;;
+  download) download ;;
   install) install ;;
   serve) serve ;;
   once) once ;;

@@ -1,0 +1,679 @@
+"""The self-hosted GPU runner kit (scripts/runner/): the job-started clean-up hook on a fake runner
+tree, register.sh's plan and one real registration against a stand-in API, the driver and nvcc that
+torch's CUDA needs, and the repository settings check against fixture answers. No GitHub, no GPU:
+nvidia-smi, the API and the runner archive are stand-ins."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flashmoe_science.pipeline import runner_requirements as rr
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "scripts" / "runner"
+HOOK = RUNNER / "cleanup-hook.sh"
+REGISTER = RUNNER / "register.sh"
+CHECK_SETTINGS = RUNNER / "check-settings.py"
+FIXTURES = ROOT / "tests" / "fixtures" / "runner"
+REPO = "octo/flashmoe-science"
+AS_ROOT = os.geteuid() == 0
+NOBODY = 65534  # as root, the hook runs as this user: the runner's user is never root
+
+
+def pinned(name: str) -> str:
+    return re.search(rf'^readonly {name}="([^"]+)"', REGISTER.read_text(), re.MULTILINE)[1]
+
+
+# ---- shellcheck ----
+
+
+def test_scripts_are_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("no shellcheck on PATH (pre-commit's shellcheck hook checks these scripts)")
+    scripts = sorted(RUNNER.glob("*.sh"))
+    assert {p.name for p in scripts} >= {"cleanup-hook.sh", "register.sh"}
+    run = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# ---- the clean-up hook ----
+
+
+@pytest.fixture
+def tree():
+    """A world-readable folder in /tmp (as root, the hook runs as nobody, who must reach it)."""
+    path = Path(tempfile.mkdtemp(prefix="flashmoe-runner-test-"))
+    path.chmod(0o755)
+    yield path
+    subprocess.run(["chmod", "-R", "u+rwX", str(path)], check=False)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write(path: Path, text: str = "x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def fake_runner(tree: Path) -> dict[str, Path]:
+    """A runner's _work after a job, a $HOME with seeded caches, and files the hook must keep."""
+    work = tree / "runner" / "_work"
+    home = tree / "home"
+    outside = tree / "outside"
+    paths = {
+        "work": work,
+        "home": home,
+        "workspace": work / "flashmoe-science" / "flashmoe-science",
+        # removed
+        "git_hook": write(work / "flashmoe-science/flashmoe-science/.git/hooks/post-checkout"),
+        "worktree": write(work / "flashmoe-science/flashmoe-science/build/worktrees/abc/csrc/x.cu"),
+        "tool": write(work / "_tool/python/evil"),
+        "triton": write(home / ".triton/cache/kernel.cubin"),
+        "pip": write(home / ".cache/pip/http/x"),
+        "torch_ext": write(home / ".cache/torch_extensions/py312_cu130/flashmoe/x.so"),
+        "own_cache": write(home / ".cache/flashmoe-science/act/x"),
+        "nv_cache": write(home / ".nv/ComputeCache/index"),
+        "gitconfig": write(home / ".gitconfig", "[core]\n\tfsmonitor = evil\n"),
+        "user_site": write(home / ".local/lib/python3.12/site-packages/sitecustomize.py"),
+        # kept
+        "actions": write(work / "_actions/actions/checkout/sha/action.yml"),
+        "temp": write(work / "_temp/event.json"),
+        "other_cache": write(home / ".cache/other/keep"),
+        "home_file": write(home / "notes.txt"),
+        "outside": write(outside / "keep"),
+        "outside_pip": write(outside / "pip" / "pip.conf"),
+    }
+    # A job's links out of its folders: removed as links, never followed.
+    (work / "escape").symlink_to(outside)
+    (home / ".config").symlink_to(outside)
+    # A job may leave read-only folders behind.
+    (work / "flashmoe-science/flashmoe-science/build").chmod(0o500)
+    return paths
+
+
+def fake_nvidia_smi(tree: Path, apps: list[str], fail: bool = False) -> Path:
+    """nvidia-smi answering the two queries the hook makes: GPUs 0 and 1, and `apps`."""
+    bindir = tree / "bin"
+    bindir.mkdir(exist_ok=True)
+    write(bindir / "apps.csv", "".join(f"{line}\n" for line in apps))
+    script = bindir / "nvidia-smi"
+    body = (
+        'echo "NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver." >&2\n'
+        "exit 9\n"
+        if fail
+        else 'case "$*" in\n'
+        '  *query-gpu=index,uuid*) printf "0, GPU-aaaa\\n1, GPU-bbbb\\n" ;;\n'
+        f'  *query-compute-apps*) cat "{bindir}/apps.csv" ;;\n'
+        "esac\n"
+    )
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return bindir
+
+
+def hook_user_prefix() -> list[str]:
+    if AS_ROOT:
+        return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    return []
+
+
+def run_hook(tree: Path, paths: dict, *args: str, env: dict | None = None, bindir=None):
+    hook = tree / "hook" / "cleanup-hook.sh"  # a copy outside the runner, as install makes
+    hook.parent.mkdir(exist_ok=True)
+    shutil.copy(HOOK, hook)
+    hook.chmod(0o755)
+    if AS_ROOT:
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(paths["work"].parent)], check=True)
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(paths["home"])], check=True)
+    path = f"{bindir}:/usr/bin:/bin" if bindir else "/usr/bin:/bin"
+    full_env = {
+        "PATH": path,
+        "HOME": str(paths["home"]),
+        "FLASHMOE_RUNNER_WORK_DIR": str(paths["work"]),
+        "GITHUB_WORKSPACE": str(paths["workspace"]),
+        "CUDA_VISIBLE_DEVICES": "0",
+        **(env or {}),
+    }
+    return subprocess.run(
+        [*hook_user_prefix(), "bash", str(hook), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def spawn_sleep(as_nobody: bool) -> subprocess.Popen:
+    prefix = hook_user_prefix() if as_nobody else []
+    return subprocess.Popen([*prefix, "sleep", "300"])
+
+
+@pytest.fixture
+def processes():
+    """The hook user's stray GPU process and another user's, stopped at the end either way."""
+    started: list[subprocess.Popen] = []
+
+    def start(own: bool) -> int:
+        if own or AS_ROOT:
+            proc = spawn_sleep(as_nobody=own and AS_ROOT)
+            started.append(proc)
+            return proc.pid
+        # Not root: another user's process is one that already runs, such as pid 1.
+        if not Path("/proc/1").exists() or os.stat("/proc/1").st_uid == os.geteuid():
+            pytest.skip("no process of another user visible here")
+        return 1
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+def test_hook_cleans_the_runner_and_home_and_nothing_else(tree, processes):
+    paths = fake_runner(tree)
+    own, foreign = processes(own=True), processes(own=False)
+    bindir = fake_nvidia_smi(
+        tree,
+        [f"{own}, GPU-aaaa, python3, 2048", f"{foreign}, GPU-bbbb, python3, 4096"],
+    )
+    run = run_hook(tree, paths, bindir=bindir)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for name in ("git_hook", "worktree", "tool", "triton", "pip", "torch_ext", "own_cache"):
+        assert not paths[name].exists(), (name, run.stdout)
+    for name in ("nv_cache", "gitconfig", "user_site"):
+        assert not paths[name].exists(), (name, run.stdout)
+    for name in ("actions", "temp", "other_cache", "home_file", "outside", "outside_pip"):
+        assert paths[name].exists(), (name, run.stdout)
+    assert paths["workspace"].is_dir() and not any(paths["workspace"].iterdir())
+    assert not os.path.lexists(paths["work"] / "escape")
+    # ~/.config is a link to a folder outside $HOME: ~/.config/pip is not followed into it.
+    assert "skipped" in run.stdout and "symbolic link" in run.stdout
+    deadline = time.time() + 10
+    while alive(own) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(own), run.stdout
+    assert alive(foreign), run.stdout
+    assert f"stopped pid {own}" in run.stdout
+    assert f"pid {foreign} of user" in run.stdout and "left alone" in run.stdout
+
+
+def test_hook_fails_the_job_when_another_user_holds_its_gpu(tree, processes):
+    paths = fake_runner(tree)
+    foreign = processes(own=False)
+    bindir = fake_nvidia_smi(tree, [f"{foreign}, GPU-aaaa, python3, 4096"])
+    run = run_hook(tree, paths, bindir=bindir)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"pid {foreign}" in run.stderr and "GPU-aaaa" in run.stderr
+    assert "next:" in run.stderr
+    assert alive(foreign)
+
+
+def test_hook_dry_run_changes_nothing(tree, processes):
+    paths = fake_runner(tree)
+    own = processes(own=True)
+    bindir = fake_nvidia_smi(tree, [f"{own}, GPU-aaaa, python3, 2048"])
+    run = run_hook(tree, paths, "--dry-run", bindir=bindir)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "would remove" in run.stdout and f"would stop pid {own}" in run.stdout
+    for name in ("git_hook", "worktree", "triton", "pip", "gitconfig", "outside"):
+        assert paths[name].exists(), name
+    assert alive(own)
+
+
+def test_hook_skips_the_gpu_without_a_working_nvidia_smi(tree):
+    paths = fake_runner(tree)
+    run = run_hook(tree, paths, bindir=fake_nvidia_smi(tree, [], fail=True))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "gpu: nvidia-smi failed" in run.stdout and "skipped" in run.stdout
+    assert not paths["triton"].exists()
+
+
+@pytest.mark.parametrize("where", ["home", "root", "link"])
+def test_hook_refuses_a_work_dir_that_is_not_the_runners(tree, where):
+    paths = fake_runner(tree)
+    if where == "link":
+        (tree / "work-link").symlink_to(paths["work"])
+    work = {"home": paths["home"], "root": Path("/"), "link": tree / "work-link"}[where]
+    run = run_hook(tree, paths, env={"FLASHMOE_RUNNER_WORK_DIR": str(work)})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "work directory" in run.stderr and "next:" in run.stderr
+    assert paths["git_hook"].exists() and paths["home_file"].exists()
+
+
+def test_hook_fails_when_the_interpreter_is_writable(tree):
+    paths = fake_runner(tree)
+    python = write(tree / "torch" / "bin" / "python3", "#!/bin/sh\n")
+    python.chmod(0o755)
+    if AS_ROOT:  # the hook runs as nobody: make the interpreter nobody's, so writable to it
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(tree / "torch")], check=True)
+    run = run_hook(tree, paths, env={"FLASHMOE_RUNNER_PYTHON": str(python)})
+    assert run.returncode == 1
+    assert "can write into" in run.stderr and "chown -R root:root" in run.stderr
+    (tree / "torch").chmod(0o755)
+    subprocess.run(["chown", "-R", f"{os.geteuid()}:{os.getegid()}", str(tree / "torch")], check=False)
+    subprocess.run(["chmod", "-R", "go-w", str(tree / "torch")], check=True)
+    if AS_ROOT:  # root-owned and read-only to the hook's user: accepted
+        run = run_hook(tree, paths, env={"FLASHMOE_RUNNER_PYTHON": str(python)})
+        assert run.returncode == 0, run.stderr
+        assert "is read-only for" in run.stdout
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="only root can be refused")
+def test_hook_refuses_root_unless_told():
+    run = subprocess.run(["bash", str(HOOK), "--dry-run"], capture_output=True, text=True)
+    assert run.returncode == 1 and "refusing to run as root" in run.stderr
+
+
+# ---- register.sh ----
+
+
+def register(*args: str, env: dict | None = None, path_prefix: str = ""):
+    full_env = {**os.environ, **(env or {})}
+    if path_prefix:
+        full_env["PATH"] = f"{path_prefix}:{full_env['PATH']}"
+    return subprocess.run(
+        ["bash", str(REGISTER), *args], env=full_env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_register_dry_run_prints_the_whole_plan_one_runner_per_gpu(tree):
+    bindir = tree / "bin"
+    bindir.mkdir()
+    smi = bindir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$*" in *query-gpu=index*) printf "0\\n1\\n2\\n" ;; esac\n')
+    smi.chmod(0o755)
+    run = register("--dry-run", "install", "--repo", REPO, path_prefix=str(bindir))
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    version, sha = pinned("RUNNER_VERSION"), pinned("RUNNER_SHA256_PINNED")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version) and re.fullmatch(r"[0-9a-f]{64}", sha)
+    assert (
+        f"https://github.com/actions/runner/releases/download/v{version}/"
+        f"actions-runner-linux-x64-{version}.tar.gz" in out
+    )
+    assert f"sha256sum -c <<< '{sha}  " in out
+    assert (
+        f"https://api.github.com/repos/{REPO}/actions/runners/registration-token" in out
+        and "curl -X POST" in out
+    )
+    config = next(line for line in out.splitlines() if line.startswith("+ ./config.sh"))
+    for flag in ("--unattended", "--ephemeral", "--disableupdate", f"--url https://github.com/{REPO}"):
+        assert flag in config, config
+    assert "--labels self-hosted,linux,x64,gpu,l4" in config
+    assert re.search(r"--name \S+-gpu0\b", config)
+    assert "--token" not in out  # the registration token travels in config.sh's environment
+    for gpu in range(3):
+        assert f"useradd --system --create-home --shell /usr/sbin/nologin flashmoe-runner-gpu{gpu}" in out
+        assert f"systemctl enable --now flashmoe-runner@{gpu}" in out
+    assert "systemctl enable --now flashmoe-runner@3" not in out
+    assert "    CUDA_VISIBLE_DEVICES=0" in out
+    assert "    ACTIONS_RUNNER_HOOK_JOB_STARTED=/opt/flashmoe-runner/bin/cleanup-hook.sh" in out
+    assert "    FLASHMOE_RUNNER_PYTHON=/opt/torch/.venv/bin/python3" in out
+    assert "-m flashmoe_science env --require-gpu" in out
+    assert "-m flashmoe_science.pipeline.runner_requirements" in out
+
+
+def test_register_dry_run_follows_the_environment_overrides():
+    run = register(
+        "--dry-run",
+        "once",
+        "--repo",
+        REPO,
+        "--gpu",
+        "2",
+        "--kind",
+        "h100",
+        env={
+            "GITHUB_API_URL": "http://127.0.0.1:9/api/v3",
+            "GITHUB_SERVER_URL": "https://ghe.example",
+            "FLASHMOE_RUNNER_TOKEN_FILE": "/srv/token",
+        },
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"http://127.0.0.1:9/api/v3/repos/{REPO}/actions/runners/registration-token" in run.stdout
+    assert "<the token in /srv/token>" in run.stdout
+    assert f"--url https://ghe.example/{REPO}" in run.stdout
+    assert "--labels self-hosted,linux,x64,gpu,h100" in run.stdout
+    assert "    CUDA_VISIBLE_DEVICES=2" in run.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["install"], "--repo must be OWNER/REPO"),
+        (["once", "--repo", REPO, "--gpu", "x"], "--gpu needs a GPU index"),
+        (["install", "--repo", REPO, "--gpus", "0;1"], "--gpus must be"),
+        (["frobnicate"], "unknown argument 'frobnicate'"),
+        ([], "no command given"),
+    ],
+)
+def test_register_rejects_bad_arguments(args, message):
+    run = register("--dry-run", *args)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def make_archive(tree: Path) -> Path:
+    """A stand-in runner archive whose config.sh and run.sh record what they were given."""
+    src = tree / "archive-src"
+    record = 'echo "$0 $*" >> "$PWD/../calls"\n'
+    write(
+        src / "config.sh",
+        "#!/bin/sh\n" + record + 'echo "token=$ACTIONS_RUNNER_INPUT_TOKEN" >> "$PWD/../calls"\n',
+    )
+    write(src / "run.sh", "#!/bin/sh\n" + record + 'cat .env >> "$PWD/../calls"\n')
+    write(src / "bin" / "Runner.Listener", "stand-in")
+    for name in ("config.sh", "run.sh"):
+        (src / name).chmod(0o755)
+    archive = tree / "runner.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(src.rglob("*")):
+            tar.add(path, arcname=str(path.relative_to(src)), recursive=False)
+    return archive
+
+
+class FakeApi(http.server.BaseHTTPRequestHandler):
+    calls: list[tuple[str, str]] = []  # noqa: RUF012 - one server per test
+
+    def do_POST(self):
+        FakeApi.calls.append((self.path, self.headers.get("Authorization", "")))
+        ok = self.path == f"/repos/{REPO}/actions/runners/registration-token"
+        ok = ok and self.headers.get("Authorization") == "Bearer admin-credential"
+        body = json.dumps({"token": "REG-TOKEN-1"} if ok else {"message": "Bad credentials"})
+        self.send_response(201 if ok else 401)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_api():
+    FakeApi.calls = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeApi)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_register_downloads_checks_registers_and_runs_one_job(tree, fake_api):
+    if shutil.which("curl") is None:
+        pytest.skip("register.sh needs curl")
+    archive = make_archive(tree)
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    token_file = write(tree / "token", "admin-credential")
+    token_file.chmod(0o600)
+    env = {
+        "FLASHMOE_RUNNER_DOWNLOAD_URL": archive.as_uri(),
+        "FLASHMOE_RUNNER_SHA256": "0" * 64,
+        "FLASHMOE_RUNNER_CACHE": str(tree / "cache"),
+        "FLASHMOE_RUNNER_ROOT": str(tree / "opt"),
+        "FLASHMOE_RUNNER_CONF": str(tree / "no-conf"),
+        "FLASHMOE_RUNNER_TOKEN_FILE": str(token_file),
+        "GITHUB_API_URL": fake_api,
+    }
+    bad = register("download", env=env)
+    assert bad.returncode == 1 and "does not have the SHA-256" in bad.stderr, bad.stderr
+    assert not list((tree / "cache").glob("*.tar.gz"))
+
+    env["FLASHMOE_RUNNER_SHA256"] = digest
+    good = register("download", env=env)
+    assert good.returncode == 0, good.stdout + good.stderr
+    me = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
+    run = register(
+        "once", "--repo", REPO, "--gpu", "1", "--user", me, "--python", "/usr/bin/python3", env=env
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert FakeApi.calls == [
+        (f"/repos/{REPO}/actions/runners/registration-token", "Bearer admin-credential")
+    ]
+    calls = (tree / "opt" / "calls").read_text()
+    config = next(line for line in calls.splitlines() if "config.sh" in line)
+    assert "--unattended" in config and "--ephemeral" in config
+    assert "--labels self-hosted,linux,x64,gpu,l4" in config and "-gpu1 " in config
+    assert "REG-TOKEN-1" not in config and "token=REG-TOKEN-1" in calls
+    assert "admin-credential" not in calls  # the runner never sees the admin credential
+    env_file = (tree / "opt" / "gpu1" / ".env").read_text()
+    assert "CUDA_VISIBLE_DEVICES=1\n" in env_file
+    assert f"FLASHMOE_RUNNER_WORK_DIR={tree}/opt/gpu1/_work\n" in env_file
+    assert "FLASHMOE_RUNNER_PYTHON=/usr/bin/python3\n" in env_file
+    assert f"ACTIONS_RUNNER_HOOK_JOB_STARTED={tree}/opt/bin/cleanup-hook.sh\n" in env_file
+    assert "#" not in env_file  # the runner would read a comment holding '=' as a variable
+    assert "run.sh" in calls and calls.index("config.sh") < calls.index("run.sh")
+
+
+def test_register_says_what_to_do_when_the_api_refuses(tree, fake_api):
+    archive = make_archive(tree)
+    env = {
+        "FLASHMOE_RUNNER_DOWNLOAD_URL": archive.as_uri(),
+        "FLASHMOE_RUNNER_SHA256": hashlib.sha256(archive.read_bytes()).hexdigest(),
+        "FLASHMOE_RUNNER_CACHE": str(tree / "cache"),
+        "FLASHMOE_RUNNER_ROOT": str(tree / "opt"),
+        "FLASHMOE_RUNNER_CONF": str(tree / "no-conf"),
+        "FLASHMOE_RUNNER_TOKEN_FILE": str(write(tree / "token", "wrong")),
+        "GITHUB_API_URL": fake_api,
+    }
+    assert register("download", env=env).returncode == 0
+    me = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
+    run = register("once", "--repo", REPO, "--gpu", "0", "--user", me, env=env)
+    assert run.returncode == 1
+    assert "Administration: Read and write" in run.stderr
+    assert not (tree / "opt" / "calls").exists()  # config.sh never ran
+
+
+# ---- the driver and nvcc torch's CUDA needs ----
+
+
+@pytest.mark.parametrize(
+    ("cuda", "driver", "branch", "nvcc"),
+    [
+        ("13.0", "580.65.06", 580, 13),
+        ("12.8", "570.26", 570, 12),
+        ("12.8.1", "570.26", 570, 12),
+        ("12.6", "560.28.03", 560, 12),
+        ("12.4", "550.54.14", 550, 12),
+    ],
+)
+def test_driver_and_nvcc_follow_torchs_cuda(cuda, driver, branch, nvcc):
+    needed = rr.requirements_for(cuda)
+    assert (needed.driver, needed.driver_branch, needed.nvcc_major) == (driver, branch, nvcc)
+
+
+def test_unknown_cuda_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"cuda: .*'12\.7'.*known: 13\.0, 12\.9"):
+        rr.requirements_for("12.7")
+
+
+def test_installed_versions_are_judged():
+    needed = rr.requirements_for("13.0")
+    assert rr.driver_ok("580.65.06", needed) and rr.driver_ok("590.44.01", needed)
+    assert not rr.driver_ok("575.64.05", needed) and not rr.driver_ok("garbage", needed)
+    assert rr.nvcc_ok("13.1", needed) and not rr.nvcc_ok("12.9", needed)
+
+
+def test_requirements_command_fails_on_an_old_driver(capsys):
+    assert rr.main(["--cuda", "13.0", "--driver", "575.51.03", "--nvcc", "13.0"]) == 255
+    out = capsys.readouterr().out
+    assert "FAIL  driver: 575.51.03 is older than 580.65.06" in out and "branch 580" in out
+    assert rr.main(["--cuda", "13.0", "--driver", "580.95.05", "--nvcc", "13.0"]) == 0
+    assert rr.main(["--cuda", "11.2"]) == 2
+
+
+def runner_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## GPU CI on a self-hosted L4 runner")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_readme_quotes_the_numbers_of_the_projects_torch():
+    setup = (ROOT / "scripts" / "setup_environment.sh").read_text()
+    assert f"the CUDA {rr.PROJECT_TORCH_CUDA} build" in setup
+    needed = rr.requirements_for(rr.PROJECT_TORCH_CUDA)
+    section = " ".join(runner_section().split())
+    assert f"driver >= {needed.driver} (branch R{needed.driver_branch} or newer)" in section
+    assert f"nvcc {needed.nvcc_major}.x" in section
+
+
+def test_readme_walks_through_the_kit():
+    section = " ".join(runner_section().split())
+    for needle in (
+        "scripts/runner/SETTINGS.md",
+        "scripts/runner/check-settings.py OWNER/REPO",
+        "register.sh preflight",
+        "register.sh --dry-run install --repo OWNER/REPO",
+        "Administration: Read and write",
+        "/etc/flashmoe-runner/github-token",
+        "CUDA_VISIBLE_DEVICES=N",
+        "ACTIONS_RUNNER_HOOK_JOB_STARTED",
+        "FLASHMOE_SETUP_NO_INSTALL=1",
+        "scripts/act/gpu-job.sh --check",
+        "--unattended --ephemeral",
+    ):
+        assert needle in section, needle
+
+
+# ---- the runner's interpreter: one place decides it ----
+
+
+def test_the_job_takes_its_interpreter_from_the_runners_env():
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "gpu-ci.yml").read_text())
+    job = workflow["jobs"]["gpu"]
+    assert "RUNNER_PYTHON" not in job.get("env", {})  # a job-level value would override the .env
+    assert "FLASHMOE_RUNNER_PYTHON" not in job.get("env", {})
+    text = (ROOT / ".github" / "workflows" / "gpu-ci.yml").read_text()
+    assert "vars.FLASHMOE_RUNNER_PYTHON" not in text
+    step = next(s for s in job["steps"] if "setup_environment.sh" in s.get("run", ""))
+    default = "/opt/torch/.venv/bin/python3"
+    assert f'--python "${{FLASHMOE_RUNNER_PYTHON:-{default}}}"' in step["run"]
+    assert "FLASHMOE_RUNNER_PYTHON=@PYTHON@" in (RUNNER / "runner.env").read_text()
+    assert f'PYTHON="${{PYTHON:-{default}}}"' in REGISTER.read_text()
+    assert "scripts/runner/SETTINGS.md" in text
+
+
+# ---- repository settings ----
+
+
+def check_settings(fixture: dict | Path, tmp_path: Path, *args: str):
+    if isinstance(fixture, dict):
+        path = tmp_path / "answers.json"
+        path.write_text(json.dumps(fixture))
+        fixture = path
+    return subprocess.run(
+        [sys.executable, str(CHECK_SETTINGS), REPO, "--fixture", str(fixture), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def good_answers() -> dict:
+    return json.loads((FIXTURES / "settings-good.json").read_text())
+
+
+def test_settings_all_good(tmp_path):
+    run = check_settings(FIXTURES / "settings-good.json", tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [line.split()[:2] for line in run.stdout.splitlines() if line[:1] in "ow"] == [
+        ["ok", str(n)] for n in range(1, 7)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "message"),
+    [
+        (
+            "actions/permissions/fork-pr-contributor-approval",
+            {"approval_policy": "first_time_contributors"},
+            "FAIL  1  fork pull request approval is 'first_time_contributors'",
+        ),
+        (
+            "actions/permissions/workflow",
+            {"default_workflow_permissions": "write", "can_approve_pull_request_reviews": False},
+            "FAIL  2  default workflow token: default_workflow_permissions is 'write'",
+        ),
+        (
+            "actions/permissions/workflow",
+            {"default_workflow_permissions": "read", "can_approve_pull_request_reviews": True},
+            "can_approve_pull_request_reviews is True",
+        ),
+        ("environments/gpu", None, "FAIL  3  environment `gpu` does not exist"),
+        (
+            "environments/gpu",
+            {"name": "gpu", "protection_rules": []},
+            "FAIL  3  environment `gpu` has no required reviewers",
+        ),
+        ("labels/safe-to-test", None, "FAIL  4  label `safe-to-test` does not exist"),
+    ],
+)
+def test_settings_flag_a_bad_setting(tmp_path, path, change, message):
+    answers = good_answers()
+    key = f"repos/{REPO}/{path}"
+    if change is None:
+        del answers[key]
+    else:
+        answers[key] = change
+    run = check_settings(answers, tmp_path)
+    assert run.returncode == 1, run.stdout
+    assert message in run.stdout and "fix:" in run.stdout
+
+
+def test_settings_unreadable_is_a_skip_not_a_pass(tmp_path):
+    answers = good_answers()
+    answers[f"repos/{REPO}/actions/permissions/workflow"] = {"__status__": 403}
+    run = check_settings(answers, tmp_path)
+    assert run.returncode == 0
+    assert "skip  2  default workflow token: could not read it (HTTP 403)" in run.stdout
+
+
+def test_settings_check_an_organisation_runner_group(tmp_path):
+    answers = good_answers()
+    answers["orgs/octo/actions/runner-groups"] = {
+        "runner_groups": [
+            {"id": 4, "name": "gpu", "visibility": "selected", "restricted_to_workflows": False}
+        ]
+    }
+    answers["orgs/octo/actions/runner-groups/4/repositories"] = {
+        "repositories": [{"full_name": REPO}, {"full_name": "octo/other"}]
+    }
+    run = check_settings(answers, tmp_path, "--org", "octo", "--runner-group", "gpu")
+    assert run.returncode == 1
+    assert "shared with octo/other" in run.stdout
+    assert "not restricted to selected workflows" in run.stdout
+
+
+def test_settings_reject_a_bad_fixture_or_repo(tmp_path):
+    (tmp_path / "list.json").write_text("[]")
+    run = check_settings(tmp_path / "list.json", tmp_path)
+    assert run.returncode == 2 and "expected a JSON object" in run.stderr
+    bad = subprocess.run(
+        [sys.executable, str(CHECK_SETTINGS), "not-a-repo"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "OWNER/REPO" in bad.stderr
