@@ -275,7 +275,9 @@ def test_hook_fails_when_the_interpreter_is_writable(tree):
     assert run.returncode == 1
     assert "can write into" in run.stderr and "chown -R root:root" in run.stderr
     (tree / "torch").chmod(0o755)
-    subprocess.run(["chown", "-R", f"{os.geteuid()}:{os.getegid()}", str(tree / "torch")], check=False)
+    subprocess.run(
+        ["chown", "-R", f"{os.geteuid()}:{os.getegid()}", str(tree / "torch")], check=False
+    )
     subprocess.run(["chmod", "-R", "go-w", str(tree / "torch")], check=True)
     if AS_ROOT:  # root-owned and read-only to the hook's user: accepted
         run = run_hook(tree, paths, env={"FLASHMOE_RUNNER_PYTHON": str(python)})
@@ -322,13 +324,21 @@ def test_register_dry_run_prints_the_whole_plan_one_runner_per_gpu(tree):
         and "curl -X POST" in out
     )
     config = next(line for line in out.splitlines() if line.startswith("+ ./config.sh"))
-    for flag in ("--unattended", "--ephemeral", "--disableupdate", f"--url https://github.com/{REPO}"):
+    for flag in (
+        "--unattended",
+        "--ephemeral",
+        "--disableupdate",
+        f"--url https://github.com/{REPO}",
+    ):
         assert flag in config, config
     assert "--labels self-hosted,linux,x64,gpu,l4" in config
     assert re.search(r"--name \S+-gpu0\b", config)
     assert "--token" not in out  # the registration token travels in config.sh's environment
     for gpu in range(3):
-        assert f"useradd --system --create-home --shell /usr/sbin/nologin flashmoe-runner-gpu{gpu}" in out
+        assert (
+            f"useradd --system --create-home --shell /usr/sbin/nologin flashmoe-runner-gpu{gpu}"
+            in out
+        )
         assert f"systemctl enable --now flashmoe-runner@{gpu}" in out
     assert "systemctl enable --now flashmoe-runner@3" not in out
     assert "    CUDA_VISIBLE_DEVICES=0" in out
@@ -355,7 +365,9 @@ def test_register_dry_run_follows_the_environment_overrides():
         },
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert f"http://127.0.0.1:9/api/v3/repos/{REPO}/actions/runners/registration-token" in run.stdout
+    assert (
+        f"http://127.0.0.1:9/api/v3/repos/{REPO}/actions/runners/registration-token" in run.stdout
+    )
     assert "<the token in /srv/token>" in run.stdout
     assert f"--url https://ghe.example/{REPO}" in run.stdout
     assert "--labels self-hosted,linux,x64,gpu,h100" in run.stdout

@@ -114,7 +114,9 @@ def check_environment(api: Api, repo: str, report: Report) -> None:
     status, body = api.get(f"repos/{repo}/environments/gpu")
     fix = "Settings -> Environments -> `gpu`: add the maintainers as required reviewers"
     if status == 404:
-        report.line("FAIL", 3, "environment `gpu` does not exist (GitHub would create it unprotected)", fix)
+        report.line(
+            "FAIL", 3, "environment `gpu` does not exist (GitHub would create it unprotected)", fix
+        )
         return
     if status != 200:
         return report.unreadable(3, "environment `gpu`", status)
@@ -175,7 +177,9 @@ def check_runners(api: Api, repo: str, org: str | None, group: str | None, repor
         return report.unreadable(5, f"runner groups of {org}", status)
     found = [g for g in body.get("runner_groups") or [] if g.get("name") == group]
     if not found:
-        report.line("FAIL", 5, f"{org} has no runner group {group!r}", "pass the group's exact name")
+        report.line(
+            "FAIL", 5, f"{org} has no runner group {group!r}", "pass the group's exact name"
+        )
         return
     info = found[0]
     problems = []
@@ -287,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         except (AttributeError, TypeError, ValueError) as exc:  # an answer of another shape
             report.line("FAIL", 0, f"unexpected answer from the API: {type(exc).__name__}: {exc}")
-    print("      7  the runner machine (credential, interpreter, network): not checked, see the list")
+    print(
+        "      7  the runner machine (credential, interpreter, network): not checked, see the list"
+    )
     if report.failed:
         print(f"{report.failed} setting(s) wrong: fix them before the runner takes jobs")
         return 1
