@@ -160,7 +160,8 @@ elif [[ ! -x "$py" ]]; then
     "fix FLASHMOE_RUNNER_PYTHON in the runner's .env (scripts/runner/runner.env)"
 else
   prefix="$(dirname -- "$(dirname -- "$py")")"
-  writable="$(find "$prefix" -writable -print -quit 2>/dev/null || true)"
+  # Links are left out: -writable judges a link by its target (a unit file linked to /dev/null).
+  writable="$(find "$prefix" ! -type l -writable -print -quit 2>/dev/null || true)"
   if [[ -n "$writable" ]]; then
     problem "$(id -un) can write into $prefix ($writable): a job could plant code that the next job imports" \
       "make it read-only for the runner's user: chown -R root:root $prefix && chmod -R go-w $prefix"
