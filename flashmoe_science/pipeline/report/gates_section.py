@@ -1,0 +1,282 @@
+"""The correctness-gates section, from gates.json ("flashmoe-science/gates/2"), which the test
+stage writes on every run:
+
+    outcome           passed | failed | no-gates-selected | gates-skipped-need-gpu |
+                      no-tests-collected | tests-failed-outside-gates | interrupted | error
+    gates             {"ran", "passed", "failed", "skipped"}: gate cases only
+    tests             {"passed", "failed", "skipped"}: every test pytest ran, gates included
+    pytest_exit_code  pytest's own exit status
+    selection         the arguments that chose the tests (`-k ...`), or null for all
+    cases             one row per gate case; `rerun` is the command that reruns it
+
+Only "passed" is a pass. The other outcomes where nothing failed (no gate selected, every gate
+skipped for want of a GPU, nothing collected) are their own warnings, never "all gates passed".
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .. import markdown as md
+from .inputs import Inputs, stage_status
+from .sections import FAIL, OK, WARN, Detail, Section, absent, stale_section, unreadable_section
+
+RERUN_ALL_MAX = 20  # one combined `-k 'a or b ...'` command for up to this many failing cases
+GPU_PREFIX = "FLASHMOE_REQUIRE_GPU=1 "  # without a GPU, a CUDA case then exits 255, not "passed"
+# A rerun command from gates.json is shown for copying into a shell: only these characters.
+_SAFE_COMMAND = re.compile(r"[A-Za-z0-9_.:=/' -]+")
+
+# outcome -> (severity, what the summary and the verdict say)
+OUTCOMES = {
+    "passed": (OK, "passed"),
+    "failed": (FAIL, "gates failed"),
+    "no-gates-selected": (WARN, "no gate selected"),
+    "gates-skipped-need-gpu": (WARN, "every selected gate skipped (needs a GPU)"),
+    "no-tests-collected": (WARN, "no tests collected"),
+    "tests-failed-outside-gates": (FAIL, "tests outside the gates failed"),
+    "interrupted": (FAIL, "test run interrupted"),
+    "error": (FAIL, "test run error"),
+}
+
+
+def _case_failed(case: dict) -> bool:
+    return case.get("outcome") not in ("passed", "skipped")
+
+
+def rerun_command(case: dict) -> str:
+    """The case's own `rerun` command when it is a plain one, else one built from its id; CUDA
+    cases demand a GPU, so that a machine without one cannot rerun them into a pass."""
+    given = case.get("rerun")
+    if isinstance(given, str) and _SAFE_COMMAND.fullmatch(given):
+        return given
+    case_id, device = _safe_id(case.get("case_id", "?")), _safe_id(case.get("device", "?"))
+    prefix = GPU_PREFIX if device == "cuda" else ""
+    return f"{prefix}nox -s test -- -k '{case_id}-{device}'"
+
+
+def _safe_id(value: Any) -> str:
+    """Case ids and devices go into shell commands: keep only what a case id can contain."""
+    return re.sub(r"[^A-Za-z0-9_.:-]", "_", str(value))
+
+
+def _count(block: Any, key: str) -> int:
+    return md.integer((block or {}).get(key) if isinstance(block, dict) else None) or 0
+
+
+def counts_text(gates: dict) -> str:
+    """'692 of 692 gates passed · 1,008 tests passed': gates and all tests, never mixed."""
+    g, t = gates.get("gates"), gates.get("tests")
+    ran, passed, failed = _count(g, "ran"), _count(g, "passed"), _count(g, "failed")
+    text = f"{passed:,} of {ran:,} gates passed" if not failed else f"{failed:,} of {ran:,} gates failed"
+    if _count(g, "skipped"):
+        text += f", {_count(g, 'skipped'):,} skipped"
+    tests = [f"{_count(t, 'passed'):,} tests passed"]
+    tests += [f"{_count(t, key):,} {key}" for key in ("failed", "skipped") if _count(t, key)]
+    return text + " · " + ", ".join(tests)
+
+
+def _selection(gates: dict) -> str | None:
+    selection = gates.get("selection")
+    if isinstance(selection, list):
+        selection = " ".join(str(part) for part in selection)
+    return str(selection) if selection else None
+
+
+def gates_section(inputs: Inputs, detail: Detail) -> Section:
+    title = "Correctness gates"
+    if "gates.json" in inputs.unreadable:
+        return unreadable_section("test", title, "gates.json", inputs.unreadable["gates.json"])
+    if "gates.json" in inputs.stale:
+        return stale_section("test", title, "gates.json", inputs.stale["gates.json"])
+    gates = inputs.gates
+    if gates is None:
+        return absent(
+            inputs,
+            "test",
+            title,
+            "gates.json",
+            "test stage failed",
+            "The test stage failed and left no `gates.json` (it could not build, or pytest "
+            "could not start); see the job log. Reproduce: `nox -s test`.",
+        )
+    cases = [c for c in gates.get("cases") or [] if isinstance(c, dict)]
+    failing = [c for c in cases if _case_failed(c)]
+    outcome = str(gates.get("outcome") or "unknown")
+    if failing and outcome in ("passed", "unknown"):  # a failed case is never part of a pass
+        outcome = "failed"
+    severity, said = OUTCOMES.get(outcome, (FAIL, f"unknown outcome {outcome!r}"))
+    counts = counts_text(gates)
+    exit_code = md.integer(gates.get("pytest_exit_code"))
+    selection = _selection(gates)
+    worst_case = gates.get("worst_case")
+    facts = [f"**{counts}**"]
+    if md.num(gates.get("worst_max_diff")) is not None:
+        facts.append(
+            f"**worst max diff** {md.sig(gates.get('worst_max_diff'))}"
+            + (f" ({md.code(worst_case, 150)})" if worst_case else "")
+        )
+    if md.num(gates.get("worst_ratio")) is not None:
+        facts.append(f"**worst error ratio** {md.times(gates.get('worst_ratio'))} PyTorch's own")
+    facts.append(f"**selection** {md.code(selection) if selection else 'all tests'}")
+    if exit_code is not None:
+        facts.append(f"**pytest exit** {exit_code}")
+    parts = [" · ".join(facts)]
+    problems = []
+    if outcome == "passed":
+        summary = counts
+        if stage_status(inputs, "test") not in (None, "ok"):
+            # gates.json says passed, the command did not: believe the failure.
+            severity, summary = FAIL, f"{counts}; the test stage still failed"
+            problems.append((FAIL, "test stage failed after its gates passed (see the job log)"))
+    elif outcome == "failed":
+        nfailed = max(_count(gates.get("gates"), "failed"), len(failing))
+        summary = counts
+        problems.append((FAIL, md.plural(nfailed, "gate") + " failed"))
+    else:
+        summary = f"{said}" + (f" ({md.code(selection)})" if selection else "") + f" · {counts}"
+        if outcome in ("interrupted", "error") and exit_code is not None:
+            said += f" (pytest exit {exit_code})"
+        problems.append((severity, said))
+        parts.append(_outcome_help(outcome))
+    if failing:
+        parts.append(_failing_cases(failing, detail))
+    passing = [c for c in cases if c.get("outcome") == "passed"]
+    if passing:
+        parts.append(_passing_groups(passing, detail))
+    return Section("test", title, severity, summary, "\n\n".join(p for p in parts if p), problems)
+
+
+def _outcome_help(outcome: str) -> str:
+    return {
+        "no-gates-selected": "The selection ran no gate case, so it says nothing about "
+        "correctness. `nox -s test -- --list` prints the gate ids to select from.",
+        "gates-skipped-need-gpu": "Every selected gate needs a GPU and this machine has none, so "
+        "nothing was checked. Rerun on a GPU machine, or select the CPU twin of each case.",
+        "no-tests-collected": "pytest collected nothing (pytest exit 5): the selection matched no "
+        "test. `nox -s test -- --list` prints the gate ids.",
+        "tests-failed-outside-gates": "Every gate that ran passed, but another test failed; "
+        "see the job log.",
+        "interrupted": "The run was interrupted before it finished; its figures are partial.",
+        "error": "pytest could not run the tests (an internal or usage error); see the job log.",
+    }.get(outcome, "")
+
+
+def _failing_cases(failing: list[dict], detail: Detail) -> str:
+    shown = failing if detail.failing_cases is None else failing[: detail.failing_cases]
+    rows = [
+        [
+            md.code(c.get("case_id", "?"), 150),
+            md.text(c.get("device", "?")),
+            _diff(c),
+            md.sig(c.get("bound")),
+            md.sig(c.get("pt_max_diff")),
+            md.times(c.get("ratio")),
+            md.text(
+                "; ".join(str(f) for f in c.get("failures") or []) or c.get("outcome", "failed"),
+                200,
+            ),
+        ]
+        for c in shown
+    ]
+    parts = [
+        "**Failing cases**",
+        md.table(["case", "device", "max diff", "bound", "PyTorch err", "ratio", "failures"], rows),
+    ]
+    blocks = []
+    for c in shown:
+        case_id, device = _safe_id(c.get("case_id", "?")), _safe_id(c.get("device", "?"))
+        lines = [
+            f"- {md.code(case_id, 150)} on {md.text(device)}"
+            + (f", seed {md.text(c.get('seed'))}" if c.get("seed") is not None else "")
+        ]
+        for failure in c.get("failures") or []:
+            lines.append(f"  - {md.text(failure)}")
+        lines.append(
+            f"  - max diff {_diff(c)} (mean {md.sig(c.get('mean_diff'))}); gate-2 bound {md.sig(c.get('bound'))}"
+            f" = 2 {md.TIMES} PyTorch's {md.sig(c.get('pt_max_diff'))} + floor {md.sig(c.get('floor'))}"
+        )
+        worst = c.get("worst")
+        if isinstance(worst, (list, tuple)) and len(worst) == 4:
+            b, h, row, col = (md.text(x) for x in worst)
+            lines.append(f"  - worst element: batch {b}, head {h}, query row {row}, column {col}")
+        profile = c.get("row_profile")
+        if isinstance(profile, list) and profile:
+            segs = [p for p in profile if isinstance(p, (list, tuple)) and len(p) == 3]
+            if any(md.num(p[2]) is not None for p in segs):
+                lines.append(
+                    "  - error along query rows: "
+                    + ", ".join(f"{md.text(p[0])}-{md.text(p[1])}: {md.sig(p[2])}" for p in segs)
+                )
+            elif segs:
+                lines.append("  - error along query rows: not finite in any segment")
+        lines.append(f"  - rerun: {md.code(rerun_command(c))}")
+        blocks.append("\n".join(lines))
+    parts.append("\n".join(blocks))
+    if len(shown) < len(failing):
+        parts.append(
+            f"_… and {len(failing) - len(shown)} more failing cases: see `gates.json` in the artifact._"
+        )
+        detail.omitted.append(f"{len(failing) - len(shown)} of {len(failing)} failing-case details")
+    elif 1 < len(failing) <= RERUN_ALL_MAX:
+        pattern = " or ".join(
+            f"{_safe_id(c.get('case_id'))}-{_safe_id(c.get('device'))}" for c in failing
+        )
+        prefix = GPU_PREFIX if any(_safe_id(c.get("device")) == "cuda" for c in failing) else ""
+        parts.append(
+            "Rerun all failing cases:\n\n"
+            + md.fenced(f"{prefix}nox -s test -- -k '{pattern}'", "sh")
+        )
+    return "\n\n".join(parts)
+
+
+def _diff(case: dict) -> str:
+    """A case's max diff; NaN/Inf arrive as null (gates.GateResult.to_json)."""
+    if md.num(case.get("max_diff")) is None and (
+        md.integer(case.get("nonfinite")) or case.get("max_diff") is None
+    ):
+        return "NaN/Inf"
+    return md.sig(case.get("max_diff"))
+
+
+def _passing_groups(passing: list[dict], detail: Detail) -> str:
+    if not detail.passing:
+        detail.omitted.append("passing details")
+        return f"_{md.plural(len(passing), 'passing case')} not shown._"
+    groups: dict[tuple, list[dict]] = {}
+    for c in passing:
+        key = (
+            str(c.get("op", "?")),
+            str(c.get("dtype", "?")),
+            str(c.get("head_dim", "?")),
+            str(c.get("device", "?")),
+        )
+        groups.setdefault(key, []).append(c)
+    rows = []
+    for (op, dtype, head_dim, device), members in sorted(groups.items()):
+        worst = max(members, key=lambda c: md.num(c.get("ratio")) or 0.0)
+        rows.append(
+            [
+                md.text(op),
+                md.text(dtype),
+                md.text(head_dim),
+                md.text(device),
+                str(len(members)),
+                md.sig(max((md.num(c.get("max_diff")) or 0.0) for c in members)),
+                md.times(worst.get("ratio")),
+                md.code(worst.get("case_id", "?"), 150),
+            ]
+        )
+    return "**Passing cases by group**\n\n" + md.table(
+        [
+            "op",
+            "dtype",
+            "head dim",
+            "device",
+            "cases",
+            "worst max diff",
+            "worst ratio",
+            "worst case",
+        ],
+        rows,
+    )
