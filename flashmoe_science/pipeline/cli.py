@@ -30,8 +30,14 @@ COMMANDS = {
         "flashmoe_science.pipeline.report",
         "render reports/*.json into reports/report.md (PR comment, job summary)",
     ),
-    "sanitize": ("flashmoe_science.pipeline.sanitize", "compute-sanitizer's tools over every kernel path"),
-    "profile": ("flashmoe_science.pipeline.profile", "Nsight Compute on one bench case: what bounds it"),
+    "sanitize": (
+        "flashmoe_science.pipeline.sanitize",
+        "compute-sanitizer's tools over every kernel path",
+    ),
+    "profile": (
+        "flashmoe_science.pipeline.profile",
+        "Nsight Compute on one bench case: what bounds it",
+    ),
 }
 
 

@@ -37,7 +37,7 @@ def sig(value: Any, digits: int = 3) -> str:
 
 
 def times(value: Any, digits: int = 3) -> str:
-    """A ratio such as 1.44×; '—' when missing."""
+    """A ratio such as '1.44' followed by TIMES; '—' when missing."""
     text_ = sig(value, digits)
     return text_ if text_ == DASH else text_ + TIMES
 

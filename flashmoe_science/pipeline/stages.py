@@ -170,7 +170,9 @@ def normalize(doc: dict | None) -> dict[str, dict]:
             "seconds": _seconds(value.get("seconds")),
             "status": status if status in STATUSES else None,
             "exit_code": exit_code if isinstance(exit_code, int) else None,
-            "provenance": value.get("provenance") if isinstance(value.get("provenance"), dict) else None,
+            "provenance": value.get("provenance")
+            if isinstance(value.get("provenance"), dict)
+            else None,
         }
     rank = {name: i for i, name in enumerate(ORDER)}
     return dict(sorted(stages.items(), key=lambda item: rank.get(item[0], len(ORDER))))

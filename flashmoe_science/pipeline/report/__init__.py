@@ -41,8 +41,20 @@ from ..markdown import TIMES
 from ..paths import report_dir
 from .inputs import Inputs, load_inputs
 from .render import BUDGET, MARKER, MAX_CHARS, render, run_url
+from .sections import ICONS, NOTE
 
-__all__ = ["BUDGET", "MARKER", "MAX_CHARS", "TIMES", "Inputs", "load_inputs", "main", "render"]
+__all__ = [
+    "BUDGET",
+    "ICONS",
+    "MARKER",
+    "MAX_CHARS",
+    "NOTE",
+    "TIMES",
+    "Inputs",
+    "load_inputs",
+    "main",
+    "render",
+]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,4 +139,3 @@ def main(argv: Iterable[str] | None = None) -> int:
             file=sys.stderr,
         )
     return exitcodes.USAGE if inputs.unreadable or inputs.stale else exitcodes.OK
-

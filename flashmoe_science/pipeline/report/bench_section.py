@@ -13,7 +13,17 @@ from typing import Any
 
 from .. import markdown as md
 from .inputs import Inputs
-from .sections import FAIL, NOTE, OK, WARN, Detail, Section, absent, stale_section, unreadable_section
+from .sections import (
+    FAIL,
+    NOTE,
+    OK,
+    WARN,
+    Detail,
+    Section,
+    absent,
+    stale_section,
+    unreadable_section,
+)
 
 BASELINES = ("sdpa-default", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")  # the schema's names
 BASELINE_LABELS = {
@@ -141,7 +151,8 @@ def prefill_chart(cases: list[dict]) -> str:
         ]
     )
     return (
-        md.fenced(chart, "mermaid") + f"\n\n_Bars: {BASELINE_LABELS[name]}; line: flashmoe-science._"
+        md.fenced(chart, "mermaid")
+        + f"\n\n_Bars: {BASELINE_LABELS[name]}; line: flashmoe-science._"
     )
 
 
@@ -151,7 +162,12 @@ def _bench_facts(bench: dict) -> list[str]:
     if isinstance(gpu, dict):
         sm = md.sm(gpu.get("capability"))
         facts.append(f"**GPU** {md.text(gpu.get('name', '?'))}" + (f" ({sm})" if sm else ""))
-    for key, label in (("torch", "torch"), ("cuda", "CUDA"), ("driver", "driver"), ("backend", "backend")):
+    for key, label in (
+        ("torch", "torch"),
+        ("cuda", "CUDA"),
+        ("driver", "driver"),
+        ("backend", "backend"),
+    ):
         if bench.get(key):
             facts.append(f"**{label}** {md.text(bench[key])}")
     commit = bench.get("commit")
@@ -393,7 +409,11 @@ def _comparison(
     comparison: dict | None, compared: list[dict], detail: Detail, not_compared: str | None
 ) -> str:
     if not_compared:
-        hint = " (`nox -s bench -- --base REF` times a base beside the head)" if comparison is None else ""
+        hint = (
+            " (`nox -s bench -- --base REF` times a base beside the head)"
+            if comparison is None
+            else ""
+        )
         return (
             f"**Head vs base: not compared**: {md.text(not_compared, 300)}{hint}. This run cannot "
             "show a regression."

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .. import markdown as md
 from .inputs import BUILD_LOG_TAIL_LINES, Inputs, stage_failed
-from .sections import FAIL, OK, WARN, Detail, Section, not_run, stale_section, unreadable_section
+from .sections import FAIL, OK, WARN, Detail, Section, absent, stale_section, unreadable_section
+
 
 def _kernel_key(kernel: dict) -> tuple[str, str]:
     return (str(kernel.get("kernel", "?")), str(kernel.get("arch", "?")))
@@ -50,13 +51,10 @@ def build_section(inputs: Inputs, detail: Detail) -> Section:
         return stale_section("build", title, "build.json", inputs.stale["build.json"])
     build, log = inputs.build, inputs.build_log
     status = str((build or {}).get("status", "ok")).lower()
-    failed = (build is None and (log is not None or stage_failed(inputs, "build"))) or status in (
-        "failed",
-        "fail",
-        "error",
-    )
-    if build is None and not failed:
-        return not_run("build", title, "build.json")
+    if build is None and log is None and not stage_failed(inputs, "build"):
+        body = "The build stage left no `build.json`; see the job log. Reproduce: `nox -s build`."
+        return absent(inputs, "build", title, "build.json", "build failed", body)
+    failed = build is None or status in ("failed", "fail", "error")
     parts = []
     if build:
         facts = [f"**backend** {md.text(build.get('backend', '?'))}"]

@@ -8,6 +8,7 @@ from .. import markdown as md
 from .inputs import Inputs
 from .sections import FAIL, OK, WARN, Detail, Section, absent, stale_section, unreadable_section
 
+
 def env_facts(env: dict | None) -> list[str]:
     if not env:
         return []
@@ -62,7 +63,9 @@ def env_section(inputs: Inputs, detail: Detail) -> Section:
     checks = [c for c in env.get("checks") or [] if isinstance(c, dict)]
     if inputs.build is not None and "build.json" not in inputs.stale:
         # env runs before build, so its "extension not built yet" is no news when build ran too.
-        checks = [c for c in checks if not (c.get("name") == "extension" and c.get("status") == "skip")]
+        checks = [
+            c for c in checks if not (c.get("name") == "extension" and c.get("status") == "skip")
+        ]
     by_status: dict[str, list[dict]] = {}
     for check in checks:
         by_status.setdefault(str(check.get("status", "?")), []).append(check)

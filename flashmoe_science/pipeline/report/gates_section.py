@@ -64,16 +64,31 @@ def _count(block: Any, key: str) -> int:
     return md.integer((block or {}).get(key) if isinstance(block, dict) else None) or 0
 
 
+def gates_text(gates: dict) -> str:
+    """'692 of 692 gates passed', '3 of 24 gates failed', 'no gate ran, 1 skipped'."""
+    g = gates.get("gates")
+    ran, passed, failed = _count(g, "ran"), _count(g, "passed"), _count(g, "failed")
+    if not ran:
+        text = "no gate ran"
+    elif failed:
+        text = f"{failed:,} of {ran:,} gates failed"
+    else:
+        text = f"{passed:,} of {ran:,} gates passed"
+    return text + (f", {_count(g, 'skipped'):,} skipped" if _count(g, "skipped") else "")
+
+
+def tests_text(gates: dict) -> str:
+    """'1,008 tests passed, 3 skipped': every test pytest ran, gates included."""
+    t = gates.get("tests")
+    parts = [f"{_count(t, 'passed'):,} tests passed"]
+    return ", ".join(
+        parts + [f"{_count(t, k):,} {k}" for k in ("failed", "skipped") if _count(t, k)]
+    )
+
+
 def counts_text(gates: dict) -> str:
     """'692 of 692 gates passed · 1,008 tests passed': gates and all tests, never mixed."""
-    g, t = gates.get("gates"), gates.get("tests")
-    ran, passed, failed = _count(g, "ran"), _count(g, "passed"), _count(g, "failed")
-    text = f"{passed:,} of {ran:,} gates passed" if not failed else f"{failed:,} of {ran:,} gates failed"
-    if _count(g, "skipped"):
-        text += f", {_count(g, 'skipped'):,} skipped"
-    tests = [f"{_count(t, 'passed'):,} tests passed"]
-    tests += [f"{_count(t, key):,} {key}" for key in ("failed", "skipped") if _count(t, key)]
-    return text + " · " + ", ".join(tests)
+    return f"{gates_text(gates)} · {tests_text(gates)}"
 
 
 def _selection(gates: dict) -> str | None:
@@ -134,7 +149,9 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
         summary = counts
         problems.append((FAIL, md.plural(nfailed, "gate") + " failed"))
     else:
-        summary = f"{said}" + (f" ({md.code(selection)})" if selection else "") + f" · {counts}"
+        summary = (
+            said + (f" ({md.code(selection)})" if selection else "") + f" · {tests_text(gates)}"
+        )
         if outcome in ("interrupted", "error") and exit_code is not None:
             said += f" (pytest exit {exit_code})"
         problems.append((severity, said))

@@ -116,7 +116,11 @@ def load_inputs(
             inputs.notes.append(caveat)
     for label in RECORDS:
         doc = getattr(inputs, label.removesuffix(".json"))
-        why = None if doc is None else stale_reason(doc.get("provenance"), inputs.commit, inputs.run_id)
+        why = (
+            None
+            if doc is None
+            else stale_reason(doc.get("provenance"), inputs.commit, inputs.run_id)
+        )
         if why:
             inputs.stale[label] = why
     inputs.stages = stages.normalize(

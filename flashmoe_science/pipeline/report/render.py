@@ -14,7 +14,7 @@ from .build_section import build_section
 from .env_section import env_facts, env_section
 from .gates_section import _case_failed, gates_section
 from .inputs import Inputs, stage_failed
-from .sections import ICONS, NOTE, NOTRUN, OK, STALE, WARN, FAIL, Detail, Section
+from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN, Detail, Section
 
 MARKER = "<!-- flashmoe-science-report -->"
 MAX_CHARS = 65_536  # GitHub rejects a comment body above this ("Body is too long")
@@ -40,7 +40,11 @@ def verdict(sections: list[Section], inputs: Inputs) -> str:
     by = {sev: [text for s, text in problems if s == sev] for sev in (FAIL, STALE, WARN, NOTE)}
     notes = ("; " + "; ".join(by[NOTE])) if by[NOTE] else ""  # caveats every verdict repeats
     if by[FAIL]:
-        return f"## {ICONS[FAIL]} flashmoe-science: " + ", ".join(by[FAIL] + by[STALE] + by[WARN]) + notes
+        return (
+            f"## {ICONS[FAIL]} flashmoe-science: "
+            + ", ".join(by[FAIL] + by[STALE] + by[WARN])
+            + notes
+        )
     if by[STALE]:
         # A record of other code or another run says nothing about this one: never a pass.
         return (
@@ -106,7 +110,14 @@ def summary_table(sections: list[Section], inputs: Inputs) -> str:
         seconds = _wall_time(inputs, name)[1]
         counted += [seconds] if seconds is not None else []
     if inputs.job_seconds is not None:
-        rows.append(["", "**total**", "the job, from its first step", f"**{md.duration(inputs.job_seconds)}**"])
+        rows.append(
+            [
+                "",
+                "**total**",
+                "the job, from its first step",
+                f"**{md.duration(inputs.job_seconds)}**",
+            ]
+        )
     elif counted:
         rows.append(
             [
@@ -205,7 +216,9 @@ def render(inputs: Inputs, budget: int = BUDGET) -> tuple[str, bool]:
         return text, True
     n_bench = len([c for c in (inputs.bench or {}).get("cases") or [] if isinstance(c, dict)])
     detail.bench_rows = _largest(
-        lambda n: md.size(_render_with(inputs, dataclasses.replace(detail, bench_rows=n))) <= budget,
+        lambda n: (
+            md.size(_render_with(inputs, dataclasses.replace(detail, bench_rows=n))) <= budget
+        ),
         n_bench,
     )
     text = _render_with(inputs, detail)

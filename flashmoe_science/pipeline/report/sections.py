@@ -12,7 +12,8 @@ from .inputs import Inputs, stage_status
 # the verdict repeats (a bench with nothing to compare with); STALE: the record describes other code
 # or another run, so it says nothing about this one.
 OK, NOTE, NOTRUN, WARN, STALE, FAIL = 0, 1, 2, 3, 4, 5
-ICONS = {OK: "✅", NOTE: "ℹ️", NOTRUN: "⏭️", WARN: "⚠️", STALE: "🕰️", FAIL: "❌"}
+# NOTE is the information sign.
+ICONS = {OK: "✅", NOTE: "\u2139\ufe0f", NOTRUN: "⏭️", WARN: "⚠️", STALE: "🕰️", FAIL: "❌"}
 
 
 @dataclasses.dataclass
@@ -67,7 +68,9 @@ def absent(inputs: Inputs, key: str, title: str, missing: str, problem: str, bod
     failed or killed (a failure), ran and wrote nothing (a warning), skipped, or not run."""
     status = stage_status(inputs, key)
     if status in ("fail", "error", "interrupted"):
-        return Section(key, title, FAIL, f"failed before writing {missing}", body, [(FAIL, problem)])
+        return Section(
+            key, title, FAIL, f"failed before writing {missing}", body, [(FAIL, problem)]
+        )
     if status == "running":
         return Section(
             key,
