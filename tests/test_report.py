@@ -789,3 +789,15 @@ def test_a_job_start_that_is_not_this_job_is_ignored():
     assert stages.job_seconds(1000.0, now=900.0) is None  # in the future
     assert stages.job_seconds(1000.0, now=1000.0 + 30 * 24 * 3600) is None  # a month ago
     assert stages.job_seconds(1000.0, now=1449.0) == 449.0
+
+
+@pytest.mark.parametrize(("workflow", "job"), [("gpu-ci.yml", "gpu"), ("cpu-ci.yml", "cpu-tests")])
+def test_the_ci_jobs_give_the_report_the_jobs_start_and_one_run_id(workflow, job):
+    yaml = pytest.importorskip("yaml")
+    spec = yaml.safe_load(
+        (Path(__file__).parents[1] / ".github" / "workflows" / workflow).read_text()
+    )
+    job_spec = spec["jobs"][job]
+    first = job_spec["steps"][0]
+    assert first["run"] == 'echo "FLASHMOE_JOB_START=$(date +%s)" >> "$GITHUB_ENV"'
+    assert "github.run_id" in job_spec["env"][provenance.RUN_ID_VAR]
