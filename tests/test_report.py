@@ -1,8 +1,12 @@
-"""The PR report (flashmoe_science.pipeline.report): golden files from fixture runs, the size limit, stages.json.
+"""The PR report (flashmoe_science.pipeline.report): golden files from fixture runs, provenance, the
+size limit, and stages.json (flashmoe_science.pipeline.stages).
 
 Each folder in tests/fixtures/report/ holds what one run leaves in reports/ (an L4 run's env.json,
 build.json, gates.json, bench.json, stages.json, build.log; base_build.json is passed as
 --base-build) and expected.md, the report it must render to.
+
+Every record in a fixture carries the provenance of FIXTURE_SHA and FIXTURE_RUN, and the tests pin
+the checkout's commit and FLASHMOE_RUN_ID to those, so the goldens do not depend on the real HEAD.
 
 After an intended change to the report's layout, regenerate the golden files and review the diff:
 
@@ -801,3 +805,29 @@ def test_the_ci_jobs_give_the_report_the_jobs_start_and_one_run_id(workflow, job
     first = job_spec["steps"][0]
     assert first["run"] == 'echo "FLASHMOE_JOB_START=$(date +%s)" >> "$GITHUB_ENV"'
     assert "github.run_id" in job_spec["env"][provenance.RUN_ID_VAR]
+
+
+def test_without_jsonschema_the_bench_renders_with_a_caveat(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # `import jsonschema` raises ImportError
+    rc, text = render_dir(copy_fixture("passing", tmp_path))
+    assert rc == exitcodes.OK
+    assert (
+        "> **Note:** bench.json was not checked against its schema: jsonschema is not installed"
+        in text
+    )
+
+
+def test_a_schema_that_declares_provenance_checks_it(tmp_path):
+    from flashmoe_science.pipeline.report.inputs import BENCH_SCHEMA, bench_problem
+
+    schema = json.loads(BENCH_SCHEMA.read_text())
+    schema["properties"]["provenance"] = {"type": "object", "required": ["commit", "run_id"]}
+    path = tmp_path / "bench.schema.json"
+    path.write_text(json.dumps(schema))
+    bench = json.loads((FIXTURES / "passing" / "bench.json").read_text())
+    assert bench_problem(bench, path) == (None, None)
+    bench["provenance"] = {"commit": FIXTURE_COMMIT}
+    problem, _ = bench_problem(bench, path)
+    assert problem and "at provenance: 'run_id' is a required property" in problem
