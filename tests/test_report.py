@@ -627,6 +627,7 @@ def test_a_failed_case_is_never_part_of_a_pass(tmp_path):
     (reports / "gates.json").write_text(json.dumps(gates))
     _, text = render_dir(reports)
     assert text.startswith("## ❌ flashmoe-science: 1 gate failed")
+    assert "| ❌ | test | 1 of 24 gates failed ·" in text
 
 
 def test_a_test_stage_that_wrote_no_gates_json_is_not_reported_as_not_run(tmp_path):
@@ -831,3 +832,14 @@ def test_a_schema_that_declares_provenance_checks_it(tmp_path):
     bench["provenance"] = {"commit": FIXTURE_COMMIT}
     problem, _ = bench_problem(bench, path)
     assert problem and "at provenance: 'run_id' is a required property" in problem
+
+
+def test_a_comparison_without_a_compared_case_is_not_compared(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    bench = json.loads((reports / "bench.json").read_text())
+    bench["comparison"]["cases"] = [{"id": "x", "verdict": "missing", "reason": "base failed"}]
+    (reports / "bench.json").write_text(json.dumps(bench))
+    _, text = render_dir(reports)
+    assert text.splitlines()[0].endswith(
+        "bench not compared (no case has a base timing, 1 case missing)"
+    )

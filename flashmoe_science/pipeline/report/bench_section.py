@@ -264,6 +264,9 @@ def not_compared_reason(bench: dict) -> str | None:
         return "no base given"
     if _comparison_source(comparison) == "none":
         return str(comparison.get("reason") or "no base measurement")
+    rows = [c for c in comparison.get("cases") or [] if isinstance(c, dict)]
+    if not any(c.get("verdict") in ("regression", "improvement", "no change") for c in rows):
+        return f"no case has a base timing, {md.plural(len(rows), 'case')} missing"
     return None
 
 

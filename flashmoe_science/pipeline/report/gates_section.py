@@ -65,16 +65,20 @@ def _count(block: Any, key: str) -> int:
 
 
 def gates_text(gates: dict) -> str:
-    """'692 of 692 gates passed', '3 of 24 gates failed', 'no gate ran, 1 skipped'."""
+    """'692 of 692 gates passed', '3 of 24 gates failed', 'no gate ran, 1 skipped'. The case rows
+    count too: a failed row is never hidden behind counts that say otherwise."""
     g = gates.get("gates")
-    ran, passed, failed = _count(g, "ran"), _count(g, "passed"), _count(g, "failed")
+    rows = [c for c in gates.get("cases") or [] if isinstance(c, dict)]
+    ran = max(_count(g, "ran"), len([c for c in rows if c.get("outcome") != "skipped"]))
+    failed = max(_count(g, "failed"), len([c for c in rows if _case_failed(c)]))
+    skipped = _count(g, "skipped")
     if not ran:
         text = "no gate ran"
     elif failed:
         text = f"{failed:,} of {ran:,} gates failed"
     else:
-        text = f"{passed:,} of {ran:,} gates passed"
-    return text + (f", {_count(g, 'skipped'):,} skipped" if _count(g, "skipped") else "")
+        text = f"{_count(g, 'passed'):,} of {ran:,} gates passed"
+    return text + (f", {skipped:,} skipped" if skipped else "")
 
 
 def tests_text(gates: dict) -> str:
@@ -148,6 +152,8 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
         nfailed = max(_count(gates.get("gates"), "failed"), len(failing))
         summary = counts
         problems.append((FAIL, md.plural(nfailed, "gate") + " failed"))
+        if not failing:  # the rows of the failures are missing: say so rather than show none
+            parts.append("`gates.json` says gates failed but lists no failing case.")
     else:
         summary = (
             said + (f" ({md.code(selection)})" if selection else "") + f" · {tests_text(gates)}"
