@@ -843,3 +843,10 @@ def test_a_comparison_without_a_compared_case_is_not_compared(tmp_path):
     assert text.splitlines()[0].endswith(
         "bench not compared (no case has a base timing, 1 case missing)"
     )
+
+
+def test_an_unusable_job_start_is_said(tmp_path, monkeypatch):
+    monkeypatch.setenv(stages.JOB_START_VAR, "yesterday")
+    _, text = render_dir(copy_fixture("passing", tmp_path))
+    assert "FLASHMOE_JOB_START='yesterday' is not this job's start" in text
+    assert "sum of this run's stages" in text

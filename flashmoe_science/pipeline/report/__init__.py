@@ -102,8 +102,14 @@ def main(argv: Iterable[str] | None = None) -> int:
     output = args.output or directory / "report.md"
     with contextlib.suppress(OSError):  # a report that fails to render must not leave an older one
         output.unlink()
-    job = stages.job_seconds(stages.job_start())
+    start = stages.job_start()
+    job = stages.job_seconds(start)
     inputs = load_inputs(directory, args.base_build, job_seconds=job)
+    if os.environ.get(stages.JOB_START_VAR) and job is None:
+        inputs.notes.append(
+            f"{stages.JOB_START_VAR}={os.environ[stages.JOB_START_VAR]!r} is not this job's start "
+            "(not epoch seconds, in the future, or days ago): the total is the sum of the stages"
+        )
     inputs.run_url = run_url()
     text, truncated = render(inputs, min(args.max_chars, MAX_CHARS))
     try:

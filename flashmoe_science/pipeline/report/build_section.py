@@ -4,7 +4,7 @@ and dynamic shared memory, stack, spills), against the base branch's build when 
 from __future__ import annotations
 
 from .. import markdown as md
-from .inputs import BUILD_LOG_TAIL_LINES, Inputs, stage_failed
+from .inputs import BUILD_LOG_TAIL_LINES, Inputs
 from .sections import FAIL, OK, WARN, Detail, Section, absent, stale_section, unreadable_section
 
 
@@ -51,8 +51,11 @@ def build_section(inputs: Inputs, detail: Detail) -> Section:
         return stale_section("build", title, "build.json", inputs.stale["build.json"])
     build, log = inputs.build, inputs.build_log
     status = str((build or {}).get("status", "ok")).lower()
-    if build is None and log is None and not stage_failed(inputs, "build"):
-        body = "The build stage left no `build.json`; see the job log. Reproduce: `nox -s build`."
+    if build is None and log is None:
+        body = (
+            "The build stage failed and left neither `build.json` nor `build.log`; see the job "
+            "log. Reproduce: `nox -s build`."
+        )
         return absent(inputs, "build", title, "build.json", "build failed", body)
     failed = build is None or status in ("failed", "fail", "error")
     parts = []

@@ -40,7 +40,7 @@ OUTCOMES = {
 }
 
 
-def _case_failed(case: dict) -> bool:
+def case_failed(case: dict) -> bool:
     return case.get("outcome") not in ("passed", "skipped")
 
 
@@ -70,7 +70,7 @@ def gates_text(gates: dict) -> str:
     g = gates.get("gates")
     rows = [c for c in gates.get("cases") or [] if isinstance(c, dict)]
     ran = max(_count(g, "ran"), len([c for c in rows if c.get("outcome") != "skipped"]))
-    failed = max(_count(g, "failed"), len([c for c in rows if _case_failed(c)]))
+    failed = max(_count(g, "failed"), len([c for c in rows if case_failed(c)]))
     skipped = _count(g, "skipped")
     if not ran:
         text = "no gate ran"
@@ -120,7 +120,7 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
             "could not start); see the job log. Reproduce: `nox -s test`.",
         )
     cases = [c for c in gates.get("cases") or [] if isinstance(c, dict)]
-    failing = [c for c in cases if _case_failed(c)]
+    failing = [c for c in cases if case_failed(c)]
     outcome = str(gates.get("outcome") or "unknown")
     if failing and outcome in ("passed", "unknown"):  # a failed case is never part of a pass
         outcome = "failed"

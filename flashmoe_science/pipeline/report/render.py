@@ -12,7 +12,7 @@ from .. import provenance, stages
 from .bench_section import SDPA_RATIO_LINE, bench_section
 from .build_section import build_section
 from .env_section import env_facts, env_section
-from .gates_section import _case_failed, gates_section
+from .gates_section import case_failed, gates_section
 from .inputs import Inputs, stage_failed
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN, Detail, Section
 
@@ -228,7 +228,7 @@ def render(inputs: Inputs, budget: int = BUDGET) -> tuple[str, bool]:
         [
             c
             for c in (inputs.gates or {}).get("cases") or []
-            if isinstance(c, dict) and _case_failed(c)
+            if isinstance(c, dict) and case_failed(c)
         ]
     )
     detail.failing_cases = _largest(
