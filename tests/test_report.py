@@ -850,3 +850,11 @@ def test_an_unusable_job_start_is_said(tmp_path, monkeypatch):
     _, text = render_dir(copy_fixture("passing", tmp_path))
     assert "FLASHMOE_JOB_START='yesterday' is not this job's start" in text
     assert "sum of this run's stages" in text
+
+
+def test_a_report_folder_that_cannot_be_written_does_not_fail_the_stage(tmp_path, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with stages.timed_stage("env", directory=blocker) as run:
+        run.exit_code = exitcodes.OK
+    assert "env: cannot record the stage in stages.json" in capsys.readouterr().err

@@ -27,6 +27,7 @@ import datetime
 import fcntl
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,7 +124,7 @@ def timed_stage(name: str, directory: Path | None = None) -> Iterator[StageRun]:
     and a status from the exit code; a SystemExit counts by its code, any other exception as an
     error, Ctrl-C as interrupted."""
     started = _now_iso()
-    record_stage(name, None, "running", None, directory, started)
+    _record_quietly(name, None, "running", None, directory, started)
     run = StageRun()
     start = time.monotonic()
     status = "error"
@@ -139,7 +140,16 @@ def timed_stage(name: str, directory: Path | None = None) -> Iterator[StageRun]:
         status = "interrupted"
         raise
     finally:
-        record_stage(name, time.monotonic() - start, status, run.exit_code, directory, started)
+        _record_quietly(name, time.monotonic() - start, status, run.exit_code, directory, started)
+
+
+def _record_quietly(name: str, *args: Any) -> None:
+    """The stage's own result matters more than its timing: a report folder that cannot be
+    written is said on stderr, and the stage goes on."""
+    try:
+        record_stage(name, *args)
+    except OSError as exc:
+        print(f"{name}: cannot record the stage in {STAGES_FILE} ({exc})", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------------
