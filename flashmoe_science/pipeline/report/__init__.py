@@ -137,11 +137,13 @@ def main(argv: Iterable[str] | None = None) -> int:
             f"report: {name} is unreadable ({why}); fix: rerun the stage that writes it",
             file=sys.stderr,
         )
-    for name, why in inputs.stale.items():
-        if name.startswith("stage "):
-            continue  # the stage table shows it; the records are what the fix is about
+    stale = {
+        **inputs.stale,
+        **{f"the {name} stage": why for name, why in inputs.stale_stages.items()},
+    }
+    for name, why in stale.items():
         print(
             f"report: {name} is stale ({why}); fix: rerun its stage in this run",
             file=sys.stderr,
         )
-    return exitcodes.USAGE if inputs.unreadable or inputs.stale else exitcodes.OK
+    return exitcodes.USAGE if inputs.unreadable or stale else exitcodes.OK

@@ -28,7 +28,8 @@ class Inputs:
     base_build: dict | None = None
     base_build_path: str | None = None
     unreadable: dict[str, str] = dataclasses.field(default_factory=dict)  # file -> why
-    stale: dict[str, str] = dataclasses.field(default_factory=dict)  # file or stage -> why
+    stale: dict[str, str] = dataclasses.field(default_factory=dict)  # record file -> why
+    stale_stages: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> why
     notes: list[str] = dataclasses.field(default_factory=list)  # caveats about the inputs
     commit: dict | None = None  # the checkout the report describes
     run_id: str | None = None  # FLASHMOE_RUN_ID, when set
@@ -108,12 +109,6 @@ def load_inputs(
     inputs.build = _read_json(directory / "build.json", "build.json", bad)
     inputs.gates = _read_json(directory / "gates.json", "gates.json", bad)
     inputs.bench = _read_json(directory / "bench.json", "bench.json", bad)
-    if inputs.bench is not None:
-        problem, caveat = bench_problem(inputs.bench)
-        if problem:
-            bad["bench.json"], inputs.bench = problem, None
-        if caveat:
-            inputs.notes.append(caveat)
     for label in RECORDS:
         doc = getattr(inputs, label.removesuffix(".json"))
         why = (
@@ -123,13 +118,19 @@ def load_inputs(
         )
         if why:
             inputs.stale[label] = why
+    if inputs.bench is not None and "bench.json" not in inputs.stale:
+        problem, caveat = bench_problem(inputs.bench)
+        if problem:
+            bad["bench.json"], inputs.bench = problem, None
+        if caveat:
+            inputs.notes.append(caveat)
     inputs.stages = stages.normalize(
         _read_json(directory / stages.STAGES_FILE, stages.STAGES_FILE, bad)
     )
     for name, stage in inputs.stages.items():
         why = stale_reason(stage["provenance"], inputs.commit, inputs.run_id)
         if why:
-            inputs.stale[f"stage {name}"] = why
+            inputs.stale_stages[name] = why
     log = directory / "build.log"
     if not log.exists() and inputs.build and isinstance(inputs.build.get("log"), str):
         candidate = Path(inputs.build["log"])
@@ -155,7 +156,7 @@ def _read_build_log(inputs: Inputs, log: Path) -> None:
 def stage_status(inputs: Inputs, name: str) -> str | None:
     """This run's status of a stage (ok, fail, skip, error, interrupted, running), None when the
     stage has no entry of this run."""
-    if f"stage {name}" in inputs.stale:
+    if name in inputs.stale_stages:
         return None
     return (inputs.stages.get(name) or {}).get("status")
 

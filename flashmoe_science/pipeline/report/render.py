@@ -29,7 +29,7 @@ UNFINISHED = "unfinished"
 def verdict(sections: list[Section], inputs: Inputs) -> str:
     problems = [p for s in sections for p in s.problems]
     for name in _extra_stages(inputs):
-        if f"stage {name}" in inputs.stale:
+        if name in inputs.stale_stages:
             problems.append((STALE, f"stale {name} stage"))
         elif stage_failed(inputs, name):
             problems.append((FAIL, f"{name} failed"))
@@ -74,7 +74,7 @@ def _wall_time(inputs: Inputs, name: str) -> tuple[str, float | None]:
     stage = inputs.stages.get(name)
     if stage is None:
         return md.DASH, None
-    if f"stage {name}" in inputs.stale:
+    if name in inputs.stale_stages:
         return f"{md.duration(stage['seconds'])} (stale)", None
     if stage["status"] == "running":
         return UNFINISHED, None
@@ -84,8 +84,8 @@ def _wall_time(inputs: Inputs, name: str) -> tuple[str, float | None]:
 def _extra_row(inputs: Inputs, name: str) -> list[str]:
     stage = inputs.stages[name]
     status = stage["status"] or "unknown"
-    if f"stage {name}" in inputs.stale:
-        icon, result = ICONS[STALE], f"STALE: {md.text(inputs.stale[f'stage {name}'])}"
+    if name in inputs.stale_stages:
+        icon, result = ICONS[STALE], f"STALE: {md.text(inputs.stale_stages[name])}"
     elif stage_failed(inputs, name):
         icon = ICONS[FAIL]
         result = "did not finish" if status == "running" else status
