@@ -60,7 +60,7 @@ SCENARIOS = {
 # The commit and run every fixture's provenance names: the report describes this checkout.
 FIXTURE_SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"
 FIXTURE_COMMIT = {"sha": FIXTURE_SHA, "dirty": False, "fingerprint": None}
-FIXTURE_RUN = "gh-8812345-1"
+FIXTURE_RUN = "fixture-run"
 OLDER_SHA = "1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e"
 
 
@@ -587,7 +587,7 @@ def test_no_pass_without_gates(tmp_path, outcome, said):
         gates={"ran": 0, "passed": 0, "failed": 0, "skipped": 0},
         tests={"passed": 0, "failed": 0, "skipped": 0},
         cases=[],
-        selection=["-k", "nothing-cuda"],
+        selection={"keyword": "nothing-cuda", "markexpr": None, "gates_only": False, "args": []},
     )
     _, text = render_dir(reports)
     first = text.splitlines()[0]

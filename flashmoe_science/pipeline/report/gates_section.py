@@ -1,13 +1,15 @@
 """The correctness-gates section, from gates.json ("flashmoe-science/gates/2"), which the test
 stage writes on every run:
 
-    outcome           passed | failed | no-gates-selected | gates-skipped-need-gpu |
-                      no-tests-collected | tests-failed-outside-gates | interrupted | error
-    gates             {"ran", "passed", "failed", "skipped"}: gate cases only
-    tests             {"passed", "failed", "skipped"}: every test pytest ran, gates included
-    pytest_exit_code  pytest's own exit status
-    selection         the arguments that chose the tests (`-k ...`), or null for all
-    cases             one row per gate case; `rerun` is the command that reruns it
+    outcome      passed | failed | no-gates-selected | gates-skipped-need-gpu |
+                 no-tests-collected | tests-failed-outside-gates | interrupted | error
+    reason       one line on why, for the outcomes other than passed and failed
+    gates        {"selected", "ran", "passed", "failed", "skipped"}: gate cases only
+    tests        {"selected", "passed", "failed", "errors", "skipped"}: every test, gates included
+    pytest_exit  pytest's own exit status (null when pytest did not run)
+    selection    {"keyword": -k, "markexpr": -m, "gates_only": --gates, "args"}
+    cases        one row per gate case that ran; `rerun` is the command that reruns it,
+                 `rerun_cpu` its CPU twin's, `rerun_needs` the hardware it needs beyond a GPU
 
 Only "passed" is a pass. The other outcomes where nothing failed (no gate selected, every gate
 skipped for want of a GPU, nothing collected) are their own warnings, never "all gates passed".
@@ -85,9 +87,8 @@ def tests_text(gates: dict) -> str:
     """'1,008 tests passed, 3 skipped': every test pytest ran, gates included."""
     t = gates.get("tests")
     parts = [f"{_count(t, 'passed'):,} tests passed"]
-    return ", ".join(
-        parts + [f"{_count(t, k):,} {k}" for k in ("failed", "skipped") if _count(t, k)]
-    )
+    keys = ("failed", "errors", "skipped")
+    return ", ".join(parts + [f"{_count(t, k):,} {k}" for k in keys if _count(t, k)])
 
 
 def counts_text(gates: dict) -> str:
@@ -96,10 +97,14 @@ def counts_text(gates: dict) -> str:
 
 
 def _selection(gates: dict) -> str | None:
+    """The options that chose the tests ('-k test_api', '--gates -k fwd'), None for all."""
     selection = gates.get("selection")
-    if isinstance(selection, list):
-        selection = " ".join(str(part) for part in selection)
-    return str(selection) if selection else None
+    if not isinstance(selection, dict):
+        return None
+    parts = ["--gates"] if selection.get("gates_only") else []
+    parts += [f"-k {selection['keyword']}"] if selection.get("keyword") else []
+    parts += [f"-m {selection['markexpr']}"] if selection.get("markexpr") else []
+    return " ".join(parts) or None
 
 
 def gates_section(inputs: Inputs, detail: Detail) -> Section:
@@ -126,7 +131,7 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
         outcome = "failed"
     severity, said = OUTCOMES.get(outcome, (FAIL, f"unknown outcome {outcome!r}"))
     counts = counts_text(gates)
-    exit_code = md.integer(gates.get("pytest_exit_code"))
+    exit_code = md.integer(gates.get("pytest_exit"))
     selection = _selection(gates)
     worst_case = gates.get("worst_case")
     facts = [f"**{counts}**"]
@@ -161,6 +166,8 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
         if outcome in ("interrupted", "error") and exit_code is not None:
             said += f" (pytest exit {exit_code})"
         problems.append((severity, said))
+        if gates.get("reason"):
+            parts.append(f"Why: {md.text(gates['reason'])}.")
         parts.append(_outcome_help(outcome))
     if failing:
         parts.append(_failing_cases(failing, detail))
@@ -233,7 +240,14 @@ def _failing_cases(failing: list[dict], detail: Detail) -> str:
                 )
             elif segs:
                 lines.append("  - error along query rows: not finite in any segment")
-        lines.append(f"  - rerun: {md.code(rerun_command(c))}")
+        needs = c.get("rerun_needs")
+        lines.append(
+            f"  - rerun: {md.code(rerun_command(c))}"
+            + (f" (needs {md.text(needs, 40)})" if isinstance(needs, str) and needs else "")
+        )
+        twin = c.get("rerun_cpu")
+        if isinstance(twin, str) and _SAFE_COMMAND.fullmatch(twin):
+            lines.append(f"  - its CPU twin: {md.code(twin)}")
         blocks.append("\n".join(lines))
     parts.append("\n".join(blocks))
     if len(shown) < len(failing):
