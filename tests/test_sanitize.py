@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmoe_science.pipeline import exitcodes, sanitize
+from flashmoe_science.pipeline import cli, exitcodes, sanitize
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 FWD = (
@@ -343,7 +343,12 @@ def test_sanitizer_command_and_environment():
     assert "--print-limit" in memcheck and memcheck[memcheck.index("--print-limit") + 1] == "20"
     assert "--racecheck-report" not in memcheck
     assert "kns=flash_fwd_kernel" in memcheck and "kns=split_kv_combine_kernel" in memcheck
-    assert memcheck[-4:] == [sys.executable, "-m", "flashmoe_science.pipeline.sanitize", "--workload"]
+    assert memcheck[-4:] == [
+        sys.executable,
+        "-m",
+        "flashmoe_science.pipeline.sanitize",
+        "--workload",
+    ]
     racecheck = sanitize.sanitizer_command("cs", "racecheck", kernel_filter=False)
     assert racecheck[racecheck.index("--racecheck-report") + 1] == "all"
     assert "--kernel-name" not in racecheck
@@ -409,7 +414,7 @@ def test_no_gpu_exits_255_with_one_line(isolated, monkeypatch, capsys):
 
 
 def test_missing_tool_exits_126_with_one_line(isolated, fake_gpu, no_cuda_tools, capsys):
-    assert sanitize.main(["--tool", "memcheck"]) == exitcodes.TOOL_MISSING
+    assert cli.main(["sanitize", "--tool", "memcheck"]) == exitcodes.TOOL_MISSING
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "compute-sanitizer not found" in out[0] and "PATH" in out[0]
     stages = json.loads((isolated / "reports" / "stages.json").read_text())["stages"]
@@ -453,7 +458,7 @@ def fake_sanitizer(isolated, monkeypatch):
 def test_clean_tools_pass(isolated, fake_gpu, fake_sanitizer, capsys):
     fake_sanitizer("memcheck", CLEAN)
     fake_sanitizer("racecheck", RACECHECK_CLEAN)
-    assert sanitize.main(["--tool", "memcheck,racecheck"]) == exitcodes.OK
+    assert cli.main(["sanitize", "--tool", "memcheck,racecheck"]) == exitcodes.OK
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("sanitize: clean in ")
     assert any(line.startswith("sanitize: memcheck  PASS") for line in out)
@@ -470,7 +475,7 @@ def test_a_finding_fails_with_a_condensed_report(isolated, fake_gpu, fake_saniti
     fake_sanitizer("memcheck", MEMCHECK_OOB, rc=99)
     fake_sanitizer("initcheck", INITCHECK_UNINIT, rc=99)
     args = ["--tool", "memcheck", "--tool", "initcheck", "--define", "FLASHMOE_PLANT_BUG=3"]
-    assert sanitize.main(args) == exitcodes.GATE_FAILED
+    assert cli.main(["sanitize", *args]) == exitcodes.GATE_FAILED
     assert fake_gpu == [("FLASHMOE_PLANT_BUG=3",)]
     out = capsys.readouterr().out
     assert f"memcheck: Invalid __global__ read of size 16 bytes in {FWD_SHORT}" in out
@@ -517,8 +522,6 @@ def test_unknown_tool_is_a_usage_error(capsys):
 
 
 def test_cli_lists_the_command():
-    from flashmoe_science.pipeline import cli
-
     assert cli.COMMANDS["sanitize"][0] == "flashmoe_science.pipeline.sanitize"
 
 

@@ -1,12 +1,16 @@
 """`python -m flashmoe_science COMMAND ...`: the one entry point that nox sessions, the workflows and
-scripts call. Each command lives in its own module; exit codes follow flashmoe_science.pipeline.exitcodes."""
+scripts call. Each command lives in its own module; exit codes follow flashmoe_science.pipeline.exitcodes.
+
+Every stage command is timed here, once, into stages.json (flashmoe_science.pipeline.stages), with a
+status from its exit code. `report` is not: it renders stages.json, and cannot time itself into its
+own output; the job's total covers it."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-from . import exitcodes
+from . import exitcodes, stages
 
 COMMANDS = {
     "env": (
@@ -26,8 +30,14 @@ COMMANDS = {
         "flashmoe_science.pipeline.report",
         "render reports/*.json into reports/report.md (PR comment, job summary)",
     ),
-    "sanitize": ("flashmoe_science.pipeline.sanitize", "compute-sanitizer's tools over every kernel path"),
-    "profile": ("flashmoe_science.pipeline.profile", "Nsight Compute on one bench case: what bounds it"),
+    "sanitize": (
+        "flashmoe_science.pipeline.sanitize",
+        "compute-sanitizer's tools over every kernel path",
+    ),
+    "profile": (
+        "flashmoe_science.pipeline.profile",
+        "Nsight Compute on one bench case: what bounds it",
+    ),
 }
 
 
@@ -47,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"flashmoe_science: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return exitcodes.USAGE
+    if name not in stages.ORDER or "-h" in rest or "--help" in rest:
+        return _run(name, rest)
+    with stages.timed_stage(name) as stage:
+        stage.exit_code = _run(name, rest)
+    return stage.exit_code
+
+
+def _run(name: str, rest: list[str]) -> int:
     try:
         module = importlib.import_module(COMMANDS[name][0])
     except ImportError as exc:  # torch missing or broken: the machine is at fault, not the commit

@@ -664,12 +664,6 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _record_stage(seconds: float, status: str) -> None:
-    from . import report
-
-    report.record_stage("sanitize", seconds, status)
-
-
 def _defines(args) -> tuple[str, ...]:
     if args.define:
         return tuple(args.define)
@@ -738,12 +732,10 @@ def run(args, tools: list[str]) -> int:
             "bin/ on PATH "
             f"(exit {exitcodes.TOOL_MISSING})"
         )
-        _record_stage(time.monotonic() - start, "skip: compute-sanitizer not found")
         return exitcodes.TOOL_MISSING
     version, problem = _tool_version(exe)
     if problem:
         _say(_unusable_line(exe, problem))
-        _record_stage(time.monotonic() - start, "skip: compute-sanitizer not permitted")
         return exitcodes.TOOL_MISSING
 
     defines = _defines(args)
@@ -782,7 +774,6 @@ def run(args, tools: list[str]) -> int:
         if status == "unusable":
             _say(_unusable_line(exe, report.unusable or "unusable"))
             _write(doc, out)
-            _record_stage(time.monotonic() - start, "skip: compute-sanitizer not permitted")
             return exitcodes.TOOL_MISSING
         results.append((tool, report, status, elapsed))
 
@@ -791,7 +782,6 @@ def run(args, tools: list[str]) -> int:
     doc["status"] = "fail" if failed else "pass"
     doc["elapsed_s"] = round(elapsed_all, 1)
     _write(doc, out)
-    _record_stage(elapsed_all, "fail" if failed else "ok")
 
     _say("")
     for tool, report, status, elapsed in results:

@@ -94,9 +94,6 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else "")
     rc = subprocess.call(cmd, cwd=REPO_ROOT, env=env)
     elapsed = time.monotonic() - start
-    from .report import record_stage
-
-    record_stage("test", elapsed, "ok" if rc == 0 else "fail")
     if rc == 0:
         print(f"test: all gates passed in {elapsed:.1f} s")
         return exitcodes.OK

@@ -1,0 +1,165 @@
+"""What the report reads: the stage records in the report folder, checked for readability, for the
+bench schema, and for provenance (whether each record describes this checkout and this run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from .. import markdown as md
+from .. import provenance, stages
+from ..paths import REPO_ROOT
+
+BUILD_LOG_TAIL_LINES = 60
+BENCH_SCHEMA = REPO_ROOT / "benches" / "bench.schema.json"
+RECORDS = ("env.json", "build.json", "gates.json", "bench.json")
+
+
+@dataclasses.dataclass
+class Inputs:
+    env: dict | None = None
+    build: dict | None = None
+    build_log: str | None = None
+    gates: dict | None = None
+    bench: dict | None = None
+    stages: dict[str, dict] = dataclasses.field(default_factory=dict)
+    base_build: dict | None = None
+    base_build_path: str | None = None
+    unreadable: dict[str, str] = dataclasses.field(default_factory=dict)  # file -> why
+    stale: dict[str, str] = dataclasses.field(default_factory=dict)  # record file -> why
+    stale_stages: dict[str, str] = dataclasses.field(default_factory=dict)  # stage -> why
+    notes: list[str] = dataclasses.field(default_factory=list)  # caveats about the inputs
+    commit: dict | None = None  # the checkout the report describes
+    run_id: str | None = None  # FLASHMOE_RUN_ID, when set
+    job_seconds: float | None = None  # since FLASHMOE_JOB_START, when set
+    run_url: str | None = None
+
+
+def _read_json(path: Path, label: str, unreadable: dict[str, str]) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        unreadable[label] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return None
+    if not isinstance(data, dict):
+        unreadable[label] = f"expected a JSON object, found {type(data).__name__}"
+        return None
+    return data
+
+
+def bench_problem(doc: dict, schema_path: Path = BENCH_SCHEMA) -> tuple[str | None, str | None]:
+    """(why bench.json does not match benches/bench.schema.json, a caveat when it cannot be checked).
+
+    The provenance block is checked by the report itself, so it is set aside when the schema does
+    not declare it."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None, "bench.json was not checked against its schema: jsonschema is not installed"
+    try:
+        schema = json.loads(schema_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return None, f"bench.json was not checked against its schema: {schema_path.name}: {exc}"
+    if "provenance" not in schema.get("properties", {}):
+        doc = {key: value for key, value in doc.items() if key != "provenance"}
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(schema).iter_errors(doc)
+    )
+    if error is None:
+        return None, None
+    where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
+    return f"does not match {schema_path.name} at {where}: {error.message}"[:300], None
+
+
+def stale_reason(block: object, commit: dict | None, run_id: str | None) -> str | None:
+    """Why a record's provenance block does not describe this checkout and run; None if it does."""
+    if not isinstance(block, dict) or not isinstance(block.get("commit"), dict):
+        return "without provenance (written by an older pipeline, or by hand)"
+    theirs = block["commit"]
+    if not provenance.same_code(theirs, commit):
+        return (
+            f"from commit {provenance.describe_commit(theirs)}, "
+            f"not {provenance.describe_commit(commit)} (this checkout)"
+        )
+    if run_id and block.get("run_id") != run_id:
+        return f"from run {block.get('run_id') or 'unknown'}, not this run ({run_id})"
+    return None
+
+
+def load_inputs(
+    directory: Path,
+    base_build: Path | None = None,
+    commit: dict | None = None,
+    run_id: str | None = None,
+    job_seconds: float | None = None,
+) -> Inputs:
+    """Read the report folder. `commit` is the checkout's (provenance.commit() when None) and
+    `run_id` this run's (FLASHMOE_RUN_ID when None): records from other code or runs are stale."""
+    inputs = Inputs(
+        commit=commit if commit is not None else provenance.commit(),
+        run_id=run_id if run_id is not None else (os.environ.get(provenance.RUN_ID_VAR) or None),
+        job_seconds=job_seconds,
+    )
+    bad = inputs.unreadable
+    inputs.env = _read_json(directory / "env.json", "env.json", bad)
+    inputs.build = _read_json(directory / "build.json", "build.json", bad)
+    inputs.gates = _read_json(directory / "gates.json", "gates.json", bad)
+    inputs.bench = _read_json(directory / "bench.json", "bench.json", bad)
+    for label in RECORDS:
+        doc = getattr(inputs, label.removesuffix(".json"))
+        why = (
+            None
+            if doc is None
+            else stale_reason(doc.get("provenance"), inputs.commit, inputs.run_id)
+        )
+        if why:
+            inputs.stale[label] = why
+    if inputs.bench is not None and "bench.json" not in inputs.stale:
+        problem, caveat = bench_problem(inputs.bench)
+        if problem:
+            bad["bench.json"], inputs.bench = problem, None
+        if caveat:
+            inputs.notes.append(caveat)
+    inputs.stages = stages.normalize(
+        _read_json(directory / stages.STAGES_FILE, stages.STAGES_FILE, bad)
+    )
+    for name, stage in inputs.stages.items():
+        why = stale_reason(stage["provenance"], inputs.commit, inputs.run_id)
+        if why:
+            inputs.stale_stages[name] = why
+    log = directory / "build.log"
+    if not log.exists() and inputs.build and isinstance(inputs.build.get("log"), str):
+        candidate = Path(inputs.build["log"])
+        log = candidate if candidate.is_absolute() else directory / candidate
+    _read_build_log(inputs, log)
+    if base_build is not None:
+        inputs.base_build_path = str(base_build)
+        inputs.base_build = _read_json(base_build, f"base build ({base_build})", bad)
+    return inputs
+
+
+def _read_build_log(inputs: Inputs, log: Path) -> None:
+    if not log.is_file():
+        return
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        inputs.unreadable["build.log"] = str(exc)
+        return
+    inputs.build_log = md.tail(text, BUILD_LOG_TAIL_LINES)
+
+
+def stage_status(inputs: Inputs, name: str) -> str | None:
+    """This run's status of a stage (ok, fail, skip, error, interrupted, running), None when the
+    stage has no entry of this run."""
+    if name in inputs.stale_stages:
+        return None
+    return (inputs.stages.get(name) or {}).get("status")
+
+
+def stage_failed(inputs: Inputs, name: str) -> bool:
+    return stage_status(inputs, name) in ("fail", "error", "interrupted", "running")

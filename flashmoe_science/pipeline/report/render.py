@@ -1,0 +1,293 @@
+"""The report as a whole: the verdict, the stage table with wall times and the job's total, the
+sections in order of severity, and the cuts that keep it under GitHub's comment limit."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from .. import markdown as md
+from .. import provenance, stages
+from .bench_section import SDPA_RATIO_LINE, bench_section
+from .build_section import build_section
+from .env_section import env_facts, env_section
+from .gates_section import case_failed, gates_section
+from .inputs import Inputs, stage_failed
+from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN, Detail, Section
+
+MARKER = "<!-- flashmoe-science-report -->"
+MAX_CHARS = 65_536  # GitHub rejects a comment body above this ("Body is too long")
+# The sticky-comment action adds its own hidden header line to the body; keep room for it. The
+# budget is counted in UTF-8 bytes, which is never less than GitHub's count of characters.
+HEADROOM = 512
+BUDGET = MAX_CHARS - HEADROOM
+SECTION_STAGES = ("env", "build", "test", "bench")
+UNFINISHED = "unfinished"
+
+
+def verdict(sections: list[Section], inputs: Inputs) -> str:
+    problems = [p for s in sections for p in s.problems]
+    for name in _extra_stages(inputs):
+        if name in inputs.stale_stages:
+            problems.append((STALE, f"stale {name} stage"))
+        elif stage_failed(inputs, name):
+            problems.append((FAIL, f"{name} failed"))
+    main_files = {"env.json", "build.json", "gates.json", "bench.json"}
+    problems += [
+        (WARN, f"{name} unreadable") for name in inputs.unreadable if name not in main_files
+    ]
+    by = {sev: [text for s, text in problems if s == sev] for sev in (FAIL, STALE, WARN, NOTE)}
+    notes = ("; " + "; ".join(by[NOTE])) if by[NOTE] else ""  # caveats every verdict repeats
+    if by[FAIL]:
+        return (
+            f"## {ICONS[FAIL]} flashmoe-science: "
+            + ", ".join(by[FAIL] + by[STALE] + by[WARN])
+            + notes
+        )
+    if by[STALE]:
+        # A record of other code or another run says nothing about this one: never a pass.
+        return (
+            f"## {ICONS[WARN]} flashmoe-science: not a verdict on this commit: "
+            + ", ".join(by[STALE] + by[WARN])
+            + notes
+        )
+    if by[WARN]:
+        return f"## {ICONS[WARN]} flashmoe-science: " + ", ".join(by[WARN]) + notes
+    not_run = [s.key for s in sections if s.severity == NOTRUN]
+    if len(not_run) == len(sections):
+        return f"## {ICONS[WARN]} flashmoe-science: nothing ran"
+    return (
+        f"## {ICONS[OK]} flashmoe-science: passed"
+        + (f" (not run: {', '.join(not_run)})" if not_run else "")
+        + notes
+    )
+
+
+def _extra_stages(inputs: Inputs) -> list[str]:
+    """Stages in stages.json without a section of their own (sanitize, profile)."""
+    return [name for name in inputs.stages if name not in SECTION_STAGES]
+
+
+def _wall_time(inputs: Inputs, name: str) -> tuple[str, float | None]:
+    """(the cell, the seconds that count towards the sum of stages) of one stage."""
+    stage = inputs.stages.get(name)
+    if stage is None:
+        return md.DASH, None
+    if name in inputs.stale_stages:
+        return f"{md.duration(stage['seconds'])} (stale)", None
+    if stage["status"] == "running":
+        return UNFINISHED, None
+    return md.duration(stage["seconds"]), stage["seconds"]
+
+
+def _extra_row(inputs: Inputs, name: str) -> list[str]:
+    stage = inputs.stages[name]
+    status = stage["status"] or "unknown"
+    if name in inputs.stale_stages:
+        icon, result = ICONS[STALE], f"STALE: {md.text(inputs.stale_stages[name])}"
+    elif stage_failed(inputs, name):
+        icon = ICONS[FAIL]
+        result = "did not finish" if status == "running" else status
+        if stage["exit_code"] is not None:
+            result += f" (exit {stage['exit_code']})"
+    elif status == "skip":
+        icon, result = ICONS[NOTRUN], "skipped (a tool is missing)"
+    else:
+        icon, result = ICONS[OK], status
+    return [icon, md.text(name), result, _wall_time(inputs, name)[0]]
+
+
+def summary_table(sections: list[Section], inputs: Inputs) -> str:
+    rows = []
+    counted: list[float] = []
+    for section in sections:
+        cell, seconds = _wall_time(inputs, section.key)
+        counted += [seconds] if seconds is not None else []
+        rows.append([ICONS[section.severity], section.key, section.summary, cell])
+    for name in _extra_stages(inputs):
+        rows.append(_extra_row(inputs, name))
+        seconds = _wall_time(inputs, name)[1]
+        counted += [seconds] if seconds is not None else []
+    if inputs.job_seconds is not None:
+        rows.append(
+            [
+                "",
+                "**total**",
+                "the job, from its first step",
+                f"**{md.duration(inputs.job_seconds)}**",
+            ]
+        )
+    elif counted:
+        rows.append(
+            [
+                "",
+                "**total**",
+                f"sum of this run's stages ({stages.JOB_START_VAR} unset)",
+                f"**{md.duration(sum(counted))}**",
+            ]
+        )
+    return md.table(["", "stage", "result", "wall time"], rows)
+
+
+def _subject(inputs: Inputs) -> str:
+    """The line that names what the report describes."""
+    text = f"**commit** {md.code(provenance.describe_commit(inputs.commit))}"
+    if inputs.run_id:
+        text += f" · **run** {md.code(inputs.run_id, 80)}"
+    return text
+
+
+def _render(inputs: Inputs, detail: Detail, note: str | None = None) -> str:
+    sections = [
+        env_section(inputs, detail),
+        build_section(inputs, detail),
+        gates_section(inputs, detail),
+        bench_section(inputs, detail),
+    ]
+    lines = [verdict(sections, inputs), MARKER, ""]
+    facts = [_subject(inputs)] + ([] if "env.json" in inputs.stale else env_facts(inputs.env))
+    lines += [" · ".join(facts), ""]
+    if sections[3].severity in (OK, NOTE, WARN) and inputs.bench and inputs.bench.get("cases"):
+        lines += [SDPA_RATIO_LINE, ""]
+    if note:
+        lines += [note, ""]
+    if inputs.unreadable:
+        lines += [
+            "> **Unreadable inputs:** "
+            + "; ".join(
+                f"`{md.text(name)}`: {md.text(why, 160)}" for name, why in inputs.unreadable.items()
+            ),
+            "",
+        ]
+    for caveat in inputs.notes:
+        lines += [f"> **Note:** {md.text(caveat)}", ""]
+    lines += [summary_table(sections, inputs), ""]
+    ran = [s for s in sections if s.severity != NOTRUN]
+    for section in sorted(ran, key=lambda s: -s.severity):  # stable: failures first, then warnings
+        is_open = " open" if section.severity >= WARN else ""
+        lines += [
+            f"<details{is_open}><summary>{ICONS[section.severity]} <b>{section.title}</b>: {section.summary}</summary>",
+            "",
+            section.body,
+            "",
+            "</details>",
+            "",
+        ]
+    not_run = [s for s in sections if s.severity == NOTRUN]
+    if not_run:
+        lines += [
+            "**Not run:** " + ", ".join(f"{s.title.lower()} ({s.body})" for s in not_run) + ".",
+            "",
+        ]
+    footer = "Reproduce locally: `nox -s env build test bench report`."
+    if inputs.run_url:
+        footer += f" All inputs of this report are in the `reports/` artifact of [this run]({inputs.run_url})."
+    lines.append(f"<sub>{footer}</sub>")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _truncation_note(detail: Detail) -> str:
+    omitted = list(dict.fromkeys(detail.omitted))  # unique, in order
+    return (
+        f"> ✂️ **Truncated** to fit GitHub's {MAX_CHARS:,}-character comment limit; not shown: "
+        + ", ".join(omitted)
+        + ". The full data is in the run's `reports/` artifact."
+    )
+
+
+def _render_with(inputs: Inputs, detail: Detail) -> str:
+    """Render once to learn what this level of detail omits, then again with the note in place."""
+    probe = dataclasses.replace(detail, omitted=[])
+    _render(inputs, probe)
+    final = dataclasses.replace(detail, omitted=[])
+    note = _truncation_note(probe) if probe.omitted else None
+    return _render(inputs, final, note)
+
+
+def render(inputs: Inputs, budget: int = BUDGET) -> tuple[str, bool]:
+    """The report, cut down until it fits in `budget` UTF-8 bytes. Returns (text, truncated)."""
+    text = _render(inputs, Detail())
+    if md.size(text) <= budget:
+        return text, False
+    detail = Detail(passing=False)
+    text = _render_with(inputs, detail)
+    if md.size(text) <= budget:
+        return text, True
+    n_bench = len([c for c in (inputs.bench or {}).get("cases") or [] if isinstance(c, dict)])
+    detail.bench_rows = _largest(
+        lambda n: (
+            md.size(_render_with(inputs, dataclasses.replace(detail, bench_rows=n))) <= budget
+        ),
+        n_bench,
+    )
+    text = _render_with(inputs, detail)
+    if md.size(text) <= budget:
+        return text, True
+    n_fail = len(
+        [
+            c
+            for c in (inputs.gates or {}).get("cases") or []
+            if isinstance(c, dict) and case_failed(c)
+        ]
+    )
+    detail.failing_cases = _largest(
+        lambda k: (
+            md.size(_render_with(inputs, dataclasses.replace(detail, failing_cases=k))) <= budget
+        ),
+        n_fail,
+    )
+    text = _render_with(inputs, detail)
+    if md.size(text) <= budget:
+        return text, True
+    return _hard_cut(text, budget), True
+
+
+def _largest(fits, upper: int) -> int:
+    """The largest n in [0, upper] with fits(n), assuming fits is monotone; 0 if none."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _hard_cut(text: str, budget: int) -> str:
+    """Last resort: keep whole lines up to the budget, then close what is open and say so."""
+    note = f"\n\n> ✂️ **Cut here** to fit GitHub's {MAX_CHARS:,}-character comment limit; the full data is in the run's `reports/` artifact.\n"
+    kept: list[str] = []
+    used = md.size(note) + 200  # room for the closing fence and tags
+    fence: str | None = None
+    open_details = 0
+    for line in text.splitlines():
+        cost = md.size(line) + 1
+        if used + cost > budget:
+            break
+        kept.append(line)
+        used += cost
+        stripped = line.strip()
+        if re.match(r"^`{3,}", stripped):
+            ticks = re.match(r"^`+", stripped).group(0)
+            if fence is None:
+                fence = ticks
+            elif stripped == fence:
+                fence = None
+        elif fence is None:
+            open_details += stripped.count("<details") - stripped.count("</details>")
+    tail = []
+    if fence:
+        tail.append(fence)
+    tail += ["", "</details>"] * max(0, min(open_details, 20))
+    return "\n".join(kept + tail) + note
+
+
+def run_url() -> str | None:
+    server, repo, run = (
+        os.environ.get(k) for k in ("GITHUB_SERVER_URL", "GITHUB_REPOSITORY", "GITHUB_RUN_ID")
+    )
+    if server and repo and run:
+        return f"{server}/{repo}/actions/runs/{run}"
+    return None
