@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nox
@@ -31,9 +30,6 @@ HERE = Path(__file__).parent
 PYTHON = os.environ.get("FLASHMOE_PYTHON", sys.executable)
 # nox reduces every failing session to exit 1; these codes must reach `git bisect run` unchanged.
 PASS_THROUGH = {125, 126}
-# One run id for every session of this nox invocation, so the report can tell this run's records
-# from older ones (flashmoe_science/pipeline/provenance.py). A workflow sets its own first.
-os.environ.setdefault("FLASHMOE_RUN_ID", f"nox-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
 
 
 def flashmoe(session: nox.Session, *args: str) -> None:

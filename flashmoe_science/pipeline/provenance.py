@@ -5,9 +5,10 @@ whether the tree was dirty, and a fingerprint of the uncommitted change), and th
 compares them with the checkout it renders for, so inputs left behind by another commit (a bisect
 step, an older run) show as stale instead of as a pass.
 
-The run id is FLASHMOE_RUN_ID when set: the workflows set it to the GitHub run, and the noxfile sets
-one per `nox` invocation, so `nox -s env build test bench report` is one run. A command started by
-hand without it gets a fresh id of its own.
+The run id is FLASHMOE_RUN_ID when set: the workflows set it to the GitHub run, and then the report
+calls any record of another run stale. Locally it is unset: each command records an id of its own,
+and the report judges the records by the code they describe (commit and uncommitted change), so
+`nox -s build test bench` followed later by `nox -s report` on the same tree is one verdict.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The command line (flashmoe_science.pipeline.cli) wraps every stage command in `timed_stage` once,
 so every stage gets a row whatever path it exits by; no command records itself. A stage is written
 twice: "running" when it starts (so a stage killed by a step timeout shows as unfinished, not as
-never run), then its wall time and status when it returns. With FLASHMOE_RUN_ID set (nox, the
+never run), then its wall time and status when it returns. With FLASHMOE_RUN_ID set (the
 workflows), the first stage of a new run drops the entries of older runs.
 
     {"schema": "flashmoe-science/stages/2",
