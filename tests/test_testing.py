@@ -114,7 +114,7 @@ def test_only_gates_that_ran_and_passed_exit_0(capsys):
 
 # ---- the plugin over a small suite of its own ---------------------------------------------------
 
-SUITE = '''
+SUITE = """
 import pytest
 
 @pytest.mark.gate
@@ -129,7 +129,7 @@ def test_gpu_gate():
 
 def test_other():
     assert not {FAIL_OTHER}
-'''
+"""
 
 
 def run_suite(tmp_path: Path, *args: str, fail_gate=0, fail_other=False) -> dict:
