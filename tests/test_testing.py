@@ -227,6 +227,15 @@ def test_a_selection_that_matches_nothing_is_no_tests_collected(tmp_path):
 
 
 @pytest.mark.slow
+def test_pytest_that_cannot_start_is_no_verdict(tmp_path):
+    run = run_stage(tmp_path, "--gates", "--no-such-pytest-option")
+    assert run.returncode == exitcodes.ENV_BROKEN, run.stdout + run.stderr
+    assert "pytest exited 4 (usage error); no verdict on this commit" in run.stderr
+    rec = record(tmp_path)
+    assert (rec["outcome"], rec["pytest_exit"]) == ("error", 4) and rec["provenance"]
+
+
+@pytest.mark.slow
 def test_listed_ids_are_what_k_selects(tmp_path, gate_ids):
     assert len(gate_ids) == len(set(gate_ids)) > 10
     assert all(i.endswith(("-cpu", "-cuda")) for i in gate_ids)

@@ -128,14 +128,17 @@ def write_record(
     outcome: str,
     pytest_exit: int | None,
     selected: dict,
-    gates: dict,
-    tests: dict,
+    gates: dict | None = None,
+    tests: dict | None = None,
     rows: Iterable[dict] = (),
     reason: str | None = None,
 ) -> dict:
-    """Write gates.json into the report directory (atomically) and return what was written."""
+    """Write gates.json into the report directory (atomically) and return what was written.
+    Counts left out are zero: the stage stopped before any test ran."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome={outcome!r}; supported: {', '.join(OUTCOMES)}")
+    if gates is None or tests is None:
+        gates, tests = empty_counts()
     rows = list(rows)
     failed_rows = [r for r in rows if r.get("outcome") != "passed"]
     worst = max(rows, key=lambda r: r.get("max_diff") or 0.0) if rows else {}

@@ -46,11 +46,13 @@ from .provenance import clear_outputs
 
 # The gate matrix lives here; `--gates` collects nothing else.
 GATE_MODULES = ("tests/test_gates.py",)
-# At most this many selected tests run without pytest-xdist. On 2 CPU cores, 3 gate cases took
-# 5.3 s with 2 workers and 1.9 s in one process (worker start-up: torch import and collection).
+# At most this many selected tests run without pytest-xdist: each worker imports torch and collects
+# before its first test. On 2 shared CPU cores, 4 gate cases took 8.2 s on 2 workers and 4.6 s in one
+# process; 28 cases were no faster on 2 workers (10.0 s against 10.8 s).
 SERIAL_MAX_TESTS = 32
 # Plugin autoload is off (PYTEST_DISABLE_PLUGIN_AUTOLOAD): the plugins the suite uses, by module.
-# pytest-xdist's workers get the same arguments and environment, so they load it too.
+# pytest-xdist's workers get the same arguments and environment, so they load it too; its other
+# entry point (xdist.looponfail) serves only --looponfail.
 PLUGINS = ("-p", "xdist.plugin")
 
 EXIT_CODES = {
@@ -188,11 +190,7 @@ def main(argv: list[str]) -> int:
     selected = gate_plugin.selection(args.keyword, None, args.gates, [*targets, *pytest_args])
 
     def stopped(code: int, reason: str) -> int:
-        gates, tests = gate_plugin.empty_counts()
-        gate_plugin.write_record(
-            outcome=ERROR, pytest_exit=None, selected=selected, gates=gates, tests=tests,
-            reason=reason,
-        )  # fmt: skip
+        gate_plugin.write_record(outcome=ERROR, pytest_exit=None, selected=selected, reason=reason)
         return code
 
     try:
@@ -227,11 +225,12 @@ def main(argv: list[str]) -> int:
 
     collected = collect([*targets, *pytest_args])
     if collected.exit == NO_TESTS_EXIT:
-        gates, tests = gate_plugin.empty_counts()
         record = gate_plugin.write_record(
-            outcome=NO_TESTS_COLLECTED, pytest_exit=collected.exit, selected=selected,
-            gates=gates, tests=tests, reason="the selection matched no test",
-        )  # fmt: skip
+            outcome=NO_TESTS_COLLECTED,
+            pytest_exit=collected.exit,
+            selected=selected,
+            reason="the selection matched no test",
+        )
         return verdict(record, time.monotonic() - start, args.no_gates_ok)
     workers = args.workers
     why = ""
@@ -243,20 +242,23 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "pytest", *PLUGINS, *targets, "-n", workers, "-q", *pytest_args]
     print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
     env = isolated_env(dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else ""))
-    rc = subprocess.call(cmd, cwd=REPO_ROOT, env=env)
+    with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:  # pytest got the Ctrl-C too: let it write its record
+            rc = proc.wait()
     elapsed = time.monotonic() - start
     from .report import record_stage
 
     record_stage("test", elapsed, "ok" if rc == 0 else "fail")
     record = _read_record()
     if record is None:  # pytest stopped before its session ended (usage or internal error)
-        gates, tests = gate_plugin.empty_counts()
-        name = gate_plugin.PYTEST_EXIT_NAMES.get(rc, "crashed")
         record = gate_plugin.write_record(
-            outcome=gate_plugin.classify(rc, gates, tests) if rc in (2, 5) else ERROR,
-            pytest_exit=rc, selected=selected, gates=gates, tests=tests,
-            reason=f"pytest exited {rc} ({name})",
-        )  # fmt: skip
+            outcome={2: INTERRUPTED, NO_TESTS_EXIT: NO_TESTS_COLLECTED}.get(rc, ERROR),
+            pytest_exit=rc,
+            selected=selected,
+            reason=f"pytest exited {rc} ({gate_plugin.PYTEST_EXIT_NAMES.get(rc, 'crashed')})",
+        )
     return verdict(record, elapsed, args.no_gates_ok)
 
 
