@@ -26,7 +26,7 @@ def stage_env(reports: Path, **extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("FLASHMOE_", "PYTEST_XDIST", "PYTEST_ADDOPTS"))
+        if not k.startswith(("FLASHMOE_", "PYTEST_XDIST", "PYTEST_ADDOPTS", "TORCH_CUDA_ARCH"))
     }
     env.update(
         FLASHMOE_REPORT_DIR=str(reports),
