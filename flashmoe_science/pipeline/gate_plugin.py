@@ -39,7 +39,8 @@ OUTCOMES, and what `python -m flashmoe_science test` exits with for each:
   no-tests-collected          the selection matched nothing (pytest exit 5)           255
   interrupted                 pytest was interrupted, or collection failed            255
   error                       pytest failed to run (usage or internal error), or the  255
-                              stage stopped before it (torch missing, no build)
+                              stage stopped before it: torch missing (255), the
+                              commit does not build (125, a bisect skips it)
 """
 
 from __future__ import annotations
