@@ -56,7 +56,10 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def test(session: nox.Session) -> None:
-    """Build incrementally, then run the correctness gates (posargs go to pytest, e.g. -k CASE)."""
+    """Build incrementally, then run the tests; exit 0 only when gates ran and passed.
+
+    `-- --gates -k ID` runs gates alone (a bisect step), `-- --list` prints the gate ids, `-- --help`
+    the rest; other posargs go to pytest."""
     flashmoe(session, "test", *session.posargs)
 
 

@@ -1,15 +1,13 @@
-"""Shared fixtures, and the plugin that writes every gate case's figures to reports/gates.json."""
+"""Shared fixtures. The `gate` marker, `--gates-only` and reports/gates.json come from the package's
+plugin (flashmoe_science/pipeline/gate_plugin.py), loaded here so plain `pytest` behaves as the
+test stage does."""
 
 from __future__ import annotations
-
-import json
-import os
-import time
 
 import pytest
 import torch
 
-from flashmoe_science.pipeline import paths
+pytest_plugins = ("flashmoe_science.pipeline.gate_plugin",)
 
 
 def cuda_build_loaded() -> bool:
@@ -54,34 +52,3 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
-
-
-_gate_rows: list[dict] = []
-
-
-def pytest_runtest_logreport(report):
-    # Runs on the controller too under pytest-xdist, with user_properties carried over.
-    if report.when != "call":
-        return
-    for name, value in report.user_properties:
-        if name == "gate":
-            _gate_rows.append({**value, "outcome": report.outcome})
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if os.environ.get("PYTEST_XDIST_WORKER") or not _gate_rows:
-        return
-    path = paths.report_dir() / "gates.json"
-    failed = [r for r in _gate_rows if r["outcome"] != "passed"]
-    worst = max(_gate_rows, key=lambda r: r.get("max_diff") or 0.0)
-    doc = {
-        "schema": "flashmoe-science/gates/1",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "total": len(_gate_rows),
-        "failed": len(failed),
-        "worst_max_diff": worst.get("max_diff"),
-        "worst_case": worst.get("case_id"),
-        "worst_ratio": max((r.get("ratio") or 0.0) for r in _gate_rows),
-        "cases": sorted(_gate_rows, key=lambda r: (r["outcome"] == "passed", r["case_id"])),
-    }
-    path.write_text(json.dumps(doc, indent=1))

@@ -56,7 +56,7 @@ TORCH_NUMPY_WARNING = (
 H100 = env.Gpu(name="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.1)
 JSON_KEYS = {
     "schema", "timestamp", "require_gpu", "passed", "backend", "gpu", "torch", "cuda", "python",
-    "platform", "elapsed_s", "checks",
+    "platform", "elapsed_s", "checks", "provenance",
 }  # fmt: skip
 
 

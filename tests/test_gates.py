@@ -24,11 +24,13 @@ def _run(case: gates.Case, device: str, record_property) -> None:
         pytest.fail(gates.format_failure(case, result), pytrace=False)
 
 
+@pytest.mark.gate
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c.id}-cpu")
 def test_gate_cpu(case, record_property):
     _run(case, "cpu", record_property)
 
 
+@pytest.mark.gate
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_gate_cuda(case, record_property, has_cuda_kernels):

@@ -32,6 +32,7 @@ from typing import Any
 
 from . import exitcodes
 from .paths import build_root, report_dir, require_gpu_from_env
+from .provenance import clear_outputs, provenance
 
 SCHEMA = "flashmoe-science/env/1"
 STATUSES = ("ok", "warn", "fail", "skip")
@@ -857,6 +858,8 @@ def main(argv: list[str] | None = None) -> int:
         help="where to write the findings (default: reports/env.json)",
     )
     args = parser.parse_args(argv)
+    if args.json is None:
+        clear_outputs("env.json")
 
     report = run_checks(require_gpu=args.require_gpu)
     for check in report.checks:
@@ -864,7 +867,8 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.json or report_dir() / "env.json"
     try:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        doc = {**report.to_json(), "provenance": provenance()}
+        json_path.write_text(json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
         print(
             f"env: cannot write {json_path}: {exc} -> fix: pass --json to a writable path",

@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import exitcodes, paths
+from .provenance import provenance
 from .sanitize import UNUSABLE_PATTERNS, find_cuda_tool, paths_display, run_streaming, short_kernel
 
 SCHEMA = "flashmoe-science/profile/1"
@@ -597,6 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_workload(args.case, args.calls)
     out = args.output or paths.report_dir()
     out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile-{case.id}.json").unlink(missing_ok=True)  # never an older run's record
     return run(args, case, out)
 
 
@@ -681,6 +683,7 @@ def run(args, case, out: Path) -> int:
     doc = {
         "schema": SCHEMA,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "provenance": provenance(),
         "case": case.id,
         "shape": case.to_dict(),
         "flops": case.flops,

@@ -60,6 +60,7 @@ from pathlib import Path
 
 from . import exitcodes, paths
 from .build import shorten_kernel_name
+from .provenance import clear_outputs, provenance
 
 SCHEMA = "flashmoe-science/sanitize/1"
 TOOLS = ("memcheck", "initcheck", "synccheck", "racecheck")  # racecheck, the slowest, last
@@ -716,6 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args, tools: list[str]) -> int:
     start = time.monotonic()
+    clear_outputs("sanitize.json", *(f"sanitize-{tool}.log" for tool in tools))
     gpu = _gpu_name()
     if gpu is None:
         _say(
@@ -760,6 +762,7 @@ def run(args, tools: list[str]) -> int:
     doc: dict = {
         "schema": SCHEMA,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "provenance": provenance(),
         "gpu": gpu,
         "sanitizer": exe,
         "sanitizer_version": version,

@@ -1,0 +1,291 @@
+"""The test stage's verdicts: exit 0 only when gates ran and passed, 255 (a bisect stops) when no gate
+ran, 1 when a test failed; reports/gates.json says which, for which commit; `--list` gives the ids
+`-k` selects; plugins of the interpreter stay out of the run.
+
+The stage runs as a user runs it, in a subprocess with its own report directory and no GPU, so the
+CUDA gate cases skip. Gate ids come from `--list`, never spelled out here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flashmoe_science.pipeline import exitcodes, gate_plugin, provenance, testing
+from flashmoe_science.pipeline.paths import REPO_ROOT
+
+ALL_PASSED = "all gates passed"
+
+
+def stage_env(reports: Path, **extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FLASHMOE_", "PYTEST_XDIST", "PYTEST_ADDOPTS", "TORCH_CUDA_ARCH"))
+    }
+    env.update(
+        FLASHMOE_REPORT_DIR=str(reports),
+        CUDA_VISIBLE_DEVICES="",  # the CUDA gate cases skip, as on a machine without a GPU
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+    )
+    env.update(extra)
+    return env
+
+
+def run_stage(reports: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flashmoe_science", "test", *args],
+        cwd=REPO_ROOT,
+        env=stage_env(reports, **extra),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def record(reports: Path) -> dict:
+    return json.loads((reports / gate_plugin.RECORD).read_text())
+
+
+@pytest.fixture(scope="module")
+def gate_ids(tmp_path_factory) -> list[str]:
+    listed = run_stage(tmp_path_factory.mktemp("list"), "--list")
+    assert listed.returncode == 0, listed.stderr
+    return listed.stdout.split()
+
+
+def cpu_id(ids: list[str]) -> str:
+    return next(i for i in ids if i.endswith("-cpu") and "-sq1-" not in i)
+
+
+# ---- the outcome of a session, from its counts --------------------------------------------------
+
+
+def counts(gates=(0, 0, 0, 0), tests=(0, 0, 0, 0)) -> tuple[dict, dict]:
+    """gates (passed, failed, skipped, other-selected) and tests (passed, failed, errors, skipped)."""
+    g, t = gate_plugin.empty_counts()
+    g.update(passed=gates[0], failed=gates[1], skipped=gates[2], ran=gates[0] + gates[1])
+    g["selected"] = g["ran"] + g["skipped"]
+    t.update(passed=tests[0], failed=tests[1], errors=tests[2], skipped=tests[3])
+    t["selected"] = sum(tests)
+    return g, t
+
+
+@pytest.mark.parametrize(
+    ("pytest_exit", "gates", "tests", "outcome"),
+    [
+        (0, (3, 0, 0, 0), (10, 0, 0, 0), "passed"),
+        (0, (3, 0, 2, 0), (10, 0, 0, 2), "passed"),
+        (1, (2, 1, 0, 0), (10, 1, 0, 0), "failed"),
+        (1, (3, 0, 0, 0), (10, 1, 0, 0), "tests-failed-outside-gates"),
+        (1, (0, 0, 0, 0), (4, 1, 0, 0), "tests-failed-outside-gates"),
+        (1, (3, 0, 0, 0), (10, 0, 1, 0), "tests-failed-outside-gates"),
+        (0, (0, 0, 0, 0), (12, 0, 0, 0), "no-gates-selected"),
+        (0, (0, 0, 4, 0), (0, 0, 0, 4), "gates-skipped-need-gpu"),
+        (5, (0, 0, 0, 0), (0, 0, 0, 0), "no-tests-collected"),
+        (2, (1, 0, 0, 0), (1, 0, 0, 0), "interrupted"),
+        (3, (0, 0, 0, 0), (0, 0, 0, 0), "error"),
+        (None, (0, 0, 0, 0), (0, 0, 0, 0), "error"),
+    ],
+)
+def test_outcome_of_a_session(pytest_exit, gates, tests, outcome):
+    g, t = counts(gates, tests)
+    assert gate_plugin.classify(pytest_exit, g, t) == outcome
+
+
+def test_only_gates_that_ran_and_passed_exit_0(capsys):
+    for outcome, code in testing.EXIT_CODES.items():
+        g, t = counts((3, 0, 0, 0) if outcome == "passed" else (0, 0, 0, 0), (3, 0, 0, 0))
+        rec = {"outcome": outcome, "gates": g, "tests": t, "selection": {}, "reason": "why"}
+        assert testing.verdict(rec, 1.0) == code
+        said = capsys.readouterr()
+        assert (ALL_PASSED in said.out + said.err) == (outcome == "passed"), outcome
+        assert (code == exitcodes.OK) == (outcome == "passed"), outcome
+    g, t = counts((0, 0, 0, 0), (12, 0, 0, 0))
+    rec = {"outcome": "no-gates-selected", "gates": g, "tests": t, "selection": {}}
+    assert testing.verdict(rec, 1.0, no_gates_ok=True) == exitcodes.OK
+    assert "12 tests passed; no gate selected" in capsys.readouterr().out
+
+
+# ---- the plugin over a small suite of its own ---------------------------------------------------
+
+SUITE = """
+import pytest
+
+@pytest.mark.gate
+@pytest.mark.parametrize("n", [1, 2])
+def test_gate(n, record_property):
+    record_property("gate", {"case_id": f"c{n}", "max_diff": 0.01 * n, "ratio": 1.5})
+    assert {FAIL_GATE} != n
+
+@pytest.mark.gate
+def test_gpu_gate():
+    pytest.skip("needs a CUDA GPU")
+
+def test_other():
+    assert not {FAIL_OTHER}
+"""
+
+
+def run_suite(tmp_path: Path, *args: str, fail_gate=0, fail_other=False) -> dict:
+    suite = tmp_path / "suite"
+    suite.mkdir(exist_ok=True)
+    (suite / "conftest.py").write_text(
+        'pytest_plugins = ("flashmoe_science.pipeline.gate_plugin",)\n'
+    )
+    (suite / "test_suite.py").write_text(
+        SUITE.replace("{FAIL_GATE}", str(fail_gate)).replace("{FAIL_OTHER}", str(fail_other))
+    )
+    reports = tmp_path / "reports"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(suite)],
+        cwd=suite,
+        env=stage_env(reports, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"),
+        capture_output=True,
+        timeout=300,
+    )
+    return record(reports)
+
+
+def test_gates_json_counts_gates_apart_from_tests(tmp_path):
+    rec = run_suite(tmp_path)
+    assert rec["schema"] == "flashmoe-science/gates/2"
+    assert rec["outcome"] == "passed" and rec["pytest_exit"] == 0
+    assert rec["gates"] == {"selected": 3, "ran": 2, "passed": 2, "failed": 0, "skipped": 1}
+    assert rec["tests"] == {"selected": 4, "passed": 3, "failed": 0, "errors": 0, "skipped": 1}
+    assert (rec["total"], rec["failed"], rec["worst_case"]) == (2, 0, "c2")
+    assert rec["provenance"]["commit"] == provenance.commit()
+    assert rec["provenance"]["run_id"]
+
+
+def test_a_failing_gate_and_a_failing_other_test_are_told_apart(tmp_path, capsys):
+    rec = run_suite(tmp_path, fail_gate=2)
+    assert (rec["outcome"], rec["gates"]["failed"], rec["failed"]) == ("failed", 1, 1)
+    assert rec["cases"][0]["case_id"] == "c2"  # failing cases first
+    rec = run_suite(tmp_path, fail_other=True)
+    assert rec["outcome"] == "tests-failed-outside-gates"
+    assert testing.verdict(rec, 1.0) == exitcodes.GATE_FAILED
+    said = capsys.readouterr().err
+    assert "1 test outside the gates FAILED (2 of 2 gates passed)" in said
+    assert ALL_PASSED not in said
+
+
+def test_gates_only_deselects_every_other_test(tmp_path):
+    rec = run_suite(tmp_path, "--gates-only", fail_other=True)
+    assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 3
+    assert rec["selection"]["gates_only"] is True
+    rec = run_suite(tmp_path, "-k", "gpu_gate")
+    assert rec["outcome"] == "gates-skipped-need-gpu"
+    assert rec["reason"] == "needs a CUDA GPU" and rec["selection"]["keyword"] == "gpu_gate"
+
+
+# ---- the stage, as a user and a bisect run it ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_cuda_selection_without_a_gpu_stops_a_bisect(tmp_path, gate_ids):
+    cuda = next(i for i in gate_ids if i.endswith("-cuda"))
+    run = run_stage(tmp_path, "--gates", "-k", cuda)
+    assert run.returncode == exitcodes.ENV_BROKEN, run.stdout + run.stderr
+    assert ALL_PASSED not in run.stdout + run.stderr
+    assert "every selected gate (1) was skipped" in run.stderr
+    rec = record(tmp_path)
+    assert rec["outcome"] == "gates-skipped-need-gpu" and rec["gates"]["ran"] == 0
+    assert rec["provenance"]["commit"]["sha"] == provenance.commit()["sha"]
+
+
+@pytest.mark.slow
+def test_a_selection_without_gates_is_no_verdict(tmp_path):
+    # A test of this very module: fast, and never a gate.
+    only = "test_outcome_of_a_session and no-gates-selected"
+    run = run_stage(tmp_path, "-k", only)
+    assert run.returncode == exitcodes.ENV_BROKEN, run.stdout + run.stderr
+    assert ALL_PASSED not in run.stdout + run.stderr
+    assert "1 test passed; no gate selected" in run.stderr and "--no-gates-ok" in run.stderr
+    rec = record(tmp_path)
+    assert rec["outcome"] == "no-gates-selected" and rec["tests"]["passed"] == 1
+    assert rec["selection"]["keyword"] == only
+    run = run_stage(tmp_path, "-k", only, "--no-gates-ok")
+    assert run.returncode == exitcodes.OK, run.stdout + run.stderr
+    assert ALL_PASSED not in run.stdout
+
+
+@pytest.mark.slow
+def test_a_selection_that_matches_nothing_is_no_tests_collected(tmp_path):
+    (tmp_path / gate_plugin.RECORD).write_text('{"outcome": "passed"}')  # an older run's record
+    run = run_stage(tmp_path, "-k", "no_such_test_anywhere")
+    assert run.returncode == exitcodes.ENV_BROKEN, run.stdout + run.stderr
+    assert "no tests collected: -k 'no_such_test_anywhere' matched nothing" in run.stderr
+    assert "--list" in run.stderr
+    rec = record(tmp_path)
+    assert (rec["outcome"], rec["pytest_exit"]) == ("no-tests-collected", 5)
+
+
+@pytest.mark.slow
+def test_pytest_that_cannot_start_is_no_verdict(tmp_path):
+    run = run_stage(tmp_path, "--gates", "--no-such-pytest-option")
+    assert run.returncode == exitcodes.ENV_BROKEN, run.stdout + run.stderr
+    assert "pytest exited 4 (usage error); no verdict on this commit" in run.stderr
+    rec = record(tmp_path)
+    assert (rec["outcome"], rec["pytest_exit"]) == ("error", 4) and rec["provenance"]
+
+
+@pytest.mark.slow
+def test_listed_ids_are_what_k_selects(tmp_path, gate_ids):
+    assert len(gate_ids) == len(set(gate_ids)) > 10
+    assert all(i.endswith(("-cpu", "-cuda")) for i in gate_ids)
+    one = cpu_id(gate_ids)
+    narrowed = run_stage(tmp_path, "--list", "-k", one)
+    assert narrowed.stdout.split() == [one]
+    assert not (tmp_path / gate_plugin.RECORD).exists()  # --list runs nothing
+    run = run_stage(tmp_path, "--gates", "-k", one)
+    assert run.returncode == exitcodes.OK, run.stdout + run.stderr
+    assert "all gates passed (1 of 1)" in run.stdout
+    assert " -n 0 " in run.stdout  # one case: no pytest-xdist workers to start
+    rec = record(tmp_path)
+    assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 1
+    assert rec["cases"][0]["case_id"] + "-cpu" == one
+
+
+STRAY_PLUGIN = """
+import os
+
+def pytest_configure(config):
+    with open(os.environ["STRAY_MARK"], "a") as f:
+        f.write("loaded\\n")
+"""
+
+
+@pytest.mark.slow
+def test_plugins_of_the_interpreter_stay_out(tmp_path, gate_ids):
+    """A pytest plugin installed in the interpreter (an entry point, as pytest-benchmark's is)
+    loads in a plain pytest run but not in the stage's."""
+    site = tmp_path / "site"
+    (site / "stray_plugin-1.0.dist-info").mkdir(parents=True)
+    (site / "stray_plugin-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: stray-plugin\nVersion: 1.0\n"
+    )
+    (site / "stray_plugin-1.0.dist-info" / "entry_points.txt").write_text(
+        "[pytest11]\nstray = stray_plugin\n"
+    )
+    (site / "stray_plugin.py").write_text(textwrap.dedent(STRAY_PLUGIN))
+    mark = tmp_path / "mark"
+    path = os.pathsep.join([str(site), str(REPO_ROOT)])
+    plain = subprocess.run(
+        [sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", "-k", "x"],
+        cwd=tmp_path,
+        env=stage_env(tmp_path / "plain", PYTHONPATH=path, STRAY_MARK=str(mark)),
+        capture_output=True,
+    )
+    assert mark.exists(), plain.stdout  # the stray plugin is real: plain pytest loads it
+    mark.unlink()
+    run = run_stage(
+        tmp_path, "--gates", "-k", cpu_id(gate_ids), PYTHONPATH=path, STRAY_MARK=str(mark)
+    )
+    assert run.returncode == exitcodes.OK, run.stdout + run.stderr
+    assert not mark.exists()
