@@ -186,11 +186,8 @@ def check(wheel: Path | None, work: Path) -> dict:
     cwd, cache = work / "cwd", work / "cache"
     cwd.mkdir()
     env = user_env(cache)
-    _run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
-        + ["--no-index", "--force-reinstall", str(wheel)],
-        env=env,
-    )
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
+    _run([*pip, "--no-index", "--force-reinstall", str(wheel)], env=env)
     _say(f"installed into {work / 'venv'}; prebuilding into FLASHMOE_CACHE_DIR={cache}")
     _run([str(python), "-m", "flashmoe_science", "build", "--backend", "cpu"], cwd=cwd, env=env)
     run = _run([str(python), "-c", API_SNIPPET], cwd=cwd, env=env)
