@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -207,7 +208,9 @@ def test_parse_ptxas_demangles_and_shortens_names():
 
 def test_shorten_kernel_name():
     assert (
-        compiler_output.shorten_kernel_name("void flash::fwd<Traits<128, 64>, true>(Params, int (*)(int))")
+        compiler_output.shorten_kernel_name(
+            "void flash::fwd<Traits<128, 64>, true>(Params, int (*)(int))"
+        )
         == "fwd<Traits<128, 64>, true>"
     )
     long_name = "void k<" + ", ".join(["cutlass::half_t"] * 10) + ">(P)"
@@ -570,3 +573,78 @@ def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch):
     assert (
         build.main(["--backend", "cpu", "--sources-dir", str(tmp_path)]) == exitcodes.BUILD_FAILED
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamic shared memory per kernel
+# --------------------------------------------------------------------------------------------------
+
+
+def traits_smem(kernel: str) -> int:
+    """The shared memory a kernel's traits ask for, by the formulas of csrc/flash_fwd_kernel.cuh
+    (FwdTraits::kSmemBytes) and csrc/flash_decode_kernel.cuh (DecodeTraits::kSmemBytes)."""
+    if match := re.search(r"FwdTraits<(\d+), (\d+), (\d+), \d+, (?:true|false)>", kernel):
+        head_dim, block_m, block_n = (int(g) for g in match.groups())
+        return (block_m + 2 * block_n) * head_dim * 2  # Q tile + K and V tiles, 2-byte elements
+    if match := re.search(r"DecodeTraits<(\d+), (\d+)>", kernel):
+        head_dim, stages = (int(g) for g in match.groups())
+        return stages * 2 * 64 * head_dim * 2  # per stage a 64-key K tile and V tile
+    assert "split_kv_combine_kernel" in kernel, kernel
+    return 0
+
+
+# As nvcc names two of the kernels (demangled by c++filt below), and the unit's launch table in the
+# shape flashmoe::cuda::kernel_launches writes it.
+PTXAS_CURRENT = """\
+ptxas info    : Compiling entry function '_ZN8flashmoe4cuda16flash_fwd_kernelINS0_9FwdTraitsILi128ELi64ELi64ELi4ELb0EEE6__halfEEvNS_15AttentionParamsE' for 'sm_90'
+ptxas info    : Function properties for _ZN8flashmoe4cuda16flash_fwd_kernelINS0_9FwdTraitsILi128ELi64ELi64ELi4ELb0EEE6__halfEEvNS_15AttentionParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 400 bytes cmem[0]
+ptxas info    : Compiling entry function '_ZN8flashmoe4cuda19flash_decode_kernelINS0_12DecodeTraitsILi128ELi3EEE13__nv_bfloat16EEvNS_15AttentionParamsE' for 'sm_90'
+ptxas info    : Function properties for _ZN8flashmoe4cuda19flash_decode_kernelINS0_12DecodeTraitsILi128ELi3EEE13__nv_bfloat16EEvNS_15AttentionParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers, 1 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z8mysteryv' for 'sm_90'
+ptxas info    : Used 8 registers, used 0 barriers
+"""
+LAUNCH_TABLE = """\
+flashmoe::cuda::flash_fwd_kernel<flashmoe::cuda::FwdTraits<128, 64, 64, 4, false>, __half>\t49152
+flashmoe::cuda::flash_decode_kernel<flashmoe::cuda::DecodeTraits<128, 3>, __nv_bfloat16>\t98304
+flashmoe::cuda::split_kv_combine_kernel<__half, 128>\t0
+"""
+
+
+@pytest.mark.skipif(not shutil.which("c++filt"), reason="no c++filt (binutils)")
+def test_dynamic_smem_joins_the_ptxas_rows():
+    kernels = compiler_output.parse_ptxas(PTXAS_CURRENT)
+    table = build.parse_launch_table(LAUNCH_TABLE)
+    build.add_dynamic_smem(kernels, table)
+    fwd, decode, mystery = kernels
+    assert fwd["kernel"] == "flash_fwd_kernel<FwdTraits<128, 64, 64, 4, false>, __half>"
+    # 64-row tile at d=128: 48 KB, the figure csrc/flash_api_cuda.cuh quotes for config 2
+    assert (fwd["smem_bytes"], fwd["dynamic_smem"]) == (0, 49152) == (0, traits_smem(fwd["kernel"]))
+    # three stages of 64 keys at d=128: 96 KB; the arrival flag is its only static smem
+    assert (decode["smem_bytes"], decode["dynamic_smem"]) == (1, 98304)
+    assert decode["dynamic_smem"] == traits_smem(decode["kernel"])
+    assert mystery["dynamic_smem"] is None  # a kernel the unit does not report: unknown, not 0
+    rows = build.format_resource_table(kernels)
+    assert "dynamic smem" in rows[0] and "49152" in rows[1] and rows[3].split()[-2] == "?"
+    assert len({len(row) for row in rows}) == 1
+    build.add_dynamic_smem(kernels, None)  # an older unit without the table
+    assert all(k["dynamic_smem"] is None for k in kernels)
+
+
+@pytest.mark.gpu
+def test_dynamic_smem_is_what_each_launch_asks_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    result = build.build(loader.resolve_config("cuda"), quiet=True)
+    table = build.launch_table(result.library)
+    # 2 dtypes x 2 head dims x (4 configurations + the combine kernel)
+    assert table is not None and len(table) == 20
+    assert {name: traits_smem(name) for name in table} == table
+    ours = [k for k in result.kernels if k["kernel"] in table]
+    assert len(ours) >= 20 and all(k["dynamic_smem"] == traits_smem(k["kernel"]) for k in ours)
+    report = json.loads((tmp_path / "reports" / "build.json").read_text())
+    assert [k["dynamic_smem"] for k in report["kernels"] if k["kernel"] in table] == [
+        k["dynamic_smem"] for k in ours
+    ]

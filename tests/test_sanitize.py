@@ -343,7 +343,12 @@ def test_sanitizer_command_and_environment():
     assert "--print-limit" in memcheck and memcheck[memcheck.index("--print-limit") + 1] == "20"
     assert "--racecheck-report" not in memcheck
     assert "kns=flash_fwd_kernel" in memcheck and "kns=split_kv_combine_kernel" in memcheck
-    assert memcheck[-4:] == [sys.executable, "-m", "flashmoe_science.pipeline.sanitize", "--workload"]
+    assert memcheck[-4:] == [
+        sys.executable,
+        "-m",
+        "flashmoe_science.pipeline.sanitize",
+        "--workload",
+    ]
     racecheck = sanitize.sanitizer_command("cs", "racecheck", kernel_filter=False)
     assert racecheck[racecheck.index("--racecheck-report") + 1] == "all"
     assert "--kernel-name" not in racecheck
