@@ -7,6 +7,7 @@ tmp_path, and the CPU backend, so they run on any machine with a compiler and to
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -634,17 +635,26 @@ def test_dynamic_smem_joins_the_ptxas_rows():
     assert all(k["dynamic_smem"] is None for k in kernels)
 
 
-@pytest.mark.gpu
-def test_dynamic_smem_is_what_each_launch_asks_for(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
-    result = build.build(loader.resolve_config("cuda"), quiet=True)
-    table = build.launch_table(result.library)
+def newest_cuda_build() -> Path | None:
+    """The library of this checkout's newest successful CUDA build (nox -s build on a GPU machine,
+    nox -s compile elsewhere), if any."""
+    records = []
+    for path in loader.build_root().glob("*/build.json"):
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text())
+            library = Path(str(record.get("so_path")))
+            if record.get("backend") == "cuda" and record.get("status") == "ok" and library.exists():
+                records.append((path.stat().st_mtime, library))
+    return max(records)[1] if records else None
+
+
+@pytest.mark.skipif(newest_cuda_build() is None, reason="no CUDA build here (nox -s build/compile)")
+def test_dynamic_smem_is_what_each_launch_asks_for():
+    library = newest_cuda_build()
+    table = build.launch_table(library)
     # 2 dtypes x 2 head dims x (4 configurations + the combine kernel)
     assert table is not None and len(table) == 20
     assert {name: traits_smem(name) for name in table} == table
-    ours = [k for k in result.kernels if k["kernel"] in table]
+    kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
+    ours = [k for k in kernels if k["kernel"] in table]
     assert len(ours) >= 20 and all(k["dynamic_smem"] == traits_smem(k["kernel"]) for k in ours)
-    report = json.loads((tmp_path / "reports" / "build.json").read_text())
-    assert [k["dynamic_smem"] for k in report["kernels"] if k["kernel"] in table] == [
-        k["dynamic_smem"] for k in ours
-    ]
