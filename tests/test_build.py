@@ -643,7 +643,11 @@ def newest_cuda_build() -> Path | None:
         with contextlib.suppress(OSError, ValueError):
             record = json.loads(path.read_text())
             library = Path(str(record.get("so_path")))
-            if record.get("backend") == "cuda" and record.get("status") == "ok" and library.exists():
+            if (
+                record.get("backend") == "cuda"
+                and record.get("status") == "ok"
+                and library.exists()
+            ):
                 records.append((path.stat().st_mtime, library))
     return max(records)[1] if records else None
 

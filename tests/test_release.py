@@ -43,7 +43,9 @@ def test_builds_the_sdist_and_wheel_and_checks_them(release):
     assert re.search(r"^python -m build --outdir dist/", commands, re.MULTILINE)
     assert "twine check --strict dist/*" in commands
     assert re.search(r"pip\" install build==[\d.]+ twine==[\d.]+", commands)  # pinned tools
-    upload = next(s for s in dist["steps"] if s.get("uses", "").startswith("actions/upload-artifact@"))
+    upload = next(
+        s for s in dist["steps"] if s.get("uses", "").startswith("actions/upload-artifact@")
+    )
     assert upload["with"]["name"] == "dist" and upload["with"]["if-no-files-found"] == "error"
     assert 'GITHUB_REF_NAME#v}" = "$version"' in commands  # a tag that lies about the version fails
 
@@ -51,13 +53,17 @@ def test_builds_the_sdist_and_wheel_and_checks_them(release):
 def test_checks_the_built_wheel_as_ci_does(release):
     check = release["jobs"]["check"]
     assert check["needs"] == "dist"
-    download = next(s for s in check["steps"] if s.get("uses", "").startswith("actions/download-artifact@"))
+    download = next(
+        s for s in check["steps"] if s.get("uses", "").startswith("actions/download-artifact@")
+    )
     assert download["with"] == {"name": "dist", "path": "dist/"}
     assert f"{WHEELCHECK} --wheel dist/*.whl" in runs(check)
     # the CPU torch, never the multi-GB CUDA one
     assert "--cpu" in runs(check) and "download.pytorch.org/whl/cpu" in runs(check)
     # .ci/run runs the same check, on a wheel it builds
-    assert re.search(rf"^{re.escape(WHEELCHECK)}$", (ROOT / ".ci" / "run").read_text(), re.MULTILINE)
+    assert re.search(
+        rf"^{re.escape(WHEELCHECK)}$", (ROOT / ".ci" / "run").read_text(), re.MULTILINE
+    )
 
 
 def test_publishes_with_trusted_publishing_after_the_checks(release):

@@ -96,7 +96,9 @@ def _run(command: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
     )
     if run.returncode != 0:
         tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-15:])
-        raise CheckFailed(f"`{' '.join(map(str, command[:5]))} ...` exited {run.returncode}:\n{tail}")
+        raise CheckFailed(
+            f"`{' '.join(map(str, command[:5]))} ...` exited {run.returncode}:\n{tail}"
+        )
     return run
 
 
