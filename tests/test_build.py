@@ -662,3 +662,15 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]
     assert len(ours) >= 20 and all(k["dynamic_smem"] == traits_smem(k["kernel"]) for k in ours)
+
+
+@pytest.mark.slow
+def test_first_use_shows_progress_on_stderr_and_writes_no_report(tiny_unit, tmp_path, capsys):
+    library = loader.ensure_built("cpu", sources_dir=tiny_unit)
+    captured = capsys.readouterr()
+    assert captured.out == ""  # a program's own output stays clean
+    assert "flashmoe_science: building the CPU unit" in captured.err
+    assert "[2/2] link flashmoe_science_C.so" in captured.err and "built in" in captured.err
+    assert library.exists() and not (tmp_path / "reports" / "build.json").exists()
+    assert loader.ensure_built("cpu", sources_dir=tiny_unit) == library
+    assert capsys.readouterr().err == ""  # up to date: silent

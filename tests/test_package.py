@@ -128,6 +128,26 @@ def test_the_library_imports_no_pipeline_module():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_base_report_path_is_asked_for_not_spelled(tmp_path, monkeypatch):
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "elsewhere"))
+    out = subprocess.run(
+        [sys.executable, "-m", "flashmoe_science.pipeline.paths", "base-report", sha],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    from flashmoe_science.pipeline import bench
+
+    # where `bench --base` writes the base's reports, under the build root the variable names
+    assert Path(out) == bench.base_dirs(REPO_ROOT, sha)[1] / "build.json"
+    assert Path(out) == tmp_path / "elsewhere" / "worktrees" / f"{sha[:12]}.reports" / "build.json"
+    workflow = (REPO_ROOT / ".github" / "workflows" / "gpu-ci.yml").read_text()
+    assert "flashmoe_science.pipeline.paths base-report" in workflow
+    assert "build/worktrees/" not in workflow
+
+
 # --------------------------------------------------------------------------------------------------
 # One CUDA tool lookup
 # --------------------------------------------------------------------------------------------------

@@ -116,6 +116,12 @@ def build(
         for row in format_resource_table(kernels) if kernels else []:
             say(row)
         _print_spill_warnings(kernels)
+        unknown = [k for k in kernels if k.get("dynamic_smem") is None]
+        if unknown:
+            say(
+                f"  dynamic smem unknown for {len(unknown)} kernel(s): the unit did not report "
+                "them (flashmoe_science::kernel_launches in csrc/flash_api_cuda.cuh)"
+            )
         summary = warning_summary(log_text)
         if summary:
             say(f"  {summary}")
