@@ -568,10 +568,11 @@ def missing_source_error(config: BuildConfig) -> BuildError:
             "(or the wheel or checkout you installed it from)",
             exit_code=ENV_BROKEN,
         )
-    return BuildError(
-        f"{where} does not exist\n"
-        "next: restore it (git checkout -- csrc/), or build the other backend (--backend cpu|cuda)"
-    )
+    if config.sources_dir == CHECKOUT_SOURCES:
+        fix = "restore it (git checkout -- csrc/), or build the other backend (--backend cpu|cuda)"
+    else:
+        fix = f"point --sources-dir at a directory that holds {config.source.name}"
+    return BuildError(f"{where} does not exist\nnext: {fix}")
 
 
 def build(

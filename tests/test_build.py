@@ -569,11 +569,17 @@ def test_help_lists_the_options():
     assert out.returncode == 0 and "--arch LIST" in out.stdout and "--define NAME=VAL" in out.stdout
 
 
-def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch):
+def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "build"))
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
     assert (
         build.main(["--backend", "cpu", "--sources-dir", str(tmp_path)]) == exitcodes.BUILD_FAILED
     )
+    err = capsys.readouterr().err
+    assert "flashmoe_science.cpp does not exist" in err and "write it" not in err
+    assert "next: point --sources-dir at a directory that holds flashmoe_science.cpp" in err
+    report = json.loads((tmp_path / "reports" / "build.json").read_text())
+    assert report["status"] == "failed" and "does not exist" in report["error"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -172,8 +172,9 @@ def kernel_table(config: BuildConfig, digest: str | None, log_text: str) -> list
     except (OSError, ValueError, KeyError):
         pass
     kernels = parse_ptxas(log_text)
-    add_dynamic_smem(kernels, launch_table(_loader.library_path(config)))
-    if digest:
+    table = launch_table(_loader.library_path(config))
+    add_dynamic_smem(kernels, table)
+    if digest and table is not None:  # a failed query is asked again next time
         _loader.write_json(cache, {"hash": digest, "kernels": kernels})
     return kernels
 
