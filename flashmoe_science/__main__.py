@@ -1,13 +1,23 @@
-"""`python -m flashmoe_science COMMAND`. In an installed package, `build` prebuilds the per-user
-cache (the loader's command); in a checkout every command is the pipeline's."""
+"""`python -m flashmoe_science COMMAND` (and the `flashmoe-science` command). In an installed package,
+`build` prebuilds the per-user cache (the loader's command, no reports); in a checkout every command
+is the pipeline's."""
+
+from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from . import _loader
 
-if sys.argv[1:2] == ["build"] and _loader.installed():
-    sys.exit(_loader.main(sys.argv[2:]))
 
-from .pipeline.cli import main
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["build"] and _loader.installed():
+        return _loader.main(argv[1:])
+    from .pipeline.cli import main as pipeline_main
 
-sys.exit(main())
+    return pipeline_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

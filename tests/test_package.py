@@ -34,6 +34,11 @@ def test_wheel_and_sdist_carry_the_kernel_sources(wheel):
         UNITS_AND_HEADERS
     )
     assert not any(n.startswith("csrc/") for n in names)  # inside the package, not beside it
+    entry_points = zipfile.ZipFile(wheel).read(
+        next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    )
+    # `flashmoe-science build` prebuilds the cache of an installed package, as `python -m` does
+    assert b"flashmoe-science = flashmoe_science.__main__:main" in entry_points
     (sdist,) = wheel.parent.glob("*.tar.gz")
     with tarfile.open(sdist) as archive:
         members = archive.getnames()
