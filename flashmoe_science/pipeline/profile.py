@@ -622,7 +622,7 @@ def run(args, case, out: Path) -> int:
     ncu = find_cuda_tool("ncu", NCU_GLOBS)
     if ncu is None:
         _say(
-            "profile: Nsight Compute (ncu) not found on PATH, in $CUDA_HOME/bin, "
+            "profile: Nsight Compute (ncu) not found in $CUDA_HOME/bin, on PATH, in "
             "/usr/local/cuda/bin or /opt/nvidia/nsight-compute/*/; install Nsight Compute or put "
             f"ncu on PATH (exit {exitcodes.TOOL_MISSING})"
         )

@@ -645,7 +645,7 @@ def run(args, tools: list[str]) -> int:
     exe = find_cuda_tool("compute-sanitizer")
     if exe is None:
         _say(
-            "sanitize: compute-sanitizer not found on PATH, in $CUDA_HOME/bin or "
+            "sanitize: compute-sanitizer not found in $CUDA_HOME/bin, on PATH or in "
             "/usr/local/cuda/bin; install the CUDA toolkit (it ships compute-sanitizer) or put its "
             "bin/ on PATH "
             f"(exit {exitcodes.TOOL_MISSING})"
