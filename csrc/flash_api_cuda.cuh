@@ -6,10 +6,16 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cxxabi.h>
+
 #include <array>
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <type_traits>
+#include <typeinfo>
 
 #include "attention_ops.h"
 #include "flash_decode_kernel.cuh"
@@ -325,6 +331,50 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   }
   if (splits > 1 && !fused_combine) combine_into(o_accum, lse_accum, out, lse);
   return {out, lse};
+}
+
+// The dynamic shared memory each kernel asks for at launch, which ptxas's resource report cannot
+// see: one "<kernel as c++filt names it>\t<bytes>" line per instantiation, for the build report
+// (flashmoe_science/pipeline/build.py). It walks the configurations through visit_kernel and reads
+// the same Traits::kSmemBytes as launch_attention, so the figures are the launches' own.
+template <typename Type>
+std::string demangled_name() {
+  int status = 0;
+  char* name = abi::__cxa_demangle(typeid(Type).name(), nullptr, nullptr, &status);
+  std::string result = (status == 0 && name != nullptr) ? name : typeid(Type).name();
+  std::free(name);
+  return result;
+}
+
+template <typename Traits>
+struct IsDecodeTraits : std::false_type {};
+template <int D, int kStages>
+struct IsDecodeTraits<DecodeTraits<D, kStages>> : std::true_type {};
+
+template <typename T>
+void append_kernel_launches(std::string& out) {
+  const std::string dtype = demangled_name<T>();
+  for (int head_dim : {64, 128}) {
+    for (int config = 1; config <= kNumConfigs; ++config) {
+      visit_kernel<T>(head_dim, config, [&](auto, auto traits) {
+        using Traits = decltype(traits);
+        const char* kernel = IsDecodeTraits<Traits>::value ? "flashmoe::cuda::flash_decode_kernel"
+                                                           : "flashmoe::cuda::flash_fwd_kernel";
+        out += std::string(kernel) + "<" + demangled_name<Traits>() + ", " + dtype + ">\t" +
+               std::to_string(Traits::kSmemBytes) + "\n";
+      });
+    }
+    // launch_combine passes no dynamic shared memory
+    out += "flashmoe::cuda::split_kv_combine_kernel<" + dtype + ", " + std::to_string(head_dim) +
+           ">\t0\n";
+  }
+}
+
+inline std::string kernel_launches() {
+  std::string out;
+  append_kernel_launches<__half>(out);
+  append_kernel_launches<__nv_bfloat16>(out);
+  return out;
 }
 
 }  // namespace flashmoe::cuda

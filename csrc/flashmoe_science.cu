@@ -7,3 +7,8 @@ TORCH_LIBRARY_IMPL(flashmoe_science, CUDA, m) {
   m.impl("fwd", &flashmoe::cuda::attention_fwd_cuda);
   m.impl("split_kv_combine", &flashmoe::cuda::split_kv_combine_cuda);
 }
+
+// Defined only where the CUDA kernels are: the CPU-only unit has no launches to report.
+TORCH_LIBRARY_FRAGMENT(flashmoe_science, m) {
+  m.def("kernel_launches() -> str", &flashmoe::cuda::kernel_launches);
+}

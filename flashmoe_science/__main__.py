@@ -1,5 +1,23 @@
+"""`python -m flashmoe_science COMMAND` (and the `flashmoe-science` command). In an installed package,
+`build` prebuilds the per-user cache (the loader's command, no reports); in a checkout every command
+is the pipeline's."""
+
+from __future__ import annotations
+
 import sys
+from collections.abc import Sequence
 
-from .pipeline.cli import main
+from . import _loader
 
-sys.exit(main())
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["build"] and _loader.installed():
+        return _loader.main(argv[1:])
+    from .pipeline.cli import main as pipeline_main
+
+    return pipeline_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from .pipeline import build
+from . import _loader
 
 _lock = threading.Lock()
 _loaded = False
@@ -37,7 +37,7 @@ def load_library() -> None:
     with _lock:
         if _loaded:
             return
-        so_path = build.ensure_built(defines=build_defines())
+        so_path = _loader.ensure_built(defines=build_defines())
         torch.ops.load_library(str(so_path))
         _register_fakes()
         _loaded = True

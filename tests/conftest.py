@@ -29,14 +29,14 @@ def _hermetic_require_gpu(monkeypatch):
 
 @pytest.fixture
 def no_cuda_tools(tmp_path, monkeypatch):
-    """Hides every place sanitize.find_cuda_tool looks (PATH, CUDA_HOME, CUDA_PATH, the fallback
+    """Hides every place the toolkit lookup looks (PATH, CUDA_HOME, CUDA_PATH, the fallback
     install directories), so compute-sanitizer and ncu are found only where a test puts them."""
-    from flashmoe_science.pipeline import sanitize
+    from flashmoe_science import _toolkit
 
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
     monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(sanitize, "FALLBACK_CUDA_HOMES", ())
+    monkeypatch.setattr(_toolkit, "FALLBACK_CUDA_HOMES", ())
 
 
 @pytest.fixture(scope="session")

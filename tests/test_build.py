@@ -1,4 +1,5 @@
-"""Tests of flashmoe_science.pipeline.build: the parsers on real compiler output, and one real tiny CPU build.
+"""Tests of the build: the loader (flashmoe_science._loader), the compiler-output parsers on real
+compiler output, and real tiny CPU builds through the pipeline's `build` (flashmoe_science.pipeline.build).
 
 The real compiles use a throwaway unit in tmp_path (not csrc/), a build root and a report folder in
 tmp_path, and the CPU backend, so they run on any machine with a compiler and torch.
@@ -6,9 +7,11 @@ tmp_path, and the CPU backend, so they run on any machine with a compiler and to
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import build, exitcodes
+from flashmoe_science import _loader as loader
+from flashmoe_science import _toolkit
+from flashmoe_science.pipeline import build, compiler_output, exitcodes
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 # Real `-Xptxas=-v` output (CUDA 13.0) in the shape nvcc prints it, for two archs. The decode
@@ -171,7 +176,7 @@ def identity(names: list[str]) -> list[str]:
 
 
 def test_parse_ptxas_reads_every_entry_and_arch():
-    kernels = build.parse_ptxas(PTXAS_SAMPLE, demangle=identity)
+    kernels = compiler_output.parse_ptxas(PTXAS_SAMPLE, demangle=identity)
     assert [(k["mangled"], k["arch"]) for k in kernels] == [
         ("_Z16flash_fwd_kernelILi128ELi64ELb1EEv16Flash_fwd_params", "sm_89"),
         ("_Z21flash_decode_split_kvILi128ELi4EEv19Flash_decode_params", "sm_89"),
@@ -189,12 +194,12 @@ def test_parse_ptxas_reads_every_entry_and_arch():
     assert combine89["smem_bytes"] == 0 and combine90["registers"] == 8
     # the device function's 24-byte stack frame belongs to no kernel
     assert all(k["stack_bytes"] in (0, 272) for k in kernels)
-    assert build.spilling(kernels) == [decode89]
+    assert compiler_output.spilling(kernels) == [decode89]
 
 
 @pytest.mark.skipif(not shutil.which("c++filt"), reason="no c++filt (binutils)")
 def test_parse_ptxas_demangles_and_shortens_names():
-    names = [k["kernel"] for k in build.parse_ptxas(PTXAS_SAMPLE)[:3]]
+    names = [k["kernel"] for k in compiler_output.parse_ptxas(PTXAS_SAMPLE)[:3]]
     assert names == [
         "flash_fwd_kernel<128, 64, true>",
         "flash_decode_split_kv<128, 4>",
@@ -204,16 +209,18 @@ def test_parse_ptxas_demangles_and_shortens_names():
 
 def test_shorten_kernel_name():
     assert (
-        build.shorten_kernel_name("void flash::fwd<Traits<128, 64>, true>(Params, int (*)(int))")
+        compiler_output.shorten_kernel_name(
+            "void flash::fwd<Traits<128, 64>, true>(Params, int (*)(int))"
+        )
         == "fwd<Traits<128, 64>, true>"
     )
     long_name = "void k<" + ", ".join(["cutlass::half_t"] * 10) + ">(P)"
-    short = build.shorten_kernel_name(long_name, width=40)
+    short = compiler_output.shorten_kernel_name(long_name, width=40)
     assert len(short) == 40 and short.endswith("...")
 
 
 def test_resource_table_is_aligned():
-    rows = build.format_resource_table(build.parse_ptxas(PTXAS_SAMPLE, demangle=identity))
+    rows = build.format_resource_table(compiler_output.parse_ptxas(PTXAS_SAMPLE, demangle=identity))
     assert len(rows) == 7 and len({len(row) for row in rows}) == 1
     assert "8/12" in rows[2]
 
@@ -224,7 +231,7 @@ def test_resource_table_is_aligned():
 
 
 def test_first_error_of_nvcc():
-    first = build.extract_first_error(NVCC_FAILURE_LOG)
+    first = compiler_output.extract_first_error(NVCC_FAILURE_LOG)
     assert first.kind == "compile"
     assert first.location == "csrc/flash_fwd.cuh:212"
     assert first.lines[0].endswith('error: identifier "row_max" is undefined')
@@ -234,7 +241,7 @@ def test_first_error_of_nvcc():
 
 
 def test_condensed_nvcc_error_is_short_and_says_what_next():
-    message = build.condense_failure(NVCC_FAILURE_LOG, REPO_ROOT / "build/k/build.log")
+    message = compiler_output.condense_failure(NVCC_FAILURE_LOG, REPO_ROOT / "build/k/build.log")
     lines = message.splitlines()
     assert len(lines) <= 8
     assert lines[0].startswith('csrc/flash_fwd.cuh(212): error: identifier "row_max"')
@@ -245,7 +252,7 @@ def test_condensed_nvcc_error_is_short_and_says_what_next():
 
 
 def test_first_error_of_gcc():
-    first = build.extract_first_error(GCC_FAILURE_LOG)
+    first = compiler_output.extract_first_error(GCC_FAILURE_LOG)
     assert first.kind == "compile"
     assert first.location == "csrc/attention_cpu.h:17"
     assert first.lines[1].strip().startswith("17 |   return out")
@@ -261,22 +268,22 @@ def test_first_error_of_gcc():
     ],
 )
 def test_first_error_of_linker_ptxas_and_loader(log, kind, needle, hint):
-    first = build.extract_first_error(log)
+    first = compiler_output.extract_first_error(log)
     assert first.kind == kind and first.location is None
     assert any(needle in line for line in first.lines)
-    message = build.condense_failure(log, Path("/tmp/build.log")).splitlines()
+    message = compiler_output.condense_failure(log, Path("/tmp/build.log")).splitlines()
     assert len(message) <= 8 and hint in message[-1]
 
 
 def test_child_without_torch_is_an_environment_failure():
     log = "FLASHMOE_BUILD_CHILD: error: torch import failed: ImportError: libtorch_cpu.so: cannot open\n"
-    assert build.extract_first_error(log).kind == "environment"
-    assert build._failure_exit_code(log) == exitcodes.ENV_BROKEN
-    assert "pip install ninja" in build.condense_failure(log, Path("/tmp/build.log"))
+    assert compiler_output.extract_first_error(log).kind == "environment"
+    assert compiler_output.failure_exit_code(log) == exitcodes.ENV_BROKEN
+    assert "pip install ninja" in compiler_output.condense_failure(log, Path("/tmp/build.log"))
 
 
 def test_failure_without_a_compiler_error_suggests_fewer_jobs():
-    message = build.condense_failure(
+    message = compiler_output.condense_failure(
         "[1/2] nvcc -c a.cu -o a.o\n", Path("/tmp/build.log"), returncode=-9
     )
     assert "killed by signal 9" in message and "MAX_JOBS=1" in message.splitlines()[-1]
@@ -288,39 +295,39 @@ def test_failure_without_a_compiler_error_suggests_fewer_jobs():
 
 
 def test_key_encodes_torch_cuda_archs_and_defines():
-    base = build.build_key("2.14.1+cu130", "13.0", ("8.9", "9.0"))
+    base = loader.build_key("2.14.1+cu130", "13.0", ("8.9", "9.0"))
     assert base == "torch2.14.1-cu13.0-sm89_sm90"
-    assert build.build_key("2.14.1+cu130", None, ()) == "torch2.14.1-cpu"
+    assert loader.build_key("2.14.1+cu130", None, ()) == "torch2.14.1-cpu"
     others = {
-        build.build_key("2.15.0+cu130", "13.0", ("8.9", "9.0")),
-        build.build_key("2.14.1+cu130", "13.0", ("9.0",)),
-        build.build_key("2.14.1+cu130", "13.0", ("9.0a",)),
-        build.build_key("2.14.1+cu130", "13.0", ("8.9", "9.0"), ("FLASHMOE_PLANT_BUG=2",)),
-        build.build_key("2.14.1+cu130", "13.0", ("8.9", "9.0"), ("FLASHMOE_PLANT_BUG=3",)),
+        loader.build_key("2.15.0+cu130", "13.0", ("8.9", "9.0")),
+        loader.build_key("2.14.1+cu130", "13.0", ("9.0",)),
+        loader.build_key("2.14.1+cu130", "13.0", ("9.0a",)),
+        loader.build_key("2.14.1+cu130", "13.0", ("8.9", "9.0"), ("FLASHMOE_PLANT_BUG=2",)),
+        loader.build_key("2.14.1+cu130", "13.0", ("8.9", "9.0"), ("FLASHMOE_PLANT_BUG=3",)),
     }
     assert len(others) == 5 and base not in others
-    assert build.build_key(
+    assert loader.build_key(
         "2.14.1+cu130", "13.0", ("8.9", "9.0"), ("FLASHMOE_PLANT_BUG=2",)
     ).startswith(base + "-d")
 
 
 def test_parse_arch_list_normalizes_and_rejects_nonsense():
-    assert build.parse_arch_list("9.0;8.9") == ("8.9", "9.0")
-    assert build.parse_arch_list("sm_90a, 89 9.0+PTX 9.0") == ("8.9", "9.0", "9.0+PTX", "9.0a")
-    assert [build.arch_label(a) for a in ("9.0a", "10.0")] == ["sm_90a", "sm_100"]
+    assert loader.parse_arch_list("9.0;8.9") == ("8.9", "9.0")
+    assert loader.parse_arch_list("sm_90a, 89 9.0+PTX 9.0") == ("8.9", "9.0", "9.0+PTX", "9.0a")
+    assert [loader.arch_label(a) for a in ("9.0a", "10.0")] == ["sm_90a", "sm_100"]
     with pytest.raises(build.ConfigError) as excinfo:
-        build.parse_arch_list("hopper")
+        loader.parse_arch_list("hopper")
     assert excinfo.value.exit_code == exitcodes.USAGE
 
 
 @pytest.fixture
 def cuda_machine(monkeypatch):
     """A torch with CUDA 13.0 and a matching nvcc, with no GPU and no TORCH_CUDA_ARCH_LIST."""
-    monkeypatch.setattr(build, "torch_versions", lambda: ("2.14.1+cu130", "13.0"))
+    monkeypatch.setattr(loader, "torch_versions", lambda: ("2.14.1+cu130", "13.0"))
     monkeypatch.setattr(
-        build, "find_cuda_toolkit", lambda: build.CudaToolkit("/cuda/bin/nvcc", "/cuda", "13.0")
+        loader, "find_cuda_toolkit", lambda: loader.CudaToolkit("/cuda/bin/nvcc", "/cuda", "13.0")
     )
-    monkeypatch.setattr(build, "visible_gpu_archs", list)
+    monkeypatch.setattr(loader, "visible_gpu_archs", list)
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.delenv("FLASHMOE_BUILD_ROOT", raising=False)  # describe() shows the default build/
 
@@ -339,7 +346,7 @@ def test_auto_with_arch_list_builds_cuda(cuda_machine, monkeypatch):
     config = build.resolve_config("auto", defines=["-DFLASHMOE_PLANT_BUG=2"])
     assert config.backend == "cuda" and config.source.name == "flashmoe_science.cu"
     assert config.arch_list == ("8.9", "9.0") and config.defines == ("FLASHMOE_PLANT_BUG=2",)
-    flags = build.compile_flags(config)
+    flags = loader.compile_flags(config)
     assert (
         "-DFLASHMOE_WITH_CUDA" in flags["cuda_cflags"]
         and "-DFLASHMOE_PLANT_BUG=2" in flags["cuda_cflags"]
@@ -352,14 +359,14 @@ def test_auto_with_arch_list_builds_cuda(cuda_machine, monkeypatch):
 
 
 def test_visible_gpu_gives_the_targets(cuda_machine, monkeypatch):
-    monkeypatch.setattr(build, "visible_gpu_archs", lambda: ["9.0"])
+    monkeypatch.setattr(loader, "visible_gpu_archs", lambda: ["9.0"])
     config = build.resolve_config("auto")
     assert config.backend == "cuda" and config.arch_list == ("9.0",) and "sm_90" in config.reason
 
 
 def test_nvcc_major_mismatch_falls_back_to_cpu(cuda_machine, monkeypatch):
     monkeypatch.setattr(
-        build, "find_cuda_toolkit", lambda: build.CudaToolkit("/c/bin/nvcc", "/c", "12.4")
+        loader, "find_cuda_toolkit", lambda: loader.CudaToolkit("/c/bin/nvcc", "/c", "12.4")
     )
     config = build.resolve_config("auto", arch_list="9.0")
     assert config.backend == "cpu" and "nvcc 12.4" in config.reason and "13.0" in config.reason
@@ -370,7 +377,7 @@ def test_backend_cuda_when_impossible_explains_what_is_missing(cuda_machine, mon
         build.resolve_config("cuda")
     assert excinfo.value.exit_code == exitcodes.ENV_BROKEN and "--arch" in str(excinfo.value)
     monkeypatch.setattr(
-        build, "find_cuda_toolkit", lambda: build.CudaToolkit(problem="nvcc not found")
+        loader, "find_cuda_toolkit", lambda: loader.CudaToolkit(problem="nvcc not found")
     )
     with pytest.raises(build.ConfigError, match="nvcc not found"):
         build.resolve_config("cuda", arch_list="9.0")
@@ -378,9 +385,9 @@ def test_backend_cuda_when_impossible_explains_what_is_missing(cuda_machine, mon
 
 
 def test_missing_torch_is_an_environment_failure(monkeypatch, capsys):
-    real_find_spec = build.importlib.util.find_spec
+    real_find_spec = loader.importlib.util.find_spec
     monkeypatch.setattr(
-        build.importlib.util,
+        loader.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "torch" else real_find_spec(name, *a),
     )
@@ -390,7 +397,7 @@ def test_missing_torch_is_an_environment_failure(monkeypatch, capsys):
 
 def test_torch_versions_are_read_without_importing_torch():
     code = (
-        "import sys; from flashmoe_science import build; v = build.torch_versions(); "
+        "import sys; from flashmoe_science import _loader; v = _loader.torch_versions(); "
         "assert 'torch' not in sys.modules, 'torch was imported'; print(v)"
     )
     out = subprocess.run(
@@ -402,9 +409,9 @@ def test_torch_versions_are_read_without_importing_torch():
 def test_nvcc_threads_follow_archs_and_max_jobs(cuda_machine, monkeypatch):
     config = build.resolve_config("cuda", arch_list="8.0;8.9;9.0")
     monkeypatch.delenv("MAX_JOBS", raising=False)
-    assert build.nvcc_threads(config) == 3
+    assert loader.nvcc_threads(config) == 3
     monkeypatch.setenv("MAX_JOBS", "1")
-    assert build.nvcc_threads(config) == 1
+    assert loader.nvcc_threads(config) == 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -418,32 +425,44 @@ def test_ninja_progress_shows_the_file_not_the_command():
         + "-Ifoo " * 300
         + "-c /repo/csrc/flashmoe_science.cu -o a.o"
     )
-    assert build.ninja_progress(nvcc) == "[1/2] nvcc flashmoe_science.cu"
+    assert loader.ninja_progress(nvcc) == "[1/2] nvcc flashmoe_science.cu"
     link = "[2/2] c++ flashmoe_science.cuda.o -shared -fopenmp -L/x -lc10 -o flashmoe_science_C.so"
-    assert build.ninja_progress(link) == "[2/2] link flashmoe_science_C.so"
-    assert build.ninja_progress("ptxas info    : Used 8 registers") is None
+    assert loader.ninja_progress(link) == "[2/2] link flashmoe_science_C.so"
+    assert loader.ninja_progress("ptxas info    : Used 8 registers") is None
 
 
 def test_streaming_logs_every_line_and_beats_during_silence(tmp_path):
     script = "import time; print('[1/2] c++ -c /x/unit.cpp -o unit.o', flush=True); time.sleep(0.7); print('bye')"
-    shown: list[str] = []
-    returncode, text = build._run_streaming(
+    lines: list[str] = []
+    beats: list[float] = []
+    run = _toolkit.run_streaming(
         [sys.executable, "-c", script],
         dict(os.environ),
         tmp_path / "build.log",
-        "unit.cpp",
-        shown.append,
+        on_line=lines.append,
         heartbeat_s=0.2,
+        on_silence=beats.append,
     )
-    assert returncode == 0 and text.splitlines()[-1] == "bye"
-    assert shown[0].startswith("  [1/2] c++ unit.cpp")
-    assert any(line.startswith("  still compiling unit.cpp ...") for line in shown)
+    assert run.returncode == 0 and not run.timed_out and run.text.splitlines()[-1] == "bye"
+    assert lines == ["[1/2] c++ -c /x/unit.cpp -o unit.o", "bye"] and beats
     assert "bye" in (tmp_path / "build.log").read_text()
+
+
+def test_streaming_kills_the_tool_on_timeout(tmp_path):
+    started = time.monotonic()
+    run = _toolkit.run_streaming(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        dict(os.environ),
+        tmp_path / "tool.log",
+        timeout_s=1.0,
+    )
+    assert run.timed_out and run.returncode is None and run.text == "up\n"
+    assert time.monotonic() - started < 10
 
 
 def test_lock_excludes_a_second_builder(tmp_path):
     with (
-        build._build_lock(tmp_path, print),
+        loader._build_lock(tmp_path, print),
         open(tmp_path / "build.lock") as other,
         pytest.raises(BlockingIOError),
     ):
@@ -472,13 +491,15 @@ def tiny_unit(tmp_path, monkeypatch):
 def test_real_build_then_up_to_date_then_rebuild_on_change(tiny_unit, tmp_path, capsys):
     config = build.resolve_config("cpu", sources_dir=tiny_unit)
     result = build.build(config)
-    assert result.cold and result.library == build.library_path(config) and result.library.exists()
+    assert result.cold and result.library == loader.library_path(config) and result.library.exists()
     assert result.library.parent == tmp_path / "build" / "torch{}-cpu".format(
         config.torch_version.split("+")[0]
     )
     record = json.loads((result.library.parent / "build.json").read_text())
-    assert record["status"] == "ok" and record["cold"] and record["backend"] == "cpu"
-    assert json.loads((tmp_path / "reports" / "build.json").read_text())["hash"] == record["hash"]
+    assert record["status"] == "ok" and record["backend"] == "cpu"
+    report = json.loads((tmp_path / "reports" / "build.json").read_text())
+    assert report["hash"] == record["hash"] and report["cold"] and report["kernels"] == []
+    assert report["provenance"]["run_id"]
     assert "[2/2] link flashmoe_science_C.so" in capsys.readouterr().out
     assert (result.library.parent / "build.log").stat().st_size > 0
 
@@ -514,7 +535,7 @@ def test_real_build_then_up_to_date_then_rebuild_on_change(tiny_unit, tmp_path, 
     assert cli.returncode == 0 and "up to date" in cli.stdout and time.perf_counter() - start < 5
 
     (tiny_unit / "twice.h").write_text("constexpr int kFactor = 3;\n")  # a header counts too
-    assert not build.is_up_to_date(config)
+    assert not loader.is_up_to_date(config)
 
 
 @pytest.mark.slow
@@ -528,7 +549,7 @@ def test_real_build_with_syntax_error_reports_file_and_line(tiny_unit, capsys):
     assert len(message.splitlines()) <= 10 and message.splitlines()[-1].startswith("next: fix ")
     assert excinfo.value.log_path.exists()
     assert json.loads((config.build_dir / "build.json").read_text())["status"] == "failed"
-    assert not build.is_up_to_date(config)
+    assert not loader.is_up_to_date(config)
 
     assert (
         build.main(["--backend", "cpu", "--sources-dir", str(tiny_unit), "--quiet"])
@@ -548,8 +569,114 @@ def test_help_lists_the_options():
     assert out.returncode == 0 and "--arch LIST" in out.stdout and "--define NAME=VAL" in out.stdout
 
 
-def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch):
+def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "build"))
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
     assert (
         build.main(["--backend", "cpu", "--sources-dir", str(tmp_path)]) == exitcodes.BUILD_FAILED
     )
+    err = capsys.readouterr().err
+    assert "flashmoe_science.cpp does not exist" in err and "write it" not in err
+    assert "next: point --sources-dir at a directory that holds flashmoe_science.cpp" in err
+    report = json.loads((tmp_path / "reports" / "build.json").read_text())
+    assert report["status"] == "failed" and "does not exist" in report["error"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamic shared memory per kernel
+# --------------------------------------------------------------------------------------------------
+
+
+def traits_smem(kernel: str) -> int:
+    """The shared memory a kernel's traits ask for, by the formulas of csrc/flash_fwd_kernel.cuh
+    (FwdTraits::kSmemBytes) and csrc/flash_decode_kernel.cuh (DecodeTraits::kSmemBytes)."""
+    if match := re.search(r"FwdTraits<(\d+), (\d+), (\d+), \d+, (?:true|false)>", kernel):
+        head_dim, block_m, block_n = (int(g) for g in match.groups())
+        return (block_m + 2 * block_n) * head_dim * 2  # Q tile + K and V tiles, 2-byte elements
+    if match := re.search(r"DecodeTraits<(\d+), (\d+)>", kernel):
+        head_dim, stages = (int(g) for g in match.groups())
+        return stages * 2 * 64 * head_dim * 2  # per stage a 64-key K tile and V tile
+    assert "split_kv_combine_kernel" in kernel, kernel
+    return 0
+
+
+# As nvcc names two of the kernels (demangled by c++filt below), and the unit's launch table in the
+# shape flashmoe::cuda::kernel_launches writes it.
+PTXAS_CURRENT = """\
+ptxas info    : Compiling entry function '_ZN8flashmoe4cuda16flash_fwd_kernelINS0_9FwdTraitsILi128ELi64ELi64ELi4ELb0EEE6__halfEEvNS_15AttentionParamsE' for 'sm_90'
+ptxas info    : Function properties for _ZN8flashmoe4cuda16flash_fwd_kernelINS0_9FwdTraitsILi128ELi64ELi64ELi4ELb0EEE6__halfEEvNS_15AttentionParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 400 bytes cmem[0]
+ptxas info    : Compiling entry function '_ZN8flashmoe4cuda19flash_decode_kernelINS0_12DecodeTraitsILi128ELi3EEE13__nv_bfloat16EEvNS_15AttentionParamsE' for 'sm_90'
+ptxas info    : Function properties for _ZN8flashmoe4cuda19flash_decode_kernelINS0_12DecodeTraitsILi128ELi3EEE13__nv_bfloat16EEvNS_15AttentionParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers, 1 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z8mysteryv' for 'sm_90'
+ptxas info    : Used 8 registers, used 0 barriers
+"""
+LAUNCH_TABLE = """\
+flashmoe::cuda::flash_fwd_kernel<flashmoe::cuda::FwdTraits<128, 64, 64, 4, false>, __half>\t49152
+flashmoe::cuda::flash_decode_kernel<flashmoe::cuda::DecodeTraits<128, 3>, __nv_bfloat16>\t98304
+flashmoe::cuda::split_kv_combine_kernel<__half, 128>\t0
+"""
+
+
+@pytest.mark.skipif(not shutil.which("c++filt"), reason="no c++filt (binutils)")
+def test_dynamic_smem_joins_the_ptxas_rows():
+    kernels = compiler_output.parse_ptxas(PTXAS_CURRENT)
+    table = build.parse_launch_table(LAUNCH_TABLE)
+    build.add_dynamic_smem(kernels, table)
+    fwd, decode, mystery = kernels
+    assert fwd["kernel"] == "flash_fwd_kernel<FwdTraits<128, 64, 64, 4, false>, __half>"
+    # 64-row tile at d=128: 48 KB, the figure csrc/flash_api_cuda.cuh quotes for config 2
+    assert (fwd["smem_bytes"], fwd["dynamic_smem"]) == (0, 49152) == (0, traits_smem(fwd["kernel"]))
+    # three stages of 64 keys at d=128: 96 KB; the arrival flag is its only static smem
+    assert (decode["smem_bytes"], decode["dynamic_smem"]) == (1, 98304)
+    assert decode["dynamic_smem"] == traits_smem(decode["kernel"])
+    assert mystery["dynamic_smem"] is None  # a kernel the unit does not report: unknown, not 0
+    rows = build.format_resource_table(kernels)
+    assert "dynamic smem" in rows[0] and "49152" in rows[1] and rows[3].split()[-2] == "?"
+    assert len({len(row) for row in rows}) == 1
+    build.add_dynamic_smem(kernels, None)  # an older unit without the table
+    assert all(k["dynamic_smem"] is None for k in kernels)
+
+
+def newest_cuda_build() -> Path | None:
+    """The library of this checkout's newest successful CUDA build (nox -s build on a GPU machine,
+    nox -s compile elsewhere), if any."""
+    records = []
+    for path in loader.build_root().glob("*/build.json"):
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text())
+            library = Path(str(record.get("so_path")))
+            if (
+                record.get("backend") == "cuda"
+                and record.get("status") == "ok"
+                and library.exists()
+            ):
+                records.append((path.stat().st_mtime, library))
+    return max(records)[1] if records else None
+
+
+@pytest.mark.skipif(newest_cuda_build() is None, reason="no CUDA build here (nox -s build/compile)")
+def test_dynamic_smem_is_what_each_launch_asks_for():
+    library = newest_cuda_build()
+    table = build.launch_table(library)
+    # 2 dtypes x 2 head dims x (4 configurations + the combine kernel)
+    assert table is not None and len(table) == 20
+    assert {name: traits_smem(name) for name in table} == table
+    kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
+    ours = [k for k in kernels if k["kernel"] in table]
+    assert len(ours) >= 20 and all(k["dynamic_smem"] == traits_smem(k["kernel"]) for k in ours)
+
+
+@pytest.mark.slow
+def test_first_use_shows_progress_on_stderr_and_writes_no_report(tiny_unit, tmp_path, capsys):
+    library = loader.ensure_built("cpu", sources_dir=tiny_unit)
+    captured = capsys.readouterr()
+    assert captured.out == ""  # a program's own output stays clean
+    assert "flashmoe_science: building the CPU unit" in captured.err
+    assert "[2/2] link flashmoe_science_C.so" in captured.err and "built in" in captured.err
+    assert library.exists() and not (tmp_path / "reports" / "build.json").exists()
+    assert loader.ensure_built("cpu", sources_dir=tiny_unit) == library
+    assert capsys.readouterr().err == ""  # up to date: silent

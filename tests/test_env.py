@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from flashmoe_science import _toolkit
 from flashmoe_science.pipeline import env, exitcodes
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
@@ -92,13 +93,13 @@ def assert_one_line_fix(check: env.Check) -> None:
 
 
 def test_parse_nvcc_version():
-    assert env.parse_nvcc_version(NVCC_13_0) == "13.0"
-    assert env.parse_nvcc_version(NVCC_12_4) == "12.4"
-    assert env.parse_nvcc_version("bash: nvcc: command not found") is None
+    assert _toolkit.parse_nvcc_version(NVCC_13_0) == "13.0"
+    assert _toolkit.parse_nvcc_version(NVCC_12_4) == "12.4"
+    assert _toolkit.parse_nvcc_version("bash: nvcc: command not found") is None
 
 
 def test_nvcc_major_mismatch_fails_with_fix():
-    nvcc_version = env.parse_nvcc_version(NVCC_12_4)
+    nvcc_version = _toolkit.parse_nvcc_version(NVCC_12_4)
     check = env.check_nvcc("/usr/local/cuda-12.4/bin/nvcc", nvcc_version, "13.0", False, False)
     assert check.status == "fail"
     assert "12.4 but torch was built for CUDA 13.0" in check.detail
@@ -138,8 +139,8 @@ def test_wrapper_nvcc_finds_the_real_toolkit(tmp_path):
     (toolkit / "include").mkdir(parents=True)
     (toolkit / "include" / "cuda_runtime.h").write_text("")
     nvcc = fake_nvcc(tmp_path / "bin", toolkit)
-    assert env.find_nvcc({"PATH": str(tmp_path / "bin")}) == (str(nvcc), None)
-    home = env.find_toolkit_home(str(nvcc), None, timeout=5)
+    assert _toolkit.find_nvcc({"PATH": str(tmp_path / "bin")}) == (str(nvcc), None)
+    home = _toolkit.find_toolkit_home(str(nvcc), None, timeout=5)
     assert home == str(toolkit.resolve())
     check = env.check_nvcc(str(nvcc), "13.0", "13.0", True, True, toolkit_home=home)
     assert check.status == "ok" and f"-> toolkit {home}" in check.detail
@@ -147,7 +148,7 @@ def test_wrapper_nvcc_finds_the_real_toolkit(tmp_path):
 
 def test_toolkit_without_headers(tmp_path):
     nvcc = fake_nvcc(tmp_path / "bin", None)
-    assert env.find_toolkit_home(str(nvcc), None, timeout=5) is None
+    assert _toolkit.find_toolkit_home(str(nvcc), None, timeout=5) is None
     no_gpu = env.check_nvcc(str(nvcc), "13.0", "13.0", False, False, headers_found=False)
     assert no_gpu.status == "warn"
     check = env.check_nvcc(str(nvcc), "13.0", "13.0", True, False, headers_found=False)
@@ -156,13 +157,15 @@ def test_toolkit_without_headers(tmp_path):
     assert "CUDA_HOME" in check.fix
 
 
-def test_cuda_home_env_wins(tmp_path):
+def test_cuda_home_env_wins(tmp_path, monkeypatch):
+    monkeypatch.setattr(_toolkit, "FALLBACK_CUDA_HOMES", ())
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
+    (tmp_path / "bin" / "nvcc").chmod(0o755)
     environ = {"CUDA_HOME": str(tmp_path), "PATH": ""}
-    assert env.find_nvcc(environ) == (str(tmp_path / "bin" / "nvcc"), str(tmp_path))
-    assert env.find_nvcc({"CUDA_HOME": str(tmp_path / "none"), "PATH": ""})[0] is None
-    assert env.find_toolkit_home(None, str(tmp_path), timeout=1) is None  # no headers there
+    assert _toolkit.find_nvcc(environ) == (str(tmp_path / "bin" / "nvcc"), str(tmp_path))
+    assert _toolkit.find_nvcc({"CUDA_HOME": str(tmp_path / "none"), "PATH": ""})[0] is None
+    assert _toolkit.find_toolkit_home(None, str(tmp_path), timeout=1) is None  # no headers there
 
 
 # --- GPU

@@ -339,6 +339,8 @@ def fake_ncu(isolated, monkeypatch):
     ncu.write_text(FAKE_NCU)
     ncu.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    for variable in ("CUDA_HOME", "CUDA_PATH"):  # a real toolkit there would come first
+        monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("FAKE_DIR", str(fake))
     return fake
 

@@ -369,16 +369,17 @@ def _executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
 
 
 def test_find_cuda_tool_search_order(tmp_path, no_cuda_tools, monkeypatch):
+    # CUDA_HOME, then PATH, then the install directories, then the globs (flashmoe_science._toolkit)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
     assert sanitize.find_cuda_tool("ncu") is None
     glob_hit = _executable(tmp_path / "opt" / "2025.3.1" / "ncu")
     _executable(tmp_path / "opt" / "2024.1.0" / "ncu")
     assert sanitize.find_cuda_tool("ncu", [str(tmp_path / "opt" / "*" / "ncu")]) == str(glob_hit)
-    home_hit = _executable(tmp_path / "cuda" / "bin" / "ncu")
-    assert sanitize.find_cuda_tool("ncu", [str(tmp_path / "opt" / "*" / "ncu")]) == str(home_hit)
     path_hit = _executable(tmp_path / "bin" / "ncu")
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
-    assert sanitize.find_cuda_tool("ncu") == str(path_hit)
+    assert sanitize.find_cuda_tool("ncu", [str(tmp_path / "opt" / "*" / "ncu")]) == str(path_hit)
+    home_hit = _executable(tmp_path / "cuda" / "bin" / "ncu")
+    assert sanitize.find_cuda_tool("ncu") == str(home_hit)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -446,6 +447,8 @@ def fake_sanitizer(isolated, monkeypatch):
     fake = isolated / "fake"
     _executable(fake / "bin" / "compute-sanitizer", FAKE_SANITIZER)
     monkeypatch.setenv("PATH", f"{fake / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    for variable in ("CUDA_HOME", "CUDA_PATH"):  # a real toolkit there would come first
+        monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("FAKE_DIR", str(fake))
 
     def say(tool: str, text: str, rc: int = 0) -> None:

@@ -69,7 +69,6 @@ import contextlib
 import dataclasses
 import datetime
 import fnmatch
-import hashlib
 import json
 import math
 import os
@@ -994,11 +993,8 @@ def build_base(tree: Path, env: dict, log_path: Path, say=print) -> None:
 
 
 def base_dirs(tree: Path, sha: str | None) -> tuple[Path, Path]:
-    """(build root, report dir) of the base, beside the worktree: <sha12>.build, <sha12>.reports."""
-    path_hash = hashlib.sha256(str(tree.resolve()).encode()).hexdigest()[:8]
-    label = sha[:12] if sha else f"dir-{path_hash}"
-    root = paths.build_root().resolve() / "worktrees"
-    return root / f"{label}.build", root / f"{label}.reports"
+    """(build root, report dir) of the base, beside the worktree (see paths.base_dirs)."""
+    return paths.base_dirs(tree, sha)
 
 
 def compare_with_tree(tree: Path, sha: str | None, cases, device, args, say=print) -> list[dict]:

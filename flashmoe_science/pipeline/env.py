@@ -25,11 +25,12 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import _toolkit
 from . import exitcodes
 from .paths import build_root, report_dir, require_gpu_from_env
 from .provenance import clear_outputs, provenance
@@ -406,52 +407,7 @@ def check_driver(
     return Check("driver", "ok", detail)
 
 
-# --- nvcc
-
-NVCC_RELEASE_RE = re.compile(r"release (\d+\.\d+)")
-
-
-def find_nvcc(environ: Mapping[str, str] = os.environ) -> tuple[str | None, str | None]:
-    """(nvcc, CUDA_HOME if set), looked for in torch.utils.cpp_extension's order."""
-    cuda_home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
-    if cuda_home:
-        nvcc = Path(cuda_home) / "bin" / "nvcc"
-        return (str(nvcc) if nvcc.exists() else None), cuda_home
-    on_path = shutil.which("nvcc", path=environ.get("PATH"))
-    if on_path:
-        return on_path, None
-    default = Path("/usr/local/cuda/bin/nvcc")
-    return (str(default) if default.exists() else None), None
-
-
-def has_cuda_headers(cuda_home: str | Path | None) -> bool:
-    return cuda_home is not None and (Path(cuda_home) / "include" / "cuda_runtime.h").is_file()
-
-
-def find_toolkit_home(nvcc: str | None, cuda_home_set: str | None, timeout: float) -> str | None:
-    """The toolkit directory (the one with include/cuda_runtime.h), as the build passes CUDA_HOME.
-
-    torch alone takes nvcc's grandparent, which for a wrapper script such as /usr/local/bin/nvcc is
-    /usr/local; so, like build.py, follow links and then ask `nvcc -dryrun` where it lives.
-    """
-    if cuda_home_set:
-        return cuda_home_set if has_cuda_headers(cuda_home_set) else None
-    if nvcc is None:
-        return None
-    for candidate in (Path(nvcc).parent.parent, Path(nvcc).resolve().parent.parent):
-        if has_cuda_headers(candidate):
-            return str(candidate)
-    run = run_tool([nvcc, "-dryrun", "-c", "probe.cu", "-o", os.devnull], timeout)
-    top = re.search(r"^#\$ TOP=(.+)$", run.out, re.MULTILINE) if run else None
-    if top and has_cuda_headers(Path(top.group(1).strip()).resolve()):
-        return str(Path(top.group(1).strip()).resolve())
-    return None
-
-
-def parse_nvcc_version(text: str) -> str | None:
-    """'Cuda compilation tools, release 13.0, V13.0.88' -> '13.0'."""
-    match = NVCC_RELEASE_RE.search(text)
-    return match.group(1) if match else None
+# --- nvcc (found by flashmoe_science._toolkit, the lookup the build and the CUDA tools share)
 
 
 def check_nvcc(
@@ -772,10 +728,10 @@ def run_checks(require_gpu: bool = False, deadline: Deadline | None = None) -> R
         )
     )
 
-    nvcc, cuda_home_set = find_nvcc()
+    nvcc, cuda_home_set = _toolkit.find_nvcc()
     nvcc_run = run_tool([nvcc, "--version"], deadline.timeout(3.0)) if nvcc else None
-    report.nvcc_version = parse_nvcc_version(nvcc_run.out) if nvcc_run else None
-    report.cuda_home = find_toolkit_home(nvcc, cuda_home_set, deadline.timeout(3.0))
+    report.nvcc_version = _toolkit.parse_nvcc_version(nvcc_run.out) if nvcc_run else None
+    report.cuda_home = _toolkit.find_toolkit_home(nvcc, cuda_home_set, deadline.timeout(3.0))
     add(
         check_nvcc(
             nvcc,

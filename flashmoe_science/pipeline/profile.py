@@ -57,9 +57,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .._toolkit import find_cuda_tool, run_streaming
 from . import exitcodes, paths
+from .cudatools import UNUSABLE_PATTERNS, paths_display, short_kernel
 from .provenance import provenance
-from .sanitize import UNUSABLE_PATTERNS, find_cuda_tool, paths_display, run_streaming, short_kernel
 
 SCHEMA = "flashmoe-science/profile/1"
 NCU_GLOBS = ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda*/nsight-compute*/ncu")
@@ -623,7 +624,7 @@ def run(args, case, out: Path) -> int:
     ncu = find_cuda_tool("ncu", NCU_GLOBS)
     if ncu is None:
         _say(
-            "profile: Nsight Compute (ncu) not found on PATH, in $CUDA_HOME/bin, "
+            "profile: Nsight Compute (ncu) not found in $CUDA_HOME/bin, on PATH, in "
             "/usr/local/cuda/bin or /opt/nvidia/nsight-compute/*/; install Nsight Compute or put "
             f"ncu on PATH (exit {exitcodes.TOOL_MISSING})"
         )
@@ -646,9 +647,15 @@ def run(args, case, out: Path) -> int:
         command = ncu_command(ncu, case.id, report.with_suffix(""))
         _say(f"profile: {case.id} on {gpu[0]} with {ncu}")
         log = out / f"profile-{case.id}.log"
-        returncode, text, timed_out = run_streaming(
-            command, dict(os.environ), log, args.timeout, _show_ncu_line
+        run = run_streaming(
+            command,
+            dict(os.environ),
+            log,
+            cwd=paths.REPO_ROOT,
+            timeout_s=args.timeout,
+            on_line=_show_ncu_line,
         )
+        returncode, text, timed_out = run.returncode, run.text, run.timed_out
         problem = unusable_reason(text)
         if problem:
             _say(

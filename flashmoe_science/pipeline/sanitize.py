@@ -40,26 +40,22 @@ may not instrument this GPU here; 255 no GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
-import glob
 import json
 import math
 import os
 import re
 import shlex
-import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
+from .._toolkit import find_cuda_tool, run_streaming
 from . import exitcodes, paths
-from .build import shorten_kernel_name
+from .cudatools import UNUSABLE_PATTERNS, paths_display, short_kernel
 from .provenance import clear_outputs, provenance
 
 SCHEMA = "flashmoe-science/sanitize/1"
@@ -73,7 +69,6 @@ NO_CACHING_TOOLS = ("memcheck", "initcheck")
 CASE_MARK = "sanitize-case: "
 DONE_MARK = "sanitize-done: "
 SHOWN_PER_TOOL = 3
-FALLBACK_CUDA_HOMES = ("/usr/local/cuda",)
 HEARTBEAT_S = 30.0
 
 # --------------------------------------------------------------------------------------------------
@@ -290,16 +285,6 @@ _NOT_FINDINGS = (
     "ERROR SUMMARY",
     "Program finished",
 )
-# compute-sanitizer cannot instrument the GPU here (old tool for the GPU, container without the
-# debugger interface, a driver that forbids it): an environment problem, not a finding.
-UNUSABLE_PATTERNS = (
-    re.compile(r"Device not supported", re.IGNORECASE),
-    re.compile(r"\berror 999\b|CUDA_ERROR_UNKNOWN|cudaErrorUnknown"),
-    re.compile(r"insufficient permissions?", re.IGNORECASE),
-    re.compile(r"Internal Sanitizer Error", re.IGNORECASE),
-    re.compile(r"Unable to (?:find|load) (?:the )?injection library", re.IGNORECASE),
-    re.compile(r"not supported on this (?:device|GPU|platform)", re.IGNORECASE),
-)
 
 
 def unusable_reason(text: str) -> str | None:
@@ -312,13 +297,6 @@ def unusable_reason(text: str) -> str | None:
 
 def is_our_kernel(name: str) -> bool:
     return any(name.startswith(kernel) for kernel in KERNEL_SUBSTRINGS)
-
-
-def short_kernel(function: str) -> str:
-    """'void flashmoe::cuda::flash_fwd_kernel<flashmoe::cuda::FwdTraits<(int)128, ...>, __half>(
-    flashmoe::AttentionParams)' -> 'flash_fwd_kernel<FwdTraits<128, ...>, __half>'."""
-    function = re.sub(r"\((?:int|unsigned int|long|bool|unsigned long)\)(?=-?\w)", "", function)
-    return shorten_kernel_name(function, width=100)
 
 
 def parse_location(text: str) -> tuple[str | None, str | None]:
@@ -513,28 +491,6 @@ def count_text(report: ToolReport) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def find_cuda_tool(name: str, extra_globs: Sequence[str] = ()) -> str | None:
-    """`name` on PATH, else in $CUDA_HOME/bin (or $CUDA_PATH/bin), /usr/local/cuda/bin, then the
-    newest match of each extra glob (e.g. /opt/nvidia/nsight-compute/*/ncu)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *FALLBACK_CUDA_HOMES]
-    for home in filter(None, homes):
-        candidate = Path(home) / "bin" / name
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    for pattern in extra_globs:
-        hits = [p for p in glob.glob(pattern) if os.access(p, os.X_OK)]
-        if hits:
-            return sorted(hits, key=_version_key)[-1]
-    return None
-
-
-def _version_key(path: str) -> list:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
-
-
 def sanitizer_command(
     exe: str, tool: str, print_limit: int = PRINT_LIMIT, kernel_filter: bool = True
 ) -> list[str]:
@@ -556,50 +512,6 @@ def tool_env(tool: str, defines: Sequence[str]) -> dict[str, str]:
     if tool in NO_CACHING_TOOLS:
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     return env
-
-
-def run_streaming(
-    command: Sequence[str],
-    env: dict[str, str],
-    log_path: Path,
-    timeout_s: float,
-    progress: Callable[[str], None] | None = None,
-) -> tuple[int | None, str, bool]:
-    """Run `command`, stdout and stderr merged into `log_path`; (returncode, text, timed_out).
-    `progress` sees every line. The child gets its own process group, killed on timeout."""
-    lines: list[str] = []
-    with open(log_path, "w", encoding="utf-8", errors="replace") as log:
-        log.write(f"$ {shlex.join(command)}\n")
-        child = subprocess.Popen(
-            list(command),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            env=env,
-            cwd=paths.REPO_ROOT,
-            start_new_session=True,
-        )
-        expired = threading.Event()
-
-        def kill() -> None:
-            expired.set()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
-
-        timer = threading.Timer(timeout_s, kill)
-        timer.start()
-        try:
-            assert child.stdout is not None
-            for line in child.stdout:
-                log.write(line)
-                lines.append(line)
-                if progress:
-                    progress(line)
-            returncode = child.wait()
-        finally:
-            timer.cancel()
-    return (None if expired.is_set() else returncode), "".join(lines), expired.is_set()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -729,7 +641,7 @@ def run(args, tools: list[str]) -> int:
     exe = find_cuda_tool("compute-sanitizer")
     if exe is None:
         _say(
-            "sanitize: compute-sanitizer not found on PATH, in $CUDA_HOME/bin or "
+            "sanitize: compute-sanitizer not found in $CUDA_HOME/bin, on PATH or in "
             "/usr/local/cuda/bin; install the CUDA toolkit (it ships compute-sanitizer) or put its "
             "bin/ on PATH "
             f"(exit {exitcodes.TOOL_MISSING})"
@@ -820,9 +732,15 @@ def _run_tool(
             _say(f"  {tool}: {state['calls']}/{total} calls, {now - started:.0f} s")
 
     _say(f"  {tool}: running ({shlex.join(command[:3])} ...)")
-    returncode, text, timed_out = run_streaming(
-        command, tool_env(tool, defines), log_path, args.timeout, progress
+    run = run_streaming(
+        command,
+        tool_env(tool, defines),
+        log_path,
+        cwd=paths.REPO_ROOT,
+        timeout_s=args.timeout,
+        on_line=progress,
     )
+    returncode, text, timed_out = run.returncode, run.text, run.timed_out
     elapsed = time.monotonic() - started
     report = parse_sanitizer_output(tool, text)
     status = tool_status(report, returncode, timed_out)
@@ -861,13 +779,6 @@ def _write(doc: dict, out: Path) -> None:
     tmp = path.with_name(".sanitize.json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
-
-
-def paths_display(path: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
 
 
 if __name__ == "__main__":

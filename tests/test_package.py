@@ -1,0 +1,214 @@
+"""The package as users get it: the wheel and sdist carry the kernel sources, an installed copy
+builds into the per-user cache and writes nothing into the current directory, the library imports
+no pipeline module, and one CUDA tool lookup serves the loader, env, sanitize and profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from flashmoe_science import _loader as loader
+from flashmoe_science import _toolkit
+from flashmoe_science.pipeline import env, exitcodes, profile, sanitize, wheelcheck
+from flashmoe_science.pipeline.paths import REPO_ROOT
+
+UNITS_AND_HEADERS = sorted(
+    p.name for p in (REPO_ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".cu", ".h", ".cuh")
+)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    return wheelcheck.build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_wheel_and_sdist_carry_the_kernel_sources(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert sorted(n.split("/")[-1] for n in names if n.startswith("flashmoe_science/csrc/")) == (
+        UNITS_AND_HEADERS
+    )
+    assert not any(n.startswith("csrc/") for n in names)  # inside the package, not beside it
+    entry_points = zipfile.ZipFile(wheel).read(
+        next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    )
+    # `flashmoe-science build` prebuilds the cache of an installed package, as `python -m` does
+    assert b"flashmoe-science = flashmoe_science.__main__:main" in entry_points
+    (sdist,) = wheel.parent.glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        members = archive.getnames()
+    assert sorted(m.split("/")[-1] for m in members if "/csrc/" in m) == UNITS_AND_HEADERS
+
+
+def test_installed_wheel_works_outside_the_checkout_and_writes_nothing_there(wheel, tmp_path):
+    # wheelcheck raises CheckFailed when the calls fail, build again after the prebuild, write
+    # into the (empty) current directory, or leave no library under FLASHMOE_CACHE_DIR
+    summary = wheelcheck.check(wheel, tmp_path)
+    assert summary["library"].endswith("-cpu/flashmoe_science_C.so")
+    assert (
+        summary["fwd_err"] <= wheelcheck.TOLERANCE and summary["decode_err"] <= wheelcheck.TOLERANCE
+    )
+    assert not (tmp_path / "cwd").exists() or not any((tmp_path / "cwd").iterdir())
+
+
+def test_wheelcheck_fails_a_wheel_without_the_sources(wheel, tmp_path):
+    broken = tmp_path / wheel.name
+    with zipfile.ZipFile(wheel) as good, zipfile.ZipFile(broken, "w") as bad:
+        for item in good.infolist():
+            if "/csrc/" not in item.filename:
+                bad.writestr(item, good.read(item))
+    with pytest.raises(wheelcheck.CheckFailed, match="lacks the kernel sources"):
+        wheelcheck.check_contents(broken)
+
+
+# --------------------------------------------------------------------------------------------------
+# Where the loader looks and builds
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """The loader as it runs from an installed package: the sources inside the package."""
+    sources = tmp_path / "site-packages" / "flashmoe_science" / "csrc"
+    sources.mkdir(parents=True)
+    monkeypatch.setattr(loader, "PACKAGED_SOURCES", sources)
+    for variable in ("FLASHMOE_BUILD_ROOT", "FLASHMOE_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return sources
+
+
+def test_cache_dir_follows_the_environment(installed, tmp_path, monkeypatch):
+    assert loader.installed() and loader.default_sources_dir() == installed
+    assert loader.build_root() == tmp_path / "home" / ".cache" / "flashmoe-science"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert loader.build_root() == tmp_path / "xdg" / "flashmoe-science"
+    monkeypatch.setenv("FLASHMOE_CACHE_DIR", str(tmp_path / "mine"))
+    assert loader.build_root() == tmp_path / "mine"
+    monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "root"))
+    assert loader.build_root() == tmp_path / "root"
+    assert loader.resolve_config("cpu").build_dir.parent == tmp_path / "root"
+
+
+def test_a_checkout_builds_into_its_build_folder(monkeypatch):
+    monkeypatch.delenv("FLASHMOE_BUILD_ROOT", raising=False)
+    monkeypatch.setenv("FLASHMOE_CACHE_DIR", "/nowhere")  # read by installed packages only
+    assert not loader.installed()
+    assert loader.default_sources_dir() == REPO_ROOT / "csrc"
+    assert loader.build_root() == REPO_ROOT / "build"
+
+
+def test_a_missing_source_in_an_installed_package_says_reinstall(installed):
+    config = loader.resolve_config("cpu")
+    assert config.source == installed / "flashmoe_science.cpp"
+    with pytest.raises(loader.BuildError) as excinfo:
+        loader.build(config)
+    message = str(excinfo.value)
+    assert "installation of flashmoe-science is incomplete" in message
+    assert "pip install --force-reinstall" in message.splitlines()[-1]
+    assert "write it" not in message and excinfo.value.exit_code == exitcodes.ENV_BROKEN
+
+
+def test_the_loader_uses_the_pipeline_exit_codes():
+    assert (loader.USAGE, loader.BUILD_FAILED, loader.ENV_BROKEN) == (
+        exitcodes.USAGE,
+        exitcodes.BUILD_FAILED,
+        exitcodes.ENV_BROKEN,
+    )
+
+
+def test_the_library_imports_no_pipeline_module():
+    code = (
+        "import sys, flashmoe_science.ops; "
+        "print(sorted(m for m in sys.modules if m.startswith('flashmoe_science.pipeline')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_base_report_path_is_asked_for_not_spelled(tmp_path, monkeypatch):
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "elsewhere"))
+    out = subprocess.run(
+        [sys.executable, "-m", "flashmoe_science.pipeline.paths", "base-report", sha],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    from flashmoe_science.pipeline import bench
+
+    # where `bench --base` writes the base's reports, under the build root the variable names
+    assert Path(out) == bench.base_dirs(REPO_ROOT, sha)[1] / "build.json"
+    assert Path(out) == tmp_path / "elsewhere" / "worktrees" / f"{sha[:12]}.reports" / "build.json"
+    workflow = (REPO_ROOT / ".github" / "workflows" / "gpu-ci.yml").read_text()
+    assert "flashmoe_science.pipeline.paths base-report" in workflow
+    assert "build/worktrees/" not in workflow
+
+
+# --------------------------------------------------------------------------------------------------
+# One CUDA tool lookup
+# --------------------------------------------------------------------------------------------------
+
+
+def _tool(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+NVCC = "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n"
+SANITIZER = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "Version 2025.3.1.0"; exit 0; fi
+echo "$0" >> "$WHO_RAN"
+"""
+
+
+def test_one_lookup_order_for_env_build_sanitize_and_profile(
+    tmp_path, no_cuda_tools, monkeypatch, capsys
+):
+    home, on_path = tmp_path / "cuda", tmp_path / "path"
+    for where in (home / "bin", on_path):
+        _tool(where / "nvcc", NVCC)
+        _tool(where / "compute-sanitizer", SANITIZER)
+        _tool(where / "ncu")
+    (home / "include").mkdir()
+    (home / "include" / "cuda_runtime.h").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    monkeypatch.setenv("PATH", str(on_path))
+    nvcc = str(home / "bin" / "nvcc")
+
+    # the build
+    assert loader.find_cuda_toolkit() == loader.CudaToolkit(nvcc, str(home), "13.0")
+    # the environment check reports the same nvcc
+    (nvcc_check,) = [c for c in env.run_checks().checks if c.name == "nvcc"]
+    assert nvcc in nvcc_check.detail
+    # the profiler's ncu
+    assert profile.find_cuda_tool("ncu", profile.NCU_GLOBS) == str(home / "bin" / "ncu")
+    # the sanitizer runs the CUDA_HOME one
+    monkeypatch.setenv("WHO_RAN", str(tmp_path / "who"))
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.setattr(sanitize, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    from flashmoe_science.pipeline import build
+
+    monkeypatch.setattr(build, "ensure_built", lambda backend, defines=(): Path("/b/x.so"))
+    sanitize.main(["--tool", "memcheck"])
+    assert (tmp_path / "who").read_text().split() == [str(home / "bin" / "compute-sanitizer")]
+    doc = json.loads((tmp_path / "reports" / "sanitize.json").read_text())
+    assert doc["tools"]["memcheck"]["command"].startswith(str(home / "bin" / "compute-sanitizer"))
+
+    # without it in CUDA_HOME, PATH comes next, for every tool alike
+    for name in ("nvcc", "compute-sanitizer", "ncu"):
+        (home / "bin" / name).unlink()
+    assert _toolkit.find_nvcc() == (str(on_path / "nvcc"), None)
+    assert loader.find_cuda_toolkit().nvcc == str(on_path / "nvcc")
+    assert sanitize.find_cuda_tool("compute-sanitizer") == str(on_path / "compute-sanitizer")
+    assert profile.find_cuda_tool("ncu") == str(on_path / "ncu")
