@@ -99,7 +99,9 @@ def test_load_names_the_file_and_the_problem(tmp_path):
     path.write_text(json.dumps({k: v for k, v in good.items() if k != "provenance"}))
     with pytest.raises(benchrecords.InvalidBenchFile, match=r"'provenance' is a required") as err:
         benchrecords.load(path)
-    assert str(path) in str(err.value) and "rerun `python -m flashmoe_science bench`" in str(err.value)
+    assert str(path) in str(err.value) and "rerun `python -m flashmoe_science bench`" in str(
+        err.value
+    )
 
 
 def test_write_refuses_an_invalid_record(tmp_path):
@@ -115,7 +117,9 @@ def test_records_import_without_torch():
         "import sys; from flashmoe_science.pipeline import benchrecords; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -348,7 +352,9 @@ def test_read_floor_is_the_fastest_read_and_missing_triton_is_a_record(monkeypat
         raise ImportError("No module named 'triton'")
 
     monkeypatch.setattr(measure.readfloor, "read_calls", no_triton)
-    floor = measure.read_floor(case, cases.Inputs(None, None, None, None), "cpu", PerCallTimer(), config)
+    floor = measure.read_floor(
+        case, cases.Inputs(None, None, None, None), "cpu", PerCallTimer(), config
+    )
     assert floor == benchrecords.NotMeasured(
         "unsupported", "the read floor needs Triton: No module named 'triton'"
     )
@@ -441,7 +447,9 @@ def test_history_keeps_the_raw_samples_per_machine(tmp_path):
     record.gpu, record.commit = {"name": "NVIDIA L4"}, {"sha": "abc", "dirty": False}
     record.cases = [
         dataclasses.replace(record.cases[0], id="x", ours=measured),
-        dataclasses.replace(record.cases[0], id="y", ours=benchrecords.NotMeasured("error", "boom")),
+        dataclasses.replace(
+            record.cases[0], id="y", ours=benchrecords.NotMeasured("error", "boom")
+        ),
     ]
     for _ in range(history.HISTORY_KEEP + 3):
         path = history.record_history(record, tmp_path)
@@ -527,3 +535,84 @@ def test_base_worktree_comparison_finds_a_planted_slowdown(tmp_path):
     assert (worktrees / label / "flashmoe_science" / "pipeline" / "bench.py").is_file()
     assert (worktrees / f"{label}.build").is_dir()
     assert (worktrees / f"{label}.reports" / "build.json").is_file()
+
+
+def test_workers_start_through_the_cli_that_every_version_has():
+    """Module paths move between versions (flashmoe_science.bench, then .pipeline.bench); the
+    `python -m flashmoe_science bench --worker` command line is what old and new trees share."""
+    assert headbase.worker_command("cpu", ["--rep-ms", "5"]) == [
+        sys.executable,
+        "-m",
+        "flashmoe_science",
+        "bench",
+        "--worker",
+        "--backend",
+        "cpu",
+        "--rep-ms",
+        "5",
+    ]
+    env = headbase.side_env(REPO_ROOT, None, None)
+    env = {k: v for k, v in env.items() if not k.startswith("PYTEST_XDIST")}
+    worker = headbase.Worker("head", REPO_ROOT, env, "cpu", ["--warmup-ms", "1", "--rep-ms", "5"])
+    try:
+        case = cases.parse_case_id("fwd-fp16-d64-h1-b1-s128-full")
+        samples = worker.time(case, 3)
+        assert len(samples) == 3 and all(s > 0 for s in samples)
+        with pytest.raises(headbase.WorkerError, match="ValueError"):  # head_dim 0: refused
+            worker.time(dataclasses.replace(case, head_dim=0), 1)
+        assert len(worker.time(case, 2)) == 2  # the worker lives on after a failed request
+    finally:
+        worker.close()
+    assert worker.process.returncode == 0
+
+
+def _old_layout_commit() -> str | None:
+    """The last commit whose bench command lived at flashmoe_science/bench.py, if this checkout's
+    history holds it (a shallow clone does not)."""
+    moved = git(REPO_ROOT, "rev-list", "-1", "HEAD", "--", "flashmoe_science/bench.py", check=False)
+    sha = moved.stdout.strip()
+    if moved.returncode != 0 or not sha:
+        return None
+    old = git(REPO_ROOT, "rev-parse", "--verify", "--quiet", f"{sha}^", check=False).stdout.strip()
+    has = git(REPO_ROOT, "cat-file", "-e", f"{old}:flashmoe_science/bench.py", check=False)
+    return old if old and has.returncode == 0 else None
+
+
+@pytest.mark.slow
+def test_head_against_a_base_from_before_the_pipeline_moved(tmp_path):
+    """A base whose bench lives at flashmoe_science/bench.py serves the head's requests."""
+    old = _old_layout_commit()
+    if old is None:
+        pytest.skip("this checkout's history has no commit with flashmoe_science/bench.py")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", old], cwd=REPO_ROOT, capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(repo)], input=archive.stdout, check=True)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "base: the layout before the pipeline moved")
+    _git(repo, "rm", "-q", "-r", ".")
+    copy_project(REPO_ROOT, repo)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "head: this tree")
+
+    env = {
+        k: v
+        for k, v in bench_env(tmp_path / "reports").items()
+        if not k.startswith(("FLASHMOE_BUILD", "FLASHMOE_BENCH"))
+    }
+    args = ["--quick", "--backend", "cpu", "--no-baselines", "--rep-ms", "10", "--warmup-ms", "1"]
+    args += ["--base", "HEAD~1", "--rounds", "2", "--samples-per-round", "3"]
+    done = run_bench(args, repo, env, timeout=900)
+    output = done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == exitcodes.OK, output
+    record = benchrecords.load(tmp_path / "reports" / "bench.json")
+    comparison = record.comparison
+    assert comparison.source == "worktree", output
+    assert [r.id for r in comparison.cases] == list(benchmatrix.QUICK_IDS["cpu"])
+    assert all(r.verdict != "missing" for r in comparison.cases), comparison.cases
+    tree = repo / "build" / "worktrees" / comparison.base.sha[:12]
+    assert (tree / "flashmoe_science" / "bench.py").is_file()
+    assert not (tree / "flashmoe_science" / "pipeline").exists()

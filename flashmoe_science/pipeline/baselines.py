@@ -23,7 +23,12 @@ from .timing import first_line
 BASELINES = dict(
     zip(
         BASELINE_NAMES,
-        (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, None),
+        (
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+            None,
+        ),
         strict=True,
     )
 )

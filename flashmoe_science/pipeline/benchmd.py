@@ -15,7 +15,11 @@ from .benchrecords import (
 
 
 def _ms(result) -> str:
-    return f"{result.median_ms:.4g} ({result.iqr_ms:.2g})" if isinstance(result, Measured) else result.status
+    return (
+        f"{result.median_ms:.4g} ({result.iqr_ms:.2g})"
+        if isinstance(result, Measured)
+        else result.status
+    )
 
 
 def _ratio(result) -> str:

@@ -28,9 +28,8 @@ class InvalidBenchFile(ValueError):
     """bench.json (or a record about to become one) does not follow benches/bench.schema.json."""
 
 
-def _optional(**kwargs) -> Any:
-    """A field left out of the JSON when it is None (the schema has it as optional)."""
-    return dataclasses.field(default=None, metadata={"omit_if_none": True}, **kwargs)
+# Metadata of a field left out of the JSON when it is None (the schema has it as optional)
+OPTIONAL = {"omit_if_none": True}
 
 
 @dataclasses.dataclass
@@ -47,8 +46,12 @@ class Measured:
     pct_matmul_ceiling: float | None
     pct_copy_ceiling: float | None
     peak_mem_bytes: int | None
-    samples_ms: list[float] | None = _optional()  # raw samples: our kernel only
-    ratio: float | None = _optional()  # baselines: their median / ours
+    samples_ms: list[float] | None = dataclasses.field(
+        default=None, metadata=OPTIONAL
+    )  # raw samples: our kernel only
+    ratio: float | None = dataclasses.field(
+        default=None, metadata=OPTIONAL
+    )  # baselines: their median / ours
     status: str = "ok"
 
 
@@ -65,7 +68,7 @@ class ReadFloor:
     median_ms: float
     gbps: float | None
     config: str
-    ratio: float | None = _optional()  # its time / ours
+    ratio: float | None = dataclasses.field(default=None, metadata=OPTIONAL)  # its time / ours
     status: str = "ok"
 
 
@@ -91,11 +94,11 @@ class CaseRecord:
     bytes: int
     ours: Result
     baselines: dict[str, Result]
-    read_floor: ReadFloor | NotMeasured | None = _optional()
-    layout: str | None = _optional()
-    config: int | None = _optional()
-    num_splits: int | None = _optional()
-    cache_seqlens: list[int] | None = _optional()
+    read_floor: ReadFloor | NotMeasured | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    layout: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    config: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    num_splits: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    cache_seqlens: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass
@@ -132,9 +135,9 @@ class MissingVerdict:
 class BaseRef:
     ref: str
     sha: str | None
-    stored_commit: str | None = _optional()
-    stored_at: str | None = _optional()
-    stored_torch: str | None = _optional()
+    stored_commit: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    stored_at: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    stored_torch: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass

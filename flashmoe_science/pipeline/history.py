@@ -69,7 +69,9 @@ def is_ancestor(maybe_ancestor: str, sha: str) -> bool:
     return done.returncode == 0
 
 
-def stored_reference(entries: Sequence[dict], base_sha: str, is_ancestor=is_ancestor) -> dict | None:
+def stored_reference(
+    entries: Sequence[dict], base_sha: str, is_ancestor=is_ancestor
+) -> dict | None:
     """The stored run of base_sha itself, else the newest one on an ancestor of base_sha."""
     for entry in reversed(entries):
         if entry.get("commit") == base_sha:

@@ -104,7 +104,8 @@ def run_case(
             else NotMeasured("unsupported", reason)
         )
         if isinstance(result, Measured):
-            result.samples_ms = None  # raw samples are kept for our kernel only (history, comparison)
+            # raw samples are kept for our kernel only (history, comparison)
+            result.samples_ms = None
             if ours:
                 result.ratio = sig(result.median_ms / ours.median_ms, 4)
         record.baselines[name] = result

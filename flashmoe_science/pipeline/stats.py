@@ -48,9 +48,7 @@ def summarize(samples: Sequence[float]) -> Summary:
         q1 = median = q3 = float(samples[0])
     else:
         q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    return Summary(
-        n=len(samples), median=median, q1=q1, q3=q3, min=min(samples), max=max(samples)
-    )
+    return Summary(n=len(samples), median=median, q1=q1, q3=q3, min=min(samples), max=max(samples))
 
 
 def sig(value: float | None, digits: int = 5) -> float | None:
