@@ -558,8 +558,9 @@ def test_workers_start_through_the_cli_that_every_version_has():
         case = cases.parse_case_id("fwd-fp16-d64-h1-b1-s128-full")
         samples = worker.time(case, 3)
         assert len(samples) == 3 and all(s > 0 for s in samples)
-        with pytest.raises(headbase.WorkerError, match="ValueError"):  # head_dim 0: refused
-            worker.time(dataclasses.replace(case, head_dim=0), 1)
+        too_long = cases.parse_case_id("dec-fp16-d64-h2-b1-q1-k9-lens20")  # 20 > 9 cached keys
+        with pytest.raises(headbase.WorkerError, match="ValueError: cache_seqlens"):
+            worker.time(too_long, 1)
         assert len(worker.time(case, 2)) == 2  # the worker lives on after a failed request
     finally:
         worker.close()

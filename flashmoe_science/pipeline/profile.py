@@ -631,11 +631,11 @@ def run(args, case, out: Path) -> int:
     command = None
     ceilings: dict = {}
     if not args.import_report:
-        from .baselines import Abort, build_checkout
+        from . import bench
 
         try:
-            build_checkout("cuda")
-        except Abort as exc:
+            bench.build_checkout("cuda")
+        except bench.Abort as exc:
             _say(f"profile: {exc}")
             return exc.exit_code
         if not args.no_ceilings:
