@@ -183,6 +183,24 @@ def test_refuses_to_time_under_pytest_xdist(monkeypatch, capsys):
         timing.benchmark(lambda: None, FakeTimer([1.0] * 20), timing.TimingConfig.for_device("cpu"))
 
 
+def test_a_run_clears_the_previous_results_before_it_builds(tmp_path, monkeypatch):
+    """A commit that does not build (exit 125) must not leave an older run's bench.json behind,
+    where the report would read it as this commit's."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    for name in bench.OUTPUTS:
+        (tmp_path / name).write_text("from an older run")
+
+    def no_build(device):
+        raise baselines.Abort(exitcodes.BUILD_FAILED, "this checkout does not build")
+
+    monkeypatch.setattr(bench, "build_checkout", no_build)
+    assert bench.main(["--quick", "--backend", "cpu", "--list"]) == exitcodes.OK
+    assert all((tmp_path / name).exists() for name in bench.OUTPUTS)  # --list writes nothing
+    assert bench.main(["--quick", "--backend", "cpu"]) == exitcodes.BUILD_FAILED
+    assert not any((tmp_path / name).exists() for name in bench.OUTPUTS)
+
+
 def test_bisect_needs_a_gpu_unless_cpu_is_asked_for(monkeypatch, capsys):
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from flashmoe_science.pipeline import gates
-from flashmoe_science.pipeline.cases import make_inputs
+from flashmoe_science.pipeline.cases import Case, make_inputs
 
 GPU_CASES = gates.gate_cases("gpu")
 CPU_CASES = gates.gate_cases("cpu")
 
 
-def _run(case: gates.Case, device: str, record_property) -> None:
+def _run(case: Case, device: str, record_property) -> None:
     result = gates.check_case(case, device)
     row = {
         **result.to_json(),

@@ -321,6 +321,8 @@ def run(args) -> int:
         raise Abort(
             exitcodes.USAGE, f"--base {args.base!r} is not a commit here (`git log --oneline`)"
         )
+    if bisect_case is None:  # a run that stops early (no build: 125) leaves no older result behind
+        provenance.clear_outputs(*OUTPUTS)
     build_checkout(device)
     if bisect_case is not None:
         return bisect_main(bisect_case, args.max_ms, device, config)
@@ -328,7 +330,6 @@ def run(args) -> int:
 
 
 def run_and_report(args, cases: list[Case], device: str, config: TimingConfig) -> int:
-    provenance.clear_outputs(*OUTPUTS)  # a run that stops early leaves no older result behind
     record = run_matrix(cases, device, config, baselines=not args.no_baselines)
     if args.base or args.base_dir:
         record.comparison = headbase.compare(record, cases, device, args)

@@ -10,8 +10,6 @@ import subprocess
 
 import torch
 
-from . import provenance
-
 
 def gpu_info(device: str) -> dict | None:
     if device != "cuda":
@@ -56,7 +54,3 @@ def commit_of(block: dict) -> dict | None:
     """bench.json's "commit" ({"sha", "dirty"}) from a provenance block; None outside a checkout."""
     commit = block["commit"]
     return {"sha": commit["sha"], "dirty": commit["dirty"]} if commit.get("sha") else None
-
-
-def tree_commit(tree) -> dict | None:
-    return commit_of({"commit": provenance.commit(tree)})
