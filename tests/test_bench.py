@@ -493,8 +493,8 @@ SLOWER_FORWARD = """
 _unplanted_forward = flash_attention_forward
 
 
-def flash_attention_forward(*args, **kwargs):  # planted by tests/test_bench.py: 50 ms slower
-    __import__("time").sleep(0.05)
+def flash_attention_forward(*args, **kwargs):  # planted by tests/test_bench.py: 200 ms slower
+    __import__("time").sleep(0.2)
     return _unplanted_forward(*args, **kwargs)
 """
 
@@ -507,7 +507,8 @@ def test_base_worktree_comparison_finds_a_planted_slowdown(tmp_path):
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "base")
     with (repo / "flashmoe_science" / "ops.py").open("a") as ops_py:
-        ops_py.write(SLOWER_FORWARD)  # prefill 50 ms slower, far beyond noise; decode unchanged
+        # prefill 200 ms slower: beyond the 15 -> 75 ms spikes of a loaded 2-core VM; decode unchanged
+        ops_py.write(SLOWER_FORWARD)
     _git(repo, "commit", "-q", "-am", "head: slower prefill")
 
     env = {
