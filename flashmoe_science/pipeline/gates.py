@@ -31,17 +31,9 @@ LSE_ATOL = 1e-3
 LSE_RTOL = 1e-3
 
 
-def rerun_fields(case: Case, device: str) -> dict:
-    """How to run one gate case again: the command, its CPU twin (the same id in the CPU tier, with
-    the same inputs) when there is one, and what hardware the case needs, if more than a GPU."""
-    from ..ops import SM90_ONLY_CONFIGS
-
-    twin = device == "cuda" and case.id in cpu_tier_ids()
-    return {
-        "rerun": case.rerun_command(device),
-        "rerun_cpu": case.rerun_command("cpu") if twin else None,
-        "rerun_needs": "sm_90" if case.config in SM90_ONLY_CONFIGS else None,
-    }
+# --------------------------------------------------------------------------------------------------
+# References
+# --------------------------------------------------------------------------------------------------
 
 
 def _visible_mask(case_like: tuple[int, int, bool], seqlens, batch: int, device) -> torch.Tensor:
@@ -212,6 +204,19 @@ def evaluate(
     if not deterministic:
         result.failures.append("repeated calls on the same inputs are not bit-identical (a race?)")
     return result
+
+
+def rerun_fields(case: Case, device: str) -> dict:
+    """How to run one gate case again: the command, its CPU twin (the same id in the CPU tier, with
+    the same inputs) when there is one, and what hardware the case needs, if more than a GPU."""
+    from ..ops import SM90_ONLY_CONFIGS
+
+    twin = device == "cuda" and case.id in cpu_tier_ids()
+    return {
+        "rerun": case.rerun_command(device),
+        "rerun_cpu": case.rerun_command("cpu") if twin else None,
+        "rerun_needs": "sm_90" if case.config in SM90_ONLY_CONFIGS else None,
+    }
 
 
 def format_failure(case: Case, result: GateResult) -> str:
