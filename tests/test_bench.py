@@ -462,7 +462,8 @@ def test_stored_reference_is_the_base_itself_else_its_newest_ancestor():
 def test_history_keeps_the_raw_samples_per_machine(tmp_path):
     record = benchrecords.load(next(FIXTURES.glob("*/bench.json")))
     measured = benchrecords.Measured(1.5, 1, 2, 1, 2, None, None, None, None, None, [1.0, 2.0])
-    record.gpu, record.commit = {"name": "NVIDIA L4"}, {"sha": "abc", "dirty": False}
+    record.gpu = benchrecords.Gpu("NVIDIA L4", "8.9", 58, 24 * 2**30)
+    record.commit = benchrecords.Commit("abc", dirty=False)
     record.cases = [
         dataclasses.replace(record.cases[0], id="x", ours=measured),
         dataclasses.replace(

@@ -88,7 +88,9 @@ import json, sys
 from flashmoe_science import ops
 from flashmoe_science.pipeline import gates
 from flashmoe_science.pipeline.cases import parse_case_id
-cases = [parse_case_id("dec-bf16-d64-h8kv2-b2-q1-k1000-splits3-lens1000_333"),
+# 7 splits: the off-by-one drops 6 of 1000 keys, beyond bf16's error floor whatever the seed
+# (with 3 splits, 2 dropped keys stayed under gate 2's bound for some seeds)
+cases = [parse_case_id("dec-bf16-d64-h8kv2-b2-q1-k1000-splits7-lens1000_333"),
          parse_case_id("dec-fp16-d128-h8-b1-q4-k4096-splits7")]
 device = sys.argv[1]
 if device == "cuda":  # the decode kernel runs the cases above; the forward kernel's split path too

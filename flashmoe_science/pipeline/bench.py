@@ -82,7 +82,7 @@ import torch
 from . import benchmd, benchrecords, exitcodes, headbase, history, machine, paths, provenance, stats
 from .baselines import Abort, build_checkout, first_call, our_call
 from .benchmatrix import select_cases
-from .benchrecords import BenchRecord, Measured
+from .benchrecords import BenchRecord, Ceilings, Commit, Gpu, Measured, TimingSetup
 from .cases import Case, make_inputs, parse_case_id
 from .measure import run_case
 from .timing import (
@@ -111,20 +111,17 @@ def run_matrix(
     say(f"bench: {len(cases)} cases on {where} ({timer.method}); measuring ceilings")
     ceilings = measure_ceilings(device, timer, config)
     block = provenance.provenance()
+    commit = block["commit"]
     record = BenchRecord(
         provenance=block,
         timestamp=_now(),
         backend=device,
-        gpu=gpu,
+        gpu=Gpu(**gpu) if gpu else None,
         driver=machine.driver_version() if device == "cuda" else None,
         **machine.versions(device),
-        commit=machine.commit_of(block),
-        timing={
-            "method": timer.method,
-            "l2_flush_bytes": timer.flush_bytes,
-            **dataclasses.asdict(config),
-        },
-        ceilings=ceilings,
+        commit=Commit(commit["sha"], commit["dirty"]) if commit["sha"] else None,
+        timing=TimingSetup(timer.method, timer.flush_bytes, **dataclasses.asdict(config)),
+        ceilings=Ceilings.from_json(ceilings),
         cases=[],
     )
     for index, case in enumerate(cases, 1):
@@ -335,7 +332,7 @@ def run_and_report(args, cases: list[Case], device: str, config: TimingConfig) -
         record.comparison = headbase.compare(record, cases, device, args)
     # after the comparison, so a fallback to stored results never finds this very run
     full_matrix = not args.quick and not args.case
-    if full_matrix and not args.no_history and record.commit and not record.commit["dirty"]:
+    if full_matrix and not args.no_history and record.commit and not record.commit.dirty:
         stored = history.record_history(record, history.history_dir(args.history))
         print(f"bench: recorded in {stored}")
     out = paths.report_dir()

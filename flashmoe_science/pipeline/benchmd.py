@@ -37,26 +37,26 @@ def _num(value: float | None, fmt: str = ".1f") -> str:
 
 
 def _header_lines(record: BenchRecord) -> list[str]:
-    gpu, commit, timing = record.gpu, record.commit or {}, record.timing
+    gpu, commit, timing = record.gpu, record.commit, record.timing
     if gpu:
-        sm = gpu["capability"].replace(".", "")
-        where = f"{gpu['name']} (sm_{sm}, {gpu['sm_count']} SMs), driver {record.driver}"
+        sm = gpu.capability.replace(".", "")
+        where = f"{gpu.name} (sm_{sm}, {gpu.sm_count} SMs), driver {record.driver}"
     else:
         where = "CPU backend (plumbing numbers, not a performance claim)"
-    sha = str(commit.get("sha"))[:12] + (" (dirty)" if commit.get("dirty") else "")
-    flush = timing["l2_flush_bytes"] // 2**20
-    copy, matmul = record.ceilings.get("copy", {}), record.ceilings.get("matmul", {})
+    sha = f"{commit.sha[:12]}{' (dirty)' if commit.dirty else ''}" if commit else "None"
+    flush = timing.l2_flush_bytes // 2**20
+    copy, matmul = record.ceilings.copy, record.ceilings.matmul
     return [
         "# Attention benchmark: flashmoe-science against PyTorch SDPA",
         "",
         f"{where}; torch {record.torch}, CUDA {record.cuda}; commit {sha}.",
-        f"Timing: {timing['method']}"
+        f"Timing: {timing.method}"
         + (f", {flush} MiB L2 flush before every call" if flush else ", no cache flush")
         + "; median ms (IQR). vs X = X's time / ours (above 1: ours is faster); the read floor "
         "(decode on CUDA) is a bare read of the case's K and V.",
-        f"Ceilings measured in this run: copy {_num(copy.get('gbps'), '.0f')} GB/s, "
-        f"{matmul.get('dtype', '?')} matmul {matmul.get('n', '?')}^3 "
-        f"{_num(matmul.get('tflops'), '.3g')} TFLOP/s; "
+        f"Ceilings measured in this run: copy {_num(copy and copy.gbps, '.0f')} GB/s, "
+        f"{matmul.dtype if matmul else '?'} matmul {matmul.n if matmul else '?'}^3 "
+        f"{_num(matmul and matmul.tflops, '.3g')} TFLOP/s; "
         "% ceiling is decode against the copy, prefill against the matmul.",
     ]
 

@@ -33,6 +33,66 @@ OPTIONAL = {"omit_if_none": True}
 
 
 @dataclasses.dataclass
+class Gpu:
+    name: str
+    capability: str  # "9.0"
+    sm_count: int
+    memory_bytes: int
+
+
+@dataclasses.dataclass
+class Commit:
+    sha: str
+    dirty: bool  # the working tree differs from the commit (untracked files included)
+
+
+@dataclasses.dataclass
+class TimingSetup:
+    """How every measurement of the run was taken (timing.TimingConfig and the timer)."""
+
+    method: str  # "cuda-events" or "perf-counter"
+    l2_flush_bytes: int
+    warmup_ms: float
+    rep_ms: float
+    min_warmup: int
+    min_reps: int
+    max_reps: int
+    estimate_calls: int
+
+
+@dataclasses.dataclass
+class CopyCeiling:
+    bytes: int  # read plus written
+    ms: float
+    gbps: float
+
+
+@dataclasses.dataclass
+class MatmulCeiling:
+    n: int
+    dtype: str
+    ms: float
+    tflops: float
+
+
+@dataclasses.dataclass
+class Ceilings:
+    """What the card reached on a large copy and a large matmul; `error` when they could not run."""
+
+    copy: CopyCeiling | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    matmul: MatmulCeiling | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    error: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Ceilings:
+        return cls(
+            copy=_build(CopyCeiling, data["copy"]) if "copy" in data else None,
+            matmul=_build(MatmulCeiling, data["matmul"]) if "matmul" in data else None,
+            error=data.get("error"),
+        )
+
+
+@dataclasses.dataclass
 class Measured:
     """One implementation timed on one case."""
 
@@ -165,14 +225,14 @@ class BenchRecord:
     provenance: dict
     timestamp: str
     backend: str
-    gpu: dict | None
+    gpu: Gpu | None
     driver: str | None
     torch: str
     cuda: str | None
     cudnn: int | None
-    commit: dict | None
-    timing: dict
-    ceilings: dict
+    commit: Commit | None
+    timing: TimingSetup
+    ceilings: Ceilings
     cases: list[CaseRecord]
     comparison: Comparison | None = None
 
@@ -228,6 +288,10 @@ def comparison_from_json(data: dict) -> Comparison:
 def from_json(doc: dict) -> BenchRecord:
     """A BenchRecord from a document that already passed `validate`."""
     record = _build(BenchRecord, doc)
+    record.gpu = _build(Gpu, doc["gpu"]) if doc["gpu"] is not None else None
+    record.commit = _build(Commit, doc["commit"]) if doc["commit"] is not None else None
+    record.timing = _build(TimingSetup, doc["timing"])
+    record.ceilings = Ceilings.from_json(doc["ceilings"])
     record.cases = [case_from_json(c) for c in doc["cases"]]
     if doc["comparison"] is not None:
         record.comparison = comparison_from_json(doc["comparison"])

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import paths, stats
-from .benchrecords import BenchRecord, CaseVerdict, Measured, MissingVerdict
+from .benchrecords import BenchRecord, CaseVerdict, Gpu, Measured, MissingVerdict
 from .machine import machine_slug
 
 HISTORY_SCHEMA = "flashmoe-science/bench-history/1"
@@ -29,8 +29,8 @@ def history_dir(override: str | None = None) -> Path:
     )
 
 
-def history_path(directory: Path, gpu: dict | None) -> Path:
-    return directory / f"{machine_slug(gpu)}.json"
+def history_path(directory: Path, gpu: Gpu | None) -> Path:
+    return directory / f"{machine_slug(gpu.name if gpu else None)}.json"
 
 
 def load_history(path: Path) -> list[dict]:
@@ -44,7 +44,7 @@ def record_history(record: BenchRecord, directory: Path) -> Path:
     """Append this run's raw samples to the GPU model's history (atomically; keeps HISTORY_KEEP)."""
     path = history_path(directory, record.gpu)
     entry = {
-        "commit": record.commit["sha"],
+        "commit": record.commit.sha,
         "timestamp": record.timestamp,
         "torch": record.torch,
         "cuda": record.cuda,

@@ -35,9 +35,9 @@ def driver_version() -> str | None:
     return None
 
 
-def machine_slug(gpu: dict | None) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'; CPU runs: 'cpu-x86_64'."""
-    name = gpu["name"] if gpu else f"cpu-{platform.machine()}"
+def machine_slug(gpu_name: str | None) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'; CPU runs (None): 'cpu-x86_64'."""
+    name = gpu_name or f"cpu-{platform.machine()}"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
@@ -48,9 +48,3 @@ def versions(device: str) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if device == "cuda" else None,
     }
-
-
-def commit_of(block: dict) -> dict | None:
-    """bench.json's "commit" ({"sha", "dirty"}) from a provenance block; None outside a checkout."""
-    commit = block["commit"]
-    return {"sha": commit["sha"], "dirty": commit["dirty"]} if commit.get("sha") else None
