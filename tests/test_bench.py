@@ -20,6 +20,7 @@ from flashmoe_science.pipeline import (
     baselines,
     bench,
     benchmatrix,
+    benchmd,
     benchrecords,
     cases,
     exitcodes,
@@ -86,6 +87,11 @@ def test_report_fixtures_load_as_records(path):
     record = benchrecords.load(path)
     assert record.schema == benchrecords.SCHEMA and record.provenance["run_id"]
     assert benchrecords.to_json(record) == json.loads(path.read_text())  # nothing lost or added
+    markdown = benchmd.render_markdown(record)
+    rows = [line for line in markdown.splitlines() if line.startswith("| ")]
+    compared = len(record.comparison.cases) + 1 if record.comparison else 0
+    assert len(rows) == 1 + len(record.cases) + compared
+    assert f"{record.gpu.name} (sm_{record.gpu.capability.replace('.', '')}" in markdown
 
 
 def test_load_names_the_file_and_the_problem(tmp_path):
