@@ -109,6 +109,8 @@ def test_bad_fields_name_the_argument():
         Case("fwd", "fp16", 1, 1, 1, 1, 1, 64, False)
     with pytest.raises(ValueError, match="layout='sbhd'"):
         Case("prefill", "fp16", 1, 1, 1, 1, 1, 64, False, layout="sbhd")
+    with pytest.raises(ValueError, match="group='tiny'"):
+        Case("prefill", "fp16", 1, 1, 1, 1, 1, 64, False, group="tiny")
 
 
 def test_inputs_are_seeded_per_case_fresh_nonzero_and_the_same_on_every_device(monkeypatch):

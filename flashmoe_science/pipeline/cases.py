@@ -71,6 +71,8 @@ class Case:
                 )
         if not self.group:
             object.__setattr__(self, "group", self.kind)
+        if self.group not in GROUPS:
+            raise ValueError(f"Case group={self.group!r} is not supported: use one of {GROUPS}")
         if self.cache_seqlens is not None:
             lengths = tuple(int(n) for n in self.cache_seqlens)
             if len(lengths) != self.batch:
