@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from flashmoe_science.pipeline import gates
+from flashmoe_science.pipeline.cases import parse_case_id
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-BASE = gates.Case("fwd", "fp16", 64, 2, 8, 2, 129, 129, True)
+BASE = parse_case_id("fwd-fp16-d64-h8kv2-b2-s129-causal")
 
 
 def planted(bug):

@@ -6,20 +6,28 @@ implementation; elsewhere the CPU subset alone runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from flashmoe_science.pipeline import gates
+from flashmoe_science.pipeline.cases import Case, make_inputs
 
 GPU_CASES = gates.gate_cases("gpu")
 CPU_CASES = gates.gate_cases("cpu")
 
 
-def _run(case: gates.Case, device: str, record_property) -> None:
+def _run(case: Case, device: str, record_property) -> None:
     result = gates.check_case(case, device)
-    record_property(
-        "gate", {**result.to_json(), "op": case.op, "dtype": case.dtype, "head_dim": case.head_dim}
-    )
+    row = {
+        **result.to_json(),
+        "op": "decode" if case.kind == "decode" else "fwd",
+        "dtype": case.dtype,
+        "head_dim": case.head_dim,
+        **gates.rerun_fields(case, device),
+    }
+    record_property("gate", row)
     if not result.passed:
         pytest.fail(gates.format_failure(case, result), pytrace=False)
 
@@ -70,15 +78,66 @@ def test_matrix_covers_the_issue():
 def test_bshd_view_is_used_in_place():
     """A [B, H, S, D] view of a [B, S, H, D] tensor is a non-contiguous input the gates really exercise."""
     case = next(c for c in CPU_CASES if c.layout == "bshd" and c.seqlen_q > 1 and c.heads_q > 1)
-    q, _, _, _ = gates.make_inputs(case, "cpu")
+    q, _, _, _ = make_inputs(case, "cpu")
     assert not q.is_contiguous() and q.stride(-1) == 1
 
 
 def test_inputs_are_fresh_and_nonzero():
     a, b = CPU_CASES[3], CPU_CASES[4]
-    qa, _, _, _ = gates.make_inputs(a, "cpu")
-    qb, _, _, _ = gates.make_inputs(b, "cpu")
+    qa, _, _, _ = make_inputs(a, "cpu")
+    qb, _, _, _ = make_inputs(b, "cpu")
     assert a.seed() != b.seed()
     n = min(qa.numel(), qb.numel())
     assert not torch.equal(qa.flatten()[:n], qb.flatten()[:n])  # each case draws its own inputs
     assert qa.count_nonzero() > 0.99 * qa.numel() and torch.isfinite(qa).all()
+
+
+def test_rerun_commands_require_the_gpu_and_name_the_cpu_twin():
+    """A CUDA rerun that skips without a GPU would pass: it demands one (exit 255 without), names
+    the same case in the CPU tier when there is one, and says when the case needs sm_90."""
+    from flashmoe_science.ops import SM90_ONLY_CONFIGS
+
+    cpu_ids = {c.id for c in CPU_CASES}
+    twins = [c for c in GPU_CASES if c.id in cpu_ids]
+    assert twins, "some CUDA gate cases have a CPU twin"
+    twin = gates.rerun_fields(twins[0], "cuda")
+    assert twin == {
+        "rerun": f"FLASHMOE_REQUIRE_GPU=1 nox -s test -- -k '{twins[0].id}-cuda'",
+        "rerun_cpu": f"nox -s test -- -k '{twins[0].id}-cpu'",
+        "rerun_needs": None,
+    }
+    alone = next(c for c in GPU_CASES if c.id not in cpu_ids and c.config == 0)
+    assert gates.rerun_fields(alone, "cuda")["rerun_cpu"] is None
+    sm90 = next(c for c in GPU_CASES if c.config in SM90_ONLY_CONFIGS)
+    assert gates.rerun_fields(sm90, "cuda")["rerun_needs"] == "sm_90"
+    on_cpu = gates.rerun_fields(CPU_CASES[0], "cpu")
+    assert on_cpu["rerun"] == f"nox -s test -- -k '{CPU_CASES[0].id}-cpu'"
+    assert on_cpu["rerun_cpu"] is None
+
+
+def test_each_rerun_selects_exactly_its_own_case():
+    """`-k ID-DEVICE` is a substring match: no other gate id may contain a case's selector."""
+    names = [f"{c.id}-cpu" for c in CPU_CASES] + [f"{c.id}-cuda" for c in GPU_CASES]
+    for name in names:
+        assert [n for n in names if name in n] == [name], name
+
+
+def test_a_failing_cuda_case_reports_the_rerun_its_twin_and_sm90():
+    from flashmoe_science.ops import SM90_ONLY_CONFIGS
+
+    def failing(case):
+        fields = {f.name: 0 for f in dataclasses.fields(gates.GateResult)}
+        fields |= {"worst": (0, 0, 0, 0), "row_profile": [], "deterministic": True}
+        return gates.GateResult(
+            **{**fields, "case_id": case.id, "device": "cuda", "failures": ["x"]}
+        )
+
+    sm90 = next(c for c in GPU_CASES if c.config in SM90_ONLY_CONFIGS)
+    report = gates.format_failure(sm90, failing(sm90))
+    assert (
+        f"rerun: FLASHMOE_REQUIRE_GPU=1 nox -s test -- -k '{sm90.id}-cuda' (needs sm_90)" in report
+    )
+    cpu_ids = {c.id for c in CPU_CASES}
+    twin = next(c for c in GPU_CASES if c.id in cpu_ids)
+    report = gates.format_failure(twin, failing(twin))
+    assert f"rerun on the CPU (same inputs): nox -s test -- -k '{twin.id}-cpu'" in report

@@ -23,13 +23,13 @@ FWD = (
     "(int)4>, __nv_bfloat16>(flashmoe::AttentionParams)"
 )
 FWD_SHORT = "flash_fwd_kernel<FwdTraits<128, 64, 64, 4>, __nv_bfloat16>"
-CASE = "fwd-bf16-d128-b1-h2x2-sq17-sk17-full-cfg1-splits1"
+CASE = "fwd-bf16-d128-h2-b1-s17-full-cfg1-splits1"
 
 # compute-sanitizer 2025.x, memcheck, PYTORCH_NO_CUDA_MEMORY_CACHING=1, a build with -lineinfo:
 # one bad load seen by several threads, then the failed synchronize it causes.
 MEMCHECK_OOB = f"""\
 ========= COMPUTE-SANITIZER
-sanitize-case: fwd-fp16-d64-b1-h2x2-sq1-sk1-full-cfg1
+sanitize-case: fwd-fp16-d64-h2-b1-s1-full-cfg1
 sanitize-case: {CASE}
 ========= Invalid __global__ read of size 16 bytes
 =========     at {FWD}+0x1b70 in /work/main/csrc/flash_fwd_kernel.cuh:94
@@ -128,8 +128,8 @@ GENERIC = f"""\
 
 CLEAN = """\
 ========= COMPUTE-SANITIZER
-sanitize-case: fwd-fp16-d64-b1-h2x2-sq1-sk1-full-cfg1
-sanitize-case: fwd-fp16-d64-b2-h4x1-sq17-sk17-full-cfg1-splits1
+sanitize-case: fwd-fp16-d64-h2-b1-s1-full-cfg1
+sanitize-case: fwd-fp16-d64-h4kv1-b2-s17-full-cfg1-splits1
 sanitize-done: 2 calls
 ========= ERROR SUMMARY: 0 errors
 """
@@ -290,8 +290,8 @@ def test_not_permitted_or_not_supported(text):
 
 def test_workload_covers_every_code_path():
     cases = sanitize.workload_cases()
-    fwd = [c for c in cases if c.op == "fwd"]
-    dec = [c for c in cases if c.op == "decode"]
+    fwd = [c for c in cases if c.kind == "prefill"]
+    dec = [c for c in cases if c.kind == "decode"]
     assert len(cases) <= 220  # racecheck's wall time grows with it (~0.1 s a call on an H100)
     instantiations = {(c.dtype, c.head_dim, c.config) for c in fwd}
     assert instantiations == {
@@ -313,9 +313,12 @@ def test_workload_covers_every_code_path():
     assert {(c.dtype, c.head_dim) for c in dec} == {
         (t, d) for t in ("fp16", "bf16") for d in (64, 128)
     }
-    assert any(c.seqlens and 0 in c.seqlens for c in dec)
+    assert any(c.cache_seqlens and 0 in c.cache_seqlens for c in dec)
     # short caches with many splits: most splits own no key
-    assert any(c.seqlens and c.num_splits >= 7 and max(c.seqlens) < 64 * c.num_splits for c in dec)
+    assert any(
+        c.cache_seqlens and c.num_splits >= 7 and max(c.cache_seqlens) < 64 * c.num_splits
+        for c in dec
+    )
     assert len({c.id for c in cases}) == len(cases)
 
 

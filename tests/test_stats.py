@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 
@@ -47,6 +48,22 @@ def test_quantiles_and_summary_interpolate_like_numpy():
     assert (summary.q1, summary.median, summary.q3) == (2.25, 3.5, 4.75)
     assert summary.iqr == 2.5
     assert (summary.n, summary.min, summary.max) == (6, 1.0, 6.0)
+
+
+def test_summary_quartiles_are_the_standard_librarys_inclusive_quantiles():
+    rng = random.Random(7)
+    for n in (1, 2, 3, 5, 8, 20, 101):
+        samples = [rng.lognormvariate(0, 0.3) for _ in range(n)]
+        summary = stats.summarize(samples)
+        if n == 1:
+            assert summary.q1 == summary.median == summary.q3 == samples[0]
+            continue
+        q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+        assert (summary.q1, summary.median, summary.q3) == (q1, median, q3)
+        assert summary.median == statistics.median(samples)
+        # the "exclusive" default would widen the spread of small samples
+        if n >= 3:
+            assert statistics.quantiles(samples, n=4)[0] != summary.q1
 
 
 def _noisy(rng: random.Random, center: float, rel_noise: float, n: int) -> list[float]:

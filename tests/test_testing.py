@@ -60,7 +60,7 @@ def gate_ids(tmp_path_factory) -> list[str]:
 
 
 def cpu_id(ids: list[str]) -> str:
-    return next(i for i in ids if i.endswith("-cpu") and "-sq1-" not in i)
+    return next(i for i in ids if i.endswith("-cpu") and "-s1-" not in i and "-q1-" not in i)
 
 
 # ---- the outcome of a session, from its counts --------------------------------------------------

@@ -14,103 +14,26 @@ NaN first), the log-sum-exp against the reference, and bit-identical repeated ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
-import os
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from .cases import DTYPES, Case, make_inputs
 
 GATE1_MAX_DIFF = 0.1
 GATE2_PT_MULTIPLIER = 2.0
 GATE2_EPS = 1e-5
 LSE_ATOL = 1e-3
 LSE_RTOL = 1e-3
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Case:
-    """One gate case. `op` is "fwd" (flash_attention_forward) or "decode" (flash_attention_decode)."""
-
-    op: str
-    dtype: str
-    head_dim: int
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_k: int
-    causal: bool
-    layout: str = "bhsd"  # "bshd": q, k, v are [B, H, S, D] views of [B, S, H, D] tensors
-    config: int = 0  # forced CUDA tile configuration (0: automatic)
-    num_splits: int = 0  # 0: automatic (decode: None)
-    seqlens: tuple[int, ...] | None = None  # decode: valid KV length per sequence
-
-    @property
-    def id(self) -> str:
-        parts = [
-            self.op,
-            self.dtype,
-            f"d{self.head_dim}",
-            f"b{self.batch}",
-            f"h{self.heads_q}x{self.heads_kv}",
-            f"sq{self.seqlen_q}",
-            f"sk{self.seqlen_k}",
-            "causal" if self.causal else "full",
-        ]
-        if self.layout != "bhsd":
-            parts.append(self.layout)
-        if self.config:
-            parts.append(f"cfg{self.config}")
-        if self.num_splits:
-            parts.append(f"splits{self.num_splits}")
-        if self.seqlens is not None:
-            parts.append("lens" + "_".join(map(str, self.seqlens)))
-        return "-".join(parts)
-
-    def describe(self) -> str:
-        return (
-            f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Sq={self.seqlen_q} "
-            f"Sk={self.seqlen_k} D={self.head_dim} dtype={self.dtype} causal={self.causal} "
-            f"layout={self.layout} config={self.config} num_splits={self.num_splits or 'auto'}"
-            + (f" cache_seqlens={list(self.seqlens)}" if self.seqlens is not None else "")
-        )
-
-    def seed(self) -> int:
-        base = int(os.environ.get("FLASHMOE_SEED", "0"))
-        return (zlib.crc32(self.id.encode()) + base) % (2**31)
-
-    def rerun_command(self, device: str) -> str:
-        return f"nox -s test -- -k '{self.id}-{device}'"
 
 
 # --------------------------------------------------------------------------------------------------
-# Inputs and references
+# References
 # --------------------------------------------------------------------------------------------------
-
-
-def make_inputs(case: Case, device: str, seed: int | None = None):
-    """Fresh random (never zero) inputs for `case`: q, k, v and, for decode, cache_seqlens."""
-    gen = torch.Generator(device="cpu").manual_seed(case.seed() if seed is None else seed)
-    dtype = DTYPES[case.dtype]
-
-    def rand(heads: int, seqlen: int) -> torch.Tensor:
-        shape = (case.batch, heads, seqlen, case.head_dim)
-        if case.layout == "bshd":
-            t = torch.randn(shape[0], shape[2], shape[1], shape[3], generator=gen)
-            return t.to(device=device, dtype=dtype).transpose(1, 2)
-        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-
-    q = rand(case.heads_q, case.seqlen_q)
-    k = rand(case.heads_kv, case.seqlen_k)
-    v = rand(case.heads_kv, case.seqlen_k)
-    seqlens = None
-    if case.seqlens is not None:
-        seqlens = torch.tensor(case.seqlens, dtype=torch.int32, device=device)
-    return q, k, v, seqlens
 
 
 def _visible_mask(case_like: tuple[int, int, bool], seqlens, batch: int, device) -> torch.Tensor:
@@ -283,6 +206,19 @@ def evaluate(
     return result
 
 
+def rerun_fields(case: Case, device: str) -> dict:
+    """How to run one gate case again: the command, its CPU twin (the same id in the CPU tier, with
+    the same inputs) when there is one, and what hardware the case needs, if more than a GPU."""
+    from ..ops import SM90_ONLY_CONFIGS
+
+    twin = device == "cuda" and case.id in cpu_tier_ids()
+    return {
+        "rerun": case.rerun_command(device),
+        "rerun_cpu": case.rerun_command("cpu") if twin else None,
+        "rerun_needs": "sm_90" if case.config in SM90_ONLY_CONFIGS else None,
+    }
+
+
 def format_failure(case: Case, result: GateResult) -> str:
     """The multi-line report of a failing case: what, how much, where, how it grows, how to rerun."""
     b, h, row, col = result.worst
@@ -295,8 +231,12 @@ def format_failure(case: Case, result: GateResult) -> str:
         f"{result.pt_max_diff:.4g}; error ratio {result.ratio:.3g}x; gate-2 bound {result.bound:.4g}",
         f"  worst element: batch {b}, head {h}, query row {row}, column {col}",
         f"  error along query rows: {profile}",
-        f"  rerun: {case.rerun_command(result.device)}",
     ]
+    rerun = rerun_fields(case, result.device)
+    needs = f" (needs {rerun['rerun_needs']})" if rerun["rerun_needs"] else ""
+    lines.append(f"  rerun: {rerun['rerun']}{needs}")
+    if rerun["rerun_cpu"]:
+        lines.append(f"  rerun on the CPU (same inputs): {rerun['rerun_cpu']}")
     return "\n".join(lines)
 
 
@@ -307,7 +247,7 @@ def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
     """Call the public API exactly as a user would."""
     from .. import ops
 
-    if case.op == "decode":
+    if case.kind == "decode":
         return ops.flash_attention_decode(
             q,
             k,
@@ -399,7 +339,16 @@ def forward_cases(tier: str) -> Iterator[Case]:
                         batch, hq, hkv = 1, 4, (1, 4, 2)[index % 3]
                     layout = "bshd" if index % 4 == 3 else "bhsd"
                     yield Case(
-                        "fwd", dtype, head_dim, batch, hq, hkv, seqlen_q, seqlen_k, causal, layout
+                        "prefill",
+                        dtype,
+                        batch,
+                        hq,
+                        hkv,
+                        seqlen_q,
+                        seqlen_k,
+                        head_dim,
+                        causal,
+                        layout=layout,
                     )
                     index += 1
     if gpu:
@@ -420,14 +369,14 @@ def forward_cases(tier: str) -> Iterator[Case]:
                         ):
                             batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
                             yield Case(
-                                "fwd",
+                                "prefill",
                                 dtype,
-                                head_dim,
                                 batch,
                                 hq,
                                 hkv,
                                 seqlen_q,
                                 seqlen_k,
+                                head_dim,
                                 causal,
                                 config=config,
                                 num_splits=splits,
@@ -474,18 +423,23 @@ def decode_cases(tier: str) -> Iterator[Case]:
                 yield Case(
                     "decode",
                     dtype,
-                    head_dim,
                     batch,
                     heads_q,
                     heads_q // ratio,
                     seqlen_q,
                     seqlen_k,
+                    head_dim,
                     True,
                     num_splits=splits,
-                    seqlens=lengths,
+                    cache_seqlens=lengths,
                 )
                 index += 1
 
 
 def gate_cases(tier: str) -> list[Case]:
     return list(forward_cases(tier)) + list(decode_cases(tier))
+
+
+@functools.cache
+def cpu_tier_ids() -> frozenset[str]:
+    return frozenset(c.id for c in gate_cases("cpu"))

@@ -514,12 +514,12 @@ def stored_ceilings(bench_json: Path, gpu_name: str | None) -> dict | None:
 
 
 def measure_ceilings() -> dict:
-    from . import bench
+    from . import timing
 
     try:
-        config = bench.TimingConfig.for_device("cuda")
-        result = bench.measure_ceilings("cuda", bench.make_timer("cuda"), config)
-    except bench.UnderXdistError as exc:
+        config = timing.TimingConfig.for_device("cuda")
+        result = timing.measure_ceilings("cuda", timing.make_timer("cuda"), config)
+    except timing.UnderXdistError as exc:
         return {"error": str(exc), "source": "not measured"}
     return {**result, "source": "measured now"}
 
@@ -565,11 +565,12 @@ def run_workload(case_id: str, calls: int) -> int:
     """What ncu watches: the case's inputs made as bench makes them, then `calls` calls."""
     import torch
 
-    from . import bench
+    from .baselines import ops, our_call
+    from .cases import make_inputs, parse_case_id
 
-    case = bench.parse_case_id(case_id)
-    bench._ops().load_library()
-    fn = bench.our_call(case, bench.make_inputs(case, "cuda"))
+    case = parse_case_id(case_id)
+    ops().load_library()
+    fn = our_call(case, make_inputs(case, "cuda"))
     for _ in range(calls):
         fn()
     torch.cuda.synchronize()
@@ -588,10 +589,10 @@ def _show_ncu_line(line: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from . import bench
+    from .cases import parse_case_id
 
     try:
-        case = bench.parse_case_id(args.case)
+        case = parse_case_id(args.case)
     except ValueError as exc:
         _say(f"profile: {exc}")
         return exitcodes.USAGE

@@ -93,7 +93,7 @@ def workload_cases() -> list:
     """Every forward kernel instantiation (dtype x head dim x tile configuration) with and without
     the causal mask over odd lengths, then the decode paths. Shapes rotate through GQA ratios 1 and
     4, batch 1 and 2, both layouts and forced or automatic split counts."""
-    from .gates import Case
+    from .cases import Case
 
     configs = workload_configs()
     cases = []
@@ -108,14 +108,14 @@ def workload_cases() -> list:
                         heads_q = heads_kv * (4 if four else 1)
                         cases.append(
                             Case(
-                                "fwd",
+                                "prefill",
                                 dtype,
-                                head_dim,
                                 2 if index % 4 == 1 else 1,
                                 heads_q,
                                 heads_kv,
                                 seqlen_q,
                                 seqlen_k,
+                                head_dim,
                                 causal,
                                 layout="bshd" if index % 5 == 3 else "bhsd",
                                 config=config,
@@ -139,15 +139,15 @@ def workload_cases() -> list:
                     Case(
                         "decode",
                         dtype,
-                        head_dim,
                         3 if lens else 1,
                         heads_q,
                         heads_kv,
                         seqlen_q,
                         seqlen_k,
+                        head_dim,
                         causal,
                         num_splits=splits,
-                        seqlens=lens,
+                        cache_seqlens=lens,
                     )
                 )
     return cases
@@ -159,14 +159,15 @@ def run_workload(cases: Sequence | None = None, device: str = "cuda") -> int:
     import torch
 
     from .. import ops
-    from . import gates
+    from .cases import make_inputs
+    from .gates import call_api
 
     ops.load_library()
     cases = workload_cases() if cases is None else cases
     for case in cases:
         print(f"{CASE_MARK}{case.id}", flush=True)
-        q, k, v, seqlens = gates.make_inputs(case, device)
-        gates.call_api(case, q, k, v, seqlens, 1.0 / math.sqrt(case.head_dim))
+        q, k, v, seqlens = make_inputs(case, device)
+        call_api(case, q, k, v, seqlens, 1.0 / math.sqrt(case.head_dim))
         if device == "cuda":
             torch.cuda.synchronize()  # a finding is reported before the next case's line
     print(f"{DONE_MARK}{len(cases)} calls", flush=True)

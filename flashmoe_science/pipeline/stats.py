@@ -1,6 +1,7 @@
 """Statistics for the benchmark: quantiles, the Mann-Whitney U test, and the regression verdict.
 
-Pure Python on lists of floats, so `bench` and its tests need neither NumPy nor SciPy.
+Pure Python on lists of floats (the standard library's statistics module for the quantiles), so
+`bench` and its tests need neither NumPy nor SciPy.
 
 The verdict follows airspeed velocity (asv compare / asv continuous): a case changed only when the
 medians differ by more than a threshold AND a Mann-Whitney U test says the two sets of samples
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Sequence
 
 REGRESSION = "regression"
@@ -37,30 +39,21 @@ class Summary:
         return self.q3 - self.q1
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    """The q-quantile with linear interpolation between order statistics (NumPy's default)."""
-    if not values:
-        raise ValueError("quantile of no samples")
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile q must be in [0, 1], got {q}")
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def summarize(samples: Sequence[float]) -> Summary:
+    """Median and quartiles by linear interpolation between order statistics (NumPy's default,
+    statistics.quantiles' "inclusive" method)."""
     if not samples:
         raise ValueError("cannot summarize zero samples")
-    return Summary(
-        n=len(samples),
-        median=quantile(samples, 0.5),
-        q1=quantile(samples, 0.25),
-        q3=quantile(samples, 0.75),
-        min=min(samples),
-        max=max(samples),
-    )
+    if len(samples) == 1:  # statistics.quantiles needs two points before Python 3.13
+        q1 = median = q3 = float(samples[0])
+    else:
+        q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return Summary(n=len(samples), median=median, q1=q1, q3=q3, min=min(samples), max=max(samples))
+
+
+def sig(value: float | None, digits: int = 5) -> float | None:
+    """`value` rounded to `digits` significant digits for a record; None for None, NaN and Inf."""
+    return None if value is None or not math.isfinite(value) else float(f"{value:.{digits}g}")
 
 
 def rank_with_ties(values: Sequence[float]) -> tuple[list[float], list[int]]:

@@ -1,0 +1,361 @@
+"""bench.json as typed records: what `bench` writes and what the report reads, defined once.
+
+`write(record, path)` validates against benches/bench.schema.json before writing, `load(path)`
+validates after reading and returns a `BenchRecord`; an invalid file raises `InvalidBenchFile`
+naming the file, the first problem and what to do. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from . import stats
+from .paths import REPO_ROOT
+from .stats import sig
+
+SCHEMA = "flashmoe-science/bench/1"
+SCHEMA_PATH = REPO_ROOT / "benches" / "bench.schema.json"
+SUMMARY_KEYS = ("regression", "improvement", "no change", "missing")
+# The SDPA baselines, in the order of the tables (baselines.BASELINES maps them to backends)
+BASELINE_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-default")
+
+
+class InvalidBenchFile(ValueError):
+    """bench.json (or a record about to become one) does not follow benches/bench.schema.json."""
+
+
+# Metadata of a field left out of the JSON when it is None (the schema has it as optional)
+OPTIONAL = {"omit_if_none": True}
+
+
+@dataclasses.dataclass
+class Gpu:
+    name: str
+    capability: str  # "9.0"
+    sm_count: int
+    memory_bytes: int
+
+
+@dataclasses.dataclass
+class Commit:
+    sha: str
+    dirty: bool  # the working tree differs from the commit (untracked files included)
+
+
+@dataclasses.dataclass
+class TimingSetup:
+    """How every measurement of the run was taken (timing.TimingConfig and the timer)."""
+
+    method: str  # "cuda-events" or "perf-counter"
+    l2_flush_bytes: int
+    warmup_ms: float
+    rep_ms: float
+    min_warmup: int
+    min_reps: int
+    max_reps: int
+    estimate_calls: int
+
+
+@dataclasses.dataclass
+class CopyCeiling:
+    bytes: int  # read plus written
+    ms: float
+    gbps: float
+
+
+@dataclasses.dataclass
+class MatmulCeiling:
+    n: int
+    dtype: str
+    ms: float
+    tflops: float
+
+
+@dataclasses.dataclass
+class Ceilings:
+    """What the card reached on a large copy and a large matmul; `error` when they could not run."""
+
+    copy: CopyCeiling | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    matmul: MatmulCeiling | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    error: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Ceilings:
+        return cls(
+            copy=_build(CopyCeiling, data["copy"]) if "copy" in data else None,
+            matmul=_build(MatmulCeiling, data["matmul"]) if "matmul" in data else None,
+            error=data.get("error"),
+        )
+
+
+@dataclasses.dataclass
+class Measured:
+    """One implementation timed on one case."""
+
+    median_ms: float
+    q1_ms: float
+    q3_ms: float
+    iqr_ms: float
+    n: int
+    tflops: float | None
+    gbps: float | None
+    pct_matmul_ceiling: float | None
+    pct_copy_ceiling: float | None
+    peak_mem_bytes: int | None
+    samples_ms: list[float] | None = dataclasses.field(
+        default=None, metadata=OPTIONAL
+    )  # raw samples: our kernel only
+    ratio: float | None = dataclasses.field(
+        default=None, metadata=OPTIONAL
+    )  # baselines: their median / ours
+    status: str = "ok"
+
+
+@dataclasses.dataclass
+class NotMeasured:
+    """An implementation that refused the case ("unsupported") or failed on it ("error")."""
+
+    status: str
+    reason: str
+
+
+@dataclasses.dataclass
+class ReadFloor:
+    median_ms: float
+    gbps: float | None
+    config: str
+    ratio: float | None = dataclasses.field(default=None, metadata=OPTIONAL)  # its time / ours
+    status: str = "ok"
+
+
+Result = Measured | NotMeasured
+
+
+@dataclasses.dataclass
+class CaseRecord:
+    """One case of the matrix: its fields (cases.Case), work, and every implementation's result."""
+
+    id: str
+    kind: str
+    dtype: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    group: str
+    flops: int
+    bytes: int
+    ours: Result
+    baselines: dict[str, Result]
+    read_floor: ReadFloor | NotMeasured | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    layout: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    config: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    num_splits: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    cache_seqlens: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
+
+
+@dataclasses.dataclass
+class CaseVerdict:
+    """Head against base on one case (stats.Verdict, rounded)."""
+
+    id: str
+    verdict: str
+    ratio: float
+    change_pct: float
+    p_value: float | None
+    test: str
+    base_median_ms: float
+    base_iqr_ms: float
+    n_base: int
+    head_median_ms: float
+    head_iqr_ms: float
+    n_head: int
+
+    @classmethod
+    def of(cls, case_id: str, verdict: stats.Verdict) -> CaseVerdict:
+        fields = {k: sig(v) if isinstance(v, float) else v for k, v in verdict.to_dict().items()}
+        return cls(id=case_id, **fields)
+
+
+@dataclasses.dataclass
+class MissingVerdict:
+    id: str
+    reason: str
+    verdict: str = "missing"
+
+
+@dataclasses.dataclass
+class BaseRef:
+    ref: str
+    sha: str | None
+    stored_commit: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    stored_at: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    stored_torch: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+
+
+@dataclasses.dataclass
+class Comparison:
+    source: str  # "worktree", "stored" or "none"
+    base: BaseRef
+    reason: str | None
+    threshold: float
+    alpha: float
+    rounds: int | None
+    summary: dict[str, int]
+    cases: list[CaseVerdict | MissingVerdict]
+
+    def summary_text(self) -> str:
+        s = self.summary
+        return (
+            f"{s['regression']} regression(s), {s['improvement']} improvement(s), "
+            f"{s['no change']} no change, {s['missing']} missing"
+        )
+
+
+@dataclasses.dataclass(kw_only=True)
+class BenchRecord:
+    schema: str = SCHEMA
+    provenance: dict
+    timestamp: str
+    backend: str
+    gpu: Gpu | None
+    driver: str | None
+    torch: str
+    cuda: str | None
+    cudnn: int | None
+    commit: Commit | None
+    timing: TimingSetup
+    ceilings: Ceilings
+    cases: list[CaseRecord]
+    comparison: Comparison | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# To and from JSON
+# --------------------------------------------------------------------------------------------------
+
+
+def to_json(value: Any) -> Any:
+    """Records to plain JSON values; optional fields that are None are left out."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: to_json(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not (f.metadata.get("omit_if_none") and getattr(value, f.name) is None)
+        }
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    return value
+
+
+def _build(cls, data: dict):
+    return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+def result_from_json(data: dict) -> Result:
+    return _build(Measured if data["status"] == "ok" else NotMeasured, data)
+
+
+def case_from_json(data: dict) -> CaseRecord:
+    record = _build(CaseRecord, data)
+    record.ours = result_from_json(data["ours"])
+    record.baselines = {name: result_from_json(r) for name, r in data["baselines"].items()}
+    floor = data.get("read_floor")
+    if floor is not None:
+        record.read_floor = _build(ReadFloor if floor["status"] == "ok" else NotMeasured, floor)
+    return record
+
+
+def comparison_from_json(data: dict) -> Comparison:
+    record = _build(Comparison, data)
+    record.base = _build(BaseRef, data["base"])
+    record.cases = [
+        _build(MissingVerdict if c["verdict"] == "missing" else CaseVerdict, c)
+        for c in data["cases"]
+    ]
+    return record
+
+
+def from_json(doc: dict) -> BenchRecord:
+    """A BenchRecord from a document that already passed `validate`."""
+    record = _build(BenchRecord, doc)
+    record.gpu = _build(Gpu, doc["gpu"]) if doc["gpu"] is not None else None
+    record.commit = _build(Commit, doc["commit"]) if doc["commit"] is not None else None
+    record.timing = _build(TimingSetup, doc["timing"])
+    record.ceilings = Ceilings.from_json(doc["ceilings"])
+    record.cases = [case_from_json(c) for c in doc["cases"]]
+    if doc["comparison"] is not None:
+        record.comparison = comparison_from_json(doc["comparison"])
+    return record
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation, writing and reading
+# --------------------------------------------------------------------------------------------------
+
+
+def schema() -> dict:
+    try:
+        return json.loads(SCHEMA_PATH.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidBenchFile(
+            f"cannot read the bench schema {SCHEMA_PATH}: {exc}; run from a checkout of the "
+            "repository (benches/ holds it)"
+        ) from exc
+
+
+def schema_errors(doc: Any) -> list[str]:
+    """Every way `doc` breaks benches/bench.schema.json, as 'path: message' lines."""
+    try:
+        import jsonschema
+    except ImportError as exc:
+        raise InvalidBenchFile(
+            "validating bench.json needs the jsonschema package: `pip install jsonschema` "
+            "(or `pip install -e .`, which depends on it)"
+        ) from exc
+    validator = jsonschema.Draft202012Validator(schema())
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    return [f"{'.'.join(map(str, e.absolute_path)) or '$'}: {e.message[:300]}" for e in errors]
+
+
+def validate(doc: Any, what: str) -> None:
+    errors = schema_errors(doc)
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise InvalidBenchFile(
+            f"{what} does not follow {SCHEMA_PATH.name}: {errors[0]}{more}; "
+            "rerun `python -m flashmoe_science bench` to write a fresh one"
+        )
+
+
+def write(record: BenchRecord, path: Path) -> None:
+    """Validate, then write atomically (a reader never sees half a file)."""
+    doc = to_json(record)
+    validate(doc, f"the bench record for {path}")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def load(path: Path | str) -> BenchRecord:
+    """Read and validate bench.json; InvalidBenchFile says what is wrong with a bad one."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise InvalidBenchFile(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise InvalidBenchFile(
+            f"{path} is not JSON ({exc}); rerun `python -m flashmoe_science bench`"
+        ) from exc
+    validate(doc, str(path))
+    return from_json(doc)

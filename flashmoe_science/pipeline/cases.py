@@ -1,0 +1,230 @@
+"""One attention case, as the gates, the benchmark, the sanitizer and the profiler all name it.
+
+A case id reads left to right as the call it stands for:
+
+    fwd-bf16-d128-h16-b4-s4096-causal        prefill, Hq = Hkv = 16, Sq = Sk = 4096, causal
+    fwd-fp16-d64-h8kv2-b2-q113-k203-full     GQA 8:2, Sq != Sk, no mask
+    dec-bf16-d128-h32kv8-b4-q1-k8192         decode (always causal unless it ends in -full)
+
+then, only where they differ from the default, the gates' extra fields: `-bshd` (q, k, v are
+[B, H, S, D] views of [B, S, H, D] tensors), `-cfg2` (a forced tile configuration, ops.CONFIGS),
+`-splits3` (a forced split count) and `-lens5_0_257` (per-sequence cache lengths). `parse_case_id`
+reads every id `Case.id` writes, including those stored by earlier benchmark runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import zlib
+from typing import NamedTuple
+
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+ELEMENT_BYTES = 2
+KINDS = ("prefill", "decode")
+LAYOUTS = ("bhsd", "bshd")
+GROUPS = ("prefill", "decode", "small")
+SEED_VAR = "FLASHMOE_SEED"
+# Inputs up to this size are drawn on the CPU, so a case has the same numbers on every device (a
+# CUDA failure reproduces on its CPU twin); larger ones (benchmark caches of GBs) are drawn on the
+# device, where drawing 1 GB takes milliseconds instead of seconds.
+DRAW_ON_CPU_MAX_BYTES = 64 * 2**20
+
+_ID_RE = re.compile(
+    r"^(?P<kind>fwd|dec)-(?P<dtype>[a-z0-9]+)-d(?P<d>\d+)-h(?P<hq>\d+)(?:kv(?P<hkv>\d+))?"
+    r"-b(?P<b>\d+)-(?:s(?P<s>\d+)|q(?P<sq>\d+)-k(?P<sk>\d+))(?:-(?P<mask>causal|full))?"
+    r"(?:-(?P<layout>bshd))?(?:-cfg(?P<cfg>\d+))?(?:-splits(?P<splits>\d+))?"
+    r"(?:-lens(?P<lens>\d+(?:_\d+)*))?$"
+)
+ID_EXAMPLES = "fwd-bf16-d128-h16-b4-s4096-causal or dec-bf16-d128-h32kv8-b4-q1-k8192"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention shape and how it is called: prefill runs flash_attention_forward, decode
+    flash_attention_decode. The field names are also the benchmark worker protocol's (a head sends
+    `to_dict()`; workers of any version keep the fields they know)."""
+
+    kind: str  # "prefill" or "decode"
+    dtype: str  # a key of DTYPES
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    group: str = ""  # the benchmark's "prefill", "decode" or "small"; default: the kind
+    layout: str = "bhsd"
+    config: int = 0  # forced tile configuration (0: automatic)
+    num_splits: int = 0  # forced split-KV count (0: automatic)
+    cache_seqlens: tuple[int, ...] | None = None  # decode: valid cache length per sequence
+
+    def __post_init__(self):
+        for name, allowed in (("kind", KINDS), ("dtype", tuple(DTYPES)), ("layout", LAYOUTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"Case {name}={getattr(self, name)!r} is not supported: use one of {allowed}"
+                )
+        if not self.group:
+            object.__setattr__(self, "group", self.kind)
+        if self.group not in GROUPS:
+            raise ValueError(f"Case group={self.group!r} is not supported: use one of {GROUPS}")
+        if self.cache_seqlens is not None:
+            lengths = tuple(int(n) for n in self.cache_seqlens)
+            if len(lengths) != self.batch:
+                raise ValueError(
+                    f"Case cache_seqlens has {len(lengths)} lengths for batch {self.batch}: "
+                    "give one length per sequence"
+                )
+            object.__setattr__(self, "cache_seqlens", lengths)
+
+    @property
+    def id(self) -> str:
+        heads = f"h{self.heads_q}" + (f"kv{self.heads_kv}" if self.heads_kv != self.heads_q else "")
+        prefix = "dec" if self.kind == "decode" else "fwd"
+        parts = [prefix, self.dtype, f"d{self.head_dim}", heads, f"b{self.batch}"]
+        if self.kind == "prefill" and self.seqlen_q == self.seqlen_k:
+            parts.append(f"s{self.seqlen_q}")
+        else:
+            parts.append(f"q{self.seqlen_q}-k{self.seqlen_k}")
+        if self.kind == "prefill":
+            parts.append("causal" if self.causal else "full")
+        elif not self.causal:  # decode is causal unless the id says otherwise
+            parts.append("full")
+        if self.layout != "bhsd":
+            parts.append(self.layout)
+        if self.config:
+            parts.append(f"cfg{self.config}")
+        if self.num_splits:
+            parts.append(f"splits{self.num_splits}")
+        if self.cache_seqlens is not None:
+            parts.append("lens" + "_".join(map(str, self.cache_seqlens)))
+        return "-".join(parts)
+
+    def describe(self) -> str:
+        return (
+            f"{self.kind} B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Sq={self.seqlen_q} "
+            f"Sk={self.seqlen_k} D={self.head_dim} dtype={self.dtype} causal={self.causal} "
+            f"layout={self.layout} config={self.config} num_splits={self.num_splits or 'auto'}"
+            + (f" cache_seqlens={list(self.cache_seqlens)}" if self.cache_seqlens else "")
+        )
+
+    def seed(self) -> int:
+        """The case's own seed (FLASHMOE_SEED shifts every case's), so each draws fresh inputs."""
+        base = int(os.environ.get(SEED_VAR, "0"))
+        return (zlib.crc32(self.id.encode()) + base) % (2**31)
+
+    def rerun_command(self, device: str) -> str:
+        """The command that runs this gate case alone. CUDA cases require the GPU, so on a machine
+        without one the command exits 255 instead of skipping the case and passing."""
+        select = f"nox -s test -- -k '{self.id}-{device}'"
+        return f"FLASHMOE_REQUIRE_GPU=1 {select}" if device == "cuda" else select
+
+    @property
+    def flops(self) -> int:
+        """4*B*H*Sq*Sk*D (FA2 paper accounting), halved for causal only when Sq == Sk."""
+        flops = 4 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+        return flops // 2 if self.causal and self.seqlen_q == self.seqlen_k else flops
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.heads_kv * self.seqlen_k * self.head_dim * ELEMENT_BYTES
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes that must cross HBM at least once: K and V, plus q read and out written."""
+        q_and_out = 2 * self.batch * self.heads_q * self.seqlen_q * self.head_dim * ELEMENT_BYTES
+        return self.kv_bytes + q_and_out
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        if self.cache_seqlens is not None:
+            data["cache_seqlens"] = list(self.cache_seqlens)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Case:
+        """A case from `to_dict()` output of this or an older version (unknown keys are ignored)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+def parse_case_id(case_id: str) -> Case:
+    """The case an id names (the inverse of Case.id); ValueError says what is wrong with a bad one."""
+    match = _ID_RE.match(case_id)
+    if not match:
+        raise ValueError(
+            f"bad case id {case_id!r}: expected e.g. {ID_EXAMPLES}, optionally followed by "
+            "-bshd, -cfgN, -splitsN, -lensA_B (`bench --list` prints the benchmark matrix)"
+        )
+    g = match.groupdict()
+    kind = "decode" if g["kind"] == "dec" else "prefill"
+    if g["dtype"] not in DTYPES:
+        raise ValueError(f"bad case id {case_id!r}: dtype {g['dtype']!r} is not one of {DTYPES}")
+    if kind == "prefill" and g["mask"] is None:
+        raise ValueError(f"bad case id {case_id!r}: a prefill id says -causal or -full")
+    if kind == "decode" and g["mask"] == "causal":
+        raise ValueError(f"bad case id {case_id!r}: decode is causal unless it says -full")
+    heads_q = int(g["hq"])
+    try:
+        return Case(
+            kind=kind,
+            dtype=g["dtype"],
+            batch=int(g["b"]),
+            heads_q=heads_q,
+            heads_kv=int(g["hkv"] or heads_q),
+            seqlen_q=int(g["s"] or g["sq"]),
+            seqlen_k=int(g["s"] or g["sk"]),
+            head_dim=int(g["d"]),
+            causal=g["mask"] != "full",
+            layout=g["layout"] or "bhsd",
+            config=int(g["cfg"] or 0),
+            num_splits=int(g["splits"] or 0),
+            cache_seqlens=tuple(map(int, g["lens"].split("_"))) if g["lens"] else None,
+        )
+    except ValueError as exc:
+        raise ValueError(f"bad case id {case_id!r}: {exc}") from None
+
+
+class Inputs(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cache_seqlens: torch.Tensor | None
+
+
+def input_bytes(case: Case) -> int:
+    """q, k and v (the output is not drawn)."""
+    return case.kv_bytes + case.batch * case.heads_q * case.seqlen_q * case.head_dim * ELEMENT_BYTES
+
+
+def make_inputs(case: Case, device: str, seed: int | None = None) -> Inputs:
+    """Fresh random (never zero) q, k, v for `case` from its own seed, as [B, H, S, D] tensors (views
+    of [B, S, H, D] ones for layout "bshd"), and for decode its cache_seqlens (int32), if any."""
+    seed = case.seed() if seed is None else seed
+    dtype = DTYPES[case.dtype]
+    on_cpu = input_bytes(case) <= DRAW_ON_CPU_MAX_BYTES
+    generator = torch.Generator(device="cpu" if on_cpu else device).manual_seed(seed)
+
+    def randn(heads: int, seqlen: int) -> torch.Tensor:
+        if case.layout == "bshd":
+            shape = (case.batch, seqlen, heads, case.head_dim)
+        else:
+            shape = (case.batch, heads, seqlen, case.head_dim)
+        if on_cpu:
+            t = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+        else:
+            t = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+        return t.transpose(1, 2) if case.layout == "bshd" else t
+
+    q = randn(case.heads_q, case.seqlen_q)
+    k = randn(case.heads_kv, case.seqlen_k)
+    v = randn(case.heads_kv, case.seqlen_k)
+    lengths = None
+    if case.cache_seqlens is not None:
+        lengths = torch.tensor(case.cache_seqlens, dtype=torch.int32, device=device)
+    return Inputs(q, k, v, lengths)

@@ -1,0 +1,148 @@
+"""One Case and one id format for the gates, the benchmark, the sanitizer and the profiler."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from flashmoe_science.pipeline import benchmatrix, cases, gates, sanitize
+from flashmoe_science.pipeline.cases import Case, make_inputs, parse_case_id
+
+EVERY_MATRIX = {
+    "gates-gpu": gates.gate_cases("gpu"),
+    "gates-cpu": gates.gate_cases("cpu"),
+    "bench-gpu": benchmatrix.gpu_matrix(),
+    "bench-cpu": benchmatrix.cpu_matrix(),
+    "sanitize": sanitize.workload_cases(),
+}
+
+
+@pytest.mark.parametrize("name", EVERY_MATRIX)
+def test_every_id_of_every_matrix_parses_back_to_its_case(name):
+    matrix = EVERY_MATRIX[name]
+    assert len({c.id for c in matrix}) == len(matrix), "ids must be unique within a matrix"
+    for case in matrix:
+        parsed = parse_case_id(case.id)
+        assert parsed.id == case.id
+        assert dataclasses.replace(parsed, group=case.group) == case
+        # the worker protocol: a case crosses processes as JSON
+        assert Case.from_dict(json.loads(json.dumps(case.to_dict()))) == case
+
+
+def test_ids_stored_by_earlier_benchmark_runs_still_read():
+    stored = {
+        "fwd-bf16-d128-h16-b4-s4096-causal": ("prefill", 4, 16, 16, 4096, 4096, True),
+        "fwd-fp16-d64-h4-b1-q16-k64-causal": ("prefill", 1, 4, 4, 16, 64, True),
+        "dec-bf16-d128-h32kv8-b4-q1-k8192": ("decode", 4, 32, 8, 1, 8192, True),
+    }
+    for case_id, (kind, b, hq, hkv, sq, sk, causal) in stored.items():
+        case = parse_case_id(case_id)
+        got = (case.kind, case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k)
+        assert (*got, case.causal) == (kind, b, hq, hkv, sq, sk, causal)
+        assert (case.layout, case.config, case.num_splits, case.cache_seqlens) == (
+            "bhsd",
+            0,
+            0,
+            None,
+        )
+        assert case.id == case_id
+
+
+def test_gate_fields_become_suffixes():
+    case = Case(
+        "decode",
+        "fp16",
+        3,
+        8,
+        2,
+        4,
+        257,
+        64,
+        False,
+        layout="bshd",
+        config=2,
+        num_splits=3,
+        cache_seqlens=(0, 1, 257),
+    )
+    assert case.id == "dec-fp16-d64-h8kv2-b3-q4-k257-full-bshd-cfg2-splits3-lens0_1_257"
+    assert parse_case_id(case.id) == case
+
+
+def test_an_older_workers_case_dict_still_reads():
+    """What a head from before the gate fields existed sends to a worker."""
+    old = {
+        "kind": "decode",
+        "dtype": "bf16",
+        "batch": 4,
+        "heads_q": 8,
+        "heads_kv": 2,
+        "seqlen_q": 1,
+        "seqlen_k": 1024,
+        "head_dim": 128,
+        "causal": True,
+        "group": "decode",
+    }
+    assert Case.from_dict({**old, "unknown": 1}).id == "dec-bf16-d128-h8kv2-b4-q1-k1024"
+
+
+@pytest.mark.parametrize(
+    ("case_id", "message"),
+    [
+        ("fwd-fp32-d64-h1-b1-s1-full", "dtype 'fp32'"),
+        ("fwd-fp16-d64-h1-b1-s1", "-causal or -full"),
+        ("dec-fp16-d64-h1-b1-q1-k9-causal", "decode is causal unless"),
+        ("dec-fp16-d64-h1-b2-q1-k9-lens3", "1 lengths for batch 2"),
+        ("fwd-fp16-d64-b2-h8x2-sq65-sk257-causal", "expected e.g."),
+    ],
+)
+def test_bad_ids_say_what_is_wrong(case_id, message):
+    with pytest.raises(ValueError, match="bad case id") as err:
+        parse_case_id(case_id)
+    assert message in str(err.value)
+
+
+def test_bad_fields_name_the_argument():
+    with pytest.raises(ValueError, match=r"Case kind='fwd' is not supported: use one of"):
+        Case("fwd", "fp16", 1, 1, 1, 1, 1, 64, False)
+    with pytest.raises(ValueError, match="layout='sbhd'"):
+        Case("prefill", "fp16", 1, 1, 1, 1, 1, 64, False, layout="sbhd")
+    with pytest.raises(ValueError, match="group='tiny'"):
+        Case("prefill", "fp16", 1, 1, 1, 1, 1, 64, False, group="tiny")
+
+
+def test_inputs_are_seeded_per_case_fresh_nonzero_and_the_same_on_every_device(monkeypatch):
+    case = parse_case_id("fwd-bf16-d64-h4kv2-b2-q17-k33-causal-bshd")
+    x = make_inputs(case, "cpu")
+    assert x.q.shape == (2, 4, 17, 64) and x.k.shape == (2, 2, 33, 64)
+    assert not x.q.is_contiguous() and x.q.stride(-1) == 1  # a view of [B, S, H, D]
+    assert x.q.dtype == torch.bfloat16 and x.q.count_nonzero() > 0.99 * x.q.numel()
+    assert not torch.equal(x.k, x.v)
+    again = make_inputs(case, "cpu")
+    assert torch.equal(x.q, again.q)  # the seed is the case's
+    monkeypatch.setenv(cases.SEED_VAR, "1")
+    assert not torch.equal(x.q, make_inputs(case, "cpu").q)
+    lengths = make_inputs(parse_case_id("dec-fp16-d64-h2-b2-q1-k9-lens9_0"), "cpu").cache_seqlens
+    assert lengths.dtype == torch.int32 and lengths.tolist() == [9, 0]
+
+
+def test_large_inputs_are_drawn_on_the_device(monkeypatch):
+    """Benchmark caches of GBs are drawn where they live; small ones on the CPU, so a case has the
+    same numbers on every device."""
+    where = []
+    real_randn = torch.randn
+
+    def spy(*args, **kwargs):
+        where.append(kwargs.get("device", "cpu-then-moved"))
+        return real_randn(*args, **kwargs)
+
+    monkeypatch.setattr(cases.torch, "randn", spy)
+    case = parse_case_id("fwd-fp16-d64-h1-b1-s4-full")
+    assert cases.input_bytes(case) == 3 * 4 * 64 * 2
+    monkeypatch.setattr(cases, "DRAW_ON_CPU_MAX_BYTES", 3 * 4 * 64 * 2)
+    make_inputs(case, "cpu")
+    monkeypatch.setattr(cases, "DRAW_ON_CPU_MAX_BYTES", 100)
+    make_inputs(case, "cpu")
+    assert where == ["cpu-then-moved"] * 3 + ["cpu"] * 3
