@@ -20,7 +20,8 @@ import sys
 from dataclasses import dataclass
 
 from . import exitcodes
-from .env import find_nvcc, parse_nvcc_version, parse_nvidia_smi, parse_version, run_tool
+from .._toolkit import find_nvcc, parse_nvcc_version
+from .env import parse_nvidia_smi, parse_version, run_tool
 
 # NVIDIA's CUDA toolkit release notes, table "CUDA Toolkit and Corresponding Driver Versions"
 # (Linux x86_64, the GA release of each toolkit): the driver a runner needs to run a torch built
