@@ -91,7 +91,10 @@ def test_report_fixtures_load_as_records(path):
     rows = [line for line in markdown.splitlines() if line.startswith("| ")]
     compared = len(record.comparison.cases) + 1 if record.comparison else 0
     assert len(rows) == 1 + len(record.cases) + compared
-    assert f"{record.gpu.name} (sm_{record.gpu.capability.replace('.', '')}" in markdown
+    if record.gpu:
+        assert f"{record.gpu.name} (sm_{record.gpu.capability.replace('.', '')}" in markdown
+    else:
+        assert "CPU backend (plumbing numbers, not a performance claim)" in markdown
 
 
 def test_load_names_the_file_and_the_problem(tmp_path):

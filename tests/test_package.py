@@ -143,10 +143,10 @@ def test_the_base_report_path_is_asked_for_not_spelled(tmp_path, monkeypatch):
         text=True,
         check=True,
     ).stdout.strip()
-    from flashmoe_science.pipeline import bench
+    from flashmoe_science.pipeline import paths
 
     # where `bench --base` writes the base's reports, under the build root the variable names
-    assert Path(out) == bench.base_dirs(REPO_ROOT, sha)[1] / "build.json"
+    assert Path(out) == paths.base_dirs(REPO_ROOT, sha)[1] / "build.json"
     assert Path(out) == tmp_path / "elsewhere" / "worktrees" / f"{sha[:12]}.reports" / "build.json"
     workflow = (REPO_ROOT / ".github" / "workflows" / "gpu-ci.yml").read_text()
     assert "flashmoe_science.pipeline.paths base-report" in workflow

@@ -279,7 +279,11 @@ def test_plugins_of_the_interpreter_stay_out(tmp_path, gate_ids):
     plain = subprocess.run(
         [sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", "-k", "x"],
         cwd=tmp_path,
-        env=stage_env(tmp_path / "plain", PYTHONPATH=path, STRAY_MARK=str(mark)),
+        env={
+            k: v
+            for k, v in stage_env(tmp_path / "plain", PYTHONPATH=path, STRAY_MARK=str(mark)).items()
+            if k != "PYTEST_DISABLE_PLUGIN_AUTOLOAD"  # set for this suite by the stage itself
+        },
         capture_output=True,
     )
     assert mark.exists(), plain.stdout  # the stray plugin is real: plain pytest loads it
