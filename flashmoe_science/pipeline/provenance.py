@@ -13,6 +13,7 @@ and the report judges the records by the code they describe (commit and uncommit
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -70,10 +71,8 @@ def commit(tree: Path = REPO_ROOT) -> dict:
     for name in sorted(n for n in untracked.split(b"\0") if n):
         digest.update(b"\0" + name + b"\0")
         path = tree / os.fsdecode(name)
-        try:
+        with contextlib.suppress(OSError):  # vanished or unreadable: its name still counts
             digest.update(path.read_bytes())
-        except OSError:  # vanished or unreadable: its name still counts
-            pass
     return {"sha": sha.decode().strip(), "dirty": True, "fingerprint": digest.hexdigest()[:16]}
 
 

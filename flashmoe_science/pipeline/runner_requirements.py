@@ -19,8 +19,8 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from . import exitcodes
 from .._toolkit import find_nvcc, parse_nvcc_version
+from . import exitcodes
 from .env import parse_nvidia_smi, parse_version, run_tool
 
 # NVIDIA's CUDA toolkit release notes, table "CUDA Toolkit and Corresponding Driver Versions"
