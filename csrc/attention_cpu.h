@@ -146,4 +146,83 @@ inline void attention_forward(const AttentionParams& p, const float* q, const fl
   });
 }
 
+// Gradients of one (batch, KV head): the query heads of its group and all their rows, so dK and dV
+// of a group are summed here without races. fp32 contiguous tensors; p.lse is the forward's
+// log-sum-exp. dq, dk and dv are written whole (every element, zero where nothing flows back).
+// P is recomputed from the log-sum-exp: P_ij = exp(s_ij * scale - lse_i); with
+// delta_i = rowsum(dout_i * o_i): dV_j += P_ij dout_i, dS_ij = P_ij (dout_i . v_j - delta_i),
+// dQ_i += scale dS_ij k_j, dK_j += scale dS_ij q_i.
+inline void attention_backward(const BwdParams& p, const float* q, const float* k, const float* v,
+                               const float* o, const float* dout, float* dq, float* dk,
+                               float* dv) {
+  const int d = p.head_dim;
+  at::parallel_for(0, int64_t(p.batch) * p.heads_kv, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int b = int(w / p.heads_kv), hkv = int(w % p.heads_kv);
+      const int64_t kv_offset = (int64_t(b) * p.heads_kv + hkv) * p.seqlen_k * d;
+      float* dk_head = dk + kv_offset;
+      float* dv_head = dv + kv_offset;
+      std::fill(dk_head, dk_head + int64_t(p.seqlen_k) * d, 0.f);
+      std::fill(dv_head, dv_head + int64_t(p.seqlen_k) * d, 0.f);
+      int group = p.heads_ratio;
+#if FLASHMOE_PLANT_BUG == 5
+      group = 1;  // planted: only the group's first query head reaches dK and dV
+#endif
+      for (int g = 0; g < p.heads_ratio; ++g) {
+        const int h = hkv * p.heads_ratio + g;
+        for (int i = 0; i < p.seqlen_q; ++i) {
+          const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
+          float* dq_row = dq + row * d;
+          std::fill(dq_row, dq_row + d, 0.f);
+          const float lse = p.lse[row];
+          if (lse == kNegInf) continue;  // the row saw no key: nothing flows back through it
+          int visible = p.seqlen_k;
+          if (p.causal) visible = std::min(visible, i + p.seqlen_k - p.seqlen_q + 1);
+          const float* q_row = q + row * d;
+          const float* do_row = dout + row * d;
+          const float* o_row = o + row * d;
+          float delta = 0.f;
+          for (int c = 0; c < d; ++c)
+            delta += do_row[c] * o_row[c];
+          int dq_end = visible;
+#if FLASHMOE_PLANT_BUG == 6
+          dq_end = visible > 0 ? (visible - 1) / kBlockN * kBlockN : 0;  // planted: last block lost
+#endif
+          for (int j = 0; j < visible; ++j) {
+            const float* k_row = k + kv_offset + int64_t(j) * d;
+            const float* v_row = v + kv_offset + int64_t(j) * d;
+            float s = 0.f, dp = 0.f;
+            for (int c = 0; c < d; ++c) {
+              s += q_row[c] * k_row[c];
+              dp += do_row[c] * v_row[c];
+            }
+            const float prob = std::exp(s * p.softmax_scale - lse);
+            float ds = prob * (dp - delta);
+#if FLASHMOE_PLANT_BUG != 4
+            ds *= p.softmax_scale;  // planted bug 4 leaves the scale out
+#endif
+            if (g >= group) {  // planted bug 5: this head's share of dK and dV is dropped
+              if (j < dq_end) {
+                for (int c = 0; c < d; ++c)
+                  dq_row[c] += ds * k_row[c];
+              }
+              continue;
+            }
+            float* dk_row = dk_head + int64_t(j) * d;
+            float* dv_row = dv_head + int64_t(j) * d;
+            for (int c = 0; c < d; ++c) {
+              dv_row[c] += prob * do_row[c];
+              dk_row[c] += ds * q_row[c];
+            }
+            if (j < dq_end) {
+              for (int c = 0; c < d; ++c)
+                dq_row[c] += ds * k_row[c];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace flashmoe::cpu

@@ -263,6 +263,109 @@ inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tenso
   return split_kv_combine_cpu(o_accum, lse_accum, q.scalar_type());
 }
 
+// The differentiable forward (flash_attention_forward): the prefill path of `fwd`, with the
+// backward's options carried in the schema so that autograd's saved context holds them.
+inline void check_backward_options(int64_t bwd_config) {
+  FLASHMOE_CHECK_VALUE(bwd_config >= 0 && bwd_config <= kNumBwdConfigs,
+                       "backward_config must be in [0, ", kNumBwdConfigs,
+                       "] (0 = automatic), got ", bwd_config);
+}
+
+inline std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                bool causal, double softmax_scale,
+                                                int64_t num_splits, int64_t config,
+                                                bool /*deterministic*/, int64_t bwd_config) {
+  check_backward_options(bwd_config);
+  return attention_fwd_cpu(q, k, v, std::nullopt, causal, softmax_scale, num_splits, config);
+}
+
+// Checks of the backward's extra inputs: the gradient of the output, and the forward's output and
+// log-sum-exp. q, k and v are checked as in the forward.
+inline void check_backward_inputs(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse) {
+  check_attention_inputs(q, k, v, std::nullopt, 0);
+  FLASHMOE_CHECK_VALUE(dout.sizes() == q.sizes(), "grad_output must have the output's shape ",
+                       shape_str(q), ", got ", shape_str(dout));
+  FLASHMOE_CHECK_TYPE(dout.scalar_type() == q.scalar_type(), "grad_output has dtype ",
+                      dtype_name(dout.scalar_type()), "; it must match the output's dtype ",
+                      dtype_name(q.scalar_type()));
+  FLASHMOE_CHECK_VALUE(dout.device() == q.device(), "grad_output is on ", dout.device(),
+                       " but the inputs are on ", q.device());
+  FLASHMOE_CHECK_VALUE(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() &&
+                           out.device() == q.device(),
+                       "out must be the forward's output, ", shape_str(q), " ",
+                       dtype_name(q.scalar_type()), ", got ", shape_str(out), " ",
+                       dtype_name(out.scalar_type()));
+  FLASHMOE_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                           lse.size(2) == q.size(2) && lse.scalar_type() == at::kFloat &&
+                           lse.device() == q.device(),
+                       "lse must be the forward's log-sum-exp, float32 [", q.size(0), ", ",
+                       q.size(1), ", ", q.size(2), "], got ", shape_str(lse), " ",
+                       dtype_name(lse.scalar_type()));
+}
+
+// Gradients that are all zero: no rows, or no keys (every row saw no key, so nothing flows back).
+inline std::optional<std::tuple<Tensor, Tensor, Tensor>> empty_gradients(const Tensor& q,
+                                                                         const Tensor& k,
+                                                                         const Tensor& v) {
+  if (q.numel() != 0 && k.numel() != 0) return std::nullopt;
+  auto contiguous = [](const Tensor& t) {
+    return at::zeros(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  };
+  return std::make_tuple(contiguous(q), contiguous(k), contiguous(v));
+}
+
+inline BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                 const Tensor& v, const Tensor& out, bool causal,
+                                 double softmax_scale) {
+  BwdParams p{};
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr();
+  p.dout = dout.data_ptr();
+  p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
+  p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
+  p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1);
+  p.do_row_stride = dout.stride(2);
+  p.batch = int(q.size(0));
+  p.heads_q = int(q.size(1));
+  p.heads_kv = int(k.size(1));
+  p.seqlen_q = int(q.size(2));
+  p.seqlen_k = int(k.size(2));
+  p.head_dim = int(q.size(3));
+  p.heads_ratio = p.heads_q / p.heads_kv;
+  p.causal = causal;
+  p.softmax_scale = float(softmax_scale);
+  p.scale_log2 = float(softmax_scale * 1.4426950408889634);
+  return p;
+}
+
+// Returns (dq, dk, dv), contiguous, in the inputs' dtype.
+inline std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, bool causal, double softmax_scale, bool /*deterministic*/,
+    int64_t config) {
+  check_backward_inputs(dout, q, k, v, out, lse);
+  FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(),
+                       "; this is the CPU implementation");
+  FLASHMOE_CHECK_VALUE(config == 0, "backward_config=", config,
+                       " selects a CUDA tile configuration, but the inputs are CPU tensors; use 0 "
+                       "(automatic) on the CPU");
+  if (auto empty = empty_gradients(q, k, v)) return *empty;
+  auto f32 = [](const Tensor& t) { return t.to(at::kFloat).contiguous(); };
+  auto qf = f32(q), kf = f32(k), vf = f32(v), of = f32(out), dof = f32(dout);
+  auto lse_c = lse.contiguous();
+  BwdParams p = make_bwd_params(dof, qf, kf, vf, of, causal, softmax_scale);
+  p.lse = lse_c.data_ptr<float>();
+  auto dq = at::empty(qf.sizes(), qf.options());
+  auto dk = at::empty(kf.sizes(), kf.options());
+  auto dv = at::empty(vf.sizes(), vf.options());
+  cpu::attention_backward(p, qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(),
+                          of.data_ptr<float>(), dof.data_ptr<float>(), dq.data_ptr<float>(),
+                          dk.data_ptr<float>(), dv.data_ptr<float>());
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
 inline int64_t planted_bug() { return FLASHMOE_PLANT_BUG; }
 
 }  // namespace flashmoe
@@ -273,10 +376,21 @@ inline int64_t planted_bug() { return FLASHMOE_PLANT_BUG; }
 //     configuration id (so the configurations another architecture selects can be forced and
 //     gated).
 //   split_kv_combine: the split-KV reduction on its own, for tests.
+//   attention: the differentiable forward (flash_attention_forward): fwd without cache lengths,
+//     plus the backward's options (deterministic, bwd_config), which autograd saves with it.
+//   attention_backward: (dq, dk, dv) from grad_output and the forward's inputs, output and
+//     log-sum-exp; config: 0 = automatic, else a CUDA backward tile configuration.
 TORCH_LIBRARY(flashmoe_science, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? seqlens_k, bool causal, float softmax_scale, "
       "int num_splits, int config) -> (Tensor, Tensor)");
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, int num_splits, "
+      "int config, bool deterministic, int bwd_config) -> (Tensor, Tensor)");
+  m.def(
+      "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "bool causal, float softmax_scale, bool deterministic, int config) -> (Tensor, Tensor, "
+      "Tensor)");
   m.def(
       "split_kv_combine(Tensor out_partial, Tensor lse_partial, ScalarType dtype) -> (Tensor, "
       "Tensor)");
@@ -285,5 +399,7 @@ TORCH_LIBRARY(flashmoe_science, m) {
 
 TORCH_LIBRARY_IMPL(flashmoe_science, CPU, m) {
   m.impl("fwd", &flashmoe::attention_fwd_cpu);
+  m.impl("attention", &flashmoe::attention_cpu);
+  m.impl("attention_backward", &flashmoe::attention_backward_cpu);
   m.impl("split_kv_combine", &flashmoe::split_kv_combine_cpu);
 }

@@ -21,11 +21,17 @@ namespace flashmoe {
 //   2: the combine step counts split 0 twice
 //   3: load_kv reads the KV rows past the sequence end out of bounds (compute-sanitizer's memcheck
 //      must report it: `python -m flashmoe_science sanitize --tool memcheck --define ...`)
+// and the bugs a backward pass typically has:
+//   4: dS without the softmax scale (dQ and dK come out scale times too large)
+//   5: dK and dV keep the share of the first query head of a GQA group only (not summed)
+//   6: dQ skips the last key block of each row
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif
 
 constexpr int kMaxSplits = 128;
+// Backward tile configurations (`backward_config=`): see csrc/flash_api_cuda.cuh.
+constexpr int kNumBwdConfigs = 2;
 
 struct AttentionParams {
   // q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk(max), D]; only the last dimension must be contiguous.
@@ -65,6 +71,34 @@ struct AttentionParams {
   // Decode kernel only: one arrival counter per row tile, zero between launches; the last split of
   // a tile to arrive combines the partials and resets its counter.
   int* split_counters;
+};
+
+// The backward pass: gradients of out = softmax(q k^T * scale) v with respect to q, k and v, given
+// dout and the forward's out and log-sum-exp. Same layouts as the forward; only the last dimension
+// of each tensor must be contiguous.
+struct BwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;     // the forward's output
+  const void* dout;  // [B, Hq, Sq, D]
+  const float* lse;  // [B, Hq, Sq] contiguous, the forward's log-sum-exp (-inf: a row saw no key)
+  float* delta;      // [B, Hq, Sq] contiguous: rowsum(dout * o), written by the pre-pass
+  float* dq_accum;   // [B, Hq, Sq, D] contiguous fp32: dS K summed over key blocks, unscaled
+  void* dq;          // [B, Hq, Sq, D] contiguous, the input dtype
+  void* dk;          // [B, Hkv, Sk, D] contiguous
+  void* dv;          // [B, Hkv, Sk, D] contiguous
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  int64_t do_batch_stride, do_head_stride, do_row_stride;
+
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+  int heads_ratio;  // heads_q / heads_kv: dK and dV sum over the query heads of a group
+  bool causal;      // bottom-right aligned, as in the forward
+  float softmax_scale;
+  float scale_log2;  // softmax_scale * log2(e)
 };
 
 FLASHMOE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }

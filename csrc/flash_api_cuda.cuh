@@ -18,6 +18,7 @@
 #include <typeinfo>
 
 #include "attention_ops.h"
+#include "flash_bwd_kernel.cuh"
 #include "flash_decode_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
 
@@ -333,6 +334,145 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   return {out, lse};
 }
 
+// ------------------------------------------------------------------------------------------------
+// Backward
+// ------------------------------------------------------------------------------------------------
+
+// Backward tile configurations (`backward_config=`):
+//   1: 64 keys x 64 queries a step, 4 warps; 72.5 KB of shared memory at d=128, so it fits the
+//      99 KB a block may have on sm86/sm89 (the L4) as well as sm80 and sm90.
+//   2: 128 keys x 64 queries a step, 8 warps (each still owns 16 keys of dK and dV; twice the
+//      warps per SM to hide latency); 112.5 KB at d=128: sm80 and sm90 (73.5 KB at d=64: all).
+// The automatic choice takes 2 where it fits the card's shared memory, else 1. The deterministic
+// dQ pass always runs 64 x 64 tiles with 4 warps.
+template <int D>
+using BwdDqConfig = BwdDqTraits<D, 64, 64, 4>;
+
+template <typename T, int D, bool kAtomicDq, typename F>
+void visit_bwd_config(int config, F&& f) {
+  if (config == 1) {
+    using Traits = BwdTraits<D, 64, 64, 4>;
+    f(&flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>, Traits{});
+  } else {
+    using Traits = BwdTraits<D, 64, 128, 8>;
+    f(&flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>, Traits{});
+  }
+}
+
+inline int bwd_smem_bytes(int config, int head_dim) {
+  int bytes = 0;
+  auto get = [&](auto, auto traits) { bytes = decltype(traits)::kSmemBytes; };
+  if (head_dim == 64) {
+    visit_bwd_config<__half, 64, true>(config, get);
+  } else {
+    visit_bwd_config<__half, 128, true>(config, get);
+  }
+  return bytes;
+}
+
+inline int max_smem_per_block(int device) {
+  static std::array<int, 64> cache{};
+  int& bytes = cache.at(device);
+  if (bytes == 0) {
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  }
+  return bytes;
+}
+
+template <typename T, int D>
+void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  flash_bwd_preprocess_kernel<T, D><<<int((rows + 3) / 4), 128, 0, stream>>>(p, !deterministic);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  auto launch_dkdv = [&](auto kernel, auto traits) {
+    using Traits = decltype(traits);
+    allow_dynamic_smem(kernel, Traits::kSmemBytes);
+    const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.batch * p.heads_kv);
+    kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (deterministic) {
+    visit_bwd_config<T, D, false>(config, launch_dkdv);
+    using DqTraits = BwdDqConfig<D>;
+    auto kernel = &flash_bwd_dq_kernel<DqTraits, T>;
+    allow_dynamic_smem(kernel, DqTraits::kSmemBytes);
+    const dim3 grid(ceil_div(p.seqlen_q, DqTraits::kBlockM), p.batch * p.heads_q);
+    kernel<<<grid, DqTraits::kNThreads, DqTraits::kSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    visit_bwd_config<T, D, true>(config, launch_dkdv);
+    const int64_t n = rows * D;
+    flash_bwd_convert_dq_kernel<T><<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)),
+                                     256, 0, stream>>>(p, n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// Gradients come back contiguous, in the inputs' dtype. grad_output may have any strides (an
+// expanded tensor from .sum(), say): it is made contiguous in its last dimension first.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in, bool causal,
+    double softmax_scale, bool deterministic, int64_t config) {
+  check_backward_inputs(dout_in, q_in, k_in, v_in, out_in, lse_in);
+  FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
+                       "; this is the CUDA implementation");
+  check_head_dim_cuda(q_in.size(3));
+  FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumBwdConfigs, "backward_config must be in [0, ",
+                       kNumBwdConfigs, "] (0 = automatic), got ", config);
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const DeviceInfo dev = device_info(q_in.device().index());
+  TORCH_CHECK(dev.major >= 8,
+              error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
+                         "(mma.sync bf16/fp16); this one is ",
+                         dev.major, ".", dev.minor));
+  const int smem_limit = max_smem_per_block(q_in.device().index());
+  if (config == 0) config = bwd_smem_bytes(2, int(q_in.size(3))) <= smem_limit ? 2 : 1;
+  FLASHMOE_CHECK_VALUE(bwd_smem_bytes(int(config), int(q_in.size(3))) <= smem_limit,
+                       "backward_config=", config, " needs ",
+                       bwd_smem_bytes(int(config), int(q_in.size(3))),
+                       " bytes of shared memory per block at head_dim ", q_in.size(3),
+                       "; this GPU allows ", smem_limit, ": use backward_config=1 (or 0)");
+  if (auto empty = empty_gradients(q_in, k_in, v_in)) return *empty;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
+  const at::Tensor dout_c = dout_in.stride(3) == 1 ? dout_in : dout_in.contiguous();
+  const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
+                   v = aligned_for_cp_async(v_in), out = aligned_for_cp_async(out_in),
+                   dout = aligned_for_cp_async(dout_c), lse = lse_in.contiguous();
+  BwdParams p = make_bwd_params(dout, q, k, v, out, causal, softmax_scale);
+  p.lse = lse.data_ptr<float>();
+  auto f32 = q.options().dtype(at::kFloat);
+  auto delta = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
+  auto dq = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto dk = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
+  auto dv = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dq_accum;
+  if (!deterministic) dq_accum = at::empty(q.sizes(), f32);
+  p.delta = delta.data_ptr<float>();
+  p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
+  p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+  const bool fp16 = q.scalar_type() == at::kHalf;
+  if (fp16 && p.head_dim == 64)
+    launch_backward<__half, 64>(p, int(config), deterministic, stream);
+  else if (fp16)
+    launch_backward<__half, 128>(p, int(config), deterministic, stream);
+  else if (p.head_dim == 64)
+    launch_backward<__nv_bfloat16, 64>(p, int(config), deterministic, stream);
+  else
+    launch_backward<__nv_bfloat16, 128>(p, int(config), deterministic, stream);
+  return {dq, dk, dv};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, bool causal,
+                                                         double softmax_scale, int64_t num_splits,
+                                                         int64_t config, bool /*deterministic*/,
+                                                         int64_t bwd_config) {
+  check_backward_options(bwd_config);
+  return attention_fwd_cuda(q, k, v, std::nullopt, causal, softmax_scale, num_splits, config);
+}
+
 // The dynamic shared memory each kernel asks for at launch, which ptxas's resource report cannot
 // see: one "<kernel as c++filt names it>\t<bytes>" line per instantiation, for the build report
 // (flashmoe_science/pipeline/build.py). It walks the configurations through visit_kernel and reads
@@ -367,7 +507,32 @@ void append_kernel_launches(std::string& out) {
     // launch_combine passes no dynamic shared memory
     out += "flashmoe::cuda::split_kv_combine_kernel<" + dtype + ", " + std::to_string(head_dim) +
            ">\t0\n";
+    // The backward: the dK/dV kernel of each configuration with and without dQ atomics, the
+    // deterministic dQ pass; the pre-pass and the dQ conversion take none.
+    auto dkdv = [&](auto kernel_traits, const char* atomic) {
+      using Traits = decltype(kernel_traits);
+      out += "flashmoe::cuda::flash_bwd_dkdv_kernel<" + demangled_name<Traits>() + ", " + dtype +
+             ", " + atomic + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
+    };
+    for (int config = 1; config <= kNumBwdConfigs; ++config) {
+      if (head_dim == 64) {
+        visit_bwd_config<T, 64, true>(config, [&](auto, auto traits) { dkdv(traits, "true"); });
+        visit_bwd_config<T, 64, false>(config, [&](auto, auto traits) { dkdv(traits, "false"); });
+      } else {
+        visit_bwd_config<T, 128, true>(config, [&](auto, auto traits) { dkdv(traits, "true"); });
+        visit_bwd_config<T, 128, false>(config, [&](auto, auto traits) { dkdv(traits, "false"); });
+      }
+    }
+    const std::string dq_traits = head_dim == 64 ? demangled_name<BwdDqConfig<64>>()
+                                                 : demangled_name<BwdDqConfig<128>>();
+    const int dq_smem =
+        head_dim == 64 ? BwdDqConfig<64>::kSmemBytes : BwdDqConfig<128>::kSmemBytes;
+    out += "flashmoe::cuda::flash_bwd_dq_kernel<" + dq_traits + ", " + dtype + ">\t" +
+           std::to_string(dq_smem) + "\n";
+    out += "flashmoe::cuda::flash_bwd_preprocess_kernel<" + dtype + ", " +
+           std::to_string(head_dim) + ">\t0\n";
   }
+  out += "flashmoe::cuda::flash_bwd_convert_dq_kernel<" + dtype + ">\t0\n";
 }
 
 inline std::string kernel_launches() {

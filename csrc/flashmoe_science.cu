@@ -5,6 +5,8 @@
 
 TORCH_LIBRARY_IMPL(flashmoe_science, CUDA, m) {
   m.impl("fwd", &flashmoe::cuda::attention_fwd_cuda);
+  m.impl("attention", &flashmoe::cuda::attention_cuda);
+  m.impl("attention_backward", &flashmoe::cuda::attention_backward_cuda);
   m.impl("split_kv_combine", &flashmoe::cuda::split_kv_combine_cuda);
 }
 

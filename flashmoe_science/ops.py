@@ -40,6 +40,9 @@ def load_library() -> None:
         so_path = _loader.ensure_built(defines=build_defines())
         torch.ops.load_library(str(so_path))
         _register_fakes()
+        from . import autograd
+
+        autograd.register()
         _loaded = True
 
 
@@ -113,6 +116,12 @@ CONFIGS = {
     4: "128x64 tiles at d128, 128x128 at d64, 4 warps (sm_90 and newer)",
 }
 _CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in CONFIGS.items())
+# Backward tile configurations that `backward_config=` forces (csrc/flash_api_cuda.cuh).
+BACKWARD_CONFIGS = {
+    1: "64 keys x 64 queries a step, 4 warps (72.5 KB at d128: fits sm_86/sm_89)",
+    2: "128 keys x 64 queries a step, 8 warps (112.5 KB at d128: sm_80, sm_90)",
+}
+_BACKWARD_CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in BACKWARD_CONFIGS.items())
 # Built for compute capability 9.0 and newer only (ptxas spills these tiles on sm_80/sm_89); the
 # operator refuses them below that, and the gates skip them there.
 SM90_ONLY_CONFIGS = frozenset({4})
@@ -133,8 +142,10 @@ def flash_attention_forward(
     return_lse: bool = False,
     num_splits: int = 0,
     config: int = 0,
+    deterministic: bool = False,
+    backward_config: int = 0,
 ):
-    """Attention softmax(q k^T * scale) v, computed FlashAttention-style.
+    """Attention softmax(q k^T * scale) v, computed FlashAttention-style; differentiable in q, k, v.
 
     q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq a multiple of Hkv (grouped-query and multi-query
     attention). fp16 or bf16; head dims 64 and 128 on CUDA, any on the CPU. Only the last dimension
@@ -148,6 +159,12 @@ def flash_attention_forward(
     1 to 4 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
     architecture selects is gated on one card.
 
+    Backward (autograd, flashmoe_science.autograd): FlashAttention-2's, from the saved output and
+    log-sum-exp; gradients come back contiguous, in the inputs' dtype. deterministic=True gives
+    bit-identical gradients over repeated calls (dQ summed in a fixed order, without atomics; a
+    little slower). backward_config: 0 picks the backward tile configuration, 1 to
+    len(BACKWARD_CONFIGS) force one.
+
     Returns the output [B, Hq, Sq, D] in the input dtype, and with return_lse=True also the
     log-sum-exp of each row as fp32 [B, Hq, Sq].
     """
@@ -155,11 +172,28 @@ def flash_attention_forward(
         _check_tensor(name, t)
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
+    _check_bool("deterministic", deterministic)
     _check_int("num_splits", num_splits, 0, 128, "0 = automatic")
     _check_int("config", config, 0, len(CONFIGS), "0 = automatic, " + _CONFIG_TEXT)
+    _check_int(
+        "backward_config",
+        backward_config,
+        0,
+        len(BACKWARD_CONFIGS),
+        "0 = automatic, " + _BACKWARD_CONFIG_TEXT,
+    )
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     out, lse = _call(
-        torch.ops.flashmoe_science.fwd, q, k, v, None, causal, scale, num_splits, config
+        torch.ops.flashmoe_science.attention,
+        q,
+        k,
+        v,
+        causal,
+        scale,
+        num_splits,
+        config,
+        deterministic,
+        backward_config,
     )
     return (out, lse) if return_lse else out
 

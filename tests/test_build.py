@@ -589,14 +589,22 @@ def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch, capsys):
 
 def traits_smem(kernel: str) -> int:
     """The shared memory a kernel's traits ask for, by the formulas of csrc/flash_fwd_kernel.cuh
-    (FwdTraits::kSmemBytes) and csrc/flash_decode_kernel.cuh (DecodeTraits::kSmemBytes)."""
+    (FwdTraits::kSmemBytes), csrc/flash_decode_kernel.cuh (DecodeTraits::kSmemBytes) and
+    csrc/flash_bwd_kernel.cuh (BwdTraits, BwdDqTraits)."""
     if match := re.search(r"FwdTraits<(\d+), (\d+), (\d+), \d+, (?:true|false)>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (block_m + 2 * block_n) * head_dim * 2  # Q tile + K and V tiles, 2-byte elements
     if match := re.search(r"DecodeTraits<(\d+), (\d+)>", kernel):
         head_dim, stages = (int(g) for g in match.groups())
         return stages * 2 * 64 * head_dim * 2  # per stage a 64-key K tile and V tile
-    assert "split_kv_combine_kernel" in kernel, kernel
+    if match := re.search(r"BwdTraits<(\d+), (\d+), (\d+), \d+>", kernel):
+        head_dim, block_m, block_n = (int(g) for g in match.groups())
+        # K, V, Q and dO tiles, dS^T (keys x queries), the query block's lse and delta (fp32)
+        return (2 * block_n + 2 * block_m) * head_dim * 2 + block_n * block_m * 2 + 2 * block_m * 4
+    if match := re.search(r"BwdDqTraits<(\d+), (\d+), (\d+), \d+>", kernel):
+        head_dim, block_m, block_n = (int(g) for g in match.groups())
+        return (2 * block_m + 2 * block_n) * head_dim * 2  # Q, dO, K and V tiles
+    assert re.search(r"split_kv_combine|bwd_preprocess|bwd_convert_dq", kernel), kernel
     return 0
 
 
@@ -662,12 +670,13 @@ def newest_cuda_build() -> Path | None:
 def test_dynamic_smem_is_what_each_launch_asks_for():
     library = newest_cuda_build()
     table = build.launch_table(library)
-    # 2 dtypes x 2 head dims x (4 configurations + the combine kernel)
-    assert table is not None and len(table) == 20
+    # 2 dtypes x (2 head dims x (4 forward configurations + the combine kernel + 2 backward
+    # configurations with and without dQ atomics + the dQ pass + the pre-pass) + the dQ conversion)
+    assert table is not None and len(table) == 2 * (2 * (4 + 1 + 2 * 2 + 1 + 1) + 1)
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]
-    assert len(ours) >= 20 and all(k["dynamic_smem"] == traits_smem(k["kernel"]) for k in ours)
+    assert len(ours) >= len(table) and all(k["dynamic_smem"] == traits_smem(k["kernel"]) for k in ours)
 
 
 @pytest.mark.slow

@@ -1,0 +1,542 @@
+// FlashAttention-2-style backward pass on mma.sync tensor cores (sm_80 and newer).
+//   1. flash_bwd_preprocess_kernel: delta_i = rowsum(dout_i * o_i) in fp32, and dq_accum zeroed.
+//   2. flash_bwd_dkdv_kernel: each block owns one key block of one (batch, KV head) and walks the
+//      query blocks of every query head of its GQA group, recomputing P from the forward's
+//      log-sum-exp; dK and dV stay in fp32 registers for the whole walk, so a group's heads are
+//      summed without atomics. dQ's share of each step (dS K) is added to dq_accum with fp32
+//      atomics, unless the call is deterministic.
+//   3. Either flash_bwd_convert_dq_kernel (dq = dq_accum * scale, in the input dtype), or for
+//      deterministic calls flash_bwd_dq_kernel: each block owns one query block and walks the key
+//      blocks, recomputing S and dP, so dQ is summed in a fixed order (two more matmuls, no
+//      atomics: bit-identical over repeated calls).
+// dS is kept unscaled; the softmax scale is applied once, to dK and dQ at the end.
+#pragma once
+
+#include "attention_params.h"
+#include "flash_kernel_utils.cuh"
+
+namespace flashmoe::cuda {
+
+// One key block of kBlockN keys per thread block, walked against query blocks of kBlockM rows.
+// Warps split the keys (each owns kKTiles tiles of 16 keys: its rows of dK and dV) for S^T, dP^T,
+// dV and dK; for dQ = dS K they split the kBlockM query rows instead.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct BwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kKTiles = kBlockN / (16 * kNWarps);
+  // dQ = dS K: the kBlockM / 16 query tiles go round the warps; with more warps than tiles, the
+  // warps of one tile split its columns.
+  static constexpr int kQRowTiles = kBlockM / 16;
+  static constexpr int kQTiles = kQRowTiles >= kNWarps ? kQRowTiles / kNWarps : 1;
+  static constexpr int kWarpsPerQTile = kQRowTiles >= kNWarps ? 1 : kNWarps / kQRowTiles;
+  static constexpr int kDqCols = kHeadDim / kWarpsPerQTile;
+  // K, V (kBlockN rows), Q, dO (kBlockM rows), dS^T (kBlockN x kBlockM), and the query block's
+  // log-sum-exp and delta.
+  static constexpr int kSmemBytes =
+      (2 * kBlockN + 2 * kBlockM) * kHeadDim * 2 + kBlockN * kBlockM * 2 + 2 * kBlockM * 4;
+  static_assert(kKTiles >= 1 && kBlockN == kKTiles * 16 * kNWarps, "keys: 16 * warps * k");
+  static_assert(kQRowTiles * kWarpsPerQTile == kQTiles * kNWarps && kDqCols % 16 == 0,
+                "dQ's query tiles and column parts must cover the warps evenly");
+  static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0, "tiles must fit the swizzle");
+};
+
+// The deterministic dQ pass: kBlockM query rows per block (warps split them), kBlockN keys a step.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct BwdDqTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kMTiles = kBlockM / (16 * kNWarps);
+  static constexpr int kSmemBytes = (2 * kBlockM + 2 * kBlockN) * kHeadDim * 2;
+  static_assert(kMTiles >= 1 && kBlockM == kMTiles * 16 * kNWarps, "rows: 16 * warps * k");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "tiles must fit the mma and swizzle");
+};
+
+// delta_i = sum_c dout[i, c] * o[i, c], one warp per row (b, h, i); with zero_dq, the row of
+// dq_accum is zeroed for the atomics that follow.
+template <typename T, int D>
+__global__ void __launch_bounds__(128)
+    flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p, bool zero_dq) {
+  constexpr int kPerLane = D / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int i = int(row % p.seqlen_q);
+  const int h = int((row / p.seqlen_q) % p.heads_q);
+  const int b = int(row / (int64_t(p.seqlen_q) * p.heads_q));
+  const T* o_row = static_cast<const T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride +
+                   i * p.o_row_stride + lane * kPerLane;
+  const T* do_row = static_cast<const T*>(p.dout) + b * p.do_batch_stride +
+                    h * p.do_head_stride + i * p.do_row_stride + lane * kPerLane;
+  float sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e)
+    sum += float(o_row[e]) * float(do_row[e]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2)
+    sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (lane == 0) p.delta[row] = sum;
+  if (zero_dq) {
+    float* dq_row = p.dq_accum + row * D + lane * kPerLane;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e)
+      dq_row[e] = 0.f;
+  }
+}
+
+// The forward's log-sum-exp of row i in base 2, for P = exp2(s * scale_log2 - lse2). Rows past the
+// sequence end and rows that saw no key (lse = -inf) get +inf, so their P is 0 and nothing flows
+// back through them.
+__device__ __forceinline__ float lse_base2(const BwdParams& p, int64_t row, bool valid) {
+  const float lse = valid ? p.lse[row] : -INFINITY;
+  return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+}
+
+template <typename Traits, typename T, bool kAtomicDq>
+__device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  constexpr int KT = Traits::kKTiles, QT = Traits::kQTiles, MN = BM / 8, DT = D / 8;
+  constexpr int kThreads = Traits::kNThreads;
+
+  extern __shared__ __align__(256) uint4 smem_buf[];  // swizzle_step needs 256-byte alignment
+  T* sK = reinterpret_cast<T*>(smem_buf);
+  T* sV = sK + BN * D;
+  T* sQ = sV + BN * D;
+  T* sdO = sQ + BM * D;
+  T* sdS = sdO + BM * D;  // dS^T: [BN keys][BM queries]
+  float* sLse = reinterpret_cast<float*>(sdS + BN * BM);
+  float* sDelta = sLse + BM;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int n0 = blockIdx.x * BN;
+  const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
+  const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
+  // The first query block whose last row sees a key of this block; the blocks before see none.
+  const int m_begin = p.causal ? max(0, n0 - offset) / BM : 0;
+  const int m_end = ceil_div(p.seqlen_q, BM);
+
+  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, tid);
+  load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, tid);
+  cp_async_commit();
+
+  const int key_row0 = warp * 16 * KT;  // this warp's keys within the block (dK and dV rows)
+  // ldmatrix base addresses (see swizzle_step). K and V as A operands (this warp's keys x d), Q
+  // and dO as B operands with d as the reduction (S^T = K Q^T, dP^T = V dO^T), Q and dO
+  // transposed as B operands with the queries as the reduction (dV += P^T dO, dK += dS^T Q), dS^T
+  // transposed as the A operand of dQ = dS K and K transposed as its B operand.
+  const uint32_t k_a = smem_u32(sK + swizzle<D>(key_row0 + (lane & 15), lane >> 4));
+  const uint32_t v_a = smem_u32(sV + swizzle<D>(key_row0 + (lane & 15), lane >> 4));
+  const int b_row = (lane & 7) + (lane >> 4) * 8, b_chunk = (lane >> 3) & 1;
+  const uint32_t q_b = smem_u32(sQ + swizzle<D>(b_row, b_chunk));
+  const uint32_t do_b = smem_u32(sdO + swizzle<D>(b_row, b_chunk));
+  const int t_row = (lane & 7) + ((lane >> 3) & 1) * 8, t_chunk = lane >> 4;
+  const uint32_t q_t = smem_u32(sQ + swizzle<D>(t_row, t_chunk));
+  const uint32_t do_t = smem_u32(sdO + swizzle<D>(t_row, t_chunk));
+  const uint32_t k_t = smem_u32(sK + swizzle<D>(t_row, t_chunk));
+  const uint32_t ds_t = smem_u32(sdS + swizzle<BM>((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1));
+
+  float acc_dk[KT][DT][4], acc_dv[KT][DT][4];
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc_dk[kt][dt][e] = acc_dv[kt][dt][e] = 0.f;
+
+  int group = p.heads_ratio;
+#if FLASHMOE_PLANT_BUG == 5
+  group = 1;  // planted: only the group's first query head reaches dK and dV
+#endif
+  const int n_last = ceil_div(p.seqlen_k, BN) - 1;
+  // The steps run over (query head of the group, query block) in one sequence, so the next step's
+  // Q and dO can be issued while this one computes dQ, whichever head it belongs to.
+  const int m_count = max(0, m_end - m_begin), steps = group * m_count;
+  auto issue_step = [&](int step) {
+    const int h = hkv * p.heads_ratio + step / m_count, m0 = (m_begin + step % m_count) * BM;
+    const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+    const T* do_base =
+        static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, m0, p.seqlen_q, tid);
+    load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, m0, p.seqlen_q, tid);
+    cp_async_commit();
+    const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+    for (int r = tid; r < BM; r += kThreads) {
+      const bool valid = m0 + r < p.seqlen_q;
+      sLse[r] = lse_base2(p, row_base + m0 + r, valid);
+      sDelta[r] = valid ? p.delta[row_base + m0 + r] : 0.f;
+    }
+  };
+  if (steps > 0) issue_step(0);
+  for (int step = 0; step < steps; ++step) {
+    {
+      const int h = hkv * p.heads_ratio + step / m_count;
+      const int m0 = (m_begin + step % m_count) * BM;
+      const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+      cp_async_wait<0>();
+      __syncthreads();  // Q, dO, lse and delta of this step have landed (K and V too, at first)
+
+      // S^T = K Q^T and dP^T = V dO^T: this warp's keys x the block's queries.
+      float acc_s[KT][MN][4], acc_dp[KT][MN][4];
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+        for (int nt = 0; nt < MN; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc_s[kt][nt][e] = acc_dp[kt][nt][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t ak[KT][4], av[KT][4];
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+          ldmatrix_x4(ak[kt], swizzle_step<D>(k_a, kt, kk));
+          ldmatrix_x4(av[kt], swizzle_step<D>(v_a, kt, kk));
+        }
+#pragma unroll
+        for (int np = 0; np < MN / 2; ++np) {
+          uint32_t bq[4], bdo[4];
+          ldmatrix_x4(bq, swizzle_step<D>(q_b, np, kk));
+          ldmatrix_x4(bdo, swizzle_step<D>(do_b, np, kk));
+#pragma unroll
+          for (int kt = 0; kt < KT; ++kt) {
+            mma_16816<T>(acc_s[kt][2 * np], ak[kt], bq[0], bq[1]);
+            mma_16816<T>(acc_s[kt][2 * np + 1], ak[kt], bq[2], bq[3]);
+            mma_16816<T>(acc_dp[kt][2 * np], av[kt], bdo[0], bdo[1]);
+            mma_16816<T>(acc_dp[kt][2 * np + 1], av[kt], bdo[2], bdo[3]);
+          }
+        }
+      }
+
+      // P^T = exp2(S^T * scale_log2 - lse2) with keys past the end and the causal mask at 0;
+      // dS^T = P^T (dP^T - delta). Both go to registers as 16-bit A operands (P^T for dV, dS^T
+      // for dK) and dS^T to shared memory for dQ.
+      uint32_t p_frag[KT][BM / 16][4], ds_frag[KT][BM / 16][4];
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+        for (int nt = 0; nt < MN; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = n0 + key_row0 + kt * 16 + lane / 4 + (e >> 1) * 8;
+            const int col = nt * 8 + (lane & 3) * 2 + (e & 1);
+            const bool masked = key >= p.seqlen_k || (p.causal && key > m0 + col + offset);
+            const float prob =
+                masked ? 0.f : exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, -sLse[col]));
+            acc_s[kt][nt][e] = prob;
+            acc_dp[kt][nt][e] = prob * (acc_dp[kt][nt][e] - sDelta[col]);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < BM / 16; ++j) {
+          p_frag[kt][j][0] = pack2<T>(acc_s[kt][2 * j][0], acc_s[kt][2 * j][1]);
+          p_frag[kt][j][1] = pack2<T>(acc_s[kt][2 * j][2], acc_s[kt][2 * j][3]);
+          p_frag[kt][j][2] = pack2<T>(acc_s[kt][2 * j + 1][0], acc_s[kt][2 * j + 1][1]);
+          p_frag[kt][j][3] = pack2<T>(acc_s[kt][2 * j + 1][2], acc_s[kt][2 * j + 1][3]);
+          ds_frag[kt][j][0] = pack2<T>(acc_dp[kt][2 * j][0], acc_dp[kt][2 * j][1]);
+          ds_frag[kt][j][1] = pack2<T>(acc_dp[kt][2 * j][2], acc_dp[kt][2 * j][3]);
+          ds_frag[kt][j][2] = pack2<T>(acc_dp[kt][2 * j + 1][0], acc_dp[kt][2 * j + 1][1]);
+          ds_frag[kt][j][3] = pack2<T>(acc_dp[kt][2 * j + 1][2], acc_dp[kt][2 * j + 1][3]);
+        }
+        if constexpr (kAtomicDq) {
+#pragma unroll
+          for (int nt = 0; nt < MN; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int row = key_row0 + kt * 16 + lane / 4 + hh * 8;
+              *reinterpret_cast<uint32_t*>(sdS + swizzle<BM>(row, nt) + (lane & 3) * 2) =
+                  pack2<T>(acc_dp[kt][nt][2 * hh], acc_dp[kt][nt][2 * hh + 1]);
+            }
+        }
+      }
+
+      // dV += P^T dO and dK += dS^T Q, the queries as the reduction.
+#pragma unroll
+      for (int j = 0; j < BM / 16; ++j) {
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t bdo[4], bq[4];
+          ldmatrix_x4_trans(bdo, swizzle_step<D>(do_t, j, dp));
+          ldmatrix_x4_trans(bq, swizzle_step<D>(q_t, j, dp));
+#pragma unroll
+          for (int kt = 0; kt < KT; ++kt) {
+            mma_16816<T>(acc_dv[kt][2 * dp], p_frag[kt][j], bdo[0], bdo[1]);
+            mma_16816<T>(acc_dv[kt][2 * dp + 1], p_frag[kt][j], bdo[2], bdo[3]);
+            mma_16816<T>(acc_dk[kt][2 * dp], ds_frag[kt][j], bq[0], bq[1]);
+            mma_16816<T>(acc_dk[kt][2 * dp + 1], ds_frag[kt][j], bq[2], bq[3]);
+          }
+        }
+      }
+
+      __syncthreads();  // dS^T is whole; every warp is done with Q, dO, lse and delta
+      if (step + 1 < steps) issue_step(step + 1);  // lands while dQ is computed
+      if constexpr (kAtomicDq) {
+        bool add_dq = true;
+#if FLASHMOE_PLANT_BUG == 6
+        add_dq = blockIdx.x != n_last;  // planted: the last key block never reaches dQ
+#endif
+        // dQ += dS K for this warp's query rows (and columns), added to dq_accum. Shared
+        // memory holds the next step's Q and dO by now, but dS^T and K stay until the next sync.
+        constexpr int kCols = Traits::kDqCols, CT = kCols / 8;
+        const int col0 = (warp / Traits::kQRowTiles) * kCols;
+#pragma unroll
+        for (int qt = 0; qt < QT; ++qt) {
+          float acc_dq[CT][4];
+#pragma unroll
+          for (int ct = 0; ct < CT; ++ct)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              acc_dq[ct][e] = 0.f;
+          const int q_tile = (warp % Traits::kQRowTiles) * QT + qt;
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk) {
+            uint32_t a[4];
+            ldmatrix_x4_trans(a, swizzle_step<BM>(ds_t, kk, q_tile));
+#pragma unroll
+            for (int dp = 0; dp < kCols / 16; ++dp) {
+              uint32_t bk[4];
+              ldmatrix_x4_trans(bk, swizzle_step<D>(k_t, kk, col0 / 16 + dp));
+              mma_16816<T>(acc_dq[2 * dp], a, bk[0], bk[1]);
+              mma_16816<T>(acc_dq[2 * dp + 1], a, bk[2], bk[3]);
+            }
+          }
+          if (add_dq) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int i = m0 + q_tile * 16 + lane / 4 + hh * 8;
+              if (i >= p.seqlen_q) continue;
+              float* dq_row = p.dq_accum + (row_base + i) * D + col0 + (lane & 3) * 2;
+#pragma unroll
+              for (int ct = 0; ct < CT; ++ct) {
+                atomicAdd(dq_row + ct * 8, acc_dq[ct][2 * hh]);
+                atomicAdd(dq_row + ct * 8 + 1, acc_dq[ct][2 * hh + 1]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  (void)n_last;
+  cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
+
+  // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, D], keys past the end not written.
+  float dk_scale = p.softmax_scale;
+#if FLASHMOE_PLANT_BUG == 4
+  dk_scale = 1.f;  // planted: dS without the softmax scale
+#endif
+  const int64_t kv_row_base = (int64_t(b) * p.heads_kv + hkv) * p.seqlen_k;
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int key = n0 + key_row0 + kt * 16 + lane / 4 + hh * 8;
+      if (key >= p.seqlen_k) continue;
+      T* dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * D + (lane & 3) * 2;
+      T* dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * D + (lane & 3) * 2;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        *reinterpret_cast<uint32_t*>(dk_row + dt * 8) =
+            pack2<T>(acc_dk[kt][dt][2 * hh] * dk_scale, acc_dk[kt][dt][2 * hh + 1] * dk_scale);
+        *reinterpret_cast<uint32_t*>(dv_row + dt * 8) =
+            pack2<T>(acc_dv[kt][dt][2 * hh], acc_dv[kt][dt][2 * hh + 1]);
+      }
+    }
+}
+
+template <typename Traits, typename T, bool kAtomicDq>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
+  flash_bwd_dkdv_block<Traits, T, kAtomicDq>(p);
+}
+
+// dq = dq_accum * scale in the input dtype, 4 values per thread.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, int64_t n) {
+  const int64_t i = (int64_t(blockIdx.x) * 256 + threadIdx.x) * 4;
+  if (i >= n) return;
+  float scale = p.softmax_scale;
+#if FLASHMOE_PLANT_BUG == 4
+  scale = 1.f;  // planted: dS without the softmax scale
+#endif
+  const float4 x = *reinterpret_cast<const float4*>(p.dq_accum + i);
+  T* dst = static_cast<T*>(p.dq) + i;
+  *reinterpret_cast<uint32_t*>(dst) = pack2<T>(x.x * scale, x.y * scale);
+  *reinterpret_cast<uint32_t*>(dst + 2) = pack2<T>(x.z * scale, x.w * scale);
+}
+
+// Deterministic dQ: one block per (query block, batch, head), the key blocks in a fixed order.
+// S = Q K^T, P from the log-sum-exp, dP = dO V^T, dS = P (dP - delta), dQ += dS K, as the forward
+// kernel walks its keys (same operand layouts).
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  constexpr int MT = Traits::kMTiles, NT = BN / 8, DT = D / 8;
+  constexpr int kThreads = Traits::kNThreads;
+
+  extern __shared__ __align__(256) uint4 smem_buf[];
+  T* sQ = reinterpret_cast<T*>(smem_buf);
+  T* sdO = sQ + BM * D;
+  T* sK = sdO + BM * D;
+  T* sV = sK + BN * D;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int m0 = blockIdx.x * BM;
+  const int b = blockIdx.y / p.heads_q, h = blockIdx.y % p.heads_q;
+  const int hkv = h / p.heads_ratio;
+  const int offset = p.seqlen_k - p.seqlen_q;
+  int n_end = ceil_div(p.seqlen_k, BN);
+  if (p.causal) {
+    const int visible = min(m0 + BM, p.seqlen_q) - 1 + offset + 1;  // keys the last row sees
+    n_end = min(n_end, visible <= 0 ? 0 : ceil_div(visible, BN));
+  }
+#if FLASHMOE_PLANT_BUG == 6
+  n_end = max(0, n_end - 1);  // planted: the last key block never reaches dQ
+#endif
+
+  const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, m0, p.seqlen_q, tid);
+  load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, m0, p.seqlen_q, tid);
+  cp_async_commit();
+
+  const int warp_row0 = warp * 16 * MT;
+  const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+  float lse2[MT][2], delta[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
+      const bool valid = i < p.seqlen_q;
+      lse2[mt][hh] = lse_base2(p, row_base + i, valid);
+      delta[mt][hh] = valid ? p.delta[row_base + i] : 0.f;
+    }
+
+  const uint32_t q_a = smem_u32(sQ + swizzle<D>(warp_row0 + (lane & 15), lane >> 4));
+  const uint32_t do_a = smem_u32(sdO + swizzle<D>(warp_row0 + (lane & 15), lane >> 4));
+  const int b_row = (lane & 7) + (lane >> 4) * 8, b_chunk = (lane >> 3) & 1;
+  const uint32_t k_b = smem_u32(sK + swizzle<D>(b_row, b_chunk));
+  const uint32_t v_b = smem_u32(sV + swizzle<D>(b_row, b_chunk));
+  const uint32_t k_t = smem_u32(sK + swizzle<D>((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4));
+
+  float acc_dq[MT][DT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc_dq[mt][dt][e] = 0.f;
+
+  for (int n = 0; n < n_end; ++n) {
+    load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n * BN, p.seqlen_k, tid);
+    load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n * BN, p.seqlen_k, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();  // K(n), V(n) (and Q, dO on the first step) have landed
+
+    float acc_s[MT][NT][4], acc_dp[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc_s[mt][nt][e] = acc_dp[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t aq[MT][4], ado[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        ldmatrix_x4(aq[mt], swizzle_step<D>(q_a, mt, kk));
+        ldmatrix_x4(ado[mt], swizzle_step<D>(do_a, mt, kk));
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bk[4], bv[4];
+        ldmatrix_x4(bk, swizzle_step<D>(k_b, np, kk));
+        ldmatrix_x4(bv, swizzle_step<D>(v_b, np, kk));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<T>(acc_s[mt][2 * np], aq[mt], bk[0], bk[1]);
+          mma_16816<T>(acc_s[mt][2 * np + 1], aq[mt], bk[2], bk[3]);
+          mma_16816<T>(acc_dp[mt][2 * np], ado[mt], bv[0], bv[1]);
+          mma_16816<T>(acc_dp[mt][2 * np + 1], ado[mt], bv[2], bv[3]);
+        }
+      }
+    }
+
+    uint32_t ds_frag[MT][BN / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e >> 1;
+          const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
+          const int key = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
+          const bool masked = key >= p.seqlen_k || (p.causal && key > i + offset);
+          const float prob =
+              masked ? 0.f : exp2f(fmaf(acc_s[mt][nt][e], p.scale_log2, -lse2[mt][hh]));
+          acc_dp[mt][nt][e] = prob * (acc_dp[mt][nt][e] - delta[mt][hh]);
+        }
+#pragma unroll
+      for (int j = 0; j < BN / 16; ++j) {
+        ds_frag[mt][j][0] = pack2<T>(acc_dp[mt][2 * j][0], acc_dp[mt][2 * j][1]);
+        ds_frag[mt][j][1] = pack2<T>(acc_dp[mt][2 * j][2], acc_dp[mt][2 * j][3]);
+        ds_frag[mt][j][2] = pack2<T>(acc_dp[mt][2 * j + 1][0], acc_dp[mt][2 * j + 1][1]);
+        ds_frag[mt][j][3] = pack2<T>(acc_dp[mt][2 * j + 1][2], acc_dp[mt][2 * j + 1][3]);
+      }
+    }
+
+    // dQ += dS K, the keys as the reduction (K read transposed, as V in the forward).
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j)
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, swizzle_step<D>(k_t, j, dp));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<T>(acc_dq[mt][2 * dp], ds_frag[mt][j], bk[0], bk[1]);
+          mma_16816<T>(acc_dq[mt][2 * dp + 1], ds_frag[mt][j], bk[2], bk[3]);
+        }
+      }
+    __syncthreads();  // every warp is done with K(n) and V(n)
+  }
+  cp_async_wait<0>();  // no block leaves with copies in flight (n_end == 0)
+
+  float scale = p.softmax_scale;
+#if FLASHMOE_PLANT_BUG == 4
+  scale = 1.f;  // planted: dS without the softmax scale
+#endif
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
+      if (i >= p.seqlen_q) continue;
+      T* dq_row = static_cast<T*>(p.dq) + (row_base + i) * D + (lane & 3) * 2;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        *reinterpret_cast<uint32_t*>(dq_row + dt * 8) =
+            pack2<T>(acc_dq[mt][dt][2 * hh] * scale, acc_dq[mt][dt][2 * hh + 1] * scale);
+    }
+}
+
+}  // namespace flashmoe::cuda

@@ -1,0 +1,88 @@
+"""Autograd for the operators: flash_attention_forward trains, flash_attention_decode refuses to.
+
+The forward is `torch.ops.flashmoe_science.attention`; its backward is the operator
+`attention_backward` (csrc/flash_bwd_kernel.cuh on CUDA, csrc/attention_cpu.h on the CPU), so
+`torch.compile(fullgraph=True)` traces forward and backward alike and `torch.library.opcheck`
+checks the registration. The context saves q, k, v, the output and the forward's log-sum-exp (never
+a recomputed one). Gradients come back contiguous, in the inputs' dtype.
+
+`fwd`, the operator behind flash_attention_decode (and the inference path), is inference-only:
+backward through it raises instead of leaving q.grad silently None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DECODE_IS_INFERENCE_ONLY = (
+    "flash_attention_decode is inference-only: it has no backward. For gradients, call "
+    "flash_attention_forward (causal=True gives the same attention over the cache)."
+)
+
+
+def _fake_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, config):
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+    )
+
+
+def _fake_attention(q, k, v, causal, softmax_scale, num_splits, config, deterministic, bwd_config):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, _num_splits, _config, deterministic, bwd_config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+    ctx.deterministic = deterministic
+    ctx.bwd_config = bwd_config
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    # saved_tensors raises PyTorch's own error when an input was modified in place after the
+    # forward (its version counter moved): "one of the variables needed for gradient computation
+    # has been modified by an inplace operation".
+    from .ops import _call  # the C++ checks' error types (ops imports this module)
+
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _call(
+        torch.ops.flashmoe_science.attention_backward,
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        ctx.causal,
+        ctx.softmax_scale,
+        ctx.deterministic,
+        ctx.bwd_config,
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+def _setup_decode(ctx, inputs, output):
+    pass
+
+
+def _refuse_backward(ctx, *grads):
+    raise RuntimeError(DECODE_IS_INFERENCE_ONLY)
+
+
+def register() -> None:
+    """Fake kernels and autograd formulas; called once, after the library is loaded."""
+    torch.library.register_fake("flashmoe_science::attention")(_fake_attention)
+    torch.library.register_fake("flashmoe_science::attention_backward")(_fake_backward)
+    torch.library.register_autograd(
+        "flashmoe_science::attention", _backward, setup_context=_setup_context
+    )
+    torch.library.register_autograd(
+        "flashmoe_science::fwd", _refuse_backward, setup_context=_setup_decode
+    )
