@@ -153,8 +153,7 @@ inline void attention_forward(const AttentionParams& p, const float* q, const fl
 // delta_i = rowsum(dout_i * o_i): dV_j += P_ij dout_i, dS_ij = P_ij (dout_i . v_j - delta_i),
 // dQ_i += scale dS_ij k_j, dK_j += scale dS_ij q_i.
 inline void attention_backward(const BwdParams& p, const float* q, const float* k, const float* v,
-                               const float* o, const float* dout, float* dq, float* dk,
-                               float* dv) {
+                               const float* o, const float* dout, float* dq, float* dk, float* dv) {
   const int d = p.head_dim;
   at::parallel_for(0, int64_t(p.batch) * p.heads_kv, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {

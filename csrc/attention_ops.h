@@ -267,8 +267,8 @@ inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tenso
 // backward's options carried in the schema so that autograd's saved context holds them.
 inline void check_backward_options(int64_t bwd_config) {
   FLASHMOE_CHECK_VALUE(bwd_config >= 0 && bwd_config <= kNumBwdConfigs,
-                       "backward_config must be in [0, ", kNumBwdConfigs,
-                       "] (0 = automatic), got ", bwd_config);
+                       "backward_config must be in [0, ", kNumBwdConfigs, "] (0 = automatic), got ",
+                       bwd_config);
 }
 
 inline std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -296,12 +296,11 @@ inline void check_backward_inputs(const Tensor& dout, const Tensor& q, const Ten
                        "out must be the forward's output, ", shape_str(q), " ",
                        dtype_name(q.scalar_type()), ", got ", shape_str(out), " ",
                        dtype_name(out.scalar_type()));
-  FLASHMOE_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
-                           lse.size(2) == q.size(2) && lse.scalar_type() == at::kFloat &&
-                           lse.device() == q.device(),
-                       "lse must be the forward's log-sum-exp, float32 [", q.size(0), ", ",
-                       q.size(1), ", ", q.size(2), "], got ", shape_str(lse), " ",
-                       dtype_name(lse.scalar_type()));
+  FLASHMOE_CHECK_VALUE(
+      lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+          lse.size(2) == q.size(2) && lse.scalar_type() == at::kFloat && lse.device() == q.device(),
+      "lse must be the forward's log-sum-exp, float32 [", q.size(0), ", ", q.size(1), ", ",
+      q.size(2), "], got ", shape_str(lse), " ", dtype_name(lse.scalar_type()));
 }
 
 // Gradients that are all zero: no rows, or no keys (every row saw no key, so nothing flows back).
@@ -343,8 +342,7 @@ inline BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tens
 // Returns (dq, dk, dv), contiguous, in the inputs' dtype.
 inline std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, bool causal, double softmax_scale, bool /*deterministic*/,
-    int64_t config) {
+    const Tensor& lse, bool causal, double softmax_scale, bool /*deterministic*/, int64_t config) {
   check_backward_inputs(dout, q, k, v, out, lse);
   FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(),
                        "; this is the CPU implementation");

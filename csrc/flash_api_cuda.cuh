@@ -374,8 +374,7 @@ inline int max_smem_per_block(int device) {
   static std::array<int, 64> cache{};
   int& bytes = cache.at(device);
   if (bytes == 0) {
-    C10_CUDA_CHECK(
-        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   }
   return bytes;
 }
@@ -403,8 +402,8 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
   } else {
     visit_bwd_config<T, D, true>(config, launch_dkdv);
     const int64_t n = rows * D;
-    flash_bwd_convert_dq_kernel<T><<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)),
-                                     256, 0, stream>>>(p, n);
+    flash_bwd_convert_dq_kernel<T>
+        <<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)), 256, 0, stream>>>(p, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -523,10 +522,9 @@ void append_kernel_launches(std::string& out) {
         visit_bwd_config<T, 128, false>(config, [&](auto, auto traits) { dkdv(traits, "false"); });
       }
     }
-    const std::string dq_traits = head_dim == 64 ? demangled_name<BwdDqConfig<64>>()
-                                                 : demangled_name<BwdDqConfig<128>>();
-    const int dq_smem =
-        head_dim == 64 ? BwdDqConfig<64>::kSmemBytes : BwdDqConfig<128>::kSmemBytes;
+    const std::string dq_traits =
+        head_dim == 64 ? demangled_name<BwdDqConfig<64>>() : demangled_name<BwdDqConfig<128>>();
+    const int dq_smem = head_dim == 64 ? BwdDqConfig<64>::kSmemBytes : BwdDqConfig<128>::kSmemBytes;
     out += "flashmoe::cuda::flash_bwd_dq_kernel<" + dq_traits + ", " + dtype + ">\t" +
            std::to_string(dq_smem) + "\n";
     out += "flashmoe::cuda::flash_bwd_preprocess_kernel<" + dtype + ", " +

@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(128)
   const int b = int(row / (int64_t(p.seqlen_q) * p.heads_q));
   const T* o_row = static_cast<const T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride +
                    i * p.o_row_stride + lane * kPerLane;
-  const T* do_row = static_cast<const T*>(p.dout) + b * p.do_batch_stride +
-                    h * p.do_head_stride + i * p.do_row_stride + lane * kPerLane;
+  const T* do_row = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                    i * p.do_row_stride + lane * kPerLane;
   float sum = 0.f;
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e)
@@ -164,8 +164,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   auto issue_step = [&](int step) {
     const int h = hkv * p.heads_ratio + step / m_count, m0 = (m_begin + step % m_count) * BM;
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-    const T* do_base =
-        static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+    const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
     load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, m0, p.seqlen_q, tid);
     load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, m0, p.seqlen_q, tid);
     cp_async_commit();

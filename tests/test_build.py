@@ -676,7 +676,9 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]
-    assert len(ours) >= len(table) and all(k["dynamic_smem"] == traits_smem(k["kernel"]) for k in ours)
+    assert len(ours) >= len(table) and all(
+        k["dynamic_smem"] == traits_smem(k["kernel"]) for k in ours
+    )
 
 
 @pytest.mark.slow

@@ -292,7 +292,21 @@ def test_workload_covers_every_code_path():
     cases = sanitize.workload_cases()
     fwd = [c for c in cases if c.kind == "prefill"]
     dec = [c for c in cases if c.kind == "decode"]
-    assert len(cases) <= 220  # racecheck's wall time grows with it (~0.1 s a call on an H100)
+    bwd = [c for c in cases if c.kind == "backward"]
+    assert len(cases) <= 270  # racecheck's wall time grows with it (~0.1 s a call on an H100)
+    from flashmoe_science.ops import BACKWARD_CONFIGS
+
+    # every backward kernel: each configuration with dQ by atomics and deterministic, both dtypes
+    # and head dims, causal (with rows that see no key) and not, GQA, a strided view
+    assert {(c.dtype, c.head_dim, c.config, c.deterministic) for c in bwd} == {
+        (t, d, k, det)
+        for t in ("fp16", "bf16")
+        for d in (64, 128)
+        for k in BACKWARD_CONFIGS
+        for det in (False, True)
+    }
+    assert any(c.causal and c.seqlen_q > c.seqlen_k for c in bwd)
+    assert any(c.heads_q > c.heads_kv for c in bwd) and any(c.layout == "bshd" for c in bwd)
     instantiations = {(c.dtype, c.head_dim, c.config) for c in fwd}
     assert instantiations == {
         (t, d, k) for t in ("fp16", "bf16") for d in (64, 128) for k in sanitize.workload_configs()
@@ -595,13 +609,14 @@ def test_every_kernel_is_instrumented():
         )
     )
     assert {"flash_fwd_kernel", "flash_decode_kernel", "split_kv_combine_kernel"} <= kernels
-    profile_pattern = profile.KERNEL_FILTER.removeprefix("regex:")
+    assert {"flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"} <= kernels
+    filters = (profile.KERNEL_FILTER, profile.BACKWARD_FILTER)
     for name in kernels:
         assert any(s in name for s in sanitize.KERNEL_SUBSTRINGS), (
             name,
             sanitize.KERNEL_SUBSTRINGS,
         )
-        assert re.search(profile_pattern, name), (name, profile.KERNEL_FILTER)
+        assert any(re.search(f.removeprefix("regex:"), name) for f in filters), (name, filters)
 
 
 def test_an_inlined_fault_is_attributed_to_its_kernel():

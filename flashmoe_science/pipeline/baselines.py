@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import build, exitcodes
 from .benchrecords import BASELINE_NAMES
-from .cases import Case, Inputs
+from .cases import Case, Inputs, make_output_grad
 from .timing import first_line
 
 # sdpa-default: SDPA's own choice, which differs by GPU and torch version
@@ -72,9 +72,39 @@ def build_checkout(device: str) -> None:
         )
 
 
-def our_call(case: Case, x: Inputs) -> Callable[[], torch.Tensor]:
+def gradient_call(
+    case: Case, x: Inputs, forward: Callable[..., torch.Tensor]
+) -> Callable[[], object]:
+    """What a backward or train case times, given the forward (q, k, v) -> out. backward: the
+    gradients of q, k and v alone; the forward runs once, on the first call, which measure() makes
+    untimed and inside the backend's context (SDPA picks its backward kernel in the forward), and
+    its saved tensors are then outside what peak memory counts. train: forward and backward."""
+    device = x.q.device.type
+    q, k, v = (t.detach().requires_grad_() for t in (x.q, x.k, x.v))
+    grad = make_output_grad(case, device)
+    if case.kind == "train":
+        return lambda: torch.autograd.grad(forward(q, k, v), (q, k, v), grad)
+    saved: list[torch.Tensor] = []
+
+    def backward():
+        if not saved:
+            saved.append(forward(q, k, v))
+        return torch.autograd.grad(saved[0], (q, k, v), grad, retain_graph=True)
+
+    return backward
+
+
+def our_call(case: Case, x: Inputs) -> Callable[[], object]:
     """Our operator on the case's inputs, with only the options the case sets."""
     api = ops()
+    if case.kind in ("backward", "train"):
+        options = {"backward_config": case.config} if case.config else {}
+        options |= {"deterministic": True} if case.deterministic else {}
+        return gradient_call(
+            case,
+            x,
+            lambda q, k, v: api.flash_attention_forward(q, k, v, causal=case.causal, **options),
+        )
     if case.kind == "decode":
         options = {"num_splits": case.num_splits} if case.num_splits else {}
         return lambda: api.flash_attention_decode(
@@ -121,6 +151,14 @@ def sdpa_call(case: Case, x: Inputs) -> tuple[Callable[[], torch.Tensor] | None,
         else:
             group = case.heads_q // case.heads_kv
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if case.kind in ("backward", "train"):
+        if not sdpa_supports_gqa() and case.heads_q != case.heads_kv:
+            return None, "this torch's SDPA has no enable_gqa: its GQA backward is not comparable"
+
+        def forward(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **kwargs)
+
+        return gradient_call(case, x, forward), None
     return lambda: F.scaled_dot_product_attention(x.q, k, v, is_causal=is_causal, **kwargs), None
 
 

@@ -1,5 +1,6 @@
 """The benchmark's case matrix: prefill over the FA2 benchmark's 16k-token sweep, decode over cache
-lengths, batches and GQA ratios, and small shapes; scaled down on the CPU backend."""
+lengths, batches and GQA ratios, small shapes, and the backward (alone, and with the forward as a
+training step) over the prefill sweep; scaled down on the CPU backend."""
 
 from __future__ import annotations
 
@@ -19,6 +20,29 @@ def prefill_cases(seqlens, tokens, heads_for_dim, dtypes=("fp16", "bf16")) -> li
         for d, heads in heads_for_dim.items()
         for s in seqlens
         for causal in (False, True)
+    ]
+
+
+def training_cases(
+    seqlens, tokens, heads_for_dim, dtypes=("fp16", "bf16"), kinds=("backward", "train"), config=0
+) -> list[Case]:
+    """The prefill sweep's shapes as backward and training-step cases; config forces a backward
+    configuration (the one another card picks, measured on this one)."""
+    return [
+        Case(
+            kind,
+            c.dtype,
+            c.batch,
+            c.heads_q,
+            c.heads_kv,
+            c.seqlen_q,
+            c.seqlen_k,
+            c.head_dim,
+            c.causal,
+            config=config,
+        )
+        for kind in kinds
+        for c in prefill_cases(seqlens, tokens, heads_for_dim, dtypes)
     ]
 
 
@@ -49,6 +73,11 @@ def gpu_matrix() -> list[Case]:
         *prefill_cases((128, 256, 512, 1024, 2048, 4096, 8192, 16384), 16384, {64: 32, 128: 16}),
         *decode_cases((1024, 4096, 8192, 16384, 32768, 65536, 131072), (1, 4, 16), 32, (32, 8)),
         *small_cases(),
+        *training_cases((512, 1024, 2048, 4096, 8192, 16384), 16384, {64: 32, 128: 16}),
+        # backward configuration 1 is what the L4 (sm_89, 99 KB of shared memory a block) runs
+        *training_cases(
+            (512, 2048, 8192), 16384, {64: 32, 128: 16}, ("bf16",), ("backward",), config=1
+        ),
     ]
 
 
@@ -58,6 +87,7 @@ def cpu_matrix() -> list[Case]:
         *prefill_cases((128, 256, 512), 1024, {64: 4, 128: 2}),
         *decode_cases((1024, 4096), (1, 4), 8, (8, 2)),
         *small_cases(),
+        *training_cases((128, 256), 512, {64: 2, 128: 1}),
     ]
 
 
@@ -67,12 +97,14 @@ QUICK_IDS = {
         "fwd-fp16-d64-h32-b16-s1024-full",
         "dec-bf16-d128-h32kv8-b16-q1-k8192",
         "fwd-fp16-d64-h8-b1-s512-full",
+        "bwd-bf16-d128-h16-b4-s4096-causal",
     ),
     "cpu": (
         "fwd-bf16-d128-h2-b4-s256-causal",
         "fwd-fp16-d64-h4-b8-s128-full",
         "dec-bf16-d128-h8kv2-b4-q1-k1024",
         "fwd-fp16-d64-h1-b1-s128-full",
+        "bwd-bf16-d128-h1-b2-s256-causal",
     ),
 }
 

@@ -159,6 +159,7 @@ class CaseRecord:
     config: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     num_splits: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     cache_seqlens: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    deterministic: bool | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass

@@ -5,11 +5,15 @@ A case id reads left to right as the call it stands for:
     fwd-bf16-d128-h16-b4-s4096-causal        prefill, Hq = Hkv = 16, Sq = Sk = 4096, causal
     fwd-fp16-d64-h8kv2-b2-q113-k203-full     GQA 8:2, Sq != Sk, no mask
     dec-bf16-d128-h32kv8-b4-q1-k8192         decode (always causal unless it ends in -full)
+    bwd-bf16-d128-h16-b4-s4096-causal        the backward of that prefill alone (gradients of q,
+                                             k and v from the saved forward)
+    fwdbwd-bf16-d128-h16-b4-s4096-causal     forward and backward, as a training step runs them
 
 then, only where they differ from the default, the gates' extra fields: `-bshd` (q, k, v are
-[B, H, S, D] views of [B, S, H, D] tensors), `-cfg2` (a forced tile configuration, ops.CONFIGS),
-`-splits3` (a forced split count) and `-lens5_0_257` (per-sequence cache lengths). `parse_case_id`
-reads every id `Case.id` writes, including those stored by earlier benchmark runs.
+[B, H, S, D] views of [B, S, H, D] tensors), `-cfg2` (a forced tile configuration: ops.CONFIGS for
+prefill and decode, ops.BACKWARD_CONFIGS for the backward kinds), `-splits3` (a forced split
+count), `-lens5_0_257` (per-sequence cache lengths) and `-det` (deterministic=True).
+`parse_case_id` reads every id `Case.id` writes, including those stored by earlier benchmark runs.
 """
 
 from __future__ import annotations
@@ -24,9 +28,14 @@ import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ELEMENT_BYTES = 2
-KINDS = ("prefill", "decode")
+KINDS = ("prefill", "decode", "backward", "train")
 LAYOUTS = ("bhsd", "bshd")
-GROUPS = ("prefill", "decode", "small")
+GROUPS = ("prefill", "decode", "small", "backward", "train")
+# The id prefix of each kind; backward and train cases are prefill shapes (a mask suffix).
+PREFIXES = {"prefill": "fwd", "decode": "dec", "backward": "bwd", "train": "fwdbwd"}
+# FLOPs of a kind over the forward's: the backward's five matmuls against the forward's two
+# (FlashAttention-2 paper, section 4.1), plus the forward for a training step.
+FLOP_FACTORS = {"prefill": 1.0, "decode": 1.0, "backward": 2.5, "train": 3.5}
 SEED_VAR = "FLASHMOE_SEED"
 # Inputs up to this size are drawn on the CPU, so a case has the same numbers on every device (a
 # CUDA failure reproduces on its CPU twin); larger ones (benchmark caches of GBs) are drawn on the
@@ -34,10 +43,10 @@ SEED_VAR = "FLASHMOE_SEED"
 DRAW_ON_CPU_MAX_BYTES = 64 * 2**20
 
 _ID_RE = re.compile(
-    r"^(?P<kind>fwd|dec)-(?P<dtype>[a-z0-9]+)-d(?P<d>\d+)-h(?P<hq>\d+)(?:kv(?P<hkv>\d+))?"
+    r"^(?P<kind>fwdbwd|fwd|dec|bwd)-(?P<dtype>[a-z0-9]+)-d(?P<d>\d+)-h(?P<hq>\d+)(?:kv(?P<hkv>\d+))?"
     r"-b(?P<b>\d+)-(?:s(?P<s>\d+)|q(?P<sq>\d+)-k(?P<sk>\d+))(?:-(?P<mask>causal|full))?"
     r"(?:-(?P<layout>bshd))?(?:-cfg(?P<cfg>\d+))?(?:-splits(?P<splits>\d+))?"
-    r"(?:-lens(?P<lens>\d+(?:_\d+)*))?$"
+    r"(?:-lens(?P<lens>\d+(?:_\d+)*))?(?P<det>-det)?$"
 )
 ID_EXAMPLES = "fwd-bf16-d128-h16-b4-s4096-causal or dec-bf16-d128-h32kv8-b4-q1-k8192"
 
@@ -45,10 +54,11 @@ ID_EXAMPLES = "fwd-bf16-d128-h16-b4-s4096-causal or dec-bf16-d128-h32kv8-b4-q1-k
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One attention shape and how it is called: prefill runs flash_attention_forward, decode
-    flash_attention_decode. The field names are also the benchmark worker protocol's (a head sends
+    flash_attention_decode, backward the gradients of a prefill (autograd through
+    flash_attention_forward), train forward and backward together. The field names are also the benchmark worker protocol's (a head sends
     `to_dict()`; workers of any version keep the fields they know)."""
 
-    kind: str  # "prefill" or "decode"
+    kind: str  # one of KINDS
     dtype: str  # a key of DTYPES
     batch: int
     heads_q: int
@@ -62,6 +72,7 @@ class Case:
     config: int = 0  # forced tile configuration (0: automatic)
     num_splits: int = 0  # forced split-KV count (0: automatic)
     cache_seqlens: tuple[int, ...] | None = None  # decode: valid cache length per sequence
+    deterministic: bool = False  # backward kinds: deterministic=True (bit-identical gradients)
 
     def __post_init__(self):
         for name, allowed in (("kind", KINDS), ("dtype", tuple(DTYPES)), ("layout", LAYOUTS)):
@@ -85,13 +96,12 @@ class Case:
     @property
     def id(self) -> str:
         heads = f"h{self.heads_q}" + (f"kv{self.heads_kv}" if self.heads_kv != self.heads_q else "")
-        prefix = "dec" if self.kind == "decode" else "fwd"
-        parts = [prefix, self.dtype, f"d{self.head_dim}", heads, f"b{self.batch}"]
-        if self.kind == "prefill" and self.seqlen_q == self.seqlen_k:
+        parts = [PREFIXES[self.kind], self.dtype, f"d{self.head_dim}", heads, f"b{self.batch}"]
+        if self.kind != "decode" and self.seqlen_q == self.seqlen_k:
             parts.append(f"s{self.seqlen_q}")
         else:
             parts.append(f"q{self.seqlen_q}-k{self.seqlen_k}")
-        if self.kind == "prefill":
+        if self.kind != "decode":
             parts.append("causal" if self.causal else "full")
         elif not self.causal:  # decode is causal unless the id says otherwise
             parts.append("full")
@@ -103,6 +113,8 @@ class Case:
             parts.append(f"splits{self.num_splits}")
         if self.cache_seqlens is not None:
             parts.append("lens" + "_".join(map(str, self.cache_seqlens)))
+        if self.deterministic:
+            parts.append("det")
         return "-".join(parts)
 
     def describe(self) -> str:
@@ -111,6 +123,7 @@ class Case:
             f"Sk={self.seqlen_k} D={self.head_dim} dtype={self.dtype} causal={self.causal} "
             f"layout={self.layout} config={self.config} num_splits={self.num_splits or 'auto'}"
             + (f" cache_seqlens={list(self.cache_seqlens)}" if self.cache_seqlens else "")
+            + (" deterministic=True" if self.deterministic else "")
         )
 
     def seed(self) -> int:
@@ -126,9 +139,11 @@ class Case:
 
     @property
     def flops(self) -> int:
-        """4*B*H*Sq*Sk*D (FA2 paper accounting), halved for causal only when Sq == Sk."""
+        """4*B*H*Sq*Sk*D (FA2 paper accounting), halved for causal only when Sq == Sk; the backward
+        counts 2.5 times that and a training step (forward and backward) 3.5 times."""
         flops = 4 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
-        return flops // 2 if self.causal and self.seqlen_q == self.seqlen_k else flops
+        flops = flops // 2 if self.causal and self.seqlen_q == self.seqlen_k else flops
+        return int(flops * FLOP_FACTORS[self.kind])
 
     @property
     def kv_bytes(self) -> int:
@@ -159,14 +174,14 @@ def parse_case_id(case_id: str) -> Case:
     if not match:
         raise ValueError(
             f"bad case id {case_id!r}: expected e.g. {ID_EXAMPLES}, optionally followed by "
-            "-bshd, -cfgN, -splitsN, -lensA_B (`bench --list` prints the benchmark matrix)"
+            "-bshd, -cfgN, -splitsN, -lensA_B, -det (`bench --list` prints the benchmark matrix)"
         )
     g = match.groupdict()
-    kind = "decode" if g["kind"] == "dec" else "prefill"
+    kind = {prefix: kind for kind, prefix in PREFIXES.items()}[g["kind"]]
     if g["dtype"] not in DTYPES:
         raise ValueError(f"bad case id {case_id!r}: dtype {g['dtype']!r} is not one of {DTYPES}")
-    if kind == "prefill" and g["mask"] is None:
-        raise ValueError(f"bad case id {case_id!r}: a prefill id says -causal or -full")
+    if kind != "decode" and g["mask"] is None:
+        raise ValueError(f"bad case id {case_id!r}: a {kind} id says -causal or -full")
     if kind == "decode" and g["mask"] == "causal":
         raise ValueError(f"bad case id {case_id!r}: decode is causal unless it says -full")
     heads_q = int(g["hq"])
@@ -185,6 +200,7 @@ def parse_case_id(case_id: str) -> Case:
             config=int(g["cfg"] or 0),
             num_splits=int(g["splits"] or 0),
             cache_seqlens=tuple(map(int, g["lens"].split("_"))) if g["lens"] else None,
+            deterministic=bool(g["det"]),
         )
     except ValueError as exc:
         raise ValueError(f"bad case id {case_id!r}: {exc}") from None
@@ -228,3 +244,16 @@ def make_inputs(case: Case, device: str, seed: int | None = None) -> Inputs:
     if case.cache_seqlens is not None:
         lengths = torch.tensor(case.cache_seqlens, dtype=torch.int32, device=device)
     return Inputs(q, k, v, lengths)
+
+
+def make_output_grad(case: Case, device: str) -> torch.Tensor:
+    """The gradient of the output that a backward case feeds back: random (never zero), [B, Hq, Sq,
+    D] contiguous, from a seed of its own (the case's, shifted), drawn where make_inputs draws."""
+    dtype = DTYPES[case.dtype]
+    shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
+    on_cpu = input_bytes(case) <= DRAW_ON_CPU_MAX_BYTES
+    generator = torch.Generator(device="cpu" if on_cpu else device)
+    generator.manual_seed((case.seed() + 1) % (2**31))
+    if on_cpu:
+        return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    return torch.randn(shape, generator=generator, device=device, dtype=dtype)

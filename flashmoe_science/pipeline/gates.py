@@ -442,4 +442,7 @@ def gate_cases(tier: str) -> list[Case]:
 
 @functools.cache
 def cpu_tier_ids() -> frozenset[str]:
-    return frozenset(c.id for c in gate_cases("cpu"))
+    """Every CPU-tier gate id, the backward's included (grad_gates builds on this module)."""
+    from .grad_gates import backward_cases
+
+    return frozenset(c.id for c in [*gate_cases("cpu"), *backward_cases("cpu")])

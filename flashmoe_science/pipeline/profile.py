@@ -65,6 +65,10 @@ from .provenance import provenance
 SCHEMA = "flashmoe-science/profile/1"
 NCU_GLOBS = ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda*/nsight-compute*/ncu")
 KERNEL_FILTER = "regex:flash_fwd|flash_decode|split_kv"
+# Backward and training-step cases: the backward's kernels alone, three launches a call (the
+# pre-pass, dK/dV, then the dQ conversion or the deterministic dQ pass), all three profiled.
+BACKWARD_FILTER = "regex:flash_bwd"
+BACKWARD_KERNELS_PER_CALL = 3
 WARMUP_CALLS = 3
 MAX_KERNELS_PER_CALL = 2  # flash_fwd_kernel, then split_kv_combine_kernel when the call splits
 # (flash_decode_kernel combines its splits itself: one launch per call)
@@ -145,10 +149,13 @@ def workload_calls() -> int:
 
 def ncu_command(ncu: str, case_id: str, report_base: Path) -> list[str]:
     """The one place the profiling command line is put together (ncu adds .ncu-rep to -o)."""
+    backward = case_id.startswith(("bwd-", "fwdbwd-"))
+    per_call = BACKWARD_KERNELS_PER_CALL if backward else MAX_KERNELS_PER_CALL
+    launches = BACKWARD_KERNELS_PER_CALL if backward else PROFILED_LAUNCHES
     command = [ncu, "--force-overwrite", "-o", str(report_base)]
-    command += ["--kernel-name", KERNEL_FILTER]
-    command += ["--launch-skip", str(MAX_KERNELS_PER_CALL * WARMUP_CALLS)]
-    command += ["--launch-count", str(PROFILED_LAUNCHES), "--clock-control", "none"]
+    command += ["--kernel-name", BACKWARD_FILTER if backward else KERNEL_FILTER]
+    command += ["--launch-skip", str(per_call * WARMUP_CALLS)]
+    command += ["--launch-count", str(launches), "--clock-control", "none"]
     for section in SECTIONS:
         command += ["--section", section]
     command += ["--metrics", ",".join(METRICS)]

@@ -63,7 +63,12 @@ TOOLS = ("memcheck", "initcheck", "synccheck", "racecheck")  # racecheck, the sl
 SANITIZER_ERROR_EXIT = 99
 PRINT_LIMIT = 20
 TOOL_TIMEOUT_S = 900
-KERNEL_SUBSTRINGS = ("flash_fwd_kernel", "flash_decode_kernel", "split_kv_combine_kernel")
+KERNEL_SUBSTRINGS = (
+    "flash_fwd_kernel",
+    "flash_decode_kernel",
+    "split_kv_combine_kernel",
+    "flash_bwd_",  # the backward's pre-pass, dK/dV, dQ and conversion kernels
+)
 # A read past a tensor stays inside one of the caching allocator's segments and goes unreported.
 NO_CACHING_TOOLS = ("memcheck", "initcheck")
 CASE_MARK = "sanitize-case: "
@@ -150,6 +155,32 @@ def workload_cases() -> list:
                         cache_seqlens=lens,
                     )
                 )
+    # The backward: every configuration, with dQ by atomics and deterministic, over odd lengths
+    # (keys and queries past a block's end, rows that see no key), GQA 4 and a strided view.
+    from ..ops import BACKWARD_CONFIGS
+
+    backward = ((65, 65, 4, 1, False), (129, 257, 8, 2, True), (257, 17, 2, 2, True))
+    for dtype in ("fp16", "bf16"):
+        for head_dim in (64, 128):
+            for config in BACKWARD_CONFIGS:
+                for deterministic in (False, True):
+                    for seqlen_q, seqlen_k, heads_q, heads_kv, causal in backward:
+                        cases.append(
+                            Case(
+                                "backward",
+                                dtype,
+                                1,
+                                heads_q,
+                                heads_kv,
+                                seqlen_q,
+                                seqlen_k,
+                                head_dim,
+                                causal,
+                                layout="bshd" if seqlen_q == 129 else "bhsd",
+                                config=config,
+                                deterministic=deterministic,
+                            )
+                        )
     return cases
 
 
@@ -159,7 +190,8 @@ def run_workload(cases: Sequence | None = None, device: str = "cuda") -> int:
     import torch
 
     from .. import ops
-    from .cases import make_inputs
+    from . import grad_gates
+    from .cases import make_inputs, make_output_grad
     from .gates import call_api
 
     ops.load_library()
@@ -167,7 +199,11 @@ def run_workload(cases: Sequence | None = None, device: str = "cuda") -> int:
     for case in cases:
         print(f"{CASE_MARK}{case.id}", flush=True)
         q, k, v, seqlens = make_inputs(case, device)
-        call_api(case, q, k, v, seqlens, 1.0 / math.sqrt(case.head_dim))
+        scale = 1.0 / math.sqrt(case.head_dim)
+        if case.kind == "backward":
+            grad_gates.call_api(case, q, k, v, make_output_grad(case, device), scale)
+        else:
+            call_api(case, q, k, v, seqlens, scale)
         if device == "cuda":
             torch.cuda.synchronize()  # a finding is reported before the next case's line
     print(f"{DONE_MARK}{len(cases)} calls", flush=True)

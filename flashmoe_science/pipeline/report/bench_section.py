@@ -32,7 +32,7 @@ BASELINE_LABELS = {
     "sdpa-cudnn": "SDPA cuDNN",
     "sdpa-efficient": "SDPA efficient",
 }
-GROUPS = ("prefill", "decode", "small")
+GROUPS = ("prefill", "decode", "small", "backward", "train")
 OVER_COPY = "†"  # marks a bandwidth above the measured copy ceiling
 SDPA_RATIO_LINE = (
     f"SDPA ratio ({md.TIMES}): SDPA's time over ours, so above 1.00{md.TIMES} we are faster. "
@@ -226,6 +226,16 @@ def _over_copy(ours: dict) -> bool:
     return pct is not None and pct > 100
 
 
+def _flash_peak(case: dict) -> str:
+    """For the backward kinds, SDPA flash's peak beside ours: the backward's memory beyond the
+    saved tensors is held to FlashAttention-2's."""
+    if case.get("kind") not in ("backward", "train"):
+        return ""
+    flash = _result(case.get("baselines"), "sdpa-flash")
+    peak = flash.get("peak_mem_bytes") if isinstance(flash, dict) else None
+    return f" (flash {md.nbytes(peak)})" if isinstance(peak, int) else ""
+
+
 def _bench_row(
     case: dict, regressed: bool, reasons: dict[str, set[str]], read_floor: bool = False
 ) -> list[str]:
@@ -246,7 +256,7 @@ def _bench_row(
         md.sig(ours.get("median_ms")) + (f" ± {md.sig(iqr, 2)}" if iqr is not None else ""),
         md.sig(ours.get("tflops")) + ("" if decode else _pct(ours.get("pct_matmul_ceiling"))),
         md.sig(ours.get("gbps")) + (_pct(ours.get("pct_copy_ceiling"), mark) if decode else ""),
-        md.nbytes(ours.get("peak_mem_bytes")),
+        md.nbytes(ours.get("peak_mem_bytes")) + _flash_peak(case),
     ]
     for name in BASELINES:
         base = _result(case.get("baselines"), name)
