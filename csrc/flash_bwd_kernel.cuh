@@ -183,6 +183,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
       cp_async_wait<0>();
       __syncthreads();  // Q, dO, lse and delta of this step have landed (K and V too, at first)
+      // Keys past the end or above the causal diagonal: only the tail block and the diagonal
+      // blocks need the per-element mask (rows past the end have P = 0 through their lse).
+      const bool need_mask = n0 + BN > p.seqlen_k || (p.causal && n0 + BN - 1 > m0 + offset);
 
       // S^T = K Q^T and dP^T = V dO^T: this warp's keys x the block's queries.
       float acc_s[KT][MN][4], acc_dp[KT][MN][4];
@@ -228,7 +231,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
           for (int e = 0; e < 4; ++e) {
             const int key = n0 + key_row0 + kt * 16 + lane / 4 + (e >> 1) * 8;
             const int col = nt * 8 + (lane & 3) * 2 + (e & 1);
-            const bool masked = key >= p.seqlen_k || (p.causal && key > m0 + col + offset);
+            const bool masked =
+                need_mask && (key >= p.seqlen_k || (p.causal && key > m0 + col + offset));
             const float prob =
                 masked ? 0.f : exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, -sLse[col]));
             acc_s[kt][nt][e] = prob;

@@ -55,7 +55,7 @@ def train(attention, device: str) -> list[float]:
     model = nn.ModuleList([embed, blocks, head]).to(device)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     tokens = tokens.to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     losses = []
     for _ in range(STEPS):
         logits = head(blocks(embed(tokens[:, :-1])))
