@@ -21,7 +21,7 @@ def env_facts(env: dict | None) -> list[str]:
         if md.num(gpu.get("memory_gib")) is not None:
             extra.append(f"{md.sig(gpu['memory_gib'])} GiB")
         if (md.integer(gpu.get("count")) or 1) > 1:
-            extra.append(f"{gpu['count']} visible")
+            extra.append(f"{md.integer(gpu['count'])} visible")
         facts.append(f"**GPU** {name}" + (f" ({', '.join(extra)})" if extra else ""))
     else:
         facts.append("**GPU** none")
