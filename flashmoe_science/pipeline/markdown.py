@@ -144,6 +144,12 @@ def sm(capability: Any) -> str | None:
     return "sm_" + value if re.fullmatch(r"[0-9]{2,3}[a-z]?", value) else None
 
 
+def first(items: list[str], count: int = 5, sep: str = ", ") -> str:
+    """The first `count` items joined, then 'and N more': a list from a record stays short."""
+    shown = sep.join(items[:count])
+    return shown + (f"{sep}and {len(items) - count:,} more" if len(items) > count else "")
+
+
 def size(body: str) -> int:
     """The size GitHub's comment limit is checked against (UTF-8 bytes: never fewer than chars)."""
     return len(body.encode("utf-8"))

@@ -17,7 +17,7 @@ from .. import provenance, stages
 from .bench_section import SDPA_RATIO_LINE, bench_section
 from .build_section import build_section
 from .env_section import env_facts, env_section
-from .gates_section import case_failed, gates_section
+from .gates_section import MAX_FAILING, case_failed, gates_section
 from .inputs import Inputs, stage_failed
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN, Detail, Section
 from .trusted import history_section, trusted_header
@@ -46,7 +46,7 @@ def verdict(sections: list[Section], inputs: Inputs) -> str:
     problems = [p for s in sections for p in s.problems]
     if inputs.tested_sha and inputs.head_sha and inputs.head_sha != inputs.tested_sha:
         problems.append(
-            (STALE, f"stale: the PR is now at {md.flat(inputs.head_sha, 12)}, untested")
+            (STALE, f"stale: the PR is now at {md.text(inputs.head_sha[:12])}, untested")
         )
     for name in _extra_stages(inputs):
         if name in inputs.stale_stages:
@@ -262,7 +262,8 @@ def render(inputs: Inputs, budget: int = BUDGET) -> tuple[str, bool]:
     text = _render_with(inputs, detail)
     if md.size(text) <= budget:
         return text, True
-    n_bench = len([c for c in (inputs.bench or {}).get("cases") or [] if isinstance(c, dict)])
+    bench_cases = (inputs.bench or {}).get("cases")
+    n_bench = len(bench_cases) if isinstance(bench_cases, list) else 0
     detail.bench_rows = _largest(
         lambda n: (
             md.size(_render_with(inputs, dataclasses.replace(detail, bench_rows=n))) <= budget
@@ -272,12 +273,12 @@ def render(inputs: Inputs, budget: int = BUDGET) -> tuple[str, bool]:
     text = _render_with(inputs, detail)
     if md.size(text) <= budget:
         return text, True
-    n_fail = len(
-        [
-            c
-            for c in (inputs.gates or {}).get("cases") or []
-            if isinstance(c, dict) and case_failed(c)
-        ]
+    cases = (inputs.gates or {}).get("cases")
+    n_fail = min(
+        MAX_FAILING,
+        len([c for c in cases if isinstance(c, dict) and case_failed(c)])
+        if isinstance(cases, list)
+        else 0,
     )
     detail.failing_cases = _largest(
         lambda k: (

@@ -225,4 +225,6 @@ def problem(doc: dict, label: str) -> tuple[str | None, str | None]:
     if error is None:
         return None, None
     where = "/".join(str(part) for part in error.absolute_path)[:120] or "(top level)"
-    return f"does not match the report's schema at {where}: {error.message}"[:300], None
+    # The rule broken, not the value that broke it: the message would echo the value.
+    rule = f"{error.validator} {error.validator_value!r}"[:120]
+    return f"does not match the report's schema at {where}: fails {rule}", None
