@@ -30,12 +30,14 @@ import json
 import os
 import re
 import sys
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
+from . import benchrecords, trend
 from . import markdown as md
 
 LABEL = "safe-to-test"
@@ -246,12 +248,17 @@ def _event() -> tuple[str, dict]:
     return name, event if isinstance(event, dict) else {}
 
 
-def approve() -> int:
+def approve(record: Path | None = None) -> int:
     name, event = _event()
     repo = os.environ.get("GITHUB_REPOSITORY", "")
     inputs = {"pr": os.environ.get("INPUT_PR", ""), "sha": os.environ.get("INPUT_SHA", "")}
     result = decide(name, event, repo, os.environ.get("GITHUB_SHA", ""), GitHub(repo), inputs)
     _write_outputs(result)
+    if record is not None:  # the approval the report job trusts (uploaded before PR code runs)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"run": result["run"] == "true", "pr": int(result["pr"]) if result["pr"] else None}
+        doc["sha"] = result["sha"] or None
+        record.write_text(json.dumps(doc) + "\n", encoding="utf-8")
     return 0
 
 
@@ -344,12 +351,39 @@ def fetch_points(gh: GitHub, out: Path, keep: int) -> int:
     return len(names)
 
 
+def history(gh: GitHub, bench: Path, sha: str, summary: Path | None, workdir: Path) -> int:
+    """Check main's new run against its stored history, then store it; 1 on an alert."""
+    record = benchrecords.load(bench)
+    current = trend.point_of(record, sha)
+    fetch_points(gh, workdir / "points", trend.KEEP)
+    points, skipped = trend.load_points(workdir / "points", current.gpu)
+    body, outside = trend.markdown(points, current, None, skipped)
+    title = f"{'⚠️' if outside else '✅'} main's benchmark history at {sha[:12]}"
+    text = f"## {title}\n\n{body}\n"
+    if summary:
+        with summary.open("a", encoding="utf-8") as handle:
+            handle.write(text)
+    point_file = workdir / trend.point_name(current)
+    point_file.write_text(json.dumps(current.to_json(), indent=1) + "\n", encoding="utf-8")
+    print(f"history: stored {store_point(gh, point_file, sha)} on {HISTORY_BRANCH}")
+    if not outside:
+        print(f"history: every case inside main's noise band ({len(points)} stored runs)")
+        return 0
+    gh.call("POST", f"commits/{sha}/comments", {"body": text[:60_000]})
+    print(
+        f"::warning::{md.plural(len(outside), 'case')} left main's noise band: "
+        + log_safe(", ".join(outside[:10]), 400)
+    )
+    return 1
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flashmoe_science.pipeline.gpuci", description=__doc__.split("\n\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("approve", help="decide whether and what the GPU job runs (event from env)")
+    a = sub.add_parser("approve", help="decide whether and what the GPU job runs (event from env)")
+    a.add_argument("--record", type=Path, default=None, help="also write the decision here")
     g = sub.add_parser("gate", help="the required check on the PR's head commit")
     g.add_argument("--head-sha", required=True)
     g.add_argument("--tested-sha", default="")
@@ -358,23 +392,34 @@ def main(argv: Iterable[str] | None = None) -> int:
     s = sub.add_parser("store-point", help="put a trend point on the bench-history branch")
     s.add_argument("--file", type=Path, required=True)
     s.add_argument("--base-sha", required=True, help="where to branch from if the branch is new")
+    h = sub.add_parser("history", help="main's run against its history, then stored (alerts)")
+    h.add_argument("--bench", type=Path, required=True)
+    h.add_argument("--sha", required=True)
+    h.add_argument("--summary", type=Path, default=None, help="append the section here")
+    h.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder")
     f = sub.add_parser("fetch-points", help="download the newest trend points")
     f.add_argument("--out", type=Path, required=True)
     f.add_argument("--keep", type=int, default=30)
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
         if args.command == "approve":
-            return approve()
+            return approve(args.record)
         gh = GitHub(os.environ.get("GITHUB_REPOSITORY", ""))
         if args.command == "gate":
             return gate(gh, args.head_sha, args.tested_sha, args.gpu_result, args.run_url)
         if args.command == "store-point":
             print(f"store-point: {store_point(gh, args.file, args.base_sha)} on {HISTORY_BRANCH}")
             return 0
+        if args.command == "history":
+            if args.workdir:
+                args.workdir.mkdir(parents=True, exist_ok=True)
+                return history(gh, args.bench, args.sha, args.summary, args.workdir)
+            with tempfile.TemporaryDirectory() as tmp:
+                return history(gh, args.bench, args.sha, args.summary, Path(tmp))
         count = fetch_points(gh, args.out, args.keep)
         print(f"fetch-points: {count} points of {HISTORY_BRANCH} -> {args.out}")
         return 0
-    except (ApiError, ValueError, OSError) as exc:
+    except (ApiError, ValueError, OSError, benchrecords.InvalidBenchFile) as exc:
         print(f"gpuci {args.command}: {log_safe(exc)}", file=sys.stderr)
         print("gpuci: next: check the job's token permissions and the API address", file=sys.stderr)
         return 1
