@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import gpuci, trend
+from flashmoe_science.pipeline import benchrecords, gpuci, trend
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
@@ -316,3 +316,52 @@ def test_dependabot_watches_actions_and_pip_with_a_cooldown():
     ecosystems = {(u["package-ecosystem"], u["directory"]) for u in config["updates"]}
     assert {("github-actions", "/"), ("pip", "/requirements")} <= ecosystems
     assert all(u["cooldown"]["default-days"] >= 7 for u in config["updates"])
+
+
+class HistoryBranch(FakeGitHub):
+    """The bench-history branch as the contents API shows it, in memory."""
+
+    def __init__(self, files: dict[str, bytes]):
+        super().__init__()
+        self.files = files
+
+    def call(self, method, path, body=None):
+        import base64
+
+        self.calls.append((method, path, body))
+        if method == "GET" and path.startswith("git/ref/heads/"):
+            return {"object": {"sha": SHA}}
+        if method == "GET" and path.startswith("contents/points?"):
+            return [{"name": name, "type": "file"} for name in self.files]
+        if method == "GET" and path.startswith("contents/points/"):
+            name = path.split("/")[2].split("?")[0]
+            return {"content": base64.b64encode(self.files[name]).decode()}
+        if method == "PUT" and path.startswith("contents/points/"):
+            self.files[path.split("/")[2]] = base64.b64decode(body["content"])
+            assert body["branch"] == gpuci.HISTORY_BRANCH
+            return {}
+        return {}
+
+
+FIXTURE_BENCH = ROOT / "tests" / "fixtures" / "report" / "passing" / "bench.json"
+
+
+@pytest.mark.parametrize("drift", [1.0, 1.5])
+def test_main_history_stores_the_run_and_alerts_outside_the_band(tmp_path, drift):
+    pytest.importorskip("jsonschema")
+    record = trend.point_of(benchrecords.load(FIXTURE_BENCH), SHA)
+    files = {}
+    for i in range(8):
+        medians = {case: value / drift for case, value in record.medians.items()}
+        point = trend.Point(f"{i:07x}0", f"2026-11-{i + 1:02d}T00:00:00+00:00", record.gpu, medians)
+        files[trend.point_name(point)] = json.dumps(point.to_json()).encode()
+    gh = HistoryBranch(files)
+    summary = tmp_path / "summary.md"
+    code = gpuci.history(gh, FIXTURE_BENCH, SHA, summary, tmp_path)
+    assert len(gh.files) == 9, "this run's point is stored"
+    comments = [c for c in gh.calls if c[0] == "POST" and c[1] == f"commits/{SHA}/comments"]
+    if drift == 1.0:
+        assert code == 0 and not comments
+    else:  # every case 1.5x slower than main's history: the alert
+        assert code == 1 and comments and "slower" in comments[0][2]["body"]
+    assert "main's benchmark history" in summary.read_text()

@@ -30,7 +30,10 @@ the run (removed at the end): the tests that copy the checkout with `git ls-file
 Options:
   --python PATH   The interpreter with the CUDA torch (default: $FLASHMOE_RUNNER_PYTHON, else
                   /opt/torch/.venv/bin/python3).
-  --event EVENT   pull_request (default: fake PR #1 onto main), push or workflow_dispatch.
+  --event EVENT   push (default: a push to main; the job's approve step then needs no GitHub
+                  API), workflow_dispatch, or pull_request_target (a fake PR #1: approve calls
+                  the API, so pass -- --env FLASHMOE_GITHUB_API=URL of a stub, as
+                  tests/test_act_trust.py runs one).
   --out DIR       Where logs, artifacts and the summary go (default: $OUT/gpu-ci-gpu when $OUT
                   is set, as on the device machine, so a run cut short still returns its log;
                   else build/act/gpu-ci-gpu). The log and the summary are written as they come.
@@ -43,7 +46,7 @@ EOF
 }
 
 PY="${FLASHMOE_RUNNER_PYTHON:-/opt/torch/.venv/bin/python3}"
-EVENT=pull_request
+EVENT=push
 OUT_ARGS=()
 [[ -z "${OUT:-}" ]] || OUT_ARGS=(--out "$OUT/gpu-ci-gpu")
 CHECK_ONLY=0
