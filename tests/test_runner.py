@@ -614,7 +614,7 @@ def test_settings_all_good(tmp_path):
     run = check_settings(FIXTURES / "settings-good.json", tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert [line.split()[:2] for line in run.stdout.splitlines() if line[:1] in "ow"] == [
-        ["ok", str(n)] for n in range(1, 7)
+        ["ok", str(n)] for n in (1, 2, 3, 4, 5, 6, 8)
     ]
 
 
@@ -643,6 +643,7 @@ def test_settings_all_good(tmp_path):
             "FAIL  3  environment `gpu` has no required reviewers",
         ),
         ("labels/safe-to-test", None, "FAIL  4  label `safe-to-test` does not exist"),
+        ("rules/branches/main", [], "FAIL  8  main does not require the GPU gate"),
     ],
 )
 def test_settings_flag_a_bad_setting(tmp_path, path, change, message):
