@@ -113,8 +113,15 @@ else:
 """
 
 
-def run_job(tmp_path, api: Api, workflow: str, job: str, event: str, payload: dict | None,
-            artifacts: Path | None = None) -> tuple[int, str, Path]:
+def run_job(
+    tmp_path,
+    api: Api,
+    workflow: str,
+    job: str,
+    event: str,
+    payload: dict | None,
+    artifacts: Path | None = None,
+) -> tuple[int, str, Path]:
     out = tmp_path / "act"
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
@@ -135,9 +142,7 @@ def run_job(tmp_path, api: Api, workflow: str, job: str, event: str, payload: di
         "GITHUB_REPOSITORY": REPO,
         "PATH": f"{bindir}:{os.environ['PATH']}",
     }
-    proc = subprocess.run(
-        args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900
-    )
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     return proc.returncode, proc.stdout + proc.stderr, out
 
 
@@ -146,8 +151,12 @@ def pr_event(action: str, head_sha: str, fork: bool, **extra) -> dict:
     return {
         "action": action,
         "number": 7,
-        "repository": {"full_name": REPO, "name": "flashmoe-science", "default_branch": "main",
-                       "owner": {"login": "local"}},
+        "repository": {
+            "full_name": REPO,
+            "name": "flashmoe-science",
+            "default_branch": "main",
+            "owner": {"login": "local"},
+        },
         "pull_request": {
             "number": 7,
             "head": {"sha": head_sha, "ref": "feature", "repo": {"full_name": head_repo}},
@@ -173,7 +182,11 @@ def test_a_labelled_fork_commit_is_approved_by_a_writer_and_the_label_removed(tm
         }
     )
     payload = pr_event(
-        "labeled", head_sha, fork=True, label={"name": "safe-to-test"}, sender={"login": "maintainer"}
+        "labeled",
+        head_sha,
+        fork=True,
+        label={"name": "safe-to-test"},
+        sender={"login": "maintainer"},
     )
     try:
         rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "approve", "pull_request_target", payload)
@@ -224,7 +237,9 @@ def test_a_forks_new_push_fails_the_gate_and_marks_the_report_stale(tmp_path, he
     )
     payload = pr_event("synchronize", head_sha, fork=True, sender={"login": "someone"})
     try:
-        rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "gpu-gate", "pull_request_target", payload)
+        rc, log, _ = run_job(
+            tmp_path, api, "gpu-ci.yml", "gpu-gate", "pull_request_target", payload
+        )
     finally:
         api.close()
     assert rc != 0, "the gate must fail: the head commit was not tested"
@@ -232,10 +247,17 @@ def test_a_forks_new_push_fails_the_gate_and_marks_the_report_stale(tmp_path, he
     patched = api.called("PATCH", "issues/comments/")
     assert len(patched) == 1 and api.called("PATCH", "issues/comments/12")
     body = patched[0]["body"]
-    assert body.startswith("## 🕰️ flashmoe-science: stale:") and f"{head_sha[:12]} is not tested" in body
+    assert (
+        body.startswith("## 🕰️ flashmoe-science: stale:")
+        and f"{head_sha[:12]} is not tested" in body
+    )
     assert body.split("\n")[1] == MARKER
     status = api.called("POST", f"statuses/{head_sha}")
-    assert status and status[0]["state"] == "pending" and status[0]["context"] == "flashmoe-science/gpu"
+    assert (
+        status
+        and status[0]["state"] == "pending"
+        and status[0]["context"] == "flashmoe-science/gpu"
+    )
     assert not api.called("GET", "collaborators/")  # no label event: nobody's permission matters
 
 
@@ -245,15 +267,22 @@ def test_the_gate_passes_a_head_that_passed_in_an_earlier_run(tmp_path, head_sha
             ("GET", f"commits/{head_sha}/statuses"): (
                 200,
                 [
-                    {"context": "flashmoe-science/gpu", "state": "success",
-                     "creator": {"login": "github-actions[bot]"}},
+                    {
+                        "context": "flashmoe-science/gpu",
+                        "state": "success",
+                        "creator": {"login": "github-actions[bot]"},
+                    },
                 ],
             ),
         }
     )
-    payload = pr_event("labeled", head_sha, fork=True, label={"name": "docs"}, sender={"login": "x"})
+    payload = pr_event(
+        "labeled", head_sha, fork=True, label={"name": "docs"}, sender={"login": "x"}
+    )
     try:
-        rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "gpu-gate", "pull_request_target", payload)
+        rc, log, _ = run_job(
+            tmp_path, api, "gpu-ci.yml", "gpu-gate", "pull_request_target", payload
+        )
     finally:
         api.close()
     assert rc == 0, log[-3000:]
@@ -292,7 +321,9 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
         }
     )
     try:
-        rc, log, out = run_job(tmp_path, api, "pr-report.yml", "comment", "workflow_run", None, artifacts)
+        rc, log, out = run_job(
+            tmp_path, api, "pr-report.yml", "comment", "workflow_run", None, artifacts
+        )
     finally:
         api.close()
     assert rc == 0, log[-4000:]

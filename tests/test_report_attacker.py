@@ -67,7 +67,9 @@ def assert_safe(text: str, code: int) -> None:
     lines = text.split("\n")
     assert lines[0].startswith("## ") and "flashmoe-science" in lines[0], lines[0][:200]
     assert lines[1] == report.MARKER
-    assert text.count(report.MARKER) == 1, "a second marker would let a comment be mistaken for ours"
+    assert text.count(report.MARKER) == 1, (
+        "a second marker would let a comment be mistaken for ours"
+    )
     assert code in (exitcodes.OK, exitcodes.USAGE)
     assert md.size(text) <= report.BUDGET
     # Only the report's own headings: no record can start a line with '#'.
@@ -129,8 +131,7 @@ def test_a_section_whose_renderer_fails_fails_alone(folder, monkeypatch):
         raise TypeError("'int' object is not iterable")
 
     sections = tuple(
-        (key, title, broken if key == "build" else fn)
-        for key, title, fn in render_module.SECTIONS
+        (key, title, broken if key == "build" else fn) for key, title, fn in render_module.SECTIONS
     )
     monkeypatch.setattr(render_module, "SECTIONS", sections)
     code, text = render(folder)
@@ -177,7 +178,13 @@ def test_twenty_thousand_failures(folder):
         case["failures"] = [f"max diff {i} above bound <b>@team</b>"]
         cases.append(case)
     gates.update(cases=cases, outcome="failed")
-    gates["gates"] = {"selected": 20_000, "ran": 20_000, "passed": 0, "failed": 20_000, "skipped": 0}
+    gates["gates"] = {
+        "selected": 20_000,
+        "ran": 20_000,
+        "passed": 0,
+        "failed": 20_000,
+        "skipped": 0,
+    }
     _dump(gates, folder / "gates.json")
     env = _load(folder / "env.json")
     env["checks"] = [

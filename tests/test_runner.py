@@ -719,7 +719,9 @@ def test_hook_serves_only_the_allowed_workflow(tree, ref, ok):
 
 
 def test_register_renders_the_allowed_workflow_into_the_env():
-    assert "FLASHMOE_RUNNER_ALLOWED_WORKFLOW=@ALLOWED_WORKFLOW@" in (RUNNER / "runner.env").read_text()
+    assert (
+        "FLASHMOE_RUNNER_ALLOWED_WORKFLOW=@ALLOWED_WORKFLOW@" in (RUNNER / "runner.env").read_text()
+    )
     assert "s|@ALLOWED_WORKFLOW@|$REPO/.github/workflows/gpu-ci.yml@refs/heads/main|" in (
         REGISTER.read_text()
     )

@@ -18,10 +18,25 @@ RUNNER = ROOT / "scripts" / "runner"
 DOCKERFILE = (RUNNER / "Dockerfile").read_text()
 VALUES = sorted((RUNNER / "arc").glob("values-*.yaml"))
 TOP_LEVEL = {  # the chart's values.yaml keys (0.14.2) that a scale set may set
-    "githubConfigUrl", "githubConfigSecret", "proxy", "maxRunners", "minRunners", "runnerGroup",
-    "runnerScaleSetName", "scaleSetLabels", "githubServerTLS", "keyVault", "containerMode",
-    "listenerTemplate", "listenerMetrics", "template", "controllerServiceAccount", "annotations",
-    "labels", "namespaceOverride", "resourceMeta",
+    "githubConfigUrl",
+    "githubConfigSecret",
+    "proxy",
+    "maxRunners",
+    "minRunners",
+    "runnerGroup",
+    "runnerScaleSetName",
+    "scaleSetLabels",
+    "githubServerTLS",
+    "keyVault",
+    "containerMode",
+    "listenerTemplate",
+    "listenerMetrics",
+    "template",
+    "controllerServiceAccount",
+    "annotations",
+    "labels",
+    "namespaceOverride",
+    "resourceMeta",
 }
 
 
@@ -59,8 +74,10 @@ def test_image_checks_the_runner_archive_register_sh_pins():
     register = (RUNNER / "register.sh").read_text()
     version = re.search(r'RUNNER_VERSION="([\d.]+)"', register)[1]
     sha = re.search(r'RUNNER_SHA256_PINNED="([0-9a-f]{64})"', register)[1]
-    assert f"ARG RUNNER_VERSION={version}" in DOCKERFILE and f"ARG RUNNER_SHA256={sha}" in DOCKERFILE
-    assert 'sha256sum -c -' in DOCKERFILE
+    assert (
+        f"ARG RUNNER_VERSION={version}" in DOCKERFILE and f"ARG RUNNER_SHA256={sha}" in DOCKERFILE
+    )
+    assert "sha256sum -c -" in DOCKERFILE
 
 
 def test_image_runs_as_a_non_root_user_with_a_read_only_toolchain_and_the_hook():
@@ -96,7 +113,9 @@ def test_scale_set_pods_get_one_gpu_the_image_and_the_hook(path):
     spec = values["template"]["spec"]
     runner = spec["containers"][0]
     assert runner["name"] == "runner" and runner["command"] == ["/home/runner/run.sh"]
-    assert re.fullmatch(r"ghcr\.io/[\w.-]+/flashmoe-runner:2\.14\.1-cu130(@sha256:[0-9a-f]{64})?", runner["image"])
+    assert re.fullmatch(
+        r"ghcr\.io/[\w.-]+/flashmoe-runner:2\.14\.1-cu130(@sha256:[0-9a-f]{64})?", runner["image"]
+    )
     assert runner["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert runner["resources"]["requests"]["nvidia.com/gpu"] == 1
     env = {e["name"]: e["value"] for e in runner["env"]}
@@ -106,11 +125,18 @@ def test_scale_set_pods_get_one_gpu_the_image_and_the_hook(path):
     )
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert runner["securityContext"]["allowPrivilegeEscalation"] is False
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+        "tolerations"
+    ]
 
 
 def test_l4_and_h100_pools_differ_only_where_the_card_does():
-    l4, h100 = (yaml.safe_load((RUNNER / "arc" / f"values-{k}.yaml").read_text()) for k in ("l4", "h100"))
+    l4, h100 = (
+        yaml.safe_load((RUNNER / "arc" / f"values-{k}.yaml").read_text()) for k in ("l4", "h100")
+    )
     assert l4["scaleSetLabels"] == ["gpu", "l4"] and h100["scaleSetLabels"] == ["gpu", "h100"]
     assert l4["template"]["spec"]["nodeSelector"] != h100["template"]["spec"]["nodeSelector"]
-    assert l4["template"]["spec"]["containers"][0]["image"] == h100["template"]["spec"]["containers"][0]["image"]
+    assert (
+        l4["template"]["spec"]["containers"][0]["image"]
+        == h100["template"]["spec"]["containers"][0]["image"]
+    )

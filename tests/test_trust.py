@@ -70,7 +70,12 @@ def test_gpu_ci_starts_only_from_the_default_branch():
     on = triggers(GPU)
     assert set(on) == {"push", "pull_request_target", "workflow_dispatch"}
     assert on["push"]["branches"] == ["main"]
-    assert set(on["pull_request_target"]["types"]) == {"opened", "reopened", "synchronize", "labeled"}
+    assert set(on["pull_request_target"]["types"]) == {
+        "opened",
+        "reopened",
+        "synchronize",
+        "labeled",
+    }
     assert set(on["workflow_dispatch"]["inputs"]) == {"pr", "sha"}
 
 
@@ -129,7 +134,9 @@ def test_the_required_gate_needs_the_gpu_job_and_always_runs():
 
 def test_history_is_written_only_by_main_after_a_passing_run():
     job = JOBS["history"]
-    assert "github.event_name == 'push'" in job["if"] and "needs.gpu.result == 'success'" in job["if"]
+    assert (
+        "github.event_name == 'push'" in job["if"] and "needs.gpu.result == 'success'" in job["if"]
+    )
     assert job["permissions"] == {"contents": "write", "actions": "read"}
     assert any("gpuci history" in s.get("run", "") for s in job["steps"])
     for name, workflow in all_workflows().items():
@@ -188,8 +195,11 @@ def decide(name, payload, gh, inputs=None):
 
 def test_a_writer_label_runs_the_labelled_commit_once():
     gh = FakeGitHub("maintain")
-    out = decide("pull_request_target", event("labeled", label={"name": "safe-to-test"},
-                                               sender={"login": "m"}), gh)
+    out = decide(
+        "pull_request_target",
+        event("labeled", label={"name": "safe-to-test"}, sender={"login": "m"}),
+        gh,
+    )
     assert (out["run"], out["sha"], out["environment"]) == ("true", SHA, "gpu")
     assert ("remove_label", 5, "safe-to-test") in gh.calls and ("permission", "m") in gh.calls
 
@@ -197,8 +207,11 @@ def test_a_writer_label_runs_the_labelled_commit_once():
 @pytest.mark.parametrize("role", ["triage", "read", "none"])
 def test_a_label_from_someone_without_write_runs_nothing(role):
     gh = FakeGitHub(role)
-    out = decide("pull_request_target", event("labeled", label={"name": "safe-to-test"},
-                                               sender={"login": "t"}), gh)
+    out = decide(
+        "pull_request_target",
+        event("labeled", label={"name": "safe-to-test"}, sender={"login": "t"}),
+        gh,
+    )
     assert out["run"] == "false" and role in out["reason"]
     assert ("remove_label", 5, "safe-to-test") in gh.calls
 
@@ -227,8 +240,10 @@ def test_other_labels_run_nothing_and_read_no_permission():
 
 
 def test_a_dispatch_runs_a_pr_only_at_the_reviewed_commit():
-    pull = {"head": {"sha": SHA, "repo": {"full_name": "fork/x"}},
-            "base": {"ref": "main", "repo": {"full_name": REPO}}}
+    pull = {
+        "head": {"sha": SHA, "repo": {"full_name": "fork/x"}},
+        "base": {"ref": "main", "repo": {"full_name": REPO}},
+    }
     ok = decide("workflow_dispatch", {}, FakeGitHub(pull=pull), {"pr": "5", "sha": SHA})
     assert (ok["run"], ok["sha"], ok["pr"], ok["environment"]) == ("true", SHA, "5", "gpu")
     moved = decide("workflow_dispatch", {}, FakeGitHub(pull=pull), {"pr": "5", "sha": "c" * 40})
@@ -250,8 +265,15 @@ def test_the_gate_passes_only_a_tested_head():
     untested = FakeGitHub()
     assert gpuci.gate(untested, SHA, "", "skipped", "u") == 1
     assert untested.calls[-1][2]["state"] == "pending"
-    forged = FakeGitHub(statuses=[{"context": gpuci.STATUS_CONTEXT, "state": "success",
-                                   "creator": {"login": "someone-else"}}])
+    forged = FakeGitHub(
+        statuses=[
+            {
+                "context": gpuci.STATUS_CONTEXT,
+                "state": "success",
+                "creator": {"login": "someone-else"},
+            }
+        ]
+    )
     assert gpuci.gate(forged, SHA, "", "skipped", "u") == 1, "only our own status counts"
 
 
@@ -264,7 +286,9 @@ def test_log_lines_never_start_a_workflow_command():
 
 def test_noise_band_and_alerts():
     points = [
-        trend.Point(f"{i:07x}", f"2026-11-{i + 1:02d}T00:00:00+00:00", "L4", {"c": 1.0 + 0.01 * (i % 2)})
+        trend.Point(
+            f"{i:07x}", f"2026-11-{i + 1:02d}T00:00:00+00:00", "L4", {"c": 1.0 + 0.01 * (i % 2)}
+        )
         for i in range(10)
     ]
     slow = trend.Point("f" * 7, "2026-11-20T00:00:00+00:00", "L4", {"c": 1.2})
@@ -295,15 +319,20 @@ def test_lock_files_pin_every_package_with_hashes():
     assert {p.name for p in LOCKS} >= {"report.txt", "runner-tools.txt", "torch.txt"}
     for lock in LOCKS:
         text = lock.read_text()
-        entries = re.findall(r"^([A-Za-z0-9_.-]+)==\S+ \\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n)+)", text, re.M)
+        entries = re.findall(
+            r"^([A-Za-z0-9_.-]+)==\S+ \\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n)+)", text, re.M
+        )
         names = re.findall(r"^[A-Za-z0-9_.-]+", text, re.M)
         assert entries and len(entries) == len(names), f"{lock.name}: a package without == and hash"
         assert (lock.with_suffix(".in")).is_file(), f"{lock.name} has no .in beside it"
 
 
 def test_no_install_adds_an_index():
-    for path in [*WORKFLOWS.glob("*.yml"), ROOT / "scripts" / "runner" / "install-locked.sh",
-                 ROOT / "scripts" / "runner" / "Dockerfile"]:
+    for path in [
+        *WORKFLOWS.glob("*.yml"),
+        ROOT / "scripts" / "runner" / "install-locked.sh",
+        ROOT / "scripts" / "runner" / "Dockerfile",
+    ]:
         text = path.read_text()
         assert "--extra-index-url" not in text and "--torch-index-url" not in text, path.name
     installer = (ROOT / "scripts" / "runner" / "install-locked.sh").read_text()

@@ -249,7 +249,9 @@ def test_report_job_reads_the_gpu_artifact_and_updates_one_comment():
         if s.get("uses", "").startswith("actions/upload-artifact@")
     }
     job = report["jobs"]["comment"]
-    downloads = [s for s in steps(job) if s.get("uses", "").startswith("actions/download-artifact@")]
+    downloads = [
+        s for s in steps(job) if s.get("uses", "").startswith("actions/download-artifact@")
+    ]
     assert {d["with"]["name"] for d in downloads} == {"gpu-ci-reports", "gpu-ci-approval"}
     assert set(uploads) >= {"gpu-ci-reports", "gpu-ci-approval"}
     for download in downloads:

@@ -223,8 +223,16 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
                 {"body": mark_stale(str(comment.get("body") or ""), head_sha)},
             )
         if same_repo:
-            return {**pr_out, "run": "true", "sha": head_sha, "reason": "a branch of this repository"}
-        return {**pr_out, "reason": f"a fork's new commit: a maintainer reviews it, then labels {LABEL}"}
+            return {
+                **pr_out,
+                "run": "true",
+                "sha": head_sha,
+                "reason": "a branch of this repository",
+            }
+        return {
+            **pr_out,
+            "reason": f"a fork's new commit: a maintainer reviews it, then labels {LABEL}",
+        }
     return {**pr_out, "reason": f"action {log_safe(action, 30)} does not run the GPU job"}
 
 
@@ -299,7 +307,12 @@ def gate(gh: GitHub, head_sha: str, tested_sha: str, gpu_result: str, run_url: s
     gh.call(
         "POST",
         f"statuses/{head_sha}",
-        {"state": state, "context": STATUS_CONTEXT, "description": why[:140], "target_url": run_url},
+        {
+            "state": state,
+            "context": STATUS_CONTEXT,
+            "description": why[:140],
+            "target_url": run_url,
+        },
     )
     print(f"gate: {head_sha[:12]}: {state} ({why})")
     return 0 if state == "success" else 1
@@ -323,7 +336,11 @@ def store_point(gh: GitHub, point_file: Path, base_sha: str) -> str:
     gh.call(
         "PUT",
         f"contents/{path}",
-        {"message": f"bench history: {point_file.stem}", "content": content, "branch": HISTORY_BRANCH},
+        {
+            "message": f"bench history: {point_file.stem}",
+            "content": content,
+            "branch": HISTORY_BRANCH,
+        },
     )
     return path
 

@@ -257,7 +257,7 @@ def markdown(
             [
                 md.code(case, 120),
                 md.sig(b.median) + f" (n={b.n})" if b else "too few runs",
-                f"{md.sig(b.low)} – {md.sig(b.high)}" if b else md.DASH,
+                f"{md.sig(b.low)} to {md.sig(b.high)}" if b else md.DASH,
                 md.sig(value),
                 versus,
                 (f"{change:+.1f}% " if change is not None else "")
@@ -332,7 +332,11 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 def point_name(point: Point) -> str:
     """The point's file name on the history branch: sorts by date."""
-    stamp = re.sub(r"[^0-9T]", "", (_parse_date(point.date) or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%S"))
+    stamp = re.sub(
+        r"[^0-9T]",
+        "",
+        (_parse_date(point.date) or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%S"),
+    )
     return f"{stamp}-{point.sha[:12]}.json"
 
 

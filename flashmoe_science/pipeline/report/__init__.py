@@ -110,7 +110,9 @@ def _parser() -> argparse.ArgumentParser:
         help="the pull request's head now; one other than --tested-sha makes the verdict stale",
     )
     parser.add_argument(
-        "--run-id", default=None, help="the run the records must come from (default: $FLASHMOE_RUN_ID)"
+        "--run-id",
+        default=None,
+        help="the run the records must come from (default: $FLASHMOE_RUN_ID)",
     )
     parser.add_argument(
         "--run-url", default=None, help="the run's page (default: from $GITHUB_* variables)"

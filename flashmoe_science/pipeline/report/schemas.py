@@ -74,7 +74,10 @@ ENV = _record(
         },
         "cuda": {
             "oneOf": [
-                {"type": "object", "properties": {k: _SHORT for k in ("torch", "nvcc", "driver_version")}},
+                {
+                    "type": "object",
+                    "properties": {k: _SHORT for k in ("torch", "nvcc", "driver_version")},
+                },
                 _SHORT,
             ]
         },
