@@ -129,7 +129,15 @@ def run_job(
     (bindir / "gh").write_text(FAKE_GH)
     (bindir / "gh").chmod(0o755)
     # --offline: no package index (the lock-file install uses python3's own jsonschema).
-    args = ["bash", str(DRIVER), "--offline", "--out", str(out), "--python", shutil.which("python3")]
+    args = [
+        "bash",
+        str(DRIVER),
+        "--offline",
+        "--out",
+        str(out),
+        "--python",
+        shutil.which("python3"),
+    ]
     if payload is not None:
         event_file = tmp_path / "event.json"
         event_file.write_text(json.dumps(payload))

@@ -384,7 +384,9 @@ def history(gh: GitHub, bench: Path, sha: str, summary: Path | None, workdir: Pa
     point_file.write_text(json.dumps(current.to_json(), indent=1) + "\n", encoding="utf-8")
     print(f"history: stored {store_point(gh, point_file, sha)} on {HISTORY_BRANCH}")
     if not outside:
-        print(f"history: every case inside main's noise band ({len(points)} stored runs)")
+        print(
+            f"history: every case inside main's noise band ({md.plural(len(points), 'stored run')})"
+        )
         return 0
     gh.call("POST", f"commits/{sha}/comments", {"body": text[:60_000]})
     print(

@@ -107,6 +107,12 @@ def point_of(record: benchrecords.BenchRecord, sha: str, date: str | None = None
     return Point(sha, when, gpu, medians)
 
 
+def point_name(point: Point) -> str:
+    """The point's file name on the history branch: names sort by date."""
+    when = _parse_date(point.date) or datetime.now(timezone.utc)
+    return f"{when.astimezone(timezone.utc):%Y%m%dT%H%M%S}-{point.sha[:12]}.json"
+
+
 def load_points(directory: Path, gpu: str | None = None) -> tuple[list[Point], list[str]]:
     """(the last KEEP points in `directory`, oldest first, of `gpu` when given; what was skipped)."""
     points, skipped = [], []
@@ -283,10 +289,6 @@ def markdown(
 # --------------------------------------------------------------------------------------------------
 
 
-def _load_bench(path: Path) -> benchrecords.BenchRecord:
-    return benchrecords.load(path)
-
-
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flashmoe_science.pipeline.trend", description=__doc__.split("\n\n")[0]
@@ -303,7 +305,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     check.add_argument("--markdown", type=Path, default=None, help="write the section here")
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        record = _load_bench(args.bench)
+        record = benchrecords.load(args.bench)
         sha = args.sha or (record.commit.sha if record.commit else "")
         current = point_of(record, sha)
     except (benchrecords.InvalidBenchFile, InvalidPoint) as exc:
@@ -326,18 +328,10 @@ def main(argv: Iterable[str] | None = None) -> int:
             + ", ".join(md.flat(c, 80) for c in outside[:10])
         )
         return 1
-    print(f"trend: {sha[:12]}: every case inside main's noise band ({len(points)} stored runs)")
-    return 0
-
-
-def point_name(point: Point) -> str:
-    """The point's file name on the history branch: sorts by date."""
-    stamp = re.sub(
-        r"[^0-9T]",
-        "",
-        (_parse_date(point.date) or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%S"),
+    print(
+        f"trend: {sha[:12]}: every case inside main's noise band ({md.plural(len(points), 'stored run')})"
     )
-    return f"{stamp}-{point.sha[:12]}.json"
+    return 0
 
 
 if __name__ == "__main__":
