@@ -20,7 +20,9 @@ of the tree without git history; first put act and nox (wheels carried in .whl/)
   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
   bash scripts/act/gpu-job.sh
 
-What differs from GitHub: actions/checkout copies this tree; setup_environment.sh installs nothing
+What differs from GitHub: the job's approve step decides without the API (a push to main); the
+GPU job's checkout of the approved commit clones this tree's repository at that commit (the act
+stand-in of actions/checkout); setup_environment.sh installs nothing
 (FLASHMOE_SETUP_NO_INSTALL=1: torch, nox, pytest, pytest-xdist and ninja must be importable by the
 torch interpreter, PYTHONPATH included); without history the csrc/ check says "changed" and bench
 runs without --base; the upload goes to OUT/artifacts/gpu-ci-reports/ and an act-only step checks
