@@ -348,3 +348,27 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
     assert f"**tested** `{FIXTURE_SHA[:12]}`" in comment
     assert "This PR changes the CI or the report code" in comment
     assert "::add-mask::" not in log
+
+
+def test_the_checkout_stand_in_checks_out_exactly_the_given_commit(tmp_path):
+    # The GPU job's checkout of the approved commit, alone: a one-job workflow that checks out the
+    # parent of HEAD, as gpu-ci.yml's `gpu` job checks out needs.approve.outputs.sha.
+    parent = subprocess.run(
+        ["git", "rev-parse", "HEAD~1"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout.strip()
+    workflow = tmp_path / "checkout.yml"
+    workflow.write_text(
+        "name: checkout\non: push\npermissions: {}\njobs:\n  pick:\n    runs-on: ubuntu-24.04\n"
+        "    timeout-minutes: 5\n    steps:\n"
+        "      - uses: actions/checkout@8e8c483db84b4bee98b60c0593521ed34d9990e8 # v6.0.1\n"
+        f"        with:\n          ref: {parent}\n          persist-credentials: false\n"
+        "          fetch-depth: 0\n"
+        '      - run: echo "checked out $(git rev-parse HEAD)"; ! git config --get-regexp extraheader\n'
+    )
+    api = Api({})
+    try:
+        rc, log, _ = run_job(tmp_path, api, str(workflow), "pick", "push", None)
+    finally:
+        api.close()
+    assert rc == 0, log[-3000:]
+    assert f"checked out {parent}" in log
