@@ -59,7 +59,7 @@ def test_every_remote_action_has_a_stand_in_with_its_inputs():
     seen = set()
     for name, job_id, step, match in remote_uses():
         repo = match["repo"]
-        if repo == "actions/checkout":
+        if repo == "actions/checkout" and "ref" not in step.get("with", {}):
             continue  # act's own checkout copies the working tree (see the next test)
         seen.add(repo)
         assert match["path"] is None, (
@@ -74,13 +74,19 @@ def test_every_remote_action_has_a_stand_in_with_its_inputs():
     assert {"actions/upload-artifact", "actions/download-artifact"} <= seen
 
 
-def test_checkouts_are_ones_act_replaces_with_a_copy_of_the_tree():
+def test_checkouts_are_of_this_repository_and_a_ref_goes_to_the_stand_in():
     # act skips actions/checkout (whatever its pin) and copies the working tree when the step checks
-    # out this repository: no `repository` input, and no `ref` other than the run's.
+    # out this repository without a `ref`; a checkout of a given ref (the GPU job's approved commit)
+    # runs the stand-in, which clones the local .git at that ref.
     checkouts = [step for _, _, step, m in remote_uses() if m["repo"] == "actions/checkout"]
     assert checkouts
+    with_ref = [step for step in checkouts if "ref" in step.get("with", {})]
+    assert with_ref, "the GPU job checks out the approved commit"
     for step in checkouts:
-        assert not {"repository", "ref", "path"} & set(step.get("with", {})), step
+        assert not {"repository", "path"} & set(step.get("with", {})), step
+    standin = (STANDINS / "actions" / "checkout" / "action.yml").read_text()
+    assert "ACT_SOURCE_REPO" in standin and 'checkout --quiet --detach "${REF:-HEAD}"' in standin
+    assert '"ACT_SOURCE_REPO=$REPO_ROOT"' in DRIVER.read_text()
 
 
 def test_the_driver_maps_stand_ins_from_the_workflows_and_no_stand_in_is_stale():
@@ -162,7 +168,8 @@ def test_gpu_job_git_steps_degrade_without_history_under_act():
     changes = steps["Did csrc/ change?"]["run"]
     # no base commit (no history) -> csrc counts as changed
     assert '! git rev-parse --quiet --verify "$base^{commit}"' in changes
-    assert "csrc=true" in changes.split("elif")[0]
+    check = changes[changes.index('if [ -z "$base" ]') :]
+    assert "csrc=true" in check.split("elif")[0]
     bench = steps["bench"]["run"]
     first = bench.split("elif")[0]  # the act branch: no origin/BASE_REF here
     assert '[ -n "${ACT:-}" ]' in first

@@ -614,7 +614,7 @@ def test_settings_all_good(tmp_path):
     run = check_settings(FIXTURES / "settings-good.json", tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert [line.split()[:2] for line in run.stdout.splitlines() if line[:1] in "ow"] == [
-        ["ok", str(n)] for n in range(1, 7)
+        ["ok", str(n)] for n in (1, 2, 3, 4, 5, 6, 8)
     ]
 
 
@@ -643,6 +643,7 @@ def test_settings_all_good(tmp_path):
             "FAIL  3  environment `gpu` has no required reviewers",
         ),
         ("labels/safe-to-test", None, "FAIL  4  label `safe-to-test` does not exist"),
+        ("rules/branches/main", [], "FAIL  8  main does not require the GPU gate"),
     ],
 )
 def test_settings_flag_a_bad_setting(tmp_path, path, change, message):
@@ -689,3 +690,38 @@ def test_settings_reject_a_bad_fixture_or_repo(tmp_path):
         [sys.executable, str(CHECK_SETTINGS), "not-a-repo"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "OWNER/REPO" in bad.stderr
+
+
+# ---- the workflow allow-list (where a runner group cannot restrict the runner) ----
+
+ALLOWED = "o/r/.github/workflows/gpu-ci.yml@refs/heads/main"
+
+
+@pytest.mark.parametrize(
+    ("ref", "ok"),
+    [
+        (ALLOWED, True),
+        ("o/r/.github/workflows/gpu-ci.yml@refs/pull/7/merge", False),  # a PR's own copy
+        ("o/r/.github/workflows/evil.yml@refs/heads/main", False),
+        (None, False),
+    ],
+)
+def test_hook_serves_only_the_allowed_workflow(tree, ref, ok):
+    paths = fake_runner(tree)
+    env = {"FLASHMOE_RUNNER_ALLOWED_WORKFLOW": ALLOWED}
+    if ref is not None:
+        env["GITHUB_WORKFLOW_REF"] = ref
+    run = run_hook(tree, paths, env=env)
+    assert (run.returncode == 0) is ok, run.stdout + run.stderr
+    if not ok:
+        assert "is not one this runner serves" in run.stderr and "next:" in run.stderr
+    assert not paths["git_hook"].exists()  # the workspace is cleaned either way
+
+
+def test_register_renders_the_allowed_workflow_into_the_env():
+    assert (
+        "FLASHMOE_RUNNER_ALLOWED_WORKFLOW=@ALLOWED_WORKFLOW@" in (RUNNER / "runner.env").read_text()
+    )
+    assert "s|@ALLOWED_WORKFLOW@|$REPO/.github/workflows/gpu-ci.yml@refs/heads/main|" in (
+        REGISTER.read_text()
+    )

@@ -1,7 +1,10 @@
 """Markdown for GitHub: numbers, durations and sizes as table cells, and free text made safe.
 
 Everything a pipeline record holds is data, possibly from a pull request's code: `text` and `code`
-escape it so that no value can open a tag, break a table row or end a code span early.
+escape it so that no value can open a tag, close the report's `<details>`, start a heading, a link
+or an image, mention a user (`@name`) or link an issue (`#12`), break a table row or end a code span
+early. Numbers pass through `num`, which turns what is not a finite float (a 400-digit integer
+included) into a missing value.
 """
 
 from __future__ import annotations
@@ -14,11 +17,24 @@ TIMES = "\u00d7"  # the multiplication sign, as in "1.25 times faster"
 DASH = "—"  # a missing value
 
 
+ZWSP = "\u200b"  # a zero-width space: GitHub links no `@name`, `#12` or URL that it splits
+# Characters that start a code span, a link or an image (`[`, and so `![`), escaped with a backslash;
+# the backslash too, so that one in the value cannot undo ours. Emphasis is left alone: harmless.
+_MARKDOWN = re.compile(r"([\\`\[\]])")
+_AUTOLINK = re.compile(r"(?i)(://|www\.)")
+_STR_CAP = 20_000  # characters of one value looked at before flattening; the rest is cut anyway
+
+
 def num(value: Any) -> float | None:
-    """A finite number, or None (for missing values, booleans, NaN and Inf)."""
+    """A finite number, or None (for missing values, booleans, NaN, Inf and integers too large
+    for a float)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def integer(value: Any) -> int | None:
@@ -66,20 +82,34 @@ def nbytes(value: Any) -> str:
     return f"{int(number)} B"
 
 
+def flat(value: Any, limit: int = 300) -> str:
+    """A value as one line of at most `limit` characters (whitespace runs become one space). A
+    value nested too deeply to print becomes a placeholder rather than an error."""
+    try:
+        raw = value if isinstance(value, str) else str(value)
+    except (RecursionError, ValueError):  # deep nesting; an int of more digits than str() allows
+        raw = f"({type(value).__name__} not shown)"
+    line = " ".join(raw[:_STR_CAP].split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def text(value: Any, limit: int = 300) -> str:
-    """Free text from an input file, made safe for one markdown table cell or list item."""
-    flat = " ".join(str(value).split())
-    if len(flat) > limit:
-        flat = flat[: limit - 1] + "…"
-    return flat.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+    """Free text from an input file, made safe for one markdown table cell or list item: HTML and
+    markdown escaped, mentions, issue references and URLs broken so that GitHub links nothing."""
+    line = flat(value, limit)
+    line = line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    line = _MARKDOWN.sub(r"\\\1", line).replace("|", "\\|")
+    line = line.replace("@", "@" + ZWSP).replace("#", "#" + ZWSP)
+    return _AUTOLINK.sub(lambda m: m.group(1)[0] + ZWSP + m.group(1)[1:], line)
 
 
 def code(value: Any, limit: int = 300) -> str:
-    """Inline code that survives any backticks in the value."""
-    flat = " ".join(str(value).split())[:limit].replace("|", "\\|")
-    fence = "`" * (max((len(m) for m in re.findall(r"`+", flat)), default=0) + 1)
-    pad = " " if flat.startswith("`") or flat.endswith("`") else ""
-    return f"{fence}{pad}{flat}{pad}{fence}"
+    """Inline code that survives any backticks in the value (GitHub renders nothing inside it:
+    no HTML, link or mention)."""
+    line = flat(value, limit).replace("|", "\\|")
+    fence = "`" * (max((len(m) for m in re.findall(r"`+", line)), default=0) + 1)
+    pad = " " if line.startswith("`") or line.endswith("`") else ""
+    return f"{fence}{pad}{line}{pad}{fence}"
 
 
 def fenced(body: str, lang: str = "") -> str:
@@ -100,15 +130,24 @@ def plural(count: int, word: str, many: str | None = None) -> str:
 
 
 def sm(capability: Any) -> str | None:
-    """'8.9' / [8, 9] / 89 -> 'sm_89'."""
-    if capability in (None, ""):
+    """'8.9' / [8, 9] / 89 / 'sm_90a' -> 'sm_89' ... ; None for anything else (a capability is
+    digits, nothing a pull request could use to write markup)."""
+    if capability is None or isinstance(capability, bool) or capability == "":
         return None
     if isinstance(capability, (list, tuple)):
-        return "sm_" + "".join(str(part) for part in capability[:2])
-    value = str(capability)
-    if value.startswith("sm_"):
-        return value
-    return "sm_" + value.replace(".", "")
+        parts = [p for p in capability[:2] if isinstance(p, int) and not isinstance(p, bool)]
+        value = "".join(str(p) for p in parts) if len(parts) == len(capability[:2]) else ""
+    elif isinstance(capability, (int, float, str)):
+        value = flat(capability, 12).removeprefix("sm_").replace(".", "")
+    else:
+        value = ""
+    return "sm_" + value if re.fullmatch(r"[0-9]{2,3}[a-z]?", value) else None
+
+
+def first(items: list[str], count: int = 5, sep: str = ", ") -> str:
+    """The first `count` items joined, then 'and N more': a list from a record stays short."""
+    shown = sep.join(items[:count])
+    return shown + (f"{sep}and {len(items) - count:,} more" if len(items) > count else "")
 
 
 def size(body: str) -> int:

@@ -2,7 +2,8 @@
 
     actlog.py render LOG SUMMARY   act's --json log on stdin -> readable lines on stdout; the raw log
                                    to LOG; the job's step summaries, in step order, to SUMMARY
-    actlog.py event EVENT REPO SHA  a fake event payload for EVENT (pull_request: PR #1 onto main)
+    actlog.py event EVENT REPO SHA  a fake event payload for EVENT (pull_request and
+                                    pull_request_target: PR #1 onto main)
 
 act runs each step with its own $GITHUB_STEP_SUMMARY file (under the host workspace, which it
 deletes when the job ends) and reports what the step wrote as a log entry with command=summary:
@@ -75,7 +76,7 @@ def event(name: str, repo: str, sha: str) -> int:
         "default_branch": "main",
     }
     payload: dict = {"repository": repository, "sender": {"login": "act"}}
-    if name == "pull_request":
+    if name in ("pull_request", "pull_request_target"):
         payload.update(
             action="synchronize",
             number=1,
@@ -91,6 +92,21 @@ def event(name: str, repo: str, sha: str) -> int:
         payload.update(ref="refs/heads/main", before="0" * 40, after=sha)
     elif name == "workflow_dispatch":
         payload.update(ref="refs/heads/main", inputs={})
+    elif name == "workflow_run":
+        payload.update(
+            action="completed",
+            workflow_run={
+                "id": 1,
+                "run_attempt": 1,
+                "event": "pull_request_target",
+                "conclusion": "success",
+                "head_sha": sha,
+                "head_branch": "act-local",
+                "head_repository": {"full_name": repo},
+                "html_url": f"https://github.com/{repo}/actions/runs/1",
+                "pull_requests": [],
+            },
+        )
     json.dump(payload, sys.stdout, indent=2)
     print()
     return 0

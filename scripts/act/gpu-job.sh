@@ -20,7 +20,9 @@ of the tree without git history; first put act and nox (wheels carried in .whl/)
   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
   bash scripts/act/gpu-job.sh
 
-What differs from GitHub: actions/checkout copies this tree; setup_environment.sh installs nothing
+What differs from GitHub: the job's approve step decides without the API (a push to main); the
+GPU job's checkout of the approved commit clones this tree's repository at that commit (the act
+stand-in of actions/checkout); setup_environment.sh installs nothing
 (FLASHMOE_SETUP_NO_INSTALL=1: torch, nox, pytest, pytest-xdist and ninja must be importable by the
 torch interpreter, PYTHONPATH included); without history the csrc/ check says "changed" and bench
 runs without --base; the upload goes to OUT/artifacts/gpu-ci-reports/ and an act-only step checks
@@ -30,7 +32,10 @@ the run (removed at the end): the tests that copy the checkout with `git ls-file
 Options:
   --python PATH   The interpreter with the CUDA torch (default: $FLASHMOE_RUNNER_PYTHON, else
                   /opt/torch/.venv/bin/python3).
-  --event EVENT   pull_request (default: fake PR #1 onto main), push or workflow_dispatch.
+  --event EVENT   push (default: a push to main; the job's approve step then needs no GitHub
+                  API), workflow_dispatch, or pull_request_target (a fake PR #1: approve calls
+                  the API, so pass -- --env FLASHMOE_GITHUB_API=URL of a stub, as
+                  tests/test_act_trust.py runs one).
   --out DIR       Where logs, artifacts and the summary go (default: $OUT/gpu-ci-gpu when $OUT
                   is set, as on the device machine, so a run cut short still returns its log;
                   else build/act/gpu-ci-gpu). The log and the summary are written as they come.
@@ -43,7 +48,7 @@ EOF
 }
 
 PY="${FLASHMOE_RUNNER_PYTHON:-/opt/torch/.venv/bin/python3}"
-EVENT=pull_request
+EVENT=push
 OUT_ARGS=()
 [[ -z "${OUT:-}" ]] || OUT_ARGS=(--out "$OUT/gpu-ci-gpu")
 CHECK_ONLY=0

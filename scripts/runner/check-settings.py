@@ -230,6 +230,35 @@ def check_sha_pinning(api: Api, repo: str, report: Report) -> None:
         )
 
 
+REQUIRED_CHECKS = ("gpu-gate", "flashmoe-science/gpu")  # the gate job, or the status it sets
+
+
+def check_required_gate(api: Api, repo: str, report: Report) -> None:
+    """main requires the GPU gate: a ruleset's required status checks, else branch protection."""
+    fix = (
+        "Settings -> Rules -> Rulesets (or Branches) for main: require the status check `gpu-gate` "
+        "(a skipped GPU job would otherwise count as passed)"
+    )
+    status, rules = api.get(f"repos/{repo}/rules/branches/main")
+    contexts: set[str] = set()
+    if status == 200:
+        for rule in rules or []:
+            if rule.get("type") == "required_status_checks":
+                for check in (rule.get("parameters") or {}).get("required_status_checks") or []:
+                    contexts.add(str(check.get("context")))
+    status2, protection = api.get(f"repos/{repo}/branches/main/protection/required_status_checks")
+    if status2 == 200:
+        contexts |= {str(c) for c in protection.get("contexts") or []}
+        contexts |= {str(c.get("context")) for c in protection.get("checks") or []}
+    found = sorted(contexts & set(REQUIRED_CHECKS))
+    if found:
+        report.line("ok", 8, f"main requires {', '.join(f'`{c}`' for c in found)}")
+    elif status != 200 and status2 not in (200, 404):
+        report.unreadable(8, "required status checks of main", status2)
+    else:
+        report.line("FAIL", 8, "main does not require the GPU gate", fix)
+
+
 def token_from_environment() -> str | None:
     for name in ("GH_TOKEN", "GITHUB_TOKEN"):
         if os.environ.get(name):
@@ -281,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: check_label(api, args.repo, report),
         lambda: check_runners(api, args.repo, args.org, args.runner_group, report),
         lambda: check_sha_pinning(api, args.repo, report),
+        lambda: check_required_gate(api, args.repo, report),
     ]
     for check in checks:
         try:

@@ -27,6 +27,10 @@ removes what an earlier job could leave for the next one:
              or one that fails: skipped, with a line.
   interpreter  FLASHMOE_RUNNER_PYTHON's installation must not be writable by this user (a job
              could plant a sitecustomize.py there): fails the hook if it is (not checked as root).
+  workflow   with FLASHMOE_RUNNER_ALLOWED_WORKFLOW set (comma-separated OWNER/REPO/.github/
+             workflows/FILE@REF), fails the hook unless the job's GITHUB_WORKFLOW_REF is one of
+             them: a pull request's own workflow (ref refs/pull/N/merge) never runs here, where a
+             runner group restricted to the workflow is not available (personal repositories).
 
 It never follows a symbolic link out of the directory it cleans, and deletes nothing outside the
 work directory and the paths above. Each action is printed.
@@ -38,7 +42,7 @@ Options:
   --allow-root   Run as root (refused otherwise: the runner's user is never root).
   -h, --help     Show this help.
 Exit status: 0 done; 1 the job must not run (another user's GPU process, a writable interpreter,
-an unsafe work directory); 2 a wrong option.
+an unsafe work directory, a workflow not allowed); 2 a wrong option.
 EOF
 }
 
@@ -69,6 +73,25 @@ if ((ME == 0 && !ALLOW_ROOT)); then
   echo "cleanup-hook: error: refusing to run as root (the runner's user never is)" >&2
   echo "cleanup-hook: next: run it as the runner's user, or pass --allow-root" >&2
   exit 1
+fi
+
+# ---- the workflow the job comes from ----
+
+ALLOWED="${FLASHMOE_RUNNER_ALLOWED_WORKFLOW:-}"
+if [[ -n "$ALLOWED" ]]; then
+  ref="${GITHUB_WORKFLOW_REF:-}"
+  allowed_ok=0
+  IFS=',' read -r -a allowed_list <<<"$ALLOWED"
+  for want in "${allowed_list[@]}"; do
+    if [[ -n "$ref" && "$ref" == "$want" ]]; then allowed_ok=1; fi
+  done
+  shown="$(printf '%q' "${ref:-unset}")" # the ref names a file a pull request could add: quoted
+  if ((allowed_ok)); then
+    say "workflow: $shown is allowed here"
+  else
+    problem "workflow $shown is not one this runner serves (FLASHMOE_RUNNER_ALLOWED_WORKFLOW)" \
+      "GPU jobs run from the allowed workflow on the default branch; a pull request's own workflow never does"
+  fi
 fi
 
 # remove ROOT PATH: delete PATH (a file, a directory or a link) if it lies inside ROOT with no

@@ -219,7 +219,8 @@ runner_labels() { echo "self-hosted,linux,x64,gpu,$KIND"; }
 render_env() {
   local gpu="$1" dir="$2" template="$HERE/runner.env"
   sed -e '/^#/d' -e "s|@HOOK@|$ROOT/bin/cleanup-hook.sh|" -e "s|@WORK_DIR@|$dir/_work|" \
-    -e "s|@PYTHON@|$PYTHON|" -e "s|@GPU@|$gpu|" "$template"
+    -e "s|@PYTHON@|$PYTHON|" -e "s|@GPU@|$gpu|" \
+    -e "s|@ALLOWED_WORKFLOW@|$REPO/.github/workflows/gpu-ci.yml@refs/heads/main|" "$template"
 }
 
 registration_token() {

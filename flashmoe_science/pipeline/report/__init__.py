@@ -19,6 +19,18 @@ The report stays under GitHub's 65,536-character comment limit: passing details 
 benchmark rows, then failing-case details, and the report says what it left out. With
 $GITHUB_STEP_SUMMARY set, the report is appended to the job summary too.
 
+Whatever the records hold (they may come from a pull request's code), the report stays bounded
+and escaped: every record is checked against its schema (report.schemas, benches/bench.schema.json)
+and its size and nesting, no file is read from a path a record names, each section fails alone,
+and the verdict (its problems named up to a count) and the marker are always lines 1 and 2.
+Nothing from the records reaches the command's own output unescaped.
+
+The privileged job that comments on pull requests (pr-report.yml) renders with the default
+branch's code from the run's artifact: --tested-sha (the commit it verified the run tested; the
+records must describe it), --run-id, --run-url, --head-sha (the PR's head now: a newer one makes
+the verdict stale), --changed-files (the PR's changed paths: a warning when they include the CI or
+the report code) and --history (main's stored benchmark points, pipeline.trend).
+
 Exit status: 0 whatever the verdict (the verdict is data; the workflow decides what fails), 2 when
 an input cannot be used: it exists but cannot be read or parsed, does not match its schema, or is
 stale (the report is still written, and names it). Rerun the stage that writes it.
@@ -32,11 +44,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from .. import exitcodes, stages
+from .. import exitcodes, stages, trend
+from .. import markdown as md
 from ..markdown import TIMES
 from ..paths import report_dir
 from .inputs import Inputs, load_inputs
@@ -83,11 +97,52 @@ def _parser() -> argparse.ArgumentParser:
         help=f"size budget in UTF-8 bytes (default {BUDGET}: GitHub's {MAX_CHARS} less room for the comment header)",
     )
     parser.add_argument(
+        "--tested-sha",
+        default=None,
+        metavar="SHA",
+        help="the commit the run tested, as verified by the caller: the records must describe it "
+        "(default: this checkout)",
+    )
+    parser.add_argument(
+        "--head-sha",
+        default=None,
+        metavar="SHA",
+        help="the pull request's head now; one other than --tested-sha makes the verdict stale",
+    )
+    parser.add_argument(
+        "--run-id",
+        default=None,
+        help="the run the records must come from (default: $FLASHMOE_RUN_ID)",
+    )
+    parser.add_argument(
+        "--run-url", default=None, help="the run's page (default: from $GITHUB_* variables)"
+    )
+    parser.add_argument(
+        "--changed-files",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the pull request's changed paths, one a line: warn when CI or report code changed",
+    )
+    parser.add_argument(
+        "--history",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="main's stored benchmark points (pipeline.trend): add the performance history",
+    )
+    parser.add_argument(
         "--no-step-summary",
         action="store_true",
         help="do not append to $GITHUB_STEP_SUMMARY even when it is set",
     )
     return parser
+
+
+def _safe(value: object, limit: int = 300) -> str:
+    """A value from the records for the command's output: one line, no `::` a CI runner would
+    take for a workflow command."""
+    return md.flat(value, limit).replace("::", ": :")
 
 
 def main(argv: Iterable[str] | None = None) -> int:
@@ -104,13 +159,41 @@ def main(argv: Iterable[str] | None = None) -> int:
         output.unlink()
     start = stages.job_start()
     job = stages.job_seconds(start)
-    inputs = load_inputs(directory, args.base_build, job_seconds=job)
+    sha_ok = re.compile(r"^[0-9a-f]{40}$")
+    for option in ("tested_sha", "head_sha"):
+        value = getattr(args, option)
+        if value is not None and not sha_ok.match(value):
+            print(
+                f"report: --{option.replace('_', '-')} wants a full commit id (40 hex digits), "
+                f"not {_safe(value, 60)!r}",
+                file=sys.stderr,
+            )
+            return exitcodes.USAGE
+    tested = {"sha": args.tested_sha, "dirty": False, "fingerprint": None}
+    inputs = load_inputs(
+        directory,
+        args.base_build,
+        commit=tested if args.tested_sha else None,
+        run_id=args.run_id,
+        job_seconds=job,
+    )
+    inputs.tested_sha, inputs.head_sha = args.tested_sha, args.head_sha
+    if args.changed_files is not None:
+        try:
+            lines = args.changed_files.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            print(f"report: --changed-files: {_safe(exc)}", file=sys.stderr)
+            return exitcodes.USAGE
+        inputs.changed_paths = [line.strip() for line in lines if line.strip()]
+    if args.history is not None:
+        inputs.history, skipped = trend.load_points(args.history)
+        inputs.notes += [f"history point skipped: {why}" for why in skipped[:3]]
     if os.environ.get(stages.JOB_START_VAR) and job is None:
         inputs.notes.append(
             f"{stages.JOB_START_VAR}={os.environ[stages.JOB_START_VAR]!r} is not this job's start "
             "(not epoch seconds, in the future, or days ago): the total is the sum of the stages"
         )
-    inputs.run_url = run_url()
+    inputs.run_url = args.run_url or run_url()
     text, truncated = render(inputs, min(args.max_chars, MAX_CHARS))
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -130,11 +213,12 @@ def main(argv: Iterable[str] | None = None) -> int:
             print(f"report: cannot append to $GITHUB_STEP_SUMMARY ({exc})", file=sys.stderr)
     headline = text.splitlines()[0].lstrip("# ")
     print(
-        f"report: {headline} -> {output} ({len(text):,} chars{', truncated' if truncated else ''})"
+        f"report: {_safe(headline, 400)} -> {output} ({len(text):,} chars"
+        f"{', truncated' if truncated else ''})"
     )
     for name, why in inputs.unreadable.items():
         print(
-            f"report: {name} is unreadable ({why}); fix: rerun the stage that writes it",
+            f"report: {_safe(name)} is unreadable ({_safe(why)}); fix: rerun the stage that writes it",
             file=sys.stderr,
         )
     stale = {
@@ -143,7 +227,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     }
     for name, why in stale.items():
         print(
-            f"report: {name} is stale ({why}); fix: rerun its stage in this run",
+            f"report: {_safe(name)} is stale ({_safe(why)}); fix: rerun its stage in this run",
             file=sys.stderr,
         )
     return exitcodes.USAGE if inputs.unreadable or stale else exitcodes.OK

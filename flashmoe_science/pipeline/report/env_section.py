@@ -8,6 +8,8 @@ from .. import markdown as md
 from .inputs import Inputs
 from .sections import FAIL, OK, WARN, Detail, Section, absent, stale_section, unreadable_section
 
+MAX_ROWS = 50  # checks in the table; the real env stage has about 15
+
 
 def env_facts(env: dict | None) -> list[str]:
     if not env:
@@ -21,7 +23,7 @@ def env_facts(env: dict | None) -> list[str]:
         if md.num(gpu.get("memory_gib")) is not None:
             extra.append(f"{md.sig(gpu['memory_gib'])} GiB")
         if (md.integer(gpu.get("count")) or 1) > 1:
-            extra.append(f"{gpu['count']} visible")
+            extra.append(f"{md.integer(gpu['count'])} visible")
         facts.append(f"**GPU** {name}" + (f" ({', '.join(extra)})" if extra else ""))
     else:
         facts.append("**GPU** none")
@@ -77,14 +79,14 @@ def env_section(inputs: Inputs, detail: Detail) -> Section:
         f"{len(v)} {k}" for k, v in sorted(by_status.items(), key=lambda kv: _status_rank(kv[0]))
     )
     if failed:
-        summary = "failed: " + ", ".join(md.text(c.get("name")) for c in failed)
+        summary = "failed: " + md.first([md.text(c.get("name"), 80) for c in failed], 5)
     elif passed_flag is False:
         summary = "failed"
     else:
         summary = f"{counts or 'no checks'}"
     problems = []
     if severity == FAIL:
-        names = ", ".join(md.text(c.get("name")) for c in failed)
+        names = md.first([md.text(c.get("name"), 60) for c in failed], 3)
         problems.append((FAIL, "environment check failed" + (f" ({names})" if names else "")))
     elif warned:
         problems.append((WARN, md.plural(len(warned), "environment warning")))
@@ -99,6 +101,9 @@ def env_section(inputs: Inputs, detail: Detail) -> Section:
         hidden = []
     if shown:
         shown.sort(key=lambda c: _status_rank(str(c.get("status"))))
+        if len(shown) > MAX_ROWS:  # failures first, so the cut keeps them
+            hidden += shown[MAX_ROWS:]
+            shown = shown[:MAX_ROWS]
         rows = [
             [
                 _check_icon(c.get("status")),
@@ -110,7 +115,7 @@ def env_section(inputs: Inputs, detail: Detail) -> Section:
         ]
         parts.append(md.table(["", "check", "detail", "fix"], rows))
     if hidden:
-        parts.append(f"_{md.plural(len(hidden), 'passing check')} not shown._")
+        parts.append(f"_{md.plural(len(hidden), 'more check')} not shown (all are in `env.json`)._")
         detail.omitted.append("passing details")
     return Section("env", title, severity, summary, "\n\n".join(parts), problems)
 

@@ -24,6 +24,7 @@ from .. import markdown as md
 from .inputs import Inputs, stage_status
 from .sections import FAIL, OK, WARN, Detail, Section, absent, stale_section, unreadable_section
 
+MAX_FAILING = 100  # failing cases detailed at most; the rest are counted (all are in gates.json)
 RERUN_ALL_MAX = 20  # one combined `-k 'a or b ...'` command for up to this many failing cases
 GPU_PREFIX = "FLASHMOE_REQUIRE_GPU=1 "  # without a GPU, a CUDA case then exits 255, not "passed"
 # A rerun command from gates.json is shown for copying into a shell: only these characters.
@@ -193,7 +194,8 @@ def _outcome_help(outcome: str) -> str:
 
 
 def _failing_cases(failing: list[dict], detail: Detail) -> str:
-    shown = failing if detail.failing_cases is None else failing[: detail.failing_cases]
+    limit = MAX_FAILING if detail.failing_cases is None else min(detail.failing_cases, MAX_FAILING)
+    shown = failing[:limit]
     rows = [
         [
             md.code(c.get("case_id", "?"), 150),

@@ -1,5 +1,7 @@
-"""What the report reads: the stage records in the report folder, checked for readability, for the
-bench schema, and for provenance (whether each record describes this checkout and this run)."""
+"""What the report reads: the stage records in the report folder, checked for readability, size,
+nesting and schema (report.schemas; bench.json against benches/bench.schema.json), and for
+provenance (whether each record describes this checkout, or the commit the caller names, and this
+run). Nothing is read from outside the folder: build.json's `log` is a name, never a path to follow."""
 
 from __future__ import annotations
 
@@ -11,8 +13,12 @@ from pathlib import Path
 from .. import markdown as md
 from .. import provenance, stages
 from ..paths import REPO_ROOT
+from . import schemas
 
 BUILD_LOG_TAIL_LINES = 60
+BUILD_LOG = "build.log"
+MAX_RECORD_BYTES = 64 * 2**20  # a record larger than this is not parsed (the real ones are < 1 MiB)
+MAX_LOG_BYTES = 2**20  # of build.log, only the end is read
 BENCH_SCHEMA = REPO_ROOT / "benches" / "bench.schema.json"
 RECORDS = ("env.json", "build.json", "gates.json", "bench.json")
 
@@ -35,19 +41,50 @@ class Inputs:
     run_id: str | None = None  # FLASHMOE_RUN_ID, when set
     job_seconds: float | None = None  # since FLASHMOE_JOB_START, when set
     run_url: str | None = None
+    # Set by the privileged job that re-renders a pull request's report from its artifact: the
+    # commit it verified the run tested, and the files the pull request changes.
+    tested_sha: str | None = None
+    changed_paths: list[str] | None = None
+    head_sha: str | None = None  # the PR's head now, when it has moved on since the run
+    history: list[dict] | None = None  # main's stored benchmark records (pipeline.trend)
 
 
-def _read_json(path: Path, label: str, unreadable: dict[str, str]) -> dict | None:
-    if not path.exists():
+def _read_json(
+    path: Path,
+    label: str,
+    unreadable: dict[str, str],
+    notes: list[str] | None = None,
+    kind: str | None = None,
+) -> dict | None:
+    """The JSON object at `path`, or None (missing, or unreadable: then `unreadable[label]` says
+    why). `kind` names the schema when the label is not the file's usual name."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    if path.is_symlink() or not path.is_file():
+        unreadable[label] = "not a regular file (a link or a folder): not read"
         return None
     try:
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            unreadable[label] = f"larger than {MAX_RECORD_BYTES // 2**20} MiB: not read"
+            return None
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        unreadable[label] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError includes an integer of more digits than Python converts; RecursionError a
+        # nesting deeper than the parser follows.
+        unreadable[label] = md.flat(f"{type(exc).__name__}: {exc}", 200)
         return None
     if not isinstance(data, dict):
         unreadable[label] = f"expected a JSON object, found {type(data).__name__}"
         return None
+    if schemas.depth(data) > schemas.MAX_DEPTH:
+        unreadable[label] = f"nested deeper than {schemas.MAX_DEPTH} levels"
+        return None
+    problem, caveat = schemas.problem(data, kind or label)
+    if problem:
+        unreadable[label] = problem
+        return None
+    if caveat and notes is not None and caveat not in notes:
+        notes.append(caveat)
     return data
 
 
@@ -71,7 +108,7 @@ def bench_problem(doc: dict, schema_path: Path = BENCH_SCHEMA) -> tuple[str | No
     )
     if error is None:
         return None, None
-    where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
+    where = "/".join(str(part) for part in error.absolute_path)[:120] or "(top level)"
     return f"does not match {schema_path.name} at {where}: {error.message}"[:300], None
 
 
@@ -105,9 +142,9 @@ def load_inputs(
         job_seconds=job_seconds,
     )
     bad = inputs.unreadable
-    inputs.env = _read_json(directory / "env.json", "env.json", bad)
-    inputs.build = _read_json(directory / "build.json", "build.json", bad)
-    inputs.gates = _read_json(directory / "gates.json", "gates.json", bad)
+    inputs.env = _read_json(directory / "env.json", "env.json", bad, inputs.notes)
+    inputs.build = _read_json(directory / "build.json", "build.json", bad, inputs.notes)
+    inputs.gates = _read_json(directory / "gates.json", "gates.json", bad, inputs.notes)
     inputs.bench = _read_json(directory / "bench.json", "bench.json", bad)
     for label in RECORDS:
         doc = getattr(inputs, label.removesuffix(".json"))
@@ -119,36 +156,56 @@ def load_inputs(
         if why:
             inputs.stale[label] = why
     if inputs.bench is not None and "bench.json" not in inputs.stale:
-        problem, caveat = bench_problem(inputs.bench)
+        try:
+            problem, caveat = bench_problem(inputs.bench)
+        except RecursionError:
+            problem, caveat = "nested too deeply to check against its schema", None
         if problem:
             bad["bench.json"], inputs.bench = problem, None
         if caveat:
             inputs.notes.append(caveat)
-    inputs.stages = stages.normalize(
-        _read_json(directory / stages.STAGES_FILE, stages.STAGES_FILE, bad)
-    )
+    try:
+        inputs.stages = stages.normalize(
+            _read_json(directory / stages.STAGES_FILE, stages.STAGES_FILE, bad, inputs.notes)
+        )
+    except (TypeError, ValueError, OverflowError) as exc:  # a shape the schema let through
+        bad[stages.STAGES_FILE] = md.flat(f"{type(exc).__name__}: {exc}", 200)
+        inputs.stages = {}
     for name, stage in inputs.stages.items():
         why = stale_reason(stage["provenance"], inputs.commit, inputs.run_id)
         if why:
             inputs.stale_stages[name] = why
-    log = directory / "build.log"
-    if not log.exists() and inputs.build and isinstance(inputs.build.get("log"), str):
-        candidate = Path(inputs.build["log"])
-        log = candidate if candidate.is_absolute() else directory / candidate
-    _read_build_log(inputs, log)
+    named = (inputs.build or {}).get("log")
+    if isinstance(named, str) and named and Path(named).name != BUILD_LOG:
+        inputs.notes.append(
+            f"build.json names its log {md.flat(named, 120)!r}: only {BUILD_LOG} in the report "
+            "folder is read"
+        )
+    _read_build_log(inputs, directory / BUILD_LOG)
+
     if base_build is not None:
         inputs.base_build_path = str(base_build)
-        inputs.base_build = _read_json(base_build, f"base build ({base_build})", bad)
+        inputs.base_build = _read_json(
+            base_build, f"base build ({base_build})", bad, inputs.notes, "build.json"
+        )
     return inputs
 
 
 def _read_build_log(inputs: Inputs, log: Path) -> None:
+    """The end of build.log, when it is a regular file in the report folder (a link is not
+    followed: it could point anywhere on the machine)."""
+    if log.is_symlink():
+        inputs.unreadable[BUILD_LOG] = "a symbolic link: not followed"
+        return
     if not log.is_file():
         return
     try:
-        text = log.read_text(encoding="utf-8", errors="replace")
+        with log.open("rb") as handle:
+            size = handle.seek(0, 2)
+            handle.seek(max(0, size - MAX_LOG_BYTES))
+            text = handle.read().decode("utf-8", errors="replace")
     except OSError as exc:
-        inputs.unreadable["build.log"] = str(exc)
+        inputs.unreadable[BUILD_LOG] = md.flat(exc, 200)
         return
     inputs.build_log = md.tail(text, BUILD_LOG_TAIL_LINES)
 

@@ -1,20 +1,26 @@
 """The report as a whole: the verdict, the stage table with wall times and the job's total, the
-sections in order of severity, and the cuts that keep it under GitHub's comment limit."""
+sections in order of severity, and the cuts that keep it under GitHub's comment limit.
+
+Whatever the inputs hold, the first line is the verdict and the second the MARKER: the verdict
+names at most VERDICT_ITEMS problems of each kind, then a count; a section whose renderer fails
+on its record becomes a failed section of its own, and the others still render."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
+from collections.abc import Callable
 
 from .. import markdown as md
 from .. import provenance, stages
 from .bench_section import SDPA_RATIO_LINE, bench_section
 from .build_section import build_section
 from .env_section import env_facts, env_section
-from .gates_section import case_failed, gates_section
+from .gates_section import MAX_FAILING, case_failed, gates_section
 from .inputs import Inputs, stage_failed
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN, Detail, Section
+from .trusted import history_section, trusted_header
 
 MARKER = "<!-- flashmoe-science-report -->"
 MAX_CHARS = 65_536  # GitHub rejects a comment body above this ("Body is too long")
@@ -24,20 +30,39 @@ HEADROOM = 512
 BUDGET = MAX_CHARS - HEADROOM
 SECTION_STAGES = ("env", "build", "test", "bench")
 UNFINISHED = "unfinished"
+VERDICT_ITEMS = 5  # problems of one kind the verdict names before it counts the rest
+VERDICT_ITEM_CHARS = 160
+
+
+def _listed(items: list[str]) -> list[str]:
+    """The first VERDICT_ITEMS items, each cut short, then '... and N more'."""
+    shown = [md.flat(item, VERDICT_ITEM_CHARS) for item in items[:VERDICT_ITEMS]]
+    if len(items) > VERDICT_ITEMS:
+        shown.append(f"and {len(items) - VERDICT_ITEMS:,} more")
+    return shown
 
 
 def verdict(sections: list[Section], inputs: Inputs) -> str:
     problems = [p for s in sections for p in s.problems]
+    if inputs.tested_sha and inputs.head_sha and inputs.head_sha != inputs.tested_sha:
+        problems.append(
+            (STALE, f"stale: the PR is now at {md.text(inputs.head_sha[:12])}, untested")
+        )
     for name in _extra_stages(inputs):
         if name in inputs.stale_stages:
-            problems.append((STALE, f"stale {name} stage"))
+            problems.append((STALE, f"stale {md.text(name, 64)} stage"))
         elif stage_failed(inputs, name):
-            problems.append((FAIL, f"{name} failed"))
+            problems.append((FAIL, f"{md.text(name, 64)} failed"))
     main_files = {"env.json", "build.json", "gates.json", "bench.json"}
     problems += [
-        (WARN, f"{name} unreadable") for name in inputs.unreadable if name not in main_files
+        (WARN, f"{md.text(name, 120)} unreadable")
+        for name in inputs.unreadable
+        if name not in main_files
     ]
-    by = {sev: [text for s, text in problems if s == sev] for sev in (FAIL, STALE, WARN, NOTE)}
+    by = {
+        sev: _listed([text for s, text in problems if s == sev])
+        for sev in (FAIL, STALE, WARN, NOTE)
+    }
     notes = ("; " + "; ".join(by[NOTE])) if by[NOTE] else ""  # caveats every verdict repeats
     if by[FAIL]:
         return (
@@ -138,14 +163,37 @@ def _subject(inputs: Inputs) -> str:
     return text
 
 
+SECTIONS: tuple[tuple[str, str, Callable[[Inputs, Detail], Section]], ...] = (
+    ("env", "Environment", env_section),
+    ("build", "Build", build_section),
+    ("test", "Correctness gates", gates_section),
+    ("bench", "Benchmark", bench_section),
+)
+
+
+def _section(key: str, title: str, build: Callable[[Inputs, Detail], Section], inputs, detail):
+    """One section; a renderer that fails on its record fails its own section, not the report."""
+    try:
+        return build(inputs, detail)
+    except Exception as exc:
+        why = md.text(f"{type(exc).__name__}: {md.flat(exc, 160)}")
+        return Section(
+            key,
+            title,
+            FAIL,
+            "could not be rendered",
+            f"The {key} record has a shape the report cannot show ({why}). The record is in the "
+            "run's `reports/` artifact; rerun the stage that writes it.",
+            [(FAIL, f"{key} record could not be rendered")],
+        )
+
+
 def _render(inputs: Inputs, detail: Detail, note: str | None = None) -> str:
-    sections = [
-        env_section(inputs, detail),
-        build_section(inputs, detail),
-        gates_section(inputs, detail),
-        bench_section(inputs, detail),
-    ]
+    sections = [_section(key, title, build, inputs, detail) for key, title, build in SECTIONS]
     lines = [verdict(sections, inputs), MARKER, ""]
+    header = trusted_header(inputs)
+    if header:
+        lines += [header, ""]
     facts = [_subject(inputs)] + ([] if "env.json" in inputs.stale else env_facts(inputs.env))
     lines += [" · ".join(facts), ""]
     if sections[3].severity in (OK, NOTE, WARN) and inputs.bench and inputs.bench.get("cases"):
@@ -164,6 +212,8 @@ def _render(inputs: Inputs, detail: Detail, note: str | None = None) -> str:
         lines += [f"> **Note:** {md.text(caveat)}", ""]
     lines += [summary_table(sections, inputs), ""]
     ran = [s for s in sections if s.severity != NOTRUN]
+    if inputs.history is not None:  # after the table: not a stage of this run
+        ran.append(_section("trend", "Performance history", history_section, inputs, detail))
     for section in sorted(ran, key=lambda s: -s.severity):  # stable: failures first, then warnings
         is_open = " open" if section.severity >= WARN else ""
         lines += [
@@ -214,7 +264,8 @@ def render(inputs: Inputs, budget: int = BUDGET) -> tuple[str, bool]:
     text = _render_with(inputs, detail)
     if md.size(text) <= budget:
         return text, True
-    n_bench = len([c for c in (inputs.bench or {}).get("cases") or [] if isinstance(c, dict)])
+    bench_cases = (inputs.bench or {}).get("cases")
+    n_bench = len(bench_cases) if isinstance(bench_cases, list) else 0
     detail.bench_rows = _largest(
         lambda n: (
             md.size(_render_with(inputs, dataclasses.replace(detail, bench_rows=n))) <= budget
@@ -224,12 +275,12 @@ def render(inputs: Inputs, budget: int = BUDGET) -> tuple[str, bool]:
     text = _render_with(inputs, detail)
     if md.size(text) <= budget:
         return text, True
-    n_fail = len(
-        [
-            c
-            for c in (inputs.gates or {}).get("cases") or []
-            if isinstance(c, dict) and case_failed(c)
-        ]
+    cases = (inputs.gates or {}).get("cases")
+    n_fail = min(
+        MAX_FAILING,
+        len([c for c in cases if isinstance(c, dict) and case_failed(c)])
+        if isinstance(cases, list)
+        else 0,
     )
     detail.failing_cases = _largest(
         lambda k: (

@@ -1,0 +1,448 @@
+"""The trusted steps of GPU CI: which commit may run on the GPU runner, whether the required gate
+passes, and the history of main's benchmarks. gpu-ci.yml and pr-report.yml run these from the
+default branch's code (never a pull request's), on GitHub-hosted runners.
+
+    approve       decide, from the event, whether the GPU job runs and on which commit:
+                  push to main and workflow_dispatch run (a dispatch naming a PR runs that PR's head
+                  only if it is the commit given); a same-repository PR runs on each push; a fork PR
+                  runs only on the `safe-to-test` label applied by someone with write access, for
+                  the head commit at labelling time. The label is removed as soon as it is read, and
+                  on every new push, so each commit needs its own approval; a new push also marks
+                  the PR's report comment stale. Writes run, sha, pr, base_ref, environment and
+                  reason to $GITHUB_OUTPUT.
+    gate          the required check: passes only if the GPU job ran and passed on the PR's head
+                  commit (in this run, or an earlier one that set the commit status); sets the
+                  commit status STATUS_CONTEXT on that commit either way.
+    store-point   put a trend point on the `bench-history` branch (contents API, no push access
+                  on the runner's disk).
+    fetch-points  download the newest points of the `bench-history` branch into a folder.
+
+The GitHub API is $FLASHMOE_GITHUB_API, else $GITHUB_API_URL, else https://api.github.com, with
+the token in $GH_TOKEN. Nothing taken from the event is printed unescaped: a workflow log line that
+starts with `::` is a command to the runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import sys
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+
+from . import benchrecords, trend
+from . import markdown as md
+
+LABEL = "safe-to-test"
+STATUS_CONTEXT = "flashmoe-science/gpu"
+HISTORY_BRANCH = "bench-history"
+POINTS_DIR = "points"
+WRITE_ROLES = ("admin", "maintain", "write")
+BOT = "github-actions[bot]"
+REPORT_MARKER = "<!-- flashmoe-science-report -->"
+STALE_PREFIX = "## 🕰️ flashmoe-science: stale:"
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+_NUMBER = re.compile(r"^[1-9][0-9]{0,9}$")
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, what: str):
+        super().__init__(f"GitHub API {what}: HTTP {status}")
+        self.status = status
+
+
+def log_safe(value: object, limit: int = 200) -> str:
+    """A value for the workflow log: one line, and no `::` a runner would read as a command."""
+    return md.flat(value, limit).replace("::", ": :")
+
+
+class GitHub:
+    """The few REST calls the trusted steps make (urllib: no dependency on the runner)."""
+
+    def __init__(self, repo: str, token: str | None = None, api: str | None = None):
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo or ""):
+            raise ValueError(f"GITHUB_REPOSITORY={repo!r} is not OWNER/NAME")
+        self.repo = repo
+        self.token = token if token is not None else os.environ.get("GH_TOKEN", "")
+        self.api = (
+            api
+            or os.environ.get("FLASHMOE_GITHUB_API")
+            or os.environ.get("GITHUB_API_URL")
+            or "https://api.github.com"
+        ).rstrip("/")
+
+    def call(self, method: str, path: str, body: dict | None = None) -> object:
+        url = f"{self.api}/repos/{self.repo}/{path}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, data=data, method=method)
+        request.add_header("Accept", "application/vnd.github+json")
+        request.add_header("X-GitHub-Api-Version", "2022-11-28")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                raw = response.read(8 << 20)
+        except urllib.error.HTTPError as exc:
+            raise ApiError(exc.code, f"{method} {path}") from None
+        return json.loads(raw) if raw.strip() else None
+
+    def permission(self, user: str) -> str:
+        quoted = urllib.parse.quote(user, safe="")
+        doc = self.call("GET", f"collaborators/{quoted}/permission")
+        return str((doc or {}).get("permission") or "none") if isinstance(doc, dict) else "none"
+
+    def remove_label(self, number: int, label: str = LABEL) -> bool:
+        try:
+            self.call("DELETE", f"issues/{number}/labels/{urllib.parse.quote(label, safe='')}")
+        except ApiError as exc:
+            if exc.status == 404:  # not on the PR: nothing to remove
+                return False
+            raise
+        return True
+
+    def report_comment(self, number: int) -> dict | None:
+        """The PR's report comment: the bot's own comment holding the marker (a comment anyone
+        else wrote with the marker in it is not ours)."""
+        for page in range(1, 11):
+            comments = self.call("GET", f"issues/{number}/comments?per_page=100&page={page}")
+            if not isinstance(comments, list) or not comments:
+                return None
+            for comment in comments:
+                user = (comment.get("user") or {}).get("login")
+                if user == BOT and REPORT_MARKER in str(comment.get("body") or ""):
+                    return comment
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# approve
+# --------------------------------------------------------------------------------------------------
+
+
+def mark_stale(body: str, new_sha: str) -> str:
+    """The report comment with its verdict replaced by a stale line naming the untested commit;
+    the old verdict stays below, as what the last tested commit got."""
+    lines = body.split("\n")
+    old = lines[0]
+    if old.startswith(STALE_PREFIX):  # already stale: keep the original verdict line
+        old = lines[2] if len(lines) > 2 and lines[2].startswith("> last tested") else old
+        lines = lines[3:] if len(lines) > 2 and lines[2].startswith("> last tested") else lines[1:]
+    else:
+        lines = lines[1:]
+    if lines and lines[0] == REPORT_MARKER:
+        lines = lines[1:]
+    head = [
+        f"{STALE_PREFIX} {new_sha[:12]} is not tested yet (a maintainer labels `{LABEL}` to run it)",
+        REPORT_MARKER,
+        "> last tested commit's verdict: " + old.lstrip("# ").strip(),
+    ]
+    return "\n".join(head + lines)
+
+
+def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs: dict) -> dict:
+    """What the GPU job does for this event: {"run", "sha", "pr", "base_ref", "environment",
+    "reason"}. May remove the label and mark the report stale (see the module's docstring)."""
+    out = {"run": "false", "sha": "", "pr": "", "base_ref": "", "environment": "gpu-trusted"}
+    if event_name == "push":
+        ref = str(event.get("ref") or "")
+        if ref != "refs/heads/main":
+            return {**out, "reason": "a push to a branch other than main"}
+        return {**out, "run": "true", "sha": sha, "reason": "a push to main"}
+    if event_name == "workflow_dispatch":
+        pr, wanted = str(inputs.get("pr") or "").strip(), str(inputs.get("sha") or "").strip()
+        if not pr:
+            return {**out, "run": "true", "sha": sha, "reason": "a manual run of the branch"}
+        if not _NUMBER.match(pr) or not _SHA.match(wanted):
+            return {**out, "reason": "inputs pr (a number) and sha (40 hex digits) are required"}
+        pull = gh.call("GET", f"pulls/{pr}")
+        head = (pull or {}).get("head") or {}
+        if (((pull or {}).get("base") or {}).get("repo") or {}).get("full_name") != repo:
+            return {**out, "reason": f"PR {pr} is not a pull request of {repo}"}
+        if head.get("sha") != wanted:
+            return {
+                **out,
+                "reason": f"PR {pr}'s head is {log_safe(head.get('sha'), 40)}, not the commit "
+                "given: review the new head and dispatch again with its sha",
+            }
+        fork = (head.get("repo") or {}).get("full_name") != repo
+        return {
+            **out,
+            "run": "true",
+            "sha": wanted,
+            "pr": pr,
+            "base_ref": str(((pull or {}).get("base") or {}).get("ref") or ""),
+            "environment": "gpu" if fork else "gpu-trusted",
+            "reason": f"dispatched for PR {pr} at the reviewed commit",
+        }
+    if event_name != "pull_request_target":
+        return {**out, "reason": f"event {log_safe(event_name, 40)} does not run the GPU job"}
+
+    pull = event.get("pull_request") or {}
+    number = pull.get("number")
+    if not isinstance(number, int) or number <= 0:
+        return {**out, "reason": "the event names no pull request"}
+    head_sha = str((pull.get("head") or {}).get("sha") or "")
+    same_repo = ((pull.get("head") or {}).get("repo") or {}).get("full_name") == repo
+    pr_out = {
+        **out,
+        "pr": str(number),
+        "base_ref": str((pull.get("base") or {}).get("ref") or ""),
+        "environment": "gpu-trusted" if same_repo else "gpu",
+    }
+    if not _SHA.match(head_sha):
+        return {**pr_out, "reason": "the event's head commit is not a commit id"}
+    action = event.get("action")
+    if action == "labeled":
+        label = str((event.get("label") or {}).get("name") or "")
+        if label != LABEL:
+            return {**pr_out, "reason": "a label other than the one that starts a GPU run"}
+        gh.remove_label(number)  # one-shot: read once, then gone
+        sender = str((event.get("sender") or {}).get("login") or "")
+        role = gh.permission(sender) if sender else "none"
+        if role not in WRITE_ROLES:
+            return {
+                **pr_out,
+                "reason": f"{log_safe(sender, 40)} has {log_safe(role, 20)} access; only "
+                "write, maintain or admin may start a GPU run",
+            }
+        return {**pr_out, "run": "true", "sha": head_sha, "reason": f"labelled {LABEL}"}
+    if action in ("opened", "reopened", "synchronize"):
+        gh.remove_label(number)  # a new commit needs a new review
+        comment = gh.report_comment(number)
+        if comment is not None:
+            gh.call(
+                "PATCH",
+                f"issues/comments/{int(comment['id'])}",
+                {"body": mark_stale(str(comment.get("body") or ""), head_sha)},
+            )
+        if same_repo:
+            return {
+                **pr_out,
+                "run": "true",
+                "sha": head_sha,
+                "reason": "a branch of this repository",
+            }
+        return {
+            **pr_out,
+            "reason": f"a fork's new commit: a maintainer reviews it, then labels {LABEL}",
+        }
+    return {**pr_out, "reason": f"action {log_safe(action, 30)} does not run the GPU job"}
+
+
+def _write_outputs(values: dict) -> None:
+    lines = [f"{key}={md.flat(value, 300)}" for key, value in values.items()]
+    path = os.environ.get("GITHUB_OUTPUT")
+    if path:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write("\n".join(lines) + "\n")
+    for line in lines:
+        print(f"approve: {log_safe(line, 320)}")
+
+
+def _event() -> tuple[str, dict]:
+    name = os.environ.get("GITHUB_EVENT_NAME", "")
+    path = os.environ.get("GITHUB_EVENT_PATH", "")
+    try:
+        event = json.loads(Path(path).read_text(encoding="utf-8")) if path else {}
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"approve: cannot read the event {path}: {log_safe(exc)}") from None
+    return name, event if isinstance(event, dict) else {}
+
+
+def approve(record: Path | None = None) -> int:
+    name, event = _event()
+    repo = os.environ.get("GITHUB_REPOSITORY", "")
+    inputs = {"pr": os.environ.get("INPUT_PR", ""), "sha": os.environ.get("INPUT_SHA", "")}
+    result = decide(name, event, repo, os.environ.get("GITHUB_SHA", ""), GitHub(repo), inputs)
+    _write_outputs(result)
+    if record is not None:  # the approval the report job trusts (uploaded before PR code runs)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"run": result["run"] == "true", "pr": int(result["pr"]) if result["pr"] else None}
+        doc["sha"] = result["sha"] or None
+        record.write_text(json.dumps(doc) + "\n", encoding="utf-8")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# gate
+# --------------------------------------------------------------------------------------------------
+
+
+def gate(gh: GitHub, head_sha: str, tested_sha: str, gpu_result: str, run_url: str) -> int:
+    """Set STATUS_CONTEXT on `head_sha` and return 0 only when the GPU job passed on it."""
+    if not _SHA.match(head_sha):
+        print(f"gate: no head commit to judge ({log_safe(head_sha, 40)})", file=sys.stderr)
+        return 1
+    if tested_sha == head_sha and gpu_result == "success":
+        state, why = "success", "GPU job passed on this commit"
+    elif tested_sha == head_sha and gpu_result in ("failure", "cancelled"):
+        state, why = "failure", f"GPU job {gpu_result} on this commit"
+    else:
+        # This run did not test the head (a fork's push awaiting review, another label): the head
+        # passes only if an earlier run of ours set the status to success on it.
+        statuses = gh.call("GET", f"commits/{head_sha}/statuses?per_page=100") or []
+        ours = [
+            s
+            for s in statuses
+            if isinstance(s, dict)
+            and s.get("context") == STATUS_CONTEXT
+            and ((s.get("creator") or {}).get("login") == BOT)
+        ]
+        latest = ours[0] if ours else None  # newest first
+        if latest and latest.get("state") == "success":
+            print(f"gate: {head_sha[:12]} already passed the GPU job in an earlier run")
+            return 0
+        state = "pending" if not latest else str(latest.get("state"))
+        why = "not tested on the GPU: a maintainer reviews it, then labels " + LABEL
+        if state != "pending":
+            print(f"gate: {head_sha[:12]} is {log_safe(state, 20)} from an earlier run")
+            return 1
+    gh.call(
+        "POST",
+        f"statuses/{head_sha}",
+        {
+            "state": state,
+            "context": STATUS_CONTEXT,
+            "description": why[:140],
+            "target_url": run_url,
+        },
+    )
+    print(f"gate: {head_sha[:12]}: {state} ({why})")
+    return 0 if state == "success" else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# the bench-history branch
+# --------------------------------------------------------------------------------------------------
+
+
+def store_point(gh: GitHub, point_file: Path, base_sha: str) -> str:
+    """Put `point_file` at points/NAME on HISTORY_BRANCH (created from `base_sha` if missing)."""
+    try:
+        gh.call("GET", f"git/ref/heads/{HISTORY_BRANCH}")
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        gh.call("POST", "git/refs", {"ref": f"refs/heads/{HISTORY_BRANCH}", "sha": base_sha})
+    path = f"{POINTS_DIR}/{point_file.name}"
+    content = base64.b64encode(point_file.read_bytes()).decode()
+    gh.call(
+        "PUT",
+        f"contents/{path}",
+        {
+            "message": f"bench history: {point_file.stem}",
+            "content": content,
+            "branch": HISTORY_BRANCH,
+        },
+    )
+    return path
+
+
+def fetch_points(gh: GitHub, out: Path, keep: int) -> int:
+    """The newest `keep` points of HISTORY_BRANCH into `out`; how many were written."""
+    try:
+        listing = gh.call("GET", f"contents/{POINTS_DIR}?ref={HISTORY_BRANCH}")
+    except ApiError as exc:
+        if exc.status == 404:
+            return 0
+        raise
+    names = sorted(
+        str(item.get("name"))
+        for item in listing or []
+        if isinstance(item, dict)
+        and item.get("type") == "file"
+        and re.fullmatch(r"[0-9T]{8,16}-[0-9a-f]{7,40}\.json", str(item.get("name")))
+    )[-keep:]
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        doc = gh.call("GET", f"contents/{POINTS_DIR}/{name}?ref={HISTORY_BRANCH}")
+        raw = base64.b64decode(str((doc or {}).get("content") or ""))
+        (out / name).write_bytes(raw[: 1 << 20])
+    return len(names)
+
+
+def history(gh: GitHub, bench: Path, sha: str, summary: Path | None, workdir: Path) -> int:
+    """Check main's new run against its stored history, then store it; 1 on an alert."""
+    record = benchrecords.load(bench)
+    current = trend.point_of(record, sha)
+    fetch_points(gh, workdir / "points", trend.KEEP)
+    points, skipped = trend.load_points(workdir / "points", current.gpu)
+    body, outside = trend.markdown(points, current, None, skipped)
+    title = f"{'⚠️' if outside else '✅'} main's benchmark history at {sha[:12]}"
+    text = f"## {title}\n\n{body}\n"
+    if summary:
+        with summary.open("a", encoding="utf-8") as handle:
+            handle.write(text)
+    point_file = workdir / trend.point_name(current)
+    point_file.write_text(json.dumps(current.to_json(), indent=1) + "\n", encoding="utf-8")
+    print(f"history: stored {store_point(gh, point_file, sha)} on {HISTORY_BRANCH}")
+    if not outside:
+        print(
+            f"history: every case inside main's noise band ({md.plural(len(points), 'stored run')})"
+        )
+        return 0
+    gh.call("POST", f"commits/{sha}/comments", {"body": text[:60_000]})
+    print(
+        f"::warning::{md.plural(len(outside), 'case')} left main's noise band: "
+        + log_safe(", ".join(outside[:10]), 400)
+    )
+    return 1
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flashmoe_science.pipeline.gpuci", description=__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("approve", help="decide whether and what the GPU job runs (event from env)")
+    a.add_argument("--record", type=Path, default=None, help="also write the decision here")
+    g = sub.add_parser("gate", help="the required check on the PR's head commit")
+    g.add_argument("--head-sha", required=True)
+    g.add_argument("--tested-sha", default="")
+    g.add_argument("--gpu-result", default="skipped", help="needs.gpu.result")
+    g.add_argument("--run-url", default="")
+    s = sub.add_parser("store-point", help="put a trend point on the bench-history branch")
+    s.add_argument("--file", type=Path, required=True)
+    s.add_argument("--base-sha", required=True, help="where to branch from if the branch is new")
+    h = sub.add_parser("history", help="main's run against its history, then stored (alerts)")
+    h.add_argument("--bench", type=Path, required=True)
+    h.add_argument("--sha", required=True)
+    h.add_argument("--summary", type=Path, default=None, help="append the section here")
+    h.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder")
+    f = sub.add_parser("fetch-points", help="download the newest trend points")
+    f.add_argument("--out", type=Path, required=True)
+    f.add_argument("--keep", type=int, default=30)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        if args.command == "approve":
+            return approve(args.record)
+        gh = GitHub(os.environ.get("GITHUB_REPOSITORY", ""))
+        if args.command == "gate":
+            return gate(gh, args.head_sha, args.tested_sha, args.gpu_result, args.run_url)
+        if args.command == "store-point":
+            print(f"store-point: {store_point(gh, args.file, args.base_sha)} on {HISTORY_BRANCH}")
+            return 0
+        if args.command == "history":
+            if args.workdir:
+                args.workdir.mkdir(parents=True, exist_ok=True)
+                return history(gh, args.bench, args.sha, args.summary, args.workdir)
+            with tempfile.TemporaryDirectory() as tmp:
+                return history(gh, args.bench, args.sha, args.summary, Path(tmp))
+        count = fetch_points(gh, args.out, args.keep)
+        print(f"fetch-points: {count} points of {HISTORY_BRANCH} -> {args.out}")
+        return 0
+    except (ApiError, ValueError, OSError, benchrecords.InvalidBenchFile) as exc:
+        print(f"gpuci {args.command}: {log_safe(exc)}", file=sys.stderr)
+        print("gpuci: next: check the job's token permissions and the API address", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

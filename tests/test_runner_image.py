@@ -1,0 +1,142 @@
+"""The runner image (scripts/runner/Dockerfile) and the Actions Runner Controller scale sets
+(scripts/runner/arc/values-*.yaml), checked offline: nothing here builds the image or talks to a
+cluster. The chart (gha-runner-scale-set 0.14.x) ships no values schema; its templates `fail` on the
+rules checked here (a config URL, a secret, max >= min >= 0, a scale-set name of at most 45
+characters), and the rest is what GPU CI needs of a pod: one GPU, the image, the hook, non-root."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "scripts" / "runner"
+DOCKERFILE = (RUNNER / "Dockerfile").read_text()
+VALUES = sorted((RUNNER / "arc").glob("values-*.yaml"))
+TOP_LEVEL = {  # the chart's values.yaml keys (0.14.2) that a scale set may set
+    "githubConfigUrl",
+    "githubConfigSecret",
+    "proxy",
+    "maxRunners",
+    "minRunners",
+    "runnerGroup",
+    "runnerScaleSetName",
+    "scaleSetLabels",
+    "githubServerTLS",
+    "keyVault",
+    "containerMode",
+    "listenerTemplate",
+    "listenerMetrics",
+    "template",
+    "controllerServiceAccount",
+    "annotations",
+    "labels",
+    "namespaceOverride",
+    "resourceMeta",
+}
+
+
+def instructions() -> list[tuple[str, str]]:
+    joined = re.sub(r"\\\n", " ", DOCKERFILE)
+    return [
+        (m.group(1).upper(), m.group(2))
+        for line in joined.splitlines()
+        if (m := re.match(r"^\s*([A-Za-z]+)\s+(.*)$", line)) and not line.lstrip().startswith("#")
+    ]
+
+
+def test_image_base_is_the_cuda_of_torch_pinned_by_digest():
+    base = [arg for op, arg in instructions() if op == "FROM"]
+    assert len(base) == 1
+    assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-devel-ubuntu24\.04@sha256:[0-9a-f]{64}", base[0])
+    # the same image cpu-ci.yml compiles in
+    assert base[0] in (ROOT / ".github" / "workflows" / "cpu-ci.yml").read_text()
+    torch = (ROOT / "requirements" / "torch.txt").read_text()
+    assert re.search(r"^torch==2\.14\.1 ", torch, re.M)
+    assert "torch.version.cuda == '13.0'" in DOCKERFILE
+
+
+def test_image_installs_only_hash_locked_wheels_from_one_index():
+    runs = " ".join(arg for op, arg in instructions() if op == "RUN")
+    installs = re.findall(r"pip install ([^&]*)", runs)
+    assert len(installs) == 2
+    for args in installs:
+        assert "--require-hashes" in args and "--only-binary :all:" in args
+        assert "--index-url https://pypi.org/simple" in args and "extra-index" not in args
+    assert "PIP_CONFIG_FILE=/dev/null" in DOCKERFILE
+
+
+def test_image_checks_the_runner_archive_register_sh_pins():
+    register = (RUNNER / "register.sh").read_text()
+    version = re.search(r'RUNNER_VERSION="([\d.]+)"', register)[1]
+    sha = re.search(r'RUNNER_SHA256_PINNED="([0-9a-f]{64})"', register)[1]
+    assert (
+        f"ARG RUNNER_VERSION={version}" in DOCKERFILE and f"ARG RUNNER_SHA256={sha}" in DOCKERFILE
+    )
+    assert "sha256sum -c -" in DOCKERFILE
+
+
+def test_image_runs_as_a_non_root_user_with_a_read_only_toolchain_and_the_hook():
+    ops = instructions()
+    users = [arg for op, arg in ops if op == "USER"]
+    assert users and users[-1] == "runner"
+    runs = " ".join(arg for op, arg in ops if op == "RUN")
+    assert "sudo" not in runs
+    assert "chmod -R a-w,a+rX /opt/torch /opt/flashmoe" in runs
+    assert "chown -R root:root /opt/torch /opt/flashmoe" in runs
+    assert "COPY scripts/runner/cleanup-hook.sh /opt/flashmoe/bin/cleanup-hook.sh" in DOCKERFILE
+    env = (RUNNER / "runner.env").read_text()
+    for name in re.findall(r"^([A-Z_]+)=", env, re.M):
+        if name not in ("CUDA_VISIBLE_DEVICES", "LANG", "FLASHMOE_RUNNER_ALLOWED_WORKFLOW"):
+            assert f"{name}=" in DOCKERFILE, f"the image sets no {name} (runner.env does)"
+
+
+@pytest.mark.parametrize("path", VALUES, ids=lambda p: p.name)
+def test_scale_set_values_pass_the_charts_rules(path):
+    values = yaml.safe_load(path.read_text())
+    assert set(values) <= TOP_LEVEL, set(values) - TOP_LEVEL
+    assert re.fullmatch(r"https://github\.com/[\w.-]+/flashmoe-science", values["githubConfigUrl"])
+    assert isinstance(values["githubConfigSecret"], str), "a pre-created secret, never a token here"
+    assert 0 <= values["minRunners"] <= values["maxRunners"]
+    assert len(values["runnerScaleSetName"]) <= 45
+    assert values["runnerGroup"] == "gpu"
+    assert values["containerMode"] == {}, "the runner container itself holds the GPU"
+
+
+@pytest.mark.parametrize("path", VALUES, ids=lambda p: p.name)
+def test_scale_set_pods_get_one_gpu_the_image_and_the_hook(path):
+    values = yaml.safe_load(path.read_text())
+    spec = values["template"]["spec"]
+    runner = spec["containers"][0]
+    assert runner["name"] == "runner" and runner["command"] == ["/home/runner/run.sh"]
+    assert re.fullmatch(
+        r"ghcr\.io/[\w.-]+/flashmoe-runner:2\.14\.1-cu130(@sha256:[0-9a-f]{64})?", runner["image"]
+    )
+    assert runner["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert runner["resources"]["requests"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e["value"] for e in runner["env"]}
+    assert env["ACTIONS_RUNNER_HOOK_JOB_STARTED"] == "/opt/flashmoe/bin/cleanup-hook.sh"
+    assert env["FLASHMOE_RUNNER_ALLOWED_WORKFLOW"].endswith(
+        "/.github/workflows/gpu-ci.yml@refs/heads/main"
+    )
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert runner["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+        "tolerations"
+    ]
+
+
+def test_l4_and_h100_pools_differ_only_where_the_card_does():
+    l4, h100 = (
+        yaml.safe_load((RUNNER / "arc" / f"values-{k}.yaml").read_text()) for k in ("l4", "h100")
+    )
+    assert l4["scaleSetLabels"] == ["gpu", "l4"] and h100["scaleSetLabels"] == ["gpu", "h100"]
+    assert l4["template"]["spec"]["nodeSelector"] != h100["template"]["spec"]["nodeSelector"]
+    assert (
+        l4["template"]["spec"]["containers"][0]["image"]
+        == h100["template"]["spec"]["containers"][0]["image"]
+    )

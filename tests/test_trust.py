@@ -1,0 +1,396 @@
+"""What keeps GPU CI trustworthy on a public repository, checked where it is written: the trusted
+start (no `pull_request` workflow reaches a self-hosted runner; the GPU job runs only the commit
+main's `approve` job allowed), the read-only checkout, the label made one-shot and checked against
+the labeller's permission, the required gate, the history, and the supply chain (hash-locked tools,
+one index per install, Dependabot). The decisions themselves (flashmoe_science.pipeline.gpuci) are
+tested against a fake API here, and under act in tests/test_act_trust.py."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from flashmoe_science.pipeline import benchrecords, gpuci, trend
+
+yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / ".github" / "workflows"
+REPO = "owner/flashmoe-science"
+SHA = "a" * 40
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((WORKFLOWS / name).read_text())
+
+
+def triggers(workflow: dict) -> dict:
+    on = workflow.get("on", workflow.get(True))
+    if isinstance(on, str):
+        return {on: None}
+    if isinstance(on, list):
+        return dict.fromkeys(on)
+    return on or {}
+
+
+def all_workflows() -> dict[str, dict]:
+    return {p.name: yaml.safe_load(p.read_text()) for p in sorted(WORKFLOWS.glob("*.y*ml"))}
+
+
+def self_hosted(job: dict) -> bool:
+    labels = job.get("runs-on", [])
+    if isinstance(labels, dict):
+        return True  # a runner group: never a hosted runner
+    return "self-hosted" in ([labels] if isinstance(labels, str) else labels)
+
+
+def step_of(job: dict, prefix: str) -> dict:
+    return next(s for s in job["steps"] if str(s.get("uses", "")).startswith(prefix))
+
+
+GPU = load("gpu-ci.yml")
+JOBS = GPU["jobs"]
+
+
+# ---- the trusted start ----
+
+
+def test_no_pull_request_workflow_has_a_self_hosted_job():
+    for name, workflow in all_workflows().items():
+        on = triggers(workflow)
+        if "pull_request" in on or "workflow_run" in on:
+            hosted = [job_id for job_id, job in workflow["jobs"].items() if self_hosted(job)]
+            assert not hosted, f"{name}: {hosted} reachable from a PR's own workflow"
+
+
+def test_gpu_ci_starts_only_from_the_default_branch():
+    on = triggers(GPU)
+    assert set(on) == {"push", "pull_request_target", "workflow_dispatch"}
+    assert on["push"]["branches"] == ["main"]
+    assert set(on["pull_request_target"]["types"]) == {
+        "opened",
+        "reopened",
+        "synchronize",
+        "labeled",
+    }
+    assert set(on["workflow_dispatch"]["inputs"]) == {"pr", "sha"}
+
+
+def test_every_self_hosted_job_waits_for_approval():
+    hosted = {job_id: job for job_id, job in JOBS.items() if self_hosted(job)}
+    assert set(hosted) == {"gpu"}
+    gpu = hosted["gpu"]
+    assert gpu["needs"] == "approve" or gpu["needs"] == ["approve"]
+    assert gpu["if"] == "needs.approve.outputs.run == 'true'"
+    assert gpu["environment"] == "${{ needs.approve.outputs.environment }}"
+
+
+def test_the_gpu_job_checks_out_the_approved_commit_read_only():
+    gpu = JOBS["gpu"]
+    checkout = step_of(gpu, "actions/checkout@")
+    assert checkout["with"]["ref"] == "${{ needs.approve.outputs.sha }}"
+    assert checkout["with"]["persist-credentials"] is False
+    assert gpu["permissions"] == {"contents": "read"}
+    text = json.dumps(gpu)
+    assert "secrets." not in text, "the GPU job holds no secret"
+    assert "actions/cache" not in text and "cache:" not in text, "no cache: PR code could seed it"
+
+
+def test_trusted_jobs_run_main_code_on_hosted_runners():
+    for job_id in ("approve", "gpu-gate", "history"):
+        job = JOBS[job_id]
+        assert not self_hosted(job), job_id
+        checkout = step_of(job, "actions/checkout@")
+        assert set(checkout["with"]) == {"persist-credentials"}, f"{job_id}: not main's code"
+        assert checkout["with"]["persist-credentials"] is False
+    assert "secrets." not in (WORKFLOWS / "gpu-ci.yml").read_text()
+
+
+def test_approve_decides_and_records_before_any_pr_code_runs():
+    job = JOBS["approve"]
+    assert job["permissions"] == {"contents": "read", "pull-requests": "write"}
+    decide = next(s for s in job["steps"] if s.get("id") == "decide")
+    assert decide["run"].startswith("python3 -m flashmoe_science.pipeline.gpuci approve")
+    assert decide["env"]["GH_TOKEN"] == "${{ github.token }}"
+    upload = step_of(job, "actions/upload-artifact@")
+    assert upload["with"]["name"] == "gpu-ci-approval"
+    assert set(job["outputs"]) >= {"run", "sha", "pr", "environment", "base_ref"}
+
+
+def test_the_required_gate_needs_the_gpu_job_and_always_runs():
+    gate = JOBS["gpu-gate"]
+    assert gate["name"] == "gpu-gate"
+    assert set(gate["needs"]) == {"approve", "gpu"}
+    assert gate["if"] == "${{ always() }}"
+    assert gate["permissions"] == {"contents": "read", "statuses": "write"}
+    step = next(s for s in gate["steps"] if "gpuci gate" in s.get("run", ""))
+    assert step["env"]["GPU_RESULT"] == "${{ needs.gpu.result }}"
+    assert step["env"]["TESTED_SHA"] == "${{ needs.approve.outputs.sha }}"
+    assert step["env"]["HEAD_SHA"].startswith("${{ github.event.pull_request.head.sha")
+
+
+def test_history_is_written_only_by_main_after_a_passing_run():
+    job = JOBS["history"]
+    assert (
+        "github.event_name == 'push'" in job["if"] and "needs.gpu.result == 'success'" in job["if"]
+    )
+    assert job["permissions"] == {"contents": "write", "actions": "read"}
+    assert any("gpuci history" in s.get("run", "") for s in job["steps"])
+    for name, workflow in all_workflows().items():
+        for job_id, other in workflow["jobs"].items():
+            if (other.get("permissions") or {}).get("contents") == "write":
+                assert (name, job_id) == ("gpu-ci.yml", "history"), (name, job_id)
+
+
+# ---- the decisions ----
+
+
+class FakeGitHub:
+    def __init__(self, permission="write", comments=(), pull=None, statuses=()):
+        self.calls = []
+        self._permission, self._comments = permission, list(comments)
+        self._pull, self._statuses = pull, list(statuses)
+
+    def permission(self, user):
+        self.calls.append(("permission", user))
+        return self._permission
+
+    def remove_label(self, number, label=gpuci.LABEL):
+        self.calls.append(("remove_label", number, label))
+        return True
+
+    def report_comment(self, number):
+        for comment in self._comments:
+            if comment["user"]["login"] == gpuci.BOT and gpuci.REPORT_MARKER in comment["body"]:
+                return comment
+        return None
+
+    def call(self, method, path, body=None):
+        self.calls.append((method, path, body))
+        if method == "GET" and path.startswith("pulls/"):
+            return self._pull
+        if method == "GET" and "/statuses" in path:
+            return self._statuses
+        return {}
+
+
+def event(action, fork=True, **extra):
+    return {
+        "action": action,
+        "pull_request": {
+            "number": 5,
+            "head": {"sha": SHA, "repo": {"full_name": "fork/x" if fork else REPO}},
+            "base": {"ref": "main", "repo": {"full_name": REPO}},
+        },
+        **extra,
+    }
+
+
+def decide(name, payload, gh, inputs=None):
+    return gpuci.decide(name, payload, REPO, "b" * 40, gh, inputs or {})
+
+
+def test_a_writer_label_runs_the_labelled_commit_once():
+    gh = FakeGitHub("maintain")
+    out = decide(
+        "pull_request_target",
+        event("labeled", label={"name": "safe-to-test"}, sender={"login": "m"}),
+        gh,
+    )
+    assert (out["run"], out["sha"], out["environment"]) == ("true", SHA, "gpu")
+    assert ("remove_label", 5, "safe-to-test") in gh.calls and ("permission", "m") in gh.calls
+
+
+@pytest.mark.parametrize("role", ["triage", "read", "none"])
+def test_a_label_from_someone_without_write_runs_nothing(role):
+    gh = FakeGitHub(role)
+    out = decide(
+        "pull_request_target",
+        event("labeled", label={"name": "safe-to-test"}, sender={"login": "t"}),
+        gh,
+    )
+    assert out["run"] == "false" and role in out["reason"]
+    assert ("remove_label", 5, "safe-to-test") in gh.calls
+
+
+def test_a_forks_push_removes_the_label_and_marks_the_report_stale():
+    bot = {"id": 3, "user": {"login": gpuci.BOT}, "body": f"## ✅ x\n{gpuci.REPORT_MARKER}\n"}
+    forged = {"id": 4, "user": {"login": "evil"}, "body": gpuci.REPORT_MARKER}
+    gh = FakeGitHub(comments=[forged, bot])
+    out = decide("pull_request_target", event("synchronize"), gh)
+    assert out["run"] == "false"
+    assert ("remove_label", 5, "safe-to-test") in gh.calls
+    patch = [c for c in gh.calls if c[0] == "PATCH"]
+    assert patch and patch[0][1] == "issues/comments/3"
+    assert patch[0][2]["body"].startswith(gpuci.STALE_PREFIX)
+
+
+def test_a_same_repository_push_runs_its_head():
+    out = decide("pull_request_target", event("synchronize", fork=False), FakeGitHub())
+    assert (out["run"], out["sha"], out["environment"]) == ("true", SHA, "gpu-trusted")
+
+
+def test_other_labels_run_nothing_and_read_no_permission():
+    gh = FakeGitHub()
+    out = decide("pull_request_target", event("labeled", label={"name": "docs"}), gh)
+    assert out["run"] == "false" and not [c for c in gh.calls if c[0] == "permission"]
+
+
+def test_a_dispatch_runs_a_pr_only_at_the_reviewed_commit():
+    pull = {
+        "head": {"sha": SHA, "repo": {"full_name": "fork/x"}},
+        "base": {"ref": "main", "repo": {"full_name": REPO}},
+    }
+    ok = decide("workflow_dispatch", {}, FakeGitHub(pull=pull), {"pr": "5", "sha": SHA})
+    assert (ok["run"], ok["sha"], ok["pr"], ok["environment"]) == ("true", SHA, "5", "gpu")
+    moved = decide("workflow_dispatch", {}, FakeGitHub(pull=pull), {"pr": "5", "sha": "c" * 40})
+    assert moved["run"] == "false" and "dispatch again" in moved["reason"]
+    bad = decide("workflow_dispatch", {}, FakeGitHub(pull=pull), {"pr": "5; rm", "sha": SHA})
+    assert bad["run"] == "false"
+
+
+def test_pushes_run_only_on_main():
+    assert decide("push", {"ref": "refs/heads/main"}, FakeGitHub())["run"] == "true"
+    assert decide("push", {"ref": "refs/heads/other"}, FakeGitHub())["run"] == "false"
+
+
+def test_the_gate_passes_only_a_tested_head():
+    gh = FakeGitHub()
+    assert gpuci.gate(gh, SHA, SHA, "success", "u") == 0
+    assert gh.calls[-1][2]["state"] == "success"
+    assert gpuci.gate(FakeGitHub(), SHA, SHA, "failure", "u") == 1
+    untested = FakeGitHub()
+    assert gpuci.gate(untested, SHA, "", "skipped", "u") == 1
+    assert untested.calls[-1][2]["state"] == "pending"
+    forged = FakeGitHub(
+        statuses=[
+            {
+                "context": gpuci.STATUS_CONTEXT,
+                "state": "success",
+                "creator": {"login": "someone-else"},
+            }
+        ]
+    )
+    assert gpuci.gate(forged, SHA, "", "skipped", "u") == 1, "only our own status counts"
+
+
+def test_log_lines_never_start_a_workflow_command():
+    assert not gpuci.log_safe("\n::set-env name=X::1").lstrip().startswith("::")
+
+
+# ---- the history ----
+
+
+def test_noise_band_and_alerts():
+    points = [
+        trend.Point(
+            f"{i:07x}", f"2026-11-{i + 1:02d}T00:00:00+00:00", "L4", {"c": 1.0 + 0.01 * (i % 2)}
+        )
+        for i in range(10)
+    ]
+    slow = trend.Point("f" * 7, "2026-11-20T00:00:00+00:00", "L4", {"c": 1.2})
+    same = trend.Point("e" * 7, "2026-11-20T00:00:00+00:00", "L4", {"c": 1.01})
+    assert [case for case, *_ in trend.alerts(points, slow)] == ["c"]
+    assert trend.alerts(points, same) == []
+    assert trend.alerts(points[:3], slow) == [], "too few runs give no band"
+    body, outside = trend.markdown(points, slow)
+    assert outside == ["c"] and "xychart-beta" in body and "⚠️ slower" in body
+
+
+def test_stored_points_are_validated(tmp_path):
+    good = trend.Point("a" * 7, "2026-11-01T00:00:00+00:00", "L4", {"c": 1.0})
+    (tmp_path / trend.point_name(good)).write_text(json.dumps(good.to_json()))
+    bad = dict(good.to_json(), medians={"c": "<b>"})
+    (tmp_path / "2026-bad.json").write_text(json.dumps(bad))
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    points, skipped = trend.load_points(tmp_path)
+    assert points == [good] and len(skipped) == 2
+
+
+# ---- the supply chain ----
+
+LOCKS = sorted((ROOT / "requirements").glob("*.txt"))
+
+
+def test_lock_files_pin_every_package_with_hashes():
+    assert {p.name for p in LOCKS} >= {"report.txt", "runner-tools.txt", "torch.txt"}
+    for lock in LOCKS:
+        text = lock.read_text()
+        entries = re.findall(
+            r"^([A-Za-z0-9_.-]+)==\S+ \\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n)+)", text, re.M
+        )
+        names = re.findall(r"^[A-Za-z0-9_.-]+", text, re.M)
+        assert entries and len(entries) == len(names), f"{lock.name}: a package without == and hash"
+        assert (lock.with_suffix(".in")).is_file(), f"{lock.name} has no .in beside it"
+
+
+def test_no_install_adds_an_index():
+    for path in [
+        *WORKFLOWS.glob("*.yml"),
+        ROOT / "scripts" / "runner" / "install-locked.sh",
+        ROOT / "scripts" / "runner" / "Dockerfile",
+    ]:
+        text = path.read_text()
+        assert "--extra-index-url" not in text and "--torch-index-url" not in text, path.name
+    installer = (ROOT / "scripts" / "runner" / "install-locked.sh").read_text()
+    assert "--require-hashes" in installer and "--only-binary :all:" in installer
+    assert "PIP_CONFIG_FILE=/dev/null" in installer
+
+
+def test_dependabot_watches_actions_and_pip_with_a_cooldown():
+    config = yaml.safe_load((ROOT / ".github" / "dependabot.yml").read_text())
+    ecosystems = {(u["package-ecosystem"], u["directory"]) for u in config["updates"]}
+    assert {("github-actions", "/"), ("pip", "/requirements")} <= ecosystems
+    assert all(u["cooldown"]["default-days"] >= 7 for u in config["updates"])
+
+
+class HistoryBranch(FakeGitHub):
+    """The bench-history branch as the contents API shows it, in memory."""
+
+    def __init__(self, files: dict[str, bytes]):
+        super().__init__()
+        self.files = files
+
+    def call(self, method, path, body=None):
+        import base64
+
+        self.calls.append((method, path, body))
+        if method == "GET" and path.startswith("git/ref/heads/"):
+            return {"object": {"sha": SHA}}
+        if method == "GET" and path.startswith("contents/points?"):
+            return [{"name": name, "type": "file"} for name in self.files]
+        if method == "GET" and path.startswith("contents/points/"):
+            name = path.split("/")[2].split("?")[0]
+            return {"content": base64.b64encode(self.files[name]).decode()}
+        if method == "PUT" and path.startswith("contents/points/"):
+            self.files[path.split("/")[2]] = base64.b64decode(body["content"])
+            assert body["branch"] == gpuci.HISTORY_BRANCH
+            return {}
+        return {}
+
+
+FIXTURE_BENCH = ROOT / "tests" / "fixtures" / "report" / "passing" / "bench.json"
+
+
+@pytest.mark.parametrize("drift", [1.0, 1.5])
+def test_main_history_stores_the_run_and_alerts_outside_the_band(tmp_path, drift):
+    pytest.importorskip("jsonschema")
+    record = trend.point_of(benchrecords.load(FIXTURE_BENCH), SHA)
+    files = {}
+    for i in range(8):
+        medians = {case: value / drift for case, value in record.medians.items()}
+        point = trend.Point(f"{i:07x}0", f"2026-11-{i + 1:02d}T00:00:00+00:00", record.gpu, medians)
+        files[trend.point_name(point)] = json.dumps(point.to_json()).encode()
+    gh = HistoryBranch(files)
+    summary = tmp_path / "summary.md"
+    code = gpuci.history(gh, FIXTURE_BENCH, SHA, summary, tmp_path)
+    assert len(gh.files) == 9, "this run's point is stored"
+    comments = [c for c in gh.calls if c[0] == "POST" and c[1] == f"commits/{SHA}/comments"]
+    if drift == 1.0:
+        assert code == 0 and not comments
+    else:  # every case 1.5x slower than main's history: the alert
+        assert code == 1 and comments and "slower" in comments[0][2]["body"]
+    assert "main's benchmark history" in summary.read_text()
