@@ -34,6 +34,13 @@ def test_wheel_and_sdist_carry_the_kernel_sources(wheel):
         UNITS_AND_HEADERS
     )
     assert not any(n.startswith("csrc/") for n in names)  # inside the package, not beside it
+    # every module of the package travels (a subpackage missing from pyproject's list would not)
+    modules = sorted(
+        p.relative_to(REPO_ROOT).as_posix()
+        for p in (REPO_ROOT / "flashmoe_science").rglob("*.py")
+        if "__pycache__" not in p.parts
+    )
+    assert sorted(n for n in names if n.endswith(".py")) == modules
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     )
