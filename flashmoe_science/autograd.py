@@ -6,8 +6,9 @@ The forward is `torch.ops.flashmoe_science.attention`; its backward is the opera
 checks the registration. The context saves q, k, v, the output and the forward's log-sum-exp (never
 a recomputed one). Gradients come back contiguous, in the inputs' dtype.
 
-`fwd`, the operator behind flash_attention_decode (and the inference path), is inference-only:
-backward through it raises instead of leaving q.grad silently None.
+`fwd` and `paged_fwd`, the operators behind flash_attention_decode (and the inference path), and
+`varlen_fwd` (flash_attention_varlen_forward) are inference-only: backward through them raises
+instead of leaving q.grad silently None.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import torch
 DECODE_IS_INFERENCE_ONLY = (
     "flash_attention_decode is inference-only: it has no backward. For gradients, call "
     "flash_attention_forward (causal=True gives the same attention over the cache)."
+)
+VARLEN_IS_INFERENCE_ONLY = (
+    "flash_attention_varlen_forward is inference-only: it has no backward. For gradients, call "
+    "flash_attention_forward on each sequence (or on a padded batch)."
 )
 
 
@@ -76,6 +81,10 @@ def _refuse_backward(ctx, *grads):
     raise RuntimeError(DECODE_IS_INFERENCE_ONLY)
 
 
+def _refuse_varlen_backward(ctx, *grads):
+    raise RuntimeError(VARLEN_IS_INFERENCE_ONLY)
+
+
 def register() -> None:
     """Fake kernels and autograd formulas; called once, after the library is loaded."""
     torch.library.register_fake("flashmoe_science::attention")(_fake_attention)
@@ -85,4 +94,10 @@ def register() -> None:
     )
     torch.library.register_autograd(
         "flashmoe_science::fwd", _refuse_backward, setup_context=_setup_decode
+    )
+    torch.library.register_autograd(
+        "flashmoe_science::paged_fwd", _refuse_backward, setup_context=_setup_decode
+    )
+    torch.library.register_autograd(
+        "flashmoe_science::varlen_fwd", _refuse_varlen_backward, setup_context=_setup_decode
     )
