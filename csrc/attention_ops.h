@@ -447,10 +447,10 @@ inline void check_cu_seqlens_values(const Tensor& cu_cpu, const char* name, int6
 inline void check_varlen_values(const Tensor& q, const Tensor& k, const Tensor& cu_seqlens_q,
                                 const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                 int64_t max_seqlen_k) {
-  check_cu_seqlens_values(cu_seqlens_q.cpu().contiguous(), "cu_seqlens_q", q.size(0),
-                          max_seqlen_q, "max_seqlen_q", "q");
-  check_cu_seqlens_values(cu_seqlens_k.cpu().contiguous(), "cu_seqlens_k", k.size(0),
-                          max_seqlen_k, "max_seqlen_k", "k");
+  check_cu_seqlens_values(cu_seqlens_q.cpu().contiguous(), "cu_seqlens_q", q.size(0), max_seqlen_q,
+                          "max_seqlen_q", "q");
+  check_cu_seqlens_values(cu_seqlens_k.cpu().contiguous(), "cu_seqlens_k", k.size(0), max_seqlen_k,
+                          "max_seqlen_k", "k");
 }
 
 // Outputs of a packed batch with nothing to compute: out [total_q, Hq, D] zeros and lse
@@ -489,9 +489,9 @@ inline std::tuple<Tensor, Tensor> varlen_fwd_cpu(const Tensor& q, const Tensor& 
 #if FLASHMOE_PLANT_BUG == 7
     k_end = std::min<int64_t>(k_end + 1, k.size(0));  // planted: one key past the sequence
 #endif
-    auto [o, l] = attention_fwd_cpu(as_dense(q, cq[b], cq[b + 1]), as_dense(k, ck[b], k_end),
-                                    as_dense(v, ck[b], k_end), std::nullopt, causal,
-                                    softmax_scale, 1, 0);
+    auto [o, l] =
+        attention_fwd_cpu(as_dense(q, cq[b], cq[b + 1]), as_dense(k, ck[b], k_end),
+                          as_dense(v, ck[b], k_end), std::nullopt, causal, softmax_scale, 1, 0);
     out.slice(0, cq[b], cq[b + 1]).copy_(o[0].permute({1, 0, 2}));
     lse.slice(1, cq[b], cq[b + 1]).copy_(l[0]);
   }
@@ -546,15 +546,16 @@ inline void check_paged_inputs(const Tensor& q, const Tensor& k_cache, const Ten
                          " but q is on ", q.device());
   }
   const int64_t page_size = k_cache.size(1);
-  FLASHMOE_CHECK_VALUE(page_size >= 16 && (page_size & (page_size - 1)) == 0,
-                       "block size (k_cache.shape[1]) = ", page_size,
-                       " is not supported; supported: powers of two from 16 (16, 32, ..., 256, ...)");
+  FLASHMOE_CHECK_VALUE(
+      page_size >= 16 && (page_size & (page_size - 1)) == 0,
+      "block size (k_cache.shape[1]) = ", page_size,
+      " is not supported; supported: powers of two from 16 (16, 32, ..., 256, ...)");
   FLASHMOE_CHECK_TYPE(block_table.scalar_type() == at::kInt, "block_table has dtype ",
                       dtype_name(block_table.scalar_type()), "; supported: torch.int32");
-  FLASHMOE_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) == q.size(0) &&
-                           block_table.size(1) >= 1,
-                       "block_table must have shape [batch, max_blocks_per_seq] = [", q.size(0),
-                       ", >= 1], got ", shape_str(block_table));
+  FLASHMOE_CHECK_VALUE(
+      block_table.dim() == 2 && block_table.size(0) == q.size(0) && block_table.size(1) >= 1,
+      "block_table must have shape [batch, max_blocks_per_seq] = [", q.size(0), ", >= 1], got ",
+      shape_str(block_table));
   FLASHMOE_CHECK_VALUE(block_table.device() == q.device(), "block_table is on ",
                        block_table.device(), " but q is on ", q.device());
   FLASHMOE_CHECK_VALUE(block_table.size(1) * page_size < (int64_t(1) << 30),

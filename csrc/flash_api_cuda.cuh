@@ -370,8 +370,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
                    v = aligned_for_cp_async(v_in);
   AttentionParams p = make_params(q, k, v, causal, softmax_scale);
   if (seqlens_k.has_value()) p.seqlens_k = seqlens_k->data_ptr<int>();
-  return run_forward(q, p, config, num_splits, dev, stream,
-                     capture != cudaStreamCaptureStatusNone);
+  return run_forward(q, p, config, num_splits, dev, stream, capture != cudaStreamCaptureStatusNone);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -396,7 +395,8 @@ inline void check_cuda_device(const at::Tensor& q, const DeviceInfo& dev) {
 // aligned_for_cp_async for tensors of any rank: every stride but the last's.
 inline at::Tensor rows_aligned_for_cp_async(const at::Tensor& t) {
   bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && t.stride(d) % 8 == 0;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    ok = ok && t.stride(d) % 8 == 0;
   if (ok) return t;
   return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous)).copy_(t);
 }
@@ -498,8 +498,7 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
     std::optional<at::Tensor> lens_cpu;
     if (lens) lens_cpu = lens->cpu();
     if (lens_cpu) check_seqlens_values(*lens_cpu, capacity);
-    check_block_table_values(block_table.cpu().contiguous(), lens_cpu, page_size,
-                             k_cache.size(0));
+    check_block_table_values(block_table.cpu().contiguous(), lens_cpu, page_size, k_cache.size(0));
   }
   if (auto empty = empty_result(q_in, k_cache.transpose(1, 2))) return *empty;
 
@@ -513,7 +512,8 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
   p.block_table = table.data_ptr<int>();
   p.block_table_stride = table.stride(0);
   p.page_shift = 0;
-  while ((int64_t(1) << p.page_shift) < page_size) ++p.page_shift;
+  while ((int64_t(1) << p.page_shift) < page_size)
+    ++p.page_shift;
   p.num_pages = int(k.size(0));
   return run_forward(q, p, kDecodeConfig, num_splits, dev, stream, capturing);
 }

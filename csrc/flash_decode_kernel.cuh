@@ -79,8 +79,10 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   // A paged cache's batch stride is its page stride: the sequence is found through its row of the
   // block table instead.
   const int64_t kv_batch = kPaged ? 0 : b;
-  const T* k_base = static_cast<const T*>(p.k) + kv_batch * p.k_batch_stride + hkv * p.k_head_stride;
-  const T* v_base = static_cast<const T*>(p.v) + kv_batch * p.v_batch_stride + hkv * p.v_head_stride;
+  const T* k_base =
+      static_cast<const T*>(p.k) + kv_batch * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v_base =
+      static_cast<const T*>(p.v) + kv_batch * p.v_batch_stride + hkv * p.v_head_stride;
   const L2Policy l2{p.kv_evict_first ? l2_policy_evict_first() : l2_policy_evict_normal()};
   auto load_stage = [&](int it) {
     const int s = it % kStages, row0 = (n_lo + it) * BN;

@@ -68,10 +68,10 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
 #endif
 
-  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride +
-                     t.row0_k * p.k_row_stride + hkv * p.k_head_stride;
-  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride +
-                     t.row0_k * p.v_row_stride + hkv * p.v_head_stride;
+  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + t.row0_k * p.k_row_stride +
+                    hkv * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + t.row0_k * p.v_row_stride +
+                    hkv * p.v_head_stride;
 
   auto load_kv = [&](T* tile, const T* base, int64_t row_stride, int n_block) {
     load_kv_tile<D, BN, kThreads>(tile, base, row_stride, n_block * BN, len_k, tid);

@@ -325,7 +325,9 @@ def flash_attention_varlen_forward(
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     if config == 3 or isinstance(config, bool) or not isinstance(config, int):
-        raise ValueError(f"config must be 0 (automatic), 1, 2 or 4 for a packed batch, got {config!r}")
+        raise ValueError(
+            f"config must be 0 (automatic), 1, 2 or 4 for a packed batch, got {config!r}"
+        )
     _check_int("config", config, 0, len(CONFIGS), "0 = automatic, " + _CONFIG_TEXT)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     out, lse = _call(

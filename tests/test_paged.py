@@ -84,19 +84,71 @@ def _ints(args, values):
 @pytest.mark.parametrize(
     ("change", "error", "message"),
     [
-        (lambda a: {**a, "block_table": a["block_table"].long()}, TypeError, "block_table has dtype torch.int64; supported: torch.int32"),
-        (lambda a: {**a, "block_table": a["block_table"][:1]}, ValueError, "block_table must have shape [batch, max_blocks_per_seq] = [2, >= 1], got [1, 4]"),
-        (lambda a: {**a, "block_table": a["block_table"][0]}, ValueError, "block_table must have shape"),
-        (lambda a: {**a, "block_table": a["block_table"] + 1000}, ValueError, "is outside [0, 24) (the blocks of k_cache)"),
-        (lambda a: {**a, "block_table": a["block_table"] - 1000}, ValueError, "block_table[0, 0] = "),
-        (lambda a: {**a, "cache_seqlens": _ints(a, [5, 65])}, ValueError, "cache_seqlens[1] = 65 is outside [0, 64]"),
-        (lambda a: {**a, "k_cache": a["k_cache"][:, :12], "v_cache": a["v_cache"][:, :12]}, ValueError, "block size (k_cache.shape[1]) = 12 is not supported; supported: powers of two from 16"),
-        (lambda a: {**a, "k_cache": a["k_cache"][:, :8], "v_cache": a["v_cache"][:, :8]}, ValueError, "block size (k_cache.shape[1]) = 8 is not supported"),
-        (lambda a: {**a, "k_cache": a["k_cache"][0], "v_cache": a["v_cache"][0]}, ValueError, "k_cache and v_cache must be paged, [num_blocks, block_size, heads_kv, head_dim]"),
-        (lambda a: {**a, "v_cache": a["v_cache"][:3]}, ValueError, "k_cache and v_cache must have the same shape"),
-        (lambda a: {**a, "k_cache": a["k_cache"].half()}, TypeError, "q, k_cache and v_cache must share one dtype"),
-        (lambda a: {**a, "k_cache": a["k_cache"][..., :32], "v_cache": a["v_cache"][..., :32]}, ValueError, "head_dim differs"),
-        (lambda a: {**a, "block_table": a["block_table"].tolist()}, TypeError, "block_table must be a torch.Tensor"),
+        (
+            lambda a: {**a, "block_table": a["block_table"].long()},
+            TypeError,
+            "block_table has dtype torch.int64; supported: torch.int32",
+        ),
+        (
+            lambda a: {**a, "block_table": a["block_table"][:1]},
+            ValueError,
+            "block_table must have shape [batch, max_blocks_per_seq] = [2, >= 1], got [1, 4]",
+        ),
+        (
+            lambda a: {**a, "block_table": a["block_table"][0]},
+            ValueError,
+            "block_table must have shape",
+        ),
+        (
+            lambda a: {**a, "block_table": a["block_table"] + 1000},
+            ValueError,
+            "is outside [0, 24) (the blocks of k_cache)",
+        ),
+        (
+            lambda a: {**a, "block_table": a["block_table"] - 1000},
+            ValueError,
+            "block_table[0, 0] = ",
+        ),
+        (
+            lambda a: {**a, "cache_seqlens": _ints(a, [5, 65])},
+            ValueError,
+            "cache_seqlens[1] = 65 is outside [0, 64]",
+        ),
+        (
+            lambda a: {**a, "k_cache": a["k_cache"][:, :12], "v_cache": a["v_cache"][:, :12]},
+            ValueError,
+            "block size (k_cache.shape[1]) = 12 is not supported; supported: powers of two from 16",
+        ),
+        (
+            lambda a: {**a, "k_cache": a["k_cache"][:, :8], "v_cache": a["v_cache"][:, :8]},
+            ValueError,
+            "block size (k_cache.shape[1]) = 8 is not supported",
+        ),
+        (
+            lambda a: {**a, "k_cache": a["k_cache"][0], "v_cache": a["v_cache"][0]},
+            ValueError,
+            "k_cache and v_cache must be paged, [num_blocks, block_size, heads_kv, head_dim]",
+        ),
+        (
+            lambda a: {**a, "v_cache": a["v_cache"][:3]},
+            ValueError,
+            "k_cache and v_cache must have the same shape",
+        ),
+        (
+            lambda a: {**a, "k_cache": a["k_cache"].half()},
+            TypeError,
+            "q, k_cache and v_cache must share one dtype",
+        ),
+        (
+            lambda a: {**a, "k_cache": a["k_cache"][..., :32], "v_cache": a["v_cache"][..., :32]},
+            ValueError,
+            "head_dim differs",
+        ),
+        (
+            lambda a: {**a, "block_table": a["block_table"].tolist()},
+            TypeError,
+            "block_table must be a torch.Tensor",
+        ),
     ],
 )
 def test_bad_input_raises_one_line(device, change, error, message):

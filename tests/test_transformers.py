@@ -82,7 +82,9 @@ def test_register_without_transformers_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError) as info:
         integration.register()
-    assert str(info.value) == integration.INSTALL_HINT and "pip install transformers" in str(info.value)
+    assert str(info.value) == integration.INSTALL_HINT and "pip install transformers" in str(
+        info.value
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -92,7 +94,9 @@ def test_padded_logits_match_sdpa(name, device, side, monkeypatch):
 
     calls = []
     varlen = ops.flash_attention_varlen_forward
-    monkeypatch.setattr(ops, "flash_attention_varlen_forward", lambda *a, **k: calls.append(1) or varlen(*a, **k))
+    monkeypatch.setattr(
+        ops, "flash_attention_varlen_forward", lambda *a, **k: calls.append(1) or varlen(*a, **k)
+    )
     ref = model("eager", device=device)
     state = ref.state_dict()
     sdpa = model("sdpa", state, torch.bfloat16, device)

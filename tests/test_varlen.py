@@ -92,8 +92,11 @@ def test_lse_layout_and_empty_sequences(device):
     assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
     assert torch.all(out[:2] == 0) and torch.all(torch.isinf(lse[:, :2]))
     dense, dense_lse = flash_attention_forward(
-        q[2:5].transpose(0, 1)[None], k[0:3].transpose(0, 1)[None], v[0:3].transpose(0, 1)[None],
-        True, return_lse=True,
+        q[2:5].transpose(0, 1)[None],
+        k[0:3].transpose(0, 1)[None],
+        v[0:3].transpose(0, 1)[None],
+        True,
+        return_lse=True,
     )
     torch.testing.assert_close(out[2:5], dense[0].transpose(0, 1), atol=2e-2, rtol=0)
     torch.testing.assert_close(lse[:, 2:5], dense_lse[0], atol=1e-3, rtol=1e-3)
@@ -114,18 +117,54 @@ def _cu(args, values):
 @pytest.mark.parametrize(
     ("change", "error", "message"),
     [
-        (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].long()}, TypeError, "cu_seqlens_q has dtype torch.int64"),
-        (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"].float()}, TypeError, "cu_seqlens_k has dtype torch.float32"),
-        (lambda a: {**a, "cu_seqlens_q": _cu(a, [0, 5, 3, 8])}, ValueError, "cu_seqlens_q must be non-decreasing, got cu_seqlens_q[1] = 5 > cu_seqlens_q[2] = 3"),
-        (lambda a: {**a, "cu_seqlens_k": _cu(a, [0, 4, 6, 10])}, ValueError, "cu_seqlens_k[-1] = 10 must equal the rows of k (11)"),
-        (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"] + 1}, ValueError, "cu_seqlens_q[0] must be 0"),
-        (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][:3]}, ValueError, "both have batch + 1 entries"),
-        (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].view(2, 2)}, ValueError, "cu_seqlens_q must have shape [batch + 1]"),
-        (lambda a: {**a, "max_seqlen_q": 4}, ValueError, "sequence 2 has 5 rows in cu_seqlens_q but max_seqlen_q = 4"),
+        (
+            lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].long()},
+            TypeError,
+            "cu_seqlens_q has dtype torch.int64",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"].float()},
+            TypeError,
+            "cu_seqlens_k has dtype torch.float32",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_q": _cu(a, [0, 5, 3, 8])},
+            ValueError,
+            "cu_seqlens_q must be non-decreasing, got cu_seqlens_q[1] = 5 > cu_seqlens_q[2] = 3",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_k": _cu(a, [0, 4, 6, 10])},
+            ValueError,
+            "cu_seqlens_k[-1] = 10 must equal the rows of k (11)",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"] + 1},
+            ValueError,
+            "cu_seqlens_q[0] must be 0",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][:3]},
+            ValueError,
+            "both have batch + 1 entries",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].view(2, 2)},
+            ValueError,
+            "cu_seqlens_q must have shape [batch + 1]",
+        ),
+        (
+            lambda a: {**a, "max_seqlen_q": 4},
+            ValueError,
+            "sequence 2 has 5 rows in cu_seqlens_q but max_seqlen_q = 4",
+        ),
         (lambda a: {**a, "max_seqlen_k": 3}, ValueError, "max_seqlen_k = 3"),
         (lambda a: {**a, "max_seqlen_k": -1}, ValueError, "max_seqlen_k must be an int in"),
         (lambda a: {**a, "q": a["q"][None]}, ValueError, "q must have 3 dimensions"),
-        (lambda a: {**a, "k": a["k"][:, :1].repeat(1, 3, 1), "v": a["v"][:, :1].repeat(1, 3, 1)}, ValueError, "must be a multiple of heads of k and v"),
+        (
+            lambda a: {**a, "k": a["k"][:, :1].repeat(1, 3, 1), "v": a["v"][:, :1].repeat(1, 3, 1)},
+            ValueError,
+            "must be a multiple of heads of k and v",
+        ),
         (lambda a: {**a, "q": a["q"].float()}, TypeError, "q has dtype torch.float32"),
         (lambda a: {**a, "config": 3}, ValueError, "config must be 0 (automatic), 1, 2 or 4"),
     ],

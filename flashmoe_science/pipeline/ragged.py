@@ -58,7 +58,7 @@ class RaggedResult:
         for r in self.sequences:
             if r.passed:
                 continue
-            b, h, row, col = r.worst
+            _batch, h, row, col = r.worst
             lines += [
                 f"  {r.case_id} (seed {r.seed}): max diff {r.max_diff:.4g}, PyTorch's "
                 f"{r.pt_max_diff:.4g}, gate-2 bound {r.bound:.4g}; worst element: head {h}, "
