@@ -307,7 +307,8 @@ def flash_attention_varlen_forward(
 
     The cu_seqlens values are checked on the host (one copy from the device); while a CUDA graph
     is being captured they are not, and the kernel clamps them into the packed tensors instead.
-    Inference-only: backward through it raises.
+    Differentiable in q, k and v: the backward runs flash_attention_forward's backward on each
+    sequence (one launch sequence per sequence; gradients contiguous, in the inputs' dtype).
 
     Returns the output [total_q, Hq, D] in the input dtype, and with return_lse=True also the
     log-sum-exp as fp32 [Hq, total_q] (FlashAttention's varlen layout).

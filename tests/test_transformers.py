@@ -222,3 +222,23 @@ def test_unsupported_options_raise(name):
         integration.attention_forward(module, q, kv, kv, None, softcap=30.0)
     with pytest.raises(ValueError, match="2-D padding mask"):
         integration.attention_forward(module, q, kv, kv, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_batch_trains(name, device):
+    """A loss over a left-padded batch back-propagates through the varlen path, and the weight
+    gradients agree with SDPA's in the same dtype. (Not against fp32: this model's bf16 weight
+    gradients differ from its fp32 ones by about 90% whichever attention runs, measured on the
+    CPU; ours and SDPA's differed by 5%.)"""
+    state = model("eager", device=device).state_dict()
+    sdpa = model("sdpa", state, torch.bfloat16, device)
+    ours = model(name, state, torch.bfloat16, device)
+    ids, mask = batch(device, "left")
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for m in (sdpa, ours):
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append(torch.cat([p.grad.float().flatten() for p in m.model.layers.parameters()]))
+    expected, got = grads
+    assert torch.isfinite(got).all()
+    assert float((got - expected).norm() / expected.norm()) < 0.2

@@ -1,5 +1,5 @@
 """Packed (varlen) batches: the gate matrix (flashmoe_science/pipeline/varlen_gates.py), the input
-checks, the log-sum-exp layout, the refused backward, and a planted bug (a kernel that reads one
+checks, the log-sum-exp layout, the backward, and a planted bug (a kernel that reads one
 key past each sequence's end) that a gate must catch."""
 
 from __future__ import annotations
@@ -177,12 +177,36 @@ def test_bad_input_raises_one_line(device, change, error, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_backward_raises_instead_of_a_silent_none():
-    q, k, v, cu_q, cu_k = packed("cpu")
-    q.requires_grad_(True)
-    out = flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 5, 5, True)
-    with pytest.raises(RuntimeError, match="flash_attention_varlen_forward is inference-only"):
-        out.float().sum().backward()
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_matches_the_dense_backward_per_sequence(device, causal):
+    """Gradients of a packed call equal those of flash_attention_forward on each sequence alone,
+    including sequences without queries or keys (zero gradients), with GQA."""
+    lengths_q, lengths_k = (3, 0, 70, 2), (4, 5, 70, 0)
+    q, k, v, cu_q, cu_k = packed(device, lengths_q, lengths_k, heads=(4, 2))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(q)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flash_attention_varlen_forward(*leaves, cu_q, cu_k, 70, 70, causal)
+    out.backward(grad)
+    expected = [torch.zeros_like(t) for t in (q, k, v)]
+    q0 = k0 = 0
+    for len_q, len_k in zip(lengths_q, lengths_k, strict=True):
+        rows_q, rows_k = slice(q0, q0 + len_q), slice(k0, k0 + len_k)
+        q0, k0 = q0 + len_q, k0 + len_k
+        if not (len_q and len_k):
+            continue
+        dense = [
+            t[rows].transpose(0, 1)[None].detach().requires_grad_(True)
+            for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k))
+        ]
+        flash_attention_forward(*dense, causal).backward(grad[rows_q].transpose(0, 1)[None])
+        for e, d, rows in zip(expected, dense, (rows_q, rows_k, rows_k), strict=True):
+            e[rows] = d.grad[0].transpose(0, 1)
+    for leaf, e in zip(leaves, expected, strict=True):
+        assert leaf.grad.dtype == leaf.dtype and leaf.grad.is_contiguous()
+        torch.testing.assert_close(leaf.grad, e, atol=1e-2, rtol=1e-2)
+    assert torch.all(leaves[0].grad[3:3] == 0) and torch.all(leaves[1].grad[4:9] == 0)
+    assert leaves[0].grad[73:].abs().sum() == 0  # the last sequence has no keys
 
 
 def test_opcheck():

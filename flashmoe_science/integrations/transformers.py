@@ -19,8 +19,8 @@ Per call (query [B, Hq, Sq, D], key and value [B, Hkv, Sk, D], not expanded for 
   DataCollatorWithFlattening): varlen on the flattened batch.
 fp16 and bf16 run as they are; an fp32 model's attention runs in bf16 (as transformers' own
 FlashAttention backends do) and comes back in fp32. Supported: the dynamic (default) KV cache; not
-sliding windows, logit soft-capping or attention dropout (they raise). Padded and packed batches
-are inference-only (the varlen kernel has no backward); unpadded batches train.
+sliding windows, logit soft-capping or attention dropout (they raise). All three paths train
+(flash_attention_varlen_forward's backward runs the dense backward per sequence).
 """
 
 from __future__ import annotations
