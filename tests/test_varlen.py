@@ -220,6 +220,27 @@ def test_opcheck():
     )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_capture_clamps_instead_of_syncing():
+    """A packed call captures into a CUDA graph (no host check of cu_seqlens, so no sync while
+    capturing); a replay with new lengths gives the eager result, and offsets out of range are
+    clamped into the packed tensors rather than read outside them."""
+    q, k, v, cu_q, cu_k = packed("cuda", lengths_q=(3, 60, 5), lengths_k=(4, 60, 7))
+    flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 64, 64, True)  # warm-up, eager
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 64, 64, True)
+    cu_q.copy_(torch.tensor([0, 30, 62, 68], dtype=torch.int32))
+    cu_k.copy_(torch.tensor([0, 11, 70, 71], dtype=torch.int32))
+    graph.replay()
+    expected = flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 64, 64, True)
+    assert torch.equal(out, expected)
+    cu_k.copy_(torch.tensor([0, 10**6, -5, 10**7], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
 PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
