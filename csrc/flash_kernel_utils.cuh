@@ -289,8 +289,9 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row
 
 // load_kv_tile for a paged cache (p.block_table): the K and V rows [row0, row0 + kRows) of one
 // sequence, whose logical row j lies in physical page table_row[j / page_size] at row
-// j % page_size. The page is looked up per row, since pages of 16 or 32 rows split a tile; K and
-// V share the lookup. Pages are clamped into [0, num_pages) (a table the host could not check,
+// j % page_size. Pages of kRows rows or more hold a whole tile (row0 is a multiple of kRows), so
+// one table entry serves it; smaller pages (16, 32) split a tile and are looked up per row. K and
+// V share the lookups. Pages are clamped into [0, num_pages) (a table the host could not check,
 // under graph capture, still reads inside the cache) and rows at or past `len` are zero-filled
 // without touching the table.
 template <int kHeadDim, int kRows, int kThreads, typename T, typename L2 = L2Default>
@@ -302,23 +303,26 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
   constexpr int kRowsPerPass = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
                 "each pass must cover whole rows, a multiple of 8 of them");
+  static_assert((kRows & (kRows - 1)) == 0, "a tile of a power-of-two rows");
   const int r = tid / kChunks, ch = tid % kChunks;
   const int in_page_mask = (1 << p.page_shift) - 1;
+  auto page_of = [&](int row) {
+#if FLASHMOE_PLANT_BUG == 8
+    const int page = row >> p.page_shift;  // planted: the logical page, the block table ignored
+#else
+    const int page = table_row[row >> p.page_shift];
+#endif
+    return min(max(page, 0), p.num_pages - 1);
+  };
+  const bool one_page_per_tile = (1 << p.page_shift) >= kRows;
+  const int tile_page = one_page_per_tile && row0 < len ? page_of(row0) : 0;
   T* k_dst = k_tile + swizzle<kHeadDim>(r, ch);
   T* v_dst = v_tile + swizzle<kHeadDim>(r, ch);
 #pragma unroll
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
     const int row = row0 + r + pass * kRowsPerPass;
     const bool valid = row < len;
-    int page = 0;
-    if (valid) {
-#if FLASHMOE_PLANT_BUG == 8
-      page = row >> p.page_shift;  // planted: the logical page, the block table ignored
-#else
-      page = table_row[row >> p.page_shift];
-#endif
-      page = min(max(page, 0), p.num_pages - 1);
-    }
+    const int page = !valid ? 0 : one_page_per_tile ? tile_page : page_of(row);
     const int in_page = row & in_page_mask;
     const T* k_from = k_base + page * p.k_batch_stride + in_page * p.k_row_stride + ch * 8;
     const T* v_from = v_base + page * p.v_batch_stride + in_page * p.v_row_stride + ch * 8;
