@@ -103,6 +103,19 @@ def test_lse_layout_and_empty_sequences(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_views_of_a_packed_qkv_tensor(device):
+    """q, k and v as views of one [total, 3, H, D] projection (only the last dimension contiguous)
+    give the same result as contiguous copies."""
+    q, k, v, cu_q, _ = packed(device, lengths_q=(3, 70, 5), lengths_k=(3, 70, 5), heads=(4, 4))
+    qkv = torch.stack([q, k, v], dim=1)
+    views = flash_attention_varlen_forward(
+        qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_q, cu_q, 70, 70, True
+    )
+    copies = flash_attention_varlen_forward(q, k, v, cu_q, cu_q, 70, 70, True)
+    assert torch.equal(views, copies)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch(device):
     q, k, v, cu_q, cu_k = packed(device, lengths_q=(0, 0), lengths_k=(0, 0))
     out, lse = flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 0, 0, return_lse=True)
