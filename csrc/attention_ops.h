@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
@@ -364,6 +365,257 @@ inline std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
+// ------------------------------------------------------------------------------------------------
+// Variable-length (packed) batches and paged KV caches: checks and the CPU implementation
+// ------------------------------------------------------------------------------------------------
+
+// Shapes, dtypes and devices of a packed batch: q [total_q, Hq, D], k and v [total_k, Hkv, D],
+// cu_seqlens_q and cu_seqlens_k int32 [B + 1].
+inline void check_varlen_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  const Tensor* named[] = {&q, &k, &v};
+  const char* names[] = {"q", "k", "v"};
+  for (int t = 0; t < 3; ++t) {
+    const Tensor& x = *named[t];
+    FLASHMOE_CHECK_VALUE(x.dim() == 3, names[t],
+                         " must have 3 dimensions [total_tokens, heads, head_dim] (the packed "
+                         "varlen layout), got ",
+                         x.dim(), " (shape ", shape_str(x), ")");
+    FLASHMOE_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ",
+                        dtype_name(x.scalar_type()), "; supported: torch.float16, torch.bfloat16");
+    FLASHMOE_CHECK_VALUE(x.device() == q.device(), names[t], " is on ", x.device(), " but q is on ",
+                         q.device(), "; all inputs must be on the same device");
+    FLASHMOE_CHECK_VALUE(x.size(2) <= 1 || x.stride(2) == 1, names[t],
+                         " must be contiguous in its last dimension (stride 1), got strides ",
+                         x.strides(), "; call .contiguous() first");
+  }
+  FLASHMOE_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                      "q, k and v must share one dtype, got ", dtype_name(q.scalar_type()), ", ",
+                      dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()));
+  FLASHMOE_CHECK_VALUE(k.size(2) == q.size(2) && v.size(2) == q.size(2), "head_dim differs: q ",
+                       shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  FLASHMOE_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got k ",
+                       shape_str(k), ", v ", shape_str(v));
+  FLASHMOE_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "heads of q (", q.size(1),
+                       ") must be a multiple of heads of k and v (", k.size(1),
+                       ") for grouped-query attention");
+  const Tensor* cus[] = {&cu_seqlens_q, &cu_seqlens_k};
+  const char* cu_names[] = {"cu_seqlens_q", "cu_seqlens_k"};
+  for (int t = 0; t < 2; ++t) {
+    const Tensor& c = *cus[t];
+    FLASHMOE_CHECK_TYPE(c.scalar_type() == at::kInt, cu_names[t], " has dtype ",
+                        dtype_name(c.scalar_type()), "; supported: torch.int32");
+    FLASHMOE_CHECK_VALUE(c.dim() == 1 && c.size(0) >= 1, cu_names[t],
+                         " must have shape [batch + 1] (cumulative sequence lengths from 0), got ",
+                         shape_str(c));
+    FLASHMOE_CHECK_VALUE(c.device() == q.device(), cu_names[t], " is on ", c.device(),
+                         " but q is on ", q.device());
+  }
+  FLASHMOE_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0),
+                       "cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries, got ",
+                       cu_seqlens_q.size(0), " and ", cu_seqlens_k.size(0));
+  FLASHMOE_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_q <= (int64_t(1) << 30),
+                       "max_seqlen_q must be in [0, 2^30], got ", max_seqlen_q);
+  FLASHMOE_CHECK_VALUE(max_seqlen_k >= 0 && max_seqlen_k <= (int64_t(1) << 30),
+                       "max_seqlen_k must be in [0, 2^30], got ", max_seqlen_k);
+  FLASHMOE_CHECK_VALUE(q.size(0) < (int64_t(1) << 31) && k.size(0) < (int64_t(1) << 31),
+                       "the packed tensors must have fewer than 2^31 rows, got q ", shape_str(q),
+                       ", k ", shape_str(k));
+}
+
+// The values of one cu_seqlens (a host copy): from 0, non-decreasing, ending at the packed rows,
+// and no sequence longer than max_seqlen.
+inline void check_cu_seqlens_values(const Tensor& cu_cpu, const char* name, int64_t total,
+                                    int64_t max_seqlen, const char* max_name, const char* tensor) {
+  const int* c = cu_cpu.data_ptr<int>();
+  const int64_t n = cu_cpu.numel();
+  FLASHMOE_CHECK_VALUE(c[0] == 0, name, "[0] must be 0, got ", c[0]);
+  for (int64_t b = 0; b + 1 < n; ++b) {
+    FLASHMOE_CHECK_VALUE(c[b + 1] >= c[b], name, " must be non-decreasing, got ", name, "[", b,
+                         "] = ", c[b], " > ", name, "[", b + 1, "] = ", c[b + 1]);
+    FLASHMOE_CHECK_VALUE(c[b + 1] - c[b] <= max_seqlen, "sequence ", b, " has ", c[b + 1] - c[b],
+                         " rows in ", name, " but ", max_name, " = ", max_seqlen,
+                         "; pass the longest sequence's length");
+  }
+  FLASHMOE_CHECK_VALUE(c[n - 1] == total, name, "[-1] = ", c[n - 1], " must equal the rows of ",
+                       tensor, " (", total, ")");
+}
+
+inline void check_varlen_values(const Tensor& q, const Tensor& k, const Tensor& cu_seqlens_q,
+                                const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                int64_t max_seqlen_k) {
+  check_cu_seqlens_values(cu_seqlens_q.cpu().contiguous(), "cu_seqlens_q", q.size(0), max_seqlen_q,
+                          "max_seqlen_q", "q");
+  check_cu_seqlens_values(cu_seqlens_k.cpu().contiguous(), "cu_seqlens_k", k.size(0), max_seqlen_k,
+                          "max_seqlen_k", "k");
+}
+
+// Outputs of a packed batch with nothing to compute: out [total_q, Hq, D] zeros and lse
+// [Hq, total_q] -inf (no queries, or no keys at all).
+inline std::tuple<Tensor, Tensor> empty_varlen_result(const Tensor& q) {
+  auto out = at::zeros(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<float>::infinity(),
+                      q.options().dtype(at::kFloat));
+  return {out, lse};
+}
+
+// Each sequence through the dense CPU path, on [1, H, S, D] views of its rows.
+inline std::tuple<Tensor, Tensor> varlen_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const Tensor& cu_seqlens_q,
+                                                 const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                 int64_t max_seqlen_k, bool causal,
+                                                 double softmax_scale, int64_t config) {
+  check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(),
+                       "; this is the CPU implementation");
+  FLASHMOE_CHECK_VALUE(
+      config == 0, "config=", config,
+      " selects a CUDA tile configuration, but the inputs are CPU tensors; use config=0 "
+      "(automatic) on the CPU");
+  check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  auto [out, lse] = empty_varlen_result(q);
+  const Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  const int* cq = cu_q.data_ptr<int>();
+  const int* ck = cu_k.data_ptr<int>();
+  auto as_dense = [](const Tensor& x, int64_t begin, int64_t end) {
+    return x.slice(0, begin, end).permute({1, 0, 2}).unsqueeze(0);  // [1, H, S, D]
+  };
+  for (int64_t b = 0; b + 1 < cu_q.numel(); ++b) {
+    if (cq[b + 1] == cq[b]) continue;
+    int64_t k_end = ck[b + 1];
+#if FLASHMOE_PLANT_BUG == 7
+    k_end = std::min<int64_t>(k_end + 1, k.size(0));  // planted: one key past the sequence
+#endif
+    auto [o, l] =
+        attention_fwd_cpu(as_dense(q, cq[b], cq[b + 1]), as_dense(k, ck[b], k_end),
+                          as_dense(v, ck[b], k_end), std::nullopt, causal, softmax_scale, 1, 0);
+    out.slice(0, cq[b], cq[b + 1]).copy_(o[0].permute({1, 0, 2}));
+    lse.slice(1, cq[b], cq[b + 1]).copy_(l[0]);
+  }
+  return {out, lse};
+}
+
+// Shapes of a decode against a paged cache: q [B, Hq, Sq, D], k_cache and v_cache [num_pages,
+// page_size, Hkv, D], block_table int32 [B, max_pages_per_seq], page_size a power of two >= 16.
+inline void check_paged_inputs(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                               const Tensor& block_table, const std::optional<Tensor>& seqlens_k,
+                               int64_t num_splits) {
+  FLASHMOE_CHECK_VALUE(q.dim() == 4, "q must have 4 dimensions [batch, heads, seq, head_dim], got ",
+                       q.dim(), " (shape ", shape_str(q), ")");
+  FLASHMOE_CHECK_VALUE(k_cache.dim() == 4 && v_cache.dim() == 4,
+                       "with a block_table, k_cache and v_cache must be paged, [num_blocks, "
+                       "block_size, heads_kv, head_dim], got k_cache ",
+                       shape_str(k_cache), ", v_cache ", shape_str(v_cache));
+  const Tensor* named[] = {&q, &k_cache, &v_cache};
+  const char* names[] = {"q", "k_cache", "v_cache"};
+  for (int t = 0; t < 3; ++t) {
+    const Tensor& x = *named[t];
+    FLASHMOE_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ",
+                        dtype_name(x.scalar_type()), "; supported: torch.float16, torch.bfloat16");
+    FLASHMOE_CHECK_VALUE(x.device() == q.device(), names[t], " is on ", x.device(), " but q is on ",
+                         q.device(), "; all inputs must be on the same device");
+    FLASHMOE_CHECK_VALUE(x.size(3) <= 1 || x.stride(3) == 1, names[t],
+                         " must be contiguous in its last dimension (stride 1), got strides ",
+                         x.strides(), "; call .contiguous() first");
+  }
+  FLASHMOE_CHECK_TYPE(
+      k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+      "q, k_cache and v_cache must share one dtype, got ", dtype_name(q.scalar_type()), ", ",
+      dtype_name(k_cache.scalar_type()), ", ", dtype_name(v_cache.scalar_type()));
+  FLASHMOE_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(),
+                       "k_cache and v_cache must have the same shape, got ", shape_str(k_cache),
+                       " and ", shape_str(v_cache));
+  FLASHMOE_CHECK_VALUE(k_cache.size(3) == q.size(3), "head_dim differs: q ", shape_str(q),
+                       ", k_cache ", shape_str(k_cache));
+  FLASHMOE_CHECK_VALUE(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "heads of q (",
+                       q.size(1), ") must be a multiple of the heads of k_cache and v_cache (",
+                       k_cache.size(2), ", their dimension 2) for grouped-query attention");
+  FLASHMOE_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxSplits, "num_splits must be in [0, ",
+                       kMaxSplits, "] (0 = automatic), got ", num_splits);
+  if (seqlens_k.has_value()) {
+    const Tensor& s = *seqlens_k;
+    FLASHMOE_CHECK_TYPE(s.scalar_type() == at::ScalarType::Int, "cache_seqlens has dtype ",
+                        dtype_name(s.scalar_type()), "; supported: torch.int32");
+    FLASHMOE_CHECK_VALUE(s.dim() == 1 && s.size(0) == q.size(0),
+                         "cache_seqlens must have shape [batch] = [", q.size(0), "], got ",
+                         shape_str(s));
+    FLASHMOE_CHECK_VALUE(s.device() == q.device(), "cache_seqlens is on ", s.device(),
+                         " but q is on ", q.device());
+  }
+  const int64_t page_size = k_cache.size(1);
+  FLASHMOE_CHECK_VALUE(
+      page_size >= 16 && (page_size & (page_size - 1)) == 0,
+      "block size (k_cache.shape[1]) = ", page_size,
+      " is not supported; supported: powers of two from 16 (16, 32, ..., 256, ...)");
+  FLASHMOE_CHECK_TYPE(block_table.scalar_type() == at::kInt, "block_table has dtype ",
+                      dtype_name(block_table.scalar_type()), "; supported: torch.int32");
+  FLASHMOE_CHECK_VALUE(
+      block_table.dim() == 2 && block_table.size(0) == q.size(0) && block_table.size(1) >= 1,
+      "block_table must have shape [batch, max_blocks_per_seq] = [", q.size(0), ", >= 1], got ",
+      shape_str(block_table));
+  FLASHMOE_CHECK_VALUE(block_table.device() == q.device(), "block_table is on ",
+                       block_table.device(), " but q is on ", q.device());
+  FLASHMOE_CHECK_VALUE(block_table.size(1) * page_size < (int64_t(1) << 30),
+                       "block_table's capacity (max_blocks_per_seq x block size = ",
+                       block_table.size(1) * page_size, ") must be below 2^30 keys");
+  FLASHMOE_CHECK_VALUE(k_cache.size(0) >= 1 && k_cache.size(0) < (int64_t(1) << 31),
+                       "k_cache must hold 1 to 2^31 - 1 blocks, got ", k_cache.size(0));
+}
+
+// The block-table entries a sequence reads (those covering its cache_seqlens keys) must name a
+// page of the cache. Entries past a sequence's length are never read (vLLM leaves them stale).
+inline void check_block_table_values(const Tensor& table_cpu,
+                                     const std::optional<Tensor>& seqlens_cpu, int64_t page_size,
+                                     int64_t num_pages) {
+  const int64_t batch = table_cpu.size(0), max_pages = table_cpu.size(1);
+  const int* table = table_cpu.data_ptr<int>();
+  const int* lens = seqlens_cpu ? seqlens_cpu->data_ptr<int>() : nullptr;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = lens ? lens[b] : max_pages * page_size;
+    const int64_t used = (len + page_size - 1) / page_size;
+    for (int64_t i = 0; i < used; ++i) {
+      const int page = table[b * max_pages + i];
+      FLASHMOE_CHECK_VALUE(page >= 0 && page < num_pages, "block_table[", b, ", ", i, "] = ", page,
+                           " is outside [0, ", num_pages, ") (the blocks of k_cache)");
+    }
+  }
+}
+
+inline std::tuple<Tensor, Tensor> paged_fwd_cpu(const Tensor& q, const Tensor& k_cache,
+                                                const Tensor& v_cache, const Tensor& block_table,
+                                                const std::optional<Tensor>& seqlens_k, bool causal,
+                                                double softmax_scale, int64_t num_splits) {
+  check_paged_inputs(q, k_cache, v_cache, block_table, seqlens_k, num_splits);
+  FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(),
+                       "; this is the CPU implementation");
+  const int64_t page_size = k_cache.size(1), num_pages = k_cache.size(0);
+  const int64_t capacity = block_table.size(1) * page_size;
+  std::optional<Tensor> lens;
+  if (seqlens_k.has_value()) {
+    lens = seqlens_k->contiguous();
+    check_seqlens_values(*lens, capacity);
+  }
+  const Tensor table = block_table.contiguous();
+  check_block_table_values(table, lens, page_size, num_pages);
+  // Gather each sequence's pages into a contiguous [B, Hkv, capacity, D] cache. Entries no
+  // sequence reads may hold anything: clamped so the gather stays inside the cache.
+  Tensor pages = table.to(at::kLong).clamp(0, num_pages - 1);
+#if FLASHMOE_PLANT_BUG == 8
+  // planted: logical page i read from physical page i, the table ignored
+  pages = at::arange(table.size(1), table.options().dtype(at::kLong))
+              .clamp(0, num_pages - 1)
+              .expand(table.sizes());
+#endif
+  auto gather = [&](const Tensor& cache) {
+    return cache.index_select(0, pages.reshape({-1}))
+        .view({q.size(0), capacity, cache.size(2), cache.size(3)})
+        .permute({0, 2, 1, 3});
+  };
+  return attention_fwd_cpu(q, gather(k_cache), gather(v_cache), lens, causal, softmax_scale,
+                           num_splits, 0);
+}
+
 inline int64_t planted_bug() { return FLASHMOE_PLANT_BUG; }
 
 }  // namespace flashmoe
@@ -378,6 +630,9 @@ inline int64_t planted_bug() { return FLASHMOE_PLANT_BUG; }
 //     plus the backward's options (deterministic, bwd_config), which autograd saves with it.
 //   attention_backward: (dq, dk, dv) from grad_output and the forward's inputs, output and
 //     log-sum-exp; config: 0 = automatic, else a CUDA backward tile configuration.
+//   varlen_fwd: attention over a packed batch (FlashAttention's varlen layout; see
+//     AttentionParams), lse [Hq, total_q]; config: 0 = automatic, else 1, 2 or 4 (as fwd's).
+//   paged_fwd: fwd against a paged KV cache through a block table (decode kernel on CUDA).
 TORCH_LIBRARY(flashmoe_science, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? seqlens_k, bool causal, float softmax_scale, "
@@ -392,6 +647,13 @@ TORCH_LIBRARY(flashmoe_science, m) {
   m.def(
       "split_kv_combine(Tensor out_partial, Tensor lse_partial, ScalarType dtype) -> (Tensor, "
       "Tensor)");
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool causal, float softmax_scale, int config) -> "
+      "(Tensor, Tensor)");
+  m.def(
+      "paged_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor? seqlens_k, "
+      "bool causal, float softmax_scale, int num_splits) -> (Tensor, Tensor)");
   m.def("planted_bug() -> int", &flashmoe::planted_bug);
 }
 
@@ -400,4 +662,6 @@ TORCH_LIBRARY_IMPL(flashmoe_science, CPU, m) {
   m.impl("attention", &flashmoe::attention_cpu);
   m.impl("attention_backward", &flashmoe::attention_backward_cpu);
   m.impl("split_kv_combine", &flashmoe::split_kv_combine_cpu);
+  m.impl("varlen_fwd", &flashmoe::varlen_fwd_cpu);
+  m.impl("paged_fwd", &flashmoe::paged_fwd_cpu);
 }

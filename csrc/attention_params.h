@@ -25,6 +25,9 @@ namespace flashmoe {
 //   4: dS without the softmax scale (dQ and dK come out scale times too large)
 //   5: dK and dV keep the share of the first query head of a GQA group only (not summed)
 //   6: dQ skips the last key block of each row
+// and the bugs ragged batches and paged caches typically have:
+//   7: varlen reads one key past each sequence's end (its offsets run one row long)
+//   8: the paged lookup ignores the block table (logical page i is read from physical page i)
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif
@@ -71,6 +74,24 @@ struct AttentionParams {
   // Decode kernel only: one arrival counter per row tile, zero between launches; the last split of
   // a tile to arrive combines the partials and resets its counter.
   int* split_counters;
+
+  // Variable length (packed) batches, FlashAttention's layout: q [total_q, Hq, D], k and v
+  // [total_k, Hkv, D], o [total_q, Hq, D], lse [Hq, total_q]; sequence b owns rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and o and the same of k and v through cu_seqlens_k.
+  // seqlen_q and seqlen_k are then the longest sequence (they size the grid) and the batch strides
+  // are 0. Null when the batch is dense.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int total_q, total_k;  // rows of the packed tensors: the kernels clamp offsets into them
+
+  // Paged KV cache (decode kernel only), FlashAttention's layout: k and v [num_pages, page_size,
+  // Hkv, D], the batch stride being the page stride; block_table [B, max_pages_per_seq] maps
+  // sequence b's logical page i to a physical page. seqlen_k is then the capacity
+  // max_pages_per_seq * page_size. Null when the cache is contiguous.
+  const int* block_table;
+  int64_t block_table_stride;  // elements between two sequences' rows of block_table
+  int page_shift;              // log2(page_size): page sizes are powers of two
+  int num_pages;               // the kernel clamps physical pages into [0, num_pages)
 };
 
 // The backward pass: gradients of out = softmax(q k^T * scale) v with respect to q, k and v, given

@@ -74,30 +74,52 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int
   return 1;
 }
 
-// Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration).
-template <typename T, int D, typename F>
+template <typename Traits, typename T, bool kVarlen>
+auto fwd_kernel() {
+  if constexpr (kVarlen) {
+    return &flash_fwd_varlen_kernel<Traits, T>;
+  } else {
+    return &flash_fwd_kernel<Traits, T>;
+  }
+}
+
+// Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration). kVarlen: the
+// forward kernel's packed-batch instantiation (configurations 1, 2 and 4; never the decode one).
+template <typename T, int D, bool kVarlen = false, typename F>
 void visit_config(int config, F&& f) {
   if (config == 1) {
     using Traits = FwdTraits<D, 128, D == 128 ? 32 : 64, 4>;
-    f(&flash_fwd_kernel<Traits, T>, Traits{});
+    f(fwd_kernel<Traits, T, kVarlen>(), Traits{});
   } else if (config == 2) {
     using Traits = FwdTraits<D, 64, 64, 4>;
-    f(&flash_fwd_kernel<Traits, T>, Traits{});
-  } else if (config == kDecodeConfig) {
+    f(fwd_kernel<Traits, T, kVarlen>(), Traits{});
+  } else if (config == kDecodeConfig && !kVarlen) {
     using Traits = DecodeTraits<D, kDecodeStages>;
     f(&flash_decode_kernel<Traits, T>, Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
-    f(&flash_fwd_kernel<Traits, T>, Traits{});
+    f(fwd_kernel<Traits, T, kVarlen>(), Traits{});
   }
 }
 
-template <typename T, typename F>
+template <typename T, bool kVarlen = false, typename F>
 void visit_kernel(int head_dim, int config, F&& f) {
   if (head_dim == 64) {
-    visit_config<T, 64>(config, f);
+    visit_config<T, 64, kVarlen>(config, f);
   } else {
-    visit_config<T, 128>(config, f);
+    visit_config<T, 128, kVarlen>(config, f);
+  }
+}
+
+// The decode kernel against a paged cache (p.block_table).
+template <typename T, typename F>
+void visit_paged_decode(int head_dim, F&& f) {
+  if (head_dim == 64) {
+    using Traits = DecodeTraits<64, kDecodeStages>;
+    f(&flash_decode_paged_kernel<Traits, T>, Traits{});
+  } else {
+    using Traits = DecodeTraits<128, kDecodeStages>;
+    f(&flash_decode_paged_kernel<Traits, T>, Traits{});
   }
 }
 
@@ -113,14 +135,21 @@ void allow_dynamic_smem(Kernel kernel, int smem) {
 template <typename T>
 void launch_attention(const AttentionParams& p, int config, int grid_x, int m_blocks,
                       cudaStream_t stream) {
-  visit_kernel<T>(p.head_dim, config, [&](auto kernel, auto traits) {
+  auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
     // x = (batch, head, row block) in the order p.row_blocks_fastest says (TileCoords); y = split.
     kernel<<<dim3(grid_x * m_blocks, p.num_splits), Traits::kNThreads, Traits::kSmemBytes,
              stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  };
+  if (p.cu_seqlens_q != nullptr) {
+    visit_kernel<T, /*kVarlen=*/true>(p.head_dim, config, launch);
+  } else if (p.block_table != nullptr) {
+    visit_paged_decode<T>(p.head_dim, launch);
+  } else {
+    visit_kernel<T>(p.head_dim, config, launch);
+  }
 }
 
 // Blocks of one kernel resident per SM (registers, shared memory and threads), as CUDA computes
@@ -233,40 +262,13 @@ inline std::tuple<at::Tensor, at::Tensor> split_kv_combine_cuda(const at::Tensor
   return {out, lse};
 }
 
-inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
-    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const std::optional<at::Tensor>& seqlens_k, bool causal, double softmax_scale,
-    int64_t num_splits, int64_t config) {
-  check_attention_inputs(q_in, k_in, v_in, seqlens_k, num_splits);
-  FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
-                       "; this is the CUDA implementation");
-  check_head_dim_cuda(q_in.size(3));
-  FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs, "config must be in [0, ", kNumConfigs,
-                       "] (0 = automatic), got ", config);
-  c10::cuda::CUDAGuard guard(q_in.device());
-  const DeviceInfo dev = device_info(q_in.device().index());
-  TORCH_CHECK(dev.major >= 8,
-              error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
-                         "(mma.sync bf16/fp16); this one is ",
-                         dev.major, ".", dev.minor));
-  FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
-                       " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
-                       ".", dev.minor, ": use config 1, 2 or 3 (or 0, automatic)");
-  // The values of cache_seqlens are checked on the host, which needs a copy and a sync that CUDA
-  // graph capture forbids: while capturing they are not checked, and the kernels clamp them to
-  // [0, Smax] so a bad value still reads nothing out of bounds.
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (seqlens_k.has_value() && capture == cudaStreamCaptureStatusNone) {
-    check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
-  }
-  if (auto empty = empty_result(q_in, k_in)) return *empty;
-
-  const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
-                   v = aligned_for_cp_async(v_in);
-  AttentionParams p = make_params(q, k, v, causal, softmax_scale);
-  if (seqlens_k.has_value()) p.seqlens_k = seqlens_k->data_ptr<int>();
+// The launch shared by the dense and the paged entry points: GQA packing, the configuration, the
+// split count, the outputs ([B, Hq, Sq, D] and [B, Hq, Sq]) and the kernel.
+inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, AttentionParams p,
+                                                      int64_t config, int64_t num_splits,
+                                                      const DeviceInfo& dev, cudaStream_t stream,
+                                                      bool capturing) {
+  const bool causal = p.causal;
   // Fold the query heads of a GQA group into the rows when the queries are few (decode), so the
   // group's K and V are read once.
   p.pack_gqa = p.heads_ratio > 1 && int64_t(p.seqlen_q) * p.heads_ratio <= 128;
@@ -279,7 +281,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   // side share its K and V in L2, which pays for short and unmasked sequences; long causal ones
   // (32+ row blocks of 1 to 32+ KV blocks each) gain more from all heads' heavy blocks first.
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
-  FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "q of shape ", shape_str(q_in),
+  FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "q of shape ", shape_str(q),
                        " exceeds the launch grid (batch x heads x row blocks must be below 2^31)");
   const int n_blocks = ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim));
   int splits = int(num_splits);
@@ -316,7 +318,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   at::Tensor o_accum, lse_accum, counters;
   const bool fused_combine = config == kDecodeConfig;
   if (splits > 1 && fused_combine) {
-    counters = split_counters(q, stream, capture != cudaStreamCaptureStatusNone, grid_x * m_blocks);
+    counters = split_counters(q, stream, capturing, grid_x * m_blocks);
     p.split_counters = counters.data_ptr<int>();
   }
   if (splits > 1) {
@@ -332,6 +334,188 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   }
   if (splits > 1 && !fused_combine) combine_into(o_accum, lse_accum, out, lse);
   return {out, lse};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& seqlens_k, bool causal, double softmax_scale,
+    int64_t num_splits, int64_t config) {
+  check_attention_inputs(q_in, k_in, v_in, seqlens_k, num_splits);
+  FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
+                       "; this is the CUDA implementation");
+  check_head_dim_cuda(q_in.size(3));
+  FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs, "config must be in [0, ", kNumConfigs,
+                       "] (0 = automatic), got ", config);
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const DeviceInfo dev = device_info(q_in.device().index());
+  TORCH_CHECK(dev.major >= 8,
+              error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
+                         "(mma.sync bf16/fp16); this one is ",
+                         dev.major, ".", dev.minor));
+  FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
+                       " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
+                       ".", dev.minor, ": use config 1, 2 or 3 (or 0, automatic)");
+  // The values of cache_seqlens are checked on the host, which needs a copy and a sync that CUDA
+  // graph capture forbids: while capturing they are not checked, and the kernels clamp them to
+  // [0, Smax] so a bad value still reads nothing out of bounds.
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (seqlens_k.has_value() && capture == cudaStreamCaptureStatusNone) {
+    check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
+  }
+  if (auto empty = empty_result(q_in, k_in)) return *empty;
+
+  const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
+                   v = aligned_for_cp_async(v_in);
+  AttentionParams p = make_params(q, k, v, causal, softmax_scale);
+  if (seqlens_k.has_value()) p.seqlens_k = seqlens_k->data_ptr<int>();
+  return run_forward(q, p, config, num_splits, dev, stream, capture != cudaStreamCaptureStatusNone);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Variable-length (packed) batches and paged KV caches
+// ------------------------------------------------------------------------------------------------
+
+// The stream's CUDA graph capture state: values a check would copy to the host (a sync capture
+// forbids) are left to the kernels' clamps while capturing.
+inline bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+inline void check_cuda_device(const at::Tensor& q, const DeviceInfo& dev) {
+  TORCH_CHECK(dev.major >= 8,
+              error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
+                         "(mma.sync bf16/fp16); this one is ",
+                         dev.major, ".", dev.minor));
+}
+
+// aligned_for_cp_async for tensors of any rank: every stride but the last's.
+inline at::Tensor rows_aligned_for_cp_async(const at::Tensor& t) {
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d)
+    ok = ok && t.stride(d) % 8 == 0;
+  if (ok) return t;
+  return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous)).copy_(t);
+}
+
+// The forward kernel over a packed batch: one grid of B x Hq x (row blocks of the longest
+// sequence); blocks past their sequence's end return at once (FA2's scheme). One split: the
+// grid is sized by the batch's heads and rows, which a ragged batch of any size fills.
+inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool causal, double softmax_scale, int64_t config) {
+  check_varlen_inputs(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
+                       "; this is the CUDA implementation");
+  check_head_dim_cuda(q_in.size(2));
+  FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs && config != kDecodeConfig,
+                       "config must be 0 (automatic), 1, 2 or 4 for a packed batch, got ", config);
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const DeviceInfo dev = device_info(q_in.device().index());
+  check_cuda_device(q_in, dev);
+  FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
+                       " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
+                       ".", dev.minor, ": use config 1 or 2 (or 0, automatic)");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
+  const bool capturing = stream_capturing(stream);
+  if (!capturing) {
+    check_varlen_values(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  }
+  const int64_t batch = cu_seqlens_q.size(0) - 1;
+  if (batch == 0 || q_in.size(0) == 0 || q_in.size(1) == 0 || max_seqlen_q == 0 ||
+      k_in.size(0) == 0) {
+    return empty_varlen_result(q_in);
+  }
+  const at::Tensor q = rows_aligned_for_cp_async(q_in), k = rows_aligned_for_cp_async(k_in),
+                   v = rows_aligned_for_cp_async(v_in);
+  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  // [1, H, total, D] views: make_params reads heads and strides from them; the batch and the
+  // lengths come from cu_seqlens.
+  AttentionParams p = make_params(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                  v.transpose(0, 1).unsqueeze(0), causal, softmax_scale);
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = 0;
+  p.batch = int(batch);
+  p.seqlen_q = int(max_seqlen_q);
+  p.seqlen_k = int(max_seqlen_k);
+  p.cu_seqlens_q = cu_q.data_ptr<int>();
+  p.cu_seqlens_k = cu_k.data_ptr<int>();
+  p.total_q = int(q.size(0));
+  p.total_k = int(k.size(0));
+  p.pack_gqa = false;
+  const int64_t grid_x = batch * p.heads_q;
+  if (config == 0) {
+    config = choose_config(dev, p.head_dim, grid_x, p.seqlen_q);
+    if (config == kDecodeConfig) config = 2;  // the decode kernel has no packed-batch variant
+  }
+  const int m_blocks = ceil_div(p.seqlen_q, block_m_of(int(config)));
+  p.row_blocks_fastest = !(causal && m_blocks >= 32);
+  FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "batch ", batch, " x heads ",
+                       p.heads_q, " x row blocks of max_seqlen_q ", max_seqlen_q,
+                       " exceeds the launch grid (must be below 2^31)");
+  p.num_splits = 1;
+  p.n_blocks_per_split = std::max(1, ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim)));
+
+  auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  if (capturing) {
+    // Offsets the host could not check may leave rows to no sequence: they read as 0 and -inf.
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+  }
+  p.o = out.data_ptr();
+  p.o_batch_stride = 0, p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(0);
+  p.lse = lse.data_ptr<float>();
+  if (q.scalar_type() == at::kHalf) {
+    launch_attention<__half>(p, int(config), int(grid_x), m_blocks, stream);
+  } else {
+    launch_attention<__nv_bfloat16>(p, int(config), int(grid_x), m_blocks, stream);
+  }
+  return {out, lse};
+}
+
+// Decode against a paged cache: the decode kernel (configuration 3) with the block-table lookup.
+inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const std::optional<at::Tensor>& seqlens_k, bool causal,
+    double softmax_scale, int64_t num_splits) {
+  check_paged_inputs(q_in, k_cache, v_cache, block_table, seqlens_k, num_splits);
+  FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
+                       "; this is the CUDA implementation");
+  check_head_dim_cuda(q_in.size(3));
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const DeviceInfo dev = device_info(q_in.device().index());
+  check_cuda_device(q_in, dev);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
+  const bool capturing = stream_capturing(stream);
+  const int64_t page_size = k_cache.size(1), capacity = block_table.size(1) * page_size;
+  std::optional<at::Tensor> lens;
+  if (seqlens_k.has_value()) lens = seqlens_k->contiguous();
+  if (!capturing) {
+    std::optional<at::Tensor> lens_cpu;
+    if (lens) lens_cpu = lens->cpu();
+    if (lens_cpu) check_seqlens_values(*lens_cpu, capacity);
+    check_block_table_values(block_table.cpu().contiguous(), lens_cpu, page_size, k_cache.size(0));
+  }
+  if (auto empty = empty_result(q_in, k_cache.transpose(1, 2))) return *empty;
+
+  const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_cache),
+                   v = aligned_for_cp_async(v_cache);
+  const at::Tensor table = block_table.stride(1) == 1 ? block_table : block_table.contiguous();
+  // [num_pages, Hkv, page_size, D] views: the batch stride is the page stride.
+  AttentionParams p = make_params(q, k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale);
+  p.seqlen_k = int(capacity);
+  if (lens) p.seqlens_k = lens->data_ptr<int>();
+  p.block_table = table.data_ptr<int>();
+  p.block_table_stride = table.stride(0);
+  p.page_shift = 0;
+  while ((int64_t(1) << p.page_shift) < page_size)
+    ++p.page_shift;
+  p.num_pages = int(k.size(0));
+  return run_forward(q, p, kDecodeConfig, num_splits, dev, stream, capturing);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -503,6 +687,19 @@ void append_kernel_launches(std::string& out) {
                std::to_string(Traits::kSmemBytes) + "\n";
       });
     }
+    // The packed-batch forward (configurations 1, 2, 4) and the paged decode kernel.
+    for (int config : {1, 2, kSm90Config}) {
+      visit_kernel<T, /*kVarlen=*/true>(head_dim, config, [&](auto, auto traits) {
+        using Traits = decltype(traits);
+        out += "flashmoe::cuda::flash_fwd_varlen_kernel<" + demangled_name<Traits>() + ", " +
+               dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
+      });
+    }
+    visit_paged_decode<T>(head_dim, [&](auto, auto traits) {
+      using Traits = decltype(traits);
+      out += "flashmoe::cuda::flash_decode_paged_kernel<" + demangled_name<Traits>() + ", " +
+             dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
+    });
     // launch_combine passes no dynamic shared memory
     out += "flashmoe::cuda::split_kv_combine_kernel<" + dtype + ", " + std::to_string(head_dim) +
            ">\t0\n";

@@ -11,6 +11,10 @@
 //
 // With num_splits > 1 each block writes its fp32 partial and log-sum-exp, and the last block of a
 // tile to finish (an atomic counter per tile) combines all splits itself: no second launch.
+//
+// kPaged: the cache is paged (p.block_table, FlashAttention's [num_pages, page_size, Hkv, D]);
+// every row of a K/V stage is found through the block table (load_kv_tiles_paged), the rest of
+// the kernel is the same.
 #pragma once
 
 #include "attention_params.h"
@@ -41,9 +45,8 @@ struct DecodeTraits {
   static_assert(kScratchBytes <= kSmemBytes, "the reduction must fit in the stages");
 };
 
-template <typename Traits, typename T>
-__global__ void __launch_bounds__(Traits::kNThreads)
-    flash_decode_kernel(const __grid_constant__ AttentionParams p) {
+template <typename Traits, typename T, bool kPaged>
+__device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kThreads = Traits::kNThreads;
   constexpr int KT = D / 16, DT = D / 8;
@@ -73,13 +76,24 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
 #endif
 
-  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
-  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  // A paged cache's batch stride is its page stride: the sequence is found through its row of the
+  // block table instead.
+  const int64_t kv_batch = kPaged ? 0 : b;
+  const T* k_base =
+      static_cast<const T*>(p.k) + kv_batch * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v_base =
+      static_cast<const T*>(p.v) + kv_batch * p.v_batch_stride + hkv * p.v_head_stride;
   const L2Policy l2{p.kv_evict_first ? l2_policy_evict_first() : l2_policy_evict_normal()};
   auto load_stage = [&](int it) {
     const int s = it % kStages, row0 = (n_lo + it) * BN;
-    load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, row0, len_k, tid, l2);
-    load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, row0, len_k, tid, l2);
+    if constexpr (kPaged) {
+      load_kv_tiles_paged<D, BN, kThreads>(stage_k(s), stage_v(s), k_base, v_base, p,
+                                           p.block_table + b * p.block_table_stride, row0, len_k,
+                                           tid, l2);
+    } else {
+      load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, row0, len_k, tid, l2);
+      load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, row0, len_k, tid, l2);
+    }
   };
 
   // Prologue: Q and stages 0 .. kStages-2 in flight; one commit group per stage (empty ones too,
@@ -318,6 +332,20 @@ __global__ void __launch_bounds__(Traits::kNThreads)
         make_uint2(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]));
     if (col == 0) p.lse[index] = lse_row;
   }
+}
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_decode_kernel(const __grid_constant__ AttentionParams p) {
+  flash_decode_block<Traits, T, /*kPaged=*/false>(p);
+}
+
+// The same kernel against a paged cache (its own name, so profiles and the build's resource
+// table tell the two apart).
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_decode_paged_kernel(const __grid_constant__ AttentionParams p) {
+  flash_decode_block<Traits, T, /*kPaged=*/true>(p);
 }
 
 }  // namespace flashmoe::cuda

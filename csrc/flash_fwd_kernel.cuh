@@ -30,7 +30,9 @@ struct FwdTraits {
                 "tile shapes must fit the mma and swizzle");
 };
 
-template <typename Traits, typename T>
+// kVarlen: a packed batch (p.cu_seqlens_q/k, FlashAttention's varlen layout): each block finds its
+// sequence's offsets in TileCoords, and the row blocks past its sequence's end return at once.
+template <typename Traits, typename T, bool kVarlen>
 __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int MT = Traits::kMTiles, NT = BN / 8, DT = D / 8, kChunks = Traits::kChunks;
@@ -42,12 +44,15 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   T* sV = sK + BN * D;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const TileCoords t = TileCoords::of_block<BM>(p);
+  const TileCoords t = TileCoords::of_block<BM, kVarlen>(p);
   const int b = t.b, hkv = t.hkv, len_k = t.len_k, split = t.split;
   // Row blocks of a head run last to first: with a causal mask the last ones see the most keys, so
   // the heavy blocks start first and the light ones fill the tail. (Unconditional: without a mask
   // the order does not matter, and a select on p.causal cost config 4 a register spill.)
   const int m0 = (t.m_blocks - 1 - t.m_block) * BM;
+  if constexpr (kVarlen) {
+    if (m0 >= t.rows_total) return;  // past this sequence's queries: the whole block leaves
+  }
 
   auto row_query = [&](int r) { return t.query(r); };
 
@@ -56,15 +61,17 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   const int i_first = row_query(m0);
   const int n_block_max = t.kv_block_end<BM, BN>(p, m0);
   // Keys below this are visible to every row of the tile: KV blocks that end there need no mask.
-  const int unmasked_end = p.causal ? min(len_k, i_first + len_k - p.seqlen_q + 1) : len_k;
+  const int unmasked_end = p.causal ? min(len_k, i_first + len_k - t.len_q + 1) : len_k;
   const int n_lo = split * p.n_blocks_per_split;
   const int n_hi = min(n_block_max, n_lo + p.n_blocks_per_split);
 #if FLASHMOE_PLANT_BUG == 1
   const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
 #endif
 
-  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
-  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + t.row0_k * p.k_row_stride +
+                    hkv * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + t.row0_k * p.v_row_stride +
+                    hkv * p.v_head_stride;
 
   auto load_kv = [&](T* tile, const T* base, int64_t row_stride, int n_block) {
     load_kv_tile<D, BN, kThreads>(tile, base, row_stride, n_block * BN, len_k, tid);
@@ -154,7 +161,7 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int i = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8);
-          const int last_key = p.causal ? min(len_k - 1, i + len_k - p.seqlen_q) : len_k - 1;
+          const int last_key = p.causal ? min(len_k - 1, i + len_k - t.len_q) : len_k - 1;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -237,7 +244,7 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   // it leaves in 16-byte row chunks; split partials (fp32) are written straight from registers.
   // The block's coordinates again, recomputed rather than held in registers through the loop
   // (config 4 at d=128 has none to spare).
-  const TileCoords te = TileCoords::of_block<BM>(p, opaque_block_x());
+  const TileCoords te = TileCoords::of_block<BM, kVarlen>(p, opaque_block_x());
   const int eb = te.b, em0 = (te.m_blocks - 1 - te.m_block) * BM;
   auto out_query = [&](int r) { return te.query(r); };
   auto out_head = [&](int r) { return te.head(r); };
@@ -257,7 +264,10 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
               pack2<T>(acc_o[mt][dt][2 * hh] * inv, acc_o[mt][dt][2 * hh + 1] * inv);
       }
       if (r >= te.rows_total) continue;
-      const int64_t lse_index = (int64_t(eb) * p.heads_q + out_head(r)) * p.seqlen_q + out_query(r);
+      // Packed batches keep FlashAttention's varlen layout [Hq, total_q] (one split only).
+      const int64_t lse_index =
+          kVarlen ? int64_t(out_head(r)) * p.total_q + te.row0_q + out_query(r)
+                  : (int64_t(eb) * p.heads_q + out_head(r)) * p.seqlen_q + out_query(r);
       if (p.num_splits == 1) {
         if ((lane & 3) == 0) p.lse[lse_index] = lse;
       } else {
@@ -277,25 +287,37 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
       const int row = warp_row0 + c / kChunks, ch = c % kChunks, r = em0 + row;
       if (r >= te.rows_total) continue;
       T* o_row = static_cast<T*>(p.o) + eb * p.o_batch_stride + out_head(r) * p.o_head_stride +
-                 out_query(r) * p.o_row_stride;
+                 (te.row0_q + out_query(r)) * p.o_row_stride;
       *reinterpret_cast<uint4*>(o_row + ch * 8) =
           *reinterpret_cast<const uint4*>(sQ + swizzle<D>(row, ch));
     }
   }
 }
 
-template <typename Traits, typename T>
-__global__ void __launch_bounds__(Traits::kNThreads)
-    flash_fwd_kernel(const __grid_constant__ AttentionParams p) {
+template <typename Traits, typename T, bool kVarlen>
+__device__ __forceinline__ void flash_fwd_block_for_arch(const AttentionParams& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   if constexpr (Traits::kSm90Only) {
     __trap();
   } else {
-    flash_fwd_block<Traits, T>(p);
+    flash_fwd_block<Traits, T, kVarlen>(p);
   }
 #else
-  flash_fwd_block<Traits, T>(p);
+  flash_fwd_block<Traits, T, kVarlen>(p);
 #endif
+}
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_fwd_kernel(const __grid_constant__ AttentionParams p) {
+  flash_fwd_block_for_arch<Traits, T, /*kVarlen=*/false>(p);
+}
+
+// The same kernel over a packed (varlen) batch.
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flash_fwd_varlen_kernel(const __grid_constant__ AttentionParams p) {
+  flash_fwd_block_for_arch<Traits, T, /*kVarlen=*/true>(p);
 }
 
 // Split-KV combine for the forward kernel's partials (and the split_kv_combine operator): one warp

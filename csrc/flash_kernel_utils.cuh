@@ -138,6 +138,9 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
 // r % group.
 struct TileCoords {
   int b, head_grid, hkv, group, rows_total, m_block, m_blocks, split, len_k;
+  // This sequence's query count (seqlen_q unless the batch is packed), and with a packed (varlen)
+  // batch the packed rows of its first query and first key (0 otherwise).
+  int len_q, row0_q, row0_k;
   // r / group == (r * group_mul) >> 20 for every r * group < 2^20; packed tiles have at most 128
   // rows and groups, so the row mapping needs no integer division (tens of instructions each).
   unsigned group_mul;
@@ -157,7 +160,7 @@ struct TileCoords {
   __device__ __forceinline__ int kv_block_end(const AttentionParams& p, int m0) const {
     int end = ceil_div(len_k, kBlockN);
     if (p.causal) {
-      const int visible = query(min(m0 + kBlockM, rows_total) - 1) + len_k - p.seqlen_q + 1;
+      const int visible = query(min(m0 + kBlockM, rows_total) - 1) + len_k - len_q + 1;
       end = min(end, visible <= 0 ? 0 : ceil_div(visible, kBlockN));
     }
     return end;
@@ -168,7 +171,7 @@ struct TileCoords {
   template <int kHeadDim, int kRows, int kThreads, typename T>
   __device__ __forceinline__ void load_q(T* sQ, const AttentionParams& p, int m0, int tid) const {
     constexpr int kChunks = kHeadDim / 8;
-    const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+    const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + row0_q * p.q_row_stride;
 #pragma unroll
     for (int c = tid; c < kRows * kChunks; c += kThreads) {
       const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
@@ -180,7 +183,9 @@ struct TileCoords {
     }
   }
 
-  template <int kBlockM>
+  // kVarlen: the batch is packed (p.cu_seqlens_q/k); the grid's row blocks cover the longest
+  // sequence, and a block past its own sequence's end finds m0 >= rows_total.
+  template <int kBlockM, bool kVarlen = false>
   __device__ __forceinline__ static TileCoords of_block(const AttentionParams& p,
                                                         int block_x = blockIdx.x) {
     static_assert(kBlockM <= 128, "the row mapping assumes rows * group < 2^20");
@@ -206,6 +211,26 @@ struct TileCoords {
     t.split = blockIdx.y;
     // Clamped: under CUDA graph capture the host cannot check the values (see the host API).
     t.len_k = p.seqlens_k ? min(max(p.seqlens_k[t.b], 0), p.seqlen_k) : p.seqlen_k;
+    t.len_q = p.seqlen_q;
+    t.row0_q = 0;
+    t.row0_k = 0;
+    if constexpr (kVarlen) {
+      // Offsets clamped into the packed tensors and lengths to the maxima the grid was sized for,
+      // so offsets the host could not check (graph capture) still read nothing out of bounds.
+      const int q0 = min(max(p.cu_seqlens_q[t.b], 0), p.total_q);
+      const int q1 = min(max(p.cu_seqlens_q[t.b + 1], q0), p.total_q);
+      const int k0 = min(max(p.cu_seqlens_k[t.b], 0), p.total_k);
+      const int k1 = min(max(p.cu_seqlens_k[t.b + 1], k0), p.total_k);
+      t.row0_q = q0;
+      t.row0_k = k0;
+      t.len_q = min(q1 - q0, p.seqlen_q);
+#if FLASHMOE_PLANT_BUG == 7
+      t.len_k = min(min(k1 - k0 + 1, p.total_k - k0), p.seqlen_k + 1);  // planted: one key long
+#else
+      t.len_k = min(k1 - k0, p.seqlen_k);
+#endif
+      t.rows_total = t.len_q * t.group;
+    }
     return t;
   }
 };
@@ -259,6 +284,50 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row
     }
 #endif
     l2.copy(dst + pass * kRowsPerPass * kHeadDim, valid ? from : base, valid);
+  }
+}
+
+// load_kv_tile for a paged cache (p.block_table): the K and V rows [row0, row0 + kRows) of one
+// sequence, whose logical row j lies in physical page table_row[j / page_size] at row
+// j % page_size. Pages of kRows rows or more hold a whole tile (row0 is a multiple of kRows), so
+// one table entry serves it; smaller pages (16, 32) split a tile and are looked up per row. K and
+// V share the lookups. Pages are clamped into [0, num_pages) (a table the host could not check,
+// under graph capture, still reads inside the cache) and rows at or past `len` are zero-filled
+// without touching the table.
+template <int kHeadDim, int kRows, int kThreads, typename T, typename L2 = L2Default>
+__device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const T* k_base,
+                                                    const T* v_base, const AttentionParams& p,
+                                                    const int* table_row, int row0, int len,
+                                                    int tid, L2 l2 = {}) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
+                "each pass must cover whole rows, a multiple of 8 of them");
+  static_assert((kRows & (kRows - 1)) == 0, "a tile of a power-of-two rows");
+  const int r = tid / kChunks, ch = tid % kChunks;
+  const int in_page_mask = (1 << p.page_shift) - 1;
+  auto page_of = [&](int row) {
+#if FLASHMOE_PLANT_BUG == 8
+    const int page = row >> p.page_shift;  // planted: the logical page, the block table ignored
+#else
+    const int page = table_row[row >> p.page_shift];
+#endif
+    return min(max(page, 0), p.num_pages - 1);
+  };
+  const bool one_page_per_tile = (1 << p.page_shift) >= kRows;
+  const int tile_page = one_page_per_tile && row0 < len ? page_of(row0) : 0;
+  T* k_dst = k_tile + swizzle<kHeadDim>(r, ch);
+  T* v_dst = v_tile + swizzle<kHeadDim>(r, ch);
+#pragma unroll
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+    const int row = row0 + r + pass * kRowsPerPass;
+    const bool valid = row < len;
+    const int page = !valid ? 0 : one_page_per_tile ? tile_page : page_of(row);
+    const int in_page = row & in_page_mask;
+    const T* k_from = k_base + page * p.k_batch_stride + in_page * p.k_row_stride + ch * 8;
+    const T* v_from = v_base + page * p.v_batch_stride + in_page * p.v_row_stride + ch * 8;
+    l2.copy(k_dst + pass * kRowsPerPass * kHeadDim, valid ? k_from : k_base, valid);
+    l2.copy(v_dst + pass * kRowsPerPass * kHeadDim, valid ? v_from : v_base, valid);
   }
 }
 

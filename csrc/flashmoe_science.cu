@@ -8,6 +8,8 @@ TORCH_LIBRARY_IMPL(flashmoe_science, CUDA, m) {
   m.impl("attention", &flashmoe::cuda::attention_cuda);
   m.impl("attention_backward", &flashmoe::cuda::attention_backward_cuda);
   m.impl("split_kv_combine", &flashmoe::cuda::split_kv_combine_cuda);
+  m.impl("varlen_fwd", &flashmoe::cuda::varlen_fwd_cuda);
+  m.impl("paged_fwd", &flashmoe::cuda::paged_fwd_cuda);
 }
 
 // Defined only where the CUDA kernels are: the CPU-only unit has no launches to report.

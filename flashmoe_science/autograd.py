@@ -1,4 +1,5 @@
-"""Autograd for the operators: flash_attention_forward trains, flash_attention_decode refuses to.
+"""Autograd for the operators: flash_attention_forward and flash_attention_varlen_forward train,
+flash_attention_decode refuses to.
 
 The forward is `torch.ops.flashmoe_science.attention`; its backward is the operator
 `attention_backward` (csrc/flash_bwd_kernel.cuh on CUDA, csrc/attention_cpu.h on the CPU), so
@@ -6,11 +7,17 @@ The forward is `torch.ops.flashmoe_science.attention`; its backward is the opera
 checks the registration. The context saves q, k, v, the output and the forward's log-sum-exp (never
 a recomputed one). Gradients come back contiguous, in the inputs' dtype.
 
-`fwd`, the operator behind flash_attention_decode (and the inference path), is inference-only:
-backward through it raises instead of leaving q.grad silently None.
+`varlen_fwd` (flash_attention_varlen_forward) trains too: its backward runs `attention_backward`
+on each sequence of the packed batch (dense views of its rows, the saved log-sum-exp sliced from
+the [Hq, total_q] layout), one call per non-empty sequence.
+
+`fwd` and `paged_fwd`, the operators behind flash_attention_decode (and the inference path), are
+inference-only: backward through them raises instead of leaving q.grad silently None.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import torch
 
@@ -76,6 +83,50 @@ def _refuse_backward(ctx, *grads):
     raise RuntimeError(DECODE_IS_INFERENCE_ONLY)
 
 
+def _setup_varlen(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, _max_q, _max_k, causal, softmax_scale, _config = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _dense_rows(t: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """Rows [begin, end) of a packed [total, H, D] tensor as the dense layout [1, H, S, D]."""
+    return t[begin:end].transpose(0, 1).unsqueeze(0)
+
+
+def _varlen_backward(ctx, grad_out, _grad_lse):
+    from .ops import _call
+
+    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # The sequence bounds on the host (one copy); sequences without queries or keys have zero
+    # gradients, which the zeros above already hold.
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for (q0, q1), (k0, k1) in zip(pairwise(bounds_q), pairwise(bounds_k), strict=True):
+        if q1 == q0 or k1 == k0:
+            continue
+        dq_b, dk_b, dv_b = _call(
+            torch.ops.flashmoe_science.attention_backward,
+            _dense_rows(grad_out, q0, q1),
+            _dense_rows(q, q0, q1),
+            _dense_rows(k, k0, k1),
+            _dense_rows(v, k0, k1),
+            _dense_rows(out, q0, q1),
+            lse[:, q0:q1].unsqueeze(0).contiguous(),
+            ctx.causal,
+            ctx.softmax_scale,
+            False,
+            0,
+        )
+        dq[q0:q1] = dq_b[0].transpose(0, 1)
+        dk[k0:k1] = dk_b[0].transpose(0, 1)
+        dv[k0:k1] = dv_b[0].transpose(0, 1)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
 def register() -> None:
     """Fake kernels and autograd formulas; called once, after the library is loaded."""
     torch.library.register_fake("flashmoe_science::attention")(_fake_attention)
@@ -85,4 +136,10 @@ def register() -> None:
     )
     torch.library.register_autograd(
         "flashmoe_science::fwd", _refuse_backward, setup_context=_setup_decode
+    )
+    torch.library.register_autograd(
+        "flashmoe_science::paged_fwd", _refuse_backward, setup_context=_setup_decode
+    )
+    torch.library.register_autograd(
+        "flashmoe_science::varlen_fwd", _varlen_backward, setup_context=_setup_varlen
     )

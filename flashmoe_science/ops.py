@@ -53,6 +53,18 @@ def _register_fakes() -> None:
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return out, lse
 
+    @torch.library.register_fake("flashmoe_science::varlen_fwd")
+    def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, config):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        return out, lse
+
+    @torch.library.register_fake("flashmoe_science::paged_fwd")
+    def _paged_fake(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale, splits):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        return out, lse
+
     @torch.library.register_fake("flashmoe_science::split_kv_combine")
     def _combine_fake(out_partial, lse_partial, dtype):
         out = torch.empty(out_partial.shape[1:], dtype=dtype, device=out_partial.device)
@@ -208,6 +220,7 @@ def flash_attention_decode(
     causal: bool = True,
     num_splits: int | None = None,
     return_lse: bool = False,
+    block_table: torch.Tensor | None = None,
 ):
     """Decoding attention of a few new queries against a KV cache, split along the cache (flash-decoding).
 
@@ -218,9 +231,16 @@ def flash_attention_decode(
     into one tile so each K and V byte is read once. num_splits: None chooses from the SM count and
     the work; 1 gives results bit-identical to the unsplit path; at most 128.
 
-    CUDA graphs: the call can be captured. The values of cache_seqlens are checked on the host
-    (outside [0, Smax] raises), except while capturing, where a check would need a sync: captured
-    calls clamp them to [0, Smax] instead.
+    Paged cache (FlashAttention's layout): with block_table int32 [B, max_blocks_per_seq],
+    k_cache and v_cache are [num_blocks, block_size, Hkv, D] and sequence b's keys j lie in block
+    block_table[b, j // block_size] at row j % block_size; Smax is then max_blocks_per_seq x
+    block_size. Block sizes: powers of two from 16. Only the entries covering a sequence's
+    cache_seqlens are read (the rest may hold anything).
+
+    CUDA graphs: the call can be captured. The values of cache_seqlens (and of the block_table
+    entries in use) are checked on the host (outside [0, Smax], or a block outside the cache,
+    raises), except while capturing, where a check would need a sync: captured calls clamp them
+    into range instead, so nothing outside the cache is read.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
@@ -231,6 +251,20 @@ def flash_attention_decode(
     if num_splits is not None:
         _check_int("num_splits", num_splits, 1, 128, "None = automatic")
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
+    if block_table is not None:
+        _check_tensor("block_table", block_table)
+        out, lse = _call(
+            torch.ops.flashmoe_science.paged_fwd,
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            cache_seqlens,
+            causal,
+            scale,
+            num_splits or 0,
+        )
+        return (out, lse) if return_lse else out
     out, lse = _call(
         torch.ops.flashmoe_science.fwd,
         q,
@@ -241,6 +275,74 @@ def flash_attention_decode(
         scale,
         num_splits or 0,
         0,
+    )
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    return_lse: bool = False,
+    config: int = 0,
+):
+    """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen API).
+
+    q: [total_q, Hq, D]; k, v: [total_k, Hkv, D], the rows of all sequences one after another, no
+    padding; cu_seqlens_q, cu_seqlens_k: int32 [B + 1], from 0, so sequence b owns rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v.
+    max_seqlen_q, max_seqlen_k: the longest sequence (they size the launch grid). Sequences of
+    length 0 are allowed. causal: bottom-right aligned per sequence (query i of a sequence with
+    sq queries and sk keys sees keys j <= i + sk - sq), as in FlashAttention 2.1+; a query that
+    sees no key gets output 0 and log-sum-exp -inf. GQA, dtypes and head dims as
+    flash_attention_forward. config: 0 picks the tile configuration; 1, 2 or 4 force one of the
+    forward kernel's (CONFIGS; the decode kernel, 3, has no packed variant).
+
+    The cu_seqlens values are checked on the host (one copy from the device); while a CUDA graph
+    is being captured they are not, and the kernel clamps them into the packed tensors instead.
+    Differentiable in q, k and v: the backward runs flash_attention_forward's backward on each
+    sequence (one launch sequence per sequence; gradients contiguous, in the inputs' dtype).
+
+    Returns the output [total_q, Hq, D] in the input dtype, and with return_lse=True also the
+    log-sum-exp as fp32 [Hq, total_q] (FlashAttention's varlen layout).
+    """
+    for name, t in (
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("cu_seqlens_k", cu_seqlens_k),
+    ):
+        _check_tensor(name, t)
+    _check_int("max_seqlen_q", max_seqlen_q, 0, 1 << 30, "the longest query sequence")
+    _check_int("max_seqlen_k", max_seqlen_k, 0, 1 << 30, "the longest key sequence")
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    if config == 3 or isinstance(config, bool) or not isinstance(config, int):
+        raise ValueError(
+            f"config must be 0 (automatic), 1, 2 or 4 for a packed batch, got {config!r}"
+        )
+    _check_int("config", config, 0, len(CONFIGS), "0 = automatic, " + _CONFIG_TEXT)
+    scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
+    out, lse = _call(
+        torch.ops.flashmoe_science.varlen_fwd,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        scale,
+        config,
     )
     return (out, lse) if return_lse else out
 

@@ -670,9 +670,10 @@ def newest_cuda_build() -> Path | None:
 def test_dynamic_smem_is_what_each_launch_asks_for():
     library = newest_cuda_build()
     table = build.launch_table(library)
-    # 2 dtypes x (2 head dims x (4 forward configurations + the combine kernel + 2 backward
-    # configurations with and without dQ atomics + the dQ pass + the pre-pass) + the dQ conversion)
-    assert table is not None and len(table) == 2 * (2 * (4 + 1 + 2 * 2 + 1 + 1) + 1)
+    # 2 dtypes x (2 head dims x (4 forward configurations + 3 packed-batch (varlen) ones + the
+    # paged decode kernel + the combine kernel + 2 backward configurations with and without dQ
+    # atomics + the dQ pass + the pre-pass) + the dQ conversion)
+    assert table is not None and len(table) == 2 * (2 * (4 + 3 + 1 + 1 + 2 * 2 + 1 + 1) + 1)
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]

@@ -45,7 +45,12 @@ from .paths import REPO_ROOT, report_dir, require_gpu_from_env
 from .provenance import clear_outputs
 
 # The gate matrix lives here; `--gates` collects nothing else.
-GATE_MODULES = ("tests/test_gates.py", "tests/test_grad_gates.py")
+GATE_MODULES = (
+    "tests/test_gates.py",
+    "tests/test_grad_gates.py",
+    "tests/test_varlen.py",
+    "tests/test_paged.py",
+)
 # At most this many selected tests run without pytest-xdist: each worker imports torch and collects
 # before its first test. On 2 shared CPU cores, 4 gate cases took 8.2 s on 2 workers and 4.6 s in one
 # process; 28 cases were no faster on 2 workers (10.0 s against 10.8 s).

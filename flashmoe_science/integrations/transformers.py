@@ -1,0 +1,171 @@
+"""Our attention as a Hugging Face transformers attention backend.
+
+    from flashmoe_science.integrations.transformers import register
+    name = register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
+
+register() adds `attention_forward` to transformers' AttentionInterface and, under the same name,
+transformers' FlashAttention mask function to its AttentionMaskInterface: a backend registered
+without a mask function never sees the padding. That mask function hands the attention the 2-D
+padding mask [B, Sk] (True = a real token), or None when nothing is padded. The name holds no
+"flash": transformers treats such names as FlashAttention requests and looks for a Hub kernel.
+
+Per call (query [B, Hq, Sq, D], key and value [B, Hkv, Sk, D], not expanded for GQA):
+- no mask: the dense kernel (flash_attention_forward), causal aligned bottom-right, which is
+  what a KV cache needs (the Sq new queries are the last Sq positions);
+- a padding mask: the real tokens are packed (the queries are the last Sq positions of the
+  mask) and run through flash_attention_varlen_forward; padded query rows come back 0;
+- packed inputs without padding (cu_seq_lens_q/k and max_length_q/k from transformers'
+  DataCollatorWithFlattening): varlen on the flattened batch.
+fp16 and bf16 run as they are; an fp32 model's attention runs in bf16 (as transformers' own
+FlashAttention backends do) and comes back in fp32. Supported: the dynamic (default) KV cache; not
+sliding windows, logit soft-capping or attention dropout (they raise). All three paths train
+(flash_attention_varlen_forward's backward runs the dense backward per sequence).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+NAME = "moe_science"
+
+INSTALL_HINT = (
+    "flashmoe_science.integrations.transformers needs Hugging Face transformers: "
+    "pip install transformers"
+)
+
+_warned_fp32 = False
+
+
+def register() -> str:
+    """Register our attention (and its mask function) with transformers; returns the name to pass
+    as `attn_implementation`. Calling it again is harmless."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError:
+        raise ImportError(INSTALL_HINT) from None
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    return NAME
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    global _warned_fp32
+    if dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    if not _warned_fp32:
+        warnings.warn(
+            f"flashmoe_science runs attention in fp16/bf16; this model's {dtype} attention "
+            "inputs are computed in torch.bfloat16 (load the model in bf16 to avoid the casts)",
+            stacklevel=3,
+        )
+        _warned_fp32 = True
+    return torch.bfloat16
+
+
+def _check_supported(module, dropout: float, kwargs: dict) -> None:
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(
+            f"{NAME} attention has no sliding window (sliding_window={kwargs['sliding_window']}); "
+            'use attn_implementation="sdpa" for this model'
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(
+            f'{NAME} attention has no logit soft-capping; use attn_implementation="sdpa"'
+        )
+    if dropout and getattr(module, "training", False):
+        raise NotImplementedError(
+            f"{NAME} attention has no dropout (got {dropout}); call model.eval() or set the "
+            "model's attention_dropout to 0"
+        )
+
+
+def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
+    return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _padded_attention(q, k, v, mask: torch.Tensor, causal: bool, scale):
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] and a 2-D padding mask: the real tokens of each
+    sequence packed into one varlen call, scattered back into zeros."""
+    from ..ops import flash_attention_varlen_forward
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    mask = mask.to(torch.bool)
+    query_mask = mask[:, -seqlen_q:]  # the queries are the last Sq positions the mask covers
+    if mask.shape[1] < seqlen_k:  # a static cache: keys past the mask are not filled yet
+        key_mask = F.pad(mask, (0, seqlen_k - mask.shape[1]), value=False)
+    else:
+        key_mask = mask[:, -seqlen_k:]
+    q_index = query_mask.reshape(-1).nonzero().squeeze(1)
+    k_index = key_mask.reshape(-1).nonzero().squeeze(1)
+    lengths_q = query_mask.sum(1, dtype=torch.int32)
+    lengths_k = key_mask.sum(1, dtype=torch.int32)
+    max_q, max_k = (int(x) for x in torch.stack([lengths_q.max(), lengths_k.max()]).tolist())
+    out = flash_attention_varlen_forward(
+        q.reshape(batch * seqlen_q, heads_q, head_dim).index_select(0, q_index),
+        k.reshape(batch * seqlen_k, *k.shape[2:]).index_select(0, k_index),
+        v.reshape(batch * seqlen_k, *v.shape[2:]).index_select(0, k_index),
+        _cumulative(lengths_q),
+        _cumulative(lengths_k),
+        max_q,
+        max_k,
+        causal,
+        scale,
+    )
+    full = out.new_zeros(batch * seqlen_q, heads_q, head_dim)
+    full.index_copy_(0, q_index, out)
+    return full.view(batch, seqlen_q, heads_q, head_dim)
+
+
+def attention_forward(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
+    """transformers' attention-function contract: returns (output [B, Sq, Hq, D], None)."""
+    from ..ops import flash_attention_forward, flash_attention_varlen_forward
+
+    _check_supported(module, dropout, kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    dtype = query.dtype
+    compute = _compute_dtype(dtype)
+    q, k, v = (t.to(compute) for t in (query, key, value))
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"{NAME} attention takes the 2-D padding mask of transformers' FlashAttention mask "
+                f"function, got shape {tuple(attention_mask.shape)}; create the model with "
+                f"attn_implementation=register() so the matching mask function is used"
+            )
+        out = _padded_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, causal, scaling
+        )
+    elif cu_q is not None and cu_k is not None:
+        # Padding-free packing: the batch is flattened and cu_seq_lens mark the sequences.
+        out = flash_attention_varlen_forward(
+            q.transpose(1, 2).reshape(-1, heads_q, head_dim),
+            k.transpose(1, 2).reshape(-1, *k.shape[1:2], head_dim),
+            v.transpose(1, 2).reshape(-1, *v.shape[1:2], head_dim),
+            cu_q.to(torch.int32),
+            cu_k.to(torch.int32),
+            int(kwargs["max_length_q"]),
+            int(kwargs["max_length_k"]),
+            causal,
+            scaling,
+        ).view(batch, seqlen_q, heads_q, head_dim)
+    else:
+        out = flash_attention_forward(q, k, v, causal, scaling).transpose(1, 2)
+    return out.to(dtype), None

@@ -1,0 +1,202 @@
+"""Correctness gates of decode against a paged KV cache: flash_attention_decode(block_table=...) on
+a cache whose pages are shuffled (a random permutation of three times the pages needed, as
+FlashAttention's tests build it), judged against
+
+- our contiguous decode on the same cache contents (the pages gathered in table order): the paged
+  path must give bit-identical output and log-sum-exp, since only the loads differ;
+- the reference of each sequence (both gates, the log-sum-exp, determinism; see ragged.py).
+
+The case matrix: block sizes 16 to 256, cache lengths that are empty, one token, end inside a page
+and inside a 64-key tile, GQA 1/4/8, both dtypes, head dims 64 and 128, split-KV automatic, off and
+forced, causal and not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .cases import DTYPES
+from .gates import attention_pytorch_lowp, attention_reference, evaluate
+from .ragged import RaggedResult, SequenceLabel, case_seed, rerun_command
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    dtype: str
+    head_dim: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    lengths: tuple[int, ...]  # cache_seqlens, one per sequence
+    page_size: int
+    num_splits: int = 0  # 0: automatic
+    causal: bool = True
+
+    @property
+    def id(self) -> str:
+        heads = f"h{self.heads_q}" + (f"kv{self.heads_kv}" if self.heads_kv != self.heads_q else "")
+        parts = ["paged", self.dtype, f"d{self.head_dim}", heads, f"q{self.seqlen_q}"]
+        parts.append(f"page{self.page_size}")
+        if self.num_splits:
+            parts.append(f"splits{self.num_splits}")
+        parts.append("lens" + "_".join(map(str, self.lengths)))
+        if not self.causal:
+            parts.append("full")
+        return "-".join(parts)
+
+    def describe(self) -> str:
+        return (
+            f"paged decode B={len(self.lengths)} Hq={self.heads_q} Hkv={self.heads_kv} "
+            f"Sq={self.seqlen_q} D={self.head_dim} dtype={self.dtype} causal={self.causal} "
+            f"block_size={self.page_size} num_splits={self.num_splits or 'auto'} "
+            f"cache_seqlens={list(self.lengths)}"
+        )
+
+    @property
+    def pages_per_sequence(self) -> int:
+        # one spare page: the table is longer than the longest sequence needs
+        return max(1, math.ceil(max(self.lengths) / self.page_size)) + 1
+
+
+PAGE_SIZES = (16, 32, 64, 128, 256)
+PAGE_SIZES_CPU = (16, 64, 256)
+LENGTHS = (0, 1, 63, 65, 1000, 4096)
+LENGTHS_CPU = (0, 1, 17, 65, 300)
+LONG_LENGTHS = (32768, 5)
+GQA_RATIOS = (1, 4, 8)
+SPLITS = (0, 1, 7)
+HEADS_Q = 8
+
+
+def paged_cases(tier: str) -> list[PagedCase]:
+    """Paged gate cases. tier "gpu": the full matrix; tier "cpu": fewer, shorter."""
+    return list(_cases(tier))
+
+
+def _cases(tier: str) -> Iterator[PagedCase]:
+    gpu = tier == "gpu"
+    index = 0
+    for page_size in PAGE_SIZES if gpu else PAGE_SIZES_CPU:
+        for dtype in DTYPES:
+            for head_dim in (64, 128) if gpu else (64,):
+                ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+                yield PagedCase(
+                    dtype,
+                    head_dim,
+                    HEADS_Q,
+                    HEADS_Q // ratio,
+                    seqlen_q=(1, 2)[index % 2],
+                    lengths=LENGTHS if gpu else LENGTHS_CPU,
+                    page_size=page_size,
+                    num_splits=SPLITS[index % len(SPLITS)],
+                    causal=index % 5 != 4,
+                )
+                index += 1
+    if gpu:
+        for page_size in (16, 256):
+            yield PagedCase("bf16", 128, 32, 8, 1, LONG_LENGTHS, page_size)
+
+
+def make_paged_inputs(case: PagedCase, device: str, seed: int):
+    """q [B, Hq, Sq, D], a paged cache [num_pages, page_size, Hkv, D] of three times the pages the
+    table needs, a shuffled block table (int32) and the cache lengths (int32)."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[case.dtype]
+    batch = len(case.lengths)
+    per_seq = case.pages_per_sequence
+    num_pages = 3 * batch * per_seq
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+    q = randn(batch, case.heads_q, case.seqlen_q, case.head_dim)
+    k_cache = randn(num_pages, case.page_size, case.heads_kv, case.head_dim)
+    v_cache = randn(num_pages, case.page_size, case.heads_kv, case.head_dim)
+    table = torch.randperm(num_pages, generator=generator)[: batch * per_seq].view(batch, per_seq)
+    lengths = torch.tensor(case.lengths, dtype=torch.int32)
+    return q, k_cache, v_cache, table.to(torch.int32).to(device), lengths.to(device)
+
+
+def contiguous_cache(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The pages of each sequence gathered in table order: [B, Hkv, pages x page_size, D]."""
+    batch, per_seq = table.shape
+    gathered = cache[table.long().reshape(-1)]
+    return gathered.view(batch, per_seq * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+
+
+PagedFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def call_paged(case: PagedCase, q, k_cache, v_cache, table, lengths, scale: float):
+    """Call the public API exactly as a user would."""
+    from .. import ops
+
+    return ops.flash_attention_decode(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        scale,
+        causal=case.causal,
+        num_splits=case.num_splits or None,
+        return_lse=True,
+        block_table=table,
+    )
+
+
+def check_paged_case(case: PagedCase, device: str, paged_fn: PagedFn | None = None):
+    """Run one paged decode (twice, for determinism) and gate it per sequence."""
+    from .. import ops
+
+    fn = paged_fn or call_paged
+    seed = case_seed(case.id)
+    q, k_cache, v_cache, table, lengths = make_paged_inputs(case, device, seed)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    out, lse = fn(case, q, k_cache, v_cache, table, lengths, scale)
+    out_again, lse_again = fn(case, q, k_cache, v_cache, table, lengths, scale)
+    k, v = contiguous_cache(k_cache, table), contiguous_cache(v_cache, table)
+    contiguous_out, contiguous_lse = ops.flash_attention_decode(
+        q,
+        k,
+        v,
+        lengths,
+        scale,
+        causal=case.causal,
+        num_splits=case.num_splits or None,
+        return_lse=True,
+    )
+    ref, ref_lse = attention_reference(q, k, v, case.causal, scale, lengths)
+    out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, lengths)
+    result = RaggedResult(case.id)
+    for b in range(len(case.lengths)):
+        rows = slice(b, b + 1)
+        seq = evaluate(
+            SequenceLabel(f"{case.id}/seq{b}", case.dtype),
+            device,
+            seed,
+            out[rows],
+            lse[rows],
+            out_again[rows],
+            lse_again[rows],
+            ref[rows],
+            ref_lse[rows],
+            out_pt[rows],
+        )
+        same_out = torch.equal(out[rows], contiguous_out[rows])
+        same_lse = torch.equal(lse[rows], contiguous_lse[rows])
+        if not (same_out and same_lse):
+            diff = float((out[rows].float() - contiguous_out[rows].float()).abs().max())
+            seq.failures.append(
+                "not bit-identical to the contiguous decode on the same cache contents "
+                f"(output max diff {diff:.4g}, log-sum-exp {'equal' if same_lse else 'differs'})"
+            )
+        result.sequences.append(seq)
+    return result
+
+
+def format_failure(case: PagedCase, result: RaggedResult, device: str) -> str:
+    return result.format_failure(case.describe(), rerun_command(case.id, device))

@@ -1,0 +1,288 @@
+"""Packed (varlen) batches: the gate matrix (flashmoe_science/pipeline/varlen_gates.py), the input
+checks, the log-sum-exp layout, the backward, and a planted bug (a kernel that reads one
+key past each sequence's end) that a gate must catch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashmoe_science import flash_attention_forward, flash_attention_varlen_forward
+from flashmoe_science.pipeline import varlen_gates
+from flashmoe_science.pipeline.paths import REPO_ROOT
+
+GPU_CASES = varlen_gates.varlen_cases("gpu")
+CPU_CASES = varlen_gates.varlen_cases("cpu")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _run(case, device, record_property) -> None:
+    result = varlen_gates.check_varlen_case(case, device)
+    record_property(
+        "gate",
+        {
+            **result.to_json(),
+            "op": "varlen",
+            "dtype": case.dtype,
+            "head_dim": case.head_dim,
+            "rerun": varlen_gates.rerun_command(case.id, device),
+            "rerun_cpu": None,
+            "rerun_needs": "sm_90" if case.config == 4 else None,
+        },
+    )
+    if not result.passed:
+        pytest.fail(varlen_gates.format_failure(case, result, device), pytrace=False)
+
+
+@pytest.mark.gate
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c.id}-cpu")
+def test_gate_varlen_cpu(case, record_property):
+    _run(case, "cpu", record_property)
+
+
+@pytest.mark.gate
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
+def test_gate_varlen_cuda(case, record_property, has_cuda_kernels):
+    if not has_cuda_kernels:
+        pytest.fail(
+            "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
+            pytrace=False,
+        )
+    from flashmoe_science.ops import config_supported
+
+    capability = torch.cuda.get_device_capability()
+    if not config_supported(case.config, capability):
+        pytest.skip(f"config={case.config} is built for sm_90 and newer; this GPU is {capability}")
+    _run(case, "cuda", record_property)
+
+
+def test_matrix_covers_the_issue():
+    """Lengths 0, 1, 17, 128, 1000, 4096 mixed in one batch, Sq != Sk both ways, GQA 1/4/8, both
+    dtypes, causal and not, both head dims and every forward tile configuration."""
+    lengths = {n for c in GPU_CASES for n in c.lengths_q + c.lengths_k}
+    assert {0, 1, 17, 128, 1000, 4096} <= lengths
+    assert any(len(set(c.lengths_q)) >= 5 for c in GPU_CASES)
+    pairs = [(q, k) for c in GPU_CASES for q, k in zip(c.lengths_q, c.lengths_k, strict=True)]
+    assert any(q < k for q, k in pairs) and any(q > k for q, k in pairs)
+    assert {c.heads_q // c.heads_kv for c in GPU_CASES} == {1, 4, 8}
+    assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
+    assert {c.causal for c in GPU_CASES} == {False, True}
+    assert {c.head_dim for c in GPU_CASES} == {64, 128}
+    assert {c.config for c in GPU_CASES} == {0, 1, 2, 4}
+    assert len({c.id for c in GPU_CASES + CPU_CASES}) == len(GPU_CASES) + len(CPU_CASES)
+
+
+def packed(device, lengths_q=(3, 0, 5), lengths_k=(4, 2, 5), heads=(4, 2), dtype=torch.bfloat16):
+    case = varlen_gates.VarlenCase("bf16", 64, *heads, lengths_q, lengths_k, causal=True)
+    q, k, v, cu_q, cu_k = varlen_gates.make_varlen_inputs(case, device, seed=0)
+    return q.to(dtype), k.to(dtype), v.to(dtype), cu_q, cu_k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lse_layout_and_empty_sequences(device):
+    """lse is [Hq, total_q] (FlashAttention's varlen layout); a query with no key gets 0 and -inf."""
+    q, k, v, cu_q, cu_k = packed(device, lengths_q=(2, 3, 1), lengths_k=(0, 3, 1))
+    out, lse = flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 3, 3, True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    assert torch.all(out[:2] == 0) and torch.all(torch.isinf(lse[:, :2]))
+    dense, dense_lse = flash_attention_forward(
+        q[2:5].transpose(0, 1)[None],
+        k[0:3].transpose(0, 1)[None],
+        v[0:3].transpose(0, 1)[None],
+        True,
+        return_lse=True,
+    )
+    torch.testing.assert_close(out[2:5], dense[0].transpose(0, 1), atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse[:, 2:5], dense_lse[0], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_of_a_packed_qkv_tensor(device):
+    """q, k and v as views of one [total, 3, H, D] projection (only the last dimension contiguous)
+    give the same result as contiguous copies."""
+    q, k, v, cu_q, _ = packed(device, lengths_q=(3, 70, 5), lengths_k=(3, 70, 5), heads=(4, 4))
+    qkv = torch.stack([q, k, v], dim=1)
+    views = flash_attention_varlen_forward(
+        qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_q, cu_q, 70, 70, True
+    )
+    copies = flash_attention_varlen_forward(q, k, v, cu_q, cu_q, 70, 70, True)
+    assert torch.equal(views, copies)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    q, k, v, cu_q, cu_k = packed(device, lengths_q=(0, 0), lengths_k=(0, 0))
+    out, lse = flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 0, 0, return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
+
+
+def _cu(args, values):
+    return torch.tensor(values, dtype=torch.int32, device=args["q"].device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (
+            lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].long()},
+            TypeError,
+            "cu_seqlens_q has dtype torch.int64",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"].float()},
+            TypeError,
+            "cu_seqlens_k has dtype torch.float32",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_q": _cu(a, [0, 5, 3, 8])},
+            ValueError,
+            "cu_seqlens_q must be non-decreasing, got cu_seqlens_q[1] = 5 > cu_seqlens_q[2] = 3",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_k": _cu(a, [0, 4, 6, 10])},
+            ValueError,
+            "cu_seqlens_k[-1] = 10 must equal the rows of k (11)",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"] + 1},
+            ValueError,
+            "cu_seqlens_q[0] must be 0",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][:3]},
+            ValueError,
+            "both have batch + 1 entries",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].view(2, 2)},
+            ValueError,
+            "cu_seqlens_q must have shape [batch + 1]",
+        ),
+        (
+            lambda a: {**a, "max_seqlen_q": 4},
+            ValueError,
+            "sequence 2 has 5 rows in cu_seqlens_q but max_seqlen_q = 4",
+        ),
+        (lambda a: {**a, "max_seqlen_k": 3}, ValueError, "max_seqlen_k = 3"),
+        (lambda a: {**a, "max_seqlen_k": -1}, ValueError, "max_seqlen_k must be an int in"),
+        (lambda a: {**a, "q": a["q"][None]}, ValueError, "q must have 3 dimensions"),
+        (
+            lambda a: {**a, "k": a["k"][:, :1].repeat(1, 3, 1), "v": a["v"][:, :1].repeat(1, 3, 1)},
+            ValueError,
+            "must be a multiple of heads of k and v",
+        ),
+        (lambda a: {**a, "q": a["q"].float()}, TypeError, "q has dtype torch.float32"),
+        (lambda a: {**a, "config": 3}, ValueError, "config must be 0 (automatic), 1, 2 or 4"),
+    ],
+)
+def test_bad_input_raises_one_line(device, change, error, message):
+    q, k, v, cu_q, cu_k = packed(device)
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=5)
+    with pytest.raises(error) as info:
+        flash_attention_varlen_forward(**change(args))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_matches_the_dense_backward_per_sequence(device, causal):
+    """Gradients of a packed call equal those of flash_attention_forward on each sequence alone,
+    including sequences without queries or keys (zero gradients), with GQA."""
+    lengths_q, lengths_k = (3, 0, 70, 2), (4, 5, 70, 0)
+    q, k, v, cu_q, cu_k = packed(device, lengths_q, lengths_k, heads=(4, 2))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(q)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flash_attention_varlen_forward(*leaves, cu_q, cu_k, 70, 70, causal)
+    out.backward(grad)
+    expected = [torch.zeros_like(t) for t in (q, k, v)]
+    q0 = k0 = 0
+    for len_q, len_k in zip(lengths_q, lengths_k, strict=True):
+        rows_q, rows_k = slice(q0, q0 + len_q), slice(k0, k0 + len_k)
+        q0, k0 = q0 + len_q, k0 + len_k
+        if not (len_q and len_k):
+            continue
+        dense = [
+            t[rows].transpose(0, 1)[None].detach().requires_grad_(True)
+            for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k))
+        ]
+        flash_attention_forward(*dense, causal).backward(grad[rows_q].transpose(0, 1)[None])
+        for e, d, rows in zip(expected, dense, (rows_q, rows_k, rows_k), strict=True):
+            e[rows] = d.grad[0].transpose(0, 1)
+    for leaf, e in zip(leaves, expected, strict=True):
+        assert leaf.grad.dtype == leaf.dtype and leaf.grad.is_contiguous()
+        torch.testing.assert_close(leaf.grad, e, atol=1e-2, rtol=1e-2)
+    assert torch.all(leaves[0].grad[3:3] == 0) and torch.all(leaves[1].grad[4:9] == 0)
+    assert leaves[0].grad[73:].abs().sum() == 0  # the last sequence has no keys
+
+
+def test_opcheck():
+    from flashmoe_science import ops  # noqa: F401  (loads the operators)
+
+    q, k, v, cu_q, cu_k = packed("cpu")
+    torch.library.opcheck(
+        torch.ops.flashmoe_science.varlen_fwd,
+        (q, k, v, cu_q, cu_k, 5, 5, True, 0.125, 0),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_capture_clamps_instead_of_syncing():
+    """A packed call captures into a CUDA graph (no host check of cu_seqlens, so no sync while
+    capturing); a replay with new lengths gives the eager result, and offsets out of range are
+    clamped into the packed tensors rather than read outside them."""
+    q, k, v, cu_q, cu_k = packed("cuda", lengths_q=(3, 60, 5), lengths_k=(4, 60, 7))
+    flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 64, 64, True)  # warm-up, eager
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 64, 64, True)
+    cu_q.copy_(torch.tensor([0, 30, 62, 68], dtype=torch.int32))
+    cu_k.copy_(torch.tensor([0, 11, 70, 71], dtype=torch.int32))
+    graph.replay()
+    expected = flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 64, 64, True)
+    assert torch.equal(out, expected)
+    cu_k.copy_(torch.tensor([0, 10**6, -5, 10**7], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
+PLANT_SCRIPT = """
+import json, sys
+from flashmoe_science import ops
+from flashmoe_science.pipeline import varlen_gates
+device = sys.argv[1]
+cases = [c for c in varlen_gates.varlen_cases("cpu" if device == "cpu" else "gpu")][:4]
+print(json.dumps({"planted": ops.planted_bug(),
+                  "failures": [varlen_gates.check_varlen_case(c, device).failures for c in cases]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_planted_one_key_past_the_end_fails_a_gate(device):
+    """Build the unit with -DFLASHMOE_PLANT_BUG=7 (each sequence reads one key past its end) and
+    show the varlen gates catch it. A separate process: one process holds one build."""
+    env = dict(os.environ, FLASHMOE_BUILD_DEFINES="FLASHMOE_PLANT_BUG=7")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    run = subprocess.run(
+        [sys.executable, "-c", PLANT_SCRIPT, device],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["planted"] == 7
+    for failures in result["failures"]:
+        assert any(("gate 1" in f or "gate 2" in f) for f in failures), failures
