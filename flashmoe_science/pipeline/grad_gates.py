@@ -192,7 +192,10 @@ def evaluate(
 ) -> GradResult:
     """Apply every gate to one backward's gradients against the references."""
     dtype = DTYPES[case.dtype]
-    grads = {name: evaluate_grad(g, r, p, dtype) for name, g, r, p in zip(GRADS, got, ref, pt)}
+    grads = {
+        name: evaluate_grad(g, r, p, dtype)
+        for name, g, r, p in zip(GRADS, got, ref, pt, strict=True)
+    }
     deterministic = None
     if repeats:
         deterministic = all(
