@@ -27,6 +27,14 @@ def _hermetic_require_gpu(monkeypatch):
     monkeypatch.delenv("FLASHMOE_REQUIRE_GPU", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _hermetic_reports(tmp_path_factory, monkeypatch):
+    # A test that runs a pipeline command (build, bench, ...) writes and clears reports in a folder
+    # of its own, never the report folder of the run that is testing (its build.json, stages.json
+    # are that run's record). The gates.json of the run is written after the tests, outside them.
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path_factory.mktemp("reports")))
+
+
 @pytest.fixture
 def no_cuda_tools(tmp_path, monkeypatch):
     """Hides every place the toolkit lookup looks (PATH, CUDA_HOME, CUDA_PATH, the fallback

@@ -68,6 +68,15 @@ def test_git_bisect_run_names_the_breaking_commit(tmp_path):
         if not k.startswith(("FLASHMOE_", "PYTEST_", "TORCH_CUDA_ARCH")) and k != "PYTHONPATH"
     }
     env["CUDA_VISIBLE_DEVICES"] = ""  # the nested runs build and gate the CPU unit
+    # Tools found through PYTHONPATH (nox on a machine that carries it that way) stay; this
+    # checkout's package does not: each bisect step imports its own commit's.
+    kept = [
+        entry
+        for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if entry and not Path(entry).resolve().is_relative_to(REPO_ROOT)
+    ]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
     nox_test = [sys.executable, "-m", "nox", "-s", "test", "--"]
 
     def run(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess:

@@ -141,7 +141,10 @@ def run_hook(tree: Path, paths: dict, *args: str, env: dict | None = None, bindi
     if AS_ROOT:
         subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(paths["work"].parent)], check=True)
         subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(paths["home"])], check=True)
-    path = f"{bindir}:/usr/bin:/bin" if bindir else "/usr/bin:/bin"
+    # A stand-in nvidia-smi with no compute processes unless the test brings its own: on a GPU
+    # machine the real one would show the test run's own GPU processes to the hook.
+    bindir = bindir or fake_nvidia_smi(tree, [])
+    path = f"{bindir}:/usr/bin:/bin"
     full_env = {
         "PATH": path,
         "HOME": str(paths["home"]),

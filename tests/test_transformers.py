@@ -24,9 +24,11 @@ NEW_TOKENS = 32
 ERROR_RATIO = 1.5
 
 
-def config():
+def config(initializer_range: float = 0.2):
     # GQA 4:2, two layers, head_dim 64 (the CUDA kernels take 64 and 128). A wide initialiser
-    # keeps greedy decoding away from near-ties, so the token comparisons mean something.
+    # keeps greedy decoding away from near-ties, so the token comparisons mean something; the
+    # gradient comparison takes the usual 0.02, where attention is not near one-hot and bf16
+    # rounding is not amplified layer over layer.
     return transformers.LlamaConfig(
         vocab_size=256,
         hidden_size=256,
@@ -36,14 +38,16 @@ def config():
         num_key_value_heads=2,
         head_dim=64,
         pad_token_id=0,
-        initializer_range=0.2,
+        initializer_range=initializer_range,
     )
 
 
-def model(implementation: str, state=None, dtype=torch.float32, device="cpu"):
+def model(
+    implementation: str, state=None, dtype=torch.float32, device="cpu", initializer_range=0.2
+):
     torch.manual_seed(0)
     m = transformers.LlamaForCausalLM._from_config(
-        copy.deepcopy(config()), attn_implementation=implementation
+        copy.deepcopy(config(initializer_range)), attn_implementation=implementation
     )
     if state is not None:
         m.load_state_dict(state)
@@ -225,20 +229,32 @@ def test_unsupported_options_raise(name):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_padded_batch_trains(name, device):
-    """A loss over a left-padded batch back-propagates through the varlen path, and the weight
-    gradients agree with SDPA's in the same dtype. (Not against fp32: this model's bf16 weight
-    gradients differ from its fp32 ones by about 90% whichever attention runs, measured on the
-    CPU; ours and SDPA's differed by 5%.)"""
-    state = model("eager", device=device).state_dict()
-    sdpa = model("sdpa", state, torch.bfloat16, device)
-    ours = model(name, state, torch.bfloat16, device)
+def test_padded_batch_trains(name, device, record_property):
+    """A loss over a left-padded batch back-propagates through the varlen path, and its weight
+    gradients are as close to the fp32 model's (eager attention) as SDPA's are in the same dtype:
+    FlashAttention's rule, error at most twice the reference implementation's plus a floor. (A
+    bf16 model's weight gradients differ from its fp32 ones by tens of percent whichever
+    attention runs when the loss counts a prediction made from a padding input (measured: 59% for
+    SDPA and ours on the CPU, 3.5% for SDPA and 59% for ours on the H100, which fill such rows
+    differently); without it both are within 1% of fp32 on the CPU.)"""
+    state = model("eager", device=device, initializer_range=0.02).state_dict()
     ids, mask = batch(device, "left")
     labels = ids.masked_fill(mask == 0, -100)
+    # The pad just before each sequence's first token would predict that token from a padding
+    # input, whose hidden state every attention implementation may fill differently (a row that
+    # sees no key): leave it out of the loss, as padding is.
+    labels[torch.arange(len(ids)), mask.float().argmax(dim=1)] = -100
     grads = []
-    for m in (sdpa, ours):
+    for implementation, dtype in (("eager", torch.float32), ("sdpa", torch.bfloat16)):
+        m = model(implementation, state, dtype, device, 0.02)
         m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         grads.append(torch.cat([p.grad.float().flatten() for p in m.model.layers.parameters()]))
-    expected, got = grads
+    ours = model(name, state, torch.bfloat16, device, 0.02)
+    ours(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    got = torch.cat([p.grad.float().flatten() for p in ours.model.layers.parameters()])
+    expected, sdpa = grads
     assert torch.isfinite(got).all()
-    assert float((got - expected).norm() / expected.norm()) < 0.2
+    ours_error = float((got - expected).norm() / expected.norm())
+    sdpa_error = float((sdpa - expected).norm() / expected.norm())
+    record_property("padded_batch_grad_error", {"ours": ours_error, "sdpa": sdpa_error})
+    assert ours_error <= 2 * sdpa_error + 0.01, (ours_error, sdpa_error)

@@ -65,7 +65,9 @@ PRINT_LIMIT = 20
 TOOL_TIMEOUT_S = 900
 KERNEL_SUBSTRINGS = (
     "flash_fwd_kernel",
+    "flash_fwd_varlen_kernel",
     "flash_decode_kernel",
+    "flash_decode_paged_kernel",
     "split_kv_combine_kernel",
     "flash_bwd_",  # the backward's pre-pass, dK/dV, dQ and conversion kernels
 )
