@@ -10,7 +10,7 @@ torch was provisioned once. Typical use:
 
     nox -s build test bench          # locally
     nox -s env build test -- --require-gpu   (GPU runners pass --require-gpu to env and test)
-    git bisect run nox -s test       # exit codes: 0 good, 1 bad, 125 skip (no build), >127 abort
+    git bisect run nox -s test -- --gates -k '<gate id>'   # 0 good, 1 bad, 125 skip, 255 stop
 """
 
 from __future__ import annotations

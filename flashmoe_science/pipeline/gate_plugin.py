@@ -1,7 +1,8 @@
 """The pytest plugin behind the test stage's record: which tests are gates, and reports/gates.json.
 
 tests/conftest.py loads it (`pytest_plugins`), so plain `pytest` and `nox -s test` agree. A gate is
-a test marked `gate` (the case matrix in tests/test_gates.py); its figures arrive as the `gate` user
+a test marked `gate` (the case matrices of the modules testing.GATE_MODULES names: forward and decode,
+backward, varlen, paged); its figures arrive as the `gate` user
 property. `--gates-only` deselects every other test, so a bisect step cannot be failed by a test
 that is not a gate.
 
