@@ -353,9 +353,7 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
 def test_the_checkout_stand_in_checks_out_exactly_the_given_commit(tmp_path):
     # The GPU job's checkout of the approved commit, alone: a one-job workflow that checks out the
     # parent of HEAD, as gpu-ci.yml's `gpu` job checks out needs.approve.outputs.sha.
-    found = subprocess.run(
-        ["git", "rev-parse", "HEAD~1"], capture_output=True, text=True, cwd=ROOT
-    )
+    found = subprocess.run(["git", "rev-parse", "HEAD~1"], capture_output=True, text=True, cwd=ROOT)
     if found.returncode != 0:
         pytest.skip("needs a checkout with history (HEAD~1); this one has a single commit")
     parent = found.stdout.strip()
