@@ -102,6 +102,30 @@ def _run(command: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
     return run
 
 
+def _version_key(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def build_env() -> dict[str, str]:
+    """The builds run without isolation (no network), so they use a setuptools this interpreter
+    sees. A venv made by `python -m venv` on Python 3.11 carries setuptools 65, which cannot build
+    a wheel by itself (bdist_wheel is built in from 70.1) and shadows the newer one a venv reuses
+    through a .pth (as the act jobs' provisioning does): the newest setuptools in sight goes first."""
+    import importlib.metadata as md
+
+    env = dict(os.environ)
+    found = list(md.distributions(name="setuptools"))
+    if found:
+        newest = max(found, key=lambda d: _version_key(d.version))
+        location = str(newest.locate_file(""))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [location, env.get("PYTHONPATH")]))
+    return env
+
+
 def build_wheel(work: Path) -> Path:
     """sdist from a copy of the tree (nothing is written into the checkout), wheel from the sdist."""
     tree = work / "tree"
@@ -123,6 +147,7 @@ def build_wheel(work: Path) -> Path:
             str(dist),
         ],
         cwd=tree,
+        env=build_env(),
     )
     (sdist,) = dist.glob("*.tar.gz")
     with tarfile.open(sdist) as archive:
@@ -131,7 +156,7 @@ def build_wheel(work: Path) -> Path:
         archive.extractall(work / "sdist", **safe)
     (unpacked,) = (work / "sdist").iterdir()
     pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-    _run([*pip, "-w", str(dist), str(unpacked)])
+    _run([*pip, "-w", str(dist), str(unpacked)], env=build_env())
     (wheel,) = dist.glob("*.whl")
     return wheel
 
