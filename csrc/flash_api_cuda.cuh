@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -123,6 +124,22 @@ void visit_paged_decode(int head_dim, F&& f) {
   }
 }
 
+// The check of a packed batch's offsets that follows its forward kernel (it poisons the outputs
+// of offsets that do not describe the batch).
+template <typename F>
+void visit_varlen_check(at::ScalarType dtype, int head_dim, F&& f) {
+  const bool fp16 = dtype == at::kHalf;
+  if (fp16 && head_dim == 64) {
+    f(&varlen_offsets_check_kernel<__half, 64>);
+  } else if (fp16) {
+    f(&varlen_offsets_check_kernel<__half, 128>);
+  } else if (head_dim == 64) {
+    f(&varlen_offsets_check_kernel<__nv_bfloat16, 64>);
+  } else {
+    f(&varlen_offsets_check_kernel<__nv_bfloat16, 128>);
+  }
+}
+
 // Opts in to more than the default 48 KB of shared memory; from 47 KB up, since a kernel's static
 // shared memory (the decode kernel's flag) counts against the same limit.
 template <typename Kernel>
@@ -231,6 +248,16 @@ inline void combine_into(const at::Tensor& o_accum, const at::Tensor& lse_accum,
     launch_combine<__nv_bfloat16, 64>(o_accum, lse_accum, out, lse, stream);
   else
     launch_combine<__nv_bfloat16, 128>(o_accum, lse_accum, out, lse, stream);
+}
+
+// The values inside cache_seqlens, cu_seqlens and block_table are read by the kernels, not by the
+// host: a host check costs a copy and a device sync on every call (a serving loop pays it in host
+// time). The kernels read nothing outside the tensors whatever the values, and a value that does
+// not describe the batch makes the outputs it touches NaN (a packed batch's offsets: all of them).
+// FLASHMOE_CHECK_INPUTS=1 adds the host check, which names the bad value in a one-line error.
+inline bool host_checks_requested() {
+  const char* flag = std::getenv("FLASHMOE_CHECK_INPUTS");
+  return flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0;
 }
 
 inline void check_head_dim_cuda(int64_t head_dim) {
@@ -355,13 +382,11 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
                        " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
                        ".", dev.minor, ": use config 1, 2 or 3 (or 0, automatic)");
-  // The values of cache_seqlens are checked on the host, which needs a copy and a sync that CUDA
-  // graph capture forbids: while capturing they are not checked, and the kernels clamp them to
-  // [0, Smax] so a bad value still reads nothing out of bounds.
+  // The values of cache_seqlens are checked by the kernels (see host_checks_requested).
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (seqlens_k.has_value() && capture == cudaStreamCaptureStatusNone) {
+  if (seqlens_k.has_value() && capture == cudaStreamCaptureStatusNone && host_checks_requested()) {
     check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
   }
   if (auto empty = empty_result(q_in, k_in)) return *empty;
@@ -378,7 +403,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
 // ------------------------------------------------------------------------------------------------
 
 // The stream's CUDA graph capture state: values a check would copy to the host (a sync capture
-// forbids) are left to the kernels' clamps while capturing.
+// forbids) are left to the kernels while capturing.
 inline bool stream_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -422,7 +447,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
                        ".", dev.minor, ": use config 1 or 2 (or 0, automatic)");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
   const bool capturing = stream_capturing(stream);
-  if (!capturing) {
+  if (!capturing && host_checks_requested()) {
     check_varlen_values(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   }
   const int64_t batch = cu_seqlens_q.size(0) - 1;
@@ -459,13 +484,10 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   p.num_splits = 1;
   p.n_blocks_per_split = std::max(1, ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim)));
 
+  // Contiguous: with offsets that do not partition the batch, the kernel's blocks fill all of out
+  // and lse with NaN, which takes them to be dense.
   auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  if (capturing) {
-    // Offsets the host could not check may leave rows to no sequence: they read as 0 and -inf.
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
-  }
   p.o = out.data_ptr();
   p.o_batch_stride = 0, p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(0);
   p.lse = lse.data_ptr<float>();
@@ -474,6 +496,10 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   } else {
     launch_attention<__nv_bfloat16>(p, int(config), int(grid_x), m_blocks, stream);
   }
+  visit_varlen_check(q.scalar_type(), p.head_dim, [&](auto kernel) {
+    kernel<<<1, 256, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
   return {out, lse};
 }
 
@@ -494,7 +520,7 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
   const int64_t page_size = k_cache.size(1), capacity = block_table.size(1) * page_size;
   std::optional<at::Tensor> lens;
   if (seqlens_k.has_value()) lens = seqlens_k->contiguous();
-  if (!capturing) {
+  if (!capturing && host_checks_requested()) {
     std::optional<at::Tensor> lens_cpu;
     if (lens) lens_cpu = lens->cpu();
     if (lens_cpu) check_seqlens_values(*lens_cpu, capacity);
@@ -700,9 +726,11 @@ void append_kernel_launches(std::string& out) {
       out += "flashmoe::cuda::flash_decode_paged_kernel<" + demangled_name<Traits>() + ", " +
              dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
     });
-    // launch_combine passes no dynamic shared memory
+    // launch_combine and the packed batch's offset check pass no dynamic shared memory
     out += "flashmoe::cuda::split_kv_combine_kernel<" + dtype + ", " + std::to_string(head_dim) +
            ">\t0\n";
+    out += "flashmoe::cuda::varlen_offsets_check_kernel<" + dtype + ", " +
+           std::to_string(head_dim) + ">\t0\n";
     // The backward: the dK/dV kernel of each configuration with and without dQ atomics, the
     // deterministic dQ pass; the pre-pass and the dQ conversion take none.
     auto dkdv = [&](auto kernel_traits, const char* atomic) {

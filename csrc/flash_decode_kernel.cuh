@@ -84,12 +84,13 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   const T* v_base =
       static_cast<const T*>(p.v) + kv_batch * p.v_batch_stride + hkv * p.v_head_stride;
   const L2Policy l2{p.kv_evict_first ? l2_policy_evict_first() : l2_policy_evict_normal()};
+  int bad_page = 0;  // a block-table entry outside the cache was met (the load clamps it)
   auto load_stage = [&](int it) {
     const int s = it % kStages, row0 = (n_lo + it) * BN;
     if constexpr (kPaged) {
       load_kv_tiles_paged<D, BN, kThreads>(stage_k(s), stage_v(s), k_base, v_base, p,
                                            p.block_table + b * p.block_table_stride, row0, len_k,
-                                           tid, l2);
+                                           tid, bad_page, l2);
     } else {
       load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, row0, len_k, tid, l2);
       load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, row0, len_k, tid, l2);
@@ -216,7 +217,9 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
     }
   }
   cp_async_wait<0>();
-  __syncthreads();  // every warp is done with the stages: they become the reduction scratch
+  // Every warp is done with the stages (they become the reduction scratch), and whether any thread
+  // met a page outside the cache is known: a bad page or cache_seqlens value poisons the outputs.
+  const bool poison = __syncthreads_or(bad_page) || t.bad_len;
 
   // Reduce the 4 warps: each row's max (log2 units) and sum per warp, then every warp writes its
   // output rescaled to the common max and divided by the common sum; the writers below add them.
@@ -276,7 +279,12 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   }
   float mx, sum;
   row_stats(r, mx, sum);
-  const float lse = sum > 0.f ? mx * float(M_LN2) + logf(sum) : -INFINITY;
+  const float lse = poison ? NAN : sum > 0.f ? mx * float(M_LN2) + logf(sum) : -INFINITY;
+  if (poison) {
+#pragma unroll
+    for (int e = 0; e < kCols; ++e)
+      out[e] = NAN;
+  }
 
   const bool row_valid = gr < rows_total;
   const int i = row_query(gr), h = row_head(gr);

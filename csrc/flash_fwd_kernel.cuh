@@ -254,8 +254,11 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const float sum = quad_sum(row_sum[mt][hh]);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      const float lse = sum > 0.f ? row_max[mt][hh] * p.softmax_scale + logf(sum) : -INFINITY;
+      // A bad cache_seqlens value poisons its sequence: NaN out and lse.
+      const float inv = te.bad_len ? NAN : sum > 0.f ? 1.f / sum : 0.f;
+      const float lse = te.bad_len         ? NAN
+                        : sum > 0.f ? row_max[mt][hh] * p.softmax_scale + logf(sum)
+                                    : -INFINITY;
       const int row = warp_row0 + mt * 16 + lane / 4 + hh * 8, r = em0 + row;
       if (p.num_splits == 1) {
 #pragma unroll
@@ -341,6 +344,37 @@ __global__ void __launch_bounds__(128)
   for (int e = 0; e < kPerLane; e += 2)
     *reinterpret_cast<uint32_t*>(dst + e) = pack2<T>(acc[e], acc[e + 1]);
   if (lane == 0) lse[row] = lse_row;
+}
+
+// Runs after the forward kernel over a packed batch. The host does not read cu_seqlens (a sync per
+// call); the forward kernel clamps them, so it reads nothing outside q, k and v whatever they
+// hold. This kernel (one block) checks that they partition q and k into sequences no longer than
+// the maxima the grid was sized for: from 0, non-decreasing, ending at total_q and total_k. If
+// not, the whole of out ([total_q, Hq, D], contiguous) and lse ([Hq, total_q]) becomes NaN: no
+// row is left unwritten (garbage) or computed from offsets that do not describe the batch. A
+// check inside the forward kernel cost its tightest configuration a register spill.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(256) varlen_offsets_check_kernel(const AttentionParams p) {
+  constexpr int kThreads = 256;
+  const int tid = threadIdx.x;
+  int bad = 0;
+  for (int b = tid; b < p.batch; b += kThreads) {
+    const int lq = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    const int lk = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    bad |= lq < 0 || lq > p.seqlen_q || lk < 0 || lk > p.seqlen_k;
+  }
+  if (tid == 0) {
+    bad |= p.cu_seqlens_q[0] != 0 || p.cu_seqlens_k[0] != 0 ||
+           p.cu_seqlens_q[p.batch] != p.total_q || p.cu_seqlens_k[p.batch] != p.total_k;
+  }
+  if (!__syncthreads_or(bad)) return;
+  const uint32_t nan2 = pack2<T>(NAN, NAN);
+  uint4* out = static_cast<uint4*>(p.o);
+  const int64_t chunks = int64_t(p.total_q) * p.heads_q * (kHeadDim / 8);
+  for (int64_t c = tid; c < chunks; c += kThreads)
+    out[c] = make_uint4(nan2, nan2, nan2, nan2);
+  for (int64_t r = tid; r < int64_t(p.total_q) * p.heads_q; r += kThreads)
+    p.lse[r] = NAN;
 }
 
 }  // namespace flashmoe::cuda

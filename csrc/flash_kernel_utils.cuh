@@ -138,6 +138,9 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
 // r % group.
 struct TileCoords {
   int b, head_grid, hkv, group, rows_total, m_block, m_blocks, split, len_k;
+  // cache_seqlens[b] outside [0, seqlen_k]: the host does not read the values (that would cost a
+  // sync per call), so the kernel finds them and poisons this sequence's outputs with NaN.
+  bool bad_len;
   // This sequence's query count (seqlen_q unless the batch is packed), and with a packed (varlen)
   // batch the packed rows of its first query and first key (0 otherwise).
   int len_q, row0_q, row0_k;
@@ -209,14 +212,17 @@ struct TileCoords {
     t.head_grid = bh - t.b * heads_grid;
     t.hkv = p.pack_gqa ? t.head_grid : t.head_grid / p.heads_ratio;
     t.split = blockIdx.y;
-    // Clamped: under CUDA graph capture the host cannot check the values (see the host API).
-    t.len_k = p.seqlens_k ? min(max(p.seqlens_k[t.b], 0), p.seqlen_k) : p.seqlen_k;
+    // Clamped, so a bad value reads nothing out of bounds; bad_len poisons the outputs.
+    const int len_raw = p.seqlens_k && !kVarlen ? p.seqlens_k[t.b] : p.seqlen_k;
+    t.bad_len = !kVarlen && (len_raw < 0 || len_raw > p.seqlen_k);
+    t.len_k = min(max(len_raw, 0), p.seqlen_k);
     t.len_q = p.seqlen_q;
     t.row0_q = 0;
     t.row0_k = 0;
     if constexpr (kVarlen) {
       // Offsets clamped into the packed tensors and lengths to the maxima the grid was sized for,
-      // so offsets the host could not check (graph capture) still read nothing out of bounds.
+      // so offsets the host did not check read nothing out of bounds (varlen_offsets_valid
+      // decides whether the outputs are poisoned instead).
       const int q0 = min(max(p.cu_seqlens_q[t.b], 0), p.total_q);
       const int q1 = min(max(p.cu_seqlens_q[t.b + 1], q0), p.total_q);
       const int k0 = min(max(p.cu_seqlens_k[t.b], 0), p.total_k);
@@ -291,14 +297,14 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row
 // sequence, whose logical row j lies in physical page table_row[j / page_size] at row
 // j % page_size. Pages of kRows rows or more hold a whole tile (row0 is a multiple of kRows), so
 // one table entry serves it; smaller pages (16, 32) split a tile and are looked up per row. K and
-// V share the lookups. Pages are clamped into [0, num_pages) (a table the host could not check,
-// under graph capture, still reads inside the cache) and rows at or past `len` are zero-filled
-// without touching the table.
+// V share the lookups. Pages are clamped into [0, num_pages) (so a table entry outside the cache,
+// which the host does not read, still reads inside the cache; `bad_page` is set for the caller to
+// poison its outputs) and rows at or past `len` are zero-filled without touching the table.
 template <int kHeadDim, int kRows, int kThreads, typename T, typename L2 = L2Default>
 __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const T* k_base,
                                                     const T* v_base, const AttentionParams& p,
                                                     const int* table_row, int row0, int len,
-                                                    int tid, L2 l2 = {}) {
+                                                    int tid, int& bad_page, L2 l2 = {}) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
   static_assert(kThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
@@ -312,6 +318,7 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
 #else
     const int page = table_row[row >> p.page_shift];
 #endif
+    bad_page |= unsigned(page) >= unsigned(p.num_pages);
     return min(max(page, 0), p.num_pages - 1);
   };
   const bool one_page_per_tile = (1 << p.page_shift) >= kRows;
@@ -348,7 +355,8 @@ __device__ __forceinline__ void load_cols_cg(const float* src, float (&x)[kCols]
 // The split-KV combine of one output row over kCols columns: with m = max_s lse_s,
 // lse = m + log sum_s exp(lse_s - m) and out = sum_s exp(lse_s - m) * out_s / sum_s exp(lse_s - m).
 // Returns lse (-inf when no split saw a key; out is then 0). Splits with lse = -inf are skipped by
-// a select, so whatever their partial holds (NaN included) cannot leak in. The splits are taken
+// a select, so whatever their partial holds (NaN included) cannot leak in; a split with lse = NaN
+// (a poisoned one) makes out and lse NaN. The splits are taken
 // kChunk at a time with every load of a chunk issued before any is used, and the running max
 // rescales what came before (online softmax): one L2 round trip per chunk. Loads behind a
 // per-split branch cost one round trip per split: on the H100 that was 5 us of a 20 us decode with
@@ -358,6 +366,7 @@ template <int kCols, int kChunk = 16, typename LseAt, typename PartialAt>
 __device__ __forceinline__ float combine_splits(int num_splits, LseAt lse_at, PartialAt partial_at,
                                                 float (&out)[kCols]) {
   float m = -INFINITY, sum = 0.f, acc[kCols];
+  bool poisoned = false;  // a split wrote lse = NaN (bad cache_seqlens or block table): out is NaN
 #pragma unroll
   for (int e = 0; e < kCols; ++e)
     acc[e] = 0.f;
@@ -368,6 +377,7 @@ __device__ __forceinline__ float combine_splits(int num_splits, LseAt lse_at, Pa
       const bool in_range = s0 + j < num_splits;
       lse[j] = in_range ? __ldcg(lse_at(s0 + j)) : -INFINITY;
       if (in_range) load_cols_cg<kCols>(partial_at(s0 + j), x[j]);
+      poisoned |= lse[j] != lse[j];
     }
     float m_new = m;
 #pragma unroll
@@ -398,11 +408,11 @@ __device__ __forceinline__ float combine_splits(int num_splits, LseAt lse_at, Pa
     }
     m = m_new;
   }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const float inv = poisoned ? NAN : sum > 0.f ? 1.f / sum : 0.f;
 #pragma unroll
   for (int e = 0; e < kCols; ++e)
     out[e] = acc[e] * inv;
-  return sum > 0.f ? m + logf(sum) : -INFINITY;
+  return poisoned ? NAN : sum > 0.f ? m + logf(sum) : -INFINITY;
 }
 
 }  // namespace flashmoe::cuda

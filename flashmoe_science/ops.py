@@ -237,10 +237,12 @@ def flash_attention_decode(
     block_size. Block sizes: powers of two from 16. Only the entries covering a sequence's
     cache_seqlens are read (the rest may hold anything).
 
-    CUDA graphs: the call can be captured. The values of cache_seqlens (and of the block_table
-    entries in use) are checked on the host (outside [0, Smax], or a block outside the cache,
-    raises), except while capturing, where a check would need a sync: captured calls clamp them
-    into range instead, so nothing outside the cache is read.
+    No host synchronisation, and CUDA graphs can capture the call: on CUDA the values of
+    cache_seqlens and of the block_table entries in use are checked by the kernel, not the host.
+    Nothing outside the cache is read whatever they hold, and a sequence with a length outside
+    [0, Smax] or a block outside the cache gets NaN output and log-sum-exp. Set
+    FLASHMOE_CHECK_INPUTS=1 to have them checked on the host as well (one copy and sync per call),
+    which raises a one-line error naming the value. The CPU implementation always checks them.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
@@ -305,8 +307,12 @@ def flash_attention_varlen_forward(
     flash_attention_forward. config: 0 picks the tile configuration; 1, 2 or 4 force one of the
     forward kernel's (CONFIGS; the decode kernel, 3, has no packed variant).
 
-    The cu_seqlens values are checked on the host (one copy from the device); while a CUDA graph
-    is being captured they are not, and the kernel clamps them into the packed tensors instead.
+    No host synchronisation (CUDA graphs can capture the call): on CUDA the kernel checks the
+    cu_seqlens values itself. Nothing outside the packed tensors is read whatever they hold, and
+    offsets that do not partition q and k (not from 0, decreasing, not ending at the rows, or a
+    sequence longer than max_seqlen) make the whole output and log-sum-exp NaN. Set
+    FLASHMOE_CHECK_INPUTS=1 to have them checked on the host as well (one copy and sync per call),
+    which raises a one-line error naming the value. The CPU implementation always checks them.
     Differentiable in q, k and v: the backward runs flash_attention_forward's backward on each
     sequence (one launch sequence per sequence; gradients contiguous, in the inputs' dtype).
 

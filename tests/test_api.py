@@ -181,7 +181,9 @@ DECODE_BAD = [
     "name,mutate,kwargs,exc,needles", DECODE_BAD, ids=[b[0] for b in DECODE_BAD]
 )
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_bad_input(device, name, mutate, kwargs, exc, needles):
+def test_decode_bad_input(device, monkeypatch, name, mutate, kwargs, exc, needles):
+    # On CUDA the values are checked by the kernels (test_input_checks.py) unless asked for here.
+    monkeypatch.setenv("FLASHMOE_CHECK_INPUTS", "1")
     q, k, v = qkv(device, sq=1)
     seqlens = torch.tensor([20, 7], dtype=torch.int32, device=device)
     with pytest.raises(exc) as info:

@@ -151,7 +151,9 @@ def _ints(args, values):
         ),
     ],
 )
-def test_bad_input_raises_one_line(device, change, error, message):
+def test_bad_input_raises_one_line(device, monkeypatch, change, error, message):
+    # On CUDA the values are checked by the kernels (test_input_checks.py) unless asked for here.
+    monkeypatch.setenv("FLASHMOE_CHECK_INPUTS", "1")
     q, k_cache, v_cache, table, lengths = paged(device)
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=lengths, block_table=table)
     with pytest.raises(error) as info:

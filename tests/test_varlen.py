@@ -182,7 +182,9 @@ def _cu(args, values):
         (lambda a: {**a, "config": 3}, ValueError, "config must be 0 (automatic), 1, 2 or 4"),
     ],
 )
-def test_bad_input_raises_one_line(device, change, error, message):
+def test_bad_input_raises_one_line(device, monkeypatch, change, error, message):
+    # On CUDA the values are checked by the kernels (test_input_checks.py) unless asked for here.
+    monkeypatch.setenv("FLASHMOE_CHECK_INPUTS", "1")
     q, k, v, cu_q, cu_k = packed(device)
     args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=5)
     with pytest.raises(error) as info:
