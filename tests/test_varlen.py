@@ -236,10 +236,11 @@ def test_opcheck():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_capture_clamps_instead_of_syncing():
+def test_cuda_graph_capture_checks_on_the_device():
     """A packed call captures into a CUDA graph (no host check of cu_seqlens, so no sync while
-    capturing); a replay with new lengths gives the eager result, and offsets out of range are
-    clamped into the packed tensors rather than read outside them."""
+    capturing); a replay with new lengths gives the eager result, and offsets out of range, which
+    the kernel clamps into the packed tensors rather than read outside them, make the whole output
+    NaN; valid offsets again give the eager result again."""
     q, k, v, cu_q, cu_k = packed("cuda", lengths_q=(3, 60, 5), lengths_k=(4, 60, 7))
     flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 64, 64, True)  # warm-up, eager
     graph = torch.cuda.CUDAGraph()
@@ -250,10 +251,14 @@ def test_cuda_graph_capture_clamps_instead_of_syncing():
     graph.replay()
     expected = flash_attention_varlen_forward(q, k, v, cu_q, cu_k, 64, 64, True)
     assert torch.equal(out, expected)
+    good_k = cu_k.clone()
     cu_k.copy_(torch.tensor([0, 10**6, -5, 10**7], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+    assert out.isnan().all()
+    cu_k.copy_(good_k)
+    graph.replay()
+    assert torch.equal(out, expected)
 
 
 PLANT_SCRIPT = """
