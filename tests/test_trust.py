@@ -508,3 +508,14 @@ def test_history_stores_only_this_runs_bench_of_the_pushed_commit(
             FakeGitHub(), branch(tmp_path, remote), FIXTURE_BENCH, sha, None, tmp_path, run_id
         )
     assert stored_files(remote) == []
+
+
+def test_fetch_points_reads_the_remote_the_environment_names(tmp_path, remote, monkeypatch, capsys):
+    branch(tmp_path, remote, "seed").store(point(0), b"{}")
+    monkeypatch.setenv("GITHUB_REPOSITORY", REPO)
+    monkeypatch.setenv("FLASHMOE_HISTORY_REMOTE", remote)
+    assert gpuci.main(["fetch-points", "--out", str(tmp_path / "out")]) == 0
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [trend.point_name(point(0))]
+    with pytest.raises(SystemExit) as stop:
+        gpuci.main(["fetch-points", "--out", str(tmp_path / "out"), "--keep", "0"])
+    assert stop.value.code == 2 and "--keep must be at least 1" in capsys.readouterr().err

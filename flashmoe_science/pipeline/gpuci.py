@@ -404,6 +404,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     f.add_argument("--out", type=Path, required=True)
     f.add_argument("--keep", type=int, default=trend.KEEP)
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.command == "fetch-points" and args.keep < 1:
+        parser.error(f"--keep must be at least 1 (points to fetch), not {args.keep}")
     try:
         if args.command == "approve":
             return approve(args.record)

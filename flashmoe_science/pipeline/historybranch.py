@@ -166,12 +166,14 @@ class Branch:
         if tip is None:
             return 0
         names = [n for n in self.files(tip, POINTS_DIR) if _NAME.match(n)][-keep:] if keep else []
+        written = 0
         for name in names:
             spec = f"{tip}:{POINTS_DIR}/{name}"
             if int(self._text("cat-file", "-s", spec)) > trend.MAX_POINT_BYTES:
                 continue  # load_points would refuse it: not worth the download
             (out / name).write_bytes(self.git("cat-file", "blob", spec).stdout)
-        return len(names)
+            written += 1
+        return written
 
     def store(self, point: trend.Point, bench_json: bytes, on_retry: Callable | None = None) -> str:
         """Commit the run's point and bench.json (replacing an earlier run of the same commit) and
