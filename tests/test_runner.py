@@ -617,7 +617,7 @@ def test_settings_all_good(tmp_path):
     run = check_settings(FIXTURES / "settings-good.json", tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert [line.split()[:2] for line in run.stdout.splitlines() if line[:1] in "ow"] == [
-        ["ok", str(n)] for n in (1, 2, 3, 4, 5, 6, 8)
+        ["ok", str(n)] for n in (1, 2, 3, 4, 5, 6, 8, 10)
     ]
 
 
@@ -647,6 +647,16 @@ def test_settings_all_good(tmp_path):
         ),
         ("labels/safe-to-test", None, "FAIL  4  label `safe-to-test` does not exist"),
         ("rules/branches/main", [], "FAIL  8  main does not require the GPU gate"),
+        (
+            "rules/branches/bench-history",
+            [{"type": "deletion"}, {"type": "pull_request"}],
+            "FAIL  10  `bench-history` is covered by: pull_request",
+        ),
+        (
+            "branches/bench-history/protection",
+            {"required_signatures": {"enabled": True}},
+            "FAIL  10  `bench-history` is covered by: required_signatures",
+        ),
     ],
 )
 def test_settings_flag_a_bad_setting(tmp_path, path, change, message):

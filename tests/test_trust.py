@@ -8,12 +8,14 @@ tested against a fake API here, and under act in tests/test_act_trust.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import benchrecords, gpuci, trend
+from flashmoe_science.pipeline import benchrecords, gpuci, historybranch, trend
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
@@ -53,6 +55,7 @@ def step_of(job: dict, prefix: str) -> dict:
 
 GPU = load("gpu-ci.yml")
 JOBS = GPU["jobs"]
+HISTORY = load("bench-history.yml")
 
 
 # ---- the trusted start ----
@@ -100,8 +103,8 @@ def test_the_gpu_job_checks_out_the_approved_commit_read_only():
 
 
 def test_trusted_jobs_run_main_code_on_hosted_runners():
-    for job_id in ("approve", "gpu-gate", "history"):
-        job = JOBS[job_id]
+    trusted = [JOBS["approve"], JOBS["gpu-gate"], HISTORY["jobs"]["history"]]
+    for job_id, job in zip(("approve", "gpu-gate", "history"), trusted, strict=True):
         assert not self_hosted(job), job_id
         checkout = step_of(job, "actions/checkout@")
         assert set(checkout["with"]) == {"persist-credentials"}, f"{job_id}: not main's code"
@@ -132,17 +135,29 @@ def test_the_required_gate_needs_the_gpu_job_and_always_runs():
     assert step["env"]["HEAD_SHA"].startswith("${{ github.event.pull_request.head.sha")
 
 
-def test_history_is_written_only_by_main_after_a_passing_run():
-    job = JOBS["history"]
-    assert (
-        "github.event_name == 'push'" in job["if"] and "needs.gpu.result == 'success'" in job["if"]
-    )
+def test_history_is_written_only_after_a_passing_push_to_main():
+    # A workflow of its own: no job of a workflow that pull_request_target starts can write.
+    assert triggers(HISTORY) == {"workflow_run": {"workflows": ["GPU CI"], "types": ["completed"]}}
+    assert GPU["name"] == "GPU CI"
+    job = HISTORY["jobs"]["history"]
+    for condition in (
+        "github.event.workflow_run.event == 'push'",
+        "github.event.workflow_run.conclusion == 'success'",
+        "github.event.workflow_run.head_branch == github.event.repository.default_branch",
+        "github.event.workflow_run.head_repository.full_name == github.repository",
+    ):
+        assert condition in job["if"], condition
     assert job["permissions"] == {"contents": "write", "actions": "read"}
-    assert any("gpuci history" in s.get("run", "") for s in job["steps"])
+    step = next(s for s in job["steps"] if "gpuci history" in s.get("run", ""))
+    assert step["env"]["SHA"] == "${{ github.event.workflow_run.head_sha }}"
+    assert "--run-id" in step["run"] and "workflow_run.id" in step["env"]["RUN_ID"]
+    download = step_of(job, "actions/download-artifact@")
+    assert download["with"]["run-id"] == "${{ github.event.workflow_run.id }}"
+    assert "concurrency" not in HISTORY, "a concurrency group would cancel waiting runs"
     for name, workflow in all_workflows().items():
         for job_id, other in workflow["jobs"].items():
             if (other.get("permissions") or {}).get("contents") == "write":
-                assert (name, job_id) == ("gpu-ci.yml", "history"), (name, job_id)
+                assert (name, job_id) == ("bench-history.yml", "history"), (name, job_id)
 
 
 # ---- the decisions ----
@@ -347,50 +362,160 @@ def test_dependabot_watches_actions_and_pip_with_a_cooldown():
     assert all(u["cooldown"]["default-days"] >= 7 for u in config["updates"])
 
 
-class HistoryBranch(FakeGitHub):
-    """The bench-history branch as the contents API shows it, in memory."""
-
-    def __init__(self, files: dict[str, bytes]):
-        super().__init__()
-        self.files = files
-
-    def call(self, method, path, body=None):
-        import base64
-
-        self.calls.append((method, path, body))
-        if method == "GET" and path.startswith("git/ref/heads/"):
-            return {"object": {"sha": SHA}}
-        if method == "GET" and path.startswith("contents/points?"):
-            return [{"name": name, "type": "file"} for name in self.files]
-        if method == "GET" and path.startswith("contents/points/"):
-            name = path.split("/")[2].split("?")[0]
-            return {"content": base64.b64encode(self.files[name]).decode()}
-        if method == "PUT" and path.startswith("contents/points/"):
-            self.files[path.split("/")[2]] = base64.b64decode(body["content"])
-            assert body["branch"] == gpuci.HISTORY_BRANCH
-            return {}
-        return {}
-
-
 FIXTURE_BENCH = ROOT / "tests" / "fixtures" / "report" / "passing" / "bench.json"
+FIXTURE_SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # its commit
+FIXTURE_RUN = "fixture-run"
+
+
+@pytest.fixture
+def remote(tmp_path) -> str:
+    path = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "--quiet", "--bare", str(path)], check=True)
+    return str(path)
+
+
+def branch(tmp_path, remote: str, name: str = "scratch") -> historybranch.Branch:
+    (tmp_path / name).mkdir()
+    return historybranch.Branch(tmp_path / name, remote)
+
+
+def stored_files(remote: str) -> list[str]:
+    listed = subprocess.run(
+        ["git", "--git-dir", remote, "ls-tree", "-r", "--name-only", historybranch.BRANCH],
+        capture_output=True,
+        text=True,
+    )
+    return listed.stdout.split() if listed.returncode == 0 else []
+
+
+def point(i: int, gpu: str = "L4", value: float = 1.0) -> trend.Point:
+    return trend.Point(f"{i:07x}0", f"2026-11-{i + 1:02d}T00:00:00+00:00", gpu, {"c": value})
+
+
+def test_the_branch_starts_with_the_first_run_and_fetches_the_newest_points(tmp_path, remote):
+    writer = branch(tmp_path, remote)
+    assert writer.tip() is None and writer.fetch_points(tmp_path / "none") == 0
+    for i in range(5):
+        writer.store(point(i), b'{"bench": %d}' % i)
+    files = stored_files(remote)
+    assert len(files) == 10 and files[0].startswith("points/") and files[-1].startswith("runs/")
+    count = branch(tmp_path, remote, "reader").fetch_points(tmp_path / "out", keep=3)
+    assert count == 3
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        trend.point_name(point(i)) for i in (2, 3, 4)
+    ]
+    log = subprocess.run(
+        ["git", "--git-dir", remote, "log", "--format=%an %P", historybranch.BRANCH],
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    assert len(log) == 5 and log[-1] == "github-actions[bot] ", "one commit a run, no parent first"
+
+
+def test_a_rerun_of_a_commit_replaces_its_files(tmp_path, remote):
+    writer = branch(tmp_path, remote)
+    first = trend.Point("abcdef1234567", "2026-11-01T00:00:00+00:00", "L4", {"c": 1.0})
+    again = trend.Point("abcdef1234567", "2026-11-01T05:00:00+00:00", "L4", {"c": 1.1})
+    tip = writer.store(first, b"{}")
+    assert writer.store(first, b"{}") == tip, "the same run twice: nothing new"
+    writer.store(again, b"{}")
+    assert stored_files(remote) == [
+        f"points/{trend.point_name(again)}",
+        f"runs/{trend.point_name(again)}",
+    ]
+
+
+def test_a_racing_writer_is_not_overwritten(tmp_path, remote):
+    ours, theirs = branch(tmp_path, remote, "ours"), branch(tmp_path, remote, "theirs")
+    ours.store(point(0), b"{}")
+    fetch = ours.tip
+    raced = []
+
+    def tip_then_race():  # the other job pushes between our fetch and our push, once
+        found = fetch()
+        if not raced:
+            raced.append(theirs.store(point(1), b"{}"))
+        return found
+
+    ours.tip = tip_then_race
+    retries = []
+    ours.store(point(2), b"{}", on_retry=retries.append)
+    assert retries == [1]
+    assert len([f for f in stored_files(remote) if f.startswith("points/")]) == 3
+
+
+def test_the_token_is_a_header_for_the_server_only():
+    env = historybranch.git_environment("https://github.com/o/r.git", "s3cret")
+    values = {
+        env[f"GIT_CONFIG_KEY_{i}"]: env[f"GIT_CONFIG_VALUE_{i}"]
+        for i in range(int(env["GIT_CONFIG_COUNT"]))
+    }
+    header = values["http.https://github.com/.extraheader"]
+    assert header.startswith("AUTHORIZATION: basic ") and "s3cret" not in header
+    assert env["GIT_CONFIG_GLOBAL"] == os.devnull and values["core.hooksPath"] == "/dev/null"
+    local = historybranch.git_environment("/tmp/remote.git", "s3cret")
+    assert not any("extraheader" in v for k, v in local.items() if k.startswith("GIT_CONFIG_KEY"))
+    assert historybranch.remote_url({"GITHUB_REPOSITORY": "o/r"}) == "https://github.com/o/r.git"
+    assert historybranch.remote_url({"FLASHMOE_HISTORY_REMOTE": "/x.git"}) == "/x.git"
+    with pytest.raises(historybranch.HistoryError, match="FLASHMOE_HISTORY_REMOTE"):
+        historybranch.remote_url({"GITHUB_REPOSITORY": "no slash"})
+
+
+def test_an_unreachable_remote_says_what_to_check(tmp_path):
+    with pytest.raises(historybranch.HistoryError, match=r"cannot reach .*token"):
+        branch(tmp_path, str(tmp_path / "missing.git")).tip()
 
 
 @pytest.mark.parametrize("drift", [1.0, 1.5])
-def test_main_history_stores_the_run_and_alerts_outside_the_band(tmp_path, drift):
+def test_main_history_stores_the_run_and_alerts_outside_the_band(tmp_path, remote, drift):
     pytest.importorskip("jsonschema")
-    record = trend.point_of(benchrecords.load(FIXTURE_BENCH), SHA)
-    files = {}
+    record = trend.point_of(benchrecords.load(FIXTURE_BENCH), FIXTURE_SHA)
+    seeder = branch(tmp_path, remote, "seed")
     for i in range(8):
         medians = {case: value / drift for case, value in record.medians.items()}
-        point = trend.Point(f"{i:07x}0", f"2026-11-{i + 1:02d}T00:00:00+00:00", record.gpu, medians)
-        files[trend.point_name(point)] = json.dumps(point.to_json()).encode()
-    gh = HistoryBranch(files)
+        seeder.store(
+            trend.Point(f"{i:07x}0", f"2026-11-{i + 1:02d}T00:00:00+00:00", record.gpu, medians),
+            b"{}",
+        )
+    gh = FakeGitHub()
     summary = tmp_path / "summary.md"
-    code = gpuci.history(gh, FIXTURE_BENCH, SHA, summary, tmp_path)
-    assert len(gh.files) == 9, "this run's point is stored"
-    comments = [c for c in gh.calls if c[0] == "POST" and c[1] == f"commits/{SHA}/comments"]
+    code = gpuci.history(
+        gh, branch(tmp_path, remote), FIXTURE_BENCH, FIXTURE_SHA, summary, tmp_path, FIXTURE_RUN
+    )
+    stored = stored_files(remote)
+    assert len(stored) == 18 and f"runs/{trend.point_name(record)}" in stored, "this run is stored"
+    comments = [c for c in gh.calls if c[0] == "POST" and c[1] == f"commits/{FIXTURE_SHA}/comments"]
     if drift == 1.0:
         assert code == 0 and not comments
     else:  # every case 1.5x slower than main's history: the alert
         assert code == 1 and comments and "slower" in comments[0][2]["body"]
     assert "main's benchmark history" in summary.read_text()
+
+
+@pytest.mark.parametrize(
+    ("sha", "run_id", "why"),
+    [
+        ("b" * 40, FIXTURE_RUN, "measured 9c41e07b2d5a, not the pushed bbbbbbbbbbbb"),
+        (FIXTURE_SHA, "gpu-7-1", "written by run fixture-run, not gpu-7-1"),
+    ],
+)
+def test_history_stores_only_this_runs_bench_of_the_pushed_commit(
+    tmp_path, remote, sha, run_id, why
+):
+    pytest.importorskip("jsonschema")
+    with pytest.raises(ValueError, match=why):
+        gpuci.history(
+            FakeGitHub(), branch(tmp_path, remote), FIXTURE_BENCH, sha, None, tmp_path, run_id
+        )
+    assert stored_files(remote) == []
+
+
+def test_fetch_points_reads_the_remote_the_environment_names(tmp_path, remote, monkeypatch, capsys):
+    branch(tmp_path, remote, "seed").store(point(0), b"{}")
+    monkeypatch.setenv("GITHUB_REPOSITORY", REPO)
+    monkeypatch.setenv("FLASHMOE_HISTORY_REMOTE", remote)
+    assert gpuci.main(["fetch-points", "--out", str(tmp_path / "out")]) == 0
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [trend.point_name(point(0))]
+    with pytest.raises(SystemExit) as stop:
+        gpuci.main(["fetch-points", "--out", str(tmp_path / "out"), "--keep", "0"])
+    assert stop.value.code == 2 and "--keep must be at least 1" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The trusted steps of GPU CI: which commit may run on the GPU runner, whether the required gate
-passes, and the history of main's benchmarks. gpu-ci.yml and pr-report.yml run these from the
-default branch's code (never a pull request's), on GitHub-hosted runners.
+passes, and the history of main's benchmarks. gpu-ci.yml, bench-history.yml and pr-report.yml run
+these from the default branch's code (never a pull request's), on GitHub-hosted runners.
 
     approve       decide, from the event, whether the GPU job runs and on which commit:
                   push to main and workflow_dispatch run (a dispatch naming a PR runs that PR's head
@@ -13,8 +13,9 @@ default branch's code (never a pull request's), on GitHub-hosted runners.
     gate          the required check: passes only if the GPU job ran and passed on the PR's head
                   commit (in this run, or an earlier one that set the commit status); sets the
                   commit status STATUS_CONTEXT on that commit either way.
-    store-point   put a trend point on the `bench-history` branch (contents API, no push access
-                  on the runner's disk).
+    history       main's pushed run against its stored history (pipeline.trend), then stored on
+                  the `bench-history` branch (pipeline.historybranch); an alert (a commit comment,
+                  exit 1) when a case left its history's noise band.
     fetch-points  download the newest points of the `bench-history` branch into a folder.
 
 The GitHub API is $FLASHMOE_GITHUB_API, else $GITHUB_API_URL, else https://api.github.com, with
@@ -25,10 +26,10 @@ starts with `::` is a command to the runner.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import urllib.error
@@ -37,13 +38,11 @@ import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import benchrecords, trend
+from . import benchrecords, historybranch, trend
 from . import markdown as md
 
 LABEL = "safe-to-test"
 STATUS_CONTEXT = "flashmoe-science/gpu"
-HISTORY_BRANCH = "bench-history"
-POINTS_DIR = "points"
 WRITE_ROLES = ("admin", "maintain", "write")
 BOT = "github-actions[bot]"
 REPORT_MARKER = "<!-- flashmoe-science-report -->"
@@ -319,78 +318,65 @@ def gate(gh: GitHub, head_sha: str, tested_sha: str, gpu_result: str, run_url: s
 
 
 # --------------------------------------------------------------------------------------------------
-# the bench-history branch
+# main's benchmark history (the bench-history branch: pipeline.historybranch)
 # --------------------------------------------------------------------------------------------------
 
 
-def store_point(gh: GitHub, point_file: Path, base_sha: str) -> str:
-    """Put `point_file` at points/NAME on HISTORY_BRANCH (created from `base_sha` if missing)."""
-    try:
-        gh.call("GET", f"git/ref/heads/{HISTORY_BRANCH}")
-    except ApiError as exc:
-        if exc.status != 404:
-            raise
-        gh.call("POST", "git/refs", {"ref": f"refs/heads/{HISTORY_BRANCH}", "sha": base_sha})
-    path = f"{POINTS_DIR}/{point_file.name}"
-    content = base64.b64encode(point_file.read_bytes()).decode()
-    gh.call(
-        "PUT",
-        f"contents/{path}",
-        {
-            "message": f"bench history: {point_file.stem}",
-            "content": content,
-            "branch": HISTORY_BRANCH,
-        },
-    )
-    return path
-
-
-def fetch_points(gh: GitHub, out: Path, keep: int) -> int:
-    """The newest `keep` points of HISTORY_BRANCH into `out`; how many were written."""
-    try:
-        listing = gh.call("GET", f"contents/{POINTS_DIR}?ref={HISTORY_BRANCH}")
-    except ApiError as exc:
-        if exc.status == 404:
-            return 0
-        raise
-    names = sorted(
-        str(item.get("name"))
-        for item in listing or []
-        if isinstance(item, dict)
-        and item.get("type") == "file"
-        and re.fullmatch(r"[0-9T]{8,16}-[0-9a-f]{7,40}\.json", str(item.get("name")))
-    )[-keep:]
-    out.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        doc = gh.call("GET", f"contents/{POINTS_DIR}/{name}?ref={HISTORY_BRANCH}")
-        raw = base64.b64decode(str((doc or {}).get("content") or ""))
-        (out / name).write_bytes(raw[: 1 << 20])
-    return len(names)
-
-
-def history(gh: GitHub, bench: Path, sha: str, summary: Path | None, workdir: Path) -> int:
-    """Check main's new run against its stored history, then store it; 1 on an alert."""
+def checked_run(bench: Path, sha: str, run_id: str | None) -> benchrecords.BenchRecord:
+    """The bench record of the pushed commit and of this run, or ValueError: history keeps
+    nothing measured on another commit, an edited tree or in an earlier run."""
     record = benchrecords.load(bench)
+    commit = record.commit
+    if commit is None or commit.sha != sha:
+        measured = commit.sha[:12] if commit else "an unknown commit"
+        raise ValueError(f"bench.json measured {measured}, not the pushed {sha[:12]}: not stored")
+    if commit.dirty:
+        raise ValueError(f"bench.json measured an edited tree of {sha[:12]}: not stored")
+    written_by = (record.provenance or {}).get("run_id")
+    if run_id and written_by != run_id:
+        raise ValueError(
+            f"bench.json was written by run {log_safe(written_by, 80)}, not {run_id}: not stored"
+        )
+    return record
+
+
+def history(
+    gh: GitHub,
+    branch: historybranch.Branch,
+    bench: Path,
+    sha: str,
+    summary: Path | None,
+    workdir: Path,
+    run_id: str | None = None,
+) -> int:
+    """Set main's new run beside its stored history (the trend with this run as the newest
+    point, the noise bands), store it, and alert when a case left its band: a comment on the
+    commit and exit 1. 0 when every case is inside."""
+    record = checked_run(bench, sha, run_id)
     current = trend.point_of(record, sha)
-    fetch_points(gh, workdir / "points", trend.KEEP)
-    points, skipped = trend.load_points(workdir / "points", current.gpu)
-    body, outside = trend.markdown(points, current, None, skipped)
+    shutil.rmtree(workdir / "points", ignore_errors=True)
+    branch.fetch_points(workdir / "points")
+    stored, skipped = trend.load_points(workdir / "points", current.gpu)
+    points = [*(p for p in stored if p.sha != current.sha), current][-trend.KEEP :]
+    comparison = benchrecords.to_json(record.comparison) if record.comparison else None
+    body, outside = trend.markdown(points, current, comparison, skipped)
     title = f"{'⚠️' if outside else '✅'} main's benchmark history at {sha[:12]}"
     text = f"## {title}\n\n{body}\n"
     if summary:
         with summary.open("a", encoding="utf-8") as handle:
             handle.write(text)
-    point_file = workdir / trend.point_name(current)
-    point_file.write_text(json.dumps(current.to_json(), indent=1) + "\n", encoding="utf-8")
-    print(f"history: stored {store_point(gh, point_file, sha)} on {HISTORY_BRANCH}")
+    commit = branch.store(
+        current,
+        bench.read_bytes(),
+        on_retry=lambda n: print(f"history: {historybranch.BRANCH} moved; retrying ({n})"),
+    )
+    print(f"history: {sha[:12]} stored on {historybranch.BRANCH} in {commit[:12]}")
     if not outside:
-        print(
-            f"history: every case inside main's noise band ({md.plural(len(points), 'stored run')})"
-        )
+        print(f"history: every case inside main's noise band ({md.plural(len(points), 'run')})")
         return 0
     gh.call("POST", f"commits/{sha}/comments", {"body": text[:60_000]})
     print(
-        f"::warning::{md.plural(len(outside), 'case')} left main's noise band: "
+        f"::error::{md.plural(len(outside), 'case')} left main's noise band: "
         + log_safe(", ".join(outside[:10]), 400)
     )
     return 1
@@ -408,38 +394,42 @@ def main(argv: Iterable[str] | None = None) -> int:
     g.add_argument("--tested-sha", default="")
     g.add_argument("--gpu-result", default="skipped", help="needs.gpu.result")
     g.add_argument("--run-url", default="")
-    s = sub.add_parser("store-point", help="put a trend point on the bench-history branch")
-    s.add_argument("--file", type=Path, required=True)
-    s.add_argument("--base-sha", required=True, help="where to branch from if the branch is new")
     h = sub.add_parser("history", help="main's run against its history, then stored (alerts)")
     h.add_argument("--bench", type=Path, required=True)
     h.add_argument("--sha", required=True)
+    h.add_argument("--run-id", default=None, help="the GPU CI run that must have written it")
     h.add_argument("--summary", type=Path, default=None, help="append the section here")
     h.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder")
     f = sub.add_parser("fetch-points", help="download the newest trend points")
     f.add_argument("--out", type=Path, required=True)
-    f.add_argument("--keep", type=int, default=30)
+    f.add_argument("--keep", type=int, default=trend.KEEP)
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.command == "fetch-points" and args.keep < 1:
+        parser.error(f"--keep must be at least 1 (points to fetch), not {args.keep}")
     try:
         if args.command == "approve":
             return approve(args.record)
         gh = GitHub(os.environ.get("GITHUB_REPOSITORY", ""))
         if args.command == "gate":
             return gate(gh, args.head_sha, args.tested_sha, args.gpu_result, args.run_url)
-        if args.command == "store-point":
-            print(f"store-point: {store_point(gh, args.file, args.base_sha)} on {HISTORY_BRANCH}")
-            return 0
-        if args.command == "history":
-            if args.workdir:
-                args.workdir.mkdir(parents=True, exist_ok=True)
-                return history(gh, args.bench, args.sha, args.summary, args.workdir)
-            with tempfile.TemporaryDirectory() as tmp:
-                return history(gh, args.bench, args.sha, args.summary, Path(tmp))
-        count = fetch_points(gh, args.out, args.keep)
-        print(f"fetch-points: {count} points of {HISTORY_BRANCH} -> {args.out}")
-        return 0
-    except (ApiError, ValueError, OSError, benchrecords.InvalidBenchFile) as exc:
-        print(f"gpuci {args.command}: {log_safe(exc)}", file=sys.stderr)
+        with tempfile.TemporaryDirectory() as tmp:
+            remote = historybranch.remote_url()
+            branch = historybranch.Branch(Path(tmp), remote, os.environ.get("GH_TOKEN"))
+            if args.command == "fetch-points":
+                count = branch.fetch_points(args.out, args.keep)
+                print(f"fetch-points: {count} points of {historybranch.BRANCH} -> {args.out}")
+                return 0
+            workdir = args.workdir or Path(tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            return history(gh, branch, args.bench, args.sha, args.summary, workdir, args.run_id)
+    except (
+        ApiError,
+        ValueError,
+        OSError,
+        benchrecords.InvalidBenchFile,
+        historybranch.HistoryError,
+    ) as exc:
+        print(f"gpuci {args.command}: {log_safe(exc, 600)}", file=sys.stderr)
         print("gpuci: next: check the job's token permissions and the API address", file=sys.stderr)
         return 1
 

@@ -49,6 +49,8 @@ Options:
                   (pr-report.yml reads GPU CI's).
   GitHub API calls of the trusted jobs (flashmoe_science.pipeline.gpuci) go to \$FLASHMOE_GITHUB_API
   when it is set here (a local stub server: tests/test_act_trust.py starts one); passed to the job.
+  The bench-history branch is read from and pushed to \$FLASHMOE_HISTORY_REMOTE when it is set (a
+  local bare repository: tests/test_act_history.py makes one); passed to the job.
   --dry-run       Check the workflow (act --validate --strict), the job and the stand-ins, print
                   the act command, run nothing. (Not act -n: in host mode act 0.2.89 still runs
                   the \`run:\` steps under -n.)
@@ -202,6 +204,9 @@ ENV_ARGS=(
 )
 if [[ -n "${FLASHMOE_GITHUB_API:-}" ]]; then
   ENV_ARGS+=(--env "FLASHMOE_GITHUB_API=$FLASHMOE_GITHUB_API")
+fi
+if [[ -n "${FLASHMOE_HISTORY_REMOTE:-}" ]]; then
+  ENV_ARGS+=(--env "FLASHMOE_HISTORY_REMOTE=$FLASHMOE_HISTORY_REMOTE")
 fi
 if ((OFFLINE)); then
   ENV_ARGS+=(--env FLASHMOE_SETUP_NO_INSTALL=1 --env PIP_NO_INDEX=1)

@@ -259,6 +259,39 @@ def check_required_gate(api: Api, repo: str, report: Report) -> None:
         report.line("FAIL", 8, "main does not require the GPU gate", fix)
 
 
+HISTORY_BRANCH = "bench-history"  # bench-history.yml pushes main's benchmark runs there
+# Rule types that leave the workflow token's fast-forward pushes of plain commits alone.
+HARMLESS_RULES = {"deletion", "non_fast_forward", "required_linear_history"}
+
+
+def check_history_branch(api: Api, repo: str, report: Report) -> None:
+    """No ruleset or branch protection stops bench-history.yml's pushes."""
+    fix = (
+        f"Settings -> Rules -> Rulesets (or Branches): keep `{HISTORY_BRANCH}` out of rules that "
+        "require pull requests, checks or signatures, or restrict updates"
+    )
+    status, rules = api.get(f"repos/{repo}/rules/branches/{HISTORY_BRANCH}")
+    blocking = sorted(
+        {str(rule.get("type")) for rule in (rules if status == 200 else None) or []}
+        - HARMLESS_RULES
+    )
+    status2, protection = api.get(f"repos/{repo}/branches/{HISTORY_BRANCH}/protection")
+    if status2 == 200:
+        blocking += [
+            key
+            for key in ("required_pull_request_reviews", "required_status_checks", "restrictions")
+            if (protection or {}).get(key)
+        ]
+        if ((protection or {}).get("required_signatures") or {}).get("enabled"):
+            blocking.append("required_signatures")
+    if blocking:
+        report.line("FAIL", 10, f"`{HISTORY_BRANCH}` is covered by: {', '.join(blocking)}", fix)
+    elif status not in (200, 404):
+        report.unreadable(10, f"rules of `{HISTORY_BRANCH}`", status)
+    else:
+        report.line("ok", 10, f"no rule stops pushes to `{HISTORY_BRANCH}`")
+
+
 def token_from_environment() -> str | None:
     for name in ("GH_TOKEN", "GITHUB_TOKEN"):
         if os.environ.get(name):
@@ -311,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: check_runners(api, args.repo, args.org, args.runner_group, report),
         lambda: check_sha_pinning(api, args.repo, report),
         lambda: check_required_gate(api, args.repo, report),
+        lambda: check_history_branch(api, args.repo, report),
     ]
     for check in checks:
         try:
