@@ -75,6 +75,8 @@ BATCHES_CPU = (
 )
 GQA_RATIOS = (1, 4, 8)
 HEADS_Q = 8
+# The forward tile configurations with a packed variant (3, the decode kernel, has none).
+VARLEN_CONFIGS = (1, 2, 4)
 
 
 def varlen_cases(tier: str) -> list[VarlenCase]:
@@ -96,7 +98,7 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
                     index += 1
     if gpu:
         # Each forward tile configuration any architecture selects, forced on this card.
-        for config in (1, 2, 4):
+        for config in VARLEN_CONFIGS:
             for dtype in DTYPES:
                 for causal in (False, True):
                     ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
