@@ -18,8 +18,8 @@ cache_seqlens holding 0 and short lengths, so that many splits are empty; the ba
 backward configuration; packed (varlen) batches that mix lengths 0, 1, 17 and one past a block's
 end with Sq != Sk both ways, per forward configuration that has a packed variant, and their
 backward; decode against paged caches of block sizes 16, 64 and 256 with shuffled page tables,
-empty caches and partial last pages, forced and automatic splits. Varlen and paged inputs come from their gates' own builders (varlen_gates.py,
-paged_gates.py).
+empty caches and partial last pages, forced and automatic splits. Varlen and paged inputs come
+from their gates' own builders (varlen_gates.py, paged_gates.py).
 
 Each tool runs as `compute-sanitizer --tool T --error-exitcode 99 --print-limit 20
 [--racecheck-report all] --kernel-name kns=K ... python -m flashmoe_science.pipeline.sanitize
