@@ -19,38 +19,26 @@ GPU_CASES = list(grad_gates.backward_cases("gpu"))
 CPU_CASES = list(grad_gates.backward_cases("cpu"))
 
 
-def _run(case: Case, device: str, record_property) -> None:
+def _run(case: Case, device: str, record_gate) -> None:
     from flashmoe_science.pipeline.gates import rerun_fields
 
     result = grad_gates.check_case(case, device)
-    row = {
-        **result.to_json(),
-        "op": "bwd",
-        "dtype": case.dtype,
-        "head_dim": case.head_dim,
-        **rerun_fields(case, device),
-    }
-    record_property("gate", row)
-    if not result.passed:
-        pytest.fail(grad_gates.format_failure(case, result), pytrace=False)
+    reruns = rerun_fields(case, device)
+    record_gate(case, result, "bwd", reruns, lambda: grad_gates.format_failure(case, result))
 
 
 @pytest.mark.gate
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c.id}-cpu")
-def test_grad_gate_cpu(case, record_property):
-    _run(case, "cpu", record_property)
+def test_grad_gate_cpu(case, record_gate):
+    _run(case, "cpu", record_gate)
 
 
 @pytest.mark.gate
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
-def test_grad_gate_cuda(case, record_property, has_cuda_kernels):
-    if not has_cuda_kernels:
-        pytest.fail(
-            "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
-            pytrace=False,
-        )
-    _run(case, "cuda", record_property)
+def test_grad_gate_cuda(case, record_gate, require_cuda_build):
+    require_cuda_build()
+    _run(case, "cuda", record_gate)
 
 
 def test_matrix_covers_the_issue():
