@@ -104,16 +104,17 @@ def record_gate(record_property):
 
 @pytest.fixture
 def run_planted():
-    """Runs a gate script (`python -c SCRIPT DEVICE`) in a process whose build carries planted bug
-    `bug` (-DFLASHMOE_PLANT_BUG; one process holds one build), with the GPU hidden for the CPU
-    device, and returns the JSON its last line prints, after checking the bug is in the build."""
+    """Runs a gate script (`python -c SCRIPT DEVICE ARGS...`) in a process whose build carries
+    planted bug `bug` (-DFLASHMOE_PLANT_BUG; one process holds one build), with the GPU hidden for
+    the CPU device, and returns the JSON its last line prints, after checking the bug is in the
+    build."""
 
-    def run(bug: int, script: str, device: str) -> dict:
+    def run(bug: int, script: str, device: str, *args: str) -> dict:
         env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
         if device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         done = subprocess.run(
-            [sys.executable, "-c", script, device],
+            [sys.executable, "-c", script, device, *args],
             cwd=REPO_ROOT,
             env=env,
             capture_output=True,

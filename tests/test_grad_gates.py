@@ -4,11 +4,6 @@ gates must catch; the autograd contract (opcheck, torch.compile, decode refuses,
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -129,20 +124,10 @@ PLANTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bug", sorted(PLANTS))
-def test_planted_backward_bug_fails_a_gate(device, bug):
+def test_planted_backward_bug_fails_a_gate(device, bug, run_planted):
     """Build the unit with a planted backward bug (-DFLASHMOE_PLANT_BUG=N) and show the gradient
     gates catch it on every case named for it."""
-    env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
-    out = subprocess.run(
-        [sys.executable, "-c", PLANT_SCRIPT, device, *PLANTS[bug]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["planted"] == bug
+    result = run_planted(bug, PLANT_SCRIPT, device, *PLANTS[bug])
     for case_id, failures in result["results"].items():
         assert failures, f"planted bug {bug} passed the gates on {case_id}"
 
