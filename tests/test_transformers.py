@@ -205,12 +205,17 @@ def test_generate_with_a_static_cache(name, device, side):
 
 def test_padding_mask_masks_unfilled_cache_slots():
     """A static cache of 16 slots after 5 tokens and 2 new ones: the first 7 slots are keys; a
-    dynamic cache (kv_length = filled) needs no mask, and a padding mask passes through."""
+    dynamic cache (kv_length = filled) needs no mask, a padding mask passes through, and so does
+    cross-attention (a bidirectional mask over more keys than queries)."""
+    from transformers.masking_utils import bidirectional_mask_function
+
     mask = integration.padding_mask(2, 2, 16, torch.tensor(5), 0, None, device="cpu")
     assert mask.shape == (2, 7) and bool(mask.all())
     assert integration.padding_mask(2, 2, 7, 5, 0, None) is None
     padded = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
     assert torch.equal(integration.padding_mask(2, 1, 3, 2, 0, padded), padded)
+    cross = integration.padding_mask(2, 3, 9, mask_function=bidirectional_mask_function)
+    assert cross is None
 
 
 def test_fp32_model_computes_attention_in_bf16(name):

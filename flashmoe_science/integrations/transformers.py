@@ -66,11 +66,12 @@ def padding_mask(
     **kwargs,
 ) -> torch.Tensor | None:
     """transformers' FlashAttention mask function (the 2-D padding mask, or None), and a mask where
-    that one trusts generate() to keep the padding mask: a fixed-size cache (StaticCache) hands the
-    attention all its kv_length slots, of which only the first q_offset + q_length are filled.
-    generate() keeps an all-ones mask only for names with "flash" in them; without this, the
-    unfilled slots would be attended to."""
-    from transformers.masking_utils import flash_attention_mask
+    that one trusts generate() to keep the padding mask: a fixed-size cache (StaticCache) hands a
+    causal layer all its kv_length slots, of which only the first q_offset + q_length are filled.
+    generate() keeps an all-ones mask only for names with "flash" in them; without this mask, the
+    unfilled slots would be attended to. (No causal query sees a key past q_offset + q_length, so
+    the mask drops nothing a query may see; cross-attention and bidirectional masks pass through.)"""
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask
 
     mask = flash_attention_mask(
         batch_size,
@@ -81,10 +82,14 @@ def padding_mask(
         attention_mask=attention_mask,
         **kwargs,
     )
+    if mask is not None or attention_mask is not None:
+        return mask
+    if kwargs.get("mask_function", causal_mask_function) is not causal_mask_function:
+        return None
     filled = int(q_offset + q_length - kv_offset)  # q_offset is a tensor for a static cache
-    if mask is None and filled < kv_length:
-        mask = torch.ones(batch_size, filled, dtype=torch.bool, device=kwargs.get("device"))
-    return mask
+    if filled >= kv_length:
+        return None
+    return torch.ones(batch_size, filled, dtype=torch.bool, device=kwargs.get("device"))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
