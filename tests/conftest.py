@@ -4,8 +4,16 @@ test stage does."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
 import pytest
 import torch
+
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 pytest_plugins = ("flashmoe_science.pipeline.gate_plugin",)
 
@@ -50,6 +58,75 @@ def no_cuda_tools(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def has_cuda_kernels() -> bool:
     return cuda_build_loaded()
+
+
+@pytest.fixture
+def require_cuda_build(has_cuda_kernels):
+    """What a CUDA gate calls first: a GPU is visible (the `gpu` marker skips the test where none
+    is), so a loaded build without CUDA kernels fails the gate rather than pass without running
+    it; a forced tile configuration this GPU cannot run (ops.config_supported) skips."""
+
+    def require(config: int = 0) -> None:
+        if not has_cuda_kernels:
+            pytest.fail(
+                "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
+                pytrace=False,
+            )
+        from flashmoe_science.ops import config_supported
+
+        capability = torch.cuda.get_device_capability()
+        if not config_supported(config, capability):
+            pytest.skip(f"config={config} is built for sm_90 and newer; this GPU is {capability}")
+
+    return require
+
+
+@pytest.fixture
+def record_gate(record_property):
+    """A gate's result as its row of reports/gates.json (the result's figures, then op, dtype,
+    head dim and the rerun fields), and the test failed with `failure()`'s report when the gate
+    failed."""
+
+    def record(case, result, op: str, reruns: dict, failure: Callable[[], str]) -> None:
+        row = {
+            **result.to_json(),
+            "op": op,
+            "dtype": case.dtype,
+            "head_dim": case.head_dim,
+            **reruns,
+        }
+        record_property("gate", row)
+        if not result.passed:
+            pytest.fail(failure(), pytrace=False)
+
+    return record
+
+
+@pytest.fixture
+def run_planted():
+    """Runs a gate script (`python -c SCRIPT DEVICE ARGS...`) in a process whose build carries
+    planted bug `bug` (-DFLASHMOE_PLANT_BUG; one process holds one build), with the GPU hidden for
+    the CPU device, and returns the JSON its last line prints, after checking the bug is in the
+    build."""
+
+    def run(bug: int, script: str, device: str, *args: str) -> dict:
+        env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
+        if device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        done = subprocess.run(
+            [sys.executable, "-c", script, device, *args],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["planted"] == bug
+        return result
+
+    return run
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,17 +4,12 @@ must catch."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from flashmoe_science import flash_attention_decode, split_kv_combine
-from flashmoe_science.pipeline.paths import REPO_ROOT
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -103,24 +98,9 @@ print(json.dumps({"planted": ops.planted_bug(),
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bug", [1, 2], ids=["split-boundary-off-by-one", "combine-double-counts"])
-def test_planted_split_bug_fails_a_gate(device, bug, tmp_path):
-    """Build the unit with a planted split bug (-DFLASHMOE_PLANT_BUG=N) and show the gates catch it.
-    A separate process, since one process can hold one build of the operator library."""
-    env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    run = subprocess.run(
-        [sys.executable, "-c", PLANT_SCRIPT, device],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["planted"] == bug
-    for failures in result["failures"]:
+def test_planted_split_bug_fails_a_gate(device, bug, run_planted):
+    """Build the unit with a planted split bug (-DFLASHMOE_PLANT_BUG=N) and show the gates catch it."""
+    for failures in run_planted(bug, PLANT_SCRIPT, device)["failures"]:
         assert any(f.startswith(("gate 1", "gate 2")) for f in failures), failures
 
 

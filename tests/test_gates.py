@@ -18,41 +18,25 @@ GPU_CASES = gates.gate_cases("gpu")
 CPU_CASES = gates.gate_cases("cpu")
 
 
-def _run(case: Case, device: str, record_property) -> None:
+def _run(case: Case, device: str, record_gate) -> None:
     result = gates.check_case(case, device)
-    row = {
-        **result.to_json(),
-        "op": "decode" if case.kind == "decode" else "fwd",
-        "dtype": case.dtype,
-        "head_dim": case.head_dim,
-        **gates.rerun_fields(case, device),
-    }
-    record_property("gate", row)
-    if not result.passed:
-        pytest.fail(gates.format_failure(case, result), pytrace=False)
+    op = "decode" if case.kind == "decode" else "fwd"
+    reruns = gates.rerun_fields(case, device)
+    record_gate(case, result, op, reruns, lambda: gates.format_failure(case, result))
 
 
 @pytest.mark.gate
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c.id}-cpu")
-def test_gate_cpu(case, record_property):
-    _run(case, "cpu", record_property)
+def test_gate_cpu(case, record_gate):
+    _run(case, "cpu", record_gate)
 
 
 @pytest.mark.gate
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
-def test_gate_cuda(case, record_property, has_cuda_kernels):
-    if not has_cuda_kernels:
-        pytest.fail(
-            "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
-            pytrace=False,
-        )
-    from flashmoe_science.ops import config_supported
-
-    capability = torch.cuda.get_device_capability()
-    if not config_supported(case.config, capability):
-        pytest.skip(f"config={case.config} is built for sm_90 and newer; this GPU is {capability}")
-    _run(case, "cuda", record_property)
+def test_gate_cuda(case, record_gate, require_cuda_build):
+    require_cuda_build(case.config)
+    _run(case, "cuda", record_gate)
 
 
 def test_matrix_covers_the_issue():

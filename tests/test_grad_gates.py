@@ -4,11 +4,6 @@ gates must catch; the autograd contract (opcheck, torch.compile, decode refuses,
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -19,38 +14,26 @@ GPU_CASES = list(grad_gates.backward_cases("gpu"))
 CPU_CASES = list(grad_gates.backward_cases("cpu"))
 
 
-def _run(case: Case, device: str, record_property) -> None:
+def _run(case: Case, device: str, record_gate) -> None:
     from flashmoe_science.pipeline.gates import rerun_fields
 
     result = grad_gates.check_case(case, device)
-    row = {
-        **result.to_json(),
-        "op": "bwd",
-        "dtype": case.dtype,
-        "head_dim": case.head_dim,
-        **rerun_fields(case, device),
-    }
-    record_property("gate", row)
-    if not result.passed:
-        pytest.fail(grad_gates.format_failure(case, result), pytrace=False)
+    reruns = rerun_fields(case, device)
+    record_gate(case, result, "bwd", reruns, lambda: grad_gates.format_failure(case, result))
 
 
 @pytest.mark.gate
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c.id}-cpu")
-def test_grad_gate_cpu(case, record_property):
-    _run(case, "cpu", record_property)
+def test_grad_gate_cpu(case, record_gate):
+    _run(case, "cpu", record_gate)
 
 
 @pytest.mark.gate
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
-def test_grad_gate_cuda(case, record_property, has_cuda_kernels):
-    if not has_cuda_kernels:
-        pytest.fail(
-            "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
-            pytrace=False,
-        )
-    _run(case, "cuda", record_property)
+def test_grad_gate_cuda(case, record_gate, require_cuda_build):
+    require_cuda_build()
+    _run(case, "cuda", record_gate)
 
 
 def test_matrix_covers_the_issue():
@@ -141,20 +124,10 @@ PLANTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bug", sorted(PLANTS))
-def test_planted_backward_bug_fails_a_gate(device, bug):
+def test_planted_backward_bug_fails_a_gate(device, bug, run_planted):
     """Build the unit with a planted backward bug (-DFLASHMOE_PLANT_BUG=N) and show the gradient
     gates catch it on every case named for it."""
-    env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
-    out = subprocess.run(
-        [sys.executable, "-c", PLANT_SCRIPT, device, *PLANTS[bug]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["planted"] == bug
+    result = run_planted(bug, PLANT_SCRIPT, device, *PLANTS[bug])
     for case_id, failures in result["results"].items():
         assert failures, f"planted bug {bug} passed the gates on {case_id}"
 

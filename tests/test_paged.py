@@ -4,57 +4,35 @@ that a gate must catch."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from flashmoe_science import flash_attention_decode
-from flashmoe_science.pipeline import paged_gates
-from flashmoe_science.pipeline.paths import REPO_ROOT
+from flashmoe_science.pipeline import paged_gates, ragged
 
 GPU_CASES = paged_gates.paged_cases("gpu")
 CPU_CASES = paged_gates.paged_cases("cpu")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _run(case, device, record_property) -> None:
+def _run(case, device, record_gate) -> None:
     result = paged_gates.check_paged_case(case, device)
-    record_property(
-        "gate",
-        {
-            **result.to_json(),
-            "op": "paged",
-            "dtype": case.dtype,
-            "head_dim": case.head_dim,
-            "rerun": paged_gates.rerun_command(case.id, device),
-            "rerun_cpu": None,
-            "rerun_needs": None,
-        },
-    )
-    if not result.passed:
-        pytest.fail(paged_gates.format_failure(case, result, device), pytrace=False)
+    reruns = ragged.rerun_fields(case.id, device)
+    record_gate(case, result, "paged", reruns, lambda: result.format_failure(case, device))
 
 
 @pytest.mark.gate
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c.id}-cpu")
-def test_gate_paged_cpu(case, record_property):
-    _run(case, "cpu", record_property)
+def test_gate_paged_cpu(case, record_gate):
+    _run(case, "cpu", record_gate)
 
 
 @pytest.mark.gate
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
-def test_gate_paged_cuda(case, record_property, has_cuda_kernels):
-    if not has_cuda_kernels:
-        pytest.fail(
-            "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
-            pytrace=False,
-        )
-    _run(case, "cuda", record_property)
+def test_gate_paged_cuda(case, record_gate, require_cuda_build):
+    require_cuda_build()
+    _run(case, "cuda", record_gate)
 
 
 def test_matrix_covers_the_issue():
@@ -226,23 +204,8 @@ print(json.dumps({"planted": ops.planted_bug(),
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-def test_planted_wrong_page_fails_a_gate(device):
+def test_planted_wrong_page_fails_a_gate(device, run_planted):
     """Build the unit with -DFLASHMOE_PLANT_BUG=8 (logical page i read from physical page i, the
-    table ignored) and show the paged gates catch it. A separate process: one process holds one
-    build."""
-    env = dict(os.environ, FLASHMOE_BUILD_DEFINES="FLASHMOE_PLANT_BUG=8")
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    run = subprocess.run(
-        [sys.executable, "-c", PLANT_SCRIPT, device],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["planted"] == 8
-    for failures in result["failures"]:
+    table ignored) and show the paged gates catch it."""
+    for failures in run_planted(8, PLANT_SCRIPT, device)["failures"]:
         assert any(("gate 1" in f or "gate 2" in f) for f in failures), failures

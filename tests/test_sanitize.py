@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from flashmoe_science.pipeline import cli, exitcodes, sanitize
+from flashmoe_science.pipeline.cases import Case
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 FWD = (
@@ -289,11 +290,13 @@ def test_not_permitted_or_not_supported(text):
 
 
 def test_workload_covers_every_code_path():
-    cases = sanitize.workload_cases()
+    workload = sanitize.workload_cases()
+    assert len({c.id for c in workload}) == len(workload)
+    cases = [c for c in workload if isinstance(c, Case)]  # packed and paged calls: tests below
     fwd = [c for c in cases if c.kind == "prefill"]
     dec = [c for c in cases if c.kind == "decode"]
     bwd = [c for c in cases if c.kind == "backward"]
-    assert len(cases) <= 270  # racecheck's wall time grows with it (~0.1 s a call on an H100)
+    assert len(workload) <= 320  # racecheck's wall time grows with it (~0.1 s a call on an H100)
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration with dQ by atomics and deterministic, both dtypes
@@ -333,19 +336,127 @@ def test_workload_covers_every_code_path():
         c.cache_seqlens and c.num_splits >= 7 and max(c.cache_seqlens) < 64 * c.num_splits
         for c in dec
     )
-    assert len({c.id for c in cases}) == len(cases)
+    # the packed and paged calls carry their gates' case types and id formats
+    from flashmoe_science.pipeline.paged_gates import PagedCase
+    from flashmoe_science.pipeline.varlen_gates import VarlenCase
+
+    others = (VarlenCase, PagedCase, sanitize.VarlenBackward)
+    assert all(isinstance(c, others) for c in workload if not isinstance(c, Case))
 
 
-def test_workload_calls_are_valid_on_the_cpu(capsys):
-    """Every call of the workload is accepted by the API (the CPU takes no tile configuration)."""
-    cases = [dataclasses.replace(c, config=0) for c in sanitize.workload_cases()]
-    assert sanitize.run_workload(cases, device="cpu") == exitcodes.OK
-    out = capsys.readouterr().out
+def test_workload_covers_packed_batches():
+    """Every packed-batch kernel instantiation (dtype x head dim x configuration with a packed
+    variant), each masked and not, over lengths 0, 1, 17 and one past a block's end, Sq != Sk both
+    ways, GQA 1 and 4; the backward once per dtype and head dim."""
+    from flashmoe_science.pipeline.varlen_gates import VARLEN_CONFIGS, VarlenCase
+
+    cases = sanitize.workload_cases()
+    varlen = [c for c in cases if isinstance(c, VarlenCase)]
+    configs = [c for c in sanitize.workload_configs() if c in VARLEN_CONFIGS]
+    assert configs == [1, 2, 4]  # listed without a GPU: all of them
+    keys = {(c.dtype, c.head_dim, c.config, c.causal) for c in varlen}
+    assert keys == {
+        (t, d, k, m) for t in ("fp16", "bf16") for d in (64, 128) for k in configs for m in (0, 1)
+    }
+    for config in configs:
+        mine = [c for c in varlen if c.config == config]
+        assert {c.heads_q // c.heads_kv for c in mine} == {1, 4}
+        for causal in (False, True):
+            pairs = {
+                pair
+                for c in mine
+                if c.causal == causal
+                for pair in zip(c.lengths_q, c.lengths_k, strict=True)
+            }
+            lengths = {n for pair in pairs for n in pair}
+            assert {0, 1, 17, 65, 129, 257} <= lengths
+            assert any(q < k for q, k in pairs) and any(q > k for q, k in pairs)
+            assert any(q and not k for q, k in pairs)  # queries without keys
+    backward = [c for c in cases if isinstance(c, sanitize.VarlenBackward)]
+    assert sorted((c.forward.dtype, c.forward.head_dim) for c in backward) == [
+        ("bf16", 64),
+        ("bf16", 128),
+        ("fp16", 64),
+        ("fp16", 128),
+    ]
+    assert {c.forward.causal for c in backward} == {False, True}
+    assert all(c.id.startswith("varlenbwd-") for c in backward)
+
+
+def test_workload_covers_paged_decode():
+    """The paged decode kernel per dtype and head dim over block sizes 16, 64 and 256, on shuffled
+    page tables, with empty caches and partial last pages, forced and automatic splits."""
+    from flashmoe_science.pipeline.paged_gates import PagedCase, make_paged_inputs
+
+    paged = [c for c in sanitize.workload_cases() if isinstance(c, PagedCase)]
+    assert {(c.dtype, c.head_dim, c.page_size) for c in paged} == {
+        (t, d, p) for t in ("fp16", "bf16") for d in (64, 128) for p in (16, 64, 256)
+    }
+    for page_size in (16, 64, 256):
+        mine = [c for c in paged if c.page_size == page_size]
+        assert any(0 in c.lengths for c in mine)
+        assert any(n > page_size and n % page_size for c in mine for n in c.lengths)
+        assert {c.num_splits for c in mine} == {0, 3, 7}
+    assert any(c.num_splits == 0 and max(c.lengths) > 4096 for c in paged)  # splits automatically
+    assert {c.causal for c in paged} == {False, True}
+    assert {c.heads_q // c.heads_kv for c in paged} == {1, 4}
+    assert {c.seqlen_q for c in paged} == {1, 4}
+    _, _, _, table, _ = make_paged_inputs(paged[0], "cpu", seed=0)
+    assert not torch.equal(table.flatten(), table.flatten().sort().values)  # shuffled
+
+
+@pytest.fixture(scope="module")
+def cpu_workload():
+    """The whole workload run on the CPU (which takes no tile configuration): what it printed and
+    the operators it called."""
+    import contextlib
+    import io
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Operators(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.called: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.called.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    cases = [
+        dataclasses.replace(c, config=0) if hasattr(c, "config") else c
+        for c in sanitize.workload_cases()
+    ]
+    printed = io.StringIO()
+    with Operators() as operators, contextlib.redirect_stdout(printed):
+        status = sanitize.run_workload(cases, device="cpu")
+    return cases, status, printed.getvalue(), operators.called
+
+
+def test_workload_calls_are_valid_on_the_cpu(cpu_workload):
+    """Every call of the workload is accepted by the API."""
+    cases, status, out, _ = cpu_workload
+    assert status == exitcodes.OK
     report = sanitize.parse_sanitizer_output(
         "memcheck", out + "========= ERROR SUMMARY: 0 errors\n"
     )
     assert report.cases_started == len(cases) and report.workload_done
     assert sanitize.tool_status(report, 0) == "pass"
+
+
+def test_workload_launches_every_instrumented_kernel(cpu_workload):
+    """Each kernel the sanitizer watches is launched by an operator the workload calls: a kernel
+    left out of the workload (the packed or the paged one, say) would be watched and never run."""
+    _, _, _, called = cpu_workload
+    assert {"flash_fwd_varlen_kernel", "flash_decode_paged_kernel"} <= set(
+        sanitize.KERNEL_OPERATORS
+    )
+    missing = {
+        kernel: operator
+        for kernel, operator in sanitize.KERNEL_OPERATORS.items()
+        if f"flashmoe_science::{operator}" not in called
+    }
+    assert not missing, f"the workload never calls the operators of {missing}"
 
 
 def test_sanitizer_command_and_environment():

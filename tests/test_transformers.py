@@ -132,7 +132,7 @@ def test_attention_without_its_mask_function_misses_the_padding(name):
     assert bad > 10 * good, (bad, good)
 
 
-def generate(m, ids, mask):
+def generate(m, ids, mask, **options):
     with torch.no_grad():
         return m.generate(
             input_ids=ids,
@@ -141,6 +141,7 @@ def generate(m, ids, mask):
             min_new_tokens=NEW_TOKENS,
             do_sample=False,
             pad_token_id=0,
+            **options,
         )
 
 
@@ -177,6 +178,44 @@ def test_generate_with_the_kv_cache(name, device, side):
     # (measured on this model: first divergence after 4 to 22 tokens in 4 of 5 rows, in bf16 as
     # in an fp32 model with bf16 attention). Each token is checked against the reference instead.
     assert_greedy_under_reference(ref, sdpa, tokens, mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("side", ["left", "none"])
+def test_generate_with_a_static_cache(name, device, side):
+    """A fixed-size cache (cache_implementation="static") hands the attention all its slots, most
+    not yet filled, and generate() drops an all-ones mask for it: the mask function must mask the
+    unfilled slots out. An fp32 model; each token under the fp32 reference, and on the CPU (where
+    the dense and packed paths compute alike) token for token the dynamic cache's."""
+    ref = model("eager", device=device)
+    state = ref.state_dict()
+    sdpa = model("sdpa", state, torch.bfloat16, device)
+    ours = model(name, state, device=device)
+    ids, mask = batch(device, "left")
+    if side == "none":
+        ids, mask = ids[:, -3:], torch.ones_like(mask[:, -3:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # attention computed in bf16
+        static = generate(ours, ids, mask, cache_implementation="static")
+        dynamic = generate(ours, ids, mask)
+        assert_greedy_under_reference(ref, sdpa, static, mask)
+    if device == "cpu":
+        assert torch.equal(static, dynamic)
+
+
+def test_padding_mask_masks_unfilled_cache_slots():
+    """A static cache of 16 slots after 5 tokens and 2 new ones: the first 7 slots are keys; a
+    dynamic cache (kv_length = filled) needs no mask, a padding mask passes through, and so does
+    cross-attention (a bidirectional mask over more keys than queries)."""
+    from transformers.masking_utils import bidirectional_mask_function
+
+    mask = integration.padding_mask(2, 2, 16, torch.tensor(5), 0, None, device="cpu")
+    assert mask.shape == (2, 7) and bool(mask.all())
+    assert integration.padding_mask(2, 2, 7, 5, 0, None) is None
+    padded = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(integration.padding_mask(2, 1, 3, 2, 0, padded), padded)
+    cross = integration.padding_mask(2, 3, 9, mask_function=bidirectional_mask_function)
+    assert cross is None
 
 
 def test_fp32_model_computes_attention_in_bf16(name):

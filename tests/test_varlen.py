@@ -4,62 +4,35 @@ key past each sequence's end) that a gate must catch."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from flashmoe_science import flash_attention_forward, flash_attention_varlen_forward
-from flashmoe_science.pipeline import varlen_gates
-from flashmoe_science.pipeline.paths import REPO_ROOT
+from flashmoe_science.pipeline import ragged, varlen_gates
 
 GPU_CASES = varlen_gates.varlen_cases("gpu")
 CPU_CASES = varlen_gates.varlen_cases("cpu")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _run(case, device, record_property) -> None:
+def _run(case, device, record_gate) -> None:
     result = varlen_gates.check_varlen_case(case, device)
-    record_property(
-        "gate",
-        {
-            **result.to_json(),
-            "op": "varlen",
-            "dtype": case.dtype,
-            "head_dim": case.head_dim,
-            "rerun": varlen_gates.rerun_command(case.id, device),
-            "rerun_cpu": None,
-            "rerun_needs": "sm_90" if case.config == 4 else None,
-        },
-    )
-    if not result.passed:
-        pytest.fail(varlen_gates.format_failure(case, result, device), pytrace=False)
+    reruns = ragged.rerun_fields(case.id, device, case.config)
+    record_gate(case, result, "varlen", reruns, lambda: result.format_failure(case, device))
 
 
 @pytest.mark.gate
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c.id}-cpu")
-def test_gate_varlen_cpu(case, record_property):
-    _run(case, "cpu", record_property)
+def test_gate_varlen_cpu(case, record_gate):
+    _run(case, "cpu", record_gate)
 
 
 @pytest.mark.gate
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
-def test_gate_varlen_cuda(case, record_property, has_cuda_kernels):
-    if not has_cuda_kernels:
-        pytest.fail(
-            "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
-            pytrace=False,
-        )
-    from flashmoe_science.ops import config_supported
-
-    capability = torch.cuda.get_device_capability()
-    if not config_supported(case.config, capability):
-        pytest.skip(f"config={case.config} is built for sm_90 and newer; this GPU is {capability}")
-    _run(case, "cuda", record_property)
+def test_gate_varlen_cuda(case, record_gate, require_cuda_build):
+    require_cuda_build(case.config)
+    _run(case, "cuda", record_gate)
 
 
 def test_matrix_covers_the_issue():
@@ -76,6 +49,23 @@ def test_matrix_covers_the_issue():
     assert {c.head_dim for c in GPU_CASES} == {64, 128}
     assert {c.config for c in GPU_CASES} == {0, 1, 2, 4}
     assert len({c.id for c in GPU_CASES + CPU_CASES}) == len(GPU_CASES) + len(CPU_CASES)
+
+
+def test_a_wrong_output_fails_with_a_report_per_sequence():
+    """Scaled outputs fail both gates on every sequence with queries; the report names each
+    failing sequence and ends with the command that reruns the case."""
+    case = CPU_CASES[0]
+
+    def scaled(case, *args):
+        out, lse = varlen_gates.call_varlen(case, *args)
+        return out * 1.5, lse
+
+    result = varlen_gates.check_varlen_case(case, "cpu", scaled)
+    report = result.format_failure(case, "cuda")
+    assert not result.passed and report.startswith(f"FAILED {case.id}\n  case: varlen B=")
+    assert f"{case.id}/seq0 (seed " in report and "    gate 1: " in report
+    rerun = ragged.rerun_fields(case.id, "cuda")["rerun"]
+    assert report.endswith(f"  rerun: {rerun}") and rerun.startswith("FLASHMOE_REQUIRE_GPU=1 ")
 
 
 def packed(device, lengths_q=(3, 0, 5), lengths_k=(4, 2, 5), heads=(4, 2), dtype=torch.bfloat16):
@@ -274,22 +264,8 @@ print(json.dumps({"planted": ops.planted_bug(),
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-def test_planted_one_key_past_the_end_fails_a_gate(device):
+def test_planted_one_key_past_the_end_fails_a_gate(device, run_planted):
     """Build the unit with -DFLASHMOE_PLANT_BUG=7 (each sequence reads one key past its end) and
-    show the varlen gates catch it. A separate process: one process holds one build."""
-    env = dict(os.environ, FLASHMOE_BUILD_DEFINES="FLASHMOE_PLANT_BUG=7")
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    run = subprocess.run(
-        [sys.executable, "-c", PLANT_SCRIPT, device],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["planted"] == 7
-    for failures in result["failures"]:
+    show the varlen gates catch it."""
+    for failures in run_planted(7, PLANT_SCRIPT, device)["failures"]:
         assert any(("gate 1" in f or "gate 2" in f) for f in failures), failures

@@ -5,22 +5,25 @@
     model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
 
 register() adds `attention_forward` to transformers' AttentionInterface and, under the same name,
-transformers' FlashAttention mask function to its AttentionMaskInterface: a backend registered
-without a mask function never sees the padding. That mask function hands the attention the 2-D
-padding mask [B, Sk] (True = a real token), or None when nothing is padded. The name holds no
-"flash": transformers treats such names as FlashAttention requests and looks for a Hub kernel.
+`padding_mask` to its AttentionMaskInterface: a backend registered without a mask function never
+sees the padding. That mask function hands the attention the 2-D padding mask [B, Sk] (True = a
+real token), or None when nothing is padded and every key is filled. The name holds no "flash":
+transformers treats such names as FlashAttention requests and looks for a Hub kernel.
 
 Per call (query [B, Hq, Sq, D], key and value [B, Hkv, Sk, D], not expanded for GQA):
 - no mask: the dense kernel (flash_attention_forward), causal aligned bottom-right, which is
   what a KV cache needs (the Sq new queries are the last Sq positions);
 - a padding mask: the real tokens are packed (the queries are the last Sq positions of the
-  mask) and run through flash_attention_varlen_forward; padded query rows come back 0;
+  mask, the keys past it unfilled slots of a static cache) and run through
+  flash_attention_varlen_forward; padded query rows come back 0;
 - packed inputs without padding (cu_seq_lens_q/k and max_length_q/k from transformers'
   DataCollatorWithFlattening): varlen on the flattened batch.
 fp16 and bf16 run as they are; an fp32 model's attention runs in bf16 (as transformers' own
-FlashAttention backends do) and comes back in fp32. Supported: the dynamic (default) KV cache; not
-sliding windows, logit soft-capping or attention dropout (they raise). All three paths train
-(flash_attention_varlen_forward's backward runs the dense backward per sequence).
+FlashAttention backends do) and comes back in fp32. KV caches: the dynamic (default) one, and
+fixed-size ones (StaticCache, cache_implementation="static"), whose keys past the filled length
+padding_mask masks out. Not supported: sliding windows, logit soft-capping or attention dropout
+(they raise). All three paths train (flash_attention_varlen_forward's backward runs the dense
+backward per sequence).
 """
 
 from __future__ import annotations
@@ -45,12 +48,48 @@ def register() -> str:
     as `attn_implementation`. Calling it again is harmless."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         raise ImportError(INSTALL_HINT) from None
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, padding_mask)
     return NAME
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """transformers' FlashAttention mask function (the 2-D padding mask, or None), and a mask where
+    that one trusts generate() to keep the padding mask: a fixed-size cache (StaticCache) hands a
+    causal layer all its kv_length slots, of which only the first q_offset + q_length are filled.
+    generate() keeps an all-ones mask only for names with "flash" in them; without this mask, the
+    unfilled slots would be attended to. (No causal query sees a key past q_offset + q_length, so
+    the mask drops nothing a query may see; cross-attention and bidirectional masks pass through.)"""
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask
+
+    mask = flash_attention_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
+    if mask is not None or attention_mask is not None:
+        return mask
+    if kwargs.get("mask_function", causal_mask_function) is not causal_mask_function:
+        return None
+    filled = int(q_offset + q_length - kv_offset)  # q_offset is a tensor for a static cache
+    if filled >= kv_length:
+        return None
+    return torch.ones(batch_size, filled, dtype=torch.bool, device=kwargs.get("device"))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

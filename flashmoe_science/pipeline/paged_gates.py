@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES
-from .gates import attention_pytorch_lowp, attention_reference, evaluate
-from .ragged import RaggedResult, SequenceLabel, case_seed, rerun_command
+from .gates import attention_pytorch_lowp, attention_reference
+from .ragged import RaggedResult, case_seed
 
 
 @dataclass(frozen=True)
@@ -174,8 +174,9 @@ def check_paged_case(case: PagedCase, device: str, paged_fn: PagedFn | None = No
     result = RaggedResult(case.id)
     for b in range(len(case.lengths)):
         rows = slice(b, b + 1)
-        seq = evaluate(
-            SequenceLabel(f"{case.id}/seq{b}", case.dtype),
+        seq = result.gate(
+            b,
+            case.dtype,
             device,
             seed,
             out[rows],
@@ -194,9 +195,4 @@ def check_paged_case(case: PagedCase, device: str, paged_fn: PagedFn | None = No
                 "not bit-identical to the contiguous decode on the same cache contents "
                 f"(output max diff {diff:.4g}, log-sum-exp {'equal' if same_lse else 'differs'})"
             )
-        result.sequences.append(seq)
     return result
-
-
-def format_failure(case: PagedCase, result: RaggedResult, device: str) -> str:
-    return result.format_failure(case.describe(), rerun_command(case.id, device))

@@ -1,10 +1,11 @@
 """What the varlen and paged gates share: a gate result over the sequences of one call, its row in
-reports/gates.json, and the seed of a case.
+reports/gates.json, its failure report and rerun commands, and the seed of a case.
 
 A ragged call is judged per sequence: each sequence's rows go through gates.evaluate (both gates,
-the log-sum-exp, determinism) against the reference of that sequence alone, and any extra check
-(equality with our dense or contiguous path) adds its failures to that sequence. The call passes
-when every sequence does; its row in gates.json is the worst sequence's figures under the case id.
+the log-sum-exp, determinism) against the reference of that sequence alone (RaggedResult.gate),
+and any extra check (equality with our dense or contiguous path) adds its failures to that
+sequence. The call passes when every sequence does; its row in gates.json is the worst sequence's
+figures under the case id.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import zlib
 from dataclasses import dataclass
 
 from .cases import SEED_VAR
-from .gates import GateResult
+from .gates import GateResult, evaluate
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,16 @@ class SequenceLabel:
 class RaggedResult:
     case_id: str
     sequences: list[GateResult] = dataclasses.field(default_factory=list)
+
+    def gate(self, index: int, dtype: str, device: str, seed: int, *outputs) -> GateResult:
+        """Gate sequence `index` of the call: `outputs` are gates.evaluate's (out, lse, out_again,
+        lse_again, ref, ref_lse, out_pt) for that sequence alone. Returns its result, to which
+        further checks add their failures."""
+        result = evaluate(
+            SequenceLabel(f"{self.case_id}/seq{index}", dtype), device, seed, *outputs
+        )
+        self.sequences.append(result)
+        return result
 
     @property
     def failures(self) -> list[str]:
@@ -53,8 +64,9 @@ class RaggedResult:
         row["sequences"] = len(self.sequences)
         return row
 
-    def format_failure(self, describe: str, rerun: str) -> str:
-        lines = [f"FAILED {self.case_id}", f"  case: {describe}"]
+    def format_failure(self, case, device: str) -> str:
+        """The multi-line report of a failing call of `case` (a varlen or paged gate case)."""
+        lines = [f"FAILED {self.case_id}", f"  case: {case.describe()}"]
         for r in self.sequences:
             if r.passed:
                 continue
@@ -65,7 +77,7 @@ class RaggedResult:
                 f"query row {row}, column {col}",
                 *(f"    {f}" for f in r.failures),
             ]
-        lines.append(f"  rerun: {rerun}")
+        lines.append(f"  rerun: {rerun_command(self.case_id, device)}")
         return "\n".join(lines)
 
 
@@ -79,3 +91,15 @@ def rerun_command(case_id: str, device: str) -> str:
     """The command that runs one ragged gate case alone (CUDA cases require the GPU)."""
     select = f"nox -s test -- --gates -k '{case_id}-{device}'"
     return f"FLASHMOE_REQUIRE_GPU=1 {select}" if device == "cuda" else select
+
+
+def rerun_fields(case_id: str, device: str, config: int = 0) -> dict:
+    """How to run one ragged gate case again (gates.rerun_fields' keys): the command, no CPU twin
+    (the CPU tier has other lengths), and sm_90 for a configuration built only there."""
+    from ..ops import SM90_ONLY_CONFIGS
+
+    return {
+        "rerun": rerun_command(case_id, device),
+        "rerun_cpu": None,
+        "rerun_needs": "sm_90" if config in SM90_ONLY_CONFIGS else None,
+    }

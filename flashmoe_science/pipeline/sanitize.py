@@ -12,16 +12,20 @@ prints a `sanitize-case: ID` line before each call so a finding can be tied to t
 it. The cases cover: odd lengths (1, 17, 65, 129, 257, and Sq != Sk both ways, so causal rows that
 see no key and KV blocks that are only partly valid), causal and not, fp16 and bf16, head dims 64
 and 128, GQA ratio 4 (packed and unpacked), every kernel configuration the card can run (`config=1`
-to `4`; 4 needs sm_90), the [B,
-S, H, D] view layout, forced 1 and 3 splits and automatic splitting, and decode with 1, 3, 7 and 128
-splits, automatic splits over a 4097-token cache, and cache_seqlens holding 0 and short lengths, so
-that many splits are empty.
+to `4`; 4 needs sm_90), the [B, S, H, D] view layout, forced 1 and 3 splits and automatic
+splitting, and decode with 1, 3, 7 and 128 splits, automatic splits over a 4097-token cache, and
+cache_seqlens holding 0 and short lengths, so that many splits are empty; the backward of every
+backward configuration; packed (varlen) batches that mix lengths 0, 1, 17 and one past a block's
+end with Sq != Sk both ways, per forward configuration that has a packed variant, and their
+backward; decode against paged caches of block sizes 16, 64 and 256 with shuffled page tables,
+empty caches and partial last pages, forced and automatic splits. Varlen and paged inputs come
+from their gates' own builders (varlen_gates.py, paged_gates.py).
 
 Each tool runs as `compute-sanitizer --tool T --error-exitcode 99 --print-limit 20
-[--racecheck-report all] --kernel-name kns=flash_fwd_kernel --kernel-name kns=flash_decode_kernel
---kernel-name kns=split_kv_combine_kernel python -m flashmoe_science.pipeline.sanitize --workload` (see
-sanitizer_command; --all-kernels drops the filter, which otherwise keeps torch's own kernels uninstrumented and the run
-fast). memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1: out of the caching
+[--racecheck-report all] --kernel-name kns=K ... python -m flashmoe_science.pipeline.sanitize
+--workload`, one --kernel-name for each of our kernels (KERNEL_OPERATORS; see sanitizer_command);
+--all-kernels drops the filter, which otherwise keeps torch's own kernels uninstrumented and the run
+fast. memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1: out of the caching
 allocator's large segments, a read past a tensor lands in another tensor of the same segment and is
 not reported. The extension is built before any tool starts, never under one. memcheck stops a
 kernel at its first error and the CUDA context is lost, so the workload stops at the first faulty
@@ -52,6 +56,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .._toolkit import find_cuda_tool, run_streaming
 from . import exitcodes, paths
@@ -63,14 +68,17 @@ TOOLS = ("memcheck", "initcheck", "synccheck", "racecheck")  # racecheck, the sl
 SANITIZER_ERROR_EXIT = 99
 PRINT_LIMIT = 20
 TOOL_TIMEOUT_S = 900
-KERNEL_SUBSTRINGS = (
-    "flash_fwd_kernel",
-    "flash_fwd_varlen_kernel",
-    "flash_decode_kernel",
-    "flash_decode_paged_kernel",
-    "split_kv_combine_kernel",
-    "flash_bwd_",  # the backward's pre-pass, dK/dV, dQ and conversion kernels
-)
+# The kernels the sanitizer instruments (name prefixes), each with the operator whose CUDA
+# implementation launches it: the workload calls every one of these operators.
+KERNEL_OPERATORS = {
+    "flash_fwd_kernel": "attention",
+    "flash_fwd_varlen_kernel": "varlen_fwd",
+    "flash_decode_kernel": "fwd",
+    "flash_decode_paged_kernel": "paged_fwd",
+    "split_kv_combine_kernel": "attention",  # a prefill's forced or automatic splits
+    "flash_bwd_": "attention_backward",  # the backward's pre-pass, dK/dV, dQ and conversion kernels
+}
+KERNEL_SUBSTRINGS = tuple(KERNEL_OPERATORS)
 # A read past a tensor stays inside one of the caching allocator's segments and goes unreported.
 NO_CACHING_TOOLS = ("memcheck", "initcheck")
 CASE_MARK = "sanitize-case: "
@@ -98,8 +106,9 @@ def workload_configs() -> list[int]:
 
 def workload_cases() -> list:
     """Every forward kernel instantiation (dtype x head dim x tile configuration) with and without
-    the causal mask over odd lengths, then the decode paths. Shapes rotate through GQA ratios 1 and
-    4, batch 1 and 2, both layouts and forced or automatic split counts."""
+    the causal mask over odd lengths, then the decode paths, the backward, packed batches and paged
+    decode. Shapes rotate through GQA ratios 1 and 4, batch 1 and 2, both layouts and forced or
+    automatic split counts."""
     from .cases import Case
 
     configs = workload_configs()
@@ -183,6 +192,86 @@ def workload_cases() -> list:
                                 deterministic=deterministic,
                             )
                         )
+    return cases + varlen_workload(configs) + paged_workload()
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenBackward:
+    """The gradients of a packed call (autograd through flash_attention_varlen_forward, whose
+    backward runs the backward kernels on each sequence's rows)."""
+
+    forward: Any  # a varlen_gates.VarlenCase
+
+    @property
+    def id(self) -> str:
+        return "varlenbwd" + self.forward.id.removeprefix("varlen")
+
+
+# Packed batches, (query lengths, key lengths): empty and one-token sequences, 17, lengths one past
+# a 64- and a 128-row block (65, 129, 257), Sq == Sk, Sq < Sk and Sq > Sk (queries that see no key).
+VARLEN_LENGTHS = (
+    ((17, 0, 1, 129, 1, 65), (17, 3, 0, 257, 1, 33)),
+    ((0, 65, 257, 1), (0, 129, 17, 1)),
+)
+
+
+def varlen_workload(configs: Sequence[int]) -> list:
+    """Every packed-batch kernel instantiation (dtype x head dim x each forced configuration that
+    has a packed variant) with and without the causal mask, GQA ratios 1 and 4; then the backward
+    once per dtype and head dim."""
+    from .varlen_gates import VARLEN_CONFIGS, VarlenCase
+
+    cases: list = []
+    blocks = [(dtype, head_dim) for dtype in ("fp16", "bf16") for head_dim in (64, 128)]
+    for block, (dtype, head_dim) in enumerate(blocks):
+        # Over the four blocks, each configuration meets both batches with each mask, and both
+        # GQA ratios.
+        for config in (c for c in configs if c in VARLEN_CONFIGS):
+            for causal in (False, True):
+                lengths_q, lengths_k = VARLEN_LENGTHS[(block + causal) % 2]
+                heads_kv = 1 if (block + config) % 2 else 4
+                cases.append(
+                    VarlenCase(dtype, head_dim, 4, heads_kv, lengths_q, lengths_k, causal, config)
+                )
+        lengths_q, lengths_k = VARLEN_LENGTHS[block % 2]
+        forward = VarlenCase(dtype, head_dim, 4, 1, lengths_q, lengths_k, block % 3 != 1)
+        cases.append(VarlenBackward(forward))
+    return cases
+
+
+# Paged decode: cache lengths empty, one token, one past a page of 16 and a 64-key tile, and many
+# pages with a partial last one.
+PAGED_LENGTHS = (0, 1, 17, 65, 300)
+PAGED_LONG_LENGTHS = (4097, 0, 33)  # automatic splitting that does split
+PAGE_SIZES = (16, 64, 256)
+
+
+def paged_workload() -> list:
+    """The paged decode kernel per dtype and head dim over block sizes 16, 64 and 256 and shuffled
+    page tables (paged_gates.make_paged_inputs), GQA ratios 1 and 4, forced 3 and 7 splits (most
+    of them empty) and automatic, causal and not."""
+    from .paged_gates import PagedCase
+
+    cases: list = []
+    blocks = [(dtype, head_dim) for dtype in ("fp16", "bf16") for head_dim in (64, 128)]
+    for block, (dtype, head_dim) in enumerate(blocks):
+        for i, page_size in enumerate(PAGE_SIZES):
+            turn = block + i  # rotates the other choices over the block sizes
+            cases.append(
+                PagedCase(
+                    dtype,
+                    head_dim,
+                    8,
+                    2 if turn % 2 else 8,
+                    seqlen_q=(1, 4)[(block // 2 + i) % 2],
+                    lengths=PAGED_LENGTHS,
+                    page_size=page_size,
+                    num_splits=(0, 3, 7)[turn % 3],
+                    causal=turn % 4 != 3,
+                )
+            )
+        page_size = PAGE_SIZES[block % len(PAGE_SIZES)]
+        cases.append(PagedCase(dtype, head_dim, 8, 2, 1, PAGED_LONG_LENGTHS, page_size))
     return cases
 
 
@@ -192,24 +281,48 @@ def run_workload(cases: Sequence | None = None, device: str = "cuda") -> int:
     import torch
 
     from .. import ops
-    from . import grad_gates
-    from .cases import make_inputs, make_output_grad
-    from .gates import call_api
 
     ops.load_library()
     cases = workload_cases() if cases is None else cases
     for case in cases:
         print(f"{CASE_MARK}{case.id}", flush=True)
-        q, k, v, seqlens = make_inputs(case, device)
-        scale = 1.0 / math.sqrt(case.head_dim)
-        if case.kind == "backward":
-            grad_gates.call_api(case, q, k, v, make_output_grad(case, device), scale)
-        else:
-            call_api(case, q, k, v, seqlens, scale)
+        call_case(case, device)
         if device == "cuda":
             torch.cuda.synchronize()  # a finding is reported before the next case's line
     print(f"{DONE_MARK}{len(cases)} calls", flush=True)
     return exitcodes.OK
+
+
+def call_case(case, device: str) -> None:
+    """One call of the public API on the inputs the case's gates draw for it."""
+    import torch
+
+    from . import grad_gates, paged_gates, varlen_gates
+    from .cases import make_inputs, make_output_grad
+    from .gates import call_api
+    from .ragged import case_seed
+
+    if isinstance(case, VarlenBackward):
+        seed = case_seed(case.id)
+        q, k, v, cu_q, cu_k = varlen_gates.make_varlen_inputs(case.forward, device, seed)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        scale = 1.0 / math.sqrt(case.forward.head_dim)
+        out, _ = varlen_gates.call_varlen(case.forward, q, k, v, cu_q, cu_k, scale)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+        torch.autograd.grad(out, (q, k, v), grad.to(out))
+        return
+    scale = 1.0 / math.sqrt(case.head_dim)
+    if isinstance(case, varlen_gates.VarlenCase):
+        inputs = varlen_gates.make_varlen_inputs(case, device, case_seed(case.id))
+        varlen_gates.call_varlen(case, *inputs, scale)
+    elif isinstance(case, paged_gates.PagedCase):
+        inputs = paged_gates.make_paged_inputs(case, device, case_seed(case.id))
+        paged_gates.call_paged(case, *inputs, scale)
+    elif case.kind == "backward":
+        q, k, v, _ = make_inputs(case, device)
+        grad_gates.call_api(case, q, k, v, make_output_grad(case, device), scale)
+    else:
+        call_api(case, *make_inputs(case, device), scale)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -595,7 +708,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--all-kernels",
         action="store_true",
-        help="instrument torch's kernels too (slower; default: only flash_fwd / split_kv_combine)",
+        help="instrument torch's kernels too (slower; default: only this project's kernels)",
     )
     p.add_argument(
         "--timeout",

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES
-from .gates import attention_pytorch_lowp, attention_reference, evaluate
-from .ragged import RaggedResult, SequenceLabel, case_seed, rerun_command
+from .gates import attention_pytorch_lowp, attention_reference
+from .ragged import RaggedResult, case_seed
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,8 @@ BATCHES_CPU = (
 )
 GQA_RATIOS = (1, 4, 8)
 HEADS_Q = 8
+# The forward tile configurations with a packed variant (3, the decode kernel, has none).
+VARLEN_CONFIGS = (1, 2, 4)
 
 
 def varlen_cases(tier: str) -> list[VarlenCase]:
@@ -96,7 +98,7 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
                     index += 1
     if gpu:
         # Each forward tile configuration any architecture selects, forced on this card.
-        for config in (1, 2, 4):
+        for config in VARLEN_CONFIGS:
             for dtype in DTYPES:
                 for causal in (False, True):
                     ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
@@ -184,8 +186,9 @@ def check_varlen_case(case: VarlenCase, device: str, varlen_fn: VarlenFn | None 
         qs, ks, vs = _dense(q[rows_q]), _dense(k[rows_k]), _dense(v[rows_k])
         ref, ref_lse = attention_reference(qs, ks, vs, case.causal, scale)
         out_pt = attention_pytorch_lowp(qs, ks, vs, case.causal, scale)
-        seq = evaluate(
-            SequenceLabel(f"{case.id}/seq{b}", case.dtype),
+        seq = result.gate(
+            b,
+            case.dtype,
             device,
             seed,
             _dense(out[rows_q]),
@@ -203,9 +206,4 @@ def check_varlen_case(case: VarlenCase, device: str, varlen_fn: VarlenFn | None 
                 f"against our dense kernel on the same sequence: max diff {diff:.4g} > gate-2 "
                 f"bound {seq.bound:.4g}"
             )
-        result.sequences.append(seq)
     return result
-
-
-def format_failure(case: VarlenCase, result: RaggedResult, device: str) -> str:
-    return result.format_failure(case.describe(), rerun_command(case.id, device))
