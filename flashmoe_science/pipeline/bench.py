@@ -79,12 +79,25 @@ from collections.abc import Sequence
 
 import torch
 
-from . import benchmd, benchrecords, exitcodes, headbase, history, machine, paths, provenance, stats
+from . import (
+    benchmd,
+    benchrecords,
+    exitcodes,
+    headbase,
+    history,
+    machine,
+    paths,
+    provenance,
+    stats,
+    targets,
+)
 from .baselines import Abort, build_checkout, first_call, our_call
-from .benchmatrix import select_cases
-from .benchrecords import BenchRecord, Ceilings, Commit, Gpu, Measured, TimingSetup
+from .benchmatrix import select
+from .benchrecords import BenchRecord, Ceilings, Commit, Gpu, Measured, NotMeasured, TimingSetup
 from .cases import Case, make_inputs, parse_case_id
 from .measure import run_case
+from .targetcases import Target
+from .targetmeasure import run_target
 from .timing import (
     TimingConfig,
     benchmark,
@@ -102,13 +115,19 @@ def _now() -> str:
 
 
 def run_matrix(
-    cases: Sequence[Case], device: str, config: TimingConfig, baselines: bool, say=print
+    cases: Sequence[Case],
+    device: str,
+    config: TimingConfig,
+    baselines: bool,
+    say=print,
+    target_cases: Sequence[Target] = (),
 ) -> BenchRecord:
     timer = make_timer(device)
     gpu = machine.gpu_info(device)
     start = time.monotonic()
     where = gpu["name"] if gpu else "the CPU"
-    say(f"bench: {len(cases)} cases on {where} ({timer.method}); measuring ceilings")
+    total = len(cases) + len(target_cases)
+    say(f"bench: {total} cases on {where} ({timer.method}); measuring ceilings")
     ceilings = measure_ceilings(device, timer, config)
     block = provenance.provenance()
     commit = block["commit"]
@@ -128,11 +147,28 @@ def run_matrix(
         entry = run_case(case, device, timer, config, ceilings, baselines)
         record.cases.append(entry)
         elapsed = time.monotonic() - start
-        say(
-            f"[{index}/{len(cases)}] {case.id} ... {_progress_text(entry)} "
-            f"({elapsed:.1f} s elapsed)"
-        )
+        say(f"[{index}/{total}] {case.id} ... {_progress_text(entry)} ({elapsed:.1f} s elapsed)")
+    if target_cases:
+        record.targets = []
+    for index, target in enumerate(target_cases, len(cases) + 1):
+        entry = run_target(target, device, timer, config, ceilings)
+        record.targets.append(entry)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        elapsed = time.monotonic() - start
+        say(f"[{index}/{total}] {target.id} ... {_target_text(entry)} ({elapsed:.1f} s elapsed)")
     return record
+
+
+def _target_text(entry) -> str:
+    ours = entry.ours
+    if isinstance(ours, NotMeasured):
+        return f"{ours.status.upper()}: {ours.reason[:160]}"
+    found = targets.target_verdicts(entry, cpu=False)
+    ratios = [f"{v.what} {v.ratio:.3g}x" for v in found if v.ratio is not None]
+    if entry.kind == "model" and entry.decode_ratio is not None:
+        ratios.append(f"decode tokens/s ours / SDPA {entry.decode_ratio:.3g}x")
+    return ", ".join(ratios) or "measured"
 
 
 def _progress_text(entry) -> str:
@@ -308,11 +344,11 @@ def run(args) -> int:
         return headbase.worker_main(device, config)
     try:
         bisect_case = parse_case_id(args.bisect) if args.bisect else None
-        cases = [] if args.bisect else select_cases(device, args.quick, args.case)
+        cases, target_cases = ([], []) if args.bisect else select(device, args.quick, args.case)
     except ValueError as exc:
         raise Abort(exitcodes.USAGE, str(exc)) from exc
     if args.list:
-        print("\n".join(c.id for c in cases))
+        print("\n".join([c.id for c in cases] + [t.id for t in target_cases]))
         return exitcodes.OK
     if args.base and not headbase.resolve_ref(args.base):
         raise Abort(
@@ -323,11 +359,15 @@ def run(args) -> int:
     build_checkout(device)
     if bisect_case is not None:
         return bisect_main(bisect_case, args.max_ms, device, config)
-    return run_and_report(args, cases, device, config)
+    return run_and_report(args, cases, device, config, target_cases)
 
 
-def run_and_report(args, cases: list[Case], device: str, config: TimingConfig) -> int:
-    record = run_matrix(cases, device, config, baselines=not args.no_baselines)
+def run_and_report(
+    args, cases: list[Case], device: str, config: TimingConfig, target_cases: Sequence[Target] = ()
+) -> int:
+    record = run_matrix(
+        cases, device, config, baselines=not args.no_baselines, target_cases=target_cases
+    )
     if args.base or args.base_dir:
         record.comparison = headbase.compare(record, cases, device, args)
     # after the comparison, so a fallback to stored results never finds this very run
@@ -342,8 +382,21 @@ def run_and_report(args, cases: list[Case], device: str, config: TimingConfig) -
     return verdict_exit_code(record, args.fail_on_regression)
 
 
+def _target_failed(target) -> bool:
+    """Our kernel (either of our sides) failed; "unsupported" (no CUDA here) is not a failure."""
+    ours = [target.ours] + [getattr(target, name, None) for name in ("dense", "contiguous")]
+    return any(isinstance(r, NotMeasured) and r.status == "error" for r in ours)
+
+
 def verdict_exit_code(record: BenchRecord, fail_on_regression: bool) -> int:
+    if record.targets:
+        found = targets.counts(targets.verdicts(record))
+        print(
+            f"bench: speed targets: {found[targets.MET]} met, {found[targets.MISSED]} missed, "
+            f"{found[targets.NOT_JUDGED]} not judged (bench.md lists them)"
+        )
     failed = [c.id for c in record.cases if not isinstance(c.ours, Measured)]
+    failed += [t.id for t in record.targets or [] if _target_failed(t)]
     if failed:
         print(
             f"bench: our kernel failed on {len(failed)} case(s): {', '.join(failed[:5])}",
