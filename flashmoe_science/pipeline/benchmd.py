@@ -134,6 +134,12 @@ def _cell(verdict: targets.Verdict | None) -> str:
     )
 
 
+def _judged(ratio: float | None, verdict: targets.Verdict | None) -> str:
+    if ratio is None:
+        return "-" if verdict is None else _cell(verdict)
+    return f"{_x(ratio)} {_cell(verdict)}"
+
+
 def _side_ms(result) -> str:
     return f"{result.median_ms:.4g}" if isinstance(result, (Measured, ReadFloor)) else (
         "-" if result is None else result.status
@@ -226,10 +232,9 @@ def render_targets(record: BenchRecord) -> list[str]:
                     _side_ms(t.ours),
                     _side_ms(t.contiguous),
                     _side_ms(t.read_floor),
-                    f"{_x(t.ratio)} {_cell(by.get((t.id, targets.PAGED_VS_CONTIGUOUS)))}",
-                    f"{_x(t.floor_ratio)} {_cell(by.get((t.id, targets.PAGED_VS_FLOOR)))}",
-                    f"{_x(t.contiguous_floor_ratio)} "
-                    + _cell(by.get((t.id, targets.CONTIGUOUS_VS_FLOOR))),
+                    _judged(t.ratio, by.get((t.id, targets.PAGED_VS_CONTIGUOUS))),
+                    _judged(t.floor_ratio, by.get((t.id, targets.PAGED_VS_FLOOR))),
+                    _judged(t.contiguous_floor_ratio, by.get((t.id, targets.CONTIGUOUS_VS_FLOOR))),
                 ]
             )
         lines += [
