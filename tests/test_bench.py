@@ -198,7 +198,10 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     rows = [line for line in main_table.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| case | ours ms (IQR) |")
     assert len(rows) == 1 + len(doc["cases"])
-    assert "## Speed targets" in markdown and "| host-bf16-d128-h32kv8-b1-k1024-decode-lens |" in markdown
+    assert (
+        "## Speed targets" in markdown
+        and "| host-bf16-d128-h32kv8-b1-k1024-decode-lens |" in markdown
+    )
 
 
 def test_refuses_to_time_under_pytest_xdist(monkeypatch, capsys):

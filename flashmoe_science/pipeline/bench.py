@@ -2,7 +2,7 @@
 SDPA, and optionally the head of the tree against a base commit.
 
     python -m flashmoe_science bench              # default matrix (scaled down on the CPU backend)
-    python -m flashmoe_science bench --quick      # 2 prefill, 1 decode, 1 small case
+    python -m flashmoe_science bench --quick      # a handful of cases, one per speed-target kind
     python -m flashmoe_science bench --case 'dec-*'   # ids or globs; --list prints the selection
     python -m flashmoe_science bench --base main --fail-on-regression
     git bisect run nox -s bench -- --bisect CASE --max-ms T
@@ -23,6 +23,17 @@ Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton ker
 the case's K and V, timed the same way (flashmoe_science.pipeline.readfloor). No decode kernel is expected
 to beat it by much, so SDPA's time over it bounds what any kernel can gain on SDPA there; its
 "ratio" is its time / ours (1 would be a decode as fast as a bare read).
+
+Speed targets (pipeline.targetcases; after the matrix, selected by `--case` like it): varlen
+(`varlen-*`: a packed batch of mixed lengths against our dense kernel run once per distinct length,
+in one timing window), paged decode (`paged-*`: a shuffled block table against the same contents
+contiguous, both with the read floor), host cost (`host-*`: the time per call of 2,000 back-to-back
+calls without a synchronisation, CUDA events around the loop, beside SDPA's equivalent call) and the
+small Llama-style model (`model-*`: prefill and greedy decoding with our attention and with SDPA's).
+Their records go to bench.json's "targets"; pipeline.targets judges each ratio against its target
+(and the read floor of every matrix decode case of at least 64 MiB), for bench.md and the report.
+On the CPU backend the host-cost and model cases are "unsupported" records, and nothing is judged.
+Only our kernel failing on a speed case fails the run; a missed target does not.
 
 Head against base (`--base REF`): REF is checked out as a git worktree in
 <build root>/worktrees/<sha12> and built by its own `python -m flashmoe_science build` into its own
@@ -65,7 +76,9 @@ before a run starts. Worker requests have no timeout: the CI job's timeout bound
 Where the parts live (all in flashmoe_science.pipeline): cases (Case, ids, inputs), benchmatrix (the
 matrix), timing (timers, benchmark, ceilings), baselines (our call, SDPA), measure (one case into a
 record), machine, headbase (worktree, workers, verdicts), history (stored runs), benchrecords
-(bench.json), benchmd (bench.md). This module is the command line and the order of the steps.
+(bench.json), benchmd (bench.md), targetcases and targetmeasure (the speed-target cases and their
+measurement), targets (their verdicts), smallmodel (the model case's model). This module is the
+command line and the order of the steps.
 """
 
 from __future__ import annotations
@@ -216,7 +229,9 @@ def parser() -> argparse.ArgumentParser:
         "a base commit (--base), or one case against a limit for `git bisect run` (--bisect).",
     )
     p.add_argument(
-        "--quick", action="store_true", help="a handful of cases: 2 prefill, 1 decode, 1 small"
+        "--quick",
+        action="store_true",
+        help="a handful of cases: 2 prefill, 1 decode, 1 small, 1 backward, 1 per speed-target kind",
     )
     p.add_argument(
         "--case",

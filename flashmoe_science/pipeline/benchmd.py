@@ -129,8 +129,10 @@ def _cell(verdict: targets.Verdict | None) -> str:
         return "no target"
     if verdict.status == targets.NOT_JUDGED:
         return "not judged"
-    return f"{verdict.status} (>= {verdict.target:.2f}x)" if verdict.status == targets.MET else (
-        f"**MISSED** (< {verdict.target:.2f}x)"
+    return (
+        f"{verdict.status} (>= {verdict.target:.2f}x)"
+        if verdict.status == targets.MET
+        else (f"**MISSED** (< {verdict.target:.2f}x)")
     )
 
 
@@ -141,8 +143,10 @@ def _judged(ratio: float | None, verdict: targets.Verdict | None) -> str:
 
 
 def _side_ms(result) -> str:
-    return f"{result.median_ms:.4g}" if isinstance(result, (Measured, ReadFloor)) else (
-        "-" if result is None else result.status
+    return (
+        f"{result.median_ms:.4g}"
+        if isinstance(result, (Measured, ReadFloor))
+        else ("-" if result is None else result.status)
     )
 
 
@@ -184,7 +188,9 @@ def render_targets(record: BenchRecord) -> list[str]:
             f"Decode against the read floor (K+V >= {targets.READ_FLOOR_MIN_BYTES // 2**20} MiB; "
             f"target {targets.READ_FLOOR_TARGET:.2f}x):",
             "",
-            *_table(["case", "K+V MiB", "ours ms", "read floor ms", "floor / ours", "verdict"], rows),
+            *_table(
+                ["case", "K+V MiB", "ours ms", "read floor ms", "floor / ours", "verdict"], rows
+            ),
         ]
     kinds = {}
     for t in record.targets or []:

@@ -164,9 +164,6 @@ def run_paged(target: PagedTarget, device: str, timer, config, ceilings) -> Page
     ours = measure.measure(paged, None, target, device, timer, config, ceilings)
     flat = measure.measure(contiguous, None, target, device, timer, config, ceilings)
     floor = measure.read_floor(case, x, device, timer, config) if device == "cuda" else None
-    del x, k_cache, v_cache
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return PagedRecord(
         id=target.id,
         kind="paged",
@@ -239,7 +236,9 @@ def host_calls(
             padded_batch(v, lengths, width),
             attn_mask=mask,
         )
-        return (lambda: api.flash_attention_varlen_forward(q, k, v, cu, cu, width, width, True)), sdpa
+        return (
+            lambda: api.flash_attention_varlen_forward(q, k, v, cu, cu, width, width, True)
+        ), sdpa
     case = Case(
         "decode",
         target.dtype,

@@ -3,7 +3,7 @@ dense kernel, paged against contiguous decode, decode against the read floor, ho
 SDPA) and the small model's figures beside SDPA's.
 
 The section is left out when bench.json is missing, unusable (the benchmark section says why) or
-judges nothing. A missed target marks the section (ℹ️ in the summary table) but stays out of the
+judges nothing. A missed target marks the section (a note in the summary table) but stays out of the
 report's verdict line, like the SDPA ratio: the targets say where the kernels should get, not
 whether this change broke something. Only our kernel failing on a speed case fails the section.
 """
@@ -54,7 +54,11 @@ def _us(result) -> str:
 
 
 def _model(result, field: str) -> str:
-    return md.sig(getattr(result, field)) if isinstance(result, ModelTiming) else md.text(result.status)
+    return (
+        md.sig(getattr(result, field))
+        if isinstance(result, ModelTiming)
+        else md.text(result.status)
+    )
 
 
 def _failed(target) -> bool:
@@ -118,7 +122,9 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
                 t.id in flagged,
                 [
                     md.code(t.id, 150),
-                    md.text(f"{len(t.lengths)} ({min(t.lengths, default=0)}–{max(t.lengths, default=0)})"),
+                    md.text(
+                        f"{len(t.lengths)} ({min(t.lengths, default=0)}-{max(t.lengths, default=0)})"
+                    ),
                     _ms(t.ours),
                     _tflops(t.ours),
                     _ms(t.dense),
@@ -156,9 +162,7 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
                     _ms(t.read_floor),
                     _judged(t.ratio, by.get((t.id, targets.PAGED_VS_CONTIGUOUS))),
                     _judged(t.floor_ratio, by.get((t.id, targets.PAGED_VS_FLOOR))),
-                    _judged(
-                        t.contiguous_floor_ratio, by.get((t.id, targets.CONTIGUOUS_VS_FLOOR))
-                    ),
+                    _judged(t.contiguous_floor_ratio, by.get((t.id, targets.CONTIGUOUS_VS_FLOOR))),
                 ],
             )
             for t in kinds["paged"]
