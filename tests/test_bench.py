@@ -166,7 +166,7 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(
-        r"^\[1/5\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
+        r"^\[1/9\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
     ), done.stdout
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert schema_errors(doc) == []
