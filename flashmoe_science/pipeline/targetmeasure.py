@@ -280,7 +280,7 @@ def run_host(target: HostTarget, device: str) -> HostRecord:
     else:
         try:
             fn, sdpa_fn = host_calls(target, device)
-        except RuntimeError as exc:
+        except Exception as exc:  # out of memory, or an argument our op rejects: a record
             ours = sdpa = NotMeasured("error", f"building the inputs: {first_line(exc)}")
         else:
             ours, sdpa = host_cost(fn, target.calls), host_cost(sdpa_fn, target.calls)
