@@ -540,3 +540,19 @@ def test_host_cost_times_whole_loops_after_the_warm_up(monkeypatch):
     per_call = timing.host_cost_us(fn, calls=100, loops=3, warmup=7)
     assert len(calls) == 7 + 300
     assert per_call == pytest.approx([20.0] * 3)
+
+
+def test_report_section_escapes_what_the_records_say(tmp_path, fixture_checkout):
+    """bench.json may come from a pull request's code: ids and reasons reach the report escaped."""
+
+    def hostile(doc):
+        doc["targets"][0]["id"] = "varlen-x | <img src=x> `@owner`"
+        doc["targets"][4]["sdpa"] = {"status": "error", "reason": "<script>| @owner ```"}
+
+    rc, text = write_reports(tmp_path, hostile)
+    assert rc == exitcodes.OK
+    section = text.split("<b>Speed targets</b>", 1)[1].split("</details>", 1)[0]
+    # an id is a code span (shown literally, pipes escaped for the table); a reason is text
+    assert "`` varlen-x \\| <img src=x> `@owner` ``" in section
+    assert section.count("<img") == 1 and "<script>" not in section
+    assert "&lt;script&gt;\\| @\u200bowner" in section
