@@ -125,7 +125,7 @@ def test_write_refuses_an_invalid_record(tmp_path):
 
 def test_records_import_without_torch():
     code = (
-        "import sys; from flashmoe_science.pipeline import benchrecords; "
+        "import sys; from flashmoe_science.pipeline import benchrecords, targets; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     done = subprocess.run(
