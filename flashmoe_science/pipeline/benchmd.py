@@ -127,13 +127,11 @@ def _x(ratio: float | None) -> str:
 def _cell(verdict: targets.Verdict | None) -> str:
     if verdict is None:
         return "no target"
-    if verdict.status == targets.NOT_JUDGED:
-        return "not judged"
-    return (
-        f"{verdict.status} (>= {verdict.target:.2f}x)"
-        if verdict.status == targets.MET
-        else (f"**MISSED** (< {verdict.target:.2f}x)")
-    )
+    if verdict.status == targets.MET:
+        return f"met (>= {verdict.target:.2f}x)"
+    if verdict.status == targets.MISSED:
+        return f"**MISSED** (< {verdict.target:.2f}x)"
+    return "not judged"
 
 
 def _judged(ratio: float | None, verdict: targets.Verdict | None) -> str:
@@ -143,11 +141,9 @@ def _judged(ratio: float | None, verdict: targets.Verdict | None) -> str:
 
 
 def _side_ms(result) -> str:
-    return (
-        f"{result.median_ms:.4g}"
-        if isinstance(result, (Measured, ReadFloor))
-        else ("-" if result is None else result.status)
-    )
+    if isinstance(result, (Measured, ReadFloor)):
+        return f"{result.median_ms:.4g}"
+    return "-" if result is None else result.status
 
 
 def _tflops(result) -> str:

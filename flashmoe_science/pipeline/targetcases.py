@@ -145,7 +145,8 @@ class PagedTarget:
 class HostTarget:
     """The per-call cost of `calls` back-to-back calls without a synchronisation in the loop, ours
     beside SDPA's equivalent call. call: decode (no cache_seqlens), decode-lens (with them), paged64
-    (a block table, block size 64), varlen (a small packed batch, HOST_VARLEN_LENGTHS)."""
+    (a block table of block size 64, and cache_seqlens as a server passes them), varlen (a small
+    packed batch, HOST_VARLEN_LENGTHS)."""
 
     call: str
     dtype: str = "bf16"
