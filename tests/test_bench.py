@@ -90,7 +90,9 @@ def test_report_fixtures_load_as_records(path):
     markdown = benchmd.render_markdown(record)
     rows = [line for line in markdown.splitlines() if line.startswith("| ")]
     compared = len(record.comparison.cases) + 1 if record.comparison else 0
-    assert len(rows) == 1 + len(record.cases) + compared
+    speed = [line for line in benchmd.render_targets(record) if line.startswith("| ")]
+    assert len(rows) == 1 + len(record.cases) + compared + len(speed)
+    assert bool(record.targets) == ("## Speed targets" in markdown and "| varlen-" in markdown)
     if record.gpu:
         assert f"{record.gpu.name} (sm_{record.gpu.capability.replace('.', '')}" in markdown
     else:
@@ -123,7 +125,7 @@ def test_write_refuses_an_invalid_record(tmp_path):
 
 def test_records_import_without_torch():
     code = (
-        "import sys; from flashmoe_science.pipeline import benchrecords; "
+        "import sys; from flashmoe_science.pipeline import benchrecords, targets; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     done = subprocess.run(
@@ -164,7 +166,7 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(
-        r"^\[1/5\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
+        r"^\[1/9\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
     ), done.stdout
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert schema_errors(doc) == []
@@ -178,10 +180,28 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
         # CUDA-only SDPA backends refuse CPU tensors: recorded with the reason, not a crash
         assert case["baselines"]["sdpa-cudnn"]["status"] == "unsupported"
         assert case["baselines"]["sdpa-cudnn"]["reason"]
+    # the speed-target cases: varlen and paged measured, host cost and the model unsupported here
+    targets = {t["id"]: t for t in doc["targets"]}
+    assert list(targets) == list(benchmatrix.QUICK_TARGET_IDS["cpu"])
+    assert re.search(r"^\[6/9\] varlen-\S+ \.\.\. varlen / dense [0-9.]+x", done.stdout, re.M)
+    for kind, sides in (("varlen", ("ours", "dense")), ("paged", ("ours", "contiguous"))):
+        (record,) = [t for t in doc["targets"] if t["kind"] == kind]
+        assert all(record[side]["status"] == "ok" for side in sides), record
+        assert record["ratio"] > 0
+    for kind in ("host", "model"):
+        (record,) = [t for t in doc["targets"] if t["kind"] == kind]
+        assert record["ours"]["status"] == record["sdpa"]["status"] == "unsupported"
+        assert "CUDA" in record["ours"]["reason"]
+    assert "speed targets: 0 met, 0 missed, 3 not judged" in done.stdout
     markdown = (tmp_path / "bench.md").read_text()
-    rows = [line for line in markdown.splitlines() if line.startswith("| ")]
+    main_table = markdown.split("\n\n")[2]  # after the title and the header lines
+    rows = [line for line in main_table.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| case | ours ms (IQR) |")
     assert len(rows) == 1 + len(doc["cases"])
+    assert (
+        "## Speed targets" in markdown
+        and "| host-bf16-d128-h32kv8-b1-k1024-decode-lens |" in markdown
+    )
 
 
 def test_refuses_to_time_under_pytest_xdist(monkeypatch, capsys):

@@ -5,7 +5,6 @@ greedy generation with the KV cache, and on a packed (padding-free) batch."""
 
 from __future__ import annotations
 
-import copy
 import sys
 import warnings
 
@@ -15,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flashmoe_science.integrations import transformers as integration  # noqa: E402
+from flashmoe_science.pipeline import smallmodel  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LENGTHS = (7, 3, 5, 1, 12)
@@ -24,34 +24,7 @@ NEW_TOKENS = 32
 ERROR_RATIO = 1.5
 
 
-def config(initializer_range: float = 0.2):
-    # GQA 4:2, two layers, head_dim 64 (the CUDA kernels take 64 and 128). A wide initialiser
-    # keeps greedy decoding away from near-ties, so the token comparisons mean something; the
-    # gradient comparison takes the usual 0.02, where attention is not near one-hot and bf16
-    # rounding is not amplified layer over layer.
-    return transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        pad_token_id=0,
-        initializer_range=initializer_range,
-    )
-
-
-def model(
-    implementation: str, state=None, dtype=torch.float32, device="cpu", initializer_range=0.2
-):
-    torch.manual_seed(0)
-    m = transformers.LlamaForCausalLM._from_config(
-        copy.deepcopy(config(initializer_range)), attn_implementation=implementation
-    )
-    if state is not None:
-        m.load_state_dict(state)
-    return m.eval().to(device=device, dtype=dtype)
+model = smallmodel.llama_model  # the model the benchmark times too
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 SDPA, and optionally the head of the tree against a base commit.
 
     python -m flashmoe_science bench              # default matrix (scaled down on the CPU backend)
-    python -m flashmoe_science bench --quick      # 2 prefill, 1 decode, 1 small case
+    python -m flashmoe_science bench --quick      # a handful of cases, one per speed-target kind
     python -m flashmoe_science bench --case 'dec-*'   # ids or globs; --list prints the selection
     python -m flashmoe_science bench --base main --fail-on-regression
     git bisect run nox -s bench -- --bisect CASE --max-ms T
@@ -23,6 +23,17 @@ Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton ker
 the case's K and V, timed the same way (flashmoe_science.pipeline.readfloor). No decode kernel is expected
 to beat it by much, so SDPA's time over it bounds what any kernel can gain on SDPA there; its
 "ratio" is its time / ours (1 would be a decode as fast as a bare read).
+
+Speed targets (pipeline.targetcases; after the matrix, selected by `--case` like it): varlen
+(`varlen-*`: a packed batch of mixed lengths against our dense kernel run once per distinct length,
+in one timing window), paged decode (`paged-*`: a shuffled block table against the same contents
+contiguous, both with the read floor), host cost (`host-*`: the time per call of 2,000 back-to-back
+calls without a synchronisation, CUDA events around the loop, beside SDPA's equivalent call) and the
+small Llama-style model (`model-*`: prefill and greedy decoding with our attention and with SDPA's).
+Their records go to bench.json's "targets"; pipeline.targets judges each ratio against its target
+(and the read floor of every matrix decode case of at least 64 MiB), for bench.md and the report.
+On the CPU backend the host-cost and model cases are "unsupported" records, and nothing is judged.
+Only our kernel failing on a speed case fails the run; a missed target does not.
 
 Head against base (`--base REF`): REF is checked out as a git worktree in
 <build root>/worktrees/<sha12> and built by its own `python -m flashmoe_science build` into its own
@@ -65,7 +76,9 @@ before a run starts. Worker requests have no timeout: the CI job's timeout bound
 Where the parts live (all in flashmoe_science.pipeline): cases (Case, ids, inputs), benchmatrix (the
 matrix), timing (timers, benchmark, ceilings), baselines (our call, SDPA), measure (one case into a
 record), machine, headbase (worktree, workers, verdicts), history (stored runs), benchrecords
-(bench.json), benchmd (bench.md). This module is the command line and the order of the steps.
+(bench.json), benchmd (bench.md), targetcases and targetmeasure (the speed-target cases and their
+measurement), targets (their verdicts), smallmodel (the model case's model). This module is the
+command line and the order of the steps.
 """
 
 from __future__ import annotations
@@ -79,12 +92,25 @@ from collections.abc import Sequence
 
 import torch
 
-from . import benchmd, benchrecords, exitcodes, headbase, history, machine, paths, provenance, stats
+from . import (
+    benchmd,
+    benchrecords,
+    exitcodes,
+    headbase,
+    history,
+    machine,
+    paths,
+    provenance,
+    stats,
+    targets,
+)
 from .baselines import Abort, build_checkout, first_call, our_call
-from .benchmatrix import select_cases
-from .benchrecords import BenchRecord, Ceilings, Commit, Gpu, Measured, TimingSetup
+from .benchmatrix import select
+from .benchrecords import BenchRecord, Ceilings, Commit, Gpu, Measured, NotMeasured, TimingSetup
 from .cases import Case, make_inputs, parse_case_id
 from .measure import run_case
+from .targetcases import Target
+from .targetmeasure import run_target
 from .timing import (
     TimingConfig,
     benchmark,
@@ -102,13 +128,19 @@ def _now() -> str:
 
 
 def run_matrix(
-    cases: Sequence[Case], device: str, config: TimingConfig, baselines: bool, say=print
+    cases: Sequence[Case],
+    device: str,
+    config: TimingConfig,
+    baselines: bool,
+    say=print,
+    target_cases: Sequence[Target] = (),
 ) -> BenchRecord:
     timer = make_timer(device)
     gpu = machine.gpu_info(device)
     start = time.monotonic()
     where = gpu["name"] if gpu else "the CPU"
-    say(f"bench: {len(cases)} cases on {where} ({timer.method}); measuring ceilings")
+    total = len(cases) + len(target_cases)
+    say(f"bench: {total} cases on {where} ({timer.method}); measuring ceilings")
     ceilings = measure_ceilings(device, timer, config)
     block = provenance.provenance()
     commit = block["commit"]
@@ -128,11 +160,28 @@ def run_matrix(
         entry = run_case(case, device, timer, config, ceilings, baselines)
         record.cases.append(entry)
         elapsed = time.monotonic() - start
-        say(
-            f"[{index}/{len(cases)}] {case.id} ... {_progress_text(entry)} "
-            f"({elapsed:.1f} s elapsed)"
-        )
+        say(f"[{index}/{total}] {case.id} ... {_progress_text(entry)} ({elapsed:.1f} s elapsed)")
+    if target_cases:
+        record.targets = []
+    for index, target in enumerate(target_cases, len(cases) + 1):
+        entry = run_target(target, device, timer, config, ceilings)
+        record.targets.append(entry)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        elapsed = time.monotonic() - start
+        say(f"[{index}/{total}] {target.id} ... {_target_text(entry)} ({elapsed:.1f} s elapsed)")
     return record
+
+
+def _target_text(entry) -> str:
+    ours = entry.ours
+    if isinstance(ours, NotMeasured):
+        return f"{ours.status.upper()}: {ours.reason[:160]}"
+    found = targets.target_verdicts(entry, cpu=False)
+    ratios = [f"{v.what} {v.ratio:.3g}x" for v in found if v.ratio is not None]
+    if entry.kind == "model" and entry.decode_ratio is not None:
+        ratios.append(f"decode tokens/s ours / SDPA {entry.decode_ratio:.3g}x")
+    return ", ".join(ratios) or "measured"
 
 
 def _progress_text(entry) -> str:
@@ -180,7 +229,9 @@ def parser() -> argparse.ArgumentParser:
         "a base commit (--base), or one case against a limit for `git bisect run` (--bisect).",
     )
     p.add_argument(
-        "--quick", action="store_true", help="a handful of cases: 2 prefill, 1 decode, 1 small"
+        "--quick",
+        action="store_true",
+        help="a handful of cases: 2 prefill, 1 decode, 1 small, 1 backward, 1 per speed-target kind",
     )
     p.add_argument(
         "--case",
@@ -308,11 +359,11 @@ def run(args) -> int:
         return headbase.worker_main(device, config)
     try:
         bisect_case = parse_case_id(args.bisect) if args.bisect else None
-        cases = [] if args.bisect else select_cases(device, args.quick, args.case)
+        cases, target_cases = ([], []) if args.bisect else select(device, args.quick, args.case)
     except ValueError as exc:
         raise Abort(exitcodes.USAGE, str(exc)) from exc
     if args.list:
-        print("\n".join(c.id for c in cases))
+        print("\n".join([c.id for c in cases] + [t.id for t in target_cases]))
         return exitcodes.OK
     if args.base and not headbase.resolve_ref(args.base):
         raise Abort(
@@ -323,11 +374,15 @@ def run(args) -> int:
     build_checkout(device)
     if bisect_case is not None:
         return bisect_main(bisect_case, args.max_ms, device, config)
-    return run_and_report(args, cases, device, config)
+    return run_and_report(args, cases, device, config, target_cases)
 
 
-def run_and_report(args, cases: list[Case], device: str, config: TimingConfig) -> int:
-    record = run_matrix(cases, device, config, baselines=not args.no_baselines)
+def run_and_report(
+    args, cases: list[Case], device: str, config: TimingConfig, target_cases: Sequence[Target] = ()
+) -> int:
+    record = run_matrix(
+        cases, device, config, baselines=not args.no_baselines, target_cases=target_cases
+    )
     if args.base or args.base_dir:
         record.comparison = headbase.compare(record, cases, device, args)
     # after the comparison, so a fallback to stored results never finds this very run
@@ -342,8 +397,21 @@ def run_and_report(args, cases: list[Case], device: str, config: TimingConfig) -
     return verdict_exit_code(record, args.fail_on_regression)
 
 
+def _target_failed(target) -> bool:
+    """Our kernel (either of our sides) failed; "unsupported" (no CUDA here) is not a failure."""
+    ours = [target.ours] + [getattr(target, name, None) for name in ("dense", "contiguous")]
+    return any(isinstance(r, NotMeasured) and r.status == "error" for r in ours)
+
+
 def verdict_exit_code(record: BenchRecord, fail_on_regression: bool) -> int:
+    if record.targets:
+        found = targets.counts(targets.verdicts(record))
+        print(
+            f"bench: speed targets: {found[targets.MET]} met, {found[targets.MISSED]} missed, "
+            f"{found[targets.NOT_JUDGED]} not judged (bench.md lists them)"
+        )
     failed = [c.id for c in record.cases if not isinstance(c.ours, Measured)]
+    failed += [t.id for t in record.targets or [] if _target_failed(t)]
     if failed:
         print(
             f"bench: our kernel failed on {len(failed)} case(s): {', '.join(failed[:5])}",

@@ -1,15 +1,19 @@
-"""bench.md: the benchmark record as a markdown table, with the head-against-base section."""
+"""bench.md: the benchmark record as a markdown table, the speed targets' tables and verdicts
+(pipeline.targets), and the head-against-base section."""
 
 from __future__ import annotations
 
-from . import stats
+from . import stats, targets
 from .benchrecords import (
     BASELINE_NAMES,
     BenchRecord,
     CaseRecord,
     Comparison,
+    HostCost,
     Measured,
     MissingVerdict,
+    ModelTiming,
+    NotMeasured,
     ReadFloor,
 )
 
@@ -102,9 +106,228 @@ def render_markdown(record: BenchRecord) -> str:
                 reasons.setdefault(f"{name} {result.status}", set()).add(result.reason[:200])
     for what, texts in sorted(reasons.items()):
         lines += ["", f"{what}: " + " / ".join(sorted(texts)[:3])]
+    lines += render_targets(record)
     if record.comparison:
         lines += ["", *render_comparison(record.comparison)]
     return "\n".join(lines) + "\n"
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> list[str]:
+    return [_row(columns), "|" + "---|" * len(columns), *(_row(r) for r in rows)]
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _cell(verdict: targets.Verdict | None) -> str:
+    if verdict is None:
+        return "no target"
+    if verdict.status == targets.MET:
+        return f"met (>= {verdict.target:.2f}x)"
+    if verdict.status == targets.MISSED:
+        return f"**MISSED** (< {verdict.target:.2f}x)"
+    return "not judged"
+
+
+def _judged(ratio: float | None, verdict: targets.Verdict | None) -> str:
+    if ratio is None:
+        return "-" if verdict is None else _cell(verdict)
+    return f"{_x(ratio)} {_cell(verdict)}"
+
+
+def _side_ms(result) -> str:
+    if isinstance(result, (Measured, ReadFloor)):
+        return f"{result.median_ms:.4g}"
+    return "-" if result is None else result.status
+
+
+def _tflops(result) -> str:
+    return _num(result.tflops, ".3g") if isinstance(result, Measured) else "-"
+
+
+def render_targets(record: BenchRecord) -> list[str]:
+    """The speed targets: one table per kind, a verdict per ratio that has a target."""
+    found = targets.verdicts(record)
+    if not found and not record.targets:
+        return []
+    by = {(v.id, v.what): v for v in found}
+    count = targets.counts(found)
+    lines = [
+        "",
+        "## Speed targets",
+        "",
+        f"{count[targets.MET]} met, {count[targets.MISSED]} missed, "
+        f"{count[targets.NOT_JUDGED]} not judged. Every ratio is a speed over another "
+        "(the other's time over ours): above the target is good."
+        + (f" {targets.CPU_REASON}: nothing is judged." if record.backend == "cpu" else ""),
+    ]
+    floors = [c for c in record.cases if (c.id, targets.DECODE_VS_FLOOR) in by]
+    if floors:
+        rows = [
+            [
+                c.id,
+                _mib(targets.case_kv_bytes(c)),
+                _side_ms(c.ours),
+                _side_ms(c.read_floor),
+                _x(by[c.id, targets.DECODE_VS_FLOOR].ratio),
+                _cell(by[c.id, targets.DECODE_VS_FLOOR]),
+            ]
+            for c in floors
+        ]
+        lines += [
+            "",
+            f"Decode against the read floor (K+V >= {targets.READ_FLOOR_MIN_BYTES // 2**20} MiB; "
+            f"target {targets.READ_FLOOR_TARGET:.2f}x):",
+            "",
+            *_table(
+                ["case", "K+V MiB", "ours ms", "read floor ms", "floor / ours", "verdict"], rows
+            ),
+        ]
+    kinds = {}
+    for t in record.targets or []:
+        kinds.setdefault(t.kind, []).append(t)
+    if "varlen" in kinds:
+        rows = [
+            [
+                t.id,
+                f"{len(t.lengths)} ({min(t.lengths, default=0)}-{max(t.lengths, default=0)})",
+                _side_ms(t.ours),
+                _tflops(t.ours),
+                _side_ms(t.dense),
+                _tflops(t.dense),
+                _x(t.ratio),
+                _cell(by.get((t.id, targets.VARLEN_VS_DENSE))),
+            ]
+            for t in kinds["varlen"]
+        ]
+        lines += [
+            "",
+            "Varlen against our dense kernel on the same sequences (one dense call per distinct "
+            f"length, in one timing window; target {targets.VARLEN_TARGET:.2f}x):",
+            "",
+            *_table(
+                [
+                    "case",
+                    "sequences",
+                    "varlen ms",
+                    "TFLOP/s",
+                    "dense ms",
+                    "TFLOP/s",
+                    "dense / varlen",
+                    "verdict",
+                ],
+                rows,
+            ),
+        ]
+    if "paged" in kinds:
+        rows = []
+        for t in kinds["paged"]:
+            rows.append(
+                [
+                    t.id,
+                    _mib(t.kv_bytes),
+                    _side_ms(t.ours),
+                    _side_ms(t.contiguous),
+                    _side_ms(t.read_floor),
+                    _judged(t.ratio, by.get((t.id, targets.PAGED_VS_CONTIGUOUS))),
+                    _judged(t.floor_ratio, by.get((t.id, targets.PAGED_VS_FLOOR))),
+                    _judged(t.contiguous_floor_ratio, by.get((t.id, targets.CONTIGUOUS_VS_FLOOR))),
+                ]
+            )
+        lines += [
+            "",
+            "Paged decode against contiguous decode on the same cache contents (target "
+            f"{targets.PAGED_TARGET:.2f}x for block sizes >= {targets.PAGED_MIN_BLOCK}), and both "
+            f"against the read floor (target {targets.READ_FLOOR_TARGET:.2f}x):",
+            "",
+            *_table(
+                [
+                    "case",
+                    "K+V MiB",
+                    "paged ms",
+                    "contiguous ms",
+                    "read floor ms",
+                    "contiguous / paged",
+                    "floor / paged",
+                    "floor / contiguous",
+                ],
+                rows,
+            ),
+        ]
+    if "host" in kinds:
+        rows = [
+            [
+                t.id,
+                _us(t.ours),
+                _us(t.sdpa),
+                _x(t.ratio),
+                _cell(by.get((t.id, targets.OURS_VS_SDPA_HOST))),
+            ]
+            for t in kinds["host"]
+        ]
+        lines += [
+            "",
+            "Host cost: time per call of back-to-back calls, no synchronisation in the loop "
+            f"(target: SDPA's time over ours >= {targets.HOST_TARGET:.2f}x):",
+            "",
+            *_table(["case", "ours us/call", "SDPA us/call", "SDPA / ours", "verdict"], rows),
+        ]
+    if "model" in kinds:
+        rows = [
+            [
+                t.id,
+                _model(t.ours, "prefill_ms", ".4g"),
+                _model(t.sdpa, "prefill_ms", ".4g"),
+                _x(t.prefill_ratio),
+                _model(t.ours, "decode_tokens_per_s", ".4g"),
+                _model(t.sdpa, "decode_tokens_per_s", ".4g"),
+                _x(t.decode_ratio),
+            ]
+            for t in kinds["model"]
+        ]
+        lines += [
+            "",
+            "The small Llama-style model, our attention against SDPA (no target; decode: tokens "
+            "after the first per second of greedy generation with the KV cache):",
+            "",
+            *_table(
+                [
+                    "case",
+                    "prefill ms ours",
+                    "prefill ms SDPA",
+                    "SDPA / ours",
+                    "decode tok/s ours",
+                    "decode tok/s SDPA",
+                    "ours / SDPA",
+                ],
+                rows,
+            ),
+        ]
+    missed = [v.text() for v in found if v.status == targets.MISSED]
+    if missed:
+        lines += ["", "Missed:", *(f"- {text}" for text in missed)]
+    reasons: dict[str, set[str]] = {}
+    for t in record.targets or []:
+        for name in ("ours", "dense", "contiguous", "sdpa", "read_floor"):
+            side = getattr(t, name, None)
+            if isinstance(side, NotMeasured):
+                reasons.setdefault(f"{t.kind} {name} {side.status}", set()).add(side.reason[:200])
+    for what, texts in sorted(reasons.items()):
+        lines += ["", f"{what}: " + " / ".join(sorted(texts)[:3])]
+    return lines
+
+
+def _us(result) -> str:
+    return f"{result.us_per_call:.3g}" if isinstance(result, HostCost) else result.status
+
+
+def _model(result, field: str, fmt: str) -> str:
+    return format(getattr(result, field), fmt) if isinstance(result, ModelTiming) else result.status
 
 
 def _comparison_row(r) -> str:

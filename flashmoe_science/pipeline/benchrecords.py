@@ -163,6 +163,105 @@ class CaseRecord:
 
 
 @dataclasses.dataclass
+class HostCost:
+    """The per-call time of back-to-back calls (CUDA events around the whole loop)."""
+
+    us_per_call: float  # the median of the loops
+    calls: int  # calls per loop
+    loops_us: list[float]  # each loop's time per call
+    status: str = "ok"
+
+
+@dataclasses.dataclass
+class ModelTiming:
+    """The small model with one attention implementation."""
+
+    prefill_ms: float  # one forward of the prompt batch (median)
+    generate_ms: float  # greedy generation of new_tokens with the KV cache (median)
+    decode_tokens_per_s: float  # tokens generated per second after the first (prefill left out)
+    status: str = "ok"
+
+
+@dataclasses.dataclass
+class VarlenRecord:
+    """A packed batch through flash_attention_varlen_forward (ours) against the same sequences
+    through flash_attention_forward, one call per distinct length, in one timing window (dense)."""
+
+    id: str
+    kind: str  # "varlen"
+    dtype: str
+    head_dim: int
+    heads_q: int
+    heads_kv: int
+    causal: bool
+    lengths: list[int]
+    flops: int
+    ours: Result
+    dense: Result
+    ratio: float | None  # dense time / ours: varlen's throughput over the dense kernel's
+
+
+@dataclasses.dataclass
+class PagedRecord:
+    """Decode against a paged cache (ours) and against the same contents contiguous."""
+
+    id: str
+    kind: str  # "paged"
+    dtype: str
+    head_dim: int
+    heads_q: int
+    heads_kv: int
+    batch: int
+    seqlen_k: int
+    block_size: int
+    kv_bytes: int
+    ours: Result
+    contiguous: Result
+    read_floor: ReadFloor | NotMeasured | None
+    ratio: float | None  # contiguous time / paged time: paged's speed over contiguous's
+    floor_ratio: float | None  # read floor time / paged time
+    contiguous_floor_ratio: float | None  # read floor time / contiguous time
+
+
+@dataclasses.dataclass
+class HostRecord:
+    """Per-call cost of back-to-back calls, ours beside SDPA's equivalent call."""
+
+    id: str
+    kind: str  # "host"
+    call: str  # decode, decode-lens, paged64, varlen
+    dtype: str
+    head_dim: int
+    heads_q: int
+    heads_kv: int
+    batch: int
+    seqlen_k: int
+    calls: int
+    ours: HostCost | NotMeasured
+    sdpa: HostCost | NotMeasured
+    ratio: float | None  # SDPA's time per call / ours
+
+
+@dataclasses.dataclass
+class ModelRecord:
+    """The small Llama-style model, our attention against SDPA's, from one run."""
+
+    id: str
+    kind: str  # "model"
+    dtype: str
+    batch: int
+    prompt: int
+    new_tokens: int
+    ours: ModelTiming | NotMeasured
+    sdpa: ModelTiming | NotMeasured
+    prefill_ratio: float | None  # SDPA's prefill time / ours
+    decode_ratio: float | None  # our decode tokens/s / SDPA's
+
+
+TargetRecord = VarlenRecord | PagedRecord | HostRecord | ModelRecord
+
+
+@dataclasses.dataclass
 class CaseVerdict:
     """Head against base on one case (stats.Verdict, rounded)."""
 
@@ -236,6 +335,8 @@ class BenchRecord:
     ceilings: Ceilings
     cases: list[CaseRecord]
     comparison: Comparison | None = None
+    # the speed-target cases (pipeline.targetcases); left out when none ran
+    targets: list[TargetRecord] | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,9 +371,38 @@ def case_from_json(data: dict) -> CaseRecord:
     record = _build(CaseRecord, data)
     record.ours = result_from_json(data["ours"])
     record.baselines = {name: result_from_json(r) for name, r in data["baselines"].items()}
-    floor = data.get("read_floor")
-    if floor is not None:
-        record.read_floor = _build(ReadFloor if floor["status"] == "ok" else NotMeasured, floor)
+    record.read_floor = _floor_from_json(data.get("read_floor"))
+    return record
+
+
+def _floor_from_json(floor: dict | None) -> ReadFloor | NotMeasured | None:
+    if floor is None:
+        return None
+    return _build(ReadFloor if floor["status"] == "ok" else NotMeasured, floor)
+
+
+TARGET_RECORDS = {
+    "varlen": VarlenRecord,
+    "paged": PagedRecord,
+    "host": HostRecord,
+    "model": ModelRecord,
+}
+# What each target kind's two timed sides are made of, when measured
+TARGET_RESULTS = {
+    "varlen": (("ours", Measured), ("dense", Measured)),
+    "paged": (("ours", Measured), ("contiguous", Measured)),
+    "host": (("ours", HostCost), ("sdpa", HostCost)),
+    "model": (("ours", ModelTiming), ("sdpa", ModelTiming)),
+}
+
+
+def target_from_json(data: dict) -> TargetRecord:
+    record = _build(TARGET_RECORDS[data["kind"]], data)
+    for name, measured in TARGET_RESULTS[data["kind"]]:
+        side = data[name]
+        setattr(record, name, _build(measured if side["status"] == "ok" else NotMeasured, side))
+    if data["kind"] == "paged":
+        record.read_floor = _floor_from_json(data.get("read_floor"))
     return record
 
 
@@ -296,6 +426,8 @@ def from_json(doc: dict) -> BenchRecord:
     record.cases = [case_from_json(c) for c in doc["cases"]]
     if doc["comparison"] is not None:
         record.comparison = comparison_from_json(doc["comparison"])
+    if doc.get("targets") is not None:
+        record.targets = [target_from_json(t) for t in doc["targets"]]
     return record
 
 

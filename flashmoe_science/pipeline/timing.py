@@ -143,6 +143,30 @@ def benchmark(
     return Timing(measured, stats.summarize(measured))
 
 
+def host_cost_us(
+    fn: Callable[[], object], calls: int, loops: int = 3, warmup: int = 50
+) -> list[float]:
+    """The time per call, in microseconds, of `calls` back-to-back calls with no synchronisation
+    inside the loop: CUDA events around the whole loop, after `warmup` calls; one value per loop.
+    What a serving loop without CUDA graphs pays: when the host is slower than the GPU work, the
+    GPU waits for it and the events measure the host. No L2 flush (it would queue GPU work)."""
+    refuse_under_xdist()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(loops):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / calls)
+    return per_call
+
+
 def peak_memory_bytes(fn: Callable[[], object], device: str) -> int | None:
     """Peak allocation of one untimed call beyond what was allocated before it (inputs, flush)."""
     if device != "cuda":

@@ -20,6 +20,7 @@ from .env_section import env_facts, env_section
 from .gates_section import MAX_FAILING, case_failed, gates_section
 from .inputs import Inputs, stage_failed
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN, Detail, Section
+from .targets_section import targets_section
 from .trusted import history_section, trusted_header
 
 MARKER = "<!-- flashmoe-science-report -->"
@@ -163,15 +164,20 @@ def _subject(inputs: Inputs) -> str:
     return text
 
 
-SECTIONS: tuple[tuple[str, str, Callable[[Inputs, Detail], Section]], ...] = (
+# A builder returns None for a section with nothing to show (the speed targets of a bench that
+# judged none): it is left out, not listed as not run.
+SECTIONS: tuple[tuple[str, str, Callable[[Inputs, Detail], Section | None]], ...] = (
     ("env", "Environment", env_section),
     ("build", "Build", build_section),
     ("test", "Correctness gates", gates_section),
     ("bench", "Benchmark", bench_section),
+    ("speed", "Speed targets", targets_section),
 )
 
 
-def _section(key: str, title: str, build: Callable[[Inputs, Detail], Section], inputs, detail):
+def _section(
+    key: str, title: str, build: Callable[[Inputs, Detail], Section | None], inputs, detail
+) -> Section | None:
     """One section; a renderer that fails on its record fails its own section, not the report."""
     try:
         return build(inputs, detail)
@@ -189,14 +195,16 @@ def _section(key: str, title: str, build: Callable[[Inputs, Detail], Section], i
 
 
 def _render(inputs: Inputs, detail: Detail, note: str | None = None) -> str:
-    sections = [_section(key, title, build, inputs, detail) for key, title, build in SECTIONS]
+    built = [_section(key, title, build, inputs, detail) for key, title, build in SECTIONS]
+    sections = [s for s in built if s is not None]
+    bench = next(s for s in sections if s.key == "bench")
     lines = [verdict(sections, inputs), MARKER, ""]
     header = trusted_header(inputs)
     if header:
         lines += [header, ""]
     facts = [_subject(inputs)] + ([] if "env.json" in inputs.stale else env_facts(inputs.env))
     lines += [" · ".join(facts), ""]
-    if sections[3].severity in (OK, NOTE, WARN) and inputs.bench and inputs.bench.get("cases"):
+    if bench.severity in (OK, NOTE, WARN) and inputs.bench and inputs.bench.get("cases"):
         lines += [SDPA_RATIO_LINE, ""]
     if note:
         lines += [note, ""]

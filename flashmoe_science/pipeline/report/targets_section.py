@@ -1,0 +1,256 @@
+"""The speed-targets section, from bench.json: the verdicts of pipeline.targets (varlen against our
+dense kernel, paged against contiguous decode, decode against the read floor, host cost against
+SDPA) and the small model's figures beside SDPA's.
+
+The section is left out when bench.json is missing, unusable (the benchmark section says why) or
+judges nothing. A missed target marks the section (a note in the summary table) but stays out of the
+report's verdict line, like the SDPA ratio: the targets say where the kernels should get, not
+whether this change broke something. Only our kernel failing on a speed case fails the section.
+"""
+
+from __future__ import annotations
+
+from .. import benchrecords, targets
+from .. import markdown as md
+from ..benchrecords import HostCost, Measured, ModelTiming, NotMeasured, ReadFloor
+from .inputs import Inputs
+from .sections import FAIL, NOTE, OK, Detail, Section
+
+TITLE = "Speed targets"
+
+
+def _x(ratio: float | None) -> str:
+    return md.DASH if ratio is None else f"{ratio:.2f}{md.TIMES}"
+
+
+def _verdict(verdict: targets.Verdict | None) -> str:
+    if verdict is None:
+        return "no target"
+    if verdict.status == targets.MET:
+        return f"✅ ≥ {verdict.target:.2f}{md.TIMES}"
+    if verdict.status == targets.MISSED:
+        return f"⚠️ **missed** (< {verdict.target:.2f}{md.TIMES})"
+    return "not judged"
+
+
+def _judged(ratio: float | None, verdict: targets.Verdict | None) -> str:
+    if ratio is None:
+        return md.DASH if verdict is None else _verdict(verdict)
+    return f"{_x(ratio)} {_verdict(verdict)}"
+
+
+def _ms(result) -> str:
+    if isinstance(result, (Measured, ReadFloor)):
+        return md.sig(result.median_ms)
+    return md.DASH if result is None else md.text(result.status)
+
+
+def _tflops(result) -> str:
+    return md.sig(result.tflops) if isinstance(result, Measured) else md.DASH
+
+
+def _us(result) -> str:
+    return md.sig(result.us_per_call) if isinstance(result, HostCost) else md.text(result.status)
+
+
+def _model(result, field: str) -> str:
+    return (
+        md.sig(getattr(result, field))
+        if isinstance(result, ModelTiming)
+        else md.text(result.status)
+    )
+
+
+def _failed(target) -> bool:
+    sides = [target.ours] + [getattr(target, name, None) for name in ("dense", "contiguous")]
+    return any(isinstance(side, NotMeasured) and side.status == "error" for side in sides)
+
+
+def _kept(rows: list[tuple[bool, list[str]]], detail: Detail, what: str) -> list[list[str]]:
+    """The rows shown: all, or under a size cut the flagged ones first, up to detail.bench_rows."""
+    if detail.bench_rows is None or len(rows) <= detail.bench_rows:
+        return [cells for _, cells in rows]
+    ordered = sorted(rows, key=lambda row: not row[0])
+    detail.omitted.append(f"{len(rows) - detail.bench_rows} of {len(rows)} {what} rows")
+    return [cells for _, cells in ordered[: detail.bench_rows]]
+
+
+def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
+    usable = "bench.json" not in inputs.unreadable and "bench.json" not in inputs.stale
+    if inputs.bench is None or not usable:
+        return None
+    record = benchrecords.from_json(inputs.bench)
+    found = targets.verdicts(record)
+    if not found and not record.targets:
+        return None
+    by = {(v.id, v.what): v for v in found}
+    count = targets.counts(found)
+    flagged = {v.id for v in found if v.status == targets.MISSED}
+    parts = [
+        f"Targets: {count[targets.MET]} met, {count[targets.MISSED]} missed, "
+        f"{count[targets.NOT_JUDGED]} not judged. Each ratio is a speed over another (the other's "
+        f"time over ours), so at or above its target is met."
+        + (f" {targets.CPU_REASON}: nothing is judged." if record.backend == "cpu" else "")
+    ]
+    floor_cases = [c for c in record.cases if (c.id, targets.DECODE_VS_FLOOR) in by]
+    if floor_cases:
+        rows = []
+        for case in floor_cases:
+            verdict = by[case.id, targets.DECODE_VS_FLOOR]
+            cells = [
+                md.code(case.id, 150),
+                md.nbytes(targets.case_kv_bytes(case)),
+                _ms(case.ours),
+                _ms(case.read_floor),
+                _judged(verdict.ratio, verdict),
+            ]
+            rows.append((case.id in flagged, cells))
+        parts.append(
+            f"**Decode against the read floor** (K+V ≥ {targets.READ_FLOOR_MIN_BYTES // 2**20} MiB)"
+            "\n\n"
+            + md.table(
+                ["case", "K+V", "ours ms", "read floor ms", f"floor / ours ({md.TIMES})"],
+                _kept(rows, detail, "read-floor"),
+            )
+        )
+    kinds: dict[str, list] = {}
+    for target in record.targets or []:
+        kinds.setdefault(target.kind, []).append(target)
+    if "varlen" in kinds:
+        rows = [
+            (
+                t.id in flagged,
+                [
+                    md.code(t.id, 150),
+                    md.text(
+                        f"{len(t.lengths)} ({min(t.lengths, default=0)}-{max(t.lengths, default=0)})"
+                    ),
+                    _ms(t.ours),
+                    _tflops(t.ours),
+                    _ms(t.dense),
+                    _tflops(t.dense),
+                    _judged(t.ratio, by.get((t.id, targets.VARLEN_VS_DENSE))),
+                ],
+            )
+            for t in kinds["varlen"]
+        ]
+        parts.append(
+            "**Varlen against our dense kernel** on the same sequences (one dense call per "
+            "distinct length, one timing window)\n\n"
+            + md.table(
+                [
+                    "case",
+                    "sequences",
+                    "varlen ms",
+                    "TFLOP/s",
+                    "dense ms",
+                    "TFLOP/s",
+                    f"dense / varlen ({md.TIMES})",
+                ],
+                _kept(rows, detail, "varlen"),
+            )
+        )
+    if "paged" in kinds:
+        rows = [
+            (
+                t.id in flagged,
+                [
+                    md.code(t.id, 150),
+                    md.nbytes(t.kv_bytes),
+                    _ms(t.ours),
+                    _ms(t.contiguous),
+                    _ms(t.read_floor),
+                    _judged(t.ratio, by.get((t.id, targets.PAGED_VS_CONTIGUOUS))),
+                    _judged(t.floor_ratio, by.get((t.id, targets.PAGED_VS_FLOOR))),
+                    _judged(t.contiguous_floor_ratio, by.get((t.id, targets.CONTIGUOUS_VS_FLOOR))),
+                ],
+            )
+            for t in kinds["paged"]
+        ]
+        parts.append(
+            "**Paged decode against contiguous decode** on the same cache contents (target for "
+            f"block sizes ≥ {targets.PAGED_MIN_BLOCK}), both against the read floor\n\n"
+            + md.table(
+                [
+                    "case",
+                    "K+V",
+                    "paged ms",
+                    "contiguous ms",
+                    "read floor ms",
+                    "contiguous / paged",
+                    "floor / paged",
+                    "floor / contiguous",
+                ],
+                _kept(rows, detail, "paged"),
+            )
+        )
+    if "host" in kinds:
+        rows = [
+            [
+                md.code(t.id, 150),
+                _us(t.ours),
+                _us(t.sdpa),
+                _judged(t.ratio, by.get((t.id, targets.OURS_VS_SDPA_HOST))),
+            ]
+            for t in kinds["host"]
+        ]
+        calls = kinds["host"][0].calls
+        parts.append(
+            f"**Host cost**: time per call of {calls:,} back-to-back calls, no synchronisation "
+            "in the loop\n\n"
+            + md.table(["case", "ours µs/call", "SDPA µs/call", f"SDPA / ours ({md.TIMES})"], rows)
+        )
+    if "model" in kinds:
+        rows = [
+            [
+                md.code(t.id, 150),
+                f"{_model(t.ours, 'prefill_ms')} / {_model(t.sdpa, 'prefill_ms')}",
+                _x(t.prefill_ratio),
+                f"{_model(t.ours, 'decode_tokens_per_s')} / "
+                f"{_model(t.sdpa, 'decode_tokens_per_s')}",
+                _x(t.decode_ratio),
+            ]
+            for t in kinds["model"]
+        ]
+        parts.append(
+            "**The small Llama-style model**, our attention against SDPA (no target; decode: "
+            "tokens after the first per second of greedy generation with the KV cache)\n\n"
+            + md.table(
+                [
+                    "case",
+                    "prefill ms ours / SDPA",
+                    f"SDPA / ours ({md.TIMES})",
+                    "decode tok/s ours / SDPA",
+                    f"ours / SDPA ({md.TIMES})",
+                ],
+                rows,
+            )
+        )
+    reasons: dict[str, set[str]] = {}
+    for target in record.targets or []:
+        for name in ("ours", "dense", "contiguous", "sdpa", "read_floor"):
+            side = getattr(target, name, None)
+            if isinstance(side, NotMeasured):
+                reasons.setdefault(f"{target.kind} {name}: {side.status}", set()).add(side.reason)
+    if reasons:
+        parts.append(
+            "\n".join(
+                f"- {md.text(what)}: " + " / ".join(md.text(r, 300) for r in sorted(texts)[:3])
+                for what, texts in sorted(reasons.items())
+            )
+        )
+    failed = [t.id for t in record.targets or [] if _failed(t)]
+    problems = []
+    severity = OK
+    if count[targets.MISSED]:  # shown in the summary table, kept out of the verdict line
+        severity = NOTE
+    if failed:
+        severity = FAIL
+        problems.append((FAIL, f"our kernel failed on {md.plural(len(failed), 'speed case')}"))
+    summary = (
+        f"{count[targets.MET]} met, {count[targets.MISSED]} missed, "
+        f"{count[targets.NOT_JUDGED]} not judged"
+        + (" (CPU backend)" if record.backend == "cpu" else "")
+        + (f", {len(failed)} failed" if failed else "")
+    )
+    return Section("speed", TITLE, severity, summary, "\n\n".join(parts), problems)

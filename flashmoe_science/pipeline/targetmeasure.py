@@ -1,0 +1,436 @@
+"""The speed-target cases (targetcases), measured into records (benchrecords): each side timed as
+the matrix's cases are (measure.measure: CUDA events, warm-up, L2 flush, median), the host cost by
+timing.host_cost_us, and the small model by timing.benchmark (prefill) and the wall clock around
+whole generations (decode). A side that refuses or fails becomes a NotMeasured record, never a raise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import measure
+from .baselines import first_call, is_refusal, ops, sdpa_supports_gqa
+from .benchrecords import (
+    HostCost,
+    HostRecord,
+    Measured,
+    ModelRecord,
+    ModelTiming,
+    NotMeasured,
+    PagedRecord,
+    ReadFloor,
+    TargetRecord,
+    VarlenRecord,
+)
+from .cases import DRAW_ON_CPU_MAX_BYTES, DTYPES, ELEMENT_BYTES, Case, make_inputs
+from .ragged import case_seed
+from .stats import sig
+from .targetcases import HOST_VARLEN_LENGTHS, HostTarget, ModelTarget, PagedTarget, VarlenTarget
+from .timing import TimingConfig, benchmark, first_line, host_cost_us
+
+HOST_LOOPS = 3
+MODEL_RUNS = 3  # timed generations per length (after one untimed), the median kept
+CUDA_ONLY_HOST = (
+    "the host cost is measured with CUDA events around calls that queue GPU work; on the CPU "
+    "backend every call does its work before returning, so there is no host overhead to isolate"
+)
+CUDA_ONLY_MODEL = "the model case times a bf16 model on CUDA; run it on a GPU machine"
+
+
+def _randn(shape: tuple[int, ...], dtype: str, device: str, seed: int) -> torch.Tensor:
+    """torch.randn drawn where cases.make_inputs draws: on the CPU up to DRAW_ON_CPU_MAX_BYTES."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    on_cpu = numel * ELEMENT_BYTES <= DRAW_ON_CPU_MAX_BYTES
+    generator = torch.Generator(device="cpu" if on_cpu else device).manual_seed(seed)
+    if on_cpu:
+        return torch.randn(shape, generator=generator).to(device=device, dtype=DTYPES[dtype])
+    return torch.randn(shape, generator=generator, device=device, dtype=DTYPES[dtype])
+
+
+def cumulative(lengths, device: str) -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Varlen against dense
+# --------------------------------------------------------------------------------------------------
+
+
+def varlen_calls(
+    target: VarlenTarget, device: str
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(the packed call, the dense calls): flash_attention_varlen_forward on the packed batch, and
+    flash_attention_forward once per distinct length on those sequences stacked as [n, H, L, D]
+    (the dense kernel's own layout), run back to back in one callable."""
+    lengths = target.lengths
+    seed = case_seed(target.id)
+    q = _randn((target.total, target.heads_q, target.head_dim), target.dtype, device, seed)
+    k = _randn((target.total, target.heads_kv, target.head_dim), target.dtype, device, seed + 1)
+    v = _randn((target.total, target.heads_kv, target.head_dim), target.dtype, device, seed + 2)
+    cu = cumulative(lengths, device)
+    starts = cu.tolist()[:-1]
+    groups = []
+    for length in sorted(set(lengths)):
+        rows = [s for s, n in zip(starts, lengths, strict=True) if n == length]
+
+        def stack(t, rows=rows, length=length):
+            return torch.stack([t[s : s + length] for s in rows]).transpose(1, 2).contiguous()
+
+        groups.append((stack(q), stack(k), stack(v)))
+    api, causal, longest = ops(), target.causal, max(lengths)
+
+    def packed():
+        return api.flash_attention_varlen_forward(q, k, v, cu, cu, longest, longest, causal)
+
+    def dense():
+        return [api.flash_attention_forward(qg, kg, vg, causal) for qg, kg, vg in groups]
+
+    return packed, dense
+
+
+def run_varlen(target: VarlenTarget, device: str, timer, config, ceilings) -> VarlenRecord:
+    packed, dense = varlen_calls(target, device)
+    ours = measure.measure(packed, None, target, device, timer, config, ceilings)
+    baseline = measure.measure(dense, None, target, device, timer, config, ceilings)
+    return VarlenRecord(
+        id=target.id,
+        kind="varlen",
+        dtype=target.dtype,
+        head_dim=target.head_dim,
+        heads_q=target.heads_q,
+        heads_kv=target.heads_kv,
+        causal=target.causal,
+        lengths=list(target.lengths),
+        flops=target.flops,
+        ours=_without_samples(ours),
+        dense=_without_samples(baseline),
+        ratio=_time_ratio(baseline, ours),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Paged against contiguous decode
+# --------------------------------------------------------------------------------------------------
+
+
+def paged_cache(
+    k: torch.Tensor, v: torch.Tensor, block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contents of contiguous caches k, v [B, Hkv, S, D] as paged caches [B*S/block_size,
+    block_size, Hkv, D] whose pages lie in a shuffled order, and the block table (int32) that
+    finds them: sequence b's j-th block is k_cache[table[b, j]]."""
+    batch, heads, seqlen, dim = k.shape
+    blocks = seqlen // block_size
+    order = torch.randperm(batch * blocks, generator=torch.Generator().manual_seed(seed))
+    order = order.to(k.device)
+
+    def paged(t: torch.Tensor) -> torch.Tensor:
+        pages = t.transpose(1, 2).reshape(batch * blocks, block_size, heads, dim)
+        cache = torch.empty_like(pages)
+        cache[order] = pages
+        return cache
+
+    return paged(k), paged(v), order.view(batch, blocks).to(torch.int32)
+
+
+def _floor_ratio(floor, result) -> float | None:
+    if isinstance(floor, ReadFloor) and isinstance(result, Measured) and result.median_ms:
+        return sig(floor.median_ms / result.median_ms, 4)
+    return None
+
+
+def run_paged(target: PagedTarget, device: str, timer, config, ceilings) -> PagedRecord:
+    case = target.contiguous
+    x = make_inputs(case, device)
+    k_cache, v_cache, table = paged_cache(x.k, x.v, target.block_size, case_seed(target.id))
+    api = ops()
+
+    def paged():
+        return api.flash_attention_decode(x.q, k_cache, v_cache, block_table=table)
+
+    def contiguous():
+        return api.flash_attention_decode(x.q, x.k, x.v)
+
+    ours = measure.measure(paged, None, target, device, timer, config, ceilings)
+    flat = measure.measure(contiguous, None, target, device, timer, config, ceilings)
+    floor = measure.read_floor(case, x, device, timer, config) if device == "cuda" else None
+    return PagedRecord(
+        id=target.id,
+        kind="paged",
+        dtype=target.dtype,
+        head_dim=target.head_dim,
+        heads_q=target.heads_q,
+        heads_kv=target.heads_kv,
+        batch=target.batch,
+        seqlen_k=target.seqlen_k,
+        block_size=target.block_size,
+        kv_bytes=target.kv_bytes,
+        ours=_without_samples(ours),
+        contiguous=_without_samples(flat),
+        read_floor=floor,
+        ratio=_time_ratio(flat, ours),
+        floor_ratio=_floor_ratio(floor, ours),
+        contiguous_floor_ratio=_floor_ratio(floor, flat),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Host cost
+# --------------------------------------------------------------------------------------------------
+
+
+def _sdpa_gqa(q, k, v, **kwargs):
+    """SDPA's GQA call: enable_gqa where this torch has it, else K and V expanded (outside)."""
+    group = q.shape[1] // k.shape[1]
+    if group == 1:
+        return lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if sdpa_supports_gqa():
+        return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def padded_batch(packed: torch.Tensor, lengths, width: int) -> torch.Tensor:
+    """Packed rows [total, H, D] as a right-padded batch [B, H, width, D] (zeros past each end)."""
+    out = packed.new_zeros(len(lengths), width, *packed.shape[1:])
+    start = 0
+    for b, n in enumerate(lengths):
+        out[b, :n] = packed[start : start + n]
+        start += n
+    return out.transpose(1, 2)
+
+
+def host_calls(
+    target: HostTarget, device: str
+) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """(ours, SDPA's equivalent call). Decode: q [B, Hq, 1, D] against the cache, SDPA without a
+    mask (one query at the end of the cache sees every key). Varlen: a small packed batch
+    (causal), SDPA on the same sequences right-padded with a boolean mask (causal and padding)."""
+    api = ops()
+    seed = case_seed(target.id)
+    if target.call == "varlen":
+        lengths = HOST_VARLEN_LENGTHS
+        total, width = sum(lengths), max(lengths)
+        q = _randn((total, target.heads_q, target.head_dim), target.dtype, device, seed)
+        k = _randn((total, target.heads_kv, target.head_dim), target.dtype, device, seed + 1)
+        v = _randn((total, target.heads_kv, target.head_dim), target.dtype, device, seed + 2)
+        cu = cumulative(lengths, device)
+        sizes = torch.tensor(lengths, device=device)
+        index = torch.arange(width, device=device)
+        key_valid = index[None, :] < sizes[:, None]  # [B, Sk]
+        causal = index[None, :] <= index[:, None]  # [Sq, Sk]: Sq == Sk per sequence
+        mask = (causal[None] & key_valid[:, None, :])[:, None]  # [B, 1, Sq, Sk]
+        sdpa = _sdpa_gqa(
+            padded_batch(q, lengths, width),
+            padded_batch(k, lengths, width),
+            padded_batch(v, lengths, width),
+            attn_mask=mask,
+        )
+        return (
+            lambda: api.flash_attention_varlen_forward(q, k, v, cu, cu, width, width, True)
+        ), sdpa
+    case = Case(
+        "decode",
+        target.dtype,
+        target.batch,
+        target.heads_q,
+        target.heads_kv,
+        1,
+        target.seqlen_k,
+        target.head_dim,
+        True,
+    )
+    x = make_inputs(case, device)
+    sdpa = _sdpa_gqa(x.q, x.k, x.v)
+    if target.call == "decode":
+        return (lambda: api.flash_attention_decode(x.q, x.k, x.v)), sdpa
+    lengths = torch.full((target.batch,), target.seqlen_k, dtype=torch.int32, device=device)
+    if target.call == "decode-lens":
+        return (lambda: api.flash_attention_decode(x.q, x.k, x.v, lengths)), sdpa
+    k_cache, v_cache, table = paged_cache(x.k, x.v, 64, seed)
+    return (
+        lambda: api.flash_attention_decode(x.q, k_cache, v_cache, lengths, block_table=table)
+    ), sdpa
+
+
+def host_cost(fn: Callable[[], object], calls: int) -> HostCost | NotMeasured:
+    problem = first_call(fn)
+    if problem is not None:
+        return NotMeasured("unsupported" if is_refusal(problem) else "error", problem)
+    try:
+        loops = host_cost_us(fn, calls, HOST_LOOPS)
+    except RuntimeError as exc:
+        return NotMeasured("error", first_line(exc))
+    return HostCost(sig(statistics.median(loops), 4), calls, [sig(t, 4) for t in loops])
+
+
+def run_host(target: HostTarget, device: str) -> HostRecord:
+    if device != "cuda":
+        ours = sdpa = NotMeasured("unsupported", CUDA_ONLY_HOST)
+    else:
+        try:
+            fn, sdpa_fn = host_calls(target, device)
+        except Exception as exc:  # out of memory, or an argument our op rejects: a record
+            ours = sdpa = NotMeasured("error", f"building the inputs: {first_line(exc)}")
+        else:
+            ours, sdpa = host_cost(fn, target.calls), host_cost(sdpa_fn, target.calls)
+    ratio = None
+    if isinstance(ours, HostCost) and isinstance(sdpa, HostCost) and ours.us_per_call:
+        ratio = sig(sdpa.us_per_call / ours.us_per_call, 4)
+    return HostRecord(
+        id=target.id,
+        kind="host",
+        call=target.call,
+        dtype=target.dtype,
+        head_dim=target.head_dim,
+        heads_q=target.heads_q,
+        heads_kv=target.heads_kv,
+        batch=target.batch,
+        seqlen_k=target.seqlen_k,
+        calls=target.calls,
+        ours=ours,
+        sdpa=sdpa,
+        ratio=ratio,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The small model
+# --------------------------------------------------------------------------------------------------
+
+
+def _wall_ms(fn: Callable[[], object], device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def model_timing(
+    model, target: ModelTarget, ids: torch.Tensor, device: str, timer, config: TimingConfig
+) -> ModelTiming:
+    """Prefill: one forward of the batch, timed as the cases are. Decode: greedy generation of
+    new_tokens and of 1 token (wall clock around each, median of MODEL_RUNS after one untimed);
+    the tokens after the first over the time they add."""
+    mask = torch.ones_like(ids)
+
+    def prefill():
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask).logits
+
+    def generate(tokens: int):
+        def run():
+            with torch.no_grad():
+                return model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
+        run()
+        return statistics.median(_wall_ms(run, device) for _ in range(MODEL_RUNS))
+
+    prefill_ms = benchmark(prefill, timer, config).median_ms
+    full_ms, first_ms = generate(target.new_tokens), generate(1)
+    decode_s = max(full_ms - first_ms, 1e-6) / 1e3
+    return ModelTiming(
+        prefill_ms=sig(prefill_ms),
+        generate_ms=sig(full_ms),
+        decode_tokens_per_s=sig(target.batch * (target.new_tokens - 1) / decode_s, 4),
+    )
+
+
+def run_model(target: ModelTarget, device: str, timer, config: TimingConfig) -> ModelRecord:
+    ours: ModelTiming | NotMeasured
+    sdpa: ModelTiming | NotMeasured
+    if device != "cuda":
+        ours = sdpa = NotMeasured("unsupported", CUDA_ONLY_MODEL)
+    else:
+        ours, sdpa = _time_models(target, device, timer, config)
+    prefill_ratio = decode_ratio = None
+    if isinstance(ours, ModelTiming) and isinstance(sdpa, ModelTiming):
+        prefill_ratio = sig(sdpa.prefill_ms / ours.prefill_ms, 4) if ours.prefill_ms else None
+        if sdpa.decode_tokens_per_s:
+            decode_ratio = sig(ours.decode_tokens_per_s / sdpa.decode_tokens_per_s, 4)
+    return ModelRecord(
+        id=target.id,
+        kind="model",
+        dtype=target.dtype,
+        batch=target.batch,
+        prompt=target.prompt,
+        new_tokens=target.new_tokens,
+        ours=ours,
+        sdpa=sdpa,
+        prefill_ratio=prefill_ratio,
+        decode_ratio=decode_ratio,
+    )
+
+
+def _time_models(target: ModelTarget, device: str, timer, config):
+    from ..integrations.transformers import register
+    from . import smallmodel
+
+    try:
+        name = register()
+        reference = smallmodel.llama_model("sdpa", None, DTYPES[target.dtype], device)
+    except ImportError as exc:
+        missing = NotMeasured("unsupported", str(exc))
+        return missing, missing
+    generator = torch.Generator().manual_seed(case_seed(target.id))
+    vocab = reference.config.vocab_size
+    ids = torch.randint(1, vocab, (target.batch, target.prompt), generator=generator).to(device)
+    results = []
+    for implementation in (name, "sdpa"):
+        try:
+            model = smallmodel.llama_model(
+                implementation, reference.state_dict(), DTYPES[target.dtype], device
+            )
+            results.append(model_timing(model, target, ids, device, timer, config))
+            del model
+        except Exception as exc:  # a failure of either side is a record, not a crash
+            results.append(NotMeasured("error", first_line(exc)))
+    del reference
+    torch.cuda.empty_cache()
+    return results[0], results[1]
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _without_samples(result):
+    if isinstance(result, Measured):
+        result.samples_ms = None  # raw samples are kept for the matrix's cases only (history)
+    return result
+
+
+def _time_ratio(theirs, ours) -> float | None:
+    """Their time over ours: our speed relative to theirs."""
+    if isinstance(theirs, Measured) and isinstance(ours, Measured) and ours.median_ms:
+        return sig(theirs.median_ms / ours.median_ms, 4)
+    return None
+
+
+def run_target(target, device: str, timer, config: TimingConfig, ceilings: dict) -> TargetRecord:
+    if isinstance(target, VarlenTarget):
+        return run_varlen(target, device, timer, config, ceilings)
+    if isinstance(target, PagedTarget):
+        return run_paged(target, device, timer, config, ceilings)
+    if isinstance(target, HostTarget):
+        return run_host(target, device)
+    return run_model(target, device, timer, config)

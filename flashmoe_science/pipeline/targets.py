@@ -1,0 +1,160 @@
+"""The speed targets the benchmark judges, and their verdicts from a bench record: what bench.md and
+the report both show, defined once. Importing this module does not import torch.
+
+Every ratio is a speed over another speed, so above the target is good:
+- varlen: the dense kernel's time over the varlen kernel's on the same sequences, >= 0.95;
+- paged decode: contiguous decode's time over paged decode's on the same cache contents, >= 0.95
+  for block sizes of 64 and more (smaller blocks are shown, not judged);
+- decode against the read floor: the floor's time over the decode's, >= 0.90 for every decode case
+  whose K+V is at least 64 MiB, contiguous (the matrix's decode cases and each paged case's
+  contiguous twin) and paged;
+- host cost: SDPA's time per call over ours in the back-to-back loop, >= 1.0.
+The small model's prefill and decode ratios have no target: they are shown beside the verdicts.
+
+Timings of the CPU backend check the plumbing only: their verdicts are "not judged".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .benchrecords import (
+    BenchRecord,
+    CaseRecord,
+    HostRecord,
+    NotMeasured,
+    PagedRecord,
+    ReadFloor,
+    VarlenRecord,
+)
+
+VARLEN_TARGET = 0.95
+PAGED_TARGET = 0.95
+PAGED_MIN_BLOCK = 64
+READ_FLOOR_TARGET = 0.90
+READ_FLOOR_MIN_BYTES = 64 * 2**20
+HOST_TARGET = 1.0
+
+MET, MISSED, NOT_JUDGED = "met", "missed", "not judged"
+CPU_REASON = "CPU backend: plumbing numbers, not a card's speed"
+
+# what each verdict's ratio compares, as the tables label it
+VARLEN_VS_DENSE = "varlen / dense"
+PAGED_VS_CONTIGUOUS = "paged / contiguous"
+DECODE_VS_FLOOR = "decode / read floor"
+PAGED_VS_FLOOR = "paged / read floor"
+CONTIGUOUS_VS_FLOOR = "contiguous / read floor"
+OURS_VS_SDPA_HOST = "ours / SDPA per call"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    id: str  # the case
+    what: str  # which ratio (the labels above)
+    ratio: float | None
+    target: float
+    status: str  # MET, MISSED or NOT_JUDGED
+    reason: str = ""  # why not judged
+
+    def text(self) -> str:
+        ratio = "-" if self.ratio is None else f"{self.ratio:.2f}x"
+        if self.status == NOT_JUDGED:
+            return f"{self.id}: {self.what} {ratio}, not judged ({self.reason})"
+        sign = ">=" if self.status == MET else "<"
+        return f"{self.id}: {self.what} {ratio} {sign} {self.target:.2f}x ({self.status})"
+
+
+def _why_not(*sides) -> str:
+    for name, side in sides:
+        if isinstance(side, NotMeasured):
+            return f"{name} {side.status}: {side.reason[:120]}"
+        if side is None:
+            return f"no {name}"
+    return "no ratio"
+
+
+def judge(
+    case_id: str, what: str, ratio: float | None, target: float, cpu: bool, sides=()
+) -> Verdict:
+    if ratio is None:
+        return Verdict(case_id, what, None, target, NOT_JUDGED, _why_not(*sides))
+    if cpu:
+        return Verdict(case_id, what, ratio, target, NOT_JUDGED, CPU_REASON)
+    return Verdict(case_id, what, ratio, target, MET if ratio >= target else MISSED)
+
+
+def case_kv_bytes(case: CaseRecord) -> int:
+    return 2 * case.batch * case.heads_kv * case.seqlen_k * case.head_dim * 2
+
+
+def _floor_ratio(floor) -> float | None:
+    return floor.ratio if isinstance(floor, ReadFloor) else None
+
+
+def decode_floor_verdicts(record: BenchRecord) -> list[Verdict]:
+    """The read-floor verdict of every matrix decode case whose K+V is at least 64 MiB."""
+    cpu = record.backend == "cpu"
+    return [
+        judge(
+            case.id,
+            DECODE_VS_FLOOR,
+            _floor_ratio(case.read_floor),
+            READ_FLOOR_TARGET,
+            cpu,
+            (("ours", case.ours), ("read floor (CUDA only)", case.read_floor)),
+        )
+        for case in record.cases
+        if case.kind == "decode" and case_kv_bytes(case) >= READ_FLOOR_MIN_BYTES
+    ]
+
+
+def target_verdicts(target, cpu: bool) -> list[Verdict]:
+    """The verdicts of one target record (none for the model, which has no target)."""
+    if isinstance(target, VarlenRecord):
+        sides = (("varlen", target.ours), ("dense", target.dense))
+        return [judge(target.id, VARLEN_VS_DENSE, target.ratio, VARLEN_TARGET, cpu, sides)]
+    if isinstance(target, PagedRecord):
+        verdicts = []
+        if target.block_size >= PAGED_MIN_BLOCK:
+            sides = (("paged", target.ours), ("contiguous", target.contiguous))
+            verdicts.append(
+                judge(target.id, PAGED_VS_CONTIGUOUS, target.ratio, PAGED_TARGET, cpu, sides)
+            )
+        if target.kv_bytes >= READ_FLOOR_MIN_BYTES:
+            floor = ("read floor (CUDA only)", target.read_floor)
+            verdicts += [
+                judge(
+                    target.id,
+                    PAGED_VS_FLOOR,
+                    target.floor_ratio,
+                    READ_FLOOR_TARGET,
+                    cpu,
+                    (("paged", target.ours), floor),
+                ),
+                judge(
+                    target.id,
+                    CONTIGUOUS_VS_FLOOR,
+                    target.contiguous_floor_ratio,
+                    READ_FLOOR_TARGET,
+                    cpu,
+                    (("contiguous", target.contiguous), floor),
+                ),
+            ]
+        return verdicts
+    if isinstance(target, HostRecord):
+        sides = (("ours", target.ours), ("SDPA", target.sdpa))
+        return [judge(target.id, OURS_VS_SDPA_HOST, target.ratio, HOST_TARGET, cpu, sides)]
+    return []
+
+
+def verdicts(record: BenchRecord) -> list[Verdict]:
+    """Every verdict of the run: the matrix's decode cases, then the target cases in order."""
+    cpu = record.backend == "cpu"
+    found = decode_floor_verdicts(record)
+    for target in record.targets or []:
+        found += target_verdicts(target, cpu)
+    return found
+
+
+def counts(found: list[Verdict]) -> dict[str, int]:
+    return {status: sum(v.status == status for v in found) for status in (MET, MISSED, NOT_JUDGED)}

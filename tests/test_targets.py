@@ -1,0 +1,558 @@
+"""The benchmark's speed-target cases (pipeline.targetcases, targetmeasure, targets): their ids and
+selection, their records and schema, the verdicts computed from records, bench.md and the report
+section, and the calls they time, run on the CPU (the CUDA timings run on the GPU machine)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+import sys
+
+import jsonschema
+import pytest
+import torch
+
+from flashmoe_science.pipeline import (
+    bench,
+    benchmatrix,
+    benchmd,
+    benchrecords,
+    exitcodes,
+    provenance,
+    report,
+    stages,
+    targetmeasure,
+    targets,
+    timing,
+)
+from flashmoe_science.pipeline.benchrecords import (
+    HostCost,
+    HostRecord,
+    Measured,
+    ModelRecord,
+    ModelTiming,
+    NotMeasured,
+    PagedRecord,
+    ReadFloor,
+    VarlenRecord,
+)
+from flashmoe_science.pipeline.cases import Case
+from flashmoe_science.pipeline.paths import REPO_ROOT
+from flashmoe_science.pipeline.targetcases import (
+    HOST_CALLS,
+    HostTarget,
+    ModelTarget,
+    PagedTarget,
+    VarlenTarget,
+    mixed_lengths,
+)
+
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "report"
+MIB = 2**20
+
+# --------------------------------------------------------------------------------------------------
+# Ids, the matrix and --case selection
+# --------------------------------------------------------------------------------------------------
+
+
+def test_gpu_targets_cover_the_speed_section():
+    found = benchmatrix.gpu_targets()
+    varlen = [t for t in found if t.kind == "varlen"]
+    assert {(t.dtype, t.head_dim, t.causal) for t in varlen} == {
+        (dtype, d, causal) for dtype in ("fp16", "bf16") for d in (64, 128) for causal in (0, 1)
+    }
+    assert all((t.total, t.shortest, t.longest) == (16384, 128, 4096) for t in varlen)
+    assert {(t.head_dim, t.heads_q) for t in varlen} == {(64, 32), (128, 16)}  # as prefill
+    paged = [t for t in found if t.kind == "paged"]
+    assert {t.block_size for t in paged} == {16, 64, 128, 256}
+    assert all(t.kv_bytes >= targets.READ_FLOOR_MIN_BYTES for t in paged)
+    assert sorted(t.call for t in found if t.kind == "host") == sorted(HOST_CALLS)
+    host = next(t for t in found if t.kind == "host")
+    assert (host.batch, host.heads_q, host.heads_kv, host.seqlen_k, host.head_dim) == (
+        1,
+        32,
+        8,
+        1024,
+        128,
+    )
+    assert host.calls == 2000 and host.dtype == "bf16"
+    assert [t.kind for t in found].count("model") == 1
+    for device in ("cuda", "cpu"):
+        ids = [t.id for t in benchmatrix.default_targets(device)]
+        assert len(set(ids)) == len(ids), "target ids must be unique"
+        assert not set(ids) & {c.id for c in benchmatrix.default_matrix(device)}
+        assert set(benchmatrix.QUICK_TARGET_IDS[device]) <= set(ids)
+
+
+def test_target_ids_are_selected_by_globs_and_ids():
+    cases, found = benchmatrix.select("cuda", patterns=["paged-*-page64"])
+    assert cases == [] and [t.id for t in found] == [
+        "paged-bf16-d128-h32kv8-b1-k32768-page64",
+        "paged-bf16-d128-h32kv8-b4-k8192-page64",
+        "paged-bf16-d128-h32kv8-b16-k8192-page64",
+    ]
+    cases, found = benchmatrix.select(
+        "cuda", patterns=["dec-bf16-*-b16-q1-k8192", "host-*", "model-llama-bf16-b8-s512-new32"]
+    )
+    assert len(cases) == 2 and [t.kind for t in found] == ["host"] * 4 + ["model"]
+    # the matrix's cases alone select no target, and the old entry point keeps its answer
+    cases, found = benchmatrix.select("cpu", patterns=["fwd-*"])
+    assert cases and found == []
+    assert benchmatrix.select_cases("cuda", patterns=["host-*"]) == []
+    quick_cases, quick_targets = benchmatrix.select("cpu", quick=True)
+    assert [t.id for t in quick_targets] == list(benchmatrix.QUICK_TARGET_IDS["cpu"])
+    assert [c.id for c in quick_cases] == list(benchmatrix.QUICK_IDS["cpu"])
+    with pytest.raises(ValueError, match=r"not a target case of the cpu matrix.*--list"):
+        benchmatrix.select("cpu", patterns=["paged-bf16-d128-h8kv2-b4-k1024-page32"])
+    with pytest.raises(ValueError, match="matches nothing"):
+        benchmatrix.select("cpu", patterns=["varlen-fp64-*"])
+
+
+def test_bench_list_prints_the_targets(capsys, monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert bench.main(["--backend", "cpu", "--list", "--case", "varlen-*"]) == exitcodes.OK
+    printed = capsys.readouterr().out.split()
+    assert printed == [t.id for t in benchmatrix.cpu_targets() if t.kind == "varlen"]
+
+
+def test_mixed_lengths_add_up_stay_in_range_and_repeat():
+    lengths = mixed_lengths(16384, 128, 4096)
+    assert sum(lengths) == 16384 and all(128 <= n <= 4096 for n in lengths)
+    assert len(set(lengths)) > 2, "a mix, not one length"
+    assert mixed_lengths(16384, 128, 4096) == lengths  # fixed: every run times the same batch
+    for total in (128, 129, 4097, 9000):
+        found = mixed_lengths(total, 128, 4096)
+        assert sum(found) == total and all(128 <= n <= 4096 for n in found)
+    with pytest.raises(ValueError, match="adds up to 100 tokens"):
+        mixed_lengths(100, 128, 4096)
+
+
+def test_varlen_work_is_the_dense_cases_work():
+    for causal in (False, True):
+        target = VarlenTarget("bf16", 128, 16, 16, 16384, 128, 4096, causal)
+        dense = [Case("prefill", "bf16", 1, 16, 16, n, n, 128, causal) for n in target.lengths]
+        assert target.flops == sum(c.flops for c in dense)
+    paged = PagedTarget("bf16", 128, 32, 8, 4, 8192, 64)
+    assert paged.contiguous.id == "dec-bf16-d128-h32kv8-b4-q1-k8192"
+    assert paged.kv_bytes == paged.contiguous.kv_bytes == 128 * MIB
+    with pytest.raises(ValueError, match="not a multiple of block_size"):
+        PagedTarget("bf16", 128, 32, 8, 1, 1000, 64)
+    with pytest.raises(ValueError, match="call='prefill'"):
+        HostTarget("prefill")
+
+
+# --------------------------------------------------------------------------------------------------
+# Records and the schema
+# --------------------------------------------------------------------------------------------------
+
+
+def measured(ms: float) -> Measured:
+    return Measured(ms, ms, ms, 0.0, 10, 1.0, 1.0, None, None, None)
+
+
+def varlen_record(ratio: float | None, ours=None) -> VarlenRecord:
+    target = VarlenTarget("bf16", 128, 16, 16, 16384, 128, 4096, True)
+    ours = ours or measured(1.0)
+    return VarlenRecord(
+        target.id, "varlen", "bf16", 128, 16, 16, True, list(target.lengths), target.flops,
+        ours, measured(ratio or 1.0), ratio,
+    )  # fmt: skip
+
+
+def paged_record(block: int, ratio: float, floor: float | None, kv_bytes: int = 128 * MIB):
+    target = PagedTarget("bf16", 128, 32, 8, 4, 8192, block)
+    return PagedRecord(
+        target.id, "paged", "bf16", 128, 32, 8, 4, 8192, block, kv_bytes, measured(1.0),
+        measured(ratio), ReadFloor(0.9, 1.0, "x") if floor else None, ratio, floor,
+        floor and floor * ratio,
+    )  # fmt: skip
+
+
+def host_record(ratio: float | None, ours=None) -> HostRecord:
+    ours = ours or HostCost(20.0, 2000, [20.0, 20.1, 19.9])
+    sdpa = HostCost(25.0, 2000, [25.0])
+    return HostRecord(
+        "host-bf16-d128-h32kv8-b1-k1024-decode", "host", "decode", "bf16", 128, 32, 8, 1, 1024,
+        2000, ours, sdpa, ratio,
+    )  # fmt: skip
+
+
+def model_record() -> ModelRecord:
+    return ModelRecord(
+        ModelTarget().id, "model", "bf16", 8, 512, 32, ModelTiming(3.0, 60.0, 4000.0),
+        NotMeasured("error", "RuntimeError: boom"), None, None,
+    )  # fmt: skip
+
+
+def target_validator() -> jsonschema.Draft202012Validator:
+    schema = benchrecords.schema()
+    return jsonschema.Draft202012Validator({"$defs": schema["$defs"], "$ref": "#/$defs/target"})
+
+
+def test_target_records_round_trip_and_the_schema_rejects_bad_ones():
+    records = [
+        varlen_record(0.97),
+        paged_record(64, 0.99, 0.92),
+        paged_record(16, 0.9, None),
+        host_record(1.25),
+        host_record(None, NotMeasured("unsupported", "CUDA only")),
+        model_record(),
+    ]
+    validator = target_validator()
+    for record in records:
+        doc = benchrecords.to_json(record)
+        assert list(validator.iter_errors(doc)) == [], doc
+        assert benchrecords.target_from_json(json.loads(json.dumps(doc))) == record
+        for bad in (
+            {**doc, "kind": "dense"},
+            {**doc, "extra": 1},
+            {k: v for k, v in doc.items() if k != "ours"},
+            {**doc, "ours": {"status": "ok"}},
+        ):
+            assert list(validator.iter_errors(bad)), bad
+    host = benchrecords.to_json(records[3])
+    assert list(validator.iter_errors({**host, "call": "prefill"}))
+    assert list(validator.iter_errors({**host, "ratio": -1}))
+    varlen = benchrecords.to_json(records[0])
+    assert list(validator.iter_errors({**varlen, "id": "fwd-bf16-d128-h16-b4-s4096-causal"}))
+
+
+def test_a_bench_record_with_targets_is_written_and_loaded(tmp_path):
+    record = benchrecords.load(FIXTURES / "passing" / "bench.json")
+    assert [t.kind for t in record.targets] == ["varlen", "paged", "paged", "host", "model"]
+    record.targets.append(model_record())
+    benchrecords.write(record, tmp_path / "bench.json")
+    assert benchrecords.load(tmp_path / "bench.json") == record
+    record.targets[0].ratio = -0.5
+    with pytest.raises(benchrecords.InvalidBenchFile, match="targets"):
+        benchrecords.write(record, tmp_path / "bench.json")
+    # a record without targets leaves the key out (older readers and fixtures stay valid)
+    record.targets = None
+    assert "targets" not in benchrecords.to_json(record)
+
+
+# --------------------------------------------------------------------------------------------------
+# Verdicts
+# --------------------------------------------------------------------------------------------------
+
+
+def bench_record(backend: str = "cuda", cases=(), found=()) -> benchrecords.BenchRecord:
+    record = benchrecords.load(FIXTURES / "passing" / "bench.json")
+    return dataclasses.replace(
+        record, backend=backend, cases=list(cases), targets=list(found), comparison=None
+    )
+
+
+def decode_case(batch: int, seqlen_k: int, floor_ratio: float | None):
+    record = benchrecords.load(FIXTURES / "passing" / "bench.json")
+    case = copy.deepcopy(next(c for c in record.cases if c.kind == "decode"))
+    case.id = f"dec-fp16-d128-h32kv8-b{batch}-q1-k{seqlen_k}"
+    case.batch, case.seqlen_k = batch, seqlen_k
+    case.read_floor = ReadFloor(0.5, 1.0, "x", floor_ratio) if floor_ratio else None
+    return case
+
+
+def statuses(record) -> dict[tuple[str, str], str]:
+    return {(v.id, v.what): v.status for v in targets.verdicts(record)}
+
+
+def test_verdicts_apply_each_target_where_it_applies():
+    found = statuses(
+        bench_record(
+            cases=[
+                decode_case(1, 16384, 0.91),  # K+V exactly 64 MiB: judged
+                decode_case(1, 16383, 0.5),  # just below: not judged at all
+                decode_case(4, 16384, 0.89),
+                decode_case(16, 16384, None),  # no read floor: not judged, with the reason
+            ],
+            found=[
+                varlen_record(0.95),
+                paged_record(16, 0.5, 0.95),  # block 16: no paged target, floors judged
+                paged_record(64, 0.94, 0.95),
+                paged_record(128, 1.0, 0.95, kv_bytes=64 * MIB - 1),  # small: no floor target
+                host_record(0.99),
+                dataclasses.replace(
+                    host_record(None, NotMeasured("error", "RuntimeError: x")),
+                    id="host-bf16-d128-h32kv8-b1-k1024-decode-lens",
+                    call="decode-lens",
+                ),
+                model_record(),
+            ],
+        )
+    )
+    dec = targets.DECODE_VS_FLOOR
+    assert found.pop(("dec-fp16-d128-h32kv8-b1-q1-k16384", dec)) == targets.MET
+    assert found.pop(("dec-fp16-d128-h32kv8-b4-q1-k16384", dec)) == targets.MISSED
+    assert found.pop(("dec-fp16-d128-h32kv8-b16-q1-k16384", dec)) == targets.NOT_JUDGED
+    assert found.pop(
+        ("varlen-bf16-d128-h16-t16384-len128_4096-causal", targets.VARLEN_VS_DENSE)
+    ) == (
+        targets.MET  # 0.95 is the target itself
+    )
+    page16, page64 = (
+        "paged-bf16-d128-h32kv8-b4-k8192-page16",
+        "paged-bf16-d128-h32kv8-b4-k8192-page64",
+    )
+    page128 = "paged-bf16-d128-h32kv8-b4-k8192-page128"
+    assert found.pop((page16, targets.PAGED_VS_FLOOR)) == targets.MET
+    assert found.pop((page16, targets.CONTIGUOUS_VS_FLOOR)) == targets.MISSED  # 0.95 * 0.5
+    assert found.pop((page64, targets.PAGED_VS_CONTIGUOUS)) == targets.MISSED
+    assert found.pop((page64, targets.PAGED_VS_FLOOR)) == targets.MET
+    assert found.pop((page64, targets.CONTIGUOUS_VS_FLOOR)) == targets.MISSED  # 0.95 * 0.94
+    assert found.pop((page128, targets.PAGED_VS_CONTIGUOUS)) == targets.MET
+    host = "host-bf16-d128-h32kv8-b1-k1024-decode"
+    assert found.pop((host, targets.OURS_VS_SDPA_HOST)) == targets.MISSED  # 0.99: slower
+    assert found.pop((host + "-lens", targets.OURS_VS_SDPA_HOST)) == targets.NOT_JUDGED
+    assert found == {}, "no other verdicts (none for the model, none below 64 MiB)"
+
+
+def test_a_missing_side_and_the_cpu_backend_are_not_judged_with_the_reason():
+    host = host_record(None, NotMeasured("error", "RuntimeError: x"))
+    (verdict,) = targets.target_verdicts(host, cpu=False)
+    assert verdict.status == targets.NOT_JUDGED and "ours error: RuntimeError: x" in verdict.reason
+    (case,) = targets.decode_floor_verdicts(bench_record(cases=[decode_case(16, 16384, None)]))
+    assert case.status == targets.NOT_JUDGED and "no read floor (CUDA only)" in case.reason
+    record = bench_record("cpu", [decode_case(4, 16384, 0.5)], [varlen_record(0.1), host_record(2)])
+    found = targets.verdicts(record)
+    assert found and all(v.status == targets.NOT_JUDGED for v in found)
+    assert all(v.reason == targets.CPU_REASON for v in found)
+    assert targets.counts(found) == {targets.MET: 0, targets.MISSED: 0, targets.NOT_JUDGED: 3}
+
+
+def test_verdict_text_names_the_case_the_ratio_and_the_target():
+    (verdict,) = targets.target_verdicts(varlen_record(0.9), cpu=False)
+    assert verdict.text() == (
+        "varlen-bf16-d128-h16-t16384-len128_4096-causal: varlen / dense 0.90x < 0.95x (missed)"
+    )
+
+
+def test_a_speed_case_our_kernel_fails_fails_the_run(capsys):
+    record = bench_record(
+        found=[varlen_record(1.0), host_record(None, NotMeasured("unsupported", "x"))]
+    )
+    assert bench.verdict_exit_code(record, False) == exitcodes.OK
+    assert "speed targets: 1 met, 0 missed, 1 not judged" in capsys.readouterr().out
+    failing = varlen_record(None, NotMeasured("error", "RuntimeError: bad"))
+    record.targets.append(failing)
+    assert bench.verdict_exit_code(record, False) == exitcodes.GATE_FAILED
+    assert failing.id in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# bench.md and the report
+# --------------------------------------------------------------------------------------------------
+
+
+def test_bench_md_shows_each_kind_and_lists_the_misses():
+    record = bench_record(
+        cases=[decode_case(4, 16384, 0.89)],
+        found=[varlen_record(0.9), paged_record(64, 0.99, 0.95), host_record(1.2), model_record()],
+    )
+    text = "\n".join(benchmd.render_targets(record))
+    assert "4 met, 2 missed, 0 not judged" in text  # missed: the varlen and the decode case
+    row = (
+        "| dec-fp16-d128-h32kv8-b4-q1-k16384 | 256 | 0.6628 | 0.5 | 0.89x | **MISSED** (< 0.90x) |"
+    )
+    assert row in text
+    assert "| 0.99x met (>= 0.95x) |" in text
+    assert "| host-bf16-d128-h32kv8-b1-k1024-decode | 20 | 25 | 1.20x | met (>= 1.00x) |" in text
+    assert "| model-llama-bf16-b8-s512-new32 | 3 | error | - | 4000 | error | - |" in text
+    assert "- varlen-bf16-d128-h16-t16384-len128_4096-causal: varlen / dense 0.90x < 0.95x" in text
+    assert "model sdpa error: RuntimeError: boom" in text
+    assert benchmd.render_targets(bench_record()) == []
+
+
+def write_reports(tmp_path, mutate) -> tuple[int, str]:
+    reports = tmp_path / "reports"
+    shutil.copytree(FIXTURES / "passing", reports, ignore=shutil.ignore_patterns("expected.md"))
+    doc = json.loads((reports / "bench.json").read_text())
+    mutate(doc)
+    (reports / "bench.json").write_text(json.dumps(doc))
+    rc = report.main(["--dir", str(reports), "--base-build", str(reports / "base_build.json")])
+    return rc, (reports / "report.md").read_text(encoding="utf-8")
+
+
+@pytest.fixture
+def fixture_checkout(monkeypatch):
+    """The report's fixtures describe this commit and run (as tests/test_report.py pins them)."""
+    for name in ("GITHUB_STEP_SUMMARY", "GITHUB_RUN_ID", stages.JOB_START_VAR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(provenance.RUN_ID_VAR, "fixture-run")
+    sha = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"
+    commit = {"sha": sha, "dirty": False, "fingerprint": None}
+    monkeypatch.setattr(provenance, "commit", lambda tree=None: dict(commit))
+
+
+def test_report_section_marks_misses_without_failing_the_verdict(tmp_path, fixture_checkout):
+    def miss_varlen(doc):
+        doc["targets"][0]["ratio"] = 0.5
+
+    rc, text = write_reports(tmp_path, miss_varlen)
+    note, times = report.ICONS[report.NOTE], report.TIMES
+    assert rc == exitcodes.OK and text.startswith("## ✅ flashmoe-science: passed\n")
+    assert f"| {note} | speed | 2 met, 6 missed, 1 not judged | — |" in text
+    assert f"0.50{times} ⚠️ **missed** (< 0.95{times})" in text
+    assert f"<details><summary>{note} <b>Speed targets</b>" in text
+
+
+def test_report_section_fails_on_our_kernel_failing_and_alone(
+    tmp_path, fixture_checkout, monkeypatch
+):
+    def fail_paged(doc):
+        doc["targets"][1]["ours"] = {"status": "error", "reason": "RuntimeError: illegal address"}
+        doc["targets"][1]["ratio"] = doc["targets"][1]["floor_ratio"] = None
+
+    rc, text = write_reports(tmp_path, fail_paged)
+    assert rc == exitcodes.OK  # a verdict is data: the report itself succeeded
+    assert text.startswith("## ❌ flashmoe-science: our kernel failed on 1 speed case")
+    assert "paged ours: error: RuntimeError: illegal address" in text
+
+    def broken(record):
+        raise KeyError("a shape the section cannot show")
+
+    monkeypatch.setattr(targets, "verdicts", broken)
+    _, text = write_reports(tmp_path / "again", lambda doc: None)
+    assert text.startswith("## ❌ flashmoe-science: speed record could not be rendered")
+    assert "<b>Benchmark</b>" in text and "<b>Correctness gates</b>" in text  # the rest renders
+
+
+def test_report_leaves_the_section_out_when_nothing_is_judged(tmp_path, fixture_checkout):
+    def no_speed(doc):
+        del doc["targets"]
+        doc["cases"] = [c for c in doc["cases"] if c["kind"] != "decode"]
+
+    _, text = write_reports(tmp_path, no_speed)
+    assert "Speed targets" not in text and "| speed |" not in text
+
+
+# --------------------------------------------------------------------------------------------------
+# The timed calls, on the CPU
+# --------------------------------------------------------------------------------------------------
+
+
+def test_varlen_and_its_dense_baseline_compute_the_same_attention():
+    target = VarlenTarget("bf16", 64, 4, 4, 700, 16, 256, True)
+    packed, dense = targetmeasure.varlen_calls(target, "cpu")
+    out = packed()
+    by_length = {o.shape[2]: o for o in dense()}  # [n, H, L, D] per distinct length
+    seen = dict.fromkeys(by_length, 0)
+    start = 0
+    for n in target.lengths:
+        expected = by_length[n][seen[n]].transpose(0, 1)  # [L, H, D]
+        seen[n] += 1
+        torch.testing.assert_close(
+            out[start : start + n].float(), expected.float(), atol=2e-2, rtol=0
+        )
+        start += n
+    assert start == out.shape[0] == target.total
+
+
+def test_paged_cache_holds_the_contiguous_contents_in_shuffled_pages():
+    k = torch.randn(2, 3, 64, 8)
+    v = torch.randn(2, 3, 64, 8)
+    k_cache, v_cache, table = targetmeasure.paged_cache(k, v, 16, seed=5)
+    assert table.dtype == torch.int32 and table.shape == (2, 4)
+    assert not torch.equal(table.flatten().long(), torch.arange(8)), "shuffled"
+    assert sorted(table.flatten().tolist()) == list(range(8))
+    for b in range(2):
+        for j in range(4):
+            page = k_cache[table[b, j]]  # [16, H, D]
+            torch.testing.assert_close(page, k[b, :, 16 * j : 16 * (j + 1)].transpose(0, 1))
+            torch.testing.assert_close(
+                v_cache[table[b, j]], v[b, :, 16 * j : 16 * (j + 1)].transpose(0, 1)
+            )
+
+
+@pytest.mark.parametrize("call", HOST_CALLS)
+def test_host_calls_match_sdpa_on_the_cpu(call):
+    target = HostTarget(call, seqlen_k=256)
+    ours, sdpa = targetmeasure.host_calls(target, "cpu")
+    out, expected = ours(), sdpa()
+    if call == "varlen":  # packed rows against the padded batch's real rows
+        from flashmoe_science.pipeline.targetcases import HOST_VARLEN_LENGTHS
+
+        start = 0
+        for b, n in enumerate(HOST_VARLEN_LENGTHS):
+            torch.testing.assert_close(
+                out[start : start + n].float(),
+                expected[b, :, :n].transpose(0, 1).float(),
+                atol=3e-2,
+                rtol=0,
+            )
+            start += n
+    else:
+        torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=0)
+
+
+def test_paged_and_contiguous_decode_agree_on_the_cpu(monkeypatch):
+    target = PagedTarget("bf16", 64, 8, 2, 2, 256, 64)
+    timed = {}
+
+    def fake_measure(fn, backend, case, device, timer, config, ceilings):
+        timed[len(timed)] = fn()
+        return measured(2.0 if len(timed) == 1 else 1.0)
+
+    monkeypatch.setattr(targetmeasure.measure, "measure", fake_measure)
+    record = targetmeasure.run_paged(target, "cpu", None, None, {})
+    paged, contiguous = timed[0], timed[1]
+    torch.testing.assert_close(paged.float(), contiguous.float(), atol=0, rtol=0)
+    assert record.ratio == 0.5 and record.read_floor is None and record.floor_ratio is None
+
+
+def test_host_and_model_cases_are_unsupported_on_the_cpu_with_the_reason(monkeypatch):
+    record = targetmeasure.run_host(HostTarget("paged64"), "cpu")
+    assert record.ours.status == record.sdpa.status == "unsupported" and record.ratio is None
+    assert "CUDA events" in record.ours.reason
+    model = targetmeasure.run_model(ModelTarget(), "cpu", None, None)
+    assert model.ours.status == "unsupported" and "CUDA" in model.ours.reason
+    # without transformers, the model case is a record that says how to install it
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    ours, sdpa = targetmeasure._time_models(ModelTarget(), "cpu", None, None)
+    assert ours.status == sdpa.status == "unsupported" and "pip install transformers" in ours.reason
+
+
+def test_host_cost_times_whole_loops_after_the_warm_up(monkeypatch):
+    clock = {"now": 0.0}
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = clock["now"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    def fn():
+        calls.append(1)
+        clock["now"] += 0.02  # 20 us a call, in milliseconds
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    per_call = timing.host_cost_us(fn, calls=100, loops=3, warmup=7)
+    assert len(calls) == 7 + 300
+    assert per_call == pytest.approx([20.0] * 3)
+
+
+def test_report_section_escapes_what_the_records_say(tmp_path, fixture_checkout):
+    """bench.json may come from a pull request's code: ids and reasons reach the report escaped."""
+
+    def hostile(doc):
+        doc["targets"][0]["id"] = "varlen-x | <img src=x> `@owner`"
+        doc["targets"][4]["sdpa"] = {"status": "error", "reason": "<script>| @owner ```"}
+
+    rc, text = write_reports(tmp_path, hostile)
+    assert rc == exitcodes.OK
+    section = text.split("<b>Speed targets</b>", 1)[1].split("</details>", 1)[0]
+    # an id is a code span (shown literally, pipes escaped for the table); a reason is text
+    assert "`` varlen-x \\| <img src=x> `@owner` ``" in section
+    assert section.count("<img") == 1 and "<script>" not in section
+    assert "&lt;script&gt;\\| @\u200bowner" in section
