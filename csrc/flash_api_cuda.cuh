@@ -13,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -142,11 +143,20 @@ void visit_varlen_check(at::ScalarType dtype, int head_dim, F&& f) {
 
 // Opts in to more than the default 48 KB of shared memory; from 47 KB up, since a kernel's static
 // shared memory (the decode kernel's flag) counts against the same limit.
+// Once per kernel and device: the attribute sticks, and setting it again cost about 1 us of host
+// time on every call.
 template <typename Kernel>
 void allow_dynamic_smem(Kernel kernel, int smem) {
-  if (smem > 47 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
+  if (smem <= 47 * 1024) return;
+  static std::mutex mutex;
+  static auto* done = new std::set<std::pair<int, const void*>>();  // never destroyed, as above
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::pair<int, const void*> key{device, reinterpret_cast<const void*>(kernel)};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (done->count(key)) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  done->insert(key);
 }
 
 template <typename T>
@@ -349,10 +359,15 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
     p.split_counters = counters.data_ptr<int>();
   }
   if (splits > 1) {
-    o_accum = at::empty({splits, q.size(0), q.size(1), q.size(2), q.size(3)}, lse.options());
-    lse_accum = at::empty({splits, q.size(0), q.size(1), q.size(2)}, lse.options());
-    p.o_accum = o_accum.data_ptr<float>();
-    p.lse_accum = lse_accum.data_ptr<float>();
+    // One allocation for the partials and their log-sum-exps (an allocation is host time).
+    const int64_t rows = lse.numel(), partial = splits * rows * p.head_dim;
+    const at::Tensor accum = at::empty({partial + splits * rows}, lse.options());
+    p.o_accum = accum.data_ptr<float>();
+    p.lse_accum = p.o_accum + partial;
+    if (!fused_combine) {
+      o_accum = accum.narrow(0, 0, partial).view({splits, q.size(0), q.size(1), q.size(2), q.size(3)});
+      lse_accum = accum.narrow(0, partial, splits * rows).view({splits, q.size(0), q.size(1), q.size(2)});
+    }
   }
   if (q.scalar_type() == at::kHalf) {
     launch_attention<__half>(p, int(config), int(grid_x), m_blocks, stream);
