@@ -365,8 +365,10 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
     p.o_accum = accum.data_ptr<float>();
     p.lse_accum = p.o_accum + partial;
     if (!fused_combine) {
-      o_accum = accum.narrow(0, 0, partial).view({splits, q.size(0), q.size(1), q.size(2), q.size(3)});
-      lse_accum = accum.narrow(0, partial, splits * rows).view({splits, q.size(0), q.size(1), q.size(2)});
+      o_accum =
+          accum.narrow(0, 0, partial).view({splits, q.size(0), q.size(1), q.size(2), q.size(3)});
+      lse_accum =
+          accum.narrow(0, partial, splits * rows).view({splits, q.size(0), q.size(1), q.size(2)});
     }
   }
   if (q.scalar_type() == at::kHalf) {

@@ -256,7 +256,7 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
       const float sum = quad_sum(row_sum[mt][hh]);
       // A bad cache_seqlens value poisons its sequence: NaN out and lse.
       const float inv = te.bad_len ? NAN : sum > 0.f ? 1.f / sum : 0.f;
-      const float lse = te.bad_len         ? NAN
+      const float lse = te.bad_len  ? NAN
                         : sum > 0.f ? row_max[mt][hh] * p.softmax_scale + logf(sum)
                                     : -INFINITY;
       const int row = warp_row0 + mt * 16 + lane / 4 + hh * 8, r = em0 + row;
