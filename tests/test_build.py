@@ -604,7 +604,9 @@ def traits_smem(kernel: str) -> int:
     if match := re.search(r"BwdDqTraits<(\d+), (\d+), (\d+), \d+>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (2 * block_m + 2 * block_n) * head_dim * 2  # Q, dO, K and V tiles
-    assert re.search(r"split_kv_combine|bwd_preprocess|bwd_convert_dq", kernel), kernel
+    assert re.search(r"split_kv_combine|bwd_preprocess|bwd_convert_dq|varlen_offsets_check", kernel), (
+        kernel
+    )
     return 0
 
 
@@ -670,10 +672,10 @@ def newest_cuda_build() -> Path | None:
 def test_dynamic_smem_is_what_each_launch_asks_for():
     library = newest_cuda_build()
     table = build.launch_table(library)
-    # 2 dtypes x (2 head dims x (4 forward configurations + 3 packed-batch (varlen) ones + the
-    # paged decode kernel + the combine kernel + 2 backward configurations with and without dQ
-    # atomics + the dQ pass + the pre-pass) + the dQ conversion)
-    assert table is not None and len(table) == 2 * (2 * (4 + 3 + 1 + 1 + 2 * 2 + 1 + 1) + 1)
+    # 2 dtypes x (2 head dims x (4 forward configurations + 3 packed-batch (varlen) ones + their
+    # offset check + the paged decode kernel + the combine kernel + 2 backward configurations
+    # with and without dQ atomics + the dQ pass + the pre-pass) + the dQ conversion)
+    assert table is not None and len(table) == 2 * (2 * (4 + 3 + 1 + 1 + 1 + 2 * 2 + 1 + 1) + 1)
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]

@@ -64,7 +64,7 @@ from .provenance import provenance
 
 SCHEMA = "flashmoe-science/profile/1"
 NCU_GLOBS = ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda*/nsight-compute*/ncu")
-KERNEL_FILTER = "regex:flash_fwd|flash_decode|split_kv"
+KERNEL_FILTER = "regex:flash_fwd|flash_decode|split_kv|varlen_offsets"
 # Backward and training-step cases: the backward's kernels alone, three launches a call (the
 # pre-pass, dK/dV, then the dQ conversion or the deterministic dQ pass), all three profiled.
 BACKWARD_FILTER = "regex:flash_bwd"

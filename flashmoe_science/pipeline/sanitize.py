@@ -73,6 +73,7 @@ TOOL_TIMEOUT_S = 900
 KERNEL_OPERATORS = {
     "flash_fwd_kernel": "attention",
     "flash_fwd_varlen_kernel": "varlen_fwd",
+    "varlen_offsets_check_kernel": "varlen_fwd",  # the packed batch's offsets, checked on the GPU
     "flash_decode_kernel": "fwd",
     "flash_decode_paged_kernel": "paged_fwd",
     "split_kv_combine_kernel": "attention",  # a prefill's forced or automatic splits
