@@ -352,7 +352,7 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   p.o = out.data_ptr();
   p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
   p.lse = lse.data_ptr<float>();
-  at::Tensor o_accum, lse_accum, counters;
+  at::Tensor accum, o_accum, lse_accum, counters;  // alive until the launches are enqueued
   const bool fused_combine = config == kDecodeConfig;
   if (splits > 1 && fused_combine) {
     counters = split_counters(q, stream, capturing, grid_x * m_blocks);
@@ -361,7 +361,7 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   if (splits > 1) {
     // One allocation for the partials and their log-sum-exps (an allocation is host time).
     const int64_t rows = lse.numel(), partial = splits * rows * p.head_dim;
-    const at::Tensor accum = at::empty({partial + splits * rows}, lse.options());
+    accum = at::empty({partial + splits * rows}, lse.options());
     p.o_accum = accum.data_ptr<float>();
     p.lse_accum = p.o_accum + partial;
     if (!fused_combine) {
