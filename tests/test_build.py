@@ -604,9 +604,9 @@ def traits_smem(kernel: str) -> int:
     if match := re.search(r"BwdDqTraits<(\d+), (\d+), (\d+), \d+>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (2 * block_m + 2 * block_n) * head_dim * 2  # Q, dO, K and V tiles
-    assert re.search(r"split_kv_combine|bwd_preprocess|bwd_convert_dq|varlen_offsets_check", kernel), (
-        kernel
-    )
+    assert re.search(
+        r"split_kv_combine|bwd_preprocess|bwd_convert_dq|varlen_offsets_check", kernel
+    ), kernel
     return 0
 
 

@@ -235,7 +235,10 @@ def test_latency_lever_names_the_limiter_and_the_top_stall():
 def test_ncu_command():
     command = profile.ncu_command("/opt/ncu", PREFILL_ID, Path("/r/profile-x"))
     assert command[:4] == ["/opt/ncu", "--force-overwrite", "-o", "/r/profile-x"]
-    assert command[command.index("--kernel-name") + 1] == "regex:flash_fwd|flash_decode|split_kv|varlen_offsets"
+    assert (
+        command[command.index("--kernel-name") + 1]
+        == "regex:flash_fwd|flash_decode|split_kv|varlen_offsets"
+    )
     skip = int(command[command.index("--launch-skip") + 1])
     count = int(command[command.index("--launch-count") + 1])
     calls = int(command[-1])
