@@ -315,12 +315,17 @@ inline std::optional<std::tuple<Tensor, Tensor, Tensor>> empty_gradients(const T
   return std::make_tuple(contiguous(q), contiguous(k), contiguous(v));
 }
 
+// lse may have any strides (a packed batch's backward passes one sequence's columns of [Hq,
+// total_q] as they are): it is read once, by the pre-pass on CUDA.
 inline BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                 const Tensor& v, const Tensor& out, bool causal,
+                                 const Tensor& v, const Tensor& out, const Tensor& lse, bool causal,
                                  double softmax_scale) {
   BwdParams p{};
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr();
   p.dout = dout.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.lse_batch_stride = lse.stride(0), p.lse_head_stride = lse.stride(1);
+  p.lse_row_stride = lse.stride(2);
   p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
   p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
   p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
@@ -353,9 +358,7 @@ inline std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
   if (auto empty = empty_gradients(q, k, v)) return *empty;
   auto f32 = [](const Tensor& t) { return t.to(at::kFloat).contiguous(); };
   auto qf = f32(q), kf = f32(k), vf = f32(v), of = f32(out), dof = f32(dout);
-  auto lse_c = lse.contiguous();
-  BwdParams p = make_bwd_params(dof, qf, kf, vf, of, causal, softmax_scale);
-  p.lse = lse_c.data_ptr<float>();
+  BwdParams p = make_bwd_params(dof, qf, kf, vf, of, lse, causal, softmax_scale);
   auto dq = at::empty(qf.sizes(), qf.options());
   auto dk = at::empty(kf.sizes(), kf.options());
   auto dv = at::empty(vf.sizes(), vf.options());

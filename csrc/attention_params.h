@@ -103,8 +103,9 @@ struct BwdParams {
   const void* v;
   const void* o;     // the forward's output
   const void* dout;  // [B, Hq, Sq, D]
-  const float* lse;  // [B, Hq, Sq] contiguous, the forward's log-sum-exp (-inf: a row saw no key)
-  float* delta;      // [B, Hq, Sq] contiguous: rowsum(dout * o), written by the pre-pass
+  const float* lse;  // [B, Hq, Sq] at lse_*_stride: the forward's log-sum-exp (-inf: saw no key)
+  float* delta;      // [B, Hq, Sq] contiguous: rowsum(dout * o), written by the CUDA pre-pass
+  float* lse2;       // [B, Hq, Sq] contiguous: the pre-pass's copy of lse in base 2 (+inf: no key)
   float* dq_accum;   // [B, Hq, Sq, D] contiguous fp32: dS K summed over key blocks, unscaled
   void* dq;          // [B, Hq, Sq, D] contiguous, the input dtype
   void* dk;          // [B, Hkv, Sk, D] contiguous
@@ -114,6 +115,7 @@ struct BwdParams {
   int64_t v_batch_stride, v_head_stride, v_row_stride;
   int64_t o_batch_stride, o_head_stride, o_row_stride;
   int64_t do_batch_stride, do_head_stride, do_row_stride;
+  int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
 
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
   int heads_ratio;  // heads_q / heads_kv: dK and dV sum over the query heads of a group

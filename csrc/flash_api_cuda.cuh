@@ -665,17 +665,18 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const at::Tensor dout_c = dout_in.stride(3) == 1 ? dout_in : dout_in.contiguous();
   const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
                    v = aligned_for_cp_async(v_in), out = aligned_for_cp_async(out_in),
-                   dout = aligned_for_cp_async(dout_c), lse = lse_in.contiguous();
-  BwdParams p = make_bwd_params(dout, q, k, v, out, causal, softmax_scale);
-  p.lse = lse.data_ptr<float>();
+                   dout = aligned_for_cp_async(dout_c);
+  BwdParams p = make_bwd_params(dout, q, k, v, out, lse_in, causal, softmax_scale);
   auto f32 = q.options().dtype(at::kFloat);
-  auto delta = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
+  // delta and the base-2 lse, both written by the pre-pass, in one allocation
+  auto row_stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, f32);
   auto dq = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto dk = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
   auto dv = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dq_accum;
   if (!deterministic) dq_accum = at::empty(q.sizes(), f32);
-  p.delta = delta.data_ptr<float>();
+  p.delta = row_stats.data_ptr<float>();
+  p.lse2 = p.delta + q.size(0) * q.size(1) * q.size(2);
   p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   const bool fp16 = q.scalar_type() == at::kHalf;

@@ -1,5 +1,6 @@
 // FlashAttention-2-style backward pass on mma.sync tensor cores (sm_80 and newer).
-//   1. flash_bwd_preprocess_kernel: delta_i = rowsum(dout_i * o_i) in fp32, and dq_accum zeroed.
+//   1. flash_bwd_preprocess_kernel: delta_i = rowsum(dout_i * o_i) in fp32, the forward's
+//      log-sum-exp copied in base 2 (read at any strides), and dq_accum zeroed.
 //   2. flash_bwd_dkdv_kernel: each block owns one key block of one (batch, KV head) and walks the
 //      query blocks of every query head of its GQA group, recomputing P from the forward's
 //      log-sum-exp; dK and dV stay in fp32 registers for the whole walk, so a group's heads are
@@ -58,8 +59,10 @@ struct BwdDqTraits {
   static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "tiles must fit the mma and swizzle");
 };
 
-// delta_i = sum_c dout[i, c] * o[i, c], one warp per row (b, h, i); with zero_dq, the row of
-// dq_accum is zeroed for the atomics that follow.
+// delta_i = sum_c dout[i, c] * o[i, c], one warp per row (b, h, i), and lse2_i, the forward's
+// log-sum-exp in base 2 for P = exp2(s * scale_log2 - lse2), +inf for a row that saw no key (lse
+// = -inf) so that its P is 0 and nothing flows back through it. With zero_dq, the row of dq_accum
+// is zeroed for the atomics that follow.
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
     flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p, bool zero_dq) {
@@ -82,7 +85,12 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2)
     sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) p.delta[row] = sum;
+  if (lane == 0) {
+    p.delta[row] = sum;
+    const float lse =
+        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
+    p.lse2[row] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+  }
   if (zero_dq) {
     float* dq_row = p.dq_accum + row * D + lane * kPerLane;
 #pragma unroll
@@ -91,12 +99,9 @@ __global__ void __launch_bounds__(128)
   }
 }
 
-// The forward's log-sum-exp of row i in base 2, for P = exp2(s * scale_log2 - lse2). Rows past the
-// sequence end and rows that saw no key (lse = -inf) get +inf, so their P is 0 and nothing flows
-// back through them.
+// The pre-pass's base-2 log-sum-exp of a row; +inf for rows past the sequence end (P = 0).
 __device__ __forceinline__ float lse_base2(const BwdParams& p, int64_t row, bool valid) {
-  const float lse = valid ? p.lse[row] : -INFINITY;
-  return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+  return valid ? p.lse2[row] : INFINITY;
 }
 
 template <typename Traits, typename T, bool kAtomicDq>

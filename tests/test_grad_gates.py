@@ -228,6 +228,31 @@ def test_bad_grad_output_names_it(change, error, match):
         )
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_backward_reads_lse_at_any_strides(device):
+    """The packed batch's backward hands one sequence's columns of lse ([Hq, total_q]) to the
+    dense backward as a view; the gradients must equal those from the same lse contiguous, and a
+    wrong row of lse must change them (the strides are really used)."""
+    from flashmoe_science import flash_attention_forward, ops
+
+    q, k, v = (t.detach() for t in _small(device))
+    out, lse = flash_attention_forward(q, k, v, causal=True, return_lse=True)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
+    wide = torch.randn(lse.shape[1], 3 * lse.shape[2] + 5, device=device)
+    wide[:, 4 : 4 + lse.shape[2]] = lse[0]
+    view = wide[:, 4 : 4 + lse.shape[2]].unsqueeze(0)
+    assert not view.is_contiguous()
+
+    def grads(lse_in):
+        op = torch.ops.flashmoe_science.attention_backward
+        return ops._call(op, dout, q, k, v, out, lse_in, True, 0.125, False, 0)
+
+    for got, want in zip(grads(view), grads(lse.contiguous()), strict=True):
+        assert torch.equal(got, want)
+    shifted = wide[:, 5 : 5 + lse.shape[2]].unsqueeze(0)
+    assert not torch.equal(grads(shifted)[0], grads(view)[0])
+
+
 def test_backward_options_are_checked():
     from flashmoe_science import flash_attention_forward
 
