@@ -569,8 +569,7 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 //   1: 64 keys x 64 queries a step, 4 warps; 72.5 KB of shared memory at d=128, so it fits the
 //      99 KB a block may have on sm86/sm89 (the L4) as well as sm80 and sm90.
 //   2: 128 keys x 64 queries a step, 8 warps (each still owns 16 keys of dK and dV; twice the
-//      warps per SM to hide latency), Q and dO double-buffered; 148.5 KB at d=128: sm80 and sm90
-//      (82.5 KB at d=64: all).
+//      warps per SM to hide latency); 112.5 KB at d=128: sm80 and sm90 (73.5 KB at d=64: all).
 // The automatic choice takes 2 where it fits the card's shared memory, else 1. The deterministic
 // dQ pass always runs 64 x 64 tiles with 4 warps.
 template <int D>
@@ -582,7 +581,7 @@ void visit_bwd_config(int config, F&& f) {
     using Traits = BwdTraits<D, 64, 64, 4>;
     f(&flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>, Traits{});
   } else {
-    using Traits = BwdTraits<D, 64, 128, 8, 2>;
+    using Traits = BwdTraits<D, 64, 128, 8>;
     f(&flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>, Traits{});
   }
 }

@@ -20,17 +20,13 @@ namespace flashmoe::cuda {
 
 // One key block of kBlockN keys per thread block, walked against query blocks of kBlockM rows.
 // Warps split the keys (each owns kKTiles tiles of 16 keys: its rows of dK and dV) for S^T, dP^T,
-// dV and dK; for dQ = dS K they split the kBlockM query rows instead. kQStages = 2 double-buffers
-// Q, dO, lse and delta: the next query block's copies are issued when a step starts and land
-// while the whole step computes (with one buffer they can only be issued once the step is done
-// with Q and dO, and overlap dQ alone).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kQStages_ = 1>
+// dV and dK; for dQ = dS K they split the kBlockM query rows instead.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
-  static constexpr int kQStages = kQStages_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kKTiles = kBlockN / (16 * kNWarps);
   // dQ = dS K: the kBlockM / 16 query tiles go round the warps; with more warps than tiles, the
@@ -39,11 +35,10 @@ struct BwdTraits {
   static constexpr int kQTiles = kQRowTiles >= kNWarps ? kQRowTiles / kNWarps : 1;
   static constexpr int kWarpsPerQTile = kQRowTiles >= kNWarps ? 1 : kNWarps / kQRowTiles;
   static constexpr int kDqCols = kHeadDim / kWarpsPerQTile;
-  // K, V (kBlockN rows), Q, dO (kBlockM rows, per stage), dS^T (kBlockN x kBlockM), and the
-  // query block's log-sum-exp and delta (per stage).
-  static constexpr int kSmemBytes = (2 * kBlockN + 2 * kBlockM * kQStages) * kHeadDim * 2 +
-                                    kBlockN * kBlockM * 2 + 2 * kBlockM * 4 * kQStages;
-  static_assert(kQStages == 1 || kQStages == 2, "Q and dO are single- or double-buffered");
+  // K, V (kBlockN rows), Q, dO (kBlockM rows), dS^T (kBlockN x kBlockM), and the query block's
+  // log-sum-exp and delta.
+  static constexpr int kSmemBytes =
+      (2 * kBlockN + 2 * kBlockM) * kHeadDim * 2 + kBlockN * kBlockM * 2 + 2 * kBlockM * 4;
   static_assert(kKTiles >= 1 && kBlockN == kKTiles * 16 * kNWarps, "keys: 16 * warps * k");
   static_assert(kQRowTiles * kWarpsPerQTile == kQTiles * kNWarps && kDqCols % 16 == 0,
                 "dQ's query tiles and column parts must cover the warps evenly");
@@ -113,17 +108,16 @@ template <typename Traits, typename T, bool kAtomicDq>
 __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int KT = Traits::kKTiles, QT = Traits::kQTiles, MN = BM / 8, DT = D / 8;
-  constexpr int kThreads = Traits::kNThreads, kQStages = Traits::kQStages;
-  constexpr int kQStageElems = 2 * BM * D;  // one stage: Q, then dO
+  constexpr int kThreads = Traits::kNThreads;
 
   extern __shared__ __align__(256) uint4 smem_buf[];  // swizzle_step needs 256-byte alignment
   T* sK = reinterpret_cast<T*>(smem_buf);
   T* sV = sK + BN * D;
-  T* sQ = sV + BN * D;  // stage s at sQ + s * kQStageElems (and dO BM * D further)
+  T* sQ = sV + BN * D;
   T* sdO = sQ + BM * D;
-  T* sdS = sQ + kQStages * kQStageElems;  // dS^T: [BN keys][BM queries]
-  float* sLse = reinterpret_cast<float*>(sdS + BN * BM);  // [kQStages][BM]
-  float* sDelta = sLse + kQStages * BM;                   // [kQStages][BM]
+  T* sdS = sdO + BM * D;  // dS^T: [BN keys][BM queries]
+  float* sLse = reinterpret_cast<float*>(sdS + BN * BM);
+  float* sDelta = sLse + BM;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int n0 = blockIdx.x * BN;
@@ -176,17 +170,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
     const int h = hkv * p.heads_ratio + step / m_count, m0 = (m_begin + step % m_count) * BM;
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
     const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
-    const int s = step % kQStages;
-    load_kv_tile<D, BM, kThreads>(sQ + s * kQStageElems, q_base, p.q_row_stride, m0, p.seqlen_q,
-                                  tid);
-    load_kv_tile<D, BM, kThreads>(sdO + s * kQStageElems, do_base, p.do_row_stride, m0,
-                                  p.seqlen_q, tid);
+    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, m0, p.seqlen_q, tid);
+    load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, m0, p.seqlen_q, tid);
     cp_async_commit();
     const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
     for (int r = tid; r < BM; r += kThreads) {
       const bool valid = m0 + r < p.seqlen_q;
-      sLse[s * BM + r] = lse_base2(p, row_base + m0 + r, valid);
-      sDelta[s * BM + r] = valid ? p.delta[row_base + m0 + r] : 0.f;
+      sLse[r] = lse_base2(p, row_base + m0 + r, valid);
+      sDelta[r] = valid ? p.delta[row_base + m0 + r] : 0.f;
     }
   };
   if (steps > 0) issue_step(0);
@@ -197,12 +188,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
       cp_async_wait<0>();
       __syncthreads();  // Q, dO, lse and delta of this step have landed (K and V too, at first)
-      // Double-buffered: the next step's copies go to the other stage, free since this sync.
-      if (kQStages == 2 && step + 1 < steps) issue_step(step + 1);
-      const int stage = step % kQStages;
-      const uint32_t stage_bytes = stage * kQStageElems * 2;
-      const float* lse_s = sLse + stage * BM;
-      const float* delta_s = sDelta + stage * BM;
       // Keys past the end or above the causal diagonal: only the tail block and the diagonal
       // blocks need the per-element mask (rows past the end have P = 0 through their lse).
       const bool need_mask = n0 + BN > p.seqlen_k || (p.causal && n0 + BN - 1 > m0 + offset);
@@ -227,8 +212,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
 #pragma unroll
         for (int np = 0; np < MN / 2; ++np) {
           uint32_t bq[4], bdo[4];
-          ldmatrix_x4(bq, swizzle_step<D>(q_b + stage_bytes, np, kk));
-          ldmatrix_x4(bdo, swizzle_step<D>(do_b + stage_bytes, np, kk));
+          ldmatrix_x4(bq, swizzle_step<D>(q_b, np, kk));
+          ldmatrix_x4(bdo, swizzle_step<D>(do_b, np, kk));
 #pragma unroll
           for (int kt = 0; kt < KT; ++kt) {
             mma_16816<T>(acc_s[kt][2 * np], ak[kt], bq[0], bq[1]);
@@ -254,9 +239,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
             const bool masked =
                 need_mask && (key >= p.seqlen_k || (p.causal && key > m0 + col + offset));
             const float prob =
-                masked ? 0.f : exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, -lse_s[col]));
+                masked ? 0.f : exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, -sLse[col]));
             acc_s[kt][nt][e] = prob;
-            acc_dp[kt][nt][e] = prob * (acc_dp[kt][nt][e] - delta_s[col]);
+            acc_dp[kt][nt][e] = prob * (acc_dp[kt][nt][e] - sDelta[col]);
           }
         }
 #pragma unroll
@@ -288,8 +273,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           uint32_t bdo[4], bq[4];
-          ldmatrix_x4_trans(bdo, swizzle_step<D>(do_t + stage_bytes, j, dp));
-          ldmatrix_x4_trans(bq, swizzle_step<D>(q_t + stage_bytes, j, dp));
+          ldmatrix_x4_trans(bdo, swizzle_step<D>(do_t, j, dp));
+          ldmatrix_x4_trans(bq, swizzle_step<D>(q_t, j, dp));
 #pragma unroll
           for (int kt = 0; kt < KT; ++kt) {
             mma_16816<T>(acc_dv[kt][2 * dp], p_frag[kt][j], bdo[0], bdo[1]);
@@ -301,7 +286,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       }
 
       __syncthreads();  // dS^T is whole; every warp is done with Q, dO, lse and delta
-      if (kQStages == 1 && step + 1 < steps) issue_step(step + 1);  // lands while dQ is computed
+      if (step + 1 < steps) issue_step(step + 1);  // lands while dQ is computed
       if constexpr (kAtomicDq) {
         bool add_dq = true;
 #if FLASHMOE_PLANT_BUG == 6

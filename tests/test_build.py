@@ -597,12 +597,10 @@ def traits_smem(kernel: str) -> int:
     if match := re.search(r"DecodeTraits<(\d+), (\d+)>", kernel):
         head_dim, stages = (int(g) for g in match.groups())
         return stages * 2 * 64 * head_dim * 2  # per stage a 64-key K tile and V tile
-    if match := re.search(r"BwdTraits<(\d+), (\d+), (\d+), \d+, (\d+)>", kernel):
-        head_dim, block_m, block_n, q_stages = (int(g) for g in match.groups())
-        # K and V tiles, Q and dO tiles per stage, dS^T (keys x queries), the query block's lse
-        # and delta (fp32) per stage
-        tiles = (2 * block_n + 2 * block_m * q_stages) * head_dim * 2
-        return tiles + block_n * block_m * 2 + 2 * block_m * 4 * q_stages
+    if match := re.search(r"BwdTraits<(\d+), (\d+), (\d+), \d+>", kernel):
+        head_dim, block_m, block_n = (int(g) for g in match.groups())
+        # K, V, Q and dO tiles, dS^T (keys x queries), the query block's lse and delta (fp32)
+        return (2 * block_n + 2 * block_m) * head_dim * 2 + block_n * block_m * 2 + 2 * block_m * 4
     if match := re.search(r"BwdDqTraits<(\d+), (\d+), (\d+), \d+>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (2 * block_m + 2 * block_n) * head_dim * 2  # Q, dO, K and V tiles
