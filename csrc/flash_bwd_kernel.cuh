@@ -325,8 +325,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
               float* dq_row = p.dq_accum + (row_base + i) * D + col0 + (lane & 3) * 2;
 #pragma unroll
               for (int ct = 0; ct < CT; ++ct) {
+#if __CUDA_ARCH__ >= 900  // one 8-byte reduction for the thread's two columns
+                atomicAdd(reinterpret_cast<float2*>(dq_row + ct * 8),
+                          make_float2(acc_dq[ct][2 * hh], acc_dq[ct][2 * hh + 1]));
+#else
                 atomicAdd(dq_row + ct * 8, acc_dq[ct][2 * hh]);
                 atomicAdd(dq_row + ct * 8 + 1, acc_dq[ct][2 * hh + 1]);
+#endif
               }
             }
           }
