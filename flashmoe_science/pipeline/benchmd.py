@@ -120,24 +120,7 @@ def _table(columns: list[str], rows: list[list[str]]) -> list[str]:
     return [_row(columns), "|" + "---|" * len(columns), *(_row(r) for r in rows)]
 
 
-def _x(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.2f}x"
-
-
-def _cell(verdict: targets.Verdict | None) -> str:
-    if verdict is None:
-        return "no target"
-    if verdict.status == targets.MET:
-        return f"met (>= {verdict.target:.2f}x)"
-    if verdict.status == targets.MISSED:
-        return f"**MISSED** (< {verdict.target:.2f}x)"
-    return "not judged"
-
-
-def _judged(ratio: float | None, verdict: targets.Verdict | None) -> str:
-    if ratio is None:
-        return "-" if verdict is None else _cell(verdict)
-    return f"{_x(ratio)} {_cell(verdict)}"
+_x, _cell, _judged = targets.PLAIN.ratio, targets.PLAIN.verdict, targets.PLAIN.judged
 
 
 def _side_ms(result) -> str:

@@ -64,6 +64,38 @@ class Verdict:
         return f"{self.id}: {self.what} {ratio} {sign} {self.target:.2f}x ({self.status})"
 
 
+@dataclasses.dataclass(frozen=True)
+class CellStyle:
+    """How a table cell writes a ratio and its verdict: bench.md in plain text, the PR report with
+    its own marks. `met` and `missed` are formats of the target (a float)."""
+
+    times: str  # after a ratio
+    dash: str  # a missing ratio
+    met: str
+    missed: str
+
+    def ratio(self, ratio: float | None) -> str:
+        return self.dash if ratio is None else f"{ratio:.2f}{self.times}"
+
+    def verdict(self, verdict: Verdict | None) -> str:
+        if verdict is None:
+            return "no target"
+        if verdict.status == MET:
+            return self.met.format(verdict.target)
+        if verdict.status == MISSED:
+            return self.missed.format(verdict.target)
+        return "not judged"
+
+    def judged(self, ratio: float | None, verdict: Verdict | None) -> str:
+        """The ratio and its verdict in one cell; the verdict alone when there is no ratio."""
+        if ratio is None:
+            return self.dash if verdict is None else self.verdict(verdict)
+        return f"{self.ratio(ratio)} {self.verdict(verdict)}"
+
+
+PLAIN = CellStyle("x", "-", "met (>= {:.2f}x)", "**MISSED** (< {:.2f}x)")
+
+
 def _why_not(*sides) -> str:
     for name, side in sides:
         if isinstance(side, NotMeasured):

@@ -19,24 +19,10 @@ from .sections import FAIL, NOTE, OK, Detail, Section
 TITLE = "Speed targets"
 
 
-def _x(ratio: float | None) -> str:
-    return md.DASH if ratio is None else f"{ratio:.2f}{md.TIMES}"
-
-
-def _verdict(verdict: targets.Verdict | None) -> str:
-    if verdict is None:
-        return "no target"
-    if verdict.status == targets.MET:
-        return f"✅ ≥ {verdict.target:.2f}{md.TIMES}"
-    if verdict.status == targets.MISSED:
-        return f"⚠️ **missed** (< {verdict.target:.2f}{md.TIMES})"
-    return "not judged"
-
-
-def _judged(ratio: float | None, verdict: targets.Verdict | None) -> str:
-    if ratio is None:
-        return md.DASH if verdict is None else _verdict(verdict)
-    return f"{_x(ratio)} {_verdict(verdict)}"
+STYLE = targets.CellStyle(
+    md.TIMES, md.DASH, "✅ ≥ {:.2f}" + md.TIMES, "⚠️ **missed** (< {:.2f}" + md.TIMES + ")"
+)
+_x, _judged = STYLE.ratio, STYLE.judged
 
 
 def _ms(result) -> str:
