@@ -6,6 +6,7 @@ whole generations (decode). A side that refuses or fails becomes a NotMeasured r
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -102,16 +103,9 @@ def run_varlen(target: VarlenTarget, device: str, timer, config, ceilings) -> Va
     packed, dense = varlen_calls(target, device)
     ours = measure.measure(packed, None, target, device, timer, config, ceilings)
     baseline = measure.measure(dense, None, target, device, timer, config, ceilings)
-    return VarlenRecord(
-        id=target.id,
-        kind="varlen",
-        dtype=target.dtype,
-        head_dim=target.head_dim,
-        heads_q=target.heads_q,
-        heads_kv=target.heads_kv,
-        causal=target.causal,
-        lengths=list(target.lengths),
-        flops=target.flops,
+    return _record(
+        VarlenRecord,
+        target,
         ours=_without_samples(ours),
         dense=_without_samples(baseline),
         ratio=_time_ratio(baseline, ours),
@@ -143,6 +137,17 @@ def paged_cache(
     return paged(k), paged(v), order.view(batch, blocks).to(torch.int32)
 
 
+def _record(cls, target, **measured):
+    """A record of `cls`: the fields that describe the case, from the target's attributes of the
+    same name (tuples as lists, as JSON reads them back), then the measured ones."""
+    described = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in measured:
+            value = getattr(target, field.name)
+            described[field.name] = list(value) if isinstance(value, tuple) else value
+    return cls(**described, **measured)
+
+
 def _floor_ratio(floor, result) -> float | None:
     if isinstance(floor, ReadFloor) and isinstance(result, Measured) and result.median_ms:
         return sig(floor.median_ms / result.median_ms, 4)
@@ -164,17 +169,9 @@ def run_paged(target: PagedTarget, device: str, timer, config, ceilings) -> Page
     ours = measure.measure(paged, None, target, device, timer, config, ceilings)
     flat = measure.measure(contiguous, None, target, device, timer, config, ceilings)
     floor = measure.read_floor(case, x, device, timer, config) if device == "cuda" else None
-    return PagedRecord(
-        id=target.id,
-        kind="paged",
-        dtype=target.dtype,
-        head_dim=target.head_dim,
-        heads_q=target.heads_q,
-        heads_kv=target.heads_kv,
-        batch=target.batch,
-        seqlen_k=target.seqlen_k,
-        block_size=target.block_size,
-        kv_bytes=target.kv_bytes,
+    return _record(
+        PagedRecord,
+        target,
         ours=_without_samples(ours),
         contiguous=_without_samples(flat),
         read_floor=floor,
@@ -287,17 +284,9 @@ def run_host(target: HostTarget, device: str) -> HostRecord:
     ratio = None
     if isinstance(ours, HostCost) and isinstance(sdpa, HostCost) and ours.us_per_call:
         ratio = sig(sdpa.us_per_call / ours.us_per_call, 4)
-    return HostRecord(
-        id=target.id,
-        kind="host",
-        call=target.call,
-        dtype=target.dtype,
-        head_dim=target.head_dim,
-        heads_q=target.heads_q,
-        heads_kv=target.heads_kv,
-        batch=target.batch,
-        seqlen_k=target.seqlen_k,
-        calls=target.calls,
+    return _record(
+        HostRecord,
+        target,
         ours=ours,
         sdpa=sdpa,
         ratio=ratio,
@@ -368,13 +357,9 @@ def run_model(target: ModelTarget, device: str, timer, config: TimingConfig) -> 
         prefill_ratio = sig(sdpa.prefill_ms / ours.prefill_ms, 4) if ours.prefill_ms else None
         if sdpa.decode_tokens_per_s:
             decode_ratio = sig(ours.decode_tokens_per_s / sdpa.decode_tokens_per_s, 4)
-    return ModelRecord(
-        id=target.id,
-        kind="model",
-        dtype=target.dtype,
-        batch=target.batch,
-        prompt=target.prompt,
-        new_tokens=target.new_tokens,
+    return _record(
+        ModelRecord,
+        target,
         ours=ours,
         sdpa=sdpa,
         prefill_ratio=prefill_ratio,
