@@ -83,38 +83,49 @@ inline bool is_half_type(at::ScalarType t) {
   return t == at::ScalarType::Half || t == at::ScalarType::BFloat16;
 }
 
-// Checks shared by the CPU and CUDA implementations. Every message names the argument, what was
-// given and what is supported, in one line.
-inline void check_attention_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
-                                   const std::optional<Tensor>& seqlens_k, int64_t num_splits) {
+// The checks of q, k and v that the dense and the packed layouts share: each tensor's rank
+// (`layout` names its dimensions), dtype, device and unit-stride last dimension; one dtype, one
+// batch (dense only: `batched`), one head_dim (the last dimension), k and v of one shape, and
+// heads (dimension 1) of q a multiple of those of k and v. Every message names the argument,
+// what was given and what is supported, in one line.
+inline void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t rank,
+                      const char* layout, bool batched) {
   const Tensor* named[] = {&q, &k, &v};
   const char* names[] = {"q", "k", "v"};
+  const int64_t last = rank - 1;
   for (int t = 0; t < 3; ++t) {
     const Tensor& x = *named[t];
-    FLASHMOE_CHECK_VALUE(x.dim() == 4, names[t],
-                         " must have 4 dimensions [batch, heads, seq, head_dim], got ", x.dim(),
-                         " (shape ", shape_str(x), ")");
+    FLASHMOE_CHECK_VALUE(x.dim() == rank, names[t], " must have ", rank, " dimensions ", layout,
+                         ", got ", x.dim(), " (shape ", shape_str(x), ")");
     FLASHMOE_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ",
                         dtype_name(x.scalar_type()), "; supported: torch.float16, torch.bfloat16");
     FLASHMOE_CHECK_VALUE(x.device() == q.device(), names[t], " is on ", x.device(), " but q is on ",
                          q.device(), "; all inputs must be on the same device");
-    FLASHMOE_CHECK_VALUE(x.size(3) <= 1 || x.stride(3) == 1, names[t],
+    FLASHMOE_CHECK_VALUE(x.size(last) <= 1 || x.stride(last) == 1, names[t],
                          " must be contiguous in its last dimension (stride 1), got strides ",
                          x.strides(), "; call .contiguous() first");
   }
   FLASHMOE_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                       "q, k and v must share one dtype, got ", dtype_name(q.scalar_type()), ", ",
                       dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()));
-  FLASHMOE_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0), "batch sizes differ: q ",
-                       shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
-  FLASHMOE_CHECK_VALUE(k.size(3) == q.size(3) && v.size(3) == q.size(3), "head_dim differs: q ",
-                       shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
-  FLASHMOE_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2),
-                       "k and v must have the same shape, got k ", shape_str(k), ", v ",
+  if (batched) {
+    FLASHMOE_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0), "batch sizes differ: q ",
+                         shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  }
+  FLASHMOE_CHECK_VALUE(k.size(last) == q.size(last) && v.size(last) == q.size(last),
+                       "head_dim differs: q ", shape_str(q), ", k ", shape_str(k), ", v ",
                        shape_str(v));
+  FLASHMOE_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got k ",
+                       shape_str(k), ", v ", shape_str(v));
   FLASHMOE_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "heads of q (", q.size(1),
                        ") must be a multiple of heads of k and v (", k.size(1),
                        ") for grouped-query attention");
+}
+
+// Checks shared by the CPU and CUDA implementations of the dense layout.
+inline void check_attention_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const std::optional<Tensor>& seqlens_k, int64_t num_splits) {
+  check_qkv(q, k, v, 4, "[batch, heads, seq, head_dim]", /*batched=*/true);
   FLASHMOE_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxSplits, "num_splits must be in [0, ",
                        kMaxSplits, "] (0 = automatic), got ", num_splits);
   if (seqlens_k.has_value()) {
@@ -377,32 +388,8 @@ inline std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
 inline void check_varlen_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                 int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  const Tensor* named[] = {&q, &k, &v};
-  const char* names[] = {"q", "k", "v"};
-  for (int t = 0; t < 3; ++t) {
-    const Tensor& x = *named[t];
-    FLASHMOE_CHECK_VALUE(x.dim() == 3, names[t],
-                         " must have 3 dimensions [total_tokens, heads, head_dim] (the packed "
-                         "varlen layout), got ",
-                         x.dim(), " (shape ", shape_str(x), ")");
-    FLASHMOE_CHECK_TYPE(is_half_type(x.scalar_type()), names[t], " has dtype ",
-                        dtype_name(x.scalar_type()), "; supported: torch.float16, torch.bfloat16");
-    FLASHMOE_CHECK_VALUE(x.device() == q.device(), names[t], " is on ", x.device(), " but q is on ",
-                         q.device(), "; all inputs must be on the same device");
-    FLASHMOE_CHECK_VALUE(x.size(2) <= 1 || x.stride(2) == 1, names[t],
-                         " must be contiguous in its last dimension (stride 1), got strides ",
-                         x.strides(), "; call .contiguous() first");
-  }
-  FLASHMOE_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                      "q, k and v must share one dtype, got ", dtype_name(q.scalar_type()), ", ",
-                      dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()));
-  FLASHMOE_CHECK_VALUE(k.size(2) == q.size(2) && v.size(2) == q.size(2), "head_dim differs: q ",
-                       shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
-  FLASHMOE_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got k ",
-                       shape_str(k), ", v ", shape_str(v));
-  FLASHMOE_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "heads of q (", q.size(1),
-                       ") must be a multiple of heads of k and v (", k.size(1),
-                       ") for grouped-query attention");
+  check_qkv(q, k, v, 3, "[total_tokens, heads, head_dim] (the packed varlen layout)",
+            /*batched=*/false);
   const Tensor* cus[] = {&cu_seqlens_q, &cu_seqlens_k};
   const char* cu_names[] = {"cu_seqlens_q", "cu_seqlens_k"};
   for (int t = 0; t < 2; ++t) {
