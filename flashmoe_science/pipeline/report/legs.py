@@ -31,7 +31,8 @@ WORDS[FAIL] = "failed"
 _SEVERITY_OF_ICON = {icon: severity for severity, icon in ICONS.items()}
 _VERDICT_PREFIX = "flashmoe-science: "
 VERDICT_CHARS = 1_000  # of a leg's verdict line
-LEG_OVERHEAD = 2 * VERDICT_CHARS + 300  # bytes around a leg's report: its verdict lines, <details>
+LEG_OVERHEAD = 600  # bytes around a leg's report, its verdict lines and <details>, most of the time
+MIN_SHARE = 2_000  # bytes of a leg's report below which it is only its verdict and stage table
 
 
 @dataclasses.dataclass
@@ -141,6 +142,8 @@ def leg_verdict(leg: Leg, budget: int) -> tuple[LegVerdict, bool]:
     first = first.removeprefix("## ")
     icon, _, said = first.partition(" ")
     severity = _SEVERITY_OF_ICON.get(icon, FAIL)
+    if leg.inputs.stale or leg.inputs.stale_stages:
+        severity = max(severity, STALE)  # another commit's, run's or leg's records: say so
     said = said.removeprefix(_VERDICT_PREFIX)
     problems = []
     if leg.job is not None and leg.job != "success":
@@ -163,19 +166,7 @@ def _kind_label(kind: gpukinds.GpuKind) -> str:
     return f"**{kind.label}** ({kind.card}, {kind.sm})"
 
 
-def render_legs(
-    legs: list[Leg], header: Inputs, budget: int, notes: list[str] = ()
-) -> tuple[str, bool]:
-    """The one comment over all legs, within `budget` UTF-8 bytes; (text, truncated)."""
-    top = trusted_header(header)
-    fixed = md.size(top) + sum(md.size(n) for n in notes) + 400 + LEG_OVERHEAD * len(legs)
-    present = [leg for leg in legs if leg.inputs is not None] or legs
-    share = max(2_000, (budget - fixed) // len(present))
-    verdicts, truncated = [], False
-    for leg in legs:
-        verdict, cut = leg_verdict(leg, share)
-        verdicts.append(verdict)
-        truncated |= cut
+def _assemble(legs: list[Leg], verdicts: list[LegVerdict], top: str, notes: list[str]) -> str:
     worst = max(v.severity for v in verdicts)
     summary = ", ".join(
         f"{leg.kind.label} {WORDS[v.severity]}" for leg, v in zip(legs, verdicts, strict=True)
@@ -204,7 +195,34 @@ def render_legs(
             "</details>",
             "",
         ]
-    text = "\n".join(lines).rstrip("\n") + "\n"
-    if md.size(text) > budget:  # the shares are estimates: never post over the limit
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def render_legs(
+    legs: list[Leg], header: Inputs, budget: int, notes: list[str] = ()
+) -> tuple[str, bool]:
+    """The one comment over all legs, within `budget` UTF-8 bytes; (text, truncated). Each leg
+    with records gets an equal share of what the rest leaves; a share another leg leaves unused
+    goes to the legs that were cut."""
+    top = trusted_header(header)
+    notes = list(notes)
+    present = sum(leg.inputs is not None for leg in legs) or 1
+    fixed = md.size(top) + sum(md.size(n) + 20 for n in notes) + 200 + LEG_OVERHEAD * len(legs)
+    share = max(MIN_SHARE, (budget - fixed) // present)
+    best: tuple[str, bool] | None = None
+    for _ in range(3):
+        rendered = [leg_verdict(leg, share) for leg in legs]
+        verdicts = [verdict for verdict, _ in rendered]
+        cut = any(truncated for _, truncated in rendered)
+        text = _assemble(legs, verdicts, top, notes)
+        size = md.size(text)
+        if size <= budget:
+            best = (text, cut)
+            if not cut or budget - size < 500:
+                break
+            share += (budget - size) // present  # the slack to the legs that were cut
+        else:
+            share = max(MIN_SHARE, share - (size - budget) // present - 200)
+    if best is None:  # the shares are estimates: never post over the limit
         return _hard_cut(text, budget), True
-    return text, truncated
+    return best
