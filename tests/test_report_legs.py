@@ -58,9 +58,12 @@ def jobs_file(root: Path, **results: str) -> Path:
 
 def comment(root: Path, *extra: str) -> tuple[int, str]:
     out = root.parent / "comment.md"
+    url = "https://github.com/o/r/actions/runs/1"
     code = report.main(
-        ["--legs", str(root), "--output", str(out), "--no-step-summary", "--tested-sha", SHA]
-        + ["--run-id", RUN, "--run-url", "https://github.com/o/r/actions/runs/1", *extra]
+        [
+            *("--legs", str(root), "--output", str(out), "--no-step-summary"),
+            *("--tested-sha", SHA, "--run-id", RUN, "--run-url", url, *extra),
+        ]
     )
     return code, out.read_text()
 
