@@ -148,6 +148,7 @@ def test_a_missing_leg_is_named_and_never_a_pass(root, jobs, said):
     add_leg(root, "l4")
     extra = [] if jobs is None else ["--jobs", str(jobs_file(root, l4="success", **jobs))]
     code, text = comment(root, *extra)
+    assert code == exitcodes.OK, "a missing leg is the verdict's business, not an input error"
     assert text.startswith("## ❌ flashmoe-science: l4 passed, h100 failed\n")
     assert verdict_lines(text)[1] == f"- ❌ **h100** (NVIDIA H100, sm_90a): {said}"
     assert "<b>h100</b>" not in text, "no details to show"
@@ -158,6 +159,7 @@ def test_a_missing_leg_is_named_and_never_a_pass(root, jobs, said):
 
 def test_no_leg_at_all_is_every_kind_missing(tmp_path):
     code, text = comment(tmp_path / "no-artifacts")
+    assert code == exitcodes.OK
     assert text.startswith("## ❌ flashmoe-science: l4 failed, h100 failed\n")
     assert all("no report" in line for line in verdict_lines(text))
 
