@@ -142,8 +142,10 @@ def leg_verdict(leg: Leg, budget: int) -> tuple[LegVerdict, bool]:
     first = first.removeprefix("## ")
     icon, _, said = first.partition(" ")
     severity = _SEVERITY_OF_ICON.get(icon, FAIL)
-    if leg.inputs.stale or leg.inputs.stale_stages:
-        severity = max(severity, STALE)  # another commit's, run's or leg's records: say so
+    moved = leg.inputs.head_sha and leg.inputs.tested_sha != leg.inputs.head_sha
+    if leg.inputs.stale or leg.inputs.stale_stages or moved:
+        # another commit's, run's or leg's records, or a head the run did not test: say so
+        severity = max(severity, STALE)
     said = said.removeprefix(_VERDICT_PREFIX)
     problems = []
     if leg.job is not None and leg.job != "success":
