@@ -229,15 +229,3 @@ def test_legs_take_no_single_report_options(root, capsys):
     with pytest.raises(SystemExit) as stop:
         report.main(["--dir", str(root), "--jobs", str(root / "jobs.tsv")])
     assert stop.value.code == 2 and "--jobs goes with --legs" in capsys.readouterr().err
-
-
-def test_the_kinds_match_their_cards():
-    assert gpukinds.KINDS["h100"].matches(H100_NAME) and not gpukinds.KINDS["h100"].matches(
-        "NVIDIA L4"
-    )
-    assert gpukinds.KINDS["l4"].matches("NVIDIA L4") and not gpukinds.KINDS["l4"].matches(
-        "NVIDIA L40S"
-    )
-    assert [k.sm for k in gpukinds.KINDS.values()] == ["sm_89", "sm_90a"]
-    with pytest.raises(ValueError, match="GPU kind 'a100' is not one of l4, h100"):
-        gpukinds.artifact_name("a100")

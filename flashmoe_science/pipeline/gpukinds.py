@@ -27,9 +27,22 @@ class GpuKind:
     def sm(self) -> str:
         return "sm_" + self.arch.replace(".", "")
 
+    @property
+    def capability(self) -> str:
+        """The compute capability of the card: '9.0' for sm_90a."""
+        return self.arch.rstrip("af")
+
     def matches(self, device_name: str | None) -> bool:
         """Whether a device of this name is a card of this kind (a mislabelled runner is not)."""
         return bool(device_name) and re.search(self.name_pattern, device_name, re.I) is not None
+
+    def device_problem(self, device_name: str, capability: str) -> str | None:
+        """Why a device is not a card of this kind; None when it is."""
+        if capability != self.capability:
+            return f"{device_name} is sm_{capability.replace('.', '')}, not {self.sm}"
+        if not self.matches(device_name):
+            return f"{device_name} is not an {self.card}"
+        return None
 
 
 KINDS: dict[str, GpuKind] = {
@@ -42,6 +55,7 @@ KINDS: dict[str, GpuKind] = {
 # The history branch kept one GPU's points at its top level before it kept one folder per kind;
 # those points are this kind's (GPU CI ran only on L4 runners then).
 LEGACY_KIND = "l4"
+KIND_VAR = "FLASHMOE_GPU_KIND"  # set by a leg: its env stage checks the card is of that kind
 ARTIFACT_PREFIX = "gpu-ci-reports-"  # a leg's artifact: ARTIFACT_PREFIX + kind
 JOB_NAME = "GPU ({kind})"  # a leg's job name in gpu-ci.yml, as the jobs API lists it
 

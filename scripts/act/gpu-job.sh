@@ -15,8 +15,8 @@ Runs one leg of .github/workflows/gpu-ci.yml's job `gpu` (env, build, test, benc
 number, the upload) under act in host mode, offline, and prints its step summary:
 scripts/act/run-job.sh --offline --matrix gpu:KIND with the machine's torch. The default leg is
 h100 (builds sm_90a, runs the Hopper kernels and their gates): the GPU machine is an H100. The l4
-leg (sm_89) is what a runner labelled `l4` runs; --kind l4 runs it here too, on whatever card
-this machine has. Meant for a GPU machine that has no package index and a copy
+leg (sm_89) is what a runner labelled `l4` runs (--kind l4, on an L4). A leg's env stage fails
+on a card of another kind, so the check below refuses that before act starts. Meant for a GPU machine that has no package index and a copy
 of the tree without git history; first put act and nox (wheels carried in .whl/) on PYTHONPATH:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -34,8 +34,8 @@ checks it as pr-report.yml would read it. A tree without .git gets a throwaway o
 the run (removed at the end): the tests that copy the checkout with `git ls-files` need one.
 
 Options:
-  --kind KIND     The leg: h100 (default) or l4 (flashmoe_science/pipeline/gpukinds.py). The check
-                  warns when the card is not of that kind.
+  --kind KIND     The leg: h100 (default) or l4 (flashmoe_science/pipeline/gpukinds.py); this
+                  machine's card must be of that kind.
   --python PATH   The interpreter with the CUDA torch (default: $FLASHMOE_RUNNER_PYTHON, else
                   /opt/torch/.venv/bin/python3).
   --event EVENT   push (default: a push to main; the job's approve step then needs no GitHub
@@ -106,7 +106,7 @@ try:
     print(f"{'ok' if cuda else 'FAIL'}|gpu|{name}")
     card = os.environ["CARD"]
     if cuda and not re.search(rf"\b{card}\b", name, re.I):
-        print(f"WARN|gpu-kind|{name} is not an {card}: the leg runs, but its figures are this card's")
+        print(f"FAIL|gpu-kind|{name} is not an {card}: the leg's env stage would fail (pass --kind)")
 except Exception as exc:
     print(f"FAIL|torch|{type(exc).__name__}: {exc}")
 # Imported for real (nox.sessions needs humanize and attrs, say), not just found.
