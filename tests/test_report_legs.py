@@ -229,3 +229,12 @@ def test_legs_take_no_single_report_options(root, capsys):
     with pytest.raises(SystemExit) as stop:
         report.main(["--dir", str(root), "--jobs", str(root / "jobs.tsv")])
     assert stop.value.code == 2 and "--jobs goes with --legs" in capsys.readouterr().err
+
+
+def test_a_folder_of_no_kind_is_named_and_not_read(root):
+    add_leg(root, "l4")
+    add_leg(root, "h100")
+    shutil.copytree(root / "gpu-ci-reports-l4", root / "gpu-ci-reports-a100")
+    _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
+    assert "> **Note:** not a GPU kind's artifact, not read: `gpu-ci-reports-a100`" in text
+    assert "a100" not in text.split("\n")[0] and "<b>a100</b>" not in text

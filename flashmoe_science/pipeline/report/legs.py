@@ -21,13 +21,20 @@ from pathlib import Path
 from .. import gpukinds, trend
 from .. import markdown as md
 from .inputs import Inputs, load_inputs
-from .render import MARKER, _hard_cut, render
+from .render import MARKER, hard_cut, render
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN
 from .trusted import trusted_header
 
 MAX_JOBS_BYTES = 1 << 20
-WORDS = {OK: "passed", NOTE: "passed", NOTRUN: "not run", WARN: "warned", STALE: "stale"}
-WORDS[FAIL] = "failed"
+# A kind's result in the comment's first line, by the severity of its verdict.
+WORDS = {
+    OK: "passed",
+    NOTE: "passed",
+    NOTRUN: "not run",
+    WARN: "warned",
+    STALE: "stale",
+    FAIL: "failed",
+}
 _SEVERITY_OF_ICON = {icon: severity for severity, icon in ICONS.items()}
 _VERDICT_PREFIX = "flashmoe-science: "
 VERDICT_CHARS = 1_000  # of a leg's verdict line
@@ -95,9 +102,7 @@ def load_legs(
         legs.append(Leg(kind, inputs, job))
     known = {gpukinds.artifact_name(kind) for kind in gpukinds.KINDS}
     others = (
-        sorted(p.name for p in folder.iterdir() if p.name not in known and p.name != "jobs.tsv")
-        if folder.is_dir()
-        else []
+        sorted(p.name for p in folder.iterdir() if p.name not in known) if folder.is_dir() else []
     )
     if others:
         notes.append(
@@ -109,6 +114,7 @@ def load_legs(
 def job_said(result: str) -> str:
     """A leg job's result from the jobs API, in words."""
     known = {
+        "success": "its job passed",
         "failure": "its job failed",
         "cancelled": "its job was cancelled",
         "timed_out": "its job timed out",
@@ -226,5 +232,5 @@ def render_legs(
         else:
             share = max(MIN_SHARE, share - (size - budget) // present - 200)
     if best is None:  # the shares are estimates: never post over the limit
-        return _hard_cut(text, budget), True
+        return hard_cut(text, budget), True
     return best

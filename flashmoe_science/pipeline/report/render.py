@@ -303,7 +303,7 @@ def render(inputs: Inputs, budget: int = BUDGET, header: bool = True) -> tuple[s
     text = _render_with(inputs, detail)
     if md.size(text) <= budget:
         return text, True
-    return _hard_cut(text, budget), True
+    return hard_cut(text, budget), True
 
 
 def _largest(fits, upper: int) -> int:
@@ -318,7 +318,7 @@ def _largest(fits, upper: int) -> int:
     return lo
 
 
-def _hard_cut(text: str, budget: int) -> str:
+def hard_cut(text: str, budget: int) -> str:
     """Last resort: keep whole lines up to the budget, then close what is open and say so."""
     note = f"\n\n> ✂️ **Cut here** to fit GitHub's {MAX_CHARS:,}-character comment limit; the full data is in the run's `reports/` artifact.\n"
     kept: list[str] = []
