@@ -259,6 +259,7 @@ def test_the_pr_report_shows_mains_trend_from_the_branch(tmp_path, remote):
                 stage["provenance"]["run_id"] = gpukinds.leg_run_id("gpu-1-1", kind)
             if isinstance(doc.get("gpu"), dict):
                 doc["gpu"]["name"] = gpukinds.KINDS[kind].card
+                doc["gpu"]["capability"] = gpukinds.KINDS[kind].capability
             (reports / name).write_text(json.dumps(doc))
     (artifacts / "gpu-ci-approval").mkdir()
     (artifacts / "gpu-ci-approval" / "approval.json").write_text(

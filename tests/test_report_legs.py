@@ -29,12 +29,14 @@ def add_leg(
     device: str | None = None,
 ) -> Path:
     """`fixture` as the `kind` leg's artifact: its records carry the run id of `run_kind` (the
-    leg's own by default) and, for h100, an H100's device name unless `device` says otherwise."""
+    leg's own by default) and, for h100, an H100's device name and compute capability unless
+    `device` names another card (which keeps the fixture's 8.9)."""
     leg = root / gpukinds.artifact_name(kind)
     shutil.copytree(FIXTURES / fixture, leg)
     for name in ("expected.md", "base_build.json"):
         (leg / name).unlink(missing_ok=True)
     run_id = gpukinds.leg_run_id(RUN, run_kind or kind)
+    capability = "9.0" if kind == "h100" and device is None else None  # the fixtures are an L4's
     device = device or (H100_NAME if kind == "h100" else None)
     for path in leg.glob("*.json"):
         doc = json.loads(path.read_text())
@@ -44,6 +46,7 @@ def add_leg(
             stage["provenance"]["run_id"] = run_id
         if device and isinstance(doc.get("gpu"), dict):
             doc["gpu"]["name"] = device
+            doc["gpu"]["capability"] = capability or doc["gpu"]["capability"]
         path.write_text(json.dumps(doc))
     return leg
 
@@ -180,8 +183,8 @@ def test_a_leg_that_ran_on_another_card_is_a_warning(root):
     _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
     assert text.startswith("## ⚠️ flashmoe-science: l4 passed, h100 warned\n")
     assert verdict_lines(text)[1] == (
-        "- ⚠️ **h100** (NVIDIA H100, sm_90a): ran on NVIDIA L4, not an NVIDIA H100 "
-        "(its records: passed)"
+        "- ⚠️ **h100** (NVIDIA H100, sm_90a): ran on the wrong card: NVIDIA L4 is sm_89, not "
+        "sm_90a (its records: passed)"
     )
 
 
@@ -238,3 +241,14 @@ def test_a_folder_of_no_kind_is_named_and_not_read(root):
     _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
     assert "> **Note:** not a GPU kind's artifact, not read: `gpu-ci-reports-a100`" in text
     assert "a100" not in text.split("\n")[0] and "<b>a100</b>" not in text
+
+
+def test_a_legs_claims_reach_the_verdict_line_escaped(root):
+    add_leg(root, "l4")
+    add_leg(root, "h100", device="<img src=x> [H100](https://evil.example) ::set-env")
+    _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
+    line = verdict_lines(text)[1]
+    # its name says H100, its compute capability (the fixture's 8.9) does not
+    assert line.startswith("- ⚠️ **h100** (NVIDIA H100, sm_90a): ran on the wrong card: ")
+    assert "is sm_89, not sm_90a" in line
+    assert "<img" not in text and "](https://evil" not in text

@@ -125,12 +125,17 @@ def job_said(result: str) -> str:
     return known.get(result, f"its job ended {md.text(result, 30)}")
 
 
-def _device_name(inputs: Inputs) -> str | None:
-    if "env.json" in inputs.stale:
-        return None
-    gpu = (inputs.env or {}).get("gpu")
+def device_problem(kind: gpukinds.GpuKind, inputs: Inputs) -> str | None:
+    """Why the leg's env.json describes a card of another kind (its name, or its compute
+    capability where it gives one); None when it matches or names no card."""
+    gpu = (inputs.env or {}).get("gpu") if "env.json" not in inputs.stale else None
     name = gpu.get("name") if isinstance(gpu, dict) else None
-    return name if isinstance(name, str) else None
+    if not isinstance(name, str) or not name:
+        return None
+    capability = gpu.get("capability")
+    if isinstance(capability, str) and capability:
+        return kind.device_problem(name, capability.removeprefix("sm_"))
+    return None if kind.matches(name) else f"{name} is not an {kind.card}"
 
 
 def leg_verdict(leg: Leg, budget: int) -> tuple[LegVerdict, bool]:
@@ -157,9 +162,9 @@ def leg_verdict(leg: Leg, budget: int) -> tuple[LegVerdict, bool]:
     if leg.job is not None and leg.job != "success":
         problems.append(job_said(leg.job))
         severity = FAIL
-    device = _device_name(leg.inputs)
-    if device and not leg.kind.matches(device):
-        problems.append(f"ran on {md.text(device, 60)}, not an {leg.kind.card}")
+    wrong_card = device_problem(leg.kind, leg.inputs)
+    if wrong_card:
+        problems.append(f"ran on the wrong card: {md.text(wrong_card, 120)}")
         severity = max(severity, WARN)
     if problems:
         said = "; ".join(problems) + (f" (its records: {said})" if said else "")
