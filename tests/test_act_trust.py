@@ -299,3 +299,62 @@ def test_the_gpu_job_runs_only_the_leg_asked_for_with_its_kinds_settings(tmp_pat
     report = (out / "artifacts" / "gpu-ci-reports-h100" / "report.md").read_text()
     assert report.startswith("## ❌ flashmoe-science: env failed") or "failed: gpu" in report
     assert "act artifact check: reports/ passed" in log
+
+
+@pytest.mark.skipif(
+    shutil.which("nvidia-smi") is not None,
+    reason="a GPU machine runs the whole leg (scripts/act/gpu-job.sh does that, for an hour)",
+)
+def test_both_legs_under_act_make_one_comment_with_a_verdict_line_each(
+    tmp_path, monkeypatch, head_sha
+):
+    # The whole matrix (no --matrix): both legs run, each fails at `env` here (no GPU) and
+    # uploads its own artifact; pr-report.yml then renders the one comment from both.
+    torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    jsonschema = subprocess.run(["python3", "-c", "import jsonschema"], capture_output=True)
+    if torch.returncode or jsonschema.returncode:
+        pytest.skip("needs torch in this interpreter and jsonschema in python3")
+    monkeypatch.delenv("FLASHMOE_REPORT_DIR", raising=False)
+    for step in ("gpu", "report"):
+        (tmp_path / step).mkdir()
+    api = Api({})
+    try:
+        rc, log, out = run_job(
+            tmp_path / "gpu", api, "gpu-ci.yml", "gpu", "push", None, python=sys.executable
+        )
+    finally:
+        api.close()
+    assert rc != 0 and "GPU kind l4: every build targets 8.9" in log
+    assert "GPU kind h100: every build targets 9.0a" in log
+    artifacts = out / "artifacts"
+    assert sorted(p.name for p in artifacts.iterdir()) == [
+        "gpu-ci-approval",
+        "gpu-ci-reports-h100",
+        "gpu-ci-reports-l4",
+    ]
+    (artifacts / "gpu-ci-approval" / "approval.json").write_text(
+        json.dumps({"run": True, "pr": 7, "sha": head_sha})  # as if the push had been PR 7's
+    )
+    jobs = [{"name": f"GPU ({kind})", "conclusion": "failure"} for kind in ("l4", "h100")]
+    pull = {"number": 7, "head": {"sha": head_sha}, "base": {"repo": {"full_name": REPO}}}
+    api = Api(
+        {
+            ("GET", "pulls/7/files"): (200, [{"filename": "csrc/flash_fwd.cu"}]),
+            ("GET", "pulls/7"): (200, pull),
+            ("GET", "actions/runs/1/jobs"): (200, {"jobs": jobs}),
+        }
+    )
+    try:
+        rc, log, report = run_job(
+            tmp_path / "report", api, "pr-report.yml", "comment", "workflow_run", None, artifacts
+        )
+    finally:
+        api.close()
+    assert rc == 0, log[-4000:]
+    comment = (report / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
+    lines = comment.split("\n")
+    assert lines[0] == "## ❌ flashmoe-science: l4 failed, h100 failed" and lines[1] == MARKER
+    for line, kind in zip(lines[3:5], ("l4", "h100"), strict=True):
+        assert line.startswith(f"- ❌ **{kind}** (")
+        assert "its job failed (its records: environment check failed (gpu))" in line
+    assert "**run** `gpu-1-1-l4`" in comment and "**run** `gpu-1-1-h100`" in comment
