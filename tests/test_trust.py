@@ -659,6 +659,7 @@ def test_history_stores_each_leg_under_its_kind_never_beside_another(tmp_path, r
     # L4 runs it would have been five times faster than its "band".
     h100 = text[text.index(f"## ✅ main's benchmark history at {FIXTURE_SHA[:12]} (h100 leg)") :]
     assert "Main's last 1 stored run on NVIDIA H100" in h100 and "⚠️" not in h100
+    assert "The first stored main run of the h100 leg: no earlier runs of this kind" in h100
     l4 = text[text.index(f"## ⚠️ main's benchmark history at {FIXTURE_SHA[:12]} (l4 leg)") :]
     assert "Main's last 7 stored runs on NVIDIA L4" in l4[: l4.index("(h100 leg)")]
     alerts = [c[2]["body"] for c in gh.calls if c[0] == "POST"]

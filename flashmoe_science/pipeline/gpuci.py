@@ -457,6 +457,11 @@ def history_of_leg(
     points = [*(p for p in stored if p.sha != current.sha), current][-trend.KEEP :]
     comparison = benchrecords.to_json(record.comparison) if record.comparison else None
     body, outside = trend.markdown(points, current, comparison, skipped)
+    if len(points) == 1:  # this run alone: no runner of another kind stands in for the history
+        body = (
+            f"The first stored main run of the {kind} leg: no earlier runs of this kind to set it "
+            f"beside (another GPU kind's runs are never used).\n\n{body}"
+        )
     title = f"{'⚠️' if outside else '✅'} main's benchmark history at {sha[:12]} ({kind} leg)"
     text = f"## {title}\n\n{body}\n"
     if summary:
