@@ -333,12 +333,9 @@ def gate(
             )
     failed = {kind: result for kind, result in (legs or {}).items() if result != "success"}
     if tested_sha == head_sha and gpu_result == "success" and not failed:
-        state = "success"
-        why = (
-            f"GPU job passed on this commit ({_legs_text(legs)})"
-            if legs
-            else ("GPU job passed on this commit")
-        )
+        state, why = "success", "GPU job passed on this commit"
+        if legs:
+            why += f" ({_legs_text(legs)})"
     elif tested_sha == head_sha and (gpu_result in ("failure", "cancelled") or failed):
         named = f"; not passed: {_legs_text(failed)}" if failed else ""
         state, why = "failure", f"GPU job {log_safe(gpu_result, 20)} on this commit{named}"
