@@ -132,9 +132,12 @@ def run_job(
     payload: dict | None,
     artifacts: Path | None = None,
     env: dict[str, str] | None = None,
+    driver_args: tuple[str, ...] = (),
+    python: str | None = None,
 ) -> tuple[int, str, Path]:
     """Run JOB of WORKFLOW on EVENT (payload: the event JSON, None for the driver's own) with the
-    stub API; (act's exit status, the driver's output, its output folder)."""
+    stub API; (act's exit status, the driver's output, its output folder). `driver_args` go to
+    run-job.sh (e.g. --matrix gpu:h100); `python` is the interpreter the job reuses (python3)."""
     out = tmp_path / "act"
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
@@ -148,7 +151,8 @@ def run_job(
         "--out",
         str(out),
         "--python",
-        shutil.which("python3"),
+        python or shutil.which("python3"),
+        *driver_args,
     ]
     if payload is not None:
         event_file = tmp_path / "event.json"

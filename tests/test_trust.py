@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import benchrecords, gpuci, historybranch, trend
+from flashmoe_science.pipeline import benchrecords, gpuci, gpukinds, historybranch, trend
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
@@ -128,7 +128,7 @@ def test_the_required_gate_needs_the_gpu_job_and_always_runs():
     assert gate["name"] == "gpu-gate"
     assert set(gate["needs"]) == {"approve", "gpu"}
     assert gate["if"] == "${{ always() }}"
-    assert gate["permissions"] == {"contents": "read", "statuses": "write"}
+    assert gate["permissions"] == {"contents": "read", "actions": "read", "statuses": "write"}
     step = next(s for s in gate["steps"] if "gpuci gate" in s.get("run", ""))
     assert step["env"]["GPU_RESULT"] == "${{ needs.gpu.result }}"
     assert step["env"]["TESTED_SHA"] == "${{ needs.approve.outputs.sha }}"
@@ -164,10 +164,17 @@ def test_history_is_written_only_after_a_passing_push_to_main():
 
 
 class FakeGitHub:
-    def __init__(self, permission="write", comments=(), pull=None, statuses=()):
+    def __init__(self, permission="write", comments=(), pull=None, statuses=(), jobs=()):
         self.calls = []
         self._permission, self._comments = permission, list(comments)
         self._pull, self._statuses = pull, list(statuses)
+        self._jobs = jobs
+
+    def run_jobs(self, run_id):
+        self.calls.append(("run_jobs", run_id))
+        if isinstance(self._jobs, Exception):
+            raise self._jobs
+        return list(self._jobs)
 
     def permission(self, user):
         self.calls.append(("permission", user))
@@ -292,6 +299,59 @@ def test_the_gate_passes_only_a_tested_head():
     assert gpuci.gate(forged, SHA, "", "skipped", "u") == 1, "only our own status counts"
 
 
+def jobs_of(**results) -> list[dict]:
+    """A run's jobs as the API lists them: the trusted ones, then a leg per kind given."""
+    listed = [{"name": "Approve the commit to test (trusted)", "conclusion": "success"}]
+    return listed + [
+        {"name": gpukinds.job_name(kind), "conclusion": result} for kind, result in results.items()
+    ]
+
+
+def test_the_gpu_matrix_is_fixed_in_the_workflow_and_every_leg_is_the_gated_job():
+    gpu = JOBS["gpu"]
+    matrix = gpu["strategy"]["matrix"]
+    # The legs are literals of main's workflow: nothing from the event (a title, a label, an
+    # input) picks a runner label or an architecture.
+    assert set(matrix) == {"include"} and "${{" not in json.dumps(matrix)
+    assert [leg["gpu"] for leg in matrix["include"]] == list(gpukinds.KINDS)
+    assert gpu["runs-on"] == ["self-hosted", "linux", "x64", "gpu", "${{ matrix.gpu }}"]
+    # One job definition for every leg: the approval, the approved commit read-only, no secret
+    # (the tests above), and nothing of the matrix reaches a `run:` unquoted.
+    for step in gpu["steps"]:
+        assert "matrix." not in step.get("run", ""), step.get("name")
+
+
+def test_the_gate_needs_every_leg_and_names_the_one_that_did_not_pass():
+    both = FakeGitHub(jobs=jobs_of(l4="success", h100="success"))
+    assert gpuci.gate(both, SHA, SHA, "success", "u", "42") == 0
+    assert ("run_jobs", "42") in both.calls
+    assert both.calls[-1][2]["state"] == "success"
+    assert "l4 success, h100 success" in both.calls[-1][2]["description"]
+    failed = FakeGitHub(jobs=jobs_of(l4="success", h100="failure"))
+    assert gpuci.gate(failed, SHA, SHA, "failure", "u", "42") == 1
+    status = failed.calls[-1][2]
+    assert status["state"] == "failure" and status["description"].endswith(
+        "not passed: h100 failure"
+    )
+    # A leg that never ran (a matrix without it) fails the gate, whatever needs.gpu.result says.
+    missing = FakeGitHub(jobs=jobs_of(l4="success"))
+    assert gpuci.gate(missing, SHA, SHA, "success", "u", "42") == 1
+    assert "not passed: h100 missing" in missing.calls[-1][2]["description"]
+    # The jobs unreadable: needs.gpu.result, every leg at once, decides alone.
+    for result, code in (("success", 0), ("failure", 1)):
+        unread = FakeGitHub(jobs=gpuci.ApiError(500, "GET actions/runs/42/jobs"))
+        assert gpuci.gate(unread, SHA, SHA, result, "u", "42") == code
+
+
+def test_the_jobs_of_a_run_are_read_page_by_page():
+    pages = {1: {"jobs": jobs_of(l4="success")}, 2: {"jobs": jobs_of(h100="failure")[1:]}}
+    gh = gpuci.GitHub(REPO, token="")
+    gh.call = lambda method, path, body=None: pages.get(int(path.rsplit("page=", 1)[1]), {})
+    assert gpuci.leg_results(gh.run_jobs("42")) == {"l4": "success", "h100": "failure"}
+    with pytest.raises(ValueError, match="is not a number"):
+        gh.run_jobs("42/../../x")
+
+
 def test_log_lines_never_start_a_workflow_command():
     assert not gpuci.log_safe("\n::set-env name=X::1").lstrip().startswith("::")
 
@@ -396,10 +456,12 @@ def test_the_branch_starts_with_the_first_run_and_fetches_the_newest_points(tmp_
     writer = branch(tmp_path, remote)
     assert writer.tip() is None and writer.fetch_points(tmp_path / "none") == 0
     for i in range(5):
-        writer.store(point(i), b'{"bench": %d}' % i)
+        writer.store(point(i), b'{"bench": %d}' % i, "l4")
     files = stored_files(remote)
-    assert len(files) == 10 and files[0].startswith("points/") and files[-1].startswith("runs/")
-    count = branch(tmp_path, remote, "reader").fetch_points(tmp_path / "out", keep=3)
+    assert (
+        len(files) == 10 and files[0].startswith("points/l4/") and files[-1].startswith("runs/l4/")
+    )
+    count = branch(tmp_path, remote, "reader").fetch_points(tmp_path / "out", keep=3, kind="l4")
     assert count == 3
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         trend.point_name(point(i)) for i in (2, 3, 4)
@@ -416,30 +478,34 @@ def test_a_rerun_of_a_commit_replaces_its_files(tmp_path, remote):
     writer = branch(tmp_path, remote)
     first = trend.Point("abcdef1234567", "2026-11-01T00:00:00+00:00", "L4", {"c": 1.0})
     again = trend.Point("abcdef1234567", "2026-11-01T05:00:00+00:00", "L4", {"c": 1.1})
-    tip = writer.store(first, b"{}")
-    assert writer.store(first, b"{}") == tip, "the same run twice: nothing new"
-    writer.store(again, b"{}")
+    tip = writer.store(first, b"{}", "l4")
+    assert writer.store(first, b"{}", "l4") == tip, "the same run twice: nothing new"
+    h100 = trend.Point("abcdef1234567", "2026-11-01T00:00:00+00:00", "NVIDIA H100", {"c": 0.5})
+    writer.store(h100, b"{}", "h100")
+    writer.store(again, b"{}", "l4")
     assert stored_files(remote) == [
-        f"points/{trend.point_name(again)}",
-        f"runs/{trend.point_name(again)}",
-    ]
+        f"points/h100/{trend.point_name(h100)}",
+        f"points/l4/{trend.point_name(again)}",
+        f"runs/h100/{trend.point_name(h100)}",
+        f"runs/l4/{trend.point_name(again)}",
+    ], "a rerun replaces its own kind's files only"
 
 
 def test_a_racing_writer_is_not_overwritten(tmp_path, remote):
     ours, theirs = branch(tmp_path, remote, "ours"), branch(tmp_path, remote, "theirs")
-    ours.store(point(0), b"{}")
+    ours.store(point(0), b"{}", "l4")
     fetch = ours.tip
     raced = []
 
     def tip_then_race():  # the other job pushes between our fetch and our push, once
         found = fetch()
         if not raced:
-            raced.append(theirs.store(point(1), b"{}"))
+            raced.append(theirs.store(point(1), b"{}", "l4"))
         return found
 
     ours.tip = tip_then_race
     retries = []
-    ours.store(point(2), b"{}", on_retry=retries.append)
+    ours.store(point(2), b"{}", "l4", on_retry=retries.append)
     assert retries == [1]
     assert len([f for f in stored_files(remote) if f.startswith("points/")]) == 3
 
@@ -476,14 +542,22 @@ def test_main_history_stores_the_run_and_alerts_outside_the_band(tmp_path, remot
         seeder.store(
             trend.Point(f"{i:07x}0", f"2026-11-{i + 1:02d}T00:00:00+00:00", record.gpu, medians),
             b"{}",
+            "l4",
         )
     gh = FakeGitHub()
     summary = tmp_path / "summary.md"
-    code = gpuci.history(
-        gh, branch(tmp_path, remote), FIXTURE_BENCH, FIXTURE_SHA, summary, tmp_path, FIXTURE_RUN
+    code = gpuci.history_of_leg(
+        gh,
+        branch(tmp_path, remote),
+        "l4",
+        FIXTURE_BENCH,
+        FIXTURE_SHA,
+        summary,
+        tmp_path,
+        FIXTURE_RUN,
     )
     stored = stored_files(remote)
-    assert len(stored) == 18 and f"runs/{trend.point_name(record)}" in stored, "this run is stored"
+    assert len(stored) == 18 and f"runs/l4/{trend.point_name(record)}" in stored, "stored"
     comments = [c for c in gh.calls if c[0] == "POST" and c[1] == f"commits/{FIXTURE_SHA}/comments"]
     if drift == 1.0:
         assert code == 0 and not comments
@@ -504,18 +578,123 @@ def test_history_stores_only_this_runs_bench_of_the_pushed_commit(
 ):
     pytest.importorskip("jsonschema")
     with pytest.raises(ValueError, match=why):
-        gpuci.history(
-            FakeGitHub(), branch(tmp_path, remote), FIXTURE_BENCH, sha, None, tmp_path, run_id
+        gpuci.history_of_leg(
+            FakeGitHub(), branch(tmp_path, remote), "l4", FIXTURE_BENCH, sha, None, tmp_path, run_id
         )
     assert stored_files(remote) == []
 
 
 def test_fetch_points_reads_the_remote_the_environment_names(tmp_path, remote, monkeypatch, capsys):
-    branch(tmp_path, remote, "seed").store(point(0), b"{}")
+    branch(tmp_path, remote, "seed").store(point(0), b"{}", "l4")
     monkeypatch.setenv("GITHUB_REPOSITORY", REPO)
     monkeypatch.setenv("FLASHMOE_HISTORY_REMOTE", remote)
     assert gpuci.main(["fetch-points", "--out", str(tmp_path / "out")]) == 0
-    assert [p.name for p in (tmp_path / "out").iterdir()] == [trend.point_name(point(0))]
+    assert [p.name for p in (tmp_path / "out" / "l4").iterdir()] == [trend.point_name(point(0))]
+    assert list((tmp_path / "out" / "h100").iterdir()) == [], "no h100 history: none fetched"
     with pytest.raises(SystemExit) as stop:
         gpuci.main(["fetch-points", "--out", str(tmp_path / "out"), "--keep", "0"])
     assert stop.value.code == 2 and "--keep must be at least 1" in capsys.readouterr().err
+
+
+def test_each_kind_keeps_its_own_history_and_the_old_points_are_l4s(tmp_path, remote):
+    writer = branch(tmp_path, remote)
+    # Before the kinds the branch kept L4's points at the top of points/.
+    legacy = point(0)
+    name = trend.point_name(legacy)
+    old = writer._commit(
+        None, {f"points/{name}": json.dumps(legacy.to_json()).encode()}, "x", "old"
+    )
+    writer.git("push", "--quiet", remote, f"{old}:refs/heads/{historybranch.BRANCH}")
+    writer.store(point(1), b"{}", "l4")
+    writer.store(point(2, gpu="NVIDIA H100", value=0.5), b"{}", "h100")
+    reader = branch(tmp_path, remote, "reader")
+    assert reader.fetch_points(tmp_path / "l4", kind="l4") == 2
+    assert reader.fetch_points(tmp_path / "h100", kind="h100") == 1
+    assert [p.gpu for p in trend.load_points(tmp_path / "h100")[0]] == ["NVIDIA H100"]
+    assert {p.sha for p in trend.load_points(tmp_path / "l4")[0]} == {point(0).sha, point(1).sha}
+    with pytest.raises(ValueError, match="GPU kind 'a100' is not one of l4, h100"):
+        writer.store(point(3), b"{}", "a100")
+
+
+def leg_reports(tmp_path, run: str, kinds=("l4", "h100")):
+    """A GPU CI run's artifacts as bench-history.yml downloads them: a folder per leg."""
+    reports = tmp_path / "reports"
+    for kind in kinds:
+        leg = reports / gpukinds.artifact_name(kind)
+        leg.mkdir(parents=True)
+        doc = json.loads(FIXTURE_BENCH.read_text())
+        doc["provenance"]["run_id"] = gpukinds.leg_run_id(run, kind)
+        doc["gpu"]["name"] = gpukinds.KINDS[kind].card
+        (leg / "bench.json").write_text(json.dumps(doc))
+    return reports
+
+
+def test_history_stores_each_leg_under_its_kind_never_beside_another(tmp_path, remote):
+    pytest.importorskip("jsonschema")
+    record = trend.point_of(benchrecords.load(FIXTURE_BENCH), FIXTURE_SHA)
+    seeder = branch(tmp_path, remote, "seed")
+    for i in range(6):  # main's L4 history, five times slower than this run
+        slow = {case: 5 * value for case, value in record.medians.items()}
+        when = f"2026-11-0{i + 1}T00:00:00+00:00"
+        seeder.store(trend.Point(f"{i:07x}0", when, "NVIDIA L4", slow), b"{}", "l4")
+    summary = tmp_path / "summary.md"
+    gh = FakeGitHub()
+    reports = leg_reports(tmp_path, "gpu-7-1")
+    code = gpuci.history(
+        gh, branch(tmp_path, remote), reports, FIXTURE_SHA, summary, tmp_path / "w", "gpu-7-1"
+    )
+    stored = [f for f in stored_files(remote) if f.startswith("runs/")]
+    assert sorted(f.split("/")[1] for f in stored) == [
+        "h100",
+        "l4",
+        "l4",
+        "l4",
+        "l4",
+        "l4",
+        "l4",
+        "l4",
+    ]
+    text = summary.read_text()
+    # The first h100 run has no history but itself: nothing to leave, no alert. Set beside the
+    # L4 runs it would have been five times faster than its "band".
+    h100 = text[text.index(f"## ✅ main's benchmark history at {FIXTURE_SHA[:12]} (h100 leg)") :]
+    assert "Main's last 1 stored run on NVIDIA H100" in h100 and "⚠️" not in h100
+    assert "The first stored main run of the h100 leg: no earlier runs of this kind" in h100
+    l4 = text[text.index(f"## ⚠️ main's benchmark history at {FIXTURE_SHA[:12]} (l4 leg)") :]
+    assert "Main's last 7 stored runs on NVIDIA L4" in l4[: l4.index("(h100 leg)")]
+    alerts = [c[2]["body"] for c in gh.calls if c[0] == "POST"]
+    assert code == 1 and len(alerts) == 1 and "(l4 leg)" in alerts[0]
+
+
+def test_history_of_a_run_with_a_leg_missing_or_another_legs_file(tmp_path, remote):
+    pytest.importorskip("jsonschema")
+    reports = leg_reports(tmp_path, "gpu-7-1", kinds=("l4",))
+    # the l4 leg's file, copied as the h100 leg's: its run id names l4
+    (reports / "gpu-ci-reports-h100").mkdir()
+    (reports / "gpu-ci-reports-h100" / "bench.json").write_text(
+        (reports / "gpu-ci-reports-l4" / "bench.json").read_text()
+    )
+    code = gpuci.history(
+        FakeGitHub(),
+        branch(tmp_path, remote),
+        reports,
+        FIXTURE_SHA,
+        None,
+        tmp_path / "w",
+        "gpu-7-1",
+    )
+    assert code == 1
+    assert [f.split("/")[:2] for f in stored_files(remote)] == [["points", "l4"], ["runs", "l4"]]
+    (reports / "gpu-ci-reports-h100" / "bench.json").unlink()
+    assert (
+        gpuci.history(
+            FakeGitHub(),
+            branch(tmp_path, remote, "again"),
+            reports,
+            FIXTURE_SHA,
+            None,
+            tmp_path / "w2",
+            "gpu-7-1",
+        )
+        == 1
+    )

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from flashmoe_science.pipeline import gpukinds
+
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +64,23 @@ def runs_on_labels(job: dict) -> list[str]:
 
 def is_self_hosted(job: dict) -> bool:
     return "self-hosted" in runs_on_labels(job)
+
+
+def legs(job: dict) -> list[dict]:
+    """A job's matrix legs (its `include` entries); [{}] for a job without a matrix."""
+    matrix = (job.get("strategy") or {}).get("matrix") or {}
+    assert set(matrix) <= {"include"}, "legs are listed with include only"
+    return matrix.get("include") or [{}]
+
+
+def expand(text: str, leg: dict) -> str:
+    """`text` with the leg's ${{ matrix.KEY }} filled in."""
+    return re.sub(r"\$\{\{\s*matrix\.(\w+)\s*\}\}", lambda m: str(leg[m.group(1)]), text)
+
+
+def leg_labels(job: dict) -> list[list[str]]:
+    """The runner labels each leg of a job asks for."""
+    return [[expand(label, leg) for label in runs_on_labels(job)] for leg in legs(job)]
 
 
 def steps(job: dict) -> list[dict]:
@@ -153,15 +172,46 @@ def test_gpu_runner_labels_are_declared_for_actionlint():
     declared = set(yaml.safe_load(ACTIONLINT.read_text())["self-hosted-runner"]["labels"])
     for name, _, job_id, job in all_jobs():
         if is_self_hosted(job):
-            custom = set(runs_on_labels(job)) - BUILTIN_SELF_HOSTED
-            assert custom <= declared, f"{name}:{job_id}: undeclared labels {custom - declared}"
-    assert runs_on_labels(load("gpu-ci.yml")["jobs"]["gpu"]) == [
-        "self-hosted",
-        "linux",
-        "x64",
-        "gpu",
-        "l4",
+            for labels in leg_labels(job):
+                custom = set(labels) - BUILTIN_SELF_HOSTED
+                assert custom <= declared, f"{name}:{job_id}: undeclared labels {custom - declared}"
+    assert leg_labels(load("gpu-ci.yml")["jobs"]["gpu"]) == [
+        ["self-hosted", "linux", "x64", "gpu", kind] for kind in gpukinds.KINDS
     ]
+
+
+def test_the_gpu_job_is_a_matrix_of_the_gpu_kinds_each_built_for_its_card():
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    assert job["strategy"]["fail-fast"] is False, "a failing leg must not cancel the other"
+    assert [(leg["gpu"], leg["arch"]) for leg in legs(job)] == [
+        (kind.label, kind.arch) for kind in gpukinds.KINDS.values()
+    ]
+    assert [leg["arch"] for leg in legs(job)] == ["8.9", "9.0a"], "l4 sm_89, h100 sm_90a"
+    # every build of a leg (build, test, bench's head and base) takes the leg's arch
+    assert job["env"]["TORCH_CUDA_ARCH_LIST"] == "${{ matrix.arch }}"
+    assert job["env"]["FLASHMOE_GPU_KIND"] == "${{ matrix.gpu }}"
+    for leg in legs(job):
+        kind = leg["gpu"]
+        assert expand(job["name"], leg) == gpukinds.job_name(kind), "what the jobs API lists"
+        run_id = expand(job["env"]["FLASHMOE_RUN_ID"], leg)
+        assert run_id == gpukinds.leg_run_id(
+            "gpu-${{ github.run_id }}-${{ github.run_attempt }}", kind
+        )
+        upload = next(
+            s for s in steps(job) if s.get("uses", "").startswith("actions/upload-artifact@")
+        )
+        assert expand(upload["with"]["name"], leg) == gpukinds.artifact_name(kind)
+    # the build stage takes the arch from TORCH_CUDA_ARCH_LIST when no --arch is given
+    build = next(s["run"] for s in steps(job) if s.get("name") == "build")
+    assert "--arch" not in build
+
+
+def test_the_gate_needs_every_leg_and_reads_each_legs_result():
+    gate = load("gpu-ci.yml")["jobs"]["gpu-gate"]
+    assert set(gate["needs"]) == {"approve", "gpu"}
+    assert gate["permissions"]["actions"] == "read", "the run's jobs name each leg"
+    step = next(s for s in steps(gate) if "gpuci gate" in s.get("run", ""))
+    assert step["env"]["RUN_ID"] == "${{ github.run_id }}" and '--run-id "$RUN_ID"' in step["run"]
 
 
 def test_concurrency_cancels_superseded_prs_but_never_main():
@@ -252,8 +302,12 @@ def test_report_job_reads_the_gpu_artifact_and_updates_one_comment():
     downloads = [
         s for s in steps(job) if s.get("uses", "").startswith("actions/download-artifact@")
     ]
-    assert {d["with"]["name"] for d in downloads} == {"gpu-ci-reports", "gpu-ci-approval"}
-    assert set(uploads) >= {"gpu-ci-reports", "gpu-ci-approval"}
+    # the approval by name; every leg's reports by pattern, each into a folder of its name
+    assert {d["with"].get("name") for d in downloads} == {None, "gpu-ci-approval"}
+    pattern = next(d["with"]["pattern"] for d in downloads if "pattern" in d["with"])
+    assert pattern == gpukinds.ARTIFACT_PREFIX + "*"
+    assert "merge-multiple" not in next(d["with"] for d in downloads if "pattern" in d["with"])
+    assert set(uploads) >= {"gpu-ci-reports-${{ matrix.gpu }}", "gpu-ci-approval"}
     for download in downloads:
         assert download["with"]["run-id"] == "${{ github.event.workflow_run.id }}"
         assert download["with"]["github-token"] == "${{ github.token }}"
@@ -270,7 +324,21 @@ def test_report_job_reads_the_gpu_artifact_and_updates_one_comment():
     assert '"$APPROVAL"' in code and "pr.json" not in code
     assert "pulls/$claimed" in resolve
     render = next(s for s in steps(job) if s.get("id") == "body")["run"]
-    assert "python3 -m flashmoe_science report" in render and "--tested-sha" in render
+    assert "python3 -m flashmoe_science report --legs" in render and "--tested-sha" in render
+    assert "--dir" not in render, "one comment over every leg, not one leg's report"
+    jobs = next(s for s in steps(job) if s.get("id") == "jobs")
+    assert "actions/runs/$RUN/jobs" in jobs["run"] and jobs["continue-on-error"] is True
+    assert '--jobs "$RUNNER_TEMP/jobs.tsv"' in render
+
+
+def test_history_stores_every_leg_under_its_kind():
+    job = load("bench-history.yml")["jobs"]["history"]
+    download = next(
+        s for s in steps(job) if s.get("uses", "").startswith("actions/download-artifact@")
+    )
+    assert download["with"]["pattern"] == gpukinds.ARTIFACT_PREFIX + "*"
+    step = next(s for s in steps(job) if "gpuci history" in s.get("run", ""))
+    assert '--reports "$REPORTS"' in step["run"]
 
 
 def test_gpu_job_writes_the_pr_number_as_data():

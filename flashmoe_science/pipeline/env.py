@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _toolkit
-from . import exitcodes
+from . import exitcodes, gpukinds
 from .paths import build_root, report_dir, require_gpu_from_env
 from .provenance import clear_outputs, provenance
 
@@ -319,6 +319,24 @@ def probe_gpu(torch: Any) -> GpuProbe:
         count=count,
     )
     return GpuProbe(gpu, complaints[0] if complaints else "", suspicious=bool(complaints))
+
+
+def check_gpu_kind(gpu: Gpu | None, label: str | None) -> Check | None:
+    """A GPU CI leg (gpukinds.KIND_VAR set) runs on the card its runner label promises: a
+    mislabelled runner fails the leg instead of gating one card's kernels on another."""
+    if not label:
+        return None
+    try:
+        kind = gpukinds.kind_of(label)
+    except ValueError as exc:
+        return Check("gpu-kind", "fail", str(exc), f"set {gpukinds.KIND_VAR} to one of those")
+    if gpu is None:
+        return Check("gpu-kind", "skip", f"no GPU to check against {kind.card} ({kind.sm})")
+    problem = kind.device_problem(gpu.name, gpu.capability)
+    if problem:
+        fix = f"label this runner with its own card's kind, or run the {kind.label} leg on an {kind.card}"
+        return Check("gpu-kind", "fail", f"{problem}: this runner is labelled {kind.label}", fix)
+    return Check("gpu-kind", "ok", f"{gpu.name} is the {kind.label} leg's {kind.card} ({kind.sm})")
 
 
 def check_gpu(probe: GpuProbe, require_gpu: bool, torch_cuda: str | None) -> Check:
@@ -711,6 +729,9 @@ def run_checks(require_gpu: bool = False, deadline: Deadline | None = None) -> R
     gpu_probe = probe_gpu(torch_probe.module)
     report.gpu = gpu_probe.gpu
     add(check_gpu(gpu_probe, require_gpu, torch_probe.cuda))
+    kind_check = check_gpu_kind(gpu_probe.gpu, os.environ.get(gpukinds.KIND_VAR))
+    if kind_check is not None:
+        add(kind_check)
 
     # The driver is looked for even when torch sees no GPU: a driver too old for torch's CUDA is
     # exactly the case where torch sees none.

@@ -10,13 +10,15 @@ these from the default branch's code (never a pull request's), on GitHub-hosted 
                   on every new push, so each commit needs its own approval; a new push also marks
                   the PR's report comment stale. Writes run, sha, pr, base_ref, environment and
                   reason to $GITHUB_OUTPUT.
-    gate          the required check: passes only if the GPU job ran and passed on the PR's head
-                  commit (in this run, or an earlier one that set the commit status); sets the
+    gate          the required check: passes only if every leg of the GPU job (one per GPU kind,
+                  pipeline.gpukinds) ran and passed on the PR's head commit (in this run, or an
+                  earlier one that set the commit status); names the legs that did not; sets the
                   commit status STATUS_CONTEXT on that commit either way.
-    history       main's pushed run against its stored history (pipeline.trend), then stored on
-                  the `bench-history` branch (pipeline.historybranch); an alert (a commit comment,
-                  exit 1) when a case left its history's noise band.
-    fetch-points  download the newest points of the `bench-history` branch into a folder.
+    history       each leg of main's pushed run against its kind's stored history (pipeline.trend),
+                  then stored on the `bench-history` branch under the kind (pipeline.historybranch);
+                  an alert (a commit comment, exit 1) when a case left its history's noise band.
+    fetch-points  download the newest points of each kind on the `bench-history` branch into
+                  OUT/KIND/.
 
 The GitHub API is $FLASHMOE_GITHUB_API, else $GITHUB_API_URL, else https://api.github.com, with
 the token in $GH_TOKEN. Nothing taken from the event is printed unescaped: a workflow log line that
@@ -38,7 +40,7 @@ import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import benchrecords, historybranch, trend
+from . import benchrecords, gpukinds, historybranch, trend
 from . import markdown as md
 
 LABEL = "safe-to-test"
@@ -105,6 +107,21 @@ class GitHub:
                 return False
             raise
         return True
+
+    def run_jobs(self, run_id: str) -> list[dict]:
+        """The jobs of a workflow run's latest attempt ({name, status, conclusion, ...})."""
+        if not re.fullmatch(r"[0-9]{1,20}", run_id or ""):
+            raise ValueError(f"run id {log_safe(run_id, 40)!r} is not a number")
+        jobs: list[dict] = []
+        for page in range(1, 11):
+            doc = self.call(
+                "GET", f"actions/runs/{run_id}/jobs?filter=latest&per_page=100&page={page}"
+            )
+            listed = (doc or {}).get("jobs") if isinstance(doc, dict) else None
+            if not isinstance(listed, list) or not listed:
+                break
+            jobs += [job for job in listed if isinstance(job, dict)]
+        return jobs
 
     def report_comment(self, number: int) -> dict | None:
         """The PR's report comment: the bot's own comment holding the marker (a comment anyone
@@ -274,15 +291,54 @@ def approve(record: Path | None = None) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def gate(gh: GitHub, head_sha: str, tested_sha: str, gpu_result: str, run_url: str) -> int:
-    """Set STATUS_CONTEXT on `head_sha` and return 0 only when the GPU job passed on it."""
+def leg_results(jobs: Iterable[dict]) -> dict[str, str]:
+    """Each GPU kind's leg result in a run's jobs (gpukinds.JOB_NAME): its conclusion, `running`
+    while it has none, `missing` when no job of that name is listed."""
+    by_name = {str(job.get("name")): job for job in jobs}
+    results = {}
+    for kind in gpukinds.KINDS:
+        job = by_name.get(gpukinds.job_name(kind))
+        if job is None:
+            results[kind] = "missing"
+        else:
+            results[kind] = str(job.get("conclusion") or job.get("status") or "running")
+    return results
+
+
+def _legs_text(results: dict[str, str]) -> str:
+    return ", ".join(f"{kind} {log_safe(result, 20)}" for kind, result in results.items())
+
+
+def gate(
+    gh: GitHub,
+    head_sha: str,
+    tested_sha: str,
+    gpu_result: str,
+    run_url: str,
+    run_id: str | None = None,
+) -> int:
+    """Set STATUS_CONTEXT on `head_sha` and return 0 only when every leg of the GPU job passed
+    on it. `gpu_result` is needs.gpu.result (all legs together); the run's jobs (`run_id`) say
+    which leg is which, and a leg missing from them fails the gate too."""
     if not _SHA.match(head_sha):
         print(f"gate: no head commit to judge ({log_safe(head_sha, 40)})", file=sys.stderr)
         return 1
-    if tested_sha == head_sha and gpu_result == "success":
+    legs = None
+    if tested_sha == head_sha and run_id:
+        try:
+            legs = leg_results(gh.run_jobs(run_id))
+        except (ApiError, ValueError) as exc:
+            print(
+                f"gate: this run's jobs are unreadable ({log_safe(exc)}): judging all legs at once"
+            )
+    failed = {kind: result for kind, result in (legs or {}).items() if result != "success"}
+    if tested_sha == head_sha and gpu_result == "success" and not failed:
         state, why = "success", "GPU job passed on this commit"
-    elif tested_sha == head_sha and gpu_result in ("failure", "cancelled"):
-        state, why = "failure", f"GPU job {gpu_result} on this commit"
+        if legs:
+            why += f" ({_legs_text(legs)})"
+    elif tested_sha == head_sha and (gpu_result in ("failure", "cancelled") or failed):
+        named = f"; not passed: {_legs_text(failed)}" if failed else ""
+        state, why = "failure", f"GPU job {log_safe(gpu_result, 20)} on this commit{named}"
     else:
         # This run did not test the head (a fork's push awaiting review, another label): the head
         # passes only if an earlier run of ours set the status to success on it.
@@ -314,6 +370,8 @@ def gate(gh: GitHub, head_sha: str, tested_sha: str, gpu_result: str, run_url: s
         },
     )
     print(f"gate: {head_sha[:12]}: {state} ({why})")
+    if failed:
+        print(f"::error::GPU legs that did not pass: {_legs_text(failed)}")
     return 0 if state == "success" else 1
 
 
@@ -343,24 +401,65 @@ def checked_run(bench: Path, sha: str, run_id: str | None) -> benchrecords.Bench
 def history(
     gh: GitHub,
     branch: historybranch.Branch,
+    reports: Path,
+    sha: str,
+    summary: Path | None,
+    workdir: Path,
+    run_id: str | None = None,
+) -> int:
+    """Each leg of main's pushed run (reports/gpu-ci-reports-KIND/bench.json) against its kind's
+    history, then stored under its kind: history_of_leg per kind. 0 when every leg was stored
+    with every case inside its band; 1 when a leg's bench.json is missing or unusable (the
+    other legs are still stored) or a case left its band."""
+    code = 0
+    for kind in gpukinds.KINDS:
+        bench = reports / gpukinds.artifact_name(kind) / "bench.json"
+        if not bench.is_file():
+            print(
+                f"::error::history: the {kind} leg left no bench.json "
+                f"({gpukinds.artifact_name(kind)}): nothing stored for {kind}"
+            )
+            code = 1
+            continue
+        leg_run = gpukinds.leg_run_id(run_id, kind) if run_id else None
+        try:
+            found = history_of_leg(gh, branch, kind, bench, sha, summary, workdir, leg_run)
+        except (ValueError, benchrecords.InvalidBenchFile) as exc:
+            print(f"::error::history ({kind}): {log_safe(exc, 400)}")
+            found = 1
+        code = max(code, found)
+    return code
+
+
+def history_of_leg(
+    gh: GitHub,
+    branch: historybranch.Branch,
+    kind: str,
     bench: Path,
     sha: str,
     summary: Path | None,
     workdir: Path,
     run_id: str | None = None,
 ) -> int:
-    """Set main's new run beside its stored history (the trend with this run as the newest
-    point, the noise bands), store it, and alert when a case left its band: a comment on the
-    commit and exit 1. 0 when every case is inside."""
+    """Set one leg of main's new run beside its kind's history (the trend with this run as the
+    newest point, the noise bands; another kind's points never count), store it under the
+    kind, and alert when a case left its band: a comment on the commit and exit 1. 0 when every
+    case is inside."""
     record = checked_run(bench, sha, run_id)
     current = trend.point_of(record, sha)
-    shutil.rmtree(workdir / "points", ignore_errors=True)
-    branch.fetch_points(workdir / "points")
-    stored, skipped = trend.load_points(workdir / "points", current.gpu)
+    points_dir = workdir / "points" / kind
+    shutil.rmtree(points_dir, ignore_errors=True)
+    branch.fetch_points(points_dir, kind=kind)
+    stored, skipped = trend.load_points(points_dir, current.gpu)
     points = [*(p for p in stored if p.sha != current.sha), current][-trend.KEEP :]
     comparison = benchrecords.to_json(record.comparison) if record.comparison else None
     body, outside = trend.markdown(points, current, comparison, skipped)
-    title = f"{'⚠️' if outside else '✅'} main's benchmark history at {sha[:12]}"
+    if len(points) == 1:  # this run alone: no runner of another kind stands in for the history
+        body = (
+            f"The first stored main run of the {kind} leg: no earlier runs of this kind to set it "
+            f"beside (another GPU kind's runs are never used).\n\n{body}"
+        )
+    title = f"{'⚠️' if outside else '✅'} main's benchmark history at {sha[:12]} ({kind} leg)"
     text = f"## {title}\n\n{body}\n"
     if summary:
         with summary.open("a", encoding="utf-8") as handle:
@@ -368,15 +467,19 @@ def history(
     commit = branch.store(
         current,
         bench.read_bytes(),
+        kind,
         on_retry=lambda n: print(f"history: {historybranch.BRANCH} moved; retrying ({n})"),
     )
-    print(f"history: {sha[:12]} stored on {historybranch.BRANCH} in {commit[:12]}")
+    print(f"history: {sha[:12]} ({kind}) stored on {historybranch.BRANCH} in {commit[:12]}")
     if not outside:
-        print(f"history: every case inside main's noise band ({md.plural(len(points), 'run')})")
+        print(
+            f"history ({kind}): every case inside main's noise band "
+            f"({md.plural(len(points), 'run')})"
+        )
         return 0
     gh.call("POST", f"commits/{sha}/comments", {"body": text[:60_000]})
     print(
-        f"::error::{md.plural(len(outside), 'case')} left main's noise band: "
+        f"::error::{kind}: {md.plural(len(outside), 'case')} left main's noise band: "
         + log_safe(", ".join(outside[:10]), 400)
     )
     return 1
@@ -393,15 +496,21 @@ def main(argv: Iterable[str] | None = None) -> int:
     g.add_argument("--head-sha", required=True)
     g.add_argument("--tested-sha", default="")
     g.add_argument("--gpu-result", default="skipped", help="needs.gpu.result")
+    g.add_argument("--run-id", default=None, help="this run's id: its jobs name each leg")
     g.add_argument("--run-url", default="")
     h = sub.add_parser("history", help="main's run against its history, then stored (alerts)")
-    h.add_argument("--bench", type=Path, required=True)
+    h.add_argument(
+        "--reports",
+        type=Path,
+        required=True,
+        help="the run's artifacts: one gpu-ci-reports-KIND folder per leg",
+    )
     h.add_argument("--sha", required=True)
     h.add_argument("--run-id", default=None, help="the GPU CI run that must have written it")
     h.add_argument("--summary", type=Path, default=None, help="append the section here")
     h.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder")
-    f = sub.add_parser("fetch-points", help="download the newest trend points")
-    f.add_argument("--out", type=Path, required=True)
+    f = sub.add_parser("fetch-points", help="download the newest trend points of each kind")
+    f.add_argument("--out", type=Path, required=True, help="written: OUT/KIND/ for each kind")
     f.add_argument("--keep", type=int, default=trend.KEEP)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.command == "fetch-points" and args.keep < 1:
@@ -411,17 +520,23 @@ def main(argv: Iterable[str] | None = None) -> int:
             return approve(args.record)
         gh = GitHub(os.environ.get("GITHUB_REPOSITORY", ""))
         if args.command == "gate":
-            return gate(gh, args.head_sha, args.tested_sha, args.gpu_result, args.run_url)
+            return gate(
+                gh, args.head_sha, args.tested_sha, args.gpu_result, args.run_url, args.run_id
+            )
         with tempfile.TemporaryDirectory() as tmp:
             remote = historybranch.remote_url()
             branch = historybranch.Branch(Path(tmp), remote, os.environ.get("GH_TOKEN"))
             if args.command == "fetch-points":
-                count = branch.fetch_points(args.out, args.keep)
-                print(f"fetch-points: {count} points of {historybranch.BRANCH} -> {args.out}")
+                for kind in gpukinds.KINDS:
+                    count = branch.fetch_points(args.out / kind, args.keep, kind)
+                    print(
+                        f"fetch-points: {count} points of {historybranch.BRANCH} ({kind}) "
+                        f"-> {args.out / kind}"
+                    )
                 return 0
             workdir = args.workdir or Path(tmp)
             workdir.mkdir(parents=True, exist_ok=True)
-            return history(gh, branch, args.bench, args.sha, args.summary, workdir, args.run_id)
+            return history(gh, branch, args.reports, args.sha, args.summary, workdir, args.run_id)
     except (
         ApiError,
         ValueError,

@@ -1,12 +1,14 @@
 """The `bench-history` branch: main's benchmark runs over time, read and written with git.
 
-Each push to main whose GPU CI run passed adds one commit to the branch, which holds nothing else
-(it starts without a parent):
+Each push to main whose GPU CI run passed adds one commit per GPU kind (pipeline.gpukinds: one
+leg of the GPU job each) to the branch, which holds nothing else (it starts without a parent):
 
-    points/<date>-<sha12>.json   the run's trend point (pipeline.trend: our median per case)
-    runs/<date>-<sha12>.json     the run's bench.json as its GPU job wrote it (samples included)
+    points/<kind>/<date>-<sha12>.json   the leg's trend point (pipeline.trend: our median per case)
+    runs/<kind>/<date>-<sha12>.json     the leg's bench.json as its GPU job wrote it (samples included)
 
-A second run of the same commit (a re-run of its workflow) replaces that commit's files. Git rather
+A kind's history is its folder alone: an h100 run is never set beside an l4 one. Points at the
+top level of points/ are from before the kinds (L4 runners only) and count as LEGACY_KIND's. A
+second run of the same commit (a re-run of its workflow) replaces that commit's files of its kind. Git rather
 than the contents API: both files land in one commit, the newest points come in one shallow fetch,
 and when two writers race the second push is rejected and retried on the new tip, never
 overwriting.
@@ -29,7 +31,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from . import trend
+from . import gpukinds, trend
 
 BRANCH = "bench-history"
 POINTS_DIR = "points"
@@ -159,35 +161,55 @@ class Branch:
                 names.append(path.removeprefix(f"{folder}/"))
         return sorted(names)
 
-    def fetch_points(self, out: Path, keep: int = trend.KEEP) -> int:
-        """The newest `keep` points of the branch into `out`; how many were written."""
+    def fetch_points(
+        self, out: Path, keep: int = trend.KEEP, kind: str = gpukinds.LEGACY_KIND
+    ) -> int:
+        """The newest `keep` points of `kind` on the branch into `out`; how many were written."""
+        folders = [f"{POINTS_DIR}/{gpukinds.kind_of(kind).label}"]
+        if kind == gpukinds.LEGACY_KIND:
+            folders.append(POINTS_DIR)
         tip = self.tip()
         out.mkdir(parents=True, exist_ok=True)
         if tip is None:
             return 0
-        names = [n for n in self.files(tip, POINTS_DIR) if _NAME.match(n)][-keep:] if keep else []
+        found = sorted(
+            (name, folder)
+            for folder in folders
+            for name in self.files(tip, folder)
+            if _NAME.match(name)
+        )
         written = 0
-        for name in names:
-            spec = f"{tip}:{POINTS_DIR}/{name}"
+        for name, folder in found[-keep:] if keep else []:
+            spec = f"{tip}:{folder}/{name}"
             if int(self._text("cat-file", "-s", spec)) > trend.MAX_POINT_BYTES:
                 continue  # load_points would refuse it: not worth the download
             (out / name).write_bytes(self.git("cat-file", "blob", spec).stdout)
             written += 1
         return written
 
-    def store(self, point: trend.Point, bench_json: bytes, on_retry: Callable | None = None) -> str:
-        """Commit the run's point and bench.json (replacing an earlier run of the same commit) and
-        push; retried on a new tip when another writer got there first. The stored commit's id."""
+    def store(
+        self,
+        point: trend.Point,
+        bench_json: bytes,
+        kind: str,
+        on_retry: Callable | None = None,
+    ) -> str:
+        """Commit one leg's point and bench.json under its kind (replacing an earlier run of the
+        same commit and kind) and push; retried on a new tip when another writer got there first.
+        The stored commit's id."""
+        kind = gpukinds.kind_of(kind).label
         if len(bench_json) > MAX_RUN_BYTES:
             raise HistoryError(f"bench.json is {len(bench_json)} bytes, over {MAX_RUN_BYTES}")
         name = trend.point_name(point)
         payload = {
-            f"{POINTS_DIR}/{name}": (json.dumps(point.to_json(), indent=1) + "\n").encode(),
-            f"{RUNS_DIR}/{name}": bench_json,
+            f"{POINTS_DIR}/{kind}/{name}": (json.dumps(point.to_json(), indent=1) + "\n").encode(),
+            f"{RUNS_DIR}/{kind}/{name}": bench_json,
         }
         for attempt in range(1, PUSH_ATTEMPTS + 1):
             tip = self.tip()
-            commit = self._commit(tip, payload, point.sha[:12], f"bench history: {name[:-5]}")
+            commit = self._commit(
+                tip, payload, point.sha[:12], f"bench history ({kind}): {name[:-5]}"
+            )
             if commit == tip:
                 return tip  # this very run is stored already
             pushed = self.git(
@@ -208,13 +230,18 @@ class Branch:
         )
 
     def _commit(self, tip: str | None, payload: dict[str, bytes], sha12: str, message: str) -> str:
-        """A commit of `tip`'s tree with `payload` in it and the commit's earlier files out;
-        `tip` itself when nothing changes."""
+        """A commit of `tip`'s tree with `payload` in it and the commit's earlier files of the
+        same folders out; `tip` itself when nothing changes."""
         index = self.git_dir / "history.index"
         index.unlink(missing_ok=True)
         self.git("read-tree", *([tip] if tip else ["--empty"]), index=index)
         listed = self.git("ls-files", "-z", index=index).stdout.decode().split("\0")
-        earlier = [p for p in listed if p.endswith(f"-{sha12}.json") and p not in payload]
+        folders = {path.rsplit("/", 1)[0] for path in payload}
+        earlier = [
+            p
+            for p in listed
+            if p.endswith(f"-{sha12}.json") and p not in payload and p.rsplit("/", 1)[0] in folders
+        ]
         lines = [f"0 {'0' * 40}\t{path}" for path in earlier]  # mode 0: out of the index
         for path, data in payload.items():
             blob = self.git("hash-object", "-w", "--stdin", stdin=data).stdout.decode().strip()

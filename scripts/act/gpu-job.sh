@@ -8,11 +8,15 @@ readonly REPO_ROOT
 
 usage() {
   cat <<'EOF'
-Usage: scripts/act/gpu-job.sh [--python PATH] [--event EVENT] [--out DIR] [--check] [-- RUN-JOB-OPTIONS]
+Usage: scripts/act/gpu-job.sh [--kind KIND] [--python PATH] [--event EVENT] [--out DIR] [--check]
+                              [-- RUN-JOB-OPTIONS]
 
-Runs .github/workflows/gpu-ci.yml's job `gpu` (env, build, test, bench, report, the PR number, the
-upload) under act in host mode, offline, and prints its step summary: scripts/act/run-job.sh
---offline with the machine's torch. Meant for a GPU machine that has no package index and a copy
+Runs one leg of .github/workflows/gpu-ci.yml's job `gpu` (env, build, test, bench, report, the PR
+number, the upload) under act in host mode, offline, and prints its step summary:
+scripts/act/run-job.sh --offline --matrix gpu:KIND with the machine's torch. The default leg is
+h100 (builds sm_90a, runs the Hopper kernels and their gates): the GPU machine is an H100. The l4
+leg (sm_89) is what a runner labelled `l4` runs (--kind l4, on an L4). A leg's env stage fails
+on a card of another kind, so the check below refuses that before act starts. Meant for a GPU machine that has no package index and a copy
 of the tree without git history; first put act and nox (wheels carried in .whl/) on PYTHONPATH:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -25,11 +29,13 @@ GPU job's checkout of the approved commit clones this tree's repository at that 
 stand-in of actions/checkout); setup_environment.sh installs nothing
 (FLASHMOE_SETUP_NO_INSTALL=1: torch, nox, pytest, pytest-xdist and ninja must be importable by the
 torch interpreter, PYTHONPATH included); without history the csrc/ check says "changed" and bench
-runs without --base; the upload goes to OUT/artifacts/gpu-ci-reports/ and an act-only step checks
-it as pr-report.yml would read it. A tree without .git gets a throwaway one-commit repository for
+runs without --base; the upload goes to OUT/artifacts/gpu-ci-reports-KIND/ and an act-only step
+checks it as pr-report.yml would read it. A tree without .git gets a throwaway one-commit repository for
 the run (removed at the end): the tests that copy the checkout with `git ls-files` need one.
 
 Options:
+  --kind KIND     The leg: h100 (default) or l4 (flashmoe_science/pipeline/gpukinds.py); this
+                  machine's card must be of that kind.
   --python PATH   The interpreter with the CUDA torch (default: $FLASHMOE_RUNNER_PYTHON, else
                   /opt/torch/.venv/bin/python3).
   --event EVENT   push (default: a push to main; the job's approve step then needs no GitHub
@@ -48,6 +54,7 @@ EOF
 }
 
 PY="${FLASHMOE_RUNNER_PYTHON:-/opt/torch/.venv/bin/python3}"
+KIND=h100
 EVENT=push
 OUT_ARGS=()
 [[ -z "${OUT:-}" ]] || OUT_ARGS=(--out "$OUT/gpu-ci-gpu")
@@ -55,6 +62,7 @@ CHECK_ONLY=0
 PASS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --kind) KIND="${2:?--kind needs a value}"; shift 2 ;;
     --python) PY="${2:?--python needs a value}"; shift 2 ;;
     --event) EVENT="${2:?--event needs a value}"; shift 2 ;;
     --out) OUT_ARGS=(--out "${2:?--out needs a value}"); shift 2 ;;
@@ -65,8 +73,14 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+case "$KIND" in
+  h100) CARD="H100" ;;
+  l4) CARD="L4" ;;
+  *) echo "error: --kind must be h100 or l4, not '$KIND' (see --help)" >&2; exit 2 ;;
+esac
+
 cd "$REPO_ROOT"
-echo "== GPU job under act: checking this machine"
+echo "== GPU job under act, the $KIND leg: checking this machine"
 problems=0
 check() { # check OK|FAIL|WARN WHAT DETAIL
   printf '  %-4s %-12s %s\n' "$1" "$2" "$3"
@@ -82,14 +96,17 @@ if [[ -x "$PY" ]]; then
   # What the job's venv will see: this interpreter's packages and PYTHONPATH.
   while IFS='|' read -r status what detail; do
     check "$status" "$what" "$detail"
-  done < <(cd / && "$PY" - <<'EOF'
-import importlib, importlib.metadata
+  done < <(cd / && CARD="$CARD" "$PY" - <<'EOF'
+import importlib, importlib.metadata, os, re
 try:
     import torch
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name(0) if cuda else "no CUDA device visible"
     print(f"ok|torch|{torch.__version__} (CUDA {torch.version.cuda})")
     print(f"{'ok' if cuda else 'FAIL'}|gpu|{name}")
+    card = os.environ["CARD"]
+    if cuda and not re.search(rf"\b{card}\b", name, re.I):
+        print(f"FAIL|gpu-kind|{name} is not an {card}: the leg's env stage would fail (pass --kind)")
 except Exception as exc:
     print(f"FAIL|torch|{type(exc).__name__}: {exc}")
 # Imported for real (nox.sessions needs humanize and attrs, say), not just found.
@@ -151,7 +168,8 @@ if [[ ! -e .git ]] && command -v git >/dev/null; then
   git -c user.name=act -c user.email=act@localhost -c commit.gpgsign=false commit -q --no-verify \
     -m "act: snapshot of the working tree"
 fi
-echo "== running the job"
+echo "== running the job's $KIND leg"
 rc=0
-bash scripts/act/run-job.sh --offline --python "$PY" "${OUT_ARGS[@]}" "${PASS[@]}" gpu-ci.yml gpu "$EVENT" || rc=$?
+bash scripts/act/run-job.sh --offline --matrix "gpu:$KIND" --python "$PY" "${OUT_ARGS[@]}" "${PASS[@]}" \
+  gpu-ci.yml gpu "$EVENT" || rc=$?
 exit "$rc"

@@ -45,6 +45,8 @@ Options:
   --out DIR       Logs, event, artifacts and summary (default: build/act/WORKFLOW-JOB); an earlier
                   run's files there are replaced.
   --event FILE    The event payload to use (default: a fake one for EVENT).
+  --matrix KEY:VALUE  Run only the matrix legs with KEY=VALUE (act --matrix; repeatable), e.g.
+                  --matrix gpu:h100 for gpu-ci.yml's h100 leg. Without it act runs every leg.
   --artifacts-from DIR  Artifacts an earlier run uploaded (DIR/NAME/...), for the download stand-in
                   (pr-report.yml reads GPU CI's).
   GitHub API calls of the trusted jobs (flashmoe_science.pipeline.gpuci) go to \$FLASHMOE_GITHUB_API
@@ -71,6 +73,7 @@ MODE=run
 EXTRA_ENV=()
 EVENT_FILE=""
 ARTIFACTS_FROM=""
+MATRIX=()
 POSITIONAL=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -79,6 +82,7 @@ while [[ $# -gt 0 ]]; do
     --env) [[ $# -ge 2 && "$2" == *=* ]] || usage_error "--env needs NAME=VALUE"; EXTRA_ENV+=("$2"); shift 2 ;;
     --out) [[ $# -ge 2 ]] || usage_error "--out needs a value"; OUT="$2"; shift 2 ;;
     --event) [[ $# -ge 2 && -f "$2" ]] || usage_error "--event needs a JSON file"; EVENT_FILE="$(realpath "$2")"; shift 2 ;;
+    --matrix) [[ $# -ge 2 && "$2" == ?*:?* ]] || usage_error "--matrix needs KEY:VALUE"; MATRIX+=(--matrix "$2"); shift 2 ;;
     --artifacts-from) [[ $# -ge 2 && -d "$2" ]] || usage_error "--artifacts-from needs a folder"; ARTIFACTS_FROM="$(realpath "$2")"; shift 2 ;;
     --dry-run) MODE=dry; shift ;;
     --list) MODE=list; shift ;;
@@ -218,7 +222,7 @@ for label in "${LABELS[@]}"; do PLATFORMS+=(-P "$label=-self-hosted"); done
 
 ARGS=(
   "$EVENT" -W "$WORKFLOW" -j "$JOB" -e "$OUT/event.json"
-  "${PLATFORMS[@]}" "${MAPPINGS[@]}" "${ENV_ARGS[@]}"
+  "${PLATFORMS[@]}" "${MAPPINGS[@]}" "${ENV_ARGS[@]}" "${MATRIX[@]}"
   --action-offline-mode --action-cache-path "$CACHE" --no-cache-server
   --env-file /dev/null --var-file /dev/null --secret-file /dev/null --input-file /dev/null
   --json

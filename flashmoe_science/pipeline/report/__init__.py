@@ -29,14 +29,17 @@ The privileged job that comments on pull requests (pr-report.yml) renders with t
 branch's code from the run's artifact: --tested-sha (the commit it verified the run tested; the
 records must describe it), --run-id, --run-url, --head-sha (the PR's head now: a newer one makes
 the verdict stale), --changed-files (the PR's changed paths: a warning when they include the CI or
-the report code) and --history (main's stored benchmark points, pipeline.trend).
+the report code) and --history (main's stored benchmark points, pipeline.trend). With --legs
+(a folder of the run's artifacts, one gpu-ci-reports-KIND/ per GPU kind) and --jobs (the run's
+jobs and their results), it renders the one comment over every leg instead (report.legs): a
+verdict line per GPU kind, then each kind's report; --history then holds one folder per kind.
 
 Exit status: 0 whatever the verdict (the verdict is data; the workflow decides what fails), 2 when
 an input cannot be used: it exists but cannot be read or parsed, does not match its schema, or is
 stale (the report is still written, and names it). Rerun the stage that writes it.
 
 Modules: inputs (reading and provenance), sections (the shared pieces), one module per section,
-render (verdict, stage table, size limit). Markdown helpers live in flashmoe_science.pipeline.markdown.
+render (verdict, stage table, size limit), legs (the comment over the GPU kinds). Markdown helpers live in flashmoe_science.pipeline.markdown.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from .. import markdown as md
 from ..markdown import TIMES
 from ..paths import report_dir
 from .inputs import Inputs, load_inputs
+from .legs import load_legs, read_jobs, render_legs
 from .render import BUDGET, MARKER, MAX_CHARS, render, run_url
 from .sections import ICONS, NOTE
 
@@ -132,6 +136,22 @@ def _parser() -> argparse.ArgumentParser:
         help="main's stored benchmark points (pipeline.trend): add the performance history",
     )
     parser.add_argument(
+        "--legs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the run's artifacts, one gpu-ci-reports-KIND folder per GPU kind: one comment over "
+        "all kinds (instead of --dir)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --legs: the run's jobs, one `NAME<TAB>RESULT` a line (a leg whose job did not "
+        "succeed is a failure)",
+    )
+    parser.add_argument(
         "--no-step-summary",
         action="store_true",
         help="do not append to $GITHUB_STEP_SUMMARY even when it is set",
@@ -146,9 +166,14 @@ def _safe(value: object, limit: int = 300) -> str:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    args = _parser().parse_args(list(argv) if argv is not None else None)
-    directory = args.dir if args.dir is not None else report_dir()
-    if not directory.is_dir():
+    parser = _parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.legs is not None and (args.dir is not None or args.base_build is not None):
+        parser.error("--legs reads every leg's folder itself: drop --dir and --base-build")
+    if args.jobs is not None and args.legs is None:
+        parser.error("--jobs goes with --legs (the legs' jobs)")
+    directory = args.dir if args.dir is not None else args.legs or report_dir()
+    if not directory.is_dir() and args.legs is None:  # --legs: no folder is every leg missing
         print(
             f"report: {directory} is not a folder; fix: pass --dir to the folder holding env.json etc.",
             file=sys.stderr,
@@ -169,6 +194,16 @@ def main(argv: Iterable[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return exitcodes.USAGE
+    changed = None
+    if args.changed_files is not None:
+        try:
+            lines = args.changed_files.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            print(f"report: --changed-files: {_safe(exc)}", file=sys.stderr)
+            return exitcodes.USAGE
+        changed = [line.strip() for line in lines if line.strip()]
+    if args.legs is not None:
+        return _main_legs(args, output, changed)
     tested = {"sha": args.tested_sha, "dirty": False, "fingerprint": None}
     inputs = load_inputs(
         directory,
@@ -178,13 +213,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         job_seconds=job,
     )
     inputs.tested_sha, inputs.head_sha = args.tested_sha, args.head_sha
-    if args.changed_files is not None:
-        try:
-            lines = args.changed_files.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            print(f"report: --changed-files: {_safe(exc)}", file=sys.stderr)
-            return exitcodes.USAGE
-        inputs.changed_paths = [line.strip() for line in lines if line.strip()]
+    inputs.changed_paths = changed
     if args.history is not None:
         inputs.history, skipped = trend.load_points(args.history)
         inputs.notes += [f"history point skipped: {why}" for why in skipped[:3]]
@@ -195,6 +224,43 @@ def main(argv: Iterable[str] | None = None) -> int:
         )
     inputs.run_url = args.run_url or run_url()
     text, truncated = render(inputs, min(args.max_chars, MAX_CHARS))
+    if not _write(text, truncated, output, args):
+        return exitcodes.USAGE
+    return _exit_status([inputs])
+
+
+def _main_legs(args: argparse.Namespace, output: Path, changed: list[str] | None) -> int:
+    """The one comment over every GPU kind's leg (report.legs)."""
+    jobs = None
+    if args.jobs is not None:
+        try:
+            jobs = read_jobs(args.jobs)
+        except (OSError, ValueError) as exc:
+            print(
+                f"report: --jobs: {_safe(exc)}; the legs' job results are left out", file=sys.stderr
+            )
+    legs, notes = load_legs(
+        args.legs,
+        tested_sha=args.tested_sha,
+        run_id=args.run_id,
+        jobs=jobs,
+        history=args.history,
+    )
+    url = args.run_url or run_url()
+    for leg in legs:
+        if leg.inputs is not None:
+            leg.inputs.tested_sha, leg.inputs.head_sha = args.tested_sha, args.head_sha
+            leg.inputs.run_url = url
+    header = Inputs(tested_sha=args.tested_sha, run_url=url, changed_paths=changed)
+    if jobs is None:
+        notes.append("the run's jobs were not read: each leg is judged by its records alone")
+    text, truncated = render_legs(legs, header, min(args.max_chars, MAX_CHARS), notes)
+    if not _write(text, truncated, output, args):
+        return exitcodes.USAGE
+    return _exit_status([leg.inputs for leg in legs if leg.inputs is not None])
+
+
+def _write(text: str, truncated: bool, output: Path, args: argparse.Namespace) -> bool:
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(text, encoding="utf-8")
@@ -203,7 +269,7 @@ def main(argv: Iterable[str] | None = None) -> int:
             f"report: cannot write {output}: {exc}; fix: pass --output to a writable path",
             file=sys.stderr,
         )
-        return exitcodes.USAGE
+        return False
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary_path and not args.no_step_summary:
         try:
@@ -216,9 +282,24 @@ def main(argv: Iterable[str] | None = None) -> int:
         f"report: {_safe(headline, 400)} -> {output} ({len(text):,} chars"
         f"{', truncated' if truncated else ''})"
     )
+    return True
+
+
+def _exit_status(every: list[Inputs]) -> int:
+    """2 when an input of any report was unreadable or stale (each named on stderr), else 0."""
+    bad = False
+    for inputs in every:
+        bad |= _name_bad_inputs(inputs)
+    return exitcodes.USAGE if bad else exitcodes.OK
+
+
+def _name_bad_inputs(inputs: Inputs) -> bool:
+    """Name on stderr each input that was unreadable or stale; whether there was one."""
+    where = f" ({inputs.gpu_kind} leg)" if inputs.gpu_kind else ""
     for name, why in inputs.unreadable.items():
         print(
-            f"report: {_safe(name)} is unreadable ({_safe(why)}); fix: rerun the stage that writes it",
+            f"report: {_safe(name)}{where} is unreadable ({_safe(why)}); fix: rerun the stage "
+            "that writes it",
             file=sys.stderr,
         )
     stale = {
@@ -227,7 +308,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     }
     for name, why in stale.items():
         print(
-            f"report: {_safe(name)} is stale ({_safe(why)}); fix: rerun its stage in this run",
+            f"report: {_safe(name)}{where} is stale ({_safe(why)}); fix: rerun its stage in this run",
             file=sys.stderr,
         )
-    return exitcodes.USAGE if inputs.unreadable or stale else exitcodes.OK
+    return bool(inputs.unreadable or stale)

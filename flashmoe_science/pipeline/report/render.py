@@ -199,7 +199,7 @@ def _render(inputs: Inputs, detail: Detail, note: str | None = None) -> str:
     sections = [s for s in built if s is not None]
     bench = next(s for s in sections if s.key == "bench")
     lines = [verdict(sections, inputs), MARKER, ""]
-    header = trusted_header(inputs)
+    header = trusted_header(inputs) if detail.header else ""
     if header:
         lines += [header, ""]
     facts = [_subject(inputs)] + ([] if "env.json" in inputs.stale else env_facts(inputs.env))
@@ -240,7 +240,10 @@ def _render(inputs: Inputs, detail: Detail, note: str | None = None) -> str:
         ]
     footer = "Reproduce locally: `nox -s env build test bench report`."
     if inputs.run_url:
-        footer += f" All inputs of this report are in the `reports/` artifact of [this run]({inputs.run_url})."
+        footer += (
+            f" All inputs of this report are in the {md.code(inputs.artifact, 80)} artifact of "
+            f"[this run]({inputs.run_url})."
+        )
     lines.append(f"<sub>{footer}</sub>")
     return "\n".join(lines).rstrip("\n") + "\n"
 
@@ -263,12 +266,13 @@ def _render_with(inputs: Inputs, detail: Detail) -> str:
     return _render(inputs, final, note)
 
 
-def render(inputs: Inputs, budget: int = BUDGET) -> tuple[str, bool]:
-    """The report, cut down until it fits in `budget` UTF-8 bytes. Returns (text, truncated)."""
-    text = _render(inputs, Detail())
+def render(inputs: Inputs, budget: int = BUDGET, header: bool = True) -> tuple[str, bool]:
+    """The report, cut down until it fits in `budget` UTF-8 bytes. Returns (text, truncated).
+    `header`: the trusted header (off inside the comment over several GPU kinds, report.legs)."""
+    text = _render(inputs, Detail(header=header))
     if md.size(text) <= budget:
         return text, False
-    detail = Detail(passing=False)
+    detail = Detail(passing=False, header=header)
     text = _render_with(inputs, detail)
     if md.size(text) <= budget:
         return text, True
@@ -299,7 +303,7 @@ def render(inputs: Inputs, budget: int = BUDGET) -> tuple[str, bool]:
     text = _render_with(inputs, detail)
     if md.size(text) <= budget:
         return text, True
-    return _hard_cut(text, budget), True
+    return hard_cut(text, budget), True
 
 
 def _largest(fits, upper: int) -> int:
@@ -314,7 +318,7 @@ def _largest(fits, upper: int) -> int:
     return lo
 
 
-def _hard_cut(text: str, budget: int) -> str:
+def hard_cut(text: str, budget: int) -> str:
     """Last resort: keep whole lines up to the budget, then close what is open and say so."""
     note = f"\n\n> ✂️ **Cut here** to fit GitHub's {MAX_CHARS:,}-character comment limit; the full data is in the run's `reports/` artifact.\n"
     kept: list[str] = []

@@ -24,6 +24,8 @@ class Detail:
     bench_rows: int | None = None  # None: all
     failing_cases: int | None = None  # None: all
     omitted: list[str] = dataclasses.field(default_factory=list)
+    # The trusted header; off for a GPU kind's section of the one PR comment, which has it on top.
+    header: bool = True
 
 
 @dataclasses.dataclass

@@ -58,6 +58,14 @@ def history_section(inputs: Inputs, detail: Detail) -> Section:
         points = [p for p in points if p.gpu == current.gpu]
     comparison = bench.get("comparison") if bench else None
     rows = 20 if detail.bench_rows is None else max(5, detail.bench_rows)
+    if not points and inputs.gpu_kind:
+        # Only this kind's runs count: no other card's history stands in for it.
+        body = (
+            f"No stored main runs of the {md.code(inputs.gpu_kind, 20)} leg yet on the "
+            "`bench-history` branch: nothing to set this run beside (another GPU kind's runs "
+            "are never used)."
+        )
+        return Section("trend", title, NOTE, f"no stored {inputs.gpu_kind} runs", body, [])
     body, outside = trend.markdown(points, current, comparison, rows=rows)
     if outside:
         summary = f"{md.plural(len(outside), 'case')} outside main's noise band"
