@@ -173,8 +173,8 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
           const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
           float* dq_row = dq + row * d;
           std::fill(dq_row, dq_row + d, 0.f);
-          const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride +
-                                  i * p.lse_row_stride];
+          const float lse =
+              p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
           if (lse == kNegInf) continue;  // the row saw no key: nothing flows back through it
           int visible = p.seqlen_k;
           if (p.causal) visible = std::min(visible, i + p.seqlen_k - p.seqlen_q + 1);

@@ -87,8 +87,7 @@ __global__ void __launch_bounds__(128)
     sum += __shfl_xor_sync(0xffffffff, sum, offset);
   if (lane == 0) {
     p.delta[row] = sum;
-    const float lse =
-        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
+    const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
     p.lse2[row] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
   }
   if (zero_dq) {
