@@ -293,3 +293,53 @@ def test_plugins_of_the_interpreter_stay_out(tmp_path, gate_ids):
     )
     assert run.returncode == exitcodes.OK, run.stdout + run.stderr
     assert not mark.exists()
+
+
+SLOW_AFTER_A_FAILURE = """
+import time
+
+def test_fails():
+    assert 1 + 1 == 3, "planted failure"
+
+def test_runs_on():
+    time.sleep(120)
+"""
+
+
+def test_a_failure_is_named_before_the_run_ends(tmp_path):
+    """A run cut short by a time limit (a CI step's, a GPU lease's) never reaches pytest's summary:
+    the stage's command must print each failure when it happens."""
+    assert testing.report_plugins(), "pytest-instafail is in the test dependency group"
+    (tmp_path / "test_slow.py").write_text(SLOW_AFTER_A_FAILURE)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *testing.report_plugins(),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    with subprocess.Popen(
+        [*cmd, "test_slow.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            seen = []
+            for line in proc.stdout:  # test_runs_on sleeps for 120 s: the failure comes first
+                seen.append(line)
+                if "planted failure" in line:
+                    break
+            assert any("planted failure" in line for line in seen), "".join(seen)
+            assert proc.poll() is None, "the failure must be printed while the run goes on"
+        finally:
+            proc.kill()
+
+
+def test_the_stage_runs_pytest_with_the_report_plugins():
+    cmd = testing.pytest_command(["tests"], "4", ["-k", "x"])
+    assert cmd[cmd.index("--instafail") - 2 : cmd.index("--instafail")] == [
+        "-p",
+        "pytest_instafail",
+    ]
+    assert cmd[-5:] == ["-n", "4", "-q", "-k", "x"]

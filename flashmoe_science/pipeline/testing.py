@@ -60,6 +60,19 @@ SERIAL_MAX_TESTS = 32
 # entry point (xdist.looponfail) serves only --looponfail.
 PLUGINS = ("-p", "xdist.plugin")
 
+
+def report_plugins() -> tuple[str, ...]:
+    """pytest-instafail where it is installed (the test dependency group has it): each failure is
+    printed with its traceback when it happens, not in the summary at the end, so a run stopped
+    by a time limit still names what failed. Left out where it is missing (a GPU machine without
+    it runs the suite as before)."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytest_instafail") is None:
+        return ()
+    return ("-p", "pytest_instafail", "--instafail")
+
+
 EXIT_CODES = {
     PASSED: exitcodes.OK,
     FAILED: exitcodes.GATE_FAILED,
@@ -127,6 +140,12 @@ def isolated_env(base: dict[str, str]) -> dict[str, str]:
     env = dict(base, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     env.pop("PYTEST_PLUGINS", None)
     return env
+
+
+def pytest_command(targets: list[str], workers: str, pytest_args: list[str]) -> list[str]:
+    """The stage's pytest run: our plugins, the report plugins, `workers` xdist workers."""
+    plugins = [*PLUGINS, *report_plugins()]
+    return [sys.executable, "-m", "pytest", *plugins, *targets, "-n", workers, "-q", *pytest_args]
 
 
 @dataclass
@@ -244,7 +263,7 @@ def main(argv: list[str]) -> int:
         workers = "0" if small else _all_workers()
         if small and collected.exit == 0:
             why = f" ({collected.tests} tests: one process, no worker start-up)"
-    cmd = [sys.executable, "-m", "pytest", *PLUGINS, *targets, "-n", workers, "-q", *pytest_args]
+    cmd = pytest_command(targets, workers, pytest_args)
     print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
     env = isolated_env(dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else ""))
     with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
