@@ -83,9 +83,7 @@ def load_legs(
     legs, notes = [], []
     for kind in gpukinds.KINDS.values():
         directory = folder / gpukinds.artifact_name(kind.label)
-        job = (jobs or {}).get(gpukinds.job_name(kind.label)) if jobs is not None else None
-        if jobs is not None and job is None:
-            job = "missing"
+        job = None if jobs is None else jobs.get(gpukinds.job_name(kind.label), "missing")
         if directory.is_symlink() or not directory.is_dir():
             legs.append(Leg(kind, None, job))
             continue
