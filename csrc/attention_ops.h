@@ -621,7 +621,7 @@ inline int64_t planted_bug() { return FLASHMOE_PLANT_BUG; }
 //   attention_backward: (dq, dk, dv) from grad_output and the forward's inputs, output and
 //     log-sum-exp; config: 0 = automatic, else a CUDA backward tile configuration.
 //   varlen_fwd: attention over a packed batch (FlashAttention's varlen layout; see
-//     AttentionParams), lse [Hq, total_q]; config: 0 = automatic, else 1, 2 or 4 (as fwd's).
+//     AttentionParams), lse [Hq, total_q]; config: 0 = automatic, else 1, 2, 4 or 5 (as fwd's).
 //   paged_fwd: fwd against a paged KV cache through a block table (decode kernel on CUDA).
 TORCH_LIBRARY(flashmoe_science, m) {
   m.def(

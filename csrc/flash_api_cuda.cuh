@@ -23,6 +23,7 @@
 #include "flash_bwd_kernel.cuh"
 #include "flash_decode_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
+#include "flash_fwd_sm90_kernel.cuh"
 
 namespace flashmoe::cuda {
 
@@ -39,12 +40,21 @@ namespace flashmoe::cuda {
 //      spill on sm_90 since v2 (benches/NOTES.md); ptxas spills them on sm_89, so they are built
 //      for sm_90 and newer only. The sm_90 choice: 1.01x SDPA flash (FA2) on the H100 over the
 //      prefill benchmark matrix, where config 1 gave 0.90x (H200).
+//   5: 128 x 128, 2 warpgroups on wgmma (flash_fwd_sm90_kernel.cuh): sm_90a only, so only in a
+//      build that includes it (FLASHMOE_SM90A, which the loader defines with arch 9.0a) and only on
+//      a compute capability 9.0 GPU.
 //   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
 //   registers, one block per SM, 0.47-0.63x SDPA flash.
-constexpr int kNumConfigs = 4;
+constexpr int kNumConfigs = 5;
 constexpr int kDecodeConfig = 3;
 constexpr int kDecodeStages = 3;
-constexpr int kSm90Config = 4;  // built for sm_90 and newer only
+constexpr int kSm90Config = 4;   // built for sm_90 and newer only
+constexpr int kSm90aConfig = 5;  // wgmma: the sm_90a build on a 9.0 GPU only
+#ifdef FLASHMOE_SM90A
+constexpr bool kBuiltSm90a = true;
+#else
+constexpr bool kBuiltSm90a = false;
+#endif
 
 struct DeviceInfo {
   int major = 0, minor = 0, sm_count = 0, l2_bytes = 0;
@@ -76,6 +86,30 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int
   return 1;
 }
 
+// Refuses a forced configuration this GPU (or this build) cannot run. `others` names the ones it
+// can, for the message.
+inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const char* others) {
+  FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
+                       " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
+                       ".", dev.minor, ": use config ", others, " (or 0, automatic)");
+  FLASHMOE_CHECK_VALUE(config != kSm90aConfig || (dev.major == 9 && dev.minor == 0),
+                       "config=", config,
+                       " runs on wgmma, which only compute capability 9.0 has; this GPU is ",
+                       dev.major, ".", dev.minor, ": use config ", others, " (or 0, automatic)");
+  FLASHMOE_CHECK_VALUE(config != kSm90aConfig || kBuiltSm90a, "config=", config,
+                       " needs the sm_90a build, and this one was built without it: rebuild with "
+                       "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
+}
+
+template <typename Traits, typename T, bool kVarlen>
+auto fwd_sm90_kernel() {
+  if constexpr (kVarlen) {
+    return &flash_fwd_sm90_varlen_kernel<Traits, T>;
+  } else {
+    return &flash_fwd_sm90_kernel<Traits, T>;
+  }
+}
+
 template <typename Traits, typename T, bool kVarlen>
 auto fwd_kernel() {
   if constexpr (kVarlen) {
@@ -98,6 +132,9 @@ void visit_config(int config, F&& f) {
   } else if (config == kDecodeConfig && !kVarlen) {
     using Traits = DecodeTraits<D, kDecodeStages>;
     f(&flash_decode_kernel<Traits, T>, Traits{});
+  } else if (config == kSm90aConfig) {
+    using Traits = Sm90FwdTraits<D, 128, 2>;
+    f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
     f(fwd_kernel<Traits, T, kVarlen>(), Traits{});
@@ -203,6 +240,7 @@ constexpr int block_m_of(int config) {
   return config == 2 ? 64 : config == kDecodeConfig ? 16 : 128;
 }
 constexpr int block_n_of(int config, int head_dim) {
+  if (config == kSm90aConfig) return 128;
   if (config == 1 && head_dim == 128) return 32;
   if (config == kSm90Config && head_dim == 64) return 128;
   return 64;
@@ -396,9 +434,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
               error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
                          "(mma.sync bf16/fp16); this one is ",
                          dev.major, ".", dev.minor));
-  FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
-                       " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
-                       ".", dev.minor, ": use config 1, 2 or 3 (or 0, automatic)");
+  check_config_for_device(config, dev, "1, 2 or 3");
   // The values of cache_seqlens are checked by the kernels (see host_checks_requested).
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -455,13 +491,12 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
                        "; this is the CUDA implementation");
   check_head_dim_cuda(q_in.size(2));
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs && config != kDecodeConfig,
-                       "config must be 0 (automatic), 1, 2 or 4 for a packed batch, got ", config);
+                       "config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got ",
+                       config);
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
   check_cuda_device(q_in, dev);
-  FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
-                       " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
-                       ".", dev.minor, ": use config 1 or 2 (or 0, automatic)");
+  check_config_for_device(config, dev, "1 or 2");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
   const bool capturing = stream_capturing(stream);
   if (!capturing && host_checks_requested()) {
@@ -717,6 +752,23 @@ template <typename Traits>
 struct IsDecodeTraits : std::false_type {};
 template <int D, int kStages>
 struct IsDecodeTraits<DecodeTraits<D, kStages>> : std::true_type {};
+template <typename Traits>
+struct IsSm90Traits : std::false_type {};
+template <int D, int BN, int kWarpgroups>
+struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups>> : std::true_type {};
+
+// The kernel's name in the build report: the forward, decode or sm_90a forward kernel.
+template <typename Traits>
+const char* forward_kernel_name(bool varlen) {
+  if constexpr (IsDecodeTraits<Traits>::value) {
+    return "flashmoe::cuda::flash_decode_kernel";
+  } else if constexpr (IsSm90Traits<Traits>::value) {
+    return varlen ? "flashmoe::cuda::flash_fwd_sm90_varlen_kernel"
+                  : "flashmoe::cuda::flash_fwd_sm90_kernel";
+  } else {
+    return varlen ? "flashmoe::cuda::flash_fwd_varlen_kernel" : "flashmoe::cuda::flash_fwd_kernel";
+  }
+}
 
 template <typename T>
 void append_kernel_launches(std::string& out) {
@@ -725,18 +777,16 @@ void append_kernel_launches(std::string& out) {
     for (int config = 1; config <= kNumConfigs; ++config) {
       visit_kernel<T>(head_dim, config, [&](auto, auto traits) {
         using Traits = decltype(traits);
-        const char* kernel = IsDecodeTraits<Traits>::value ? "flashmoe::cuda::flash_decode_kernel"
-                                                           : "flashmoe::cuda::flash_fwd_kernel";
-        out += std::string(kernel) + "<" + demangled_name<Traits>() + ", " + dtype + ">\t" +
-               std::to_string(Traits::kSmemBytes) + "\n";
+        out += std::string(forward_kernel_name<Traits>(false)) + "<" + demangled_name<Traits>() +
+               ", " + dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
       });
     }
-    // The packed-batch forward (configurations 1, 2, 4) and the paged decode kernel.
-    for (int config : {1, 2, kSm90Config}) {
+    // The packed-batch forward (configurations 1, 2, 4, 5) and the paged decode kernel.
+    for (int config : {1, 2, kSm90Config, kSm90aConfig}) {
       visit_kernel<T, /*kVarlen=*/true>(head_dim, config, [&](auto, auto traits) {
         using Traits = decltype(traits);
-        out += "flashmoe::cuda::flash_fwd_varlen_kernel<" + demangled_name<Traits>() + ", " +
-               dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
+        out += std::string(forward_kernel_name<Traits>(true)) + "<" + demangled_name<Traits>() +
+               ", " + dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
       });
     }
     visit_paged_decode<T>(head_dim, [&](auto, auto traits) {

@@ -131,6 +131,24 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
 }
 
+// The layout wgmma reads with its 128-byte swizzle (the sm_90a kernel's tiles): 64-column panels
+// ([kHeadDim / 64][kRows][64]), rows 128 bytes apart, the chunk XOR-swizzled with row % 8 inside
+// each 8-row, 1024-byte atom (the tile starts 1024-byte aligned). At kHeadDim = 64 this is
+// swizzle<64>.
+template <int kRows>
+__device__ __forceinline__ int swizzle_panels(int row, int chunk) {
+  return (chunk >> 3) * kRows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
+// Element offset of (row, chunk) in a tile of either layout, and the distance between rows.
+template <int kHeadDim, int kRows, bool kPanels>
+__device__ __forceinline__ int tile_offset(int row, int chunk) {
+  if constexpr (kPanels) {
+    return swizzle_panels<kRows>(row, chunk);
+  } else {
+    return swizzle<kHeadDim>(row, chunk);
+  }
+}
+
 // Where a block sits in the launch grid. grid.x runs over (batch, head, row block), with the row
 // block fastest (FA2's order: a head's blocks share its K and V in L2) or, for long causal
 // sequences, the head fastest (every head's heavy row blocks first); see the host API. grid.y is
@@ -171,7 +189,7 @@ struct TileCoords {
 
   // Issues the cp.async copies of the tile's Q rows [m0, m0 + kRows) into a swizzled shared tile;
   // rows past the end are zero-filled.
-  template <int kHeadDim, int kRows, int kThreads, typename T>
+  template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, typename T>
   __device__ __forceinline__ void load_q(T* sQ, const AttentionParams& p, int m0, int tid) const {
     constexpr int kChunks = kHeadDim / 8;
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + row0_q * p.q_row_stride;
@@ -182,7 +200,7 @@ struct TileCoords {
       const T* src = valid
                          ? q_base + head(gr) * p.q_head_stride + query(gr) * p.q_row_stride + ch * 8
                          : q_base;
-      cp_async_16(sQ + swizzle<kHeadDim>(r, ch), src, valid);
+      cp_async_16(sQ + tile_offset<kHeadDim, kRows, kPanels>(r, ch), src, valid);
     }
   }
 
@@ -266,15 +284,18 @@ __device__ __forceinline__ uint32_t swizzle_step(uint32_t base, int block, int s
 // or past `len` are zero-filled and never read. Each thread copies the same chunk of every
 // kThreads / kChunks-th row, so its addresses are one base plus a constant per pass (the swizzle
 // depends on row % 8 only): the loop holds no per-pass addresses across the main loop.
-template <int kHeadDim, int kRows, int kThreads, typename T, typename L2 = L2Default>
+// kPanels: into the sm_90a kernel's wgmma layout (swizzle_panels) instead of swizzle<kHeadDim>.
+template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, typename T,
+          typename L2 = L2Default>
 __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row_stride, int row0,
                                              int len, int tid, L2 l2 = {}) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   constexpr int kRowsPerPass = kThreads / kChunks;
+  constexpr int kPitch = kPanels ? 64 : kHeadDim;  // elements between rows
   static_assert(kThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
                 "each pass must cover whole rows, a multiple of 8 of them");
   const int r = tid / kChunks, ch = tid % kChunks;
-  T* dst = tile + swizzle<kHeadDim>(r, ch);
+  T* dst = tile + tile_offset<kHeadDim, kRows, kPanels>(r, ch);
   const T* src = base + (row0 + r) * row_stride + ch * 8;
 #pragma unroll
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
@@ -284,12 +305,12 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row
     // Rows past the sequence end are read, 4 GiB past where they would lie (outside any
     // allocation), instead of zero-filled: a plain 16-byte load, so memcheck must report it.
     if (!valid) {
-      *reinterpret_cast<uint4*>(dst + pass * kRowsPerPass * kHeadDim) =
+      *reinterpret_cast<uint4*>(dst + pass * kRowsPerPass * kPitch) =
           *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(from) + (int64_t(1) << 32));
       continue;
     }
 #endif
-    l2.copy(dst + pass * kRowsPerPass * kHeadDim, valid ? from : base, valid);
+    l2.copy(dst + pass * kRowsPerPass * kPitch, valid ? from : base, valid);
   }
 }
 
