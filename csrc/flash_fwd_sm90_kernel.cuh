@@ -7,7 +7,7 @@
 // layout (wgmma_utils.cuh).
 //
 // Tiles live in shared memory in wgmma's 128-byte-swizzled panel layout (swizzle_panels); K and V
-// are single-buffered like the mma.sync kernel's: V(n) loads during S = Q K^T, K(n-1) during P V.
+// are double-buffered, and each warpgroup overlaps its softmax with the tensor cores (see below).
 // Compiled for sm_90a only: in every other device pass the kernel body is a trap, and the host
 // refuses the configuration (see the host API).
 #pragma once
@@ -27,7 +27,7 @@ struct Sm90FwdTraits {
   static constexpr int kNWarps = 4 * kWarpgroups_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kChunks = kHeadDim / 8;
-  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
+  static constexpr int kSmemBytes = (kBlockM + 4 * kBlockN) * kHeadDim * 2;  // K, V x 2
   static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128),
                 "wgmma tiles: 64-column panels, N of 64 or 128");
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kHeadDim * 2) % 1024 == 0,
@@ -42,8 +42,8 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
 
   extern __shared__ __align__(1024) uint4 smem_buf[];  // wgmma's 128B swizzle: 1024-byte atoms
   T* sQ = reinterpret_cast<T*>(smem_buf);
-  T* sK = sQ + BM * D;
-  T* sV = sK + BN * D;
+  T* sK = sQ + BM * D;      // two buffers: K(n) in sK[n % 2]
+  T* sV = sK + 2 * BN * D;  // two buffers: V(n) in sV[n % 2]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const TileCoords t = TileCoords::of_block<BM, kVarlen>(p);
@@ -67,13 +67,18 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
                     hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + t.row0_k * p.v_row_stride +
                     hkv * p.v_head_stride;
-  auto load_kv = [&](T* tile, const T* base, int64_t row_stride, int n_block) {
-    load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(tile, base, row_stride, n_block * BN, len_k,
-                                                    tid);
+  auto load_k = [&](int n_block) {
+    load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK + (n_block & 1) * BN * D, k_base,
+                                                    p.k_row_stride, n_block * BN, len_k, tid);
+  };
+  auto load_v = [&](int n_block) {
+    load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV + (n_block & 1) * BN * D, v_base,
+                                                    p.v_row_stride, n_block * BN, len_k, tid);
   };
   // cp.async writes through the generic proxy, wgmma reads through the async one: every thread
-  // fences its own copies once they landed, then the barrier.
+  // fences its own copies once they landed, then the barrier makes them everyone's.
   auto landed = [&]() {
+    cp_async_wait<0>();
     sm90::fence_proxy_async();
     __syncthreads();
   };
@@ -83,8 +88,11 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   const uint64_t q_desc = sm90::desc_k_major(smem_u32(sQ + (warp / 4) * 64 * 64));
   const uint64_t k_desc = sm90::desc_k_major(smem_u32(sK));
   const uint64_t v_desc = sm90::desc_mn_major<BN>(smem_u32(sV));
+  constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the second buffer, in a descriptor
 
   float acc_o[DT][4];
+  float acc_s[NT][4];
+  uint32_t p_frag[BN / 16][4];
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int dt = 0; dt < DT; ++dt)
@@ -92,40 +100,31 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     for (int e = 0; e < 4; ++e)
       acc_o[dt][e] = 0.f;
 
-  if (n_hi > n_lo) {
-    t.load_q<D, BM, kThreads, /*kPanels=*/true>(sQ, p, m0, tid);
-    load_kv(sK, k_base, p.k_row_stride, n_hi - 1);
-    cp_async_commit();
-    load_kv(sV, v_base, p.v_row_stride, n_hi - 1);
-    cp_async_commit();
-  }
-
-  for (int n = n_hi - 1; n >= n_lo; --n) {
-    const bool first = n == n_hi - 1;
-    if (first) {
-      cp_async_wait<1>();  // Q and K(n) have landed; V(n) may still be in flight
-    } else {
-      cp_async_wait<0>();
-    }
-    landed();  // K(n) is visible to wgmma, and every warpgroup is done reading V(n+1)
-    if (!first) {
-      load_kv(sV, v_base, p.v_row_stride, n);
-      cp_async_commit();
-    }
-
-    // S = Q K^T: one m64n(BN)k16 wgmma per 16 columns of the head dim.
-    float acc_s[NT][4];
+  // S(n) = Q K(n)^T, one m64n(BN)k16 wgmma per 16 columns of the head dim, as one commit group.
+  auto issue_s = [&](int n) {
     sm90::fence_operands(acc_s);
     sm90::fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       sm90::mma_ss<BN, T>(acc_s, q_desc + sm90::k_major_step<BM>(kk),
-                          k_desc + sm90::k_major_step<BN>(kk), kk > 0);
+                          k_desc + (n & 1) * kTileStep + sm90::k_major_step<BN>(kk), kk > 0);
     }
     sm90::commit_group();
-    sm90::wait_group<0>();
-    sm90::fence_operands(acc_s);
-
+  };
+  // O += P(n) V(n), one m64n(D)k16 wgmma per 16 keys, P from registers, as one commit group.
+  auto issue_pv = [&](int n) {
+    sm90::fence_operands(acc_o);
+    sm90::fence();
+#pragma unroll
+    for (int j = 0; j < BN / 16; ++j) {
+      sm90::mma_rs<D, T>(acc_o, p_frag[j], v_desc + (n & 1) * kTileStep + sm90::mn_major_step(j),
+                         1);
+    }
+    sm90::commit_group();
+  };
+  // Mask S(n), fold it into the running max and sum, and leave P(n) in acc_s; returns through
+  // `rescale` what the output accumulated so far must be multiplied by.
+  auto softmax = [&](int n, float (&rescale)[2]) {
     bool need_mask = (n + 1) * BN > unmasked_end;
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || n * BN < key_begin;
@@ -148,9 +147,6 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
           }
       }
     }
-
-    // Online softmax (base 2, the scale folded in), as in the mma.sync kernel.
-    uint32_t p_frag[BN / 16][4];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float mx = row_max[hh];
@@ -159,14 +155,9 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
         mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
       mx = quad_max(mx);
       const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      const float rescale = exp2f(row_max[hh] * p.scale_log2 - max_scaled);
+      rescale[hh] = exp2f(row_max[hh] * p.scale_log2 - max_scaled);
       row_max[hh] = mx;
-      row_sum[hh] *= rescale;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        acc_o[dt][2 * hh] *= rescale;
-        acc_o[dt][2 * hh + 1] *= rescale;
-      }
+      row_sum[hh] *= rescale[hh];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -176,6 +167,13 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
           row_sum[hh] += prob;
         }
     }
+  };
+  auto rescale_o_and_pack_p = [&](const float (&rescale)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc_o[dt][e] *= rescale[e >> 1];
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) {
       p_frag[j][0] = pack2<T>(acc_s[2 * j][0], acc_s[2 * j][1]);
@@ -183,22 +181,45 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       p_frag[j][2] = pack2<T>(acc_s[2 * j + 1][0], acc_s[2 * j + 1][1]);
       p_frag[j][3] = pack2<T>(acc_s[2 * j + 1][2], acc_s[2 * j + 1][3]);
     }
+  };
 
-    cp_async_wait<0>();
-    landed();  // V(n) is visible to wgmma, and every warpgroup is done reading K(n)
-    if (n > n_lo) {
-      load_kv(sK, k_base, p.k_row_stride, n - 1);
-      cp_async_commit();
-    }
-
-    // O += P V: one m64n(D)k16 wgmma per 16 keys, P from registers.
+  // The key blocks run from the last to the first (only the first ones visited need masks), with
+  // FlashAttention-3's overlap inside each warpgroup: S(n) and P(n+1) V(n+1) go to the tensor
+  // cores together, and the softmax of S(n) runs while P V does. K(n-1) and V(n) are copied in
+  // while block n is computed (double buffers), so one barrier per key block suffices.
+  if (n_hi > n_lo) {
+    t.load_q<D, BM, kThreads, /*kPanels=*/true>(sQ, p, m0, tid);
+    load_k(n_hi - 1);
+    cp_async_commit();
+    landed();  // Q and K(n_hi - 1)
+    if (n_hi - 2 >= n_lo) load_k(n_hi - 2);
+    load_v(n_hi - 1);
+    cp_async_commit();
+    issue_s(n_hi - 1);
+    sm90::wait_group<0>();
+    sm90::fence_operands(acc_s);
+    float rescale[2];
+    softmax(n_hi - 1, rescale);
+    rescale_o_and_pack_p(rescale);
+  }
+  for (int n = n_hi - 2; n >= n_lo; --n) {
+    landed();  // K(n) and V(n + 1); every warpgroup is done with S(n + 1) and P(n + 2) V(n + 2)
+    if (n - 1 >= n_lo) load_k(n - 1);
+    load_v(n);
+    cp_async_commit();
+    issue_s(n);
+    issue_pv(n + 1);
+    sm90::wait_group<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
+    sm90::fence_operands(acc_s);
+    float rescale[2];
+    softmax(n, rescale);
+    sm90::wait_group<0>();
     sm90::fence_operands(acc_o);
-    sm90::fence();
-#pragma unroll
-    for (int j = 0; j < BN / 16; ++j) {
-      sm90::mma_rs<D, T>(acc_o, p_frag[j], v_desc + sm90::mn_major_step(j), 1);
-    }
-    sm90::commit_group();
+    rescale_o_and_pack_p(rescale);
+  }
+  if (n_hi > n_lo) {
+    landed();  // V(n_lo)
+    issue_pv(n_lo);
     sm90::wait_group<0>();
     sm90::fence_operands(acc_o);
   }
