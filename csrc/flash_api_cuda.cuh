@@ -40,7 +40,8 @@ namespace flashmoe::cuda {
 //      spill on sm_90 since v2 (benches/NOTES.md); ptxas spills them on sm_89, so they are built
 //      for sm_90 and newer only. The sm_90 choice: 1.01x SDPA flash (FA2) on the H100 over the
 //      prefill benchmark matrix, where config 1 gave 0.90x (H200).
-//   5: 128 x 128, 2 warpgroups on wgmma (flash_fwd_sm90_kernel.cuh): sm_90a only, so only in a
+//   5: 128 x 128 (192 x 128 at d64), 2 (3) warpgroups on wgmma (flash_fwd_sm90_kernel.cuh): sm_90a
+//   only, so only in a
 //      build that includes it (FLASHMOE_SM90A, which the loader defines with arch 9.0a) and only on
 //      a compute capability 9.0 GPU.
 //   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
@@ -133,7 +134,7 @@ void visit_config(int config, F&& f) {
     using Traits = DecodeTraits<D, kDecodeStages>;
     f(&flash_decode_kernel<Traits, T>, Traits{});
   } else if (config == kSm90aConfig) {
-    using Traits = Sm90FwdTraits<D, 128, 2>;
+    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2>;
     f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
@@ -236,7 +237,8 @@ int blocks_per_sm(int device, int head_dim, int config) {
   return blocks;
 }
 
-constexpr int block_m_of(int config) {
+constexpr int block_m_of(int config, int head_dim) {
+  if (config == kSm90aConfig) return head_dim == 64 ? 192 : 128;
   return config == 2 ? 64 : config == kDecodeConfig ? 16 : 128;
 }
 constexpr int block_n_of(int config, int head_dim) {
@@ -351,7 +353,7 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
   if (config == 0) config = choose_config(dev, p.head_dim, grid_x, rows_per_head);
 
-  const int m_blocks = ceil_div(rows_per_head, block_m_of(int(config)));
+  const int m_blocks = ceil_div(rows_per_head, block_m_of(int(config), p.head_dim));
   // Launch order (measured on the H100, benches/NOTES.md v2.5): the row blocks of a head side by
   // side share its K and V in L2, which pays for short and unmasked sequences; long causal ones
   // (32+ row blocks of 1 to 32+ KV blocks each) gain more from all heads' heavy blocks first.
@@ -528,7 +530,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
     config = choose_config(dev, p.head_dim, grid_x, p.seqlen_q);
     if (config == kDecodeConfig) config = 2;  // the decode kernel has no packed-batch variant
   }
-  const int m_blocks = ceil_div(p.seqlen_q, block_m_of(int(config)));
+  const int m_blocks = ceil_div(p.seqlen_q, block_m_of(int(config), p.head_dim));
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
   FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "batch ", batch, " x heads ",
                        p.heads_q, " x row blocks of max_seqlen_q ", max_seqlen_q,

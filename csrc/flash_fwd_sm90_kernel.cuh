@@ -27,6 +27,9 @@ struct Sm90FwdTraits {
   static constexpr int kNWarps = 4 * kWarpgroups_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kChunks = kHeadDim / 8;
+  // K and V tiles are copied by the first two warpgroups (the copy loop wants rows per pass that
+  // divide the tile).
+  static constexpr int kLoadThreads = 256;
   static constexpr int kSmemBytes = (kBlockM + 4 * kBlockN) * kHeadDim * 2;  // K, V x 2
   static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128),
                 "wgmma tiles: 64-column panels, N of 64 or 128");
@@ -67,13 +70,18 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
                     hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + t.row0_k * p.v_row_stride +
                     hkv * p.v_head_stride;
+  constexpr int kLoadThreads = Traits::kLoadThreads;
   auto load_k = [&](int n_block) {
-    load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK + (n_block & 1) * BN * D, k_base,
-                                                    p.k_row_stride, n_block * BN, len_k, tid);
+    if (kThreads == kLoadThreads || tid < kLoadThreads) {
+      load_kv_tile<D, BN, kLoadThreads, /*kPanels=*/true>(sK + (n_block & 1) * BN * D, k_base,
+                                                          p.k_row_stride, n_block * BN, len_k, tid);
+    }
   };
   auto load_v = [&](int n_block) {
-    load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV + (n_block & 1) * BN * D, v_base,
-                                                    p.v_row_stride, n_block * BN, len_k, tid);
+    if (kThreads == kLoadThreads || tid < kLoadThreads) {
+      load_kv_tile<D, BN, kLoadThreads, /*kPanels=*/true>(sV + (n_block & 1) * BN * D, v_base,
+                                                          p.v_row_stride, n_block * BN, len_k, tid);
+    }
   };
   // cp.async writes through the generic proxy, wgmma reads through the async one: every thread
   // fences its own copies once they landed, then the barrier makes them everyone's.
@@ -276,7 +284,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   }
 }
 
-// One register budget for the block's 8 warps (one block per SM).
+// One block per SM: the register budget is the SM's over the block's warpgroups.
 template <typename Traits, typename T, bool kVarlen>
 __device__ __forceinline__ void flash_fwd_sm90_entry(const AttentionParams& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -209,7 +209,8 @@ struct TileCoords {
   template <int kBlockM, bool kVarlen = false>
   __device__ __forceinline__ static TileCoords of_block(const AttentionParams& p,
                                                         int block_x = blockIdx.x) {
-    static_assert(kBlockM <= 128, "the row mapping assumes rows * group < 2^20");
+    // Packed tiles are one row block (at most 128 rows), so r < kBlockM and group <= 128.
+    static_assert(kBlockM <= 256, "the row mapping assumes rows * group < 2^20");
     TileCoords t;
     t.pack_gqa = p.pack_gqa;
     t.group = p.pack_gqa ? p.heads_ratio : 1;
