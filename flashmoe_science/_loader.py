@@ -86,6 +86,11 @@ NVCC_FLAGS = (
 )
 LDFLAGS = ("-fopenmp",)
 CUDA_DEFINE = "FLASHMOE_WITH_CUDA"
+# The wgmma kernels exist only for sm_90a (wgmma has no plain sm_90 or PTX form). Their host code
+# is compiled when the unit targets sm_90a, which this define tells the host pass (it cannot see
+# the device passes' __CUDA_ARCH_FEAT_SM90_ALL).
+SM90A_ARCH = "9.0a"
+SM90A_DEFINE = "FLASHMOE_SM90A"
 
 CHILD_MARK = "FLASHMOE_BUILD_CHILD:"  # prefix of the child's own status lines in the log
 
@@ -225,6 +230,10 @@ def resolve_config(
         raise ConfigError(f"unknown backend {backend!r}: use auto, cuda or cpu", USAGE)
     torch_version, torch_cuda = torch_versions()
     defines = normalize_defines(defines)
+    # FLASHMOE_SM90A follows the targets (compile_flags adds it): given by hand it would promise
+    # wgmma kernels to a host whose device code has none, so it only says sm_90a was meant.
+    wants_sm90a = any(d.split("=", 1)[0] == SM90A_DEFINE for d in defines)
+    defines = tuple(d for d in defines if d.split("=", 1)[0] != SM90A_DEFINE)
     common = dict(
         defines=defines,
         torch_version=torch_version,
@@ -241,6 +250,12 @@ def resolve_config(
     if problem is None and not archs:
         problem = "no GPU visible and TORCH_CUDA_ARCH_LIST unset"
     if problem is None:
+        if wants_sm90a and not targets_sm90a(archs):
+            raise ConfigError(
+                f"-D{SM90A_DEFINE} without the sm_90a target ({arch_source}): build with "
+                f"--arch {SM90A_ARCH} (the define then comes by itself)",
+                USAGE,
+            )
         return BuildConfig("cuda", arch_source, archs, toolkit=toolkit, **common)
     if backend == "cuda":
         raise ConfigError(f"backend=cuda is impossible: {problem}. {_cuda_fix(problem)}")
@@ -258,9 +273,25 @@ def _requested_archs(arch_list: str | Sequence[str] | None) -> tuple[tuple[str, 
     if env and env != "native":
         return parse_arch_list(env), f"TORCH_CUDA_ARCH_LIST={env}"
     gpus = visible_gpu_archs()
-    return tuple(sorted(set(gpus), key=_arch_sort_key)), "visible GPU: " + ", ".join(
-        arch_label(a) for a in gpus
-    )
+    archs = tuple(sorted({visible_gpu_target(a) for a in gpus}, key=_arch_sort_key))
+    return archs, "visible GPU: " + ", ".join(arch_label(a) for a in gpus)
+
+
+def visible_gpu_target(capability: str) -> str:
+    """The target a build for a visible GPU of this capability uses: '9.0' -> '9.0a' (the wgmma
+    kernels need it, and an sm_90a cubin runs on exactly the 9.0 GPUs such a build is for); any
+    other capability is its own target."""
+    return SM90A_ARCH if capability == "9.0" else capability
+
+
+def targets_sm90a(arch_list: Sequence[str]) -> bool:
+    """Whether a CUDA build for these targets carries the sm_90a (wgmma) kernels."""
+    return any(arch.removesuffix("+PTX") == SM90A_ARCH for arch in arch_list)
+
+
+def arch_defines(arch_list: Sequence[str]) -> tuple[str, ...]:
+    """The defines the targets imply, for the host and the nvcc flags alike."""
+    return (SM90A_DEFINE,) if targets_sm90a(arch_list) else ()
 
 
 def _cuda_problem(torch_version: str, torch_cuda: str | None, toolkit: CudaToolkit) -> str | None:
@@ -275,7 +306,7 @@ def _cuda_problem(torch_version: str, torch_cuda: str | None, toolkit: CudaToolk
 
 def _cuda_fix(problem: str) -> str:
     if problem.startswith("no GPU"):
-        return "Pass --arch 9.0 (or set TORCH_CUDA_ARCH_LIST) to build without a GPU."
+        return "Pass --arch 9.0a (or set TORCH_CUDA_ARCH_LIST) to build without a GPU."
     if "nvcc" in problem or "CUDA_HOME" in problem:
         return "Install the CUDA toolkit whose major version matches torch's, and set CUDA_HOME."
     return "Install a CUDA build of torch, or build with --backend cpu."
@@ -461,10 +492,10 @@ def compile_flags(config: BuildConfig) -> dict[str, list[str]]:
             "include_paths": [str(config.sources_dir)],
         }
     includes, libs = _pip_nvidia_dirs()
-    with_cuda = f"-D{CUDA_DEFINE}"
+    cuda_defines = [f"-D{d}" for d in (CUDA_DEFINE, *arch_defines(config.arch_list))]
     return {
-        "cflags": [*HOST_CFLAGS, with_cuda, *defines],
-        "cuda_cflags": [*NVCC_FLAGS, with_cuda, *defines],
+        "cflags": [*HOST_CFLAGS, *cuda_defines, *defines],
+        "cuda_cflags": [*NVCC_FLAGS, *cuda_defines, *defines],
         "ldflags": [*LDFLAGS, *(f"-L{lib}" for lib in libs)],
         "include_paths": [str(config.sources_dir), *includes],
     }
@@ -520,6 +551,16 @@ def library_path(config: BuildConfig) -> Path:
 
 def record_path(config: BuildConfig) -> Path:
     return config.build_dir / "build.json"
+
+
+def library_arch_list(library: Path) -> tuple[str, ...]:
+    """The CUDA targets the library at this path was built for ('8.9', '9.0a'), from the build
+    record beside it; empty for the CPU-only unit or a library without a readable record."""
+    try:
+        archs = json.loads((Path(library).parent / "build.json").read_text()).get("arch_list")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    return tuple(str(a) for a in archs) if isinstance(archs, list) else ()
 
 
 def read_record(config: BuildConfig) -> dict | None:
@@ -845,7 +886,8 @@ def parser(prog: str = "python -m flashmoe_science build") -> argparse.ArgumentP
     parser.add_argument(
         "--arch",
         metavar="LIST",
-        help="CUDA targets, e.g. '8.9;9.0' (default: TORCH_CUDA_ARCH_LIST, else the visible GPUs)",
+        help="CUDA targets, e.g. '8.9;9.0a' (default: TORCH_CUDA_ARCH_LIST, else the visible GPUs, "
+        "a 9.0 GPU as 9.0a)",
     )
     parser.add_argument(
         "--define",

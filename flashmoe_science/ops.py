@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -19,6 +20,7 @@ from . import _loader
 
 _lock = threading.Lock()
 _loaded = False
+_built_archs: tuple[str, ...] = ()  # the CUDA targets of the loaded build (empty: CPU-only)
 
 
 def build_defines() -> tuple[str, ...]:
@@ -31,7 +33,7 @@ def load_library() -> None:
     """Build the extension if it is missing or stale, load it, and register the fake kernels.
 
     Runs when this module is imported, so torch.compile never traces it (Dynamo cannot enter a lock)."""
-    global _loaded
+    global _loaded, _built_archs
     if _loaded:
         return
     with _lock:
@@ -39,6 +41,7 @@ def load_library() -> None:
             return
         so_path = _loader.ensure_built(defines=build_defines())
         torch.ops.load_library(str(so_path))
+        _built_archs = _loader.library_arch_list(so_path)
         _register_fakes()
         from . import autograd
 
@@ -141,6 +144,7 @@ CONFIGS = {
     2: "64x64 tiles, 4 warps",
     3: "decode kernel: 16 rows, 4 warps splitting the keys",
     4: "128x64 tiles at d128, 128x128 at d64, 4 warps (sm_90 and newer)",
+    5: "128x128 tiles, 2 warpgroups, wgmma (sm_90a build on a 9.0 GPU)",
 }
 _CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in CONFIGS.items())
 # Backward tile configurations that `backward_config=` forces (csrc/flash_api_cuda.cuh).
@@ -152,11 +156,55 @@ _BACKWARD_CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in BACKWARD_CONFIG
 # Built for compute capability 9.0 and newer only (ptxas spills these tiles on sm_80/sm_89); the
 # operator refuses them below that, and the gates skip them there.
 SM90_ONLY_CONFIGS = frozenset({4})
+# The wgmma kernels: only a build that targets sm_90a carries them (wgmma has no sm_90 or PTX
+# form), and sm_90a code runs only on compute capability 9.0; the operator refuses them elsewhere.
+SM90A_CONFIGS = frozenset({5})
 
 
-def config_supported(config: int, capability: tuple[int, int]) -> bool:
-    """Whether `config=` can run on a GPU of this compute capability (0, automatic, always can)."""
-    return config not in SM90_ONLY_CONFIGS or tuple(capability) >= (9, 0)
+def built_archs() -> tuple[str, ...]:
+    """The CUDA targets of the loaded build, e.g. ('8.9', '9.0a'); empty for the CPU-only build."""
+    return _built_archs
+
+
+def config_unsupported_reason(
+    config: int, capability: tuple[int, int], arch_list: Sequence[str] | None = None
+) -> str | None:
+    """Why `config=` cannot run on a GPU of this compute capability with the build for these
+    targets (default: the loaded build's), with what to do; None when it can (0 always can)."""
+    capability = tuple(capability)
+    gpu = "sm_" + "".join(str(part) for part in capability)
+    if config in SM90_ONLY_CONFIGS and capability < (9, 0):
+        return f"config={config} is built for sm_90 and newer; this GPU is {gpu}"
+    if config in SM90A_CONFIGS:
+        archs = built_archs() if arch_list is None else tuple(arch_list)
+        if capability != (9, 0) or not _loader.targets_sm90a(archs):
+            build = (
+                "the build targets " + ", ".join(_loader.arch_label(a) for a in archs)
+                if archs
+                else "the build is CPU-only"
+            )
+            return (
+                f"config={config} needs an sm_90a build on a compute capability 9.0 GPU: build "
+                f"with --arch 9.0a (this GPU is {gpu}, {build})"
+            )
+    return None
+
+
+def config_supported(
+    config: int, capability: tuple[int, int], arch_list: Sequence[str] | None = None
+) -> bool:
+    """Whether `config=` can run on a GPU of this compute capability with the build for these
+    targets (default: the loaded build's); 0, automatic, always can."""
+    return config_unsupported_reason(config, capability, arch_list) is None
+
+
+def config_needs(config: int) -> str | None:
+    """What a forced configuration needs beyond a GPU, in a few words (a gate's rerun_needs)."""
+    if config in SM90A_CONFIGS:
+        return "an sm_90a build on a 9.0 GPU"
+    if config in SM90_ONLY_CONFIGS:
+        return "sm_90"
+    return None
 
 
 def flash_attention_forward(
@@ -183,7 +231,7 @@ def flash_attention_forward(
     are the last Sq positions). A query that sees no key gets output 0 and log-sum-exp -inf.
     softmax_scale defaults to 1/sqrt(D). num_splits: 0 chooses the split-KV count from the SM count
     and the work, 1 disables splitting. config: 0 picks the kernel and tile configuration for the GPU;
-    1 to 4 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
+    1 to 5 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
     architecture selects is gated on one card.
 
     Backward (autograd, flashmoe_science.autograd): FlashAttention-2's, from the saved output and
@@ -319,8 +367,8 @@ def flash_attention_varlen_forward(
     length 0 are allowed. causal: bottom-right aligned per sequence (query i of a sequence with
     sq queries and sk keys sees keys j <= i + sk - sq), as in FlashAttention 2.1+; a query that
     sees no key gets output 0 and log-sum-exp -inf. GQA, dtypes and head dims as
-    flash_attention_forward. config: 0 picks the tile configuration; 1, 2 or 4 force one of the
-    forward kernel's (CONFIGS; the decode kernel, 3, has no packed variant).
+    flash_attention_forward. config: 0 picks the tile configuration; 1, 2, 4 or 5 force one of the
+    forward kernels' (CONFIGS; the decode kernel, 3, has no packed variant).
 
     No host synchronisation (CUDA graphs can capture the call): on CUDA the kernel checks the
     cu_seqlens values itself. Nothing outside the packed tensors is read whatever they hold, and
@@ -348,7 +396,7 @@ def flash_attention_varlen_forward(
     _check_bool("return_lse", return_lse)
     if config == 3 or isinstance(config, bool) or not isinstance(config, int):
         raise ValueError(
-            f"config must be 0 (automatic), 1, 2 or 4 for a packed batch, got {config!r}"
+            f"config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got {config!r}"
         )
     _check_int("config", config, 0, len(CONFIGS), "0 = automatic, " + _CONFIG_TEXT)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)

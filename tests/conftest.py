@@ -64,7 +64,8 @@ def has_cuda_kernels() -> bool:
 def require_cuda_build(has_cuda_kernels):
     """What a CUDA gate calls first: a GPU is visible (the `gpu` marker skips the test where none
     is), so a loaded build without CUDA kernels fails the gate rather than pass without running
-    it; a forced tile configuration this GPU cannot run (ops.config_supported) skips."""
+    it; a forced tile configuration this GPU or build cannot run skips, saying what it needs
+    (ops.config_unsupported_reason)."""
 
     def require(config: int = 0) -> None:
         if not has_cuda_kernels:
@@ -72,11 +73,11 @@ def require_cuda_build(has_cuda_kernels):
                 "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
                 pytrace=False,
             )
-        from flashmoe_science.ops import config_supported
+        from flashmoe_science.ops import config_unsupported_reason
 
-        capability = torch.cuda.get_device_capability()
-        if not config_supported(config, capability):
-            pytest.skip(f"config={config} is built for sm_90 and newer; this GPU is {capability}")
+        reason = config_unsupported_reason(config, torch.cuda.get_device_capability())
+        if reason:
+            pytest.skip(reason)
 
     return require
 

@@ -79,11 +79,18 @@ BAD_INPUTS = [
         ("config=1", "CUDA"),
     ),
     (
+        "the wgmma config on CPU",
+        lambda q, k, v: (q, k, v),
+        {"config": 5},
+        ValueError,
+        ("config=5", "CUDA"),
+    ),
+    (
         "config out of range",
         lambda q, k, v: (q, k, v),
-        {"config": 7},
+        {"config": 6},
         ValueError,
-        ("config", "got 7"),
+        ("config", "[0, 5]", "got 6"),
     ),
     (
         "num_splits out of range",
@@ -126,6 +133,30 @@ def test_bad_input_gives_one_line_error(name, mutate, kwargs, exc, needles):
     with pytest.raises(exc) as info:
         flash_attention_forward(*mutate(q, k, v), **kwargs)
     one_line_error(info, *needles)
+
+
+def test_each_configuration_says_what_it_needs():
+    """4 needs compute capability 9.0 or newer; 5 (wgmma) an sm_90a build on a 9.0 GPU, by
+    default the loaded build's targets."""
+    assert all(ops.config_supported(c, (8, 0), ()) for c in (0, 1, 2, 3))
+    assert ops.config_supported(4, (9, 0), ()) and not ops.config_supported(4, (8, 9), ())
+    assert ops.config_supported(5, (9, 0), ("8.9", "9.0a"))
+    assert ops.config_supported(5, [9, 0], ("9.0a+PTX",))
+    for capability, archs in (((9, 0), ("8.9", "9.0")), ((8, 9), ("9.0a",)), ((10, 0), ("9.0a",))):
+        assert not ops.config_supported(5, capability, archs)
+    reason = ops.config_unsupported_reason(5, (9, 0), ("8.9", "9.0"))
+    assert reason == (
+        "config=5 needs an sm_90a build on a compute capability 9.0 GPU: build with --arch 9.0a "
+        "(this GPU is sm_90, the build targets sm_89, sm_90)"
+    )
+    assert ops.config_unsupported_reason(4, (8, 9)) == (
+        "config=4 is built for sm_90 and newer; this GPU is sm_89"
+    )
+    assert ops.config_unsupported_reason(5, (9, 0), ("9.0a",)) is None
+    assert ops.config_supported(5, (9, 0)) == ("9.0a" in ops.built_archs())
+    if not torch.cuda.is_available():
+        assert ops.built_archs() == ()  # the CPU-only build
+        assert "the build is CPU-only" in ops.config_unsupported_reason(5, (9, 0))
 
 
 @pytest.mark.gpu

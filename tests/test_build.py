@@ -216,7 +216,10 @@ def test_shorten_kernel_name():
     )
     long_name = "void k<" + ", ".join(["cutlass::half_t"] * 10) + ">(P)"
     short = compiler_output.shorten_kernel_name(long_name, width=40)
-    assert len(short) == 40 and short.endswith("...")
+    assert len(short) == 40 and "..." in short
+    # instantiations that differ only past the cut (the dtype, last) stay apart
+    other = compiler_output.shorten_kernel_name(long_name.replace("half_t>", "bfloat16_t>"), 40)
+    assert len(other) == 40 and other != short and other[:29] == short[:29]
 
 
 def test_resource_table_is_aligned():
@@ -359,9 +362,96 @@ def test_auto_with_arch_list_builds_cuda(cuda_machine, monkeypatch):
 
 
 def test_visible_gpu_gives_the_targets(cuda_machine, monkeypatch):
-    monkeypatch.setattr(loader, "visible_gpu_archs", lambda: ["9.0"])
+    monkeypatch.setattr(loader, "visible_gpu_archs", lambda: ["8.9"])
     config = build.resolve_config("auto")
-    assert config.backend == "cuda" and config.arch_list == ("9.0",) and "sm_90" in config.reason
+    assert config.backend == "cuda" and config.arch_list == ("8.9",) and "sm_89" in config.reason
+    assert "-DFLASHMOE_SM90A" not in loader.compile_flags(config)["cuda_cflags"]
+
+
+def test_a_visible_90_gpu_is_built_sm90a_with_its_define(cuda_machine, monkeypatch):
+    """The wgmma kernels need sm_90a; a build for the visible H100 targets it, and both the host
+    and the device passes are told (FLASHMOE_SM90A), which also keys the build and its hash."""
+    monkeypatch.setattr(loader, "visible_gpu_archs", lambda: ["8.9", "9.0"])
+    config = build.resolve_config("auto")
+    assert config.arch_list == ("8.9", "9.0a") and config.reason == "visible GPU: sm_89, sm_90"
+    assert config.key == "torch2.14.1-cu13.0-sm89_sm90a" and config.defines == ()
+    flags = loader.compile_flags(config)
+    assert "-DFLASHMOE_SM90A" in flags["cflags"] and "-DFLASHMOE_SM90A" in flags["cuda_cflags"]
+    assert build.describe(config).startswith(
+        "build: CUDA unit csrc/flashmoe_science.cu for sm_89, sm_90a "
+    )
+    # the same targets asked for by name build the same thing; plain 9.0 stays plain sm_90
+    for named in (
+        build.resolve_config("auto", arch_list="8.9;9.0a"),
+        build.resolve_config("auto", arch_list="sm_90a+PTX 89"),
+    ):
+        assert loader.targets_sm90a(named.arch_list)
+        assert "-DFLASHMOE_SM90A" in loader.compile_flags(named)["cuda_cflags"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.9;9.0a")
+    assert build.resolve_config("auto").key == config.key
+    plain = build.resolve_config("auto", arch_list="9.0")
+    assert plain.arch_list == ("9.0",) and plain.key == "torch2.14.1-cu13.0-sm90"
+    assert not any(
+        "SM90A" in f
+        for f in [
+            *loader.compile_flags(plain)["cflags"],
+            *loader.compile_flags(plain)["cuda_cflags"],
+        ]
+    )
+    assert loader.source_hash(plain) != loader.source_hash(
+        build.resolve_config("auto", arch_list="9.0a")
+    )
+
+
+def test_torch_turns_the_targets_into_sm90a_gencode(cuda_machine, monkeypatch, tmp_path):
+    """The child hands the targets to torch's cpp_extension as TORCH_CUDA_ARCH_LIST: 9.0a must come
+    out as real sm_90a code (and no flag of ours may contain 'arch', or torch adds none at all)."""
+    cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
+    monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path))  # the child's spec is written there
+    config = build.resolve_config("cuda", arch_list="8.9;9.0a")
+    config.build_dir.mkdir(parents=True)
+    _command, env = loader._child_command(config)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env["TORCH_CUDA_ARCH_LIST"])
+    flags = loader.compile_flags(config)["cuda_cflags"]
+    assert sorted(cpp_extension._get_cuda_arch_flags(flags)) == [
+        "-gencode=arch=compute_89,code=sm_89",
+        "-gencode=arch=compute_90a,code=sm_90a",
+    ]
+
+
+def test_the_sm90a_define_comes_with_the_target_only(cuda_machine):
+    with pytest.raises(build.ConfigError) as excinfo:
+        build.resolve_config("auto", arch_list="9.0", defines=["-DFLASHMOE_SM90A"])
+    assert excinfo.value.exit_code == exitcodes.USAGE
+    assert str(excinfo.value) == (
+        "-DFLASHMOE_SM90A without the sm_90a target (--arch 9.0): build with --arch 9.0a "
+        "(the define then comes by itself)"
+    )
+    by_hand = build.resolve_config("auto", arch_list="9.0a", defines=["FLASHMOE_SM90A"])
+    assert by_hand.key == build.resolve_config("auto", arch_list="9.0a").key
+
+
+def test_the_loaded_library_names_its_targets(tmp_path):
+    library = tmp_path / "flashmoe_science_C.so"
+    assert loader.library_arch_list(library) == ()
+    (tmp_path / "build.json").write_text(json.dumps({"arch_list": ["8.9", "9.0a"]}))
+    assert loader.library_arch_list(library) == ("8.9", "9.0a")
+    (tmp_path / "build.json").write_text(json.dumps({"arch_list": []}))
+    assert loader.library_arch_list(library) == ()
+    (tmp_path / "build.json").write_text("[1, 2]")
+    assert loader.library_arch_list(library) == ()
+
+
+def test_nox_compile_builds_every_gpu_kind():
+    """`nox -s compile` (CPU CI's CUDA check) compiles what each GPU CI leg builds: sm_89 and
+    sm_90a, the wgmma kernels included."""
+    from flashmoe_science.pipeline import gpukinds
+
+    noxfile = (REPO_ROOT / "noxfile.py").read_text()
+    session = noxfile[noxfile.index("def compile(") :].split("\n\n\n")[0]
+    (archs,) = re.findall(r'"--arch", "([^"]+)"', session)
+    assert loader.parse_arch_list(archs) == tuple(k.arch for k in gpukinds.KINDS.values())
+    assert loader.parse_arch_list(archs) == ("8.9", "9.0a")
 
 
 def test_nvcc_major_mismatch_falls_back_to_cpu(cuda_machine, monkeypatch):
@@ -649,6 +739,80 @@ def test_dynamic_smem_joins_the_ptxas_rows():
     assert len({len(row) for row in rows}) == 1
     build.add_dynamic_smem(kernels, None)  # an older unit without the table
     assert all(k["dynamic_smem"] is None for k in kernels)
+
+
+# The wgmma kernels as nvcc names them in a build for sm_89 and sm_90a (real lines, CUDA 13.0; the
+# performance-loss line in the shape ptxas prints it for a kernel whose wgmma pipeline serializes),
+# and their rows of the unit's launch table.
+PTXAS_SM90A = """\
+ptxas info    : Compiling entry function '_ZN8flashmoe4cuda21flash_fwd_sm90_kernelINS0_13Sm90FwdTraitsILi128ELi128ELi2EEE13__nv_bfloat16EEvNS_15AttentionParamsE' for 'sm_89'
+ptxas info    : Function properties for _ZN8flashmoe4cuda21flash_fwd_sm90_kernelINS0_13Sm90FwdTraitsILi128ELi128ELi2EEE13__nv_bfloat16EEvNS_15AttentionParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 4 registers, used 0 barriers, 400 bytes cmem[0]
+ptxas info    : Compiling entry function '_ZN8flashmoe4cuda21flash_fwd_sm90_kernelINS0_13Sm90FwdTraitsILi128ELi128ELi2EEE13__nv_bfloat16EEvNS_15AttentionParamsE' for 'sm_90a'
+ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function '_ZN8flashmoe4cuda21flash_fwd_sm90_kernelINS0_13Sm90FwdTraitsILi128ELi128ELi2EEE13__nv_bfloat16EEvNS_15AttentionParamsE'
+ptxas info    : Function properties for _ZN8flashmoe4cuda21flash_fwd_sm90_kernelINS0_13Sm90FwdTraitsILi128ELi128ELi2EEE13__nv_bfloat16EEvNS_15AttentionParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 198 registers, used 1 barriers
+ptxas info    : Compile time = 364.687 ms
+ptxas info    : Compiling entry function '_ZN8flashmoe4cuda28flash_fwd_sm90_varlen_kernelINS0_13Sm90FwdTraitsILi128ELi128ELi2EEE6__halfEEvNS_15AttentionParamsE' for 'sm_90a'
+ptxas info    : Function properties for _ZN8flashmoe4cuda28flash_fwd_sm90_varlen_kernelINS0_13Sm90FwdTraitsILi128ELi128ELi2EEE6__halfEEvNS_15AttentionParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 16 bytes smem
+ptxas info    : Compiling entry function '_ZN8flashmoe4cuda28flash_fwd_sm90_varlen_kernelINS0_13Sm90FwdTraitsILi128ELi128ELi2EEE13__nv_bfloat16EEvNS_15AttentionParamsE' for 'sm_90a'
+ptxas info    : Function properties for _ZN8flashmoe4cuda28flash_fwd_sm90_varlen_kernelINS0_13Sm90FwdTraitsILi128ELi128ELi2EEE13__nv_bfloat16EEvNS_15AttentionParamsE
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 16 bytes smem
+"""
+LAUNCH_TABLE_SM90A = """\
+flashmoe::cuda::flash_fwd_sm90_kernel<flashmoe::cuda::Sm90FwdTraits<128, 128, 2>, __nv_bfloat16>\t98304
+flashmoe::cuda::flash_fwd_sm90_varlen_kernel<flashmoe::cuda::Sm90FwdTraits<128, 128, 2>, __half>\t98304
+flashmoe::cuda::flash_fwd_sm90_varlen_kernel<flashmoe::cuda::Sm90FwdTraits<128, 128, 2>, __nv_bfloat16>\t98304
+"""
+
+
+@pytest.mark.skipif(not shutil.which("c++filt"), reason="no c++filt (binutils)")
+def test_the_wgmma_kernels_get_their_rows_and_a_serialized_pipeline_is_a_warning(capsys):
+    kernels = compiler_output.parse_ptxas(PTXAS_SM90A)
+    build.add_dynamic_smem(kernels, build.parse_launch_table(LAUNCH_TABLE_SM90A))
+    assert [(k["kernel"], k["arch"], k["registers"], k["dynamic_smem"]) for k in kernels] == [
+        ("flash_fwd_sm90_kernel<Sm90FwdTraits<128, 128, 2>, __nv_bfloat16>", "sm_89", 4, 98304),
+        ("flash_fwd_sm90_kernel<Sm90FwdTraits<128, 128, 2>, __nv_bfloat16>", "sm_90a", 198, 98304),
+        ("flash_fwd_sm90_varlen_kernel<Sm90FwdTraits<128, 128, 2>, __half>", "sm_90a", 168, 98304),
+        (
+            "flash_fwd_sm90_varlen_kernel<Sm90FwdTraits<128, 128, 2>, __nv_bfloat16>",
+            "sm_90a",
+            168,
+            98304,
+        ),
+    ]
+    assert kernels[3]["smem_bytes"] == 16
+    # the advice lands on the sm_90a kernel it names, not on the sm_89 one of the same name
+    assert [k["performance_loss"] for k in kernels] == [
+        None,
+        "C7511: wgmma.mma_async instructions are serialized due to insufficient register "
+        "resources for the wgmma pipeline",
+        None,
+        None,
+    ]
+    rows = build.format_resource_table(kernels)
+    assert len({len(row) for row in rows}) == 1 and " sm_90a " in rows[2]
+    build._print_spill_warnings(kernels)
+    assert capsys.readouterr().out == (
+        "WARNING: flash_fwd_sm90_kernel<Sm90FwdTraits<128, 128, 2>, __nv_bfloat16> (sm_90a): "
+        "ptxas C7511: wgmma.mma_async instructions are serialized due to insufficient register "
+        "resources for the wgmma pipeline\n"
+    )
+
+
+def test_performance_loss_naming_an_inlined_function_goes_to_the_entry_being_compiled():
+    log = PTXAS_SM90A.replace(
+        "in the function '_ZN8flashmoe4cuda21flash_fwd_sm90_kernelINS0_13Sm90FwdTraitsILi128ELi128"
+        "ELi2EEE13__nv_bfloat16EEvNS_15AttentionParamsE'",
+        "in the function '_ZN8flashmoe4cuda7softmaxEv'",
+    )
+    kernels = compiler_output.parse_ptxas(log, demangle=identity)
+    assert [bool(k["performance_loss"]) for k in kernels] == [False, True, False, False]
 
 
 def newest_cuda_build() -> Path | None:

@@ -54,9 +54,35 @@ def test_matrix_covers_the_issue():
     assert any(c.layout == "bshd" for c in GPU_CASES) and any(c.batch > 1 for c in GPU_CASES)
     from flashmoe_science.ops import CONFIGS
 
-    assert {c.config for c in GPU_CASES} == {0, *CONFIGS}
+    assert {c.config for c in GPU_CASES} == {0, *CONFIGS} and set(gates.FORCED_CONFIGS) == set(
+        CONFIGS
+    )
     # each forced configuration is also gated through its split-KV path
     assert {c.config for c in GPU_CASES if c.num_splits > 1 and c.config} == set(CONFIGS)
+
+
+def _shapes(config: int) -> set[tuple]:
+    return {
+        (c.dtype, c.head_dim, c.causal, c.seqlen_q, c.seqlen_k)
+        for c in GPU_CASES
+        if c.config == config and c.kind == "prefill"
+    }
+
+
+def test_the_wgmma_configuration_meets_the_whole_matrix():
+    """The sm_90a configuration goes through everything the automatic choice does (every length,
+    Sq != Sk both ways, both dtypes, head dims and masks, GQA 1/4/8, strided views), and through
+    the shapes and split-KV path every forced configuration gets."""
+    from flashmoe_science.ops import SM90A_CONFIGS
+
+    assert set(gates.FULL_MATRIX_CONFIGS) == SM90A_CONFIGS == {5}
+    forced = _shapes(1)
+    for config in SM90A_CONFIGS:
+        mine = [c for c in GPU_CASES if c.config == config]
+        assert _shapes(config) == _shapes(0) | forced
+        assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
+        assert {c.layout for c in mine} == {"bhsd", "bshd"}
+        assert any(c.num_splits > 1 for c in mine) and any(c.num_splits == 0 for c in mine)
 
 
 def test_bshd_view_is_used_in_place():
@@ -78,8 +104,9 @@ def test_inputs_are_fresh_and_nonzero():
 
 def test_rerun_commands_require_the_gpu_and_name_the_cpu_twin():
     """A CUDA rerun that skips without a GPU would pass: it demands one (exit 255 without), names
-    the same case in the CPU tier when there is one, and says when the case needs sm_90."""
-    from flashmoe_science.ops import SM90_ONLY_CONFIGS
+    the same case in the CPU tier when there is one, and says when the case needs sm_90 (or an
+    sm_90a build on a 9.0 GPU)."""
+    from flashmoe_science.ops import SM90_ONLY_CONFIGS, SM90A_CONFIGS
 
     cpu_ids = {c.id for c in CPU_CASES}
     twins = [c for c in GPU_CASES if c.id in cpu_ids]
@@ -94,6 +121,8 @@ def test_rerun_commands_require_the_gpu_and_name_the_cpu_twin():
     assert gates.rerun_fields(alone, "cuda")["rerun_cpu"] is None
     sm90 = next(c for c in GPU_CASES if c.config in SM90_ONLY_CONFIGS)
     assert gates.rerun_fields(sm90, "cuda")["rerun_needs"] == "sm_90"
+    sm90a = next(c for c in GPU_CASES if c.config in SM90A_CONFIGS)
+    assert gates.rerun_fields(sm90a, "cuda")["rerun_needs"] == "an sm_90a build on a 9.0 GPU"
     on_cpu = gates.rerun_fields(CPU_CASES[0], "cpu")
     assert on_cpu["rerun"] == f"nox -s test -- -k '{CPU_CASES[0].id}-cpu'"
     assert on_cpu["rerun_cpu"] is None
@@ -125,3 +154,31 @@ def test_a_failing_cuda_case_reports_the_rerun_its_twin_and_sm90():
     twin = next(c for c in GPU_CASES if c.id in cpu_ids)
     report = gates.format_failure(twin, failing(twin))
     assert f"rerun on the CPU (same inputs): nox -s test -- -k '{twin.id}-cpu'" in report
+
+
+@pytest.mark.parametrize("has_cuda_kernels", [True])  # as on a GPU machine with the CUDA build
+@pytest.mark.parametrize(
+    ("capability", "archs", "config", "needs"),
+    [
+        ((8, 9), ("8.9", "9.0a"), 5, "needs an sm_90a build on a compute capability 9.0 GPU"),
+        ((9, 0), ("8.9", "9.0"), 5, "needs an sm_90a build on a compute capability 9.0 GPU"),
+        ((8, 9), ("8.9",), 4, "is built for sm_90 and newer; this GPU is sm_89"),
+    ],
+)
+def test_a_configuration_the_machine_cannot_run_skips_saying_what_it_needs(
+    require_cuda_build, monkeypatch, capability, archs, config, needs
+):
+    from flashmoe_science import ops
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(ops, "built_archs", lambda: archs)
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        require_cuda_build(config)
+    assert needs in str(skipped.value)
+    if config == 5:
+        assert "build with --arch 9.0a" in str(skipped.value)
+    # what it can run does not skip
+    require_cuda_build(1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(ops, "built_archs", lambda: ("8.9", "9.0a"))
+    require_cuda_build(config)

@@ -47,7 +47,11 @@ def test_matrix_covers_the_issue():
     assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
     assert {c.causal for c in GPU_CASES} == {False, True}
     assert {c.head_dim for c in GPU_CASES} == {64, 128}
-    assert {c.config for c in GPU_CASES} == {0, 1, 2, 4}
+    from flashmoe_science.ops import CONFIGS
+
+    # every forward configuration but the decode kernel's (3), which has no packed variant
+    assert {c.config for c in GPU_CASES} == {0, *CONFIGS} - {3}
+    assert set(varlen_gates.VARLEN_CONFIGS) == set(CONFIGS) - {3}
     assert len({c.id for c in GPU_CASES + CPU_CASES}) == len(GPU_CASES) + len(CPU_CASES)
 
 
@@ -169,7 +173,7 @@ def _cu(args, values):
             "must be a multiple of heads of k and v",
         ),
         (lambda a: {**a, "q": a["q"].float()}, TypeError, "q has dtype torch.float32"),
-        (lambda a: {**a, "config": 3}, ValueError, "config must be 0 (automatic), 1, 2 or 4"),
+        (lambda a: {**a, "config": 3}, ValueError, "config must be 0 (automatic), 1, 2, 4 or 5"),
     ],
 )
 def test_bad_input_raises_one_line(device, monkeypatch, change, error, message):

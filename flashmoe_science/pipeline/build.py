@@ -238,13 +238,18 @@ def format_resource_table(kernels: list[dict]) -> list[str]:
 
 
 def _print_spill_warnings(kernels: list[dict]) -> None:
-    # printed even with --quiet: a spill is a bug report, not a detail
+    # printed even with --quiet: a spill is a bug report, not a detail; so is a serialized wgmma
     for k in spilling(kernels):
         print(
             f"WARNING: {k['kernel']} ({k['arch']}) spills registers: {k['spill_stores']} B stores, "
             f"{k['spill_loads']} B loads to local memory",
             flush=True,
         )
+    for k in kernels:
+        if k.get("performance_loss"):
+            print(
+                f"WARNING: {k['kernel']} ({k['arch']}): ptxas {k['performance_loss']}", flush=True
+            )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,12 @@ _STACK_RE = re.compile(
 )
 _USED_RE = re.compile(r"ptxas info\s*: Used (\d+) registers")
 _SMEM_RE = re.compile(r"(\d+) bytes smem")
+# ptxas's advice on an sm_90a kernel, e.g. '(C7511) Potential Performance Loss: wgmma.mma_async
+# instructions are serialized due to insufficient register resources ... in the function 'X''; a
+# serialized wgmma pipeline costs several times the kernel's speed.
+_LOSS_RE = re.compile(
+    r"ptxas info\s*: \((C\d+)\) Potential Performance Loss: (.*?)(?: in the function '([^']+)')?\s*$"
+)
 
 
 def parse_ptxas(text: str, demangle: Callable[[list[str]], list[str]] | None = None) -> list[dict]:
@@ -39,6 +46,9 @@ def parse_ptxas(text: str, demangle: Callable[[list[str]], list[str]] | None = N
     for X' + a stack/spill line, then 'Used N registers, ... M bytes smem'. Properties of non-entry
     device functions also appear; they are skipped by matching the name against the current entry.
     `demangle` maps mangled names to readable ones (default: c++filt when installed).
+
+    'Potential Performance Loss' advice (serialized wgmma) goes to `performance_loss` of the kernel
+    it names, else of the entry being compiled (it may name a function inlined into it).
     """
     kernels: list[dict] = []
     current: dict | None = None
@@ -54,9 +64,15 @@ def parse_ptxas(text: str, demangle: Callable[[list[str]], list[str]] | None = N
                 "stack_bytes": 0,
                 "spill_stores": 0,
                 "spill_loads": 0,
+                "performance_loss": None,
             }
             kernels.append(current)
             properties_of = None
+        elif match := _LOSS_RE.search(line):
+            code, what, function = match.groups()
+            target = next((k for k in reversed(kernels) if k["mangled"] == function), current)
+            if target is not None and target["performance_loss"] is None:
+                target["performance_loss"] = f"{code}: {what}"
         elif match := _PROPS_RE.search(line):
             properties_of = current if current and match.group(1) == current["mangled"] else None
         elif (match := _STACK_RE.search(line)) and properties_of is not None:
@@ -91,11 +107,12 @@ def demangle_names(mangled: list[str]) -> list[str]:
     return list(mangled)
 
 
-def shorten_kernel_name(name: str, width: int = 72) -> str:
+def shorten_kernel_name(name: str, width: int = 100) -> str:
     """'void ns::kern<ns::Traits<128, 64>, __half>(ns::Params)' -> 'kern<Traits<128, 64>, __half>'.
 
     Namespaces and the parameter list go (the template arguments are what tell instantiations of one
-    kernel apart); what is still too long is cut to `width`.
+    kernel apart); what is still too long is cut to `width`, ending in a digest of the whole name so
+    that two instantiations which differ only past the cut (the dtype, last) stay two rows.
     """
     name = name.replace("(anonymous namespace)::", "").strip()
     name = re.sub(r"^void\s+", "", name)
@@ -108,7 +125,10 @@ def shorten_kernel_name(name: str, width: int = 72) -> str:
                 break
     name = re.sub(r"\b(?:\w+::)+", "", name)
     name = re.sub(r"\s+", " ", name).strip()
-    return name if len(name) <= width else name[: width - 3] + "..."
+    if len(name) <= width:
+        return name
+    digest = f"{zlib.crc32(name.encode()):08x}"
+    return f"{name[: width - 3 - len(digest)]}...{digest}"
 
 
 def spilling(kernels: list[dict]) -> list[dict]:

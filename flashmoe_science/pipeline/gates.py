@@ -209,13 +209,13 @@ def evaluate(
 def rerun_fields(case: Case, device: str) -> dict:
     """How to run one gate case again: the command, its CPU twin (the same id in the CPU tier, with
     the same inputs) when there is one, and what hardware the case needs, if more than a GPU."""
-    from ..ops import SM90_ONLY_CONFIGS
+    from ..ops import config_needs
 
     twin = device == "cuda" and case.id in cpu_tier_ids()
     return {
         "rerun": case.rerun_command(device),
         "rerun_cpu": case.rerun_command("cpu") if twin else None,
-        "rerun_needs": "sm_90" if case.config in SM90_ONLY_CONFIGS else None,
+        "rerun_needs": config_needs(case.config),
     }
 
 
@@ -311,6 +311,12 @@ UNEQUAL = (
 )
 UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
 GQA_RATIOS = (1, 4, 8)
+# The forward tile configurations the GPU matrix forces: every id of ops.CONFIGS (a test keeps
+# them equal; importing ops here would build the extension at import).
+FORCED_CONFIGS = (1, 2, 3, 4, 5)
+# Those forced through the whole matrix (every length, strided views), as the automatic choice
+# is: the wgmma kernels (ops.SM90A_CONFIGS), which only the H100 runs and nothing else gates.
+FULL_MATRIX_CONFIGS = (5,)
 
 
 def _heads(index: int, total_q_rows: int) -> tuple[int, int, int]:
@@ -323,65 +329,78 @@ def _heads(index: int, total_q_rows: int) -> tuple[int, int, int]:
 
 
 def forward_cases(tier: str) -> Iterator[Case]:
-    """Forward gate cases. tier "gpu": the full matrix; tier "cpu": a representative subset."""
+    """Forward gate cases. tier "gpu": the full matrix, automatic and for FULL_MATRIX_CONFIGS, and
+    every configuration forced on a few shapes; tier "cpu": a representative subset."""
     gpu = tier == "gpu"
     head_dims = (64, 128) if gpu else (64, 128, 96)  # any head dim works on the CPU
     pairs = [(s, s) for s in (SEQLENS if gpu else SEQLENS_CPU)] + list(
         UNEQUAL if gpu else UNEQUAL_CPU
     )
     index = 0
-    for dtype in DTYPES:
-        for head_dim in head_dims:
-            for causal in (False, True):
-                for seqlen_q, seqlen_k in pairs:
-                    batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-                    if not gpu and max(seqlen_q, seqlen_k) >= 512:
-                        batch, hq, hkv = 1, 4, (1, 4, 2)[index % 3]
-                    layout = "bshd" if index % 4 == 3 else "bhsd"
-                    yield Case(
-                        "prefill",
-                        dtype,
-                        batch,
-                        hq,
-                        hkv,
-                        seqlen_q,
-                        seqlen_k,
-                        head_dim,
-                        causal,
-                        layout=layout,
-                    )
-                    index += 1
-    if gpu:
-        # Every kernel configuration any architecture selects, forced on this card (ids as in
-        # ops.CONFIGS), each also through its split-KV path.
-        for config in (1, 2, 3, 4):
-            for dtype in DTYPES:
-                for head_dim in (64, 128):
-                    for causal in (False, True):
-                        for seqlen_q, seqlen_k, splits in (
-                            (1, 1, 0),
-                            (65, 65, 0),
-                            (257, 257, 0),
-                            (1000, 1000, 0),
-                            (113, 203, 0),
-                            (2048, 2047, 0),
-                            (16, 2000, 5),
-                        ):
-                            batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-                            yield Case(
-                                "prefill",
-                                dtype,
-                                batch,
-                                hq,
-                                hkv,
-                                seqlen_q,
-                                seqlen_k,
-                                head_dim,
-                                causal,
-                                config=config,
-                                num_splits=splits,
-                            )
-                            index += 1
+
+    def matrix(config: int) -> Iterator[Case]:
+        nonlocal index
+        for dtype in DTYPES:
+            for head_dim in head_dims:
+                for causal in (False, True):
+                    for seqlen_q, seqlen_k in pairs:
+                        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+                        if not gpu and max(seqlen_q, seqlen_k) >= 512:
+                            batch, hq, hkv = 1, 4, (1, 4, 2)[index % 3]
+                        layout = "bshd" if index % 4 == 3 else "bhsd"
+                        yield Case(
+                            "prefill",
+                            dtype,
+                            batch,
+                            hq,
+                            hkv,
+                            seqlen_q,
+                            seqlen_k,
+                            head_dim,
+                            causal,
+                            layout=layout,
+                            config=config,
+                        )
+                        index += 1
+
+    yield from matrix(0)
+    if not gpu:
+        return
+    # Every kernel configuration any architecture selects, forced on this card (ids as in
+    # ops.CONFIGS), each also through its split-KV path; a card or build that cannot run one
+    # skips its cases, saying what they need (ops.config_unsupported_reason).
+    for config in FORCED_CONFIGS:
+        for dtype in DTYPES:
+            for head_dim in (64, 128):
+                for causal in (False, True):
+                    for seqlen_q, seqlen_k, splits in (
+                        (1, 1, 0),
+                        (65, 65, 0),
+                        (257, 257, 0),
+                        (1000, 1000, 0),
+                        (113, 203, 0),
+                        (2048, 2047, 0),
+                        (16, 2000, 5),
+                    ):
+                        if config in FULL_MATRIX_CONFIGS and (seqlen_q, seqlen_k) in pairs:
+                            continue  # its full matrix below has the shape
+                        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+                        yield Case(
+                            "prefill",
+                            dtype,
+                            batch,
+                            hq,
+                            hkv,
+                            seqlen_q,
+                            seqlen_k,
+                            head_dim,
+                            causal,
+                            config=config,
+                            num_splits=splits,
+                        )
+                        index += 1
+    for config in FULL_MATRIX_CONFIGS:
+        yield from matrix(config)
 
 
 DECODE_SEQLENS_K = (1, 2, 63, 64, 65, 257, 1000, 4096, 32768, 131072)

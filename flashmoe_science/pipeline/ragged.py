@@ -95,11 +95,11 @@ def rerun_command(case_id: str, device: str) -> str:
 
 def rerun_fields(case_id: str, device: str, config: int = 0) -> dict:
     """How to run one ragged gate case again (gates.rerun_fields' keys): the command, no CPU twin
-    (the CPU tier has other lengths), and sm_90 for a configuration built only there."""
-    from ..ops import SM90_ONLY_CONFIGS
+    (the CPU tier has other lengths), and what a forced configuration needs beyond a GPU."""
+    from ..ops import config_needs
 
     return {
         "rerun": rerun_command(case_id, device),
         "rerun_cpu": None,
-        "rerun_needs": "sm_90" if config in SM90_ONLY_CONFIGS else None,
+        "rerun_needs": config_needs(config),
     }

@@ -76,7 +76,7 @@ BATCHES_CPU = (
 GQA_RATIOS = (1, 4, 8)
 HEADS_Q = 8
 # The forward tile configurations with a packed variant (3, the decode kernel, has none).
-VARLEN_CONFIGS = (1, 2, 4)
+VARLEN_CONFIGS = (1, 2, 4, 5)
 
 
 def varlen_cases(tier: str) -> list[VarlenCase]:
