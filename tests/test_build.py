@@ -679,8 +679,8 @@ def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch, capsys):
 
 def traits_smem(kernel: str) -> int:
     """The shared memory a kernel's traits ask for, by the formulas of csrc/flash_fwd_kernel.cuh
-    (FwdTraits::kSmemBytes), csrc/flash_decode_kernel.cuh (DecodeTraits::kSmemBytes) and
-    csrc/flash_bwd_kernel.cuh (BwdTraits, BwdDqTraits)."""
+    (FwdTraits::kSmemBytes), csrc/flash_fwd_sm90_kernel.cuh (Sm90FwdTraits), csrc/flash_decode_kernel.cuh
+    (DecodeTraits::kSmemBytes) and csrc/flash_bwd_kernel.cuh (BwdTraits, BwdDqTraits)."""
     if match := re.search(r"FwdTraits<(\d+), (\d+), (\d+), \d+, (?:true|false)>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (block_m + 2 * block_n) * head_dim * 2  # Q tile + K and V tiles, 2-byte elements
@@ -694,6 +694,10 @@ def traits_smem(kernel: str) -> int:
     if match := re.search(r"BwdDqTraits<(\d+), (\d+), (\d+), \d+>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (2 * block_m + 2 * block_n) * head_dim * 2  # Q, dO, K and V tiles
+    if match := re.search(r"Sm90FwdTraits<(\d+), (\d+), (\d+)>", kernel):
+        head_dim, block_n, warpgroups = (int(g) for g in match.groups())
+        # Q (64 rows a warpgroup), K and V double-buffered (csrc/flash_fwd_sm90_kernel.cuh)
+        return (64 * warpgroups + 4 * block_n) * head_dim * 2
     assert re.search(
         r"split_kv_combine|bwd_preprocess|bwd_convert_dq|varlen_offsets_check", kernel
     ), kernel
@@ -836,10 +840,10 @@ def newest_cuda_build() -> Path | None:
 def test_dynamic_smem_is_what_each_launch_asks_for():
     library = newest_cuda_build()
     table = build.launch_table(library)
-    # 2 dtypes x (2 head dims x (4 forward configurations + 3 packed-batch (varlen) ones + their
+    # 2 dtypes x (2 head dims x (5 forward configurations + 4 packed-batch (varlen) ones + their
     # offset check + the paged decode kernel + the combine kernel + 2 backward configurations
     # with and without dQ atomics + the dQ pass + the pre-pass) + the dQ conversion)
-    assert table is not None and len(table) == 2 * (2 * (4 + 3 + 1 + 1 + 1 + 2 * 2 + 1 + 1) + 1)
+    assert table is not None and len(table) == 2 * (2 * (5 + 4 + 1 + 1 + 1 + 2 * 2 + 1 + 1) + 1)
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]

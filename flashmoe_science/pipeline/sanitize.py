@@ -12,7 +12,7 @@ prints a `sanitize-case: ID` line before each call so a finding can be tied to t
 it. The cases cover: odd lengths (1, 17, 65, 129, 257, and Sq != Sk both ways, so causal rows that
 see no key and KV blocks that are only partly valid), causal and not, fp16 and bf16, head dims 64
 and 128, GQA ratio 4 (packed and unpacked), every kernel configuration the card can run (`config=1`
-to `4`; 4 needs sm_90), the [B, S, H, D] view layout, forced 1 and 3 splits and automatic
+to `5`; 4 needs sm_90, 5 an sm_90a build on a 9.0 GPU), the [B, S, H, D] view layout, forced 1 and 3 splits and automatic
 splitting, and decode with 1, 3, 7 and 128 splits, automatic splits over a 4097-token cache, and
 cache_seqlens holding 0 and short lengths, so that many splits are empty; the backward of every
 backward configuration; packed (varlen) batches that mix lengths 0, 1, 17 and one past a block's
@@ -73,6 +73,8 @@ TOOL_TIMEOUT_S = 900
 KERNEL_OPERATORS = {
     "flash_fwd_kernel": "attention",
     "flash_fwd_varlen_kernel": "varlen_fwd",
+    "flash_fwd_sm90_kernel": "attention",  # config 5, wgmma (an sm_90a build on a 9.0 GPU)
+    "flash_fwd_sm90_varlen_kernel": "varlen_fwd",
     "varlen_offsets_check_kernel": "varlen_fwd",  # the packed batch's offsets, checked on the GPU
     "flash_decode_kernel": "fwd",
     "flash_decode_paged_kernel": "paged_fwd",
@@ -101,8 +103,11 @@ def workload_configs() -> list[int]:
 
     from ..ops import CONFIGS, config_supported
 
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
-    return [c for c in CONFIGS if config_supported(c, capability)]
+    if torch.cuda.is_available():
+        capability, archs = torch.cuda.get_device_capability(), None  # the loaded build's targets
+    else:
+        capability, archs = (9, 0), ("9.0a",)  # an H100's own build
+    return [c for c in CONFIGS if config_supported(c, capability, archs)]
 
 
 def workload_cases() -> list:
