@@ -38,12 +38,12 @@ namespace flashmoe::cuda {
 //       for grids too small to fill the GPU with 64-row tiles.
 //   4: 128 x 64 at d=128, 128 x 128 at d=64, 4 warps (FA2's sm80/sm90 tiles): 255 registers, no
 //      spill on sm_90 since v2 (benches/NOTES.md); ptxas spills them on sm_89, so they are built
-//      for sm_90 and newer only. The sm_90 choice: 1.01x SDPA flash (FA2) on the H100 over the
-//      prefill benchmark matrix, where config 1 gave 0.90x (H200).
-//   5: 128 x 128 (192 x 128 at d64), 2 (3) warpgroups on wgmma (flash_fwd_sm90_kernel.cuh): sm_90a
-//   only, so only in a
-//      build that includes it (FLASHMOE_SM90A, which the loader defines with arch 9.0a) and only on
-//      a compute capability 9.0 GPU.
+//      for sm_90 and newer only. The sm_90 choice without the sm_90a build: 1.01x SDPA flash
+//      (FA2) on the H100 over the prefill benchmark matrix, where config 1 gave 0.90x (H200).
+//   5: 128 x 128 at d=128 (2 warpgroups), 192 x 128 at d=64 (3), on wgmma
+//      (flash_fwd_sm90_kernel.cuh). sm_90a only: built with FLASHMOE_SM90A (the loader defines it
+//      with arch 9.0a, the default on an H100), run on compute capability 9.0 only. The H100's
+//      choice: 1.21x config 4 over the prefill matrix.
 //   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
 //   registers, one block per SM, 0.47-0.63x SDPA flash.
 constexpr int kNumConfigs = 5;
@@ -82,6 +82,9 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int
     return kDecodeConfig;
   }
   if (rows_per_head <= 64 || heads * ceil_div(rows_per_head, 128) < dev.sm_count) return 2;
+  // The H100 with the sm_90a build: wgmma, 1.21x config 4 over the prefill matrix
+  // (benches/NOTES.md).
+  if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a) return kSm90aConfig;
   if (dev.major >= 9) return kSm90Config;
   if (head_dim == 128 && small_smem) return 2;
   return 1;
