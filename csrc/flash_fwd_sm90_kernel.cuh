@@ -72,12 +72,18 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
                     hkv * p.v_head_stride;
   constexpr int kLoadThreads = Traits::kLoadThreads;
   auto load_k = [&](int n_block) {
+#if FLASHMOE_PLANT_BUG == 11
+    if (n_block * BN + BN > len_k) return;  // planted: the last, partial key tile is never copied
+#endif
     if (kThreads == kLoadThreads || tid < kLoadThreads) {
       load_kv_tile<D, BN, kLoadThreads, /*kPanels=*/true>(sK + (n_block & 1) * BN * D, k_base,
                                                           p.k_row_stride, n_block * BN, len_k, tid);
     }
   };
   auto load_v = [&](int n_block) {
+#if FLASHMOE_PLANT_BUG == 11
+    if (n_block * BN + BN > len_k) return;
+#endif
     if (kThreads == kLoadThreads || tid < kLoadThreads) {
       load_kv_tile<D, BN, kLoadThreads, /*kPanels=*/true>(sV + (n_block & 1) * BN * D, v_base,
                                                           p.v_row_stride, n_block * BN, len_k, tid);
@@ -86,7 +92,10 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   // cp.async writes through the generic proxy, wgmma reads through the async one: every thread
   // fences its own copies once they landed, then the barrier makes them everyone's.
   auto landed = [&]() {
-    cp_async_wait<0>();
+#if FLASHMOE_PLANT_BUG == 9
+    if (warp / 4 != 1)  // planted: the second warpgroup never waits for its own copies to land
+#endif
+      cp_async_wait<0>();
     sm90::fence_proxy_async();
     __syncthreads();
   };
@@ -94,7 +103,10 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   // This warp's 16 rows; its warpgroup's 64 start at 64 * (warp / 4) of the block.
   const int warp_row0 = warp * 16;
   const uint64_t q_desc = sm90::desc_k_major(smem_u32(sQ + (warp / 4) * 64 * 64));
-  const uint64_t k_desc = sm90::desc_k_major(smem_u32(sK));
+  uint64_t k_desc = sm90::desc_k_major(smem_u32(sK));
+#if FLASHMOE_PLANT_BUG == 10
+  k_desc = (k_desc & ~(uint64_t(3) << 62)) | (uint64_t(2) << 62);  // planted: K read 64B-swizzled
+#endif
   const uint64_t v_desc = sm90::desc_mn_major<BN>(smem_u32(sV));
   constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the second buffer, in a descriptor
 

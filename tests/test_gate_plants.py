@@ -115,3 +115,43 @@ def test_failure_report_locates_an_error_that_grows_with_the_query_index():
     first, last = result.row_profile[0][2], result.row_profile[-1][2]
     assert last > 5 * first  # the profile shows the growth
     assert f"nox -s test -- -k '{BASE.id}-cpu'" in report
+
+
+# ---- the sm_90a (wgmma) kernel's own failure modes, planted into its build ---------------------
+
+SM90A_PLANT_SCRIPT = """
+import json, sys
+from flashmoe_science import ops
+from flashmoe_science.pipeline import gates
+from flashmoe_science.pipeline.cases import parse_case_id
+# both end in a partial 128-key tile (1000 = 7 x 128 + 104) and run config 5 at each head dim
+cases = [parse_case_id("fwd-bf16-d128-h8kv2-b2-s1000-causal-cfg5"),
+         parse_case_id("fwd-fp16-d64-h8-b2-q257-k1000-full-cfg5")]
+print(json.dumps({"planted": ops.planted_bug(),
+                  "results": {c.id: gates.check_case(c, sys.argv[1]).failures for c in cases}}))
+"""
+SM90A_PLANTS = {
+    9: "a warpgroup skips the wait for its own copies",
+    10: "K read with the wrong (64-byte) swizzle",
+    11: "the last, partial key tile never copied",
+}
+
+
+def _runs_config_5() -> bool:
+    from flashmoe_science import ops
+
+    return torch.cuda.is_available() and ops.config_supported(5, torch.cuda.get_device_capability())
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
+)
+@pytest.mark.parametrize("bug", sorted(SM90A_PLANTS), ids=list(SM90A_PLANTS.values()))
+def test_planted_sm90a_bug_fails_a_gate(bug, run_planted):
+    """Build the unit with a planted wgmma-kernel bug (-DFLASHMOE_PLANT_BUG=9, 10, 11) and show
+    the forward gates catch it on every config-5 case named for it."""
+    result = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda")
+    for case_id, failures in result["results"].items():
+        assert failures, f"planted bug {bug} ({SM90A_PLANTS[bug]}) passed the gates on {case_id}"
