@@ -43,7 +43,7 @@ namespace flashmoe::cuda {
 //   5: 128 x 128 at d=128 (2 warpgroups), 192 x 128 at d=64 (3), on wgmma
 //      (flash_fwd_sm90_kernel.cuh). sm_90a only: built with FLASHMOE_SM90A (the loader defines it
 //      with arch 9.0a, the default on an H100), run on compute capability 9.0 only. The H100's
-//      choice: 1.21x config 4 over the prefill matrix.
+//      choice: 1.21x config 4 over 32 prefill cases (S 512 to 16k, benches/NOTES.md v3.0).
 //   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
 //   registers, one block per SM, 0.47-0.63x SDPA flash.
 constexpr int kNumConfigs = 5;
@@ -82,7 +82,7 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int
     return kDecodeConfig;
   }
   if (rows_per_head <= 64 || heads * ceil_div(rows_per_head, 128) < dev.sm_count) return 2;
-  // The H100 with the sm_90a build: wgmma, 1.21x config 4 over the prefill matrix
+  // The H100 with the sm_90a build: wgmma, 1.21x config 4 over 32 prefill cases
   // (benches/NOTES.md).
   if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a) return kSm90aConfig;
   if (dev.major >= 9) return kSm90Config;
