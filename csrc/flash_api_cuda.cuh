@@ -137,7 +137,8 @@ void visit_config(int config, F&& f) {
     using Traits = DecodeTraits<D, kDecodeStages>;
     f(&flash_decode_kernel<Traits, T>, Traits{});
   } else if (config == kSm90aConfig) {
-    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2>;
+    // d128: two math warpgroups and a producer (warp-specialized); d64: three math warpgroups.
+    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, /*kProducer=*/D == 128>;
     f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
@@ -759,8 +760,8 @@ template <int D, int kStages>
 struct IsDecodeTraits<DecodeTraits<D, kStages>> : std::true_type {};
 template <typename Traits>
 struct IsSm90Traits : std::false_type {};
-template <int D, int BN, int kWarpgroups>
-struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups>> : std::true_type {};
+template <int D, int BN, int kWarpgroups, bool kProducer>
+struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups, kProducer>> : std::true_type {};
 
 // The kernel's name in the build report: the forward, decode or sm_90a forward kernel.
 template <typename Traits>

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "flash_kernel_utils.cuh"
+
 namespace flashmoe::cuda::sm90 {
 
 // Descriptor of a 128B-swizzled operand (PTX ISA "matrix descriptor"): start address, leading and
@@ -68,6 +70,54 @@ __device__ __forceinline__ void fence_operands(float (&d)[NT][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// mbarriers (shared-memory arrival counters with a phase bit) for the warp-specialized kernel.
+// A phase completes when `count` arrivals have been made; waiting on parity p returns once the
+// phase of parity p has completed, so a wait on parity 1 passes at once on a fresh barrier (a
+// producer's first wait for an empty buffer).
+template <int N = 0>
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+template <int N = 0>
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+template <int N = 0>
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Arrives once every cp.async this thread issued so far has landed (the count is not raised:
+// the barrier's count includes these arrivals).
+template <int N = 0>
+__device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
+               : "memory");
+}
+template <int N = 0>
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Moves registers between warpgroups (sm_90a): the kernel starts at its launch bound's count,
+// then the producer gives registers up and the consumers take them.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+// A barrier over one warpgroup's 128 threads (id 1 + the warpgroup; 0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_sync(int warpgroup) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
 }
 
 // d (+)= A B for one m64nNk16 step. ss: A and B from shared memory (descriptors), A K-major and B
