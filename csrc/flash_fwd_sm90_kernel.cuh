@@ -414,6 +414,18 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
 
   sm90::setmaxnreg_inc<Traits::kMathRegs>();
   Sm90Rows<Traits, T, kVarlen> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
+  // With two math warpgroups they take turns issuing their GEMMs, so one's softmax runs under the
+  // other's matmuls; the second gives the first its first turn. (Every warpgroup issues the same
+  // number of batches; the last pass is never waited for, which the block's exit discards.)
+  constexpr bool kPingPong = Traits::kWarpgroups == 2;
+  const int wg = warp / 4;
+  auto my_turn = [&]() {
+    if constexpr (kPingPong) sm90::wait_turn(wg);
+  };
+  auto their_turn = [&]() {
+    if constexpr (kPingPong) sm90::pass_turn(wg);
+  };
+  if (kPingPong && wg == 1) sm90::pass_turn(wg);
   // Waits until the producer's copies into a buffer landed, then makes them visible to wgmma.
   auto wait_full = [&](uint64_t* full, int i) {
 #if FLASHMOE_PLANT_BUG == 9
@@ -431,7 +443,9 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
     sm90::mbar_wait(&bar.q_full, 0);
     const int n = n_hi - 1;
     wait_full(&bar.k_full[n & 1], 0);
+    my_turn();
     rows.issue_s(n & 1);
+    their_turn();
     rows.template wait<0>();
     release(&bar.k_empty[n & 1]);
     rows.softmax(n, rescale);
@@ -441,8 +455,10 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
     const int n = n_hi - 1 - i;
     wait_full(&bar.k_full[n & 1], i);
     wait_full(&bar.v_full[(n + 1) & 1], i - 1);
+    my_turn();
     rows.issue_s(n & 1);
     rows.issue_pv((n + 1) & 1);
+    their_turn();
     rows.template wait<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
     release(&bar.k_empty[n & 1]);
     rows.softmax(n, rescale);
@@ -452,7 +468,9 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
   }
   if (n_hi > n_lo) {
     wait_full(&bar.v_full[n_lo & 1], n_hi - 1 - n_lo);
+    my_turn();
     rows.issue_pv(n_lo & 1);
+    their_turn();
     rows.template wait<0>();
   }
   // The output is staged in this warpgroup's own rows of sQ, which only its wgmmas read.

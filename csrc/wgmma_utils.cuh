@@ -119,6 +119,15 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
 }
+// Two warpgroups taking turns at the tensor cores (FlashAttention-3's ping-pong): barrier
+// kTurnBarrier + w completes when warpgroup w waits on it and the other has arrived.
+constexpr int kTurnBarrier = 4;
+__device__ __forceinline__ void wait_turn(int warpgroup) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(kTurnBarrier + warpgroup) : "memory");
+}
+__device__ __forceinline__ void pass_turn(int warpgroup) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(kTurnBarrier + (warpgroup ^ 1)) : "memory");
+}
 
 // d (+)= A B for one m64nNk16 step. ss: A and B from shared memory (descriptors), A K-major and B
 // K-major. rs: A from registers (the mma.sync A fragment of the warp's 16 rows), B MN-major
