@@ -374,12 +374,15 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
     if (blk.m0 >= blk.t.rows_total) return;  // the whole block leaves: no barrier is used
   }
   const int n_lo = blk.n_lo, n_hi = blk.n_hi;
+  // With TMA one producer thread fills each buffer (one arrival plus the copy's bytes); with
+  // cp.async each of the 128 producer threads arrives as its copies land.
+  const int full_count = p.tma ? 1 : 128;
   if (tid == 0) {
     sm90::mbar_init(&bar.q_full, 128);
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-      sm90::mbar_init(&bar.k_full[s], 128);
-      sm90::mbar_init(&bar.v_full[s], 128);
+      sm90::mbar_init(&bar.k_full[s], full_count);
+      sm90::mbar_init(&bar.v_full[s], full_count);
       sm90::mbar_init(&bar.k_empty[s], kMathWarps);
       sm90::mbar_init(&bar.v_empty[s], kMathWarps);
     }
@@ -398,6 +401,38 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
     const T* v_base = blk.template v_base<T>(p);
     blk.t.template load_q<D, BM, 128, /*kPanels=*/true>(sQ, p, blk.m0, ptid);
     sm90::mbar_arrive_on_copies(&bar.q_full);
+    if (p.tma) {
+      if (ptid == 0) {
+        // Coordinates {column in panel, row, panel, head, batch} of the host's 5-D maps (a packed
+        // batch is one sequence of total_k rows, its own starting at row0_k).
+        const void* map_k = p.tma_k;
+        const void* map_v = p.tma_v;
+        sm90::prefetch_tensor_map(map_k);
+        sm90::prefetch_tensor_map(map_v);
+        const int row0 = blk.t.row0_k, bb = kVarlen ? 0 : blk.t.b, hkv = blk.t.hkv;
+        constexpr uint32_t kBytes = BN * D * 2;  // the whole box, zero-filled past the tensor
+        for (int i = 0; i < n_hi - n_lo; ++i) {
+          const int n = n_hi - 1 - i, s = n & 1, empty_parity = ((i >> 1) & 1) ^ 1;
+          bool copy = true;
+#if FLASHMOE_PLANT_BUG == 11
+          copy = n * BN + BN <= blk.t.len_k;  // planted: the last, partial box is never copied
+#endif
+          sm90::mbar_wait(&bar.k_empty[s], empty_parity);
+          sm90::mbar_arrive_expect_tx(&bar.k_full[s], copy ? kBytes : 0);
+          if (copy) {
+            sm90::tma_load_5d(sK + s * BN * D, map_k, &bar.k_full[s], 0, row0 + n * BN, 0, hkv, bb);
+          }
+          sm90::mbar_wait(&bar.v_empty[s], empty_parity);
+          sm90::mbar_arrive_expect_tx(&bar.v_full[s], copy ? kBytes : 0);
+          if (copy) {
+            sm90::tma_load_5d(sV + s * BN * D, map_v, &bar.v_full[s], 0, row0 + n * BN, 0, hkv, bb);
+          }
+        }
+      }
+      cp_async_commit();
+      cp_async_wait<0>();  // Q's copies
+      return;
+    }
     for (int i = 0; i < n_hi - n_lo; ++i) {
       const int n = n_hi - 1 - i, s = n & 1, empty_parity = ((i >> 1) & 1) ^ 1;
       sm90::mbar_wait(&bar.k_empty[s], empty_parity);

@@ -95,6 +95,31 @@ __device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
                : "memory");
 }
+// Arrives and adds `bytes` to the transfers the current phase waits for (the TMA copies that
+// complete_tx on this barrier).
+template <int N = 0>
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// One TMA copy of a 5-D box of `map` (a CUtensorMap in parameter space) at the given
+// coordinates (innermost first) into shared memory; completes `bytes` of the barrier's phase.
+// The whole box is written: elements outside the tensor become zeros.
+template <int N = 0>
+__device__ __forceinline__ void tma_load_5d(void* smem, const void* map, uint64_t* bar, int c0,
+                                            int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(smem_u32(smem)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+      "r"(smem_u32(bar))
+      : "memory");
+}
+template <int N = 0>
+__device__ __forceinline__ void prefetch_tensor_map(const void* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
 template <int N = 0>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
   asm volatile(
