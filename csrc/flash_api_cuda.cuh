@@ -263,6 +263,13 @@ void use_tma_if_it_fits(AttentionParams& p) {
                         p.v_head_stride, p.v_batch_stride, p.head_dim, /*box_rows=*/128);
 }
 
+// The persistent kernels (the warp-specialized sm_90a one): one block per SM walks the tiles.
+template <typename Traits, typename = void>
+struct IsPersistent : std::false_type {};
+template <typename Traits>
+struct IsPersistent<Traits, std::void_t<decltype(Traits::kProducer)>>
+    : std::bool_constant<Traits::kProducer> {};
+
 template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
                       cudaStream_t stream) {
@@ -272,8 +279,13 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
     using Traits = decltype(traits);
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
     // x = (batch, head, row block) in the order p.row_blocks_fastest says (TileCoords); y = split.
-    kernel<<<dim3(grid_x * m_blocks, p.num_splits), Traits::kNThreads, Traits::kSmemBytes,
-             stream>>>(p);
+    dim3 grid(grid_x * m_blocks, p.num_splits);
+    if constexpr (IsPersistent<Traits>::value) {
+      const int64_t tiles = int64_t(grid_x) * m_blocks * p.num_splits;
+      grid = dim3(
+          unsigned(std::min<int64_t>(tiles, device_info(c10::cuda::current_device()).sm_count)));
+    }
+    kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (p.cu_seqlens_q != nullptr) {

@@ -39,12 +39,14 @@ struct Sm90FwdTraits {
   // The threads that copy K and V: the producer warpgroup, or the first two warpgroups (the copy
   // loop wants rows per pass that divide the tile).
   static constexpr int kLoadThreads = kProducer_ ? 128 : 256;
-  // Q, then K and V double-buffered, then the producer's mbarriers (Sm90Barriers).
-  static constexpr int kTileBytes = (kBlockM + 4 * kBlockN) * kHeadDim * 2;
+  // Q, then K and V double-buffered, then (warp-specialized) the output's staging buffer and the
+  // mbarriers (Sm90Barriers).
+  static constexpr int kTileBytes =
+      (kBlockM + 4 * kBlockN + (kProducer_ ? kBlockM : 0)) * kHeadDim * 2;
   static constexpr int kSmemBytes = kTileBytes + (kProducer_ ? 128 : 0);
   // setmaxnreg: the producer keeps kProducerRegs, the math warpgroups share the rest of the SM's
   // 64K registers (multiples of 8).
-  static constexpr int kProducerRegs = 40;
+  static constexpr int kProducerRegs = 48;
   static constexpr int kMathRegs = (65536 - 128 * kProducerRegs) / kMathThreads / 8 * 8 > 240
                                        ? 240
                                        : (65536 - 128 * kProducerRegs) / kMathThreads / 8 * 8;
@@ -63,7 +65,7 @@ struct Sm90Rows {
   static constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the next buffer
 
   const AttentionParams& p;
-  const TileCoords& t;
+  const TileCoords t;  // a copy: a reference to the caller's would give it an address
   int m0, warp_row0, lane, unmasked_end, key_begin;
   uint64_t q_desc, k_desc, v_desc;
   float acc_o[DT][4];
@@ -186,12 +188,14 @@ struct Sm90Rows {
     }
   }
 
-  // Normalises and writes this warp's 16 rows: O (staged through the same rows of sQ, which
-  // nothing reads any more, so that it leaves in 16-byte row chunks) and the log-sum-exp, or the
-  // split's fp32 partials. The block's coordinates are recomputed, not held through the loop.
-  __device__ __forceinline__ void write_out(T* sQ) {
+  // Normalises and writes this warp's 16 rows of tile (block_x, split): O (staged through the
+  // same rows of `stage`, which only this warp touches now, so that it leaves in 16-byte row
+  // chunks) and the log-sum-exp, or the split's fp32 partials. The tile's coordinates are
+  // recomputed, not held through the loop.
+  __device__ __forceinline__ void write_out(T* stage, int block_x, int split) {
     constexpr int kChunks = Traits::kChunks;
-    const TileCoords te = TileCoords::of_block<BM, kVarlen>(p, opaque_block_x());
+    T* sQ = stage;
+    const TileCoords te = TileCoords::of_block<BM, kVarlen>(p, block_x, split);
     const int eb = te.b, em0 = (te.m_blocks - 1 - te.m_block) * BM;
     const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
 #pragma unroll
@@ -245,22 +249,23 @@ template <typename Traits, bool kVarlen>
 struct Sm90Block {
   TileCoords t;
   int m0, n_lo, n_hi;
-  __device__ __forceinline__ explicit Sm90Block(const AttentionParams& p)
-      : t(TileCoords::of_block<Traits::kBlockM, kVarlen>(p)) {
+  __device__ __forceinline__ explicit Sm90Block(const AttentionParams& p, int block_x = blockIdx.x,
+                                                int split = blockIdx.y)
+      : t(TileCoords::of_block<Traits::kBlockM, kVarlen>(p, block_x, split)) {
     m0 = (t.m_blocks - 1 - t.m_block) * Traits::kBlockM;  // heavy (causal) row blocks first
     n_lo = t.split * p.n_blocks_per_split;
     n_hi =
         min(t.kv_block_end<Traits::kBlockM, Traits::kBlockN>(p, m0), n_lo + p.n_blocks_per_split);
   }
-  // Copies K(n) or V(n) into buffer n % 2 of `tiles`, spread over kLoadThreads threads.
+  // Copies K(n) or V(n) into buffer `buf` of `tiles`, spread over kLoadThreads threads.
   template <typename T>
-  __device__ __forceinline__ void load(T* tiles, const T* base, int64_t row_stride, int n,
+  __device__ __forceinline__ void load(T* tiles, const T* base, int64_t row_stride, int n, int buf,
                                        int tid) const {
     constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
 #if FLASHMOE_PLANT_BUG == 11
     if (n * BN + BN > t.len_k) return;  // planted: the last, partial key tile is never copied
 #endif
-    load_kv_tile<D, BN, Traits::kLoadThreads, /*kPanels=*/true>(tiles + (n & 1) * BN * D, base,
+    load_kv_tile<D, BN, Traits::kLoadThreads, /*kPanels=*/true>(tiles + buf * BN * D, base,
                                                                 row_stride, n * BN, t.len_k, tid);
   }
   template <typename T>
@@ -296,10 +301,10 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   const T* v_base = blk.template v_base<T>(p);
   const bool loads = kThreads == kLoadThreads || tid < kLoadThreads;
   auto load_k = [&](int n) {
-    if (loads) blk.load(sK, k_base, p.k_row_stride, n, tid);
+    if (loads) blk.load(sK, k_base, p.k_row_stride, n, n & 1, tid);
   };
   auto load_v = [&](int n) {
-    if (loads) blk.load(sV, v_base, p.v_row_stride, n, tid);
+    if (loads) blk.load(sV, v_base, p.v_row_stride, n, n & 1, tid);
   };
   // cp.async writes through the generic proxy, wgmma reads through the async one: every thread
   // fences its own copies once they landed, then the barrier makes them everyone's.
@@ -345,17 +350,23 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     rows.template wait<0>();
   }
   __syncthreads();  // the output is staged in sQ: every warpgroup's last reads of Q are done
-  rows.write_out(sQ);
+  rows.write_out(sQ, opaque_block_x(), blockIdx.y);
 }
 
-// The warp-specialized block's mbarriers, after the tiles: Q landed, K(n) / V(n) landed in
-// buffer n % 2 (the producer's 128 threads arrive as their copies land), and buffer free again
-// (each math warp arrives once it is done reading).
+// The warp-specialized kernel's mbarriers, after the tiles: Q landed / free again, K and V
+// landed in a buffer (the producer's 128 threads arrive as their copies land, or with TMA one
+// thread and the copy's bytes), and a buffer free again (each math warp arrives when done).
 struct Sm90Barriers {
-  uint64_t q_full, k_full[2], v_full[2], k_empty[2], v_empty[2];
+  uint64_t q_full, q_empty, k_full[2], v_full[2], k_empty[2], v_empty[2];
 };
 
-// Warp-specialized: the last warpgroup copies, the others compute (Traits::kProducer).
+// Warp-specialized and persistent (Traits::kProducer): one block per SM walks the tiles
+// blockIdx.x, + gridDim.x, ... of (batch x head x row block) x split; the last warpgroup copies,
+// the others compute. The producer runs ahead across tiles (the next tile's Q and first K/V tiles
+// load while the math warps finish this one), and the output is staged in its own buffer.
+// Buffers are used in turn over the whole walk: key block number `use` (counted over every tile)
+// sits in buffer use % 2 for the (use / 2)-th time, so waits for it to be full are on parity
+// (use / 2) % 2 and waits for it to be empty on the other (a fresh barrier passes the first).
 template <typename Traits, typename T, bool kVarlen>
 __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
@@ -365,20 +376,15 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
   T* sQ = reinterpret_cast<T*>(smem_buf);
   T* sK = sQ + BM * D;
   T* sV = sK + 2 * BN * D;
+  T* sO = sV + 2 * BN * D;  // the output's staging
   Sm90Barriers& bar =
       *reinterpret_cast<Sm90Barriers*>(reinterpret_cast<char*>(smem_buf) + Traits::kTileBytes);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const Sm90Block<Traits, kVarlen> blk(p);
-  if constexpr (kVarlen) {
-    if (blk.m0 >= blk.t.rows_total) return;  // the whole block leaves: no barrier is used
-  }
-  const int n_lo = blk.n_lo, n_hi = blk.n_hi;
-  // With TMA one producer thread fills each buffer (one arrival plus the copy's bytes); with
-  // cp.async each of the 128 producer threads arrives as its copies land.
   const int full_count = p.tma ? 1 : 128;
   if (tid == 0) {
     sm90::mbar_init(&bar.q_full, 128);
+    sm90::mbar_init(&bar.q_empty, kMathWarps);
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       sm90::mbar_init(&bar.k_full[s], full_count);
@@ -390,29 +396,43 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
   }
   __syncthreads();
 
-  // Block i of the walk (n = n_hi - 1 - i) uses buffer n % 2 for the (i / 2)-th time: waits for
-  // it to be full are on parity (i / 2) % 2, waits for it to be empty on the other parity (the
-  // first wait on a fresh barrier passes).
+  // The tiles (batch x head x row block, as the non-persistent grid numbers them) per split.
+  // Each role counts them after its setmaxnreg: a value live across one goes to local memory.
+  auto tiles_per_split = [&]() {
+    const int group = p.pack_gqa ? p.heads_ratio : 1;
+    return p.batch * (p.pack_gqa ? p.heads_kv : p.heads_q) * ceil_div(p.seqlen_q * group, BM);
+  };
+  // A tile with work: rows of its sequence and key blocks to visit (both roles skip the others
+  // alike, so their barrier counts stay in step).
+  auto has_work = [&](const Sm90Block<Traits, kVarlen>& blk) {
+    return !(kVarlen && blk.m0 >= blk.t.rows_total) && blk.n_hi > blk.n_lo;
+  };
+
   if (warp >= kMathWarps) {  // the producer
     sm90::setmaxnreg_dec<Traits::kProducerRegs>();
     const int ptid = tid - Traits::kMathThreads;
-    if (n_hi <= n_lo) return;
-    const T* k_base = blk.template k_base<T>(p);
-    const T* v_base = blk.template v_base<T>(p);
-    blk.t.template load_q<D, BM, 128, /*kPanels=*/true>(sQ, p, blk.m0, ptid);
-    sm90::mbar_arrive_on_copies(&bar.q_full);
-    if (p.tma) {
-      if (ptid == 0) {
-        // Coordinates {column in panel, row, panel, head, batch} of the host's 5-D maps (a packed
-        // batch is one sequence of total_k rows, its own starting at row0_k).
-        const void* map_k = p.tma_k;
-        const void* map_v = p.tma_v;
-        sm90::prefetch_tensor_map(map_k);
-        sm90::prefetch_tensor_map(map_v);
-        const int row0 = blk.t.row0_k, bb = kVarlen ? 0 : blk.t.b, hkv = blk.t.hkv;
-        constexpr uint32_t kBytes = BN * D * 2;  // the whole box, zero-filled past the tensor
-        for (int i = 0; i < n_hi - n_lo; ++i) {
-          const int n = n_hi - 1 - i, s = n & 1, empty_parity = ((i >> 1) & 1) ^ 1;
+    constexpr uint32_t kBytes = BN * D * 2;  // a whole TMA box, zero-filled past the tensor
+    if (p.tma && ptid == 0) {
+      sm90::prefetch_tensor_map(p.tma_k);
+      sm90::prefetch_tensor_map(p.tma_v);
+    }
+    const int tiles_x = tiles_per_split(), tiles = tiles_x * p.num_splits;
+    int q_uses = 0, use = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const Sm90Block<Traits, kVarlen> blk(p, tile % tiles_x, tile / tiles_x);
+      if (!has_work(blk)) continue;
+      sm90::mbar_wait(&bar.q_empty, (q_uses++ & 1) ^ 1);
+      blk.t.template load_q<D, BM, 128, /*kPanels=*/true>(sQ, p, blk.m0, ptid);
+      sm90::mbar_arrive_on_copies(&bar.q_full);
+      const T* k_base = blk.template k_base<T>(p);
+      const T* v_base = blk.template v_base<T>(p);
+      // Coordinates {column in panel, row, panel, head, batch} of the host's 5-D maps (a packed
+      // batch is one sequence of total_k rows, this one starting at row0_k).
+      const int row0 = blk.t.row0_k, bb = kVarlen ? 0 : blk.t.b, hkv = blk.t.hkv;
+      for (int n = blk.n_hi - 1; n >= blk.n_lo; --n, ++use) {
+        const int s = use & 1, empty_parity = ((use >> 1) & 1) ^ 1;
+        if (p.tma) {
+          if (ptid != 0) continue;
           bool copy = true;
 #if FLASHMOE_PLANT_BUG == 11
           copy = n * BN + BN <= blk.t.len_k;  // planted: the last, partial box is never copied
@@ -420,27 +440,24 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
           sm90::mbar_wait(&bar.k_empty[s], empty_parity);
           sm90::mbar_arrive_expect_tx(&bar.k_full[s], copy ? kBytes : 0);
           if (copy) {
-            sm90::tma_load_5d(sK + s * BN * D, map_k, &bar.k_full[s], 0, row0 + n * BN, 0, hkv, bb);
+            sm90::tma_load_5d(sK + s * BN * D, p.tma_k, &bar.k_full[s], 0, row0 + n * BN, 0, hkv,
+                              bb);
           }
           sm90::mbar_wait(&bar.v_empty[s], empty_parity);
           sm90::mbar_arrive_expect_tx(&bar.v_full[s], copy ? kBytes : 0);
           if (copy) {
-            sm90::tma_load_5d(sV + s * BN * D, map_v, &bar.v_full[s], 0, row0 + n * BN, 0, hkv, bb);
+            sm90::tma_load_5d(sV + s * BN * D, p.tma_v, &bar.v_full[s], 0, row0 + n * BN, 0, hkv,
+                              bb);
           }
+        } else {
+          sm90::mbar_wait(&bar.k_empty[s], empty_parity);
+          blk.load(sK, k_base, p.k_row_stride, n, s, ptid);
+          sm90::mbar_arrive_on_copies(&bar.k_full[s]);
+          sm90::mbar_wait(&bar.v_empty[s], empty_parity);
+          blk.load(sV, v_base, p.v_row_stride, n, s, ptid);
+          sm90::mbar_arrive_on_copies(&bar.v_full[s]);
         }
       }
-      cp_async_commit();
-      cp_async_wait<0>();  // Q's copies
-      return;
-    }
-    for (int i = 0; i < n_hi - n_lo; ++i) {
-      const int n = n_hi - 1 - i, s = n & 1, empty_parity = ((i >> 1) & 1) ^ 1;
-      sm90::mbar_wait(&bar.k_empty[s], empty_parity);
-      blk.load(sK, k_base, p.k_row_stride, n, ptid);
-      sm90::mbar_arrive_on_copies(&bar.k_full[s]);
-      sm90::mbar_wait(&bar.v_empty[s], empty_parity);
-      blk.load(sV, v_base, p.v_row_stride, n, ptid);
-      sm90::mbar_arrive_on_copies(&bar.v_full[s]);
     }
     cp_async_commit();
     cp_async_wait<0>();  // no thread leaves with copies in flight
@@ -448,7 +465,6 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
   }
 
   sm90::setmaxnreg_inc<Traits::kMathRegs>();
-  Sm90Rows<Traits, T, kVarlen> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
   // With two math warpgroups they take turns issuing their GEMMs, so one's softmax runs under the
   // other's matmuls; the second gives the first its first turn. (Every warpgroup issues the same
   // number of batches; the last pass is never waited for, which the block's exit discards.)
@@ -462,55 +478,69 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
   };
   if (kPingPong && wg == 1) sm90::pass_turn(wg);
   // Waits until the producer's copies into a buffer landed, then makes them visible to wgmma.
-  auto wait_full = [&](uint64_t* full, int i) {
+  auto wait_full = [&](uint64_t* full, int use) {
 #if FLASHMOE_PLANT_BUG == 9
-    if (warp / 4 == 1 && i == 0) return;  // planted: the second warpgroup skips one wait
+    if (wg == 1 && use == 0) return;  // planted: the second warpgroup skips one wait
 #endif
-    sm90::mbar_wait(full, (i >> 1) & 1);
+    sm90::mbar_wait(full, (use >> 1) & 1);
     sm90::fence_proxy_async();
   };
   auto release = [&](uint64_t* empty) {
     __syncwarp();
     if (lane == 0) sm90::mbar_arrive(empty);
   };
-  float rescale[2];
-  if (n_hi > n_lo) {
-    sm90::mbar_wait(&bar.q_full, 0);
-    const int n = n_hi - 1;
-    wait_full(&bar.k_full[n & 1], 0);
-    my_turn();
-    rows.issue_s(n & 1);
-    their_turn();
-    rows.template wait<0>();
-    release(&bar.k_empty[n & 1]);
-    rows.softmax(n, rescale);
-    rows.rescale_o_and_pack_p(rescale);
+
+  const int tiles_x = tiles_per_split(), tiles = tiles_x * p.num_splits;
+  int q_uses = 0, use = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int block_x = tile % tiles_x, split = tile / tiles_x;
+    const Sm90Block<Traits, kVarlen> blk(p, block_x, split);
+    if (kVarlen && blk.m0 >= blk.t.rows_total) continue;  // past its sequence: nothing to write
+    const int n_lo = blk.n_lo, n_hi = blk.n_hi;
+    Sm90Rows<Traits, T, kVarlen> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
+    float rescale[2];
+    if (n_hi > n_lo) {
+      sm90::mbar_wait(&bar.q_full, q_uses++ & 1);
+      sm90::fence_proxy_async();
+      // The first key block: S alone.
+      int buf = use & 1;
+      wait_full(&bar.k_full[buf], use);
+      my_turn();
+      rows.issue_s(buf);
+      their_turn();
+      rows.template wait<0>();
+      release(&bar.k_empty[buf]);
+      if (n_hi - n_lo == 1) release(&bar.q_empty);  // the tile's last read of Q
+      rows.softmax(n_hi - 1, rescale);
+      rows.rescale_o_and_pack_p(rescale);
+      // Then S(n) with P(n + 1) V(n + 1), the previous block's V in the previous buffer.
+      for (int n = n_hi - 2; n >= n_lo; --n) {
+        const int prev = buf;
+        buf = ++use & 1;
+        wait_full(&bar.k_full[buf], use);
+        wait_full(&bar.v_full[prev], use - 1);
+        my_turn();
+        rows.issue_s(buf);
+        rows.issue_pv(prev);
+        their_turn();
+        rows.template wait<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
+        release(&bar.k_empty[buf]);
+        if (n == n_lo) release(&bar.q_empty);
+        rows.softmax(n, rescale);
+        rows.template wait<0>();
+        release(&bar.v_empty[prev]);
+        rows.rescale_o_and_pack_p(rescale);
+      }
+      wait_full(&bar.v_full[buf], use);
+      my_turn();
+      rows.issue_pv(buf);
+      their_turn();
+      rows.template wait<0>();
+      release(&bar.v_empty[buf]);
+      ++use;
+    }
+    rows.write_out(sO, block_x, split);
   }
-  for (int i = 1; i < n_hi - n_lo; ++i) {
-    const int n = n_hi - 1 - i;
-    wait_full(&bar.k_full[n & 1], i);
-    wait_full(&bar.v_full[(n + 1) & 1], i - 1);
-    my_turn();
-    rows.issue_s(n & 1);
-    rows.issue_pv((n + 1) & 1);
-    their_turn();
-    rows.template wait<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
-    release(&bar.k_empty[n & 1]);
-    rows.softmax(n, rescale);
-    rows.template wait<0>();
-    release(&bar.v_empty[(n + 1) & 1]);
-    rows.rescale_o_and_pack_p(rescale);
-  }
-  if (n_hi > n_lo) {
-    wait_full(&bar.v_full[n_lo & 1], n_hi - 1 - n_lo);
-    my_turn();
-    rows.issue_pv(n_lo & 1);
-    their_turn();
-    rows.template wait<0>();
-  }
-  // The output is staged in this warpgroup's own rows of sQ, which only its wgmmas read.
-  sm90::warpgroup_sync(warp / 4);
-  rows.write_out(sQ);
 }
 
 template <typename Traits, typename T, bool kVarlen>
