@@ -92,6 +92,13 @@ struct AttentionParams {
   int64_t block_table_stride;  // elements between two sequences' rows of block_table
   int page_shift;              // log2(page_size): page sizes are powers of two
   int num_pages;               // the kernel clamps physical pages into [0, num_pages)
+
+  // The sm_90a warp-specialized kernel: with `tma` set, its producer copies K and V tiles with the
+  // tensor memory accelerator through these maps (CUtensorMap objects the host encodes); without,
+  // with cp.async. Zero everywhere else.
+  alignas(64) unsigned char tma_k[128];
+  alignas(64) unsigned char tma_v[128];
+  bool tma;
 };
 
 // The backward pass: gradients of out = softmax(q k^T * scale) v with respect to q, k and v, given

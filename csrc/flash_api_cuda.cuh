@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cudaTypedefs.h>  // cuTensorMapEncodeTiled's type, reached through the runtime
 
 #include <cxxabi.h>
 
@@ -137,7 +138,8 @@ void visit_config(int config, F&& f) {
     using Traits = DecodeTraits<D, kDecodeStages>;
     f(&flash_decode_kernel<Traits, T>, Traits{});
   } else if (config == kSm90aConfig) {
-    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2>;
+    // d128: two math warpgroups and a producer (warp-specialized); d64: three math warpgroups.
+    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, /*kProducer=*/D == 128>;
     f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
@@ -200,15 +202,90 @@ void allow_dynamic_smem(Kernel kernel, int smem) {
   done->insert(key);
 }
 
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda);
+// looked up once per process.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                    cudaEnableDefault, &found));
+    return found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+               : nullptr;
+  }();
+  return encode;
+}
+
+// The 5-D map {64 columns, rows, head_dim / 64 panels, heads, batch} of a K or V tensor whose
+// boxes {64, box_rows, head_dim / 64, 1, 1} land in shared memory in swizzle_panels' layout
+// (128-byte swizzle). False if the driver refuses it (the caller then copies with cp.async).
+inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16, int64_t rows,
+                          int64_t heads, int64_t batch, int64_t row_stride, int64_t head_stride,
+                          int64_t batch_stride, int head_dim, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[5] = {64, cuuint64_t(rows), cuuint64_t(head_dim / 64), cuuint64_t(heads),
+                              cuuint64_t(batch)};
+  // Bytes; a dimension of extent 1 still needs a valid stride.
+  const cuuint64_t strides[4] = {cuuint64_t(row_stride * 2), 128, cuuint64_t(head_stride * 2),
+                                 cuuint64_t(std::max<int64_t>(batch_stride, 8) * 2)};
+  const cuuint32_t box[5] = {64, cuuint32_t(box_rows), cuuint32_t(head_dim / 64), 1, 1};
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  static_assert(sizeof(CUtensorMap) == 128, "AttentionParams holds 128-byte tensor maps");
+  const CUresult done =
+      encode(reinterpret_cast<CUtensorMap*>(map),
+             fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5,
+             const_cast<void*>(base), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return done == CUDA_SUCCESS;
+}
+
+// Whether the sm_90a warp-specialized kernel (d128, 128-key boxes) copies K and V with TMA: it
+// does where the key
+// rows past a sequence's end are other keys or outside the tensor (zero-filled), not where they
+// are a cache's unused rows (cache_seqlens), which may hold anything; FLASHMOE_SM90_TMA=0 turns it
+// off (the producer then copies with cp.async).
 template <typename T>
-void launch_attention(const AttentionParams& p, int config, int grid_x, int m_blocks,
+void use_tma_if_it_fits(AttentionParams& p) {
+  static const bool allowed = [] {
+    const char* env = std::getenv("FLASHMOE_SM90_TMA");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  if (!allowed || p.seqlens_k != nullptr || p.block_table != nullptr) return;
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int64_t rows = packed ? p.total_k : p.seqlen_k, batch = packed ? 1 : p.batch;
+  const bool fp16 = std::is_same_v<T, __half>;
+  p.tma = encode_kv_map(p.tma_k, p.k, fp16, rows, p.heads_kv, batch, p.k_row_stride,
+                        p.k_head_stride, p.k_batch_stride, p.head_dim, /*box_rows=*/128) &&
+          encode_kv_map(p.tma_v, p.v, fp16, rows, p.heads_kv, batch, p.v_row_stride,
+                        p.v_head_stride, p.v_batch_stride, p.head_dim, /*box_rows=*/128);
+}
+
+// The persistent kernels (the warp-specialized sm_90a one): one block per SM walks the tiles.
+template <typename Traits, typename = void>
+struct IsPersistent : std::false_type {};
+template <typename Traits>
+struct IsPersistent<Traits, std::void_t<decltype(Traits::kProducer)>>
+    : std::bool_constant<Traits::kProducer> {};
+
+template <typename T>
+void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
                       cudaStream_t stream) {
+  AttentionParams p = params;
+  if (kBuiltSm90a && config == kSm90aConfig && p.head_dim == 128) use_tma_if_it_fits<T>(p);
   auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
     // x = (batch, head, row block) in the order p.row_blocks_fastest says (TileCoords); y = split.
-    kernel<<<dim3(grid_x * m_blocks, p.num_splits), Traits::kNThreads, Traits::kSmemBytes,
-             stream>>>(p);
+    dim3 grid(grid_x * m_blocks, p.num_splits);
+    if constexpr (IsPersistent<Traits>::value) {
+      const int64_t tiles = int64_t(grid_x) * m_blocks * p.num_splits;
+      grid = dim3(
+          unsigned(std::min<int64_t>(tiles, device_info(c10::cuda::current_device()).sm_count)));
+    }
+    kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (p.cu_seqlens_q != nullptr) {
@@ -759,8 +836,8 @@ template <int D, int kStages>
 struct IsDecodeTraits<DecodeTraits<D, kStages>> : std::true_type {};
 template <typename Traits>
 struct IsSm90Traits : std::false_type {};
-template <int D, int BN, int kWarpgroups>
-struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups>> : std::true_type {};
+template <int D, int BN, int kWarpgroups, bool kProducer>
+struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups, kProducer>> : std::true_type {};
 
 // The kernel's name in the build report: the forward, decode or sm_90a forward kernel.
 template <typename Traits>

@@ -1,13 +1,20 @@
-// Hopper (sm_90a) forward kernel: the FlashAttention-2 block schedule of flash_fwd_kernel.cuh with
-// both GEMMs on warpgroup MMA (wgmma). Each warpgroup (4 warps) owns 64 query rows; S = Q K^T runs
-// with Q and K read from shared memory by the tensor cores (no ldmatrix), and O += P V with P
-// straight from the S accumulators in registers and V read transposed from shared memory.
-// Everything else (masking, the online softmax, split-KV partials, the packed batch, the
-// epilogue) is the mma.sync kernel's, since wgmma leaves each warp's accumulators in the mma.sync
-// layout (wgmma_utils.cuh).
+// Hopper (sm_90a) forward kernels: both GEMMs on warpgroup MMA (wgmma). Each math warpgroup (4
+// warps) owns 64 query rows; S = Q K^T runs with Q and K read from shared memory by the tensor
+// cores (no ldmatrix), and O += P V with P straight from the S accumulators in registers and V
+// read transposed from shared memory. Masking, the online softmax, split-KV partials, the packed
+// batch and the epilogue are the mma.sync kernel's, since wgmma leaves each warp's accumulators in
+// the mma.sync layout (wgmma_utils.cuh). Tiles live in shared memory in wgmma's 128-byte-swizzled
+// panel layout (swizzle_panels); K and V are double-buffered; each warpgroup overlaps its softmax
+// with the tensor cores (FlashAttention-3's intra-warpgroup overlap: S(n) and P(n+1) V(n+1) go out
+// together, the softmax of S(n) runs while P V does).
 //
-// Tiles live in shared memory in wgmma's 128-byte-swizzled panel layout (swizzle_panels); K and V
-// are double-buffered, and each warpgroup overlaps its softmax with the tensor cores (see below).
+// Two schedules of the same steps (Sm90Rows):
+//   - every warpgroup copies and computes: the copies are cp.async by all threads, and one
+//     __syncthreads per key block hands the buffers over (flash_fwd_sm90_block);
+//   - warp-specialized (Traits::kProducer): a producer warpgroup issues every copy and signals
+//     each buffer through an mbarrier when its copies land; the math warpgroups wait on those and
+//     give buffers back through other mbarriers, with no block-wide barrier, and take the
+//     producer's registers (setmaxnreg) (flash_fwd_sm90_ws_block).
 // Compiled for sm_90a only: in every other device pass the kernel body is a trap, and the host
 // refuses the configuration (see the host API).
 #pragma once
@@ -18,133 +25,117 @@
 
 namespace flashmoe::cuda {
 
-template <int kHeadDim_, int kBlockN_, int kWarpgroups_>
+template <int kHeadDim_, int kBlockN_, int kWarpgroups_, bool kProducer_ = false>
 struct Sm90FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64 * kWarpgroups_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kWarpgroups = kWarpgroups_;
-  static constexpr int kNWarps = 4 * kWarpgroups_;
-  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kWarpgroups = kWarpgroups_;  // math warpgroups
+  static constexpr bool kProducer = kProducer_;     // plus one that only copies
+  static constexpr int kBlockM = 64 * kWarpgroups_;
+  static constexpr int kMathThreads = 128 * kWarpgroups_;
+  static constexpr int kNThreads = kMathThreads + (kProducer_ ? 128 : 0);
+  static constexpr int kNWarps = kNThreads / 32;
   static constexpr int kChunks = kHeadDim / 8;
-  // K and V tiles are copied by the first two warpgroups (the copy loop wants rows per pass that
-  // divide the tile).
-  static constexpr int kLoadThreads = 256;
-  static constexpr int kSmemBytes = (kBlockM + 4 * kBlockN) * kHeadDim * 2;  // K, V x 2
+  // The threads that copy K and V: the producer warpgroup, or the first two warpgroups (the copy
+  // loop wants rows per pass that divide the tile).
+  static constexpr int kLoadThreads = kProducer_ ? 128 : 256;
+  // Q, then K and V double-buffered, then (warp-specialized) the output's staging buffer and the
+  // mbarriers (Sm90Barriers).
+  static constexpr int kTileBytes =
+      (kBlockM + 4 * kBlockN + (kProducer_ ? kBlockM : 0)) * kHeadDim * 2;
+  static constexpr int kSmemBytes = kTileBytes + (kProducer_ ? 128 : 0);
+  // setmaxnreg moves registers only inside the block's own allocation, which is fixed at launch:
+  // kNThreads x the launch bound's registers (the SM's 64K shared out, a multiple of 8 each).
+  // The producer keeps kProducerRegs and the math warpgroups share the rest; asking for more
+  // than the launch allocated leaves setmaxnreg.inc waiting forever (a hang, not an error).
+  static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8 > 255 ? 255 : 65536 / kNThreads / 8 * 8;
+  static constexpr int kProducerRegs = 48;
+  static constexpr int kMathRegs =
+      (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8 > 240
+          ? 240
+          : (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8;
+  static_assert(!kProducer_ || 128 * kProducerRegs + kMathThreads * kMathRegs <= kLaunchRegs * kNThreads,
+                "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
   static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128),
                 "wgmma tiles: 64-column panels, N of 64 or 128");
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kHeadDim * 2) % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle atom");
 };
 
+// One warpgroup's rows of a row block: the accumulators and the online softmax's state, and the
+// steps of the main loop. `buf` names which of the two K (V) buffers a step reads.
 template <typename Traits, typename T, bool kVarlen>
-__device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
-  constexpr int NT = BN / 8, DT = D / 8, kChunks = Traits::kChunks;
-  constexpr int kThreads = Traits::kNThreads;
+struct Sm90Rows {
+  static constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  static constexpr int NT = BN / 8, DT = D / 8;
+  static constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the next buffer
 
-  extern __shared__ __align__(1024) uint4 smem_buf[];  // wgmma's 128B swizzle: 1024-byte atoms
-  T* sQ = reinterpret_cast<T*>(smem_buf);
-  T* sK = sQ + BM * D;      // two buffers: K(n) in sK[n % 2]
-  T* sV = sK + 2 * BN * D;  // two buffers: V(n) in sV[n % 2]
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const TileCoords t = TileCoords::of_block<BM, kVarlen>(p);
-  const int b = t.b, hkv = t.hkv, len_k = t.len_k, split = t.split;
-  const int m0 = (t.m_blocks - 1 - t.m_block) * BM;  // heavy (causal) row blocks first
-  if constexpr (kVarlen) {
-    if (m0 >= t.rows_total) return;
-  }
-  auto row_query = [&](int r) { return t.query(r); };
-
-  const int i_first = row_query(m0);
-  const int n_block_max = t.kv_block_end<BM, BN>(p, m0);
-  const int unmasked_end = p.causal ? min(len_k, i_first + len_k - t.len_q + 1) : len_k;
-  const int n_lo = split * p.n_blocks_per_split;
-  const int n_hi = min(n_block_max, n_lo + p.n_blocks_per_split);
-#if FLASHMOE_PLANT_BUG == 1
-  const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
-#endif
-
-  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + t.row0_k * p.k_row_stride +
-                    hkv * p.k_head_stride;
-  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + t.row0_k * p.v_row_stride +
-                    hkv * p.v_head_stride;
-  constexpr int kLoadThreads = Traits::kLoadThreads;
-  auto load_k = [&](int n_block) {
-#if FLASHMOE_PLANT_BUG == 11
-    if (n_block * BN + BN > len_k) return;  // planted: the last, partial key tile is never copied
-#endif
-    if (kThreads == kLoadThreads || tid < kLoadThreads) {
-      load_kv_tile<D, BN, kLoadThreads, /*kPanels=*/true>(sK + (n_block & 1) * BN * D, k_base,
-                                                          p.k_row_stride, n_block * BN, len_k, tid);
-    }
-  };
-  auto load_v = [&](int n_block) {
-#if FLASHMOE_PLANT_BUG == 11
-    if (n_block * BN + BN > len_k) return;
-#endif
-    if (kThreads == kLoadThreads || tid < kLoadThreads) {
-      load_kv_tile<D, BN, kLoadThreads, /*kPanels=*/true>(sV + (n_block & 1) * BN * D, v_base,
-                                                          p.v_row_stride, n_block * BN, len_k, tid);
-    }
-  };
-  // cp.async writes through the generic proxy, wgmma reads through the async one: every thread
-  // fences its own copies once they landed, then the barrier makes them everyone's.
-  auto landed = [&]() {
-#if FLASHMOE_PLANT_BUG == 9
-    if (warp / 4 != 1)  // planted: the second warpgroup never waits for its own copies to land
-#endif
-      cp_async_wait<0>();
-    sm90::fence_proxy_async();
-    __syncthreads();
-  };
-
-  // This warp's 16 rows; its warpgroup's 64 start at 64 * (warp / 4) of the block.
-  const int warp_row0 = warp * 16;
-  const uint64_t q_desc = sm90::desc_k_major(smem_u32(sQ + (warp / 4) * 64 * 64));
-  uint64_t k_desc = sm90::desc_k_major(smem_u32(sK));
-#if FLASHMOE_PLANT_BUG == 10
-  k_desc = (k_desc & ~(uint64_t(3) << 62)) | (uint64_t(2) << 62);  // planted: K read 64B-swizzled
-#endif
-  const uint64_t v_desc = sm90::desc_mn_major<BN>(smem_u32(sV));
-  constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the second buffer, in a descriptor
-
+  const AttentionParams& p;
+  const TileCoords t;  // a copy: a reference to the caller's would give it an address
+  int m0, warp_row0, lane, unmasked_end, key_begin;
+  uint64_t q_desc, k_desc, v_desc;
   float acc_o[DT][4];
   float acc_s[NT][4];
   uint32_t p_frag[BN / 16][4];
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-#pragma unroll
-  for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      acc_o[dt][e] = 0.f;
+  float row_max[2], row_sum[2];
 
-  // S(n) = Q K(n)^T, one m64n(BN)k16 wgmma per 16 columns of the head dim, as one commit group.
-  auto issue_s = [&](int n) {
+  __device__ __forceinline__ Sm90Rows(const AttentionParams& p_, const TileCoords& t_, int m0_,
+                                      int n_lo, int warp, int lane_, const T* sQ, const T* sK,
+                                      const T* sV)
+      : p(p_), t(t_), m0(m0_), warp_row0(warp * 16), lane(lane_) {
+    unmasked_end = p.causal ? min(t.len_k, t.query(m0) + t.len_k - t.len_q + 1) : t.len_k;
+    key_begin = 0;
+#if FLASHMOE_PLANT_BUG == 1
+    key_begin = t.split > 0 ? n_lo * BN + 1 : 0;
+#endif
+    (void)n_lo;
+    // This warp's warpgroup owns rows [64 * (warp / 4), + 64) of the block.
+    q_desc = sm90::desc_k_major(smem_u32(sQ + (warp / 4) * 64 * 64));
+    k_desc = sm90::desc_k_major(smem_u32(sK));
+#if FLASHMOE_PLANT_BUG == 10
+    k_desc = (k_desc & ~(uint64_t(3) << 62)) | (uint64_t(2) << 62);  // planted: K 64B-swizzled
+#endif
+    v_desc = sm90::desc_mn_major<BN>(smem_u32(sV));
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc_o[dt][e] = 0.f;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+
+  // S = Q K^T, one m64n(BN)k16 wgmma per 16 columns of the head dim, as one commit group.
+  __device__ __forceinline__ void issue_s(int buf) {
     sm90::fence_operands(acc_s);
     sm90::fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       sm90::mma_ss<BN, T>(acc_s, q_desc + sm90::k_major_step<BM>(kk),
-                          k_desc + (n & 1) * kTileStep + sm90::k_major_step<BN>(kk), kk > 0);
+                          k_desc + buf * kTileStep + sm90::k_major_step<BN>(kk), kk > 0);
     }
     sm90::commit_group();
-  };
-  // O += P(n) V(n), one m64n(D)k16 wgmma per 16 keys, P from registers, as one commit group.
-  auto issue_pv = [&](int n) {
+  }
+  // O += P V, one m64n(D)k16 wgmma per 16 keys with P from registers, as one commit group.
+  __device__ __forceinline__ void issue_pv(int buf) {
     sm90::fence_operands(acc_o);
     sm90::fence();
 #pragma unroll
-    for (int j = 0; j < BN / 16; ++j) {
-      sm90::mma_rs<D, T>(acc_o, p_frag[j], v_desc + (n & 1) * kTileStep + sm90::mn_major_step(j),
-                         1);
-    }
+    for (int j = 0; j < BN / 16; ++j)
+      sm90::mma_rs<D, T>(acc_o, p_frag[j], v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
     sm90::commit_group();
-  };
-  // Mask S(n), fold it into the running max and sum, and leave P(n) in acc_s; returns through
-  // `rescale` what the output accumulated so far must be multiplied by.
-  auto softmax = [&](int n, float (&rescale)[2]) {
+  }
+  // Waits until at most N groups are in flight; the accumulators they write are then readable.
+  template <int N>
+  __device__ __forceinline__ void wait() {
+    sm90::wait_group<N>();
+    sm90::fence_operands(acc_s);
+    sm90::fence_operands(acc_o);
+  }
+
+  // Masks S(n), folds it into the running max and sum and leaves P(n) in acc_s; `rescale` is
+  // what the output accumulated so far must be multiplied by.
+  __device__ __forceinline__ void softmax(int n, float (&rescale)[2]) {
     bool need_mask = (n + 1) * BN > unmasked_end;
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || n * BN < key_begin;
@@ -152,8 +143,8 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     if (need_mask) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int i = row_query(m0 + warp_row0 + lane / 4 + hh * 8);
-        const int last_key = p.causal ? min(len_k - 1, i + len_k - t.len_q) : len_k - 1;
+        const int i = t.query(m0 + warp_row0 + lane / 4 + hh * 8);
+        const int last_key = p.causal ? min(t.len_k - 1, i + t.len_k - t.len_q) : t.len_k - 1;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -187,8 +178,8 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
           row_sum[hh] += prob;
         }
     }
-  };
-  auto rescale_o_and_pack_p = [&](const float (&rescale)[2]) {
+  }
+  __device__ __forceinline__ void rescale_o_and_pack_p(const float (&rescale)[2]) {
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
@@ -201,111 +192,386 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       p_frag[j][2] = pack2<T>(acc_s[2 * j + 1][0], acc_s[2 * j + 1][1]);
       p_frag[j][3] = pack2<T>(acc_s[2 * j + 1][2], acc_s[2 * j + 1][3]);
     }
+  }
+
+  // Normalises and writes this warp's 16 rows of tile (block_x, split): O (staged through the
+  // same rows of `stage`, which only this warp touches now, so that it leaves in 16-byte row
+  // chunks) and the log-sum-exp, or the split's fp32 partials. The tile's coordinates are
+  // recomputed, not held through the loop.
+  __device__ __forceinline__ void write_out(T* stage, int block_x, int split) {
+    constexpr int kChunks = Traits::kChunks;
+    T* sQ = stage;
+    const TileCoords te = TileCoords::of_block<BM, kVarlen>(p, block_x, split);
+    const int eb = te.b, em0 = (te.m_blocks - 1 - te.m_block) * BM;
+    const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float sum = quad_sum(row_sum[hh]);
+      const float inv = te.bad_len ? NAN : sum > 0.f ? 1.f / sum : 0.f;
+      const float lse = te.bad_len  ? NAN
+                        : sum > 0.f ? row_max[hh] * p.softmax_scale + logf(sum)
+                                    : -INFINITY;
+      const int row = warp_row0 + lane / 4 + hh * 8, r = em0 + row;
+      if (p.num_splits == 1) {
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+          *reinterpret_cast<uint32_t*>(sQ + swizzle<D>(row, dt) + (lane & 3) * 2) =
+              pack2<T>(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
+      }
+      if (r >= te.rows_total) continue;
+      const int64_t lse_index =
+          kVarlen ? int64_t(te.head(r)) * p.total_q + te.row0_q + te.query(r)
+                  : (int64_t(eb) * p.heads_q + te.head(r)) * p.seqlen_q + te.query(r);
+      if (p.num_splits == 1) {
+        if ((lane & 3) == 0) p.lse[lse_index] = lse;
+      } else {
+        float* o_row = p.o_accum + (te.split * rows_all + lse_index) * D;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          *reinterpret_cast<float2*>(o_row + dt * 8 + (lane & 3) * 2) =
+              make_float2(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
+        }
+        if ((lane & 3) == 0) p.lse_accum[te.split * rows_all + lse_index] = lse;
+      }
+    }
+    if (p.num_splits == 1) {
+      __syncwarp();
+#pragma unroll
+      for (int c = lane; c < 16 * kChunks; c += 32) {
+        const int row = warp_row0 + c / kChunks, ch = c % kChunks, r = em0 + row;
+        if (r >= te.rows_total) continue;
+        T* o_row = static_cast<T*>(p.o) + eb * p.o_batch_stride + te.head(r) * p.o_head_stride +
+                   (te.row0_q + te.query(r)) * p.o_row_stride;
+        *reinterpret_cast<uint4*>(o_row + ch * 8) =
+            *reinterpret_cast<const uint4*>(sQ + swizzle<D>(row, ch));
+      }
+    }
+  }
+};
+
+// The block's place: its tile coordinates, first row and the key blocks [n_lo, n_hi) it visits
+// (from the last to the first: only the first ones visited need masks).
+template <typename Traits, bool kVarlen>
+struct Sm90Block {
+  TileCoords t;
+  int m0, n_lo, n_hi;
+  __device__ __forceinline__ explicit Sm90Block(const AttentionParams& p, int block_x = blockIdx.x,
+                                                int split = blockIdx.y)
+      : t(TileCoords::of_block<Traits::kBlockM, kVarlen>(p, block_x, split)) {
+    m0 = (t.m_blocks - 1 - t.m_block) * Traits::kBlockM;  // heavy (causal) row blocks first
+    n_lo = t.split * p.n_blocks_per_split;
+    n_hi =
+        min(t.kv_block_end<Traits::kBlockM, Traits::kBlockN>(p, m0), n_lo + p.n_blocks_per_split);
+  }
+  // Copies K(n) or V(n) into buffer `buf` of `tiles`, spread over kLoadThreads threads.
+  template <typename T>
+  __device__ __forceinline__ void load(T* tiles, const T* base, int64_t row_stride, int n, int buf,
+                                       int tid) const {
+    constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
+#if FLASHMOE_PLANT_BUG == 11
+    if (n * BN + BN > t.len_k) return;  // planted: the last, partial key tile is never copied
+#endif
+    load_kv_tile<D, BN, Traits::kLoadThreads, /*kPanels=*/true>(tiles + buf * BN * D, base,
+                                                                row_stride, n * BN, t.len_k, tid);
+  }
+  template <typename T>
+  __device__ __forceinline__ const T* k_base(const AttentionParams& p) const {
+    return static_cast<const T*>(p.k) + t.b * p.k_batch_stride + t.row0_k * p.k_row_stride +
+           t.hkv * p.k_head_stride;
+  }
+  template <typename T>
+  __device__ __forceinline__ const T* v_base(const AttentionParams& p) const {
+    return static_cast<const T*>(p.v) + t.b * p.v_batch_stride + t.row0_k * p.v_row_stride +
+           t.hkv * p.v_head_stride;
+  }
+};
+
+// Every warpgroup copies and computes; one barrier per key block.
+template <typename Traits, typename T, bool kVarlen>
+__device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  constexpr int kThreads = Traits::kNThreads, kLoadThreads = Traits::kLoadThreads;
+
+  extern __shared__ __align__(1024) uint4 smem_buf[];  // wgmma's 128B swizzle: 1024-byte atoms
+  T* sQ = reinterpret_cast<T*>(smem_buf);
+  T* sK = sQ + BM * D;      // K(n) in buffer n % 2
+  T* sV = sK + 2 * BN * D;  // V(n) in buffer n % 2
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const Sm90Block<Traits, kVarlen> blk(p);
+  if constexpr (kVarlen) {
+    if (blk.m0 >= blk.t.rows_total) return;  // past this sequence's queries
+  }
+  const int n_lo = blk.n_lo, n_hi = blk.n_hi;
+  const T* k_base = blk.template k_base<T>(p);
+  const T* v_base = blk.template v_base<T>(p);
+  const bool loads = kThreads == kLoadThreads || tid < kLoadThreads;
+  auto load_k = [&](int n) {
+    if (loads) blk.load(sK, k_base, p.k_row_stride, n, n & 1, tid);
+  };
+  auto load_v = [&](int n) {
+    if (loads) blk.load(sV, v_base, p.v_row_stride, n, n & 1, tid);
+  };
+  // cp.async writes through the generic proxy, wgmma reads through the async one: every thread
+  // fences its own copies once they landed, then the barrier makes them everyone's.
+  auto landed = [&]() {
+#if FLASHMOE_PLANT_BUG == 9
+    if (warp / 4 != 1)  // planted: the second warpgroup never waits for its own copies to land
+#endif
+      cp_async_wait<0>();
+    sm90::fence_proxy_async();
+    __syncthreads();
   };
 
-  // The key blocks run from the last to the first (only the first ones visited need masks), with
-  // FlashAttention-3's overlap inside each warpgroup: S(n) and P(n+1) V(n+1) go to the tensor
-  // cores together, and the softmax of S(n) runs while P V does. K(n-1) and V(n) are copied in
-  // while block n is computed (double buffers), so one barrier per key block suffices.
+  Sm90Rows<Traits, T, kVarlen> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
+  float rescale[2];
   if (n_hi > n_lo) {
-    t.load_q<D, BM, kThreads, /*kPanels=*/true>(sQ, p, m0, tid);
+    blk.t.template load_q<D, BM, kThreads, /*kPanels=*/true>(sQ, p, blk.m0, tid);
     load_k(n_hi - 1);
     cp_async_commit();
     landed();  // Q and K(n_hi - 1)
     if (n_hi - 2 >= n_lo) load_k(n_hi - 2);
     load_v(n_hi - 1);
     cp_async_commit();
-    issue_s(n_hi - 1);
-    sm90::wait_group<0>();
-    sm90::fence_operands(acc_s);
-    float rescale[2];
-    softmax(n_hi - 1, rescale);
-    rescale_o_and_pack_p(rescale);
+    rows.issue_s((n_hi - 1) & 1);
+    rows.template wait<0>();
+    rows.softmax(n_hi - 1, rescale);
+    rows.rescale_o_and_pack_p(rescale);
   }
   for (int n = n_hi - 2; n >= n_lo; --n) {
     landed();  // K(n) and V(n + 1); every warpgroup is done with S(n + 1) and P(n + 2) V(n + 2)
     if (n - 1 >= n_lo) load_k(n - 1);
     load_v(n);
     cp_async_commit();
-    issue_s(n);
-    issue_pv(n + 1);
-    sm90::wait_group<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
-    sm90::fence_operands(acc_s);
-    float rescale[2];
-    softmax(n, rescale);
-    sm90::wait_group<0>();
-    sm90::fence_operands(acc_o);
-    rescale_o_and_pack_p(rescale);
+    rows.issue_s(n & 1);
+    rows.issue_pv((n + 1) & 1);
+    rows.template wait<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
+    rows.softmax(n, rescale);
+    rows.template wait<0>();
+    rows.rescale_o_and_pack_p(rescale);
   }
   if (n_hi > n_lo) {
     landed();  // V(n_lo)
-    issue_pv(n_lo);
-    sm90::wait_group<0>();
-    sm90::fence_operands(acc_o);
+    rows.issue_pv(n_lo & 1);
+    rows.template wait<0>();
+  }
+  __syncthreads();  // the output is staged in sQ: every warpgroup's last reads of Q are done
+  rows.write_out(sQ, opaque_block_x(), blockIdx.y);
+}
+
+// The warp-specialized kernel's mbarriers, after the tiles: Q landed / free again, K and V
+// landed in a buffer (the producer's 128 threads arrive as their copies land, or with TMA one
+// thread and the copy's bytes), and a buffer free again (each math warp arrives when done).
+struct Sm90Barriers {
+  uint64_t q_full, q_empty, k_full[2], v_full[2], k_empty[2], v_empty[2];
+};
+
+// Warp-specialized and persistent (Traits::kProducer): one block per SM walks the tiles of
+// (batch x head x row block) x split in rounds (tile_of); the last warpgroup copies,
+// the others compute. The producer runs ahead across tiles (the next tile's Q and first K/V tiles
+// load while the math warps finish this one), and the output is staged in its own buffer.
+// Buffers are used in turn over the whole walk: key block number `use` (counted over every tile)
+// sits in buffer use % 2 for the (use / 2)-th time, so waits for it to be full are on parity
+// (use / 2) % 2 and waits for it to be empty on the other (a fresh barrier passes the first).
+template <typename Traits, typename T, bool kVarlen>
+__device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  constexpr int kMathWarps = Traits::kMathThreads / 32;
+
+  extern __shared__ __align__(1024) uint4 smem_buf[];
+  T* sQ = reinterpret_cast<T*>(smem_buf);
+  T* sK = sQ + BM * D;
+  T* sV = sK + 2 * BN * D;
+  T* sO = sV + 2 * BN * D;  // the output's staging
+  Sm90Barriers& bar =
+      *reinterpret_cast<Sm90Barriers*>(reinterpret_cast<char*>(smem_buf) + Traits::kTileBytes);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int full_count = p.tma ? 1 : 128;
+  if (tid == 0) {
+    sm90::mbar_init(&bar.q_full, 128);
+    sm90::mbar_init(&bar.q_empty, kMathWarps);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      sm90::mbar_init(&bar.k_full[s], full_count);
+      sm90::mbar_init(&bar.v_full[s], full_count);
+      sm90::mbar_init(&bar.k_empty[s], kMathWarps);
+      sm90::mbar_init(&bar.v_empty[s], kMathWarps);
+    }
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
+
+  // The tiles (batch x head x row block, as the non-persistent grid numbers them) per split.
+  // Each role counts them after its setmaxnreg: a value live across one goes to local memory.
+  auto tiles_per_split = [&]() {
+    const int group = p.pack_gqa ? p.heads_ratio : 1;
+    return p.batch * (p.pack_gqa ? p.heads_kv : p.heads_q) * ceil_div(p.seqlen_q * group, BM);
+  };
+  // The tile of walk step `round`: the grid takes the tiles in rounds of gridDim.x, forward on
+  // even rounds and backward on odd ones. The tiles come heaviest first (causal), so a block that
+  // got a heavier tile in one round gets a lighter one in the next; a plain stride would give
+  // block 0 the heaviest tile of every round (12% more work than the last block at S 16k, and
+  // with row blocks fastest a fixed row block per block: 4x at S 512).
+  auto tile_of = [&](int round) {
+    const int g = gridDim.x, bx = blockIdx.x;
+    return round * g + ((round & 1) ? g - 1 - bx : bx);
+  };
+  // A tile with work: rows of its sequence and key blocks to visit (both roles skip the others
+  // alike, so their barrier counts stay in step).
+  auto has_work = [&](const Sm90Block<Traits, kVarlen>& blk) {
+    return !(kVarlen && blk.m0 >= blk.t.rows_total) && blk.n_hi > blk.n_lo;
+  };
+
+  if (warp >= kMathWarps) {  // the producer
+    sm90::setmaxnreg_dec<Traits::kProducerRegs>();
+    const int ptid = tid - Traits::kMathThreads;
+    constexpr uint32_t kBytes = BN * D * 2;  // a whole TMA box, zero-filled past the tensor
+    if (p.tma && ptid == 0) {
+      sm90::prefetch_tensor_map(p.tma_k);
+      sm90::prefetch_tensor_map(p.tma_v);
+    }
+    const int tiles_x = tiles_per_split(), tiles = tiles_x * p.num_splits;
+    int q_uses = 0, use = 0;
+    for (int round = 0, tile = tile_of(0); tile < tiles; tile = tile_of(++round)) {
+      const Sm90Block<Traits, kVarlen> blk(p, tile % tiles_x, tile / tiles_x);
+      if (!has_work(blk)) continue;
+      sm90::mbar_wait(&bar.q_empty, (q_uses++ & 1) ^ 1);
+      blk.t.template load_q<D, BM, 128, /*kPanels=*/true>(sQ, p, blk.m0, ptid);
+      sm90::mbar_arrive_on_copies(&bar.q_full);
+      const T* k_base = blk.template k_base<T>(p);
+      const T* v_base = blk.template v_base<T>(p);
+      // Coordinates {column in panel, row, panel, head, batch} of the host's 5-D maps (a packed
+      // batch is one sequence of total_k rows, this one starting at row0_k).
+      const int row0 = blk.t.row0_k, bb = kVarlen ? 0 : blk.t.b, hkv = blk.t.hkv;
+      for (int n = blk.n_hi - 1; n >= blk.n_lo; --n, ++use) {
+        const int s = use & 1, empty_parity = ((use >> 1) & 1) ^ 1;
+        if (p.tma) {
+          if (ptid != 0) continue;
+          bool copy = true;
+#if FLASHMOE_PLANT_BUG == 11
+          copy = n * BN + BN <= blk.t.len_k;  // planted: the last, partial box is never copied
+#endif
+          sm90::mbar_wait(&bar.k_empty[s], empty_parity);
+          sm90::mbar_arrive_expect_tx(&bar.k_full[s], copy ? kBytes : 0);
+          if (copy) {
+            sm90::tma_load_5d(sK + s * BN * D, p.tma_k, &bar.k_full[s], 0, row0 + n * BN, 0, hkv,
+                              bb);
+          }
+          sm90::mbar_wait(&bar.v_empty[s], empty_parity);
+          sm90::mbar_arrive_expect_tx(&bar.v_full[s], copy ? kBytes : 0);
+          if (copy) {
+            sm90::tma_load_5d(sV + s * BN * D, p.tma_v, &bar.v_full[s], 0, row0 + n * BN, 0, hkv,
+                              bb);
+          }
+        } else {
+          sm90::mbar_wait(&bar.k_empty[s], empty_parity);
+          blk.load(sK, k_base, p.k_row_stride, n, s, ptid);
+          sm90::mbar_arrive_on_copies(&bar.k_full[s]);
+          sm90::mbar_wait(&bar.v_empty[s], empty_parity);
+          blk.load(sV, v_base, p.v_row_stride, n, s, ptid);
+          sm90::mbar_arrive_on_copies(&bar.v_full[s]);
+        }
+      }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();  // no thread leaves with copies in flight
+    return;
   }
 
-  // Epilogue as in the mma.sync kernel. The output is staged in sQ: wait for every warpgroup's
-  // last reads of Q first (a warpgroup's wgmma reads all 64 of its rows).
-  __syncthreads();
-  const TileCoords te = TileCoords::of_block<BM, kVarlen>(p, opaque_block_x());
-  const int eb = te.b, em0 = (te.m_blocks - 1 - te.m_block) * BM;
-  auto out_query = [&](int r) { return te.query(r); };
-  auto out_head = [&](int r) { return te.head(r); };
-  const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const float sum = quad_sum(row_sum[hh]);
-    const float inv = te.bad_len ? NAN : sum > 0.f ? 1.f / sum : 0.f;
-    const float lse = te.bad_len  ? NAN
-                      : sum > 0.f ? row_max[hh] * p.softmax_scale + logf(sum)
-                                  : -INFINITY;
-    const int row = warp_row0 + lane / 4 + hh * 8, r = em0 + row;
-    if (p.num_splits == 1) {
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
-        *reinterpret_cast<uint32_t*>(sQ + swizzle<D>(row, dt) + (lane & 3) * 2) =
-            pack2<T>(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
-    }
-    if (r >= te.rows_total) continue;
-    const int64_t lse_index =
-        kVarlen ? int64_t(out_head(r)) * p.total_q + te.row0_q + out_query(r)
-                : (int64_t(eb) * p.heads_q + out_head(r)) * p.seqlen_q + out_query(r);
-    if (p.num_splits == 1) {
-      if ((lane & 3) == 0) p.lse[lse_index] = lse;
-    } else {
-      float* o_row = p.o_accum + (te.split * rows_all + lse_index) * D;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        *reinterpret_cast<float2*>(o_row + dt * 8 + (lane & 3) * 2) =
-            make_float2(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
-      }
-      if ((lane & 3) == 0) p.lse_accum[te.split * rows_all + lse_index] = lse;
-    }
-  }
-  if (p.num_splits == 1) {
+  sm90::setmaxnreg_inc<Traits::kMathRegs>();
+  // With two math warpgroups they take turns issuing their GEMMs, so one's softmax runs under the
+  // other's matmuls; the second gives the first its first turn. (Every warpgroup issues the same
+  // number of batches; the last pass is never waited for, which the block's exit discards.)
+  constexpr bool kPingPong = Traits::kWarpgroups == 2;
+  const int wg = warp / 4;
+  auto my_turn = [&]() {
+    if constexpr (kPingPong) sm90::wait_turn(wg);
+  };
+  auto their_turn = [&]() {
+    if constexpr (kPingPong) sm90::pass_turn(wg);
+  };
+  if (kPingPong && wg == 1) sm90::pass_turn(wg);
+  // Waits until the producer's copies into a buffer landed, then makes them visible to wgmma.
+  auto wait_full = [&](uint64_t* full, int use) {
+#if FLASHMOE_PLANT_BUG == 9
+    if (wg == 1 && use == 0) return;  // planted: the second warpgroup skips one wait
+#endif
+    sm90::mbar_wait(full, (use >> 1) & 1);
+    sm90::fence_proxy_async();
+  };
+  auto release = [&](uint64_t* empty) {
     __syncwarp();
-#pragma unroll
-    for (int c = lane; c < 16 * kChunks; c += 32) {
-      const int row = warp_row0 + c / kChunks, ch = c % kChunks, r = em0 + row;
-      if (r >= te.rows_total) continue;
-      T* o_row = static_cast<T*>(p.o) + eb * p.o_batch_stride + out_head(r) * p.o_head_stride +
-                 (te.row0_q + out_query(r)) * p.o_row_stride;
-      *reinterpret_cast<uint4*>(o_row + ch * 8) =
-          *reinterpret_cast<const uint4*>(sQ + swizzle<D>(row, ch));
+    if (lane == 0) sm90::mbar_arrive(empty);
+  };
+
+  const int tiles_x = tiles_per_split(), tiles = tiles_x * p.num_splits;
+  int q_uses = 0, use = 0;
+  for (int round = 0, tile = tile_of(0); tile < tiles; tile = tile_of(++round)) {
+    const int block_x = tile % tiles_x, split = tile / tiles_x;
+    const Sm90Block<Traits, kVarlen> blk(p, block_x, split);
+    if (kVarlen && blk.m0 >= blk.t.rows_total) continue;  // past its sequence: nothing to write
+    const int n_lo = blk.n_lo, n_hi = blk.n_hi;
+    Sm90Rows<Traits, T, kVarlen> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
+    float rescale[2];
+    if (n_hi > n_lo) {
+      sm90::mbar_wait(&bar.q_full, q_uses++ & 1);
+      sm90::fence_proxy_async();
+      // The first key block: S alone.
+      int buf = use & 1;
+      wait_full(&bar.k_full[buf], use);
+      my_turn();
+      rows.issue_s(buf);
+      their_turn();
+      rows.template wait<0>();
+      release(&bar.k_empty[buf]);
+      if (n_hi - n_lo == 1) release(&bar.q_empty);  // the tile's last read of Q
+      rows.softmax(n_hi - 1, rescale);
+      rows.rescale_o_and_pack_p(rescale);
+      // Then S(n) with P(n + 1) V(n + 1), the previous block's V in the previous buffer.
+      for (int n = n_hi - 2; n >= n_lo; --n) {
+        const int prev = buf;
+        buf = ++use & 1;
+        wait_full(&bar.k_full[buf], use);
+        wait_full(&bar.v_full[prev], use - 1);
+        my_turn();
+        rows.issue_s(buf);
+        rows.issue_pv(prev);
+        their_turn();
+        rows.template wait<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
+        release(&bar.k_empty[buf]);
+        if (n == n_lo) release(&bar.q_empty);
+        rows.softmax(n, rescale);
+        rows.template wait<0>();
+        release(&bar.v_empty[prev]);
+        rows.rescale_o_and_pack_p(rescale);
+      }
+      wait_full(&bar.v_full[buf], use);
+      my_turn();
+      rows.issue_pv(buf);
+      their_turn();
+      rows.template wait<0>();
+      release(&bar.v_empty[buf]);
+      ++use;
     }
+    rows.write_out(sO, block_x, split);
   }
 }
 
-// One block per SM: the register budget is the SM's over the block's warpgroups.
 template <typename Traits, typename T, bool kVarlen>
 __device__ __forceinline__ void flash_fwd_sm90_entry(const AttentionParams& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  flash_fwd_sm90_block<Traits, T, kVarlen>(p);
+  if constexpr (Traits::kProducer) {
+    flash_fwd_sm90_ws_block<Traits, T, kVarlen>(p);
+  } else {
+    flash_fwd_sm90_block<Traits, T, kVarlen>(p);
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // wgmma exists on sm_90a only; the host never launches this elsewhere
 #endif
 }
 
+// One block per SM: the register budget is the SM's over the block's warpgroups.
 template <typename Traits, typename T>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ AttentionParams p) {

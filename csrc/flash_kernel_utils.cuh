@@ -208,7 +208,8 @@ struct TileCoords {
   // sequence, and a block past its own sequence's end finds m0 >= rows_total.
   template <int kBlockM, bool kVarlen = false>
   __device__ __forceinline__ static TileCoords of_block(const AttentionParams& p,
-                                                        int block_x = blockIdx.x) {
+                                                        int block_x = blockIdx.x,
+                                                        int split = blockIdx.y) {
     // Packed tiles are one row block (at most 128 rows), so r < kBlockM and group <= 128.
     static_assert(kBlockM <= 256, "the row mapping assumes rows * group < 2^20");
     TileCoords t;
@@ -230,7 +231,7 @@ struct TileCoords {
     t.b = bh / heads_grid;
     t.head_grid = bh - t.b * heads_grid;
     t.hkv = p.pack_gqa ? t.head_grid : t.head_grid / p.heads_ratio;
-    t.split = blockIdx.y;
+    t.split = split;
     // Clamped, so a bad value reads nothing out of bounds; bad_len poisons the outputs.
     const int len_raw = p.seqlens_k && !kVarlen ? p.seqlens_k[t.b] : p.seqlen_k;
     t.bad_len = !kVarlen && (len_raw < 0 || len_raw > p.seqlen_k);

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "flash_kernel_utils.cuh"
+
 namespace flashmoe::cuda::sm90 {
 
 // Descriptor of a 128B-swizzled operand (PTX ISA "matrix descriptor"): start address, leading and
@@ -68,6 +70,88 @@ __device__ __forceinline__ void fence_operands(float (&d)[NT][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// mbarriers (shared-memory arrival counters with a phase bit) for the warp-specialized kernel.
+// A phase completes when `count` arrivals have been made; waiting on parity p returns once the
+// phase of parity p has completed, so a wait on parity 1 passes at once on a fresh barrier (a
+// producer's first wait for an empty buffer).
+template <int N = 0>
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+template <int N = 0>
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+template <int N = 0>
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Arrives once every cp.async this thread issued so far has landed (the count is not raised:
+// the barrier's count includes these arrivals).
+template <int N = 0>
+__device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
+               : "memory");
+}
+// Arrives and adds `bytes` to the transfers the current phase waits for (the TMA copies that
+// complete_tx on this barrier).
+template <int N = 0>
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// One TMA copy of a 5-D box of `map` (a CUtensorMap in parameter space) at the given
+// coordinates (innermost first) into shared memory; completes `bytes` of the barrier's phase.
+// The whole box is written: elements outside the tensor become zeros.
+template <int N = 0>
+__device__ __forceinline__ void tma_load_5d(void* smem, const void* map, uint64_t* bar, int c0,
+                                            int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], "
+      "[%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(smem_u32(smem)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+      "r"(smem_u32(bar))
+      : "memory");
+}
+template <int N = 0>
+__device__ __forceinline__ void prefetch_tensor_map(const void* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+template <int N = 0>
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Moves registers between warpgroups (sm_90a): the kernel starts at its launch bound's count,
+// then the producer gives registers up and the consumers take them.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+// A barrier over one warpgroup's 128 threads (id 1 + the warpgroup; 0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_sync(int warpgroup) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
+}
+// Two warpgroups taking turns at the tensor cores (FlashAttention-3's ping-pong): barrier
+// kTurnBarrier + w completes when warpgroup w waits on it and the other has arrived.
+constexpr int kTurnBarrier = 4;
+__device__ __forceinline__ void wait_turn(int warpgroup) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(kTurnBarrier + warpgroup) : "memory");
+}
+__device__ __forceinline__ void pass_turn(int warpgroup) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(kTurnBarrier + (warpgroup ^ 1)) : "memory");
 }
 
 // The asm of one m64nNk16 wgmma for both input types (TYPE: "f16" or "bf16"), over d[N/8][4].
