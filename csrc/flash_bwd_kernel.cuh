@@ -145,8 +145,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   const int t_row = (lane & 7) + ((lane >> 3) & 1) * 8, t_chunk = lane >> 4;
   const uint32_t q_t = smem_u32(sQ + swizzle<D>(t_row, t_chunk));
   const uint32_t do_t = smem_u32(sdO + swizzle<D>(t_row, t_chunk));
-  const uint32_t k_t = smem_u32(sK + swizzle<D>(t_row, t_chunk));
-  const uint32_t ds_t = smem_u32(sdS + swizzle<BM>((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1));
 
   float acc_dk[KT][DT][4], acc_dv[KT][DT][4];
 #pragma unroll
@@ -161,30 +159,44 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
 #if FLASHMOE_PLANT_BUG == 5
   group = 1;  // planted: only the group's first query head reaches dK and dV
 #endif
-  const int n_last = ceil_div(p.seqlen_k, BN) - 1;
   // The steps run over (query head of the group, query block) in one sequence, so the next step's
   // Q and dO can be issued while this one computes dQ, whichever head it belongs to.
   const int m_count = max(0, m_end - m_begin), steps = group * m_count;
+  // What a step needs beyond the matmuls (its batch, query head and first row, the addresses of
+  // its copies, dS^T stores and dQ operands) is derived where it is used from fresh reads of the
+  // block and thread index (opaque_*), not hoisted out of the loop and held in registers through
+  // the matmuls: at d = 128 the accumulators leave no room for it (it spilled).
+  struct StepCoords {
+    int b, h, m0;
+  };
+  auto step_coords = [&](int step) {
+    const int y = opaque_block_y();  // b * heads_kv + hkv
+    return StepCoords{y / p.heads_kv, y % p.heads_kv * p.heads_ratio + step / m_count,
+                      (m_begin + step % m_count) * BM};
+  };
   auto issue_step = [&](int step) {
-    const int h = hkv * p.heads_ratio + step / m_count, m0 = (m_begin + step % m_count) * BM;
-    const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-    const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
-    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, m0, p.seqlen_q, tid);
-    load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, m0, p.seqlen_q, tid);
+    const int t = opaque_thread_x();
+    const StepCoords at = step_coords(step);
+    const T* q_base = static_cast<const T*>(p.q) + at.b * p.q_batch_stride + at.h * p.q_head_stride;
+    const T* do_base =
+        static_cast<const T*>(p.dout) + at.b * p.do_batch_stride + at.h * p.do_head_stride;
+    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, at.m0, p.seqlen_q, t);
+    load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, at.m0, p.seqlen_q, t);
     cp_async_commit();
-    const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
-    for (int r = tid; r < BM; r += kThreads) {
-      const bool valid = m0 + r < p.seqlen_q;
-      sLse[r] = lse_base2(p, row_base + m0 + r, valid);
-      sDelta[r] = valid ? p.delta[row_base + m0 + r] : 0.f;
+    const int64_t row_base = (int64_t(at.b) * p.heads_q + at.h) * p.seqlen_q;
+#pragma unroll
+    for (int r0 = 0; r0 < BM; r0 += kThreads) {  // a compile-time trip count: t is opaque
+      const int r = r0 + t;
+      if (r >= BM) break;
+      const bool valid = at.m0 + r < p.seqlen_q;
+      sLse[r] = lse_base2(p, row_base + at.m0 + r, valid);
+      sDelta[r] = valid ? p.delta[row_base + at.m0 + r] : 0.f;
     }
   };
   if (steps > 0) issue_step(0);
   for (int step = 0; step < steps; ++step) {
     {
-      const int h = hkv * p.heads_ratio + step / m_count;
       const int m0 = (m_begin + step % m_count) * BM;
-      const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seqlen_q;
       cp_async_wait<0>();
       __syncthreads();  // Q, dO, lse and delta of this step have landed (K and V too, at first)
       // Keys past the end or above the causal diagonal: only the tail block and the diagonal
@@ -255,12 +267,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
           ds_frag[kt][j][3] = pack2<T>(acc_dp[kt][2 * j + 1][2], acc_dp[kt][2 * j + 1][3]);
         }
         if constexpr (kAtomicDq) {
+          const int t = opaque_thread_x(), t_lane = t % 32, t_row0 = t / 32 * 16 * KT;
 #pragma unroll
           for (int nt = 0; nt < MN; ++nt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-              const int row = key_row0 + kt * 16 + lane / 4 + hh * 8;
-              *reinterpret_cast<uint32_t*>(sdS + swizzle<BM>(row, nt) + (lane & 3) * 2) =
+              const int row = t_row0 + kt * 16 + t_lane / 4 + hh * 8;
+              *reinterpret_cast<uint32_t*>(sdS + swizzle<BM>(row, nt) + (t_lane & 3) * 2) =
                   pack2<T>(acc_dp[kt][nt][2 * hh], acc_dp[kt][nt][2 * hh + 1]);
             }
         }
@@ -289,12 +302,20 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       if constexpr (kAtomicDq) {
         bool add_dq = true;
 #if FLASHMOE_PLANT_BUG == 6
-        add_dq = blockIdx.x != n_last;  // planted: the last key block never reaches dQ
+        // planted: the last key block never reaches dQ
+        add_dq = opaque_block_x() != ceil_div(p.seqlen_k, BN) - 1;
 #endif
         // dQ += dS K for this warp's query rows (and columns), added to dq_accum. Shared
         // memory holds the next step's Q and dO by now, but dS^T and K stay until the next sync.
         constexpr int kCols = Traits::kDqCols, CT = kCols / 8;
-        const int col0 = (warp / Traits::kQRowTiles) * kCols;
+        const StepCoords at = step_coords(step);
+        const int64_t row_base = (int64_t(at.b) * p.heads_q + at.h) * p.seqlen_q;
+        const int t = opaque_thread_x(), t_warp = t / 32, t_lane = t % 32;
+        const int col0 = (t_warp / Traits::kQRowTiles) * kCols;
+        const uint32_t k_t =
+            smem_u32(sK + swizzle<D>((t_lane & 7) + ((t_lane >> 3) & 1) * 8, t_lane >> 4));
+        const uint32_t ds_t =
+            smem_u32(sdS + swizzle<BM>((t_lane >> 4) * 8 + (t_lane & 7), (t_lane >> 3) & 1));
 #pragma unroll
         for (int qt = 0; qt < QT; ++qt) {
           float acc_dq[CT][4];
@@ -303,7 +324,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
               acc_dq[ct][e] = 0.f;
-          const int q_tile = (warp % Traits::kQRowTiles) * QT + qt;
+          const int q_tile = (t_warp % Traits::kQRowTiles) * QT + qt;
 #pragma unroll
           for (int kk = 0; kk < BN / 16; ++kk) {
             uint32_t a[4];
@@ -319,9 +340,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
           if (add_dq) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-              const int i = m0 + q_tile * 16 + lane / 4 + hh * 8;
+              const int i = at.m0 + q_tile * 16 + t_lane / 4 + hh * 8;
               if (i >= p.seqlen_q) continue;
-              float* dq_row = p.dq_accum + (row_base + i) * D + col0 + (lane & 3) * 2;
+              float* dq_row = p.dq_accum + (row_base + i) * D + col0 + (t_lane & 3) * 2;
 #pragma unroll
               for (int ct = 0; ct < CT; ++ct) {
 #if __CUDA_ARCH__ >= 900  // one 8-byte reduction for the thread's two columns
@@ -338,7 +359,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       }
     }
   }
-  (void)n_last;
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
 
   // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, D], keys past the end not written.
@@ -346,7 +366,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
 #if FLASHMOE_PLANT_BUG == 4
   dk_scale = 1.f;  // planted: dS without the softmax scale
 #endif
-  const int64_t kv_row_base = (int64_t(b) * p.heads_kv + hkv) * p.seqlen_k;
+  const int64_t kv_row_base = int64_t(opaque_block_y()) * p.seqlen_k;  // y = b * heads_kv + hkv
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt)
 #pragma unroll

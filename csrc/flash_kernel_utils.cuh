@@ -261,12 +261,23 @@ struct TileCoords {
   }
 };
 
-// blockIdx.x through a volatile read the compiler cannot merge with an earlier one: a kernel that
-// recomputes its coordinates after its main loop (from this) does not hold them in registers
+// blockIdx.x (blockIdx.y, threadIdx.x) through a volatile read the compiler cannot merge with an
+// earlier one or hoist out of a loop: a kernel that recomputes its coordinates or addresses from
+// these where it needs them (after its main loop, or once a step) does not hold them in registers
 // through the loop.
 __device__ __forceinline__ int opaque_block_x() {
   int x;
   asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+  return x;
+}
+__device__ __forceinline__ int opaque_block_y() {
+  int y;
+  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
+  return y;
+}
+__device__ __forceinline__ int opaque_thread_x() {
+  int x;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(x));
   return x;
 }
 
