@@ -315,10 +315,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   // cp.async writes through the generic proxy, wgmma reads through the async one: every thread
   // fences its own copies once they landed, then the barrier makes them everyone's.
   auto landed = [&]() {
-#if FLASHMOE_PLANT_BUG == 9
-    if (warp / 4 != 1)  // planted: the second warpgroup never waits for its own copies to land
-#endif
-      cp_async_wait<0>();
+    cp_async_wait<0>();
     sm90::fence_proxy_async();
     __syncthreads();
   };
@@ -495,7 +492,9 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
   // Waits until the producer's copies into a buffer landed, then makes them visible to wgmma.
   auto wait_full = [&](uint64_t* full, int use) {
 #if FLASHMOE_PLANT_BUG == 9
-    if (wg == 1 && use == 0) return;  // planted: the second warpgroup skips one wait
+    // planted: the first warpgroup skips its wait for the first K tile. (It issues first: the
+    // second, skipping it, would still read after the first waited, which hides the bug.)
+    if (wg == 0 && use == 0) return;
 #endif
     sm90::mbar_wait(full, (use >> 1) & 1);
     sm90::fence_proxy_async();

@@ -124,14 +124,16 @@ import json, sys
 from flashmoe_science import ops
 from flashmoe_science.pipeline import gates
 from flashmoe_science.pipeline.cases import parse_case_id
-# both end in a partial 128-key tile (1000 = 7 x 128 + 104) and run config 5 at each head dim
-cases = [parse_case_id("fwd-bf16-d128-h8kv2-b2-s1000-causal-cfg5"),
-         parse_case_id("fwd-fp16-d64-h8-b2-q257-k1000-full-cfg5")]
+cases = [parse_case_id(case_id) for case_id in sys.argv[2:]]
 print(json.dumps({"planted": ops.planted_bug(),
                   "results": {c.id: gates.check_case(c, sys.argv[1]).failures for c in cases}}))
 """
+# Both end in a partial 128-key tile (1000 = 7 x 128 + 104). D=128 runs the warp-specialized
+# kernel (a producer warpgroup, mbarriers, TMA), D=64 the one whose warpgroups copy and compute.
+SM90A_WS_CASE = "fwd-bf16-d128-h8kv2-b2-s1000-causal-cfg5"
+SM90A_CASES = (SM90A_WS_CASE, "fwd-fp16-d64-h8-b2-q257-k1000-full-cfg5")
 SM90A_PLANTS = {
-    9: "a warpgroup skips the wait for its own copies",
+    9: "a math warpgroup skips one mbarrier wait for its K tile",
     10: "K read with the wrong (64-byte) swizzle",
     11: "the last, partial key tile never copied",
 }
@@ -152,6 +154,9 @@ def _runs_config_5() -> bool:
 def test_planted_sm90a_bug_fails_a_gate(bug, run_planted):
     """Build the unit with a planted wgmma-kernel bug (-DFLASHMOE_PLANT_BUG=9, 10, 11) and show
     the forward gates catch it on every config-5 case named for it."""
-    result = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda")
+    # Bug 9 lives in the only kernel with mbarriers, the warp-specialized one.
+    cases = (SM90A_WS_CASE,) if bug == 9 else SM90A_CASES
+    result = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda", *cases)
+    assert sorted(result["results"]) == sorted(cases)
     for case_id, failures in result["results"].items():
         assert failures, f"planted bug {bug} ({SM90A_PLANTS[bug]}) passed the gates on {case_id}"
