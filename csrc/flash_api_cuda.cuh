@@ -138,8 +138,9 @@ void visit_config(int config, F&& f) {
     using Traits = DecodeTraits<D, kDecodeStages>;
     f(&flash_decode_kernel<Traits, T>, Traits{});
   } else if (config == kSm90aConfig) {
-    // d128: two math warpgroups and a producer (warp-specialized); d64: three math warpgroups.
-    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, /*kProducer=*/D == 128>;
+    // Warp-specialized: a producer warpgroup, and two math warpgroups at d128 (128-row tiles,
+    // ping-pong), three at d64 (192-row tiles).
+    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, /*kProducer=*/true>;
     f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
@@ -274,7 +275,7 @@ template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
                       cudaStream_t stream) {
   AttentionParams p = params;
-  if (kBuiltSm90a && config == kSm90aConfig && p.head_dim == 128) use_tma_if_it_fits<T>(p);
+  if (kBuiltSm90a && config == kSm90aConfig) use_tma_if_it_fits<T>(p);
   auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
     allow_dynamic_smem(kernel, Traits::kSmemBytes);

@@ -49,7 +49,9 @@ struct Sm90FwdTraits {
   // The producer keeps kProducerRegs and the math warpgroups share the rest; asking for more
   // than the launch allocated leaves setmaxnreg.inc waiting forever (a hang, not an error).
   static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8 > 255 ? 255 : 65536 / kNThreads / 8 * 8;
-  static constexpr int kProducerRegs = 48;
+  // 48 leaves the producer unspilled; with three math warpgroups (512 threads, 128 registers
+  // each at launch) 32 is what leaves them 160.
+  static constexpr int kProducerRegs = kWarpgroups_ == 3 ? 32 : 48;
   static constexpr int kMathRegs =
       (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8 > 240
           ? 240
