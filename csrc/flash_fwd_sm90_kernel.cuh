@@ -48,16 +48,19 @@ struct Sm90FwdTraits {
   // kNThreads x the launch bound's registers (the SM's 64K shared out, a multiple of 8 each).
   // The producer keeps kProducerRegs and the math warpgroups share the rest; asking for more
   // than the launch allocated leaves setmaxnreg.inc waiting forever (a hang, not an error).
-  static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8 > 255 ? 255 : 65536 / kNThreads / 8 * 8;
+  static constexpr int kLaunchRegs =
+      65536 / kNThreads / 8 * 8 > 255 ? 255 : 65536 / kNThreads / 8 * 8;
   // 48 leaves the producer unspilled; with three math warpgroups (512 threads, 128 registers
-  // each at launch) 32 is what leaves them 160.
+  // each at launch) 32 is what leaves them 160 (the producer then spills 36 bytes; 48 / 152
+  // spills 48 bytes in the math warpgroups instead).
   static constexpr int kProducerRegs = kWarpgroups_ == 3 ? 32 : 48;
   static constexpr int kMathRegs =
       (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8 > 240
           ? 240
           : (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8;
-  static_assert(!kProducer_ || 128 * kProducerRegs + kMathThreads * kMathRegs <= kLaunchRegs * kNThreads,
-                "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
+  static_assert(
+      !kProducer_ || 128 * kProducerRegs + kMathThreads * kMathRegs <= kLaunchRegs * kNThreads,
+      "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
   static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128),
                 "wgmma tiles: 64-column panels, N of 64 or 128");
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kHeadDim * 2) % 1024 == 0,
