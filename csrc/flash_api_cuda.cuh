@@ -244,10 +244,10 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
 }
 
 // Whether the sm_90a warp-specialized kernel (d128, 128-key boxes) copies K and V with TMA: it
-// does where the key
-// rows past a sequence's end are other keys or outside the tensor (zero-filled), not where they
-// are a cache's unused rows (cache_seqlens), which may hold anything; FLASHMOE_SM90_TMA=0 turns it
-// off (the producer then copies with cp.async).
+// does where the key rows past a sequence's end are other keys or outside the tensor
+// (zero-filled), not where they are a cache's unused rows (cache_seqlens), which may hold
+// anything. FLASHMOE_SM90_TMA=0 turns it off (the producer then copies with cp.async). The maps
+// are encoded on every call (two host calls of a few microseconds), not cached.
 template <typename T>
 void use_tma_if_it_fits(AttentionParams& p) {
   static const bool allowed = [] {

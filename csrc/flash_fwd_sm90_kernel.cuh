@@ -14,7 +14,10 @@
 //   - warp-specialized (Traits::kProducer): a producer warpgroup issues every copy and signals
 //     each buffer through an mbarrier when its copies land; the math warpgroups wait on those and
 //     give buffers back through other mbarriers, with no block-wide barrier, and take the
-//     producer's registers (setmaxnreg) (flash_fwd_sm90_ws_block).
+//     producer's registers (setmaxnreg). It is persistent (one block per SM walks the tiles),
+//     copies K and V with TMA where the host could encode their tensor maps, and with two math
+//     warpgroups they take turns at the tensor cores (ping-pong) (flash_fwd_sm90_ws_block).
+//     D=128 runs this one, D=64 the first.
 // Compiled for sm_90a only: in every other device pass the kernel body is a trap, and the host
 // refuses the configuration (see the host API).
 #pragma once
