@@ -41,10 +41,10 @@ namespace flashmoe::cuda {
 //      spill on sm_90 since v2 (benches/NOTES.md); ptxas spills them on sm_89, so they are built
 //      for sm_90 and newer only. The sm_90 choice without the sm_90a build: 1.01x SDPA flash
 //      (FA2) on the H100 over the prefill benchmark matrix, where config 1 gave 0.90x (H200).
-//   5: 128 x 128 at d=128 (2 warpgroups), 192 x 128 at d=64 (3), on wgmma
-//      (flash_fwd_sm90_kernel.cuh). sm_90a only: built with FLASHMOE_SM90A (the loader defines it
-//      with arch 9.0a, the default on an H100), run on compute capability 9.0 only. The H100's
-//      choice: 1.21x config 4 over 32 prefill cases (S 512 to 16k, benches/NOTES.md v3.0).
+//   5: 128 x 128 at d=128 (2 math warpgroups), 192 x 128 at d=64 (3), on wgmma, warp-specialized
+//      and persistent (flash_fwd_sm90_kernel.cuh). sm_90a only: built with FLASHMOE_SM90A (the
+//      loader defines it with arch 9.0a, the default on an H100), run on compute capability 9.0
+//      only. The H100's choice (benches/NOTES.md v3.0, v3.1).
 //   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
 //   registers, one block per SM, 0.47-0.63x SDPA flash.
 constexpr int kNumConfigs = 5;
@@ -138,9 +138,9 @@ void visit_config(int config, F&& f) {
     using Traits = DecodeTraits<D, kDecodeStages>;
     f(&flash_decode_kernel<Traits, T>, Traits{});
   } else if (config == kSm90aConfig) {
-    // Warp-specialized: a producer warpgroup, and two math warpgroups at d128 (128-row tiles,
-    // ping-pong), three at d64 (192-row tiles).
-    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, /*kProducer=*/true>;
+    // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong), three at
+    // d64 (192-row tiles).
+    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2>;
     f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
@@ -243,7 +243,7 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
   return done == CUDA_SUCCESS;
 }
 
-// Whether the sm_90a warp-specialized kernel (d128, 128-key boxes) copies K and V with TMA: it
+// Whether the sm_90a kernel's producer (128-key boxes) copies K and V with TMA: it
 // does where the key rows past a sequence's end are other keys or outside the tensor
 // (zero-filled), not where they are a cache's unused rows (cache_seqlens), which may hold
 // anything. FLASHMOE_SM90_TMA=0 turns it off (the producer then copies with cp.async). The maps
@@ -264,12 +264,11 @@ void use_tma_if_it_fits(AttentionParams& p) {
                         p.v_head_stride, p.v_batch_stride, p.head_dim, /*box_rows=*/128);
 }
 
-// The persistent kernels (the warp-specialized sm_90a one): one block per SM walks the tiles.
-template <typename Traits, typename = void>
-struct IsPersistent : std::false_type {};
+// The sm_90a kernels, which are persistent (one block per SM walks the tiles).
 template <typename Traits>
-struct IsPersistent<Traits, std::void_t<decltype(Traits::kProducer)>>
-    : std::bool_constant<Traits::kProducer> {};
+struct IsSm90Traits : std::false_type {};
+template <int D, int BN, int kWarpgroups>
+struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups>> : std::true_type {};
 
 template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
@@ -281,7 +280,7 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
     // x = (batch, head, row block) in the order p.row_blocks_fastest says (TileCoords); y = split.
     dim3 grid(grid_x * m_blocks, p.num_splits);
-    if constexpr (IsPersistent<Traits>::value) {
+    if constexpr (IsSm90Traits<Traits>::value) {  // persistent: one block per SM walks the tiles
       const int64_t tiles = int64_t(grid_x) * m_blocks * p.num_splits;
       grid = dim3(
           unsigned(std::min<int64_t>(tiles, device_info(c10::cuda::current_device()).sm_count)));
@@ -835,10 +834,6 @@ template <typename Traits>
 struct IsDecodeTraits : std::false_type {};
 template <int D, int kStages>
 struct IsDecodeTraits<DecodeTraits<D, kStages>> : std::true_type {};
-template <typename Traits>
-struct IsSm90Traits : std::false_type {};
-template <int D, int BN, int kWarpgroups, bool kProducer>
-struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups, kProducer>> : std::true_type {};
 
 // The kernel's name in the build report: the forward, decode or sm_90a forward kernel.
 template <typename Traits>

@@ -8,16 +8,13 @@
 // with the tensor cores (FlashAttention-3's intra-warpgroup overlap: S(n) and P(n+1) V(n+1) go out
 // together, the softmax of S(n) runs while P V does).
 //
-// Two schedules of the same steps (Sm90Rows):
-//   - every warpgroup copies and computes: the copies are cp.async by all threads, and one
-//     __syncthreads per key block hands the buffers over (flash_fwd_sm90_block);
-//   - warp-specialized (Traits::kProducer): a producer warpgroup issues every copy and signals
-//     each buffer through an mbarrier when its copies land; the math warpgroups wait on those and
-//     give buffers back through other mbarriers, with no block-wide barrier, and take the
-//     producer's registers (setmaxnreg). It is persistent (one block per SM walks the tiles),
-//     copies K and V with TMA where the host could encode their tensor maps, and with two math
-//     warpgroups they take turns at the tensor cores (ping-pong) (flash_fwd_sm90_ws_block).
-//     D=128 runs this one, D=64 the first.
+// Warp-specialized: a producer warpgroup issues every copy and signals each buffer through an
+// mbarrier when its copies land; the math warpgroups (two at D=128, three at D=64) wait on those,
+// give buffers back through other mbarriers, never meet at a block-wide barrier, and take the
+// producer's registers (setmaxnreg). The kernel is persistent (one block per SM walks the tiles),
+// copies K and V with TMA where the host could encode their tensor maps, and two math warpgroups
+// take turns at the tensor cores (ping-pong). The steps live in Sm90Rows, the schedule in
+// flash_fwd_sm90_block.
 // Compiled for sm_90a only: in every other device pass the kernel body is a trap, and the host
 // refuses the configuration (see the host API).
 #pragma once
@@ -28,25 +25,20 @@
 
 namespace flashmoe::cuda {
 
-template <int kHeadDim_, int kBlockN_, int kWarpgroups_, bool kProducer_ = false>
+template <int kHeadDim_, int kBlockN_, int kWarpgroups_>
 struct Sm90FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kWarpgroups = kWarpgroups_;  // math warpgroups
-  static constexpr bool kProducer = kProducer_;     // plus one that only copies
+  static constexpr int kWarpgroups = kWarpgroups_;  // math warpgroups, plus one that only copies
   static constexpr int kBlockM = 64 * kWarpgroups_;
   static constexpr int kMathThreads = 128 * kWarpgroups_;
-  static constexpr int kNThreads = kMathThreads + (kProducer_ ? 128 : 0);
+  static constexpr int kNThreads = kMathThreads + 128;
   static constexpr int kNWarps = kNThreads / 32;
   static constexpr int kChunks = kHeadDim / 8;
-  // The threads that copy K and V: the producer warpgroup, or the first two warpgroups (the copy
-  // loop wants rows per pass that divide the tile).
-  static constexpr int kLoadThreads = kProducer_ ? 128 : 256;
-  // Q, then K and V double-buffered, then (warp-specialized) the output's staging buffer and the
-  // mbarriers (Sm90Barriers).
-  static constexpr int kTileBytes =
-      (kBlockM + 4 * kBlockN + (kProducer_ ? kBlockM : 0)) * kHeadDim * 2;
-  static constexpr int kSmemBytes = kTileBytes + (kProducer_ ? 128 : 0);
+  static constexpr int kLoadThreads = 128;  // the producer warpgroup
+  // Q, K and V double-buffered, the output's staging buffer, then the mbarriers (Sm90Barriers).
+  static constexpr int kTileBytes = (2 * kBlockM + 4 * kBlockN) * kHeadDim * 2;
+  static constexpr int kSmemBytes = kTileBytes + 128;
   // setmaxnreg moves registers only inside the block's own allocation, which is fixed at launch:
   // kNThreads x the launch bound's registers (the SM's 64K shared out, a multiple of 8 each).
   // The producer keeps kProducerRegs and the math warpgroups share the rest; asking for more
@@ -62,7 +54,7 @@ struct Sm90FwdTraits {
           ? 240
           : (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8;
   static_assert(
-      !kProducer_ || 128 * kProducerRegs + kMathThreads * kMathRegs <= kLaunchRegs * kNThreads,
+      128 * kProducerRegs + kMathThreads * kMathRegs <= kLaunchRegs * kNThreads,
       "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
   static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128),
                 "wgmma tiles: 64-column panels, N of 64 or 128");
@@ -263,8 +255,7 @@ template <typename Traits, bool kVarlen>
 struct Sm90Block {
   TileCoords t;
   int m0, n_lo, n_hi;
-  __device__ __forceinline__ explicit Sm90Block(const AttentionParams& p, int block_x = blockIdx.x,
-                                                int split = blockIdx.y)
+  __device__ __forceinline__ Sm90Block(const AttentionParams& p, int block_x, int split)
       : t(TileCoords::of_block<Traits::kBlockM, kVarlen>(p, block_x, split)) {
     m0 = (t.m_blocks - 1 - t.m_block) * Traits::kBlockM;  // heavy (causal) row blocks first
     n_lo = t.split * p.n_blocks_per_split;
@@ -294,76 +285,6 @@ struct Sm90Block {
   }
 };
 
-// Every warpgroup copies and computes; one barrier per key block.
-template <typename Traits, typename T, bool kVarlen>
-__device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
-  constexpr int kThreads = Traits::kNThreads, kLoadThreads = Traits::kLoadThreads;
-
-  extern __shared__ __align__(1024) uint4 smem_buf[];  // wgmma's 128B swizzle: 1024-byte atoms
-  T* sQ = reinterpret_cast<T*>(smem_buf);
-  T* sK = sQ + BM * D;      // K(n) in buffer n % 2
-  T* sV = sK + 2 * BN * D;  // V(n) in buffer n % 2
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const Sm90Block<Traits, kVarlen> blk(p);
-  if constexpr (kVarlen) {
-    if (blk.m0 >= blk.t.rows_total) return;  // past this sequence's queries
-  }
-  const int n_lo = blk.n_lo, n_hi = blk.n_hi;
-  const T* k_base = blk.template k_base<T>(p);
-  const T* v_base = blk.template v_base<T>(p);
-  const bool loads = kThreads == kLoadThreads || tid < kLoadThreads;
-  auto load_k = [&](int n) {
-    if (loads) blk.load(sK, k_base, p.k_row_stride, n, n & 1, tid);
-  };
-  auto load_v = [&](int n) {
-    if (loads) blk.load(sV, v_base, p.v_row_stride, n, n & 1, tid);
-  };
-  // cp.async writes through the generic proxy, wgmma reads through the async one: every thread
-  // fences its own copies once they landed, then the barrier makes them everyone's.
-  auto landed = [&]() {
-    cp_async_wait<0>();
-    sm90::fence_proxy_async();
-    __syncthreads();
-  };
-
-  Sm90Rows<Traits, T, kVarlen> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
-  float rescale[2];
-  if (n_hi > n_lo) {
-    blk.t.template load_q<D, BM, kThreads, /*kPanels=*/true>(sQ, p, blk.m0, tid);
-    load_k(n_hi - 1);
-    cp_async_commit();
-    landed();  // Q and K(n_hi - 1)
-    if (n_hi - 2 >= n_lo) load_k(n_hi - 2);
-    load_v(n_hi - 1);
-    cp_async_commit();
-    rows.issue_s((n_hi - 1) & 1);
-    rows.template wait<0>();
-    rows.softmax(n_hi - 1, rescale);
-    rows.rescale_o_and_pack_p(rescale);
-  }
-  for (int n = n_hi - 2; n >= n_lo; --n) {
-    landed();  // K(n) and V(n + 1); every warpgroup is done with S(n + 1) and P(n + 2) V(n + 2)
-    if (n - 1 >= n_lo) load_k(n - 1);
-    load_v(n);
-    cp_async_commit();
-    rows.issue_s(n & 1);
-    rows.issue_pv((n + 1) & 1);
-    rows.template wait<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
-    rows.softmax(n, rescale);
-    rows.template wait<0>();
-    rows.rescale_o_and_pack_p(rescale);
-  }
-  if (n_hi > n_lo) {
-    landed();  // V(n_lo)
-    rows.issue_pv(n_lo & 1);
-    rows.template wait<0>();
-  }
-  __syncthreads();  // the output is staged in sQ: every warpgroup's last reads of Q are done
-  rows.write_out(sQ, opaque_block_x(), blockIdx.y);
-}
-
 // The warp-specialized kernel's mbarriers, after the tiles: Q landed / free again, K and V
 // landed in a buffer (the producer's 128 threads arrive as their copies land, or with TMA one
 // thread and the copy's bytes), and a buffer free again (each math warp arrives when done).
@@ -371,7 +292,7 @@ struct Sm90Barriers {
   uint64_t q_full, q_empty, k_full[2], v_full[2], k_empty[2], v_empty[2];
 };
 
-// Warp-specialized and persistent (Traits::kProducer): one block per SM walks the tiles of
+// Warp-specialized and persistent: one block per SM walks the tiles of
 // (batch x head x row block) x split in rounds (tile_of); the last warpgroup copies,
 // the others compute. The producer runs ahead across tiles (the next tile's Q and first K/V tiles
 // load while the math warps finish this one), and the output is staged in its own buffer.
@@ -379,7 +300,7 @@ struct Sm90Barriers {
 // sits in buffer use % 2 for the (use / 2)-th time, so waits for it to be full are on parity
 // (use / 2) % 2 and waits for it to be empty on the other (a fresh barrier passes the first).
 template <typename Traits, typename T, bool kVarlen>
-__device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p) {
+__device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kMathWarps = Traits::kMathThreads / 32;
 
@@ -568,11 +489,7 @@ __device__ __forceinline__ void flash_fwd_sm90_ws_block(const AttentionParams& p
 template <typename Traits, typename T, bool kVarlen>
 __device__ __forceinline__ void flash_fwd_sm90_entry(const AttentionParams& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (Traits::kProducer) {
-    flash_fwd_sm90_ws_block<Traits, T, kVarlen>(p);
-  } else {
-    flash_fwd_sm90_block<Traits, T, kVarlen>(p);
-  }
+  flash_fwd_sm90_block<Traits, T, kVarlen>(p);
 #elif defined(__CUDA_ARCH__)
   __trap();  // wgmma exists on sm_90a only; the host never launches this elsewhere
 #endif

@@ -694,13 +694,11 @@ def traits_smem(kernel: str) -> int:
     if match := re.search(r"BwdDqTraits<(\d+), (\d+), (\d+), \d+>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (2 * block_m + 2 * block_n) * head_dim * 2  # Q, dO, K and V tiles
-    if match := re.search(r"Sm90FwdTraits<(\d+), (\d+), (\d+), (true|false)>", kernel):
-        head_dim, block_n, warpgroups = (int(g) for g in match.groups()[:3])
-        # Q (64 rows a math warpgroup), K and V double-buffered, and with a producer warpgroup
-        # the output's staging buffer and the mbarriers (csrc/flash_fwd_sm90_kernel.cuh)
-        producer = match.group(4) == "true"
-        rows = 64 * warpgroups * (2 if producer else 1) + 4 * block_n
-        return rows * head_dim * 2 + (128 if producer else 0)
+    if match := re.search(r"Sm90FwdTraits<(\d+), (\d+), (\d+)>", kernel):
+        head_dim, block_n, warpgroups = (int(g) for g in match.groups())
+        # Q (64 rows a math warpgroup), K and V double-buffered, the output's staging buffer
+        # (Q's size), then 128 bytes of mbarriers (csrc/flash_fwd_sm90_kernel.cuh)
+        return (2 * 64 * warpgroups + 4 * block_n) * head_dim * 2 + 128
     assert re.search(
         r"split_kv_combine|bwd_preprocess|bwd_convert_dq|varlen_offsets_check", kernel
     ), kernel

@@ -128,10 +128,12 @@ cases = [parse_case_id(case_id) for case_id in sys.argv[2:]]
 print(json.dumps({"planted": ops.planted_bug(),
                   "results": {c.id: gates.check_case(c, sys.argv[1]).failures for c in cases}}))
 """
-# Both end in a partial 128-key tile (1000 = 7 x 128 + 104). D=128 runs the warp-specialized
-# kernel (a producer warpgroup, mbarriers, TMA), D=64 the one whose warpgroups copy and compute.
-SM90A_WS_CASE = "fwd-bf16-d128-h8kv2-b2-s1000-causal-cfg5"
-SM90A_CASES = (SM90A_WS_CASE, "fwd-fp16-d64-h8-b2-q257-k1000-full-cfg5")
+# Both end in a partial 128-key tile (1000 = 7 x 128 + 104): two math warpgroups with ping-pong
+# at D=128, three without at D=64.
+SM90A_CASES = (
+    "fwd-bf16-d128-h8kv2-b2-s1000-causal-cfg5",
+    "fwd-fp16-d64-h8-b2-q257-k1000-full-cfg5",
+)
 SM90A_PLANTS = {
     9: "a math warpgroup skips one mbarrier wait for its K tile",
     10: "K read with the wrong (64-byte) swizzle",
@@ -154,9 +156,7 @@ def _runs_config_5() -> bool:
 def test_planted_sm90a_bug_fails_a_gate(bug, run_planted):
     """Build the unit with a planted wgmma-kernel bug (-DFLASHMOE_PLANT_BUG=9, 10, 11) and show
     the forward gates catch it on every config-5 case named for it."""
-    # Bug 9 lives in the only kernel with mbarriers, the warp-specialized one.
-    cases = (SM90A_WS_CASE,) if bug == 9 else SM90A_CASES
-    result = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda", *cases)
-    assert sorted(result["results"]) == sorted(cases)
+    result = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda", *SM90A_CASES)
+    assert sorted(result["results"]) == sorted(SM90A_CASES)
     for case_id, failures in result["results"].items():
         assert failures, f"planted bug {bug} ({SM90A_PLANTS[bug]}) passed the gates on {case_id}"
