@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -425,6 +426,79 @@ def test_read_floor_on_cuda_reads_every_byte_and_fits_the_schema(monkeypatch):
     assert floor.status == "ok" and floor.median_ms > 0 and floor.ratio > 0, floor
     errors = definition_validator("case").iter_errors(benchrecords.to_json(entry))
     assert list(errors) == []
+
+
+class DriftingTimer:
+    """A card that slows as it works: every sample of a call is its own time x (1 + drift x the
+    time spent so far), like clocks that fall as the card heats. Records which call it timed."""
+
+    method, flush_bytes = "fake", 0
+
+    def __init__(self, drift):
+        self.drift, self.spent, self.order = drift, 0.0, []
+
+    def warm(self, fn, count):
+        self.order.append(fn.name)  # once per measurement
+
+    def time(self, fn, count, flush=True):
+        taken = []
+        for _ in range(count):
+            taken.append(fn.ms * (1 + self.drift * self.spent))
+            self.spent += taken[-1]
+        return taken
+
+
+def _kernel(name, ms):
+    def fn():
+        return None
+
+    fn.name, fn.ms = name, ms
+    return fn
+
+
+@pytest.mark.parametrize("rounds", [1, measure.ROUNDS])
+def test_ours_and_the_baselines_are_timed_in_interleaved_rounds(monkeypatch, rounds):
+    """The same kernel under two names must come out at a ratio near 1 on a drifting card; timed
+    one after the other (one round), the second looks slower by the drift alone."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    case = cases.parse_case_id("fwd-fp16-d64-h8-b1-s512-full")
+    config = timing.TimingConfig(
+        warmup_ms=0, rep_ms=30, min_warmup=0, min_reps=30, max_reps=30, estimate_calls=1
+    )
+    timer = DriftingTimer(drift=0.004)
+    calls = {"ours": (_kernel("ours", 1.0), None), "twin": (_kernel("twin", 1.0), None)}
+    got = measure.measure_interleaved(calls, case, "cpu", timer, config, {}, rounds)
+    assert list(got) == ["ours", "twin"]
+    # every round times every call, every other round in reverse
+    assert timer.order == (["ours", "twin", "twin", "ours"] * rounds)[: 2 * rounds]
+    # the budget is split over the rounds
+    assert got["ours"].n == got["twin"].n == rounds * math.ceil(30 / rounds)
+    ratio = got["twin"].median_ms / got["ours"].median_ms
+    if rounds == 1:
+        assert ratio > 1.05  # sequential timing shows a difference that is not there
+    else:
+        assert abs(ratio - 1) < 0.02
+
+
+def test_a_call_that_fails_in_a_later_round_becomes_its_record(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    case = cases.parse_case_id("fwd-fp16-d64-h8-b1-s512-full")
+    config = timing.TimingConfig.for_device("cpu", warmup_ms=0, rep_ms=3)
+    timer = DriftingTimer(drift=0.0)
+    fails = _kernel("fails", 1.0)
+    seen = []
+
+    def flaky_time(fn, count, flush=True):
+        seen.append(fn.name)
+        if fn.name == "fails" and seen.count("fails") > 3:
+            raise RuntimeError("CUDA out of memory\nmore")
+        return DriftingTimer.time(timer, fn, count, flush)
+
+    timer.time = flaky_time
+    calls = {"ours": (_kernel("ours", 1.0), None), "fails": (fails, None)}
+    got = measure.measure_interleaved(calls, case, "cpu", timer, config, {}, rounds=3)
+    assert got["ours"].status == "ok"
+    assert got["fails"] == benchrecords.NotMeasured("error", "RuntimeError: CUDA out of memory")
 
 
 def test_benchmark_caps_the_repeats_and_honours_a_fixed_count(monkeypatch):

@@ -16,7 +16,9 @@ GPU. Inputs are torch.randn, seeded per case (flashmoe_science.pipeline.cases).
 
 Baselines, in the same process: F.scaled_dot_product_attention with each backend forced through
 torch.nn.attention.sdpa_kernel (FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION), and with its
-own choice ("sdpa-default"). A backend that refuses a case is recorded as "unsupported" with its
+own choice ("sdpa-default"). Ours and the baselines are timed in turn over interleaved rounds
+(flashmoe_science.pipeline.measure.ROUNDS, every other round in reverse), so drift during a case
+hits every column alike. A backend that refuses a case is recorded as "unsupported" with its
 reason. "ratio" is SDPA's time / ours: above 1, ours is faster.
 
 Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton kernels that only read
@@ -108,7 +110,7 @@ from .baselines import Abort, build_checkout, first_call, our_call
 from .benchmatrix import select
 from .benchrecords import BenchRecord, Ceilings, Commit, Gpu, Measured, NotMeasured, TimingSetup
 from .cases import Case, make_inputs, parse_case_id
-from .measure import run_case
+from .measure import ROUNDS, run_case
 from .targetcases import Target
 from .targetmeasure import run_target
 from .timing import (
@@ -152,7 +154,9 @@ def run_matrix(
         driver=machine.driver_version() if device == "cuda" else None,
         **machine.versions(device),
         commit=Commit(commit["sha"], commit["dirty"]) if commit["sha"] else None,
-        timing=TimingSetup(timer.method, timer.flush_bytes, **dataclasses.asdict(config)),
+        timing=TimingSetup(
+            timer.method, timer.flush_bytes, **dataclasses.asdict(config), rounds=ROUNDS
+        ),
         ceilings=Ceilings.from_json(ceilings),
         cases=[],
     )

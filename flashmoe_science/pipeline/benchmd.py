@@ -56,7 +56,13 @@ def _header_lines(record: BenchRecord) -> list[str]:
         f"{where}; torch {record.torch}, CUDA {record.cuda}; commit {sha}.",
         f"Timing: {timing.method}"
         + (f", {flush} MiB L2 flush before every call" if flush else ", no cache flush")
-        + "; median ms (IQR). vs X = X's time / ours (above 1: ours is faster); the read floor "
+        + "; median ms (IQR)"
+        + (
+            f" of ours and each baseline, timed in turn over {timing.rounds} interleaved rounds"
+            if timing.rounds
+            else ""
+        )
+        + ". vs X = X's time / ours (above 1: ours is faster); the read floor "
         "(decode on CUDA) is a bare read of the case's K and V.",
         f"Ceilings measured in this run: copy {_num(copy and copy.gbps, '.0f')} GB/s, "
         f"{matmul.dtype if matmul else '?'} matmul {matmul.n if matmul else '?'}^3 "

@@ -58,6 +58,8 @@ class TimingSetup:
     min_reps: int
     max_reps: int
     estimate_calls: int
+    # ours and the baselines timed in turn over this many rounds (older records: one after another)
+    rounds: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass
