@@ -104,7 +104,8 @@ def measure_interleaved(
     calls: dict, case: Case, device: str, timer, config: TimingConfig, ceilings: dict, rounds: int
 ) -> dict[str, Result]:
     """Time each of calls {name: (fn, backend)} in `rounds` interleaved rounds, every other one in
-    reverse order; the results in the order of calls. A refusal or a failure (in any round) becomes that name's record."""
+    reverse order; the results in the order of calls. A refusal or a failure (in any round)
+    becomes that name's record."""
     results: dict[str, Result] = {}
     live: dict[str, tuple] = {}  # name -> (fn, backend, peak, samples)
     for name, (fn, backend) in calls.items():
