@@ -57,16 +57,8 @@ def measure(
     fn, backend, case: Case, device: str, timer, config: TimingConfig, ceilings: dict
 ) -> Result:
     """Time one implementation on one case; a refusal or a failure becomes a record, not a raise."""
-    with backend_context(backend):
-        problem = first_call(fn)
-        if problem is not None:
-            return NotMeasured("unsupported" if is_refusal(problem) else "error", problem)
-        try:
-            peak = peak_memory_bytes(fn, device)
-            timing = benchmark(fn, timer, config)
-        except RuntimeError as exc:  # out of memory, or a failure that shows only on repetition
-            return NotMeasured("error", first_line(exc))
-    return figures(case, timing, ceilings, peak)
+    calls = {"it": (fn, backend)}
+    return measure_interleaved(calls, case, device, timer, config, ceilings, rounds=1)["it"]
 
 
 def read_floor(
