@@ -28,6 +28,12 @@ namespace flashmoe {
 // and the bugs ragged batches and paged caches typically have:
 //   7: varlen reads one key past each sequence's end (its offsets run one row long)
 //   8: the paged lookup ignores the block table (logical page i is read from physical page i)
+// and the sm_90a (wgmma) kernel's own:
+//   9: a math warpgroup skips one mbarrier wait for its K tile
+//   10: K read with the wrong (64-byte) swizzle
+//   11: the last, partial key tile never copied
+//   12: the output never rescaled when the online softmax's running max moves (only scores
+//       that keep growing along the keys, the gates' -rising / -falling cases, show it)
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif

@@ -69,6 +69,7 @@ struct Sm90Rows {
   static constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   static constexpr int NT = BN / 8, DT = D / 8;
   static constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the next buffer
+  static constexpr float kLazyRescale = 8.f;  // log2 of the growth the running max may ignore
 
   const AttentionParams& p;
   const TileCoords t;  // a copy: a reference to the caller's would give it an address
@@ -165,10 +166,21 @@ struct Sm90Rows {
       for (int nt = 0; nt < NT; ++nt)
         mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
       mx = quad_max(mx);
-      const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      rescale[hh] = exp2f(row_max[hh] * p.scale_log2 - max_scaled);
-      row_max[hh] = mx;
-      row_sum[hh] *= rescale[hh];
+      // The running max moves only when the block's max exceeds it by more than a factor of
+      // 2^kLazyRescale: below that the probabilities stay under 2^kLazyRescale (fp16 and bf16
+      // hold that exactly as well as values under 1), the output and the sum need no rescale,
+      // and the log-sum-exp uses the same max, so the result is the same. (NaN: both -inf.)
+      const float grown = (mx - row_max[hh]) * p.scale_log2;
+      float max_scaled;
+      if (!(grown <= kLazyRescale)) {
+        max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+        rescale[hh] = exp2f(row_max[hh] * p.scale_log2 - max_scaled);
+        row_max[hh] = mx;
+        row_sum[hh] *= rescale[hh];
+      } else {
+        max_scaled = row_max[hh] * p.scale_log2;
+        rescale[hh] = 1.f;
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -180,11 +192,19 @@ struct Sm90Rows {
     }
   }
   __device__ __forceinline__ void rescale_o_and_pack_p(const float (&rescale)[2]) {
+    // Past the first key blocks the max rarely moves (see softmax), and the warp skips the
+    // multiplies when none of its rows did.
+    bool any_moved = __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f);
+#if FLASHMOE_PLANT_BUG == 12
+    any_moved = false;  // planted: the output is never rescaled when the running max moves
+#endif
+    if (any_moved) {
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
+      for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        acc_o[dt][e] *= rescale[e >> 1];
+        for (int e = 0; e < 4; ++e)
+          acc_o[dt][e] *= rescale[e >> 1];
+    }
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) {
       p_frag[j][0] = pack2<T>(acc_s[2 * j][0], acc_s[2 * j][1]);

@@ -70,6 +70,26 @@ def test_gate_fields_become_suffixes():
     )
     assert case.id == "dec-fp16-d64-h8kv2-b3-q4-k257-full-bshd-cfg2-splits3-lens0_1_257"
     assert parse_case_id(case.id) == case
+    ramped = dataclasses.replace(case, scores="falling")
+    assert ramped.id == case.id + "-falling" and parse_case_id(ramped.id) == ramped
+    assert "scores=falling" in ramped.describe()
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_ramped_scores_spread_sixteenfold_along_the_keys_in_the_layout_asked(layout):
+    normal = parse_case_id(f"fwd-fp16-d64-h4kv2-b2-s1000-full-{layout}".replace("-bhsd", ""))
+    spread = {}
+    for scores in ("rising", "falling"):
+        case = dataclasses.replace(normal, scores=scores)
+        q, k, v, _ = make_inputs(case, "cpu")
+        plain = make_inputs(dataclasses.replace(case, scores="normal"), "cpu", seed=case.seed())
+        assert torch.equal(q, plain.q) and torch.equal(v, plain.v)  # only k is ramped
+        assert k.stride() == plain.k.stride()  # the layout is kept
+        spread[scores] = (k[..., :100, :].float().std(), k[..., -100:, :].float().std())
+    assert spread["rising"][1] > 8 * spread["rising"][0]
+    assert spread["falling"][0] > 8 * spread["falling"][1]
+    with pytest.raises(ValueError, match="scores='peaked'"):
+        dataclasses.replace(normal, scores="peaked")
 
 
 def test_an_older_workers_case_dict_still_reads():

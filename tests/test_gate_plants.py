@@ -4,6 +4,7 @@ and shows which gate catches it, and that the failure report says what a kernel 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -117,6 +118,65 @@ def test_failure_report_locates_an_error_that_grows_with_the_query_index():
     assert f"nox -s test -- -k '{BASE.id}-cpu'" in report
 
 
+def _online_softmax(q, k, v, causal, scale, *, backwards, rescale_output, block=128, lazy=8.0):
+    """FlashAttention's forward in fp32, one key block at a time (from the last block when
+    `backwards`, as the wgmma kernel walks), with that kernel's lazy rescale: the running max moves
+    only when a block's max exceeds it by more than 2^lazy. `rescale_output=False` plants the bug
+    of forgetting to rescale the output when it does."""
+    ratio = q.shape[1] // k.shape[1]
+    qf = q.float()
+    kf = k.float().repeat_interleave(ratio, dim=1)
+    vf = v.float().repeat_interleave(ratio, dim=1)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    log2e = 1.4426950408889634
+    rows = torch.arange(seqlen_q).view(-1, 1)
+    m = torch.full((*q.shape[:3], 1), -math.inf)
+    total, out = torch.zeros_like(m), torch.zeros_like(qf)
+    starts = range(0, seqlen_k, block)
+    for n0 in reversed(starts) if backwards else starts:
+        cols = torch.arange(n0, min(n0 + block, seqlen_k)).view(1, -1)
+        s = qf @ kf[:, :, n0 : n0 + block].transpose(-1, -2)
+        if causal:
+            s = s.masked_fill(cols > rows + seqlen_k - seqlen_q, -math.inf)
+        grown = (torch.maximum(m, s.amax(-1, keepdim=True)) - m) * scale * log2e
+        move = ~(grown <= lazy)  # NaN (both -inf) moves too
+        new_m = torch.where(move, torch.maximum(m, s.amax(-1, keepdim=True)), m)
+        shift = torch.where(new_m == -math.inf, 0.0, new_m * scale * log2e)
+        alpha = torch.where(move, torch.exp2(m * scale * log2e - shift), 1.0)
+        p = torch.exp2(s * scale * log2e - shift)
+        total = total * alpha + p.sum(-1, keepdim=True)
+        out = (out * alpha if rescale_output else out) + p @ vf[:, :, n0 : n0 + block]
+        m = new_m
+    empty = total == 0
+    out = torch.where(empty, 0.0, out / torch.where(empty, 1.0, total))
+    lse = torch.where(empty, -math.inf, m * scale + torch.log(total)).squeeze(-1)
+    return out.to(q.dtype), lse
+
+
+@pytest.mark.parametrize("backwards", [False, True], ids=["forwards", "backwards"])
+def test_a_skipped_output_rescale_passes_normal_scores_and_fails_ramped_ones(backwards):
+    """With N(0, 1) inputs the running max settles in the first key block a kernel visits, so a
+    kernel that never rescales its output passes every normal case: the -rising and -falling
+    cases (whichever way the kernel walks) are what catch it."""
+
+    def attention(rescale_output):
+        def fn(case, q, k, v, seqlens, scale):
+            return _online_softmax(
+                q, k, v, case.causal, scale, backwards=backwards, rescale_output=rescale_output
+            )
+
+        return fn
+
+    normal = parse_case_id("fwd-fp16-d64-h4kv2-b1-s1000-full")
+    ramped = dataclasses.replace(normal, scores="falling" if backwards else "rising")
+    for case in (normal, ramped, dataclasses.replace(ramped, causal=True)):
+        assert gates.check_case(case, "cpu", attention(True)).passed, case.id
+    assert gates.check_case(normal, "cpu", attention(False)).passed  # the blind spot
+    for case in (ramped, dataclasses.replace(ramped, causal=True)):
+        result = gates.check_case(case, "cpu", attention(False))
+        assert any(f.startswith("gate 1") for f in result.failures), case.id
+
+
 # ---- the sm_90a (wgmma) kernel's own failure modes, planted into its build ---------------------
 
 SM90A_PLANT_SCRIPT = """
@@ -134,10 +194,17 @@ SM90A_CASES = (
     "fwd-bf16-d128-h8kv2-b2-s1000-causal-cfg5",
     "fwd-fp16-d64-h8-b2-q257-k1000-full-cfg5",
 )
+# The kernel walks the keys from the last block to the first: with -falling scores the running
+# max keeps moving, by more than the factor its lazy rescale ignores (2^8), block after block.
+SM90A_RAMPED_CASES = (
+    "fwd-bf16-d128-h8kv2-b2-s1000-full-cfg5-falling",
+    "fwd-fp16-d64-h8-b2-q257-k1000-causal-cfg5-falling",
+)
 SM90A_PLANTS = {
-    9: "a math warpgroup skips one mbarrier wait for its K tile",
-    10: "K read with the wrong (64-byte) swizzle",
-    11: "the last, partial key tile never copied",
+    9: ("a math warpgroup skips one mbarrier wait for its K tile", SM90A_CASES),
+    10: ("K read with the wrong (64-byte) swizzle", SM90A_CASES),
+    11: ("the last, partial key tile never copied", SM90A_CASES),
+    12: ("the output never rescaled when the running max moves", SM90A_RAMPED_CASES),
 }
 
 
@@ -152,11 +219,14 @@ def _runs_config_5() -> bool:
 @pytest.mark.skipif(
     not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
 )
-@pytest.mark.parametrize("bug", sorted(SM90A_PLANTS), ids=list(SM90A_PLANTS.values()))
+@pytest.mark.parametrize(
+    "bug", sorted(SM90A_PLANTS), ids=[name for name, _ in SM90A_PLANTS.values()]
+)
 def test_planted_sm90a_bug_fails_a_gate(bug, run_planted):
-    """Build the unit with a planted wgmma-kernel bug (-DFLASHMOE_PLANT_BUG=9, 10, 11) and show
+    """Build the unit with a planted wgmma-kernel bug (-DFLASHMOE_PLANT_BUG=9 to 12) and show
     the forward gates catch it on every config-5 case named for it."""
-    result = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda", *SM90A_CASES)
-    assert sorted(result["results"]) == sorted(SM90A_CASES)
+    name, case_ids = SM90A_PLANTS[bug]
+    result = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda", *case_ids)
+    assert sorted(result["results"]) == sorted(case_ids)
     for case_id, failures in result["results"].items():
-        assert failures, f"planted bug {bug} ({SM90A_PLANTS[bug]}) passed the gates on {case_id}"
+        assert failures, f"planted bug {bug} ({name}) passed the gates on {case_id}"

@@ -12,7 +12,8 @@ A case id reads left to right as the call it stands for:
 then, only where they differ from the default, the gates' extra fields: `-bshd` (q, k, v are
 [B, H, S, D] views of [B, S, H, D] tensors), `-cfg2` (a forced tile configuration: ops.CONFIGS for
 prefill and decode, ops.BACKWARD_CONFIGS for the backward kinds), `-splits3` (a forced split
-count), `-lens5_0_257` (per-sequence cache lengths) and `-det` (deterministic=True).
+count), `-lens5_0_257` (per-sequence cache lengths), `-rising` or `-falling` (scores whose spread grows
+sixteenfold along the keys, or shrinks: see SCORES) and `-det` (deterministic=True).
 `parse_case_id` reads every id `Case.id` writes, including those stored by earlier benchmark runs.
 """
 
@@ -30,6 +31,14 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ELEMENT_BYTES = 2
 KINDS = ("prefill", "decode", "backward", "train")
 LAYOUTS = ("bhsd", "bshd")
+# How the scores q.k spread along the keys. "normal": k is N(0, 1) throughout, so the row max of a
+# softmax is nearly settled after the first key block a kernel visits. "rising" / "falling": key j
+# is scaled by 1 + 15 * j / (Sk - 1) (or the mirror image), so the max keeps growing, by large
+# factors, block after block for a kernel that walks the keys forwards (rising) or backwards
+# (falling): the online softmax's rescaling of the output and the sum is then exercised, which
+# normal inputs leave untested.
+SCORES = ("normal", "rising", "falling")
+SCORE_RAMP = 15.0
 GROUPS = ("prefill", "decode", "small", "backward", "train")
 # The id prefix of each kind; backward and train cases are prefill shapes (a mask suffix).
 PREFIXES = {"prefill": "fwd", "decode": "dec", "backward": "bwd", "train": "fwdbwd"}
@@ -46,7 +55,7 @@ _ID_RE = re.compile(
     r"^(?P<kind>fwdbwd|fwd|dec|bwd)-(?P<dtype>[a-z0-9]+)-d(?P<d>\d+)-h(?P<hq>\d+)(?:kv(?P<hkv>\d+))?"
     r"-b(?P<b>\d+)-(?:s(?P<s>\d+)|q(?P<sq>\d+)-k(?P<sk>\d+))(?:-(?P<mask>causal|full))?"
     r"(?:-(?P<layout>bshd))?(?:-cfg(?P<cfg>\d+))?(?:-splits(?P<splits>\d+))?"
-    r"(?:-lens(?P<lens>\d+(?:_\d+)*))?(?P<det>-det)?$"
+    r"(?:-lens(?P<lens>\d+(?:_\d+)*))?(?:-(?P<scores>rising|falling))?(?P<det>-det)?$"
 )
 ID_EXAMPLES = "fwd-bf16-d128-h16-b4-s4096-causal or dec-bf16-d128-h32kv8-b4-q1-k8192"
 
@@ -73,9 +82,15 @@ class Case:
     num_splits: int = 0  # forced split-KV count (0: automatic)
     cache_seqlens: tuple[int, ...] | None = None  # decode: valid cache length per sequence
     deterministic: bool = False  # backward kinds: deterministic=True (bit-identical gradients)
+    scores: str = "normal"  # one of SCORES: how make_inputs spreads the scores along the keys
 
     def __post_init__(self):
-        for name, allowed in (("kind", KINDS), ("dtype", tuple(DTYPES)), ("layout", LAYOUTS)):
+        for name, allowed in (
+            ("kind", KINDS),
+            ("dtype", tuple(DTYPES)),
+            ("layout", LAYOUTS),
+            ("scores", SCORES),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"Case {name}={getattr(self, name)!r} is not supported: use one of {allowed}"
@@ -113,6 +128,8 @@ class Case:
             parts.append(f"splits{self.num_splits}")
         if self.cache_seqlens is not None:
             parts.append("lens" + "_".join(map(str, self.cache_seqlens)))
+        if self.scores != "normal":
+            parts.append(self.scores)
         if self.deterministic:
             parts.append("det")
         return "-".join(parts)
@@ -124,6 +141,7 @@ class Case:
             f"layout={self.layout} config={self.config} num_splits={self.num_splits or 'auto'}"
             + (f" cache_seqlens={list(self.cache_seqlens)}" if self.cache_seqlens else "")
             + (" deterministic=True" if self.deterministic else "")
+            + (f" scores={self.scores}" if self.scores != "normal" else "")
         )
 
     def seed(self) -> int:
@@ -174,7 +192,8 @@ def parse_case_id(case_id: str) -> Case:
     if not match:
         raise ValueError(
             f"bad case id {case_id!r}: expected e.g. {ID_EXAMPLES}, optionally followed by "
-            "-bshd, -cfgN, -splitsN, -lensA_B, -det (`bench --list` prints the benchmark matrix)"
+            "-bshd, -cfgN, -splitsN, -lensA_B, -rising or -falling, -det (`bench --list` prints "
+            "the benchmark matrix)"
         )
     g = match.groupdict()
     kind = {prefix: kind for kind, prefix in PREFIXES.items()}[g["kind"]]
@@ -201,6 +220,7 @@ def parse_case_id(case_id: str) -> Case:
             num_splits=int(g["splits"] or 0),
             cache_seqlens=tuple(map(int, g["lens"].split("_"))) if g["lens"] else None,
             deterministic=bool(g["det"]),
+            scores=g["scores"] or "normal",
         )
     except ValueError as exc:
         raise ValueError(f"bad case id {case_id!r}: {exc}") from None
@@ -239,11 +259,22 @@ def make_inputs(case: Case, device: str, seed: int | None = None) -> Inputs:
 
     q = randn(case.heads_q, case.seqlen_q)
     k = randn(case.heads_kv, case.seqlen_k)
+    if case.scores != "normal":
+        k = _ramp_keys(k, case.scores)
     v = randn(case.heads_kv, case.seqlen_k)
     lengths = None
     if case.cache_seqlens is not None:
         lengths = torch.tensor(case.cache_seqlens, dtype=torch.int32, device=device)
     return Inputs(q, k, v, lengths)
+
+
+def _ramp_keys(k: torch.Tensor, scores: str) -> torch.Tensor:
+    """k ([B, H, S, D], any strides) with key j scaled as SCORES says; the strides are kept."""
+    seqlen = k.shape[2]
+    ramp = torch.linspace(0.0, 1.0, seqlen, device=k.device) if seqlen > 1 else k.new_zeros(1)
+    ramp = 1.0 + SCORE_RAMP * (ramp if scores == "rising" else 1.0 - ramp)
+    ramped = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device)
+    return ramped.copy_(k.float() * ramp.view(1, 1, -1, 1))
 
 
 def make_output_grad(case: Case, device: str) -> torch.Tensor:

@@ -365,6 +365,7 @@ def forward_cases(tier: str) -> Iterator[Case]:
 
     yield from matrix(0)
     if not gpu:
+        yield from _ramped_cases((0,), (257, 257))
         return
     # Every kernel configuration any architecture selects, forced on this card (ids as in
     # ops.CONFIGS), each also through its split-KV path; a card or build that cannot run one
@@ -401,6 +402,33 @@ def forward_cases(tier: str) -> Iterator[Case]:
                         index += 1
     for config in FULL_MATRIX_CONFIGS:
         yield from matrix(config)
+    yield from _ramped_cases((0, *FORCED_CONFIGS), (1000, 1000))
+
+
+def _ramped_cases(configs: tuple[int, ...], shape: tuple[int, int]) -> Iterator[Case]:
+    """Scores that keep growing along the keys, forwards and backwards (cases.SCORES), for each
+    configuration: the only cases in which the running max of the online softmax moves by large
+    factors after the first key block, so a wrong or skipped rescale of the output shows."""
+    index = 0
+    for config in configs:
+        for dtype in DTYPES:
+            for head_dim in (64, 128):
+                for causal in (False, True):
+                    for scores in ("rising", "falling"):
+                        batch, hq, hkv = _heads(index, max(shape))
+                        yield Case(
+                            "prefill",
+                            dtype,
+                            batch,
+                            hq,
+                            hkv,
+                            *shape,
+                            head_dim,
+                            causal,
+                            config=config,
+                            scores=scores,
+                        )
+                        index += 1
 
 
 DECODE_SEQLENS_K = (1, 2, 63, 64, 65, 257, 1000, 4096, 32768, 131072)
