@@ -69,7 +69,11 @@ struct Sm90Rows {
   static constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   static constexpr int NT = BN / 8, DT = D / 8;
   static constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the next buffer
-  static constexpr float kLazyRescale = 8.f;  // log2 of the growth the running max may ignore
+  // Lazy rescale (see softmax) where the softmax is in the math warpgroups' critical path: with
+  // three warpgroups (D=64) it gave +7.5%; under ping-pong (two, D=128) the softmax already hides
+  // under the other warpgroup's matmuls and the vote cost 1% (benches/NOTES.md, v3.2).
+  static constexpr bool kLazy = Traits::kWarpgroups != 2;
+  static constexpr float kLazyLog2 = 8.f;  // log2 of the growth the running max may ignore
 
   const AttentionParams& p;
   const TileCoords t;  // a copy: a reference to the caller's would give it an address
@@ -166,13 +170,13 @@ struct Sm90Rows {
       for (int nt = 0; nt < NT; ++nt)
         mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
       mx = quad_max(mx);
-      // The running max moves only when the block's max exceeds it by more than a factor of
-      // 2^kLazyRescale: below that the probabilities stay under 2^kLazyRescale (fp16 and bf16
+      // Lazy: the running max moves only when the block's max exceeds it by more than a factor
+      // of 2^kLazyLog2: below that the probabilities stay under 2^kLazyLog2 (fp16 and bf16
       // hold that exactly as well as values under 1), the output and the sum need no rescale,
       // and the log-sum-exp uses the same max, so the result is the same. (NaN: both -inf.)
       const float grown = (mx - row_max[hh]) * p.scale_log2;
       float max_scaled;
-      if (!(grown <= kLazyRescale)) {
+      if (!kLazy || !(grown <= kLazyLog2)) {
         max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
         rescale[hh] = exp2f(row_max[hh] * p.scale_log2 - max_scaled);
         row_max[hh] = mx;
@@ -192,9 +196,12 @@ struct Sm90Rows {
     }
   }
   __device__ __forceinline__ void rescale_o_and_pack_p(const float (&rescale)[2]) {
-    // Past the first key blocks the max rarely moves (see softmax), and the warp skips the
-    // multiplies when none of its rows did.
-    bool any_moved = __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f);
+    // Lazy: past the first key blocks the max rarely moves (see softmax), and the warp skips
+    // the multiplies when none of its rows did.
+    bool any_moved = true;
+    if constexpr (kLazy) {
+      any_moved = __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f);
+    }
 #if FLASHMOE_PLANT_BUG == 12
     any_moved = false;  // planted: the output is never rescaled when the running max moves
 #endif
