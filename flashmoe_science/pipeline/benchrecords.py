@@ -162,6 +162,7 @@ class CaseRecord:
     num_splits: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     cache_seqlens: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
     deterministic: bool | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    scores: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass
