@@ -6,6 +6,7 @@ them."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +14,12 @@ from pathlib import Path
 import pytest
 
 from flashmoe_science.pipeline import exitcodes, gpuci, gpukinds, report, trend
+from flashmoe_science.pipeline.report import legs
+from flashmoe_science.pipeline.report.inputs import load_inputs
+from flashmoe_science.pipeline.report.sections import ICONS
+
+# the module, which the package's render() function shadows
+render_module = importlib.import_module("flashmoe_science.pipeline.report.render")
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # the fixtures' commit
@@ -252,3 +259,47 @@ def test_a_legs_claims_reach_the_verdict_line_escaped(root):
     assert line.startswith("- ⚠️ **h100** (NVIDIA H100, sm_90a): ran on the wrong card: ")
     assert "is sm_89, not sm_90a" in line
     assert "<img" not in text and "](https://evil" not in text
+
+
+@pytest.mark.parametrize(
+    "first_line",
+    [lambda line: "## ✅ flashmoe-science: passed", lambda line: None],
+    ids=["claims-a-pass", "cut-off"],
+)
+def test_a_legs_verdict_is_its_records_not_its_reports_first_line(root, monkeypatch, first_line):
+    """Line 1 of a leg's report is written for people: reshaped or lost, the leg still fails."""
+    add_leg(root, "l4", "failing_gates")
+    add_leg(root, "h100")
+    rendered = legs.render
+
+    def reshaped(inputs, budget, header=True):
+        text, truncated = rendered(inputs, budget, header=header)
+        line, _, rest = text.partition("\n")
+        changed = first_line(line)
+        return (rest if changed is None else f"{changed}\n{rest}"), truncated
+
+    monkeypatch.setattr(legs, "render", reshaped)
+    _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
+    assert text.startswith("## ❌ flashmoe-science: l4 failed, h100 passed\n")
+    assert verdict_lines(text)[0] == (
+        "- ❌ **l4** (NVIDIA L4, sm_89): 3 gates failed, register spills in 1 kernel; "
+        "bench not compared (no base given)"
+    )
+
+
+@pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()))
+def test_a_reports_first_line_is_its_verdict_whatever_its_size(fixture):
+    """The line a single report opens with and the verdict a leg reads are one value."""
+    folder = FIXTURES / fixture
+    base = folder / "base_build.json"
+    inputs = load_inputs(
+        folder,
+        base if base.exists() else None,
+        commit={"sha": SHA, "dirty": False, "fingerprint": None},
+        run_id="fixture-run",
+    )
+    said = render_module.verdict(inputs)
+    for budget, header in ((report.BUDGET, True), (report.BUDGET, False), (4_000, False)):
+        text, _ = render_module.render(inputs, budget, header=header)
+        line = f"## {ICONS[said.severity]} flashmoe-science: {said.sentence}"
+        assert text.startswith(line + "\n" + report.MARKER + "\n"), (budget, header)

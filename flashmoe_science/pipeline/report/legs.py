@@ -21,7 +21,7 @@ from pathlib import Path
 from .. import gpukinds, trend
 from .. import markdown as md
 from .inputs import Inputs, load_inputs
-from .render import MARKER, hard_cut, render
+from .render import MARKER, hard_cut, render, verdict
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN
 from .trusted import trusted_header
 
@@ -35,8 +35,6 @@ WORDS = {
     STALE: "stale",
     FAIL: "failed",
 }
-_SEVERITY_OF_ICON = {icon: severity for severity, icon in ICONS.items()}
-_VERDICT_PREFIX = "flashmoe-science: "
 VERDICT_CHARS = 1_000  # of a leg's verdict line
 LEG_OVERHEAD = 600  # bytes around a leg's report, its verdict lines and <details>, most of the time
 MIN_SHARE = 2_000  # bytes of a leg's report below which it is only its verdict and stage table
@@ -146,16 +144,14 @@ def leg_verdict(leg: Leg, budget: int) -> tuple[LegVerdict, bool]:
             text = f"no report: {job_said(leg.job)}, and there is no {artifact}"
         return LegVerdict(FAIL, text, ""), False
     text, truncated = render(leg.inputs, budget, header=False)
-    first, _, rest = text.partition("\n")
-    rest = rest.removeprefix(MARKER + "\n").lstrip("\n")
-    first = first.removeprefix("## ")
-    icon, _, said = first.partition(" ")
-    severity = _SEVERITY_OF_ICON.get(icon, FAIL)
+    # the body only: the verdict comes as data, not from parsing its line back
+    rest = text.partition("\n")[2].removeprefix(MARKER + "\n").lstrip("\n")
+    records = verdict(leg.inputs)
+    severity, said = records.severity, records.sentence
     moved = leg.inputs.head_sha and leg.inputs.tested_sha != leg.inputs.head_sha
     if leg.inputs.stale or leg.inputs.stale_stages or moved:
         # another commit's, run's or leg's records, or a head the run did not test: say so
         severity = max(severity, STALE)
-    said = said.removeprefix(_VERDICT_PREFIX)
     problems = []
     if leg.job is not None and leg.job != "success":
         problems.append(job_said(leg.job))

@@ -43,7 +43,26 @@ def _listed(items: list[str]) -> list[str]:
     return shown
 
 
-def verdict(sections: list[Section], inputs: Inputs) -> str:
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The report's verdict as data: its first line is written from this, and the comment over
+    several GPU kinds (report.legs) reads this rather than parsing that line back."""
+
+    severity: int  # the one its icon shows; a verdict on stale records is a warning, never a pass
+    sentence: str  # one line, escaped, without the icon and the project's name
+
+    @property
+    def line(self) -> str:
+        return f"## {ICONS[self.severity]} flashmoe-science: {self.sentence}"
+
+
+def verdict(inputs: Inputs) -> Verdict:
+    """The verdict of the report that render(inputs) writes: the sections' problems do not
+    depend on how much of them is shown, so any level of detail gives the same one."""
+    return _verdict(_sections(inputs, Detail()), inputs)
+
+
+def _verdict(sections: list[Section], inputs: Inputs) -> Verdict:
     problems = [p for s in sections for p in s.problems]
     if inputs.tested_sha and inputs.head_sha and inputs.head_sha != inputs.tested_sha:
         problems.append(
@@ -66,28 +85,18 @@ def verdict(sections: list[Section], inputs: Inputs) -> str:
     }
     notes = ("; " + "; ".join(by[NOTE])) if by[NOTE] else ""  # caveats every verdict repeats
     if by[FAIL]:
-        return (
-            f"## {ICONS[FAIL]} flashmoe-science: "
-            + ", ".join(by[FAIL] + by[STALE] + by[WARN])
-            + notes
-        )
+        return Verdict(FAIL, ", ".join(by[FAIL] + by[STALE] + by[WARN]) + notes)
     if by[STALE]:
         # A record of other code or another run says nothing about this one: never a pass.
-        return (
-            f"## {ICONS[WARN]} flashmoe-science: not a verdict on this commit: "
-            + ", ".join(by[STALE] + by[WARN])
-            + notes
+        return Verdict(
+            WARN, "not a verdict on this commit: " + ", ".join(by[STALE] + by[WARN]) + notes
         )
     if by[WARN]:
-        return f"## {ICONS[WARN]} flashmoe-science: " + ", ".join(by[WARN]) + notes
+        return Verdict(WARN, ", ".join(by[WARN]) + notes)
     not_run = [s.key for s in sections if s.severity == NOTRUN]
     if len(not_run) == len(sections):
-        return f"## {ICONS[WARN]} flashmoe-science: nothing ran"
-    return (
-        f"## {ICONS[OK]} flashmoe-science: passed"
-        + (f" (not run: {', '.join(not_run)})" if not_run else "")
-        + notes
-    )
+        return Verdict(WARN, "nothing ran")
+    return Verdict(OK, "passed" + (f" (not run: {', '.join(not_run)})" if not_run else "") + notes)
 
 
 def _extra_stages(inputs: Inputs) -> list[str]:
@@ -194,11 +203,15 @@ def _section(
         )
 
 
-def _render(inputs: Inputs, detail: Detail, note: str | None = None) -> str:
+def _sections(inputs: Inputs, detail: Detail) -> list[Section]:
     built = [_section(key, title, build, inputs, detail) for key, title, build in SECTIONS]
-    sections = [s for s in built if s is not None]
+    return [s for s in built if s is not None]
+
+
+def _render(inputs: Inputs, detail: Detail, note: str | None = None) -> str:
+    sections = _sections(inputs, detail)
     bench = next(s for s in sections if s.key == "bench")
-    lines = [verdict(sections, inputs), MARKER, ""]
+    lines = [_verdict(sections, inputs).line, MARKER, ""]
     header = trusted_header(inputs) if detail.header else ""
     if header:
         lines += [header, ""]
