@@ -481,6 +481,24 @@ def decode_cases(tier: str) -> Iterator[Case]:
                     cache_seqlens=lengths,
                 )
                 index += 1
+    # Scores that keep growing along the cache (see _ramped_cases): the decode kernel's running
+    # max then moves from chunk to chunk and from split to split.
+    for scores in ("rising", "falling"):
+        for dtype in DTYPES:
+            for seqlen_k, splits in ((1000, 0), (4096, 7)) if gpu else ((257, 0), (1000, 3)):
+                yield Case(
+                    "decode",
+                    dtype,
+                    2,
+                    8,
+                    2,
+                    4 if splits else 1,
+                    seqlen_k,
+                    128 if splits else 64,
+                    True,
+                    num_splits=splits,
+                    scores=scores,
+                )
 
 
 def gate_cases(tier: str) -> list[Case]:
