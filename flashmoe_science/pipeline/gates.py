@@ -409,26 +409,11 @@ def _ramped_cases(configs: tuple[int, ...], shape: tuple[int, int]) -> Iterator[
     """Scores that keep growing along the keys, forwards and backwards (cases.SCORES), for each
     configuration: the only cases in which the running max of the online softmax moves by large
     factors after the first key block, so a wrong or skipped rescale of the output shows."""
-    index = 0
-    for config in configs:
-        for dtype in DTYPES:
-            for head_dim in (64, 128):
-                for causal in (False, True):
-                    for scores in ("rising", "falling"):
-                        batch, hq, hkv = _heads(index, max(shape))
-                        yield Case(
-                            "prefill",
-                            dtype,
-                            batch,
-                            hq,
-                            hkv,
-                            *shape,
-                            head_dim,
-                            causal,
-                            config=config,
-                            scores=scores,
-                        )
-                        index += 1
+    variants = itertools.product(configs, DTYPES, (64, 128), (False, True), ("rising", "falling"))
+    for index, (config, dtype, head_dim, causal, scores) in enumerate(variants):
+        batch, hq, hkv = _heads(index, max(shape))
+        case = Case("prefill", dtype, batch, hq, hkv, *shape, head_dim, causal, config=config)
+        yield dataclasses.replace(case, scores=scores)
 
 
 DECODE_SEQLENS_K = (1, 2, 63, 64, 65, 257, 1000, 4096, 32768, 131072)
