@@ -308,6 +308,118 @@ def test_verdicts_apply_each_target_where_it_applies():
     assert found == {}, "no other verdicts (none for the model, none below 64 MiB)"
 
 
+def matrix_case(case_id: str, ratios: dict[str, float | None], tflops: float = 100.0, **fields):
+    """A case of the fixture's record renamed to `case_id`, with these baselines' ratios."""
+    from flashmoe_science.pipeline.cases import parse_case_id
+
+    record = benchrecords.load(FIXTURES / "passing" / "bench.json")
+    case = copy.deepcopy(next(c for c in record.cases if c.kind == "prefill"))
+    shape = parse_case_id(case_id)
+    for name in ("kind", "dtype", "batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"):
+        setattr(case, name, getattr(shape, name))
+    case.id, case.head_dim, case.causal, case.group = (
+        case_id,
+        shape.head_dim,
+        shape.causal,
+        shape.group,
+    )
+    for name, value in fields.items():
+        setattr(case, name, value)
+    case.ours = dataclasses.replace(case.ours, tflops=tflops)
+    for name in list(case.baselines):
+        ratio = ratios.get(name)
+        if ratio is None:
+            case.baselines[name] = NotMeasured("unsupported", f"{name} refused")
+        else:
+            case.baselines[name] = dataclasses.replace(case.baselines[name], ratio=ratio)
+    return case
+
+
+def on_card(record, name: str):
+    return dataclasses.replace(
+        record, gpu=dataclasses.replace(record.gpu, name=name, capability="9.0")
+    )
+
+
+MATRIX = [
+    matrix_case("fwd-bf16-d128-h16-b4-s4096-full", {"sdpa-cudnn": 0.95}, tflops=610.0),
+    matrix_case("fwd-bf16-d128-h16-b1-s16384-full", {"sdpa-cudnn": 1.2}, tflops=590.0),
+    matrix_case("fwd-bf16-d64-h32-b32-s512-causal", {"sdpa-cudnn": 0.6}),
+    matrix_case("fwd-bf16-d64-h32-b64-s256-causal", {"sdpa-cudnn": 0.1}),  # below S 512: no target
+    matrix_case("fwd-bf16-d64-h32-b32-s512-full", {"sdpa-cudnn": 0.1}, config=4),  # forced: none
+    matrix_case("fwd-fp16-d128-h16-b8-s2048-full", {"sdpa-flash": 2.0}),  # no cuDNN: not judged
+    matrix_case("fwd-fp16-d64-h8-b1-s512-full", {"sdpa-default": 0.96}, group="small"),
+    matrix_case("bwd-bf16-d64-h32-b8-s2048-full", {"sdpa-flash": 0.9}),
+    matrix_case("bwd-bf16-d128-h16-b8-s2048-causal", {"sdpa-flash": 0.8}),
+]
+
+
+def test_matrix_targets_judge_prefill_small_and_backward_on_an_h100():
+    found = {
+        (v.id, v.what): v
+        for v in targets.verdicts(on_card(bench_record(cases=MATRIX), "NVIDIA H100 80GB HBM3"))
+    }
+    prefill = found.pop(("prefill: 3 of 4 cases", targets.PREFILL_GEOMEAN))
+    assert prefill.status == targets.MISSED and prefill.ratio == pytest.approx(
+        (0.95 * 1.2 * 0.6) ** (1 / 3)
+    )
+    backward = found.pop(("backward: 2 of 2 cases", targets.BACKWARD_GEOMEAN))
+    assert backward.status == targets.MISSED and backward.ratio == pytest.approx((0.9 * 0.8) ** 0.5)
+    statuses = {key: v.status for key, v in found.items()}
+    assert statuses == {
+        ("fwd-bf16-d128-h16-b4-s4096-full", targets.PREFILL_VS_CUDNN): targets.MET,
+        ("fwd-bf16-d128-h16-b4-s4096-full", targets.TFLOPS_VS_TARGET): targets.MET,
+        ("fwd-bf16-d128-h16-b1-s16384-full", targets.PREFILL_VS_CUDNN): targets.MET,
+        ("fwd-bf16-d128-h16-b1-s16384-full", targets.TFLOPS_VS_TARGET): targets.MISSED,
+        ("fwd-bf16-d64-h32-b32-s512-causal", targets.PREFILL_VS_CUDNN): targets.MISSED,
+        ("fwd-fp16-d128-h16-b8-s2048-full", targets.PREFILL_VS_CUDNN): targets.NOT_JUDGED,
+        ("fwd-fp16-d64-h8-b1-s512-full", targets.SMALL_VS_DEFAULT): targets.MISSED,
+        ("bwd-bf16-d64-h32-b8-s2048-full", targets.BACKWARD_VS_FLASH): targets.MET,
+        ("bwd-bf16-d128-h16-b8-s2048-causal", targets.BACKWARD_VS_FLASH): targets.MISSED,
+    }
+    no_cudnn = found[("fwd-fp16-d128-h16-b8-s2048-full", targets.PREFILL_VS_CUDNN)]
+    assert "cuDNN unsupported: sdpa-cudnn refused" in no_cudnn.reason
+    tflops = found[("fwd-bf16-d128-h16-b1-s16384-full", targets.TFLOPS_VS_TARGET)]
+    assert tflops.ratio == pytest.approx(590 / 600)
+
+
+@pytest.mark.parametrize("card", ["NVIDIA L4", "NVIDIA H200", None])
+def test_matrix_targets_elsewhere_are_their_geomeans_not_judged(card):
+    record = bench_record("cpu" if card is None else "cuda", cases=MATRIX)
+    if card:
+        record = on_card(record, card)
+    found = targets.matrix_verdicts(record)
+    assert [(v.id, v.status) for v in found] == [
+        ("prefill: 3 of 4 cases", targets.NOT_JUDGED),
+        ("backward: 2 of 2 cases", targets.NOT_JUDGED),
+    ]
+    reason = targets.CPU_REASON if card is None else f"set for the NVIDIA H100; this card is {card}"
+    assert all(v.reason == reason and v.ratio for v in found)
+
+
+def test_bench_md_and_the_report_show_the_matrix_targets(tmp_path, fixture_checkout):
+    record = on_card(bench_record(cases=MATRIX), "NVIDIA H100 80GB HBM3")
+    text = "\n".join(benchmd.render_targets(record))
+    assert "| prefill: 3 of 4 cases | geomean cuDNN / ours | 0.88x | **MISSED** (< 1.05x) |" in text
+    assert "| fwd-bf16-d128-h16-b4-s4096-full | TFLOP/s / 600 | 1.02x | met (>= 1.00x) |" in text
+    # on the fixture's L4: shown beside other verdicts, never a section of their own
+    elsewhere = bench_record(cases=MATRIX, found=[varlen_record(1.0)])
+    text = "\n".join(benchmd.render_targets(elsewhere))
+    assert "| 0.88x | not judged (set for the NVIDIA H100; this card is NVIDIA L4) |" in text
+    assert benchmd.render_targets(bench_record(cases=MATRIX)) == []
+
+    def on_h100(doc):
+        doc["gpu"]["name"], doc["gpu"]["capability"] = "NVIDIA H100 80GB HBM3", "9.0"
+
+    _, text = write_reports(tmp_path, on_h100)
+    assert "**The matrix's targets**, set for the H100" in text
+    assert (
+        f"| `prefill: 7 of 7 cases` | geomean cuDNN / ours | 0.98{report.TIMES} ⚠️ **missed**"
+        in text
+    )
+    assert f"| `fwd-fp16-d64-h8-b1-s128-full` | SDPA default / ours | 1.22{report.TIMES} ✅" in text
+
+
 def test_a_missing_side_and_the_cpu_backend_are_not_judged_with_the_reason():
     host = host_record(None, NotMeasured("error", "RuntimeError: x"))
     (verdict,) = targets.target_verdicts(host, cpu=False)
@@ -392,7 +504,7 @@ def test_report_section_marks_misses_without_failing_the_verdict(tmp_path, fixtu
     rc, text = write_reports(tmp_path, miss_varlen)
     note, times = report.ICONS[report.NOTE], report.TIMES
     assert rc == exitcodes.OK and text.startswith("## ✅ flashmoe-science: passed\n")
-    assert f"| {note} | speed | 2 met, 6 missed, 1 not judged | — |" in text
+    assert f"| {note} | speed | 2 met, 6 missed, 2 not judged | — |" in text  # + prefill's
     assert f"0.50{times} ⚠️ **missed** (< 0.95{times})" in text
     assert f"<details><summary>{note} <b>Speed targets</b>" in text
 

@@ -142,7 +142,7 @@ def _tflops(result) -> str:
 def render_targets(record: BenchRecord) -> list[str]:
     """The speed targets: one table per kind, a verdict per ratio that has a target."""
     found = targets.verdicts(record)
-    if not found and not record.targets:
+    if not record.targets and not any(targets.judged_here(v) for v in found):
         return []
     by = {(v.id, v.what): v for v in found}
     count = targets.counts(found)
@@ -176,6 +176,27 @@ def render_targets(record: BenchRecord) -> list[str]:
             *_table(
                 ["case", "K+V MiB", "ours ms", "read floor ms", "floor / ours", "verdict"], rows
             ),
+        ]
+    matrix = [v for v in found if v.what in targets.MATRIX_LABELS]
+    if matrix:
+        rows = [
+            [
+                v.id,
+                v.what,
+                _x(v.ratio),
+                _cell(v) if v.status != targets.NOT_JUDGED else f"not judged ({v.reason})",
+            ]
+            for v in matrix
+        ]
+        lines += [
+            "",
+            "The matrix's targets, set for the H100 (prefill S >= "
+            f"{targets.PREFILL_MIN_SEQLEN} against cuDNN, a geomean and each case; D=128 at S >= "
+            f"{targets.TFLOPS_MIN_SEQLEN} non-causal against {targets.TFLOPS_TARGET:.0f} TFLOP/s; "
+            "the small cases against SDPA default; the backward against SDPA flash, a geomean and "
+            "each case):",
+            "",
+            *_table(["case", "ratio", "value", "verdict"], rows),
         ]
     kinds = {}
     for t in record.targets or []:

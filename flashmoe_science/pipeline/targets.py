@@ -8,7 +8,14 @@ Every ratio is a speed over another speed, so above the target is good:
 - decode against the read floor: the floor's time over the decode's, >= 0.90 for every decode case
   whose K+V is at least 64 MiB, contiguous (the matrix's decode cases and each paged case's
   contiguous twin) and paged;
-- host cost: SDPA's time per call over ours in the back-to-back loop, >= 1.0.
+- host cost: SDPA's time per call over ours in the back-to-back loop, >= 1.0;
+and on an H100, where they were set, the matrix's (automatic configuration):
+- prefill, S 512 to 16k: cuDNN's time over ours, >= 1.05 as a geomean and >= 0.90 in every case;
+  D=128, S >= 4096, non-causal: at least 600 TFLOP/s;
+- the small cases: SDPA default's time over ours, >= 1.0 (latency at most SDPA's);
+- backward: SDPA flash's (FlashAttention-2's) time over ours, >= 1.0 as a geomean and >= 0.85 in
+  every case.
+On another card or the CPU these show as their geomeans, not judged.
 The small model's prefill and decode ratios have no target: they are shown beside the verdicts.
 
 Timings of the CPU backend check the plumbing only: their verdicts are "not judged".
@@ -17,11 +24,14 @@ Timings of the CPU backend check the plumbing only: their verdicts are "not judg
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from . import gpukinds
 from .benchrecords import (
     BenchRecord,
     CaseRecord,
     HostRecord,
+    Measured,
     NotMeasured,
     PagedRecord,
     ReadFloor,
@@ -34,6 +44,16 @@ PAGED_MIN_BLOCK = 64
 READ_FLOOR_TARGET = 0.90
 READ_FLOOR_MIN_BYTES = 64 * 2**20
 HOST_TARGET = 1.0
+# The matrix's targets, set for this card
+MATRIX_CARD = gpukinds.kind_of("h100")
+PREFILL_MIN_SEQLEN = 512
+PREFILL_GEOMEAN_TARGET = 1.05
+PREFILL_CASE_TARGET = 0.90
+TFLOPS_TARGET = 600.0  # D=128, S >= TFLOPS_MIN_SEQLEN, non-causal
+TFLOPS_MIN_SEQLEN = 4096
+SMALL_TARGET = 1.0
+BACKWARD_GEOMEAN_TARGET = 1.0
+BACKWARD_CASE_TARGET = 0.85
 
 MET, MISSED, NOT_JUDGED = "met", "missed", "not judged"
 CPU_REASON = "CPU backend: plumbing numbers, not a card's speed"
@@ -45,6 +65,20 @@ DECODE_VS_FLOOR = "decode / read floor"
 PAGED_VS_FLOOR = "paged / read floor"
 CONTIGUOUS_VS_FLOOR = "contiguous / read floor"
 OURS_VS_SDPA_HOST = "ours / SDPA per call"
+PREFILL_GEOMEAN = "geomean cuDNN / ours"
+PREFILL_VS_CUDNN = "cuDNN / ours"
+TFLOPS_VS_TARGET = "TFLOP/s / 600"
+SMALL_VS_DEFAULT = "SDPA default / ours"
+BACKWARD_GEOMEAN = "geomean SDPA flash / ours"
+BACKWARD_VS_FLASH = "SDPA flash / ours"
+MATRIX_LABELS = (
+    PREFILL_GEOMEAN,
+    PREFILL_VS_CUDNN,
+    TFLOPS_VS_TARGET,
+    SMALL_VS_DEFAULT,
+    BACKWARD_GEOMEAN,
+    BACKWARD_VS_FLASH,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +174,65 @@ def decode_floor_verdicts(record: BenchRecord) -> list[Verdict]:
     ]
 
 
+def _baseline_ratio(case: CaseRecord, name: str) -> float | None:
+    result = case.baselines.get(name)
+    return result.ratio if isinstance(result, Measured) else None
+
+
+def _geomean(ratios: list[float | None]) -> float | None:
+    found = [r for r in ratios if r]
+    return math.exp(sum(map(math.log, found)) / len(found)) if found else None
+
+
+def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
+    """The prefill, small and backward targets over the matrix's automatic cases: a geomean and
+    a verdict per case on an H100; elsewhere only the geomeans, not judged (set for that card)."""
+    cpu = record.backend == "cpu"
+    name = record.gpu.name if record.gpu else "the CPU"
+    on_card = not cpu and MATRIX_CARD.matches(record.gpu.name if record.gpu else None)
+    auto = [c for c in record.cases if not c.config]
+    prefill = [c for c in auto if c.group == "prefill" and c.seqlen_q >= PREFILL_MIN_SEQLEN]
+    backward = [c for c in auto if c.kind == "backward"]
+    found = []
+    for cases, baseline, label, target, what in (
+        (prefill, "sdpa-cudnn", PREFILL_GEOMEAN, PREFILL_GEOMEAN_TARGET, "prefill"),
+        (backward, "sdpa-flash", BACKWARD_GEOMEAN, BACKWARD_GEOMEAN_TARGET, "backward"),
+    ):
+        if not cases:
+            continue
+        ratios = [_baseline_ratio(c, baseline) for c in cases]
+        measured = sum(r is not None for r in ratios)
+        verdict = judge(
+            f"{what}: {measured} of {len(cases)} cases", label, _geomean(ratios), target, cpu
+        )
+        if not on_card and verdict.status != NOT_JUDGED:
+            verdict = dataclasses.replace(
+                verdict,
+                status=NOT_JUDGED,
+                reason=f"set for the {MATRIX_CARD.card}; this card is {name}",
+            )
+        found.append(verdict)
+    if not on_card:
+        return found
+    for case in prefill:
+        sides = (("ours", case.ours), ("cuDNN", case.baselines.get("sdpa-cudnn")))
+        ratio = _baseline_ratio(case, "sdpa-cudnn")
+        found.append(judge(case.id, PREFILL_VS_CUDNN, ratio, PREFILL_CASE_TARGET, cpu, sides))
+        if case.head_dim == 128 and case.seqlen_q >= TFLOPS_MIN_SEQLEN and not case.causal:
+            tflops = case.ours.tflops if isinstance(case.ours, Measured) else None
+            ratio = tflops / TFLOPS_TARGET if tflops else None
+            found.append(judge(case.id, TFLOPS_VS_TARGET, ratio, 1.0, cpu, (("ours", case.ours),)))
+    for case in (c for c in auto if c.group == "small"):
+        sides = (("ours", case.ours), ("SDPA default", case.baselines.get("sdpa-default")))
+        ratio = _baseline_ratio(case, "sdpa-default")
+        found.append(judge(case.id, SMALL_VS_DEFAULT, ratio, SMALL_TARGET, cpu, sides))
+    for case in backward:
+        sides = (("ours", case.ours), ("SDPA flash", case.baselines.get("sdpa-flash")))
+        ratio = _baseline_ratio(case, "sdpa-flash")
+        found.append(judge(case.id, BACKWARD_VS_FLASH, ratio, BACKWARD_CASE_TARGET, cpu, sides))
+    return found
+
+
 def target_verdicts(target, cpu: bool) -> list[Verdict]:
     """The verdicts of one target record (none for the model, which has no target)."""
     if isinstance(target, VarlenRecord):
@@ -180,12 +273,19 @@ def target_verdicts(target, cpu: bool) -> list[Verdict]:
 
 
 def verdicts(record: BenchRecord) -> list[Verdict]:
-    """Every verdict of the run: the matrix's decode cases, then the target cases in order."""
+    """Every verdict of the run: the matrix's decode cases, its prefill, small and backward
+    cases, then the target cases in order."""
     cpu = record.backend == "cpu"
-    found = decode_floor_verdicts(record)
+    found = decode_floor_verdicts(record) + matrix_verdicts(record)
     for target in record.targets or []:
         found += target_verdicts(target, cpu)
     return found
+
+
+def judged_here(verdict: Verdict) -> bool:
+    """Whether a verdict is about this run's card: all but the matrix's geomeans off the H100
+    (shown where there is a section for other verdicts, never a section of their own)."""
+    return not (verdict.what in MATRIX_LABELS and verdict.status == NOT_JUDGED)
 
 
 def counts(found: list[Verdict]) -> dict[str, int]:

@@ -67,7 +67,7 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
         return None
     record = benchrecords.from_json(inputs.bench)
     found = targets.verdicts(record)
-    if not found and not record.targets:
+    if not record.targets and not any(targets.judged_here(v) for v in found):
         return None
     by = {(v.id, v.what): v for v in found}
     count = targets.counts(found)
@@ -98,6 +98,26 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
                 ["case", "K+V", "ours ms", "read floor ms", f"floor / ours ({md.TIMES})"],
                 _kept(rows, detail, "read-floor"),
             )
+        )
+    matrix = [v for v in found if v.what in targets.MATRIX_LABELS]
+    if matrix:
+        rows = [
+            (
+                v.status == targets.MISSED,
+                [
+                    md.code(v.id, 150),
+                    md.text(v.what),
+                    _judged(v.ratio, v)
+                    + (f" ({md.text(v.reason, 200)})" if v.status == targets.NOT_JUDGED else ""),
+                ],
+            )
+            for v in matrix
+        ]
+        parts.append(
+            "**The matrix's targets**, set for the H100: prefill against cuDNN (a geomean and each "
+            f"case), D=128 long non-causal against {targets.TFLOPS_TARGET:.0f} TFLOP/s, the small "
+            "cases against SDPA default, the backward against SDPA flash\n\n"
+            + md.table(["case", "ratio", "verdict"], _kept(rows, detail, "matrix target"))
         )
     kinds: dict[str, list] = {}
     for target in record.targets or []:
