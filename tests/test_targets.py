@@ -402,6 +402,12 @@ def test_bench_md_and_the_report_show_the_matrix_targets(tmp_path, fixture_check
     text = "\n".join(benchmd.render_targets(record))
     assert "| prefill: 3 of 4 cases | geomean cuDNN / ours | 0.88x | **MISSED** (< 1.05x) |" in text
     assert "| fwd-bf16-d128-h16-b4-s4096-full | TFLOP/s / 600 | 1.02x | met (>= 1.00x) |" in text
+    missed = text.split("Missed:\n")[1].splitlines()
+    assert missed[:2] == [
+        "- prefill: 3 of 4 cases: geomean cuDNN / ours 0.88x < 1.05x (missed)",
+        "- backward: 2 of 2 cases: geomean SDPA flash / ours 0.85x < 1.00x (missed)",
+    ]
+    assert missed[2] == "- 4 of 9 matrix cases (the table above)"  # not each again
     # on the fixture's L4: shown beside other verdicts, never a section of their own
     elsewhere = bench_record(cases=MATRIX, found=[varlen_record(1.0)])
     text = "\n".join(benchmd.render_targets(elsewhere))
