@@ -4,6 +4,8 @@ key past each sequence's end) that a gate must catch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,6 +55,23 @@ def test_matrix_covers_the_issue():
     assert {c.config for c in GPU_CASES} == {0, *CONFIGS} - {3}
     assert set(varlen_gates.VARLEN_CONFIGS) == set(CONFIGS) - {3}
     assert len({c.id for c in GPU_CASES + CPU_CASES}) == len(GPU_CASES) + len(CPU_CASES)
+
+
+def test_ramped_cases_ramp_each_sequence_from_its_own_first_key():
+    case = next(c for c in varlen_gates.varlen_cases("cpu") if c.scores == "falling")
+    assert case.id.endswith("-falling") and "scores=falling" in case.describe()
+    plain = dataclasses.replace(case, scores="normal")
+    q, k, v, _, _ = varlen_gates.make_varlen_inputs(case, "cpu", 3)
+    q0, k0, v0, _, _ = varlen_gates.make_varlen_inputs(plain, "cpu", 3)
+    assert torch.equal(q, q0) and torch.equal(v, v0)
+    start = 0
+    for length in case.lengths_k:
+        if length > 1:  # falling: the sequence's first key scaled 16 times, its last once
+            assert torch.allclose(k[start].float(), 16 * k0[start].float(), rtol=1e-2)
+            assert torch.equal(k[start + length - 1], k0[start + length - 1])
+        start += length
+    with pytest.raises(ValueError, match="scores='peaked' is not supported"):
+        dataclasses.replace(case, scores="peaked")
 
 
 def test_a_wrong_output_fails_with_a_report_per_sequence():

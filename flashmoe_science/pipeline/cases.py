@@ -260,7 +260,7 @@ def make_inputs(case: Case, device: str, seed: int | None = None) -> Inputs:
     q = randn(case.heads_q, case.seqlen_q)
     k = randn(case.heads_kv, case.seqlen_k)
     if case.scores != "normal":
-        k = _ramp_keys(k, case.scores)
+        k = ramp_keys(k, case.scores)
     v = randn(case.heads_kv, case.seqlen_k)
     lengths = None
     if case.cache_seqlens is not None:
@@ -268,7 +268,7 @@ def make_inputs(case: Case, device: str, seed: int | None = None) -> Inputs:
     return Inputs(q, k, v, lengths)
 
 
-def _ramp_keys(k: torch.Tensor, scores: str) -> torch.Tensor:
+def ramp_keys(k: torch.Tensor, scores: str) -> torch.Tensor:
     """k ([B, H, S, D], any strides) with key j scaled as SCORES says; the strides are kept."""
     seqlen = k.shape[2]
     ramp = torch.linspace(0.0, 1.0, seqlen, device=k.device) if seqlen > 1 else k.new_zeros(1)

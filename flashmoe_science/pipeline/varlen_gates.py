@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cases import DTYPES
+from .cases import DTYPES, SCORES, ramp_keys
 from .gates import attention_pytorch_lowp, attention_reference
 from .ragged import RaggedResult, case_seed
 
@@ -31,8 +31,13 @@ class VarlenCase:
     lengths_k: tuple[int, ...]
     causal: bool
     config: int = 0  # forced tile configuration (0: automatic)
+    scores: str = "normal"  # cases.SCORES, along each sequence's keys
 
     def __post_init__(self):
+        if self.scores not in SCORES:
+            raise ValueError(
+                f"VarlenCase scores={self.scores!r} is not supported: use one of {SCORES}"
+            )
         if len(self.lengths_q) != len(self.lengths_k):
             raise ValueError(
                 f"VarlenCase needs one key length per query length, got {len(self.lengths_q)} "
@@ -53,6 +58,8 @@ class VarlenCase:
         ]
         if self.config:
             parts.append(f"cfg{self.config}")
+        if self.scores != "normal":
+            parts.append(self.scores)
         return "-".join(parts)
 
     def describe(self) -> str:
@@ -60,6 +67,7 @@ class VarlenCase:
             f"varlen B={len(self.lengths_q)} Hq={self.heads_q} Hkv={self.heads_kv} "
             f"D={self.head_dim} dtype={self.dtype} causal={self.causal} config={self.config} "
             f"lengths_q={list(self.lengths_q)} lengths_k={list(self.lengths_k)}"
+            + (f" scores={self.scores}" if self.scores != "normal" else "")
         )
 
 
@@ -115,6 +123,15 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
                         config=config,
                     )
                     index += 1
+    # Scores that keep growing along each sequence's keys (cases.SCORES): the packed kernels'
+    # online softmax then rescales block after block.
+    lengths_q, lengths_k = BATCHES[1] if gpu else BATCHES_CPU[1]
+    for scores in ("rising", "falling"):
+        for head_dim in (64, 128) if gpu else (64,):
+            for causal in (False, True):
+                yield VarlenCase(
+                    "bf16", head_dim, HEADS_Q, 2, lengths_q, lengths_k, causal, scores=scores
+                )
 
 
 def _cumulative(lengths: tuple[int, ...], device: str) -> torch.Tensor:
@@ -136,6 +153,12 @@ def make_varlen_inputs(case: VarlenCase, device: str, seed: int):
     q = randn(sum(case.lengths_q), case.heads_q)
     k = randn(sum(case.lengths_k), case.heads_kv)
     v = randn(sum(case.lengths_k), case.heads_kv)
+    if case.scores != "normal":  # each sequence's keys ramp from its first to its last
+        start = 0
+        for length in case.lengths_k:
+            rows = k[start : start + length].permute(1, 0, 2)[None]  # [1, Hkv, length, D]
+            k[start : start + length] = ramp_keys(rows, case.scores)[0].permute(1, 0, 2)
+            start += length
     return q, k, v, _cumulative(case.lengths_q, device), _cumulative(case.lengths_k, device)
 
 
