@@ -199,12 +199,13 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
         verdict = judge(
             f"{what}: {measured} of {len(cases)} cases", label, _geomean(ratios), target, cpu
         )
-        if not on_card and verdict.status != NOT_JUDGED:
-            verdict = dataclasses.replace(
-                verdict,
-                status=NOT_JUDGED,
-                reason=f"set for the {MATRIX_CARD.card}; this card is {name}",
-            )
+        why_not = ""
+        if not on_card:
+            why_not = f"set for the {MATRIX_CARD.card}; this card is {name}"
+        elif measured < len(cases):  # a geomean without its hardest cases could pass
+            why_not = f"{len(cases) - measured} of {len(cases)} cases have no {baseline} ratio"
+        if why_not and verdict.status != NOT_JUDGED:
+            verdict = dataclasses.replace(verdict, status=NOT_JUDGED, reason=why_not)
         found.append(verdict)
     if not on_card:
         return found
