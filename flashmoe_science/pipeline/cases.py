@@ -12,8 +12,8 @@ A case id reads left to right as the call it stands for:
 then, only where they differ from the default, the gates' extra fields: `-bshd` (q, k, v are
 [B, H, S, D] views of [B, S, H, D] tensors), `-cfg2` (a forced tile configuration: ops.CONFIGS for
 prefill and decode, ops.BACKWARD_CONFIGS for the backward kinds), `-splits3` (a forced split
-count), `-lens5_0_257` (per-sequence cache lengths), `-rising` or `-falling` (scores whose spread grows
-sixteenfold along the keys, or shrinks: see SCORES) and `-det` (deterministic=True).
+count), `-lens5_0_257` (per-sequence cache lengths), `-rising` or `-falling` (scores whose spread
+grows sixteenfold along the keys, or shrinks: see SCORES) and `-det` (deterministic=True).
 `parse_case_id` reads every id `Case.id` writes, including those stored by earlier benchmark runs.
 """
 
