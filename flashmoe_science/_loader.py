@@ -886,8 +886,9 @@ def parser(prog: str = "python -m flashmoe_science build") -> argparse.ArgumentP
     parser.add_argument(
         "--arch",
         metavar="LIST",
-        help="CUDA targets, e.g. '8.9;9.0a' (default: TORCH_CUDA_ARCH_LIST, else the visible GPUs, "
-        "a 9.0 GPU as 9.0a)",
+        action="append",  # `--arch 8.9 --arch 9.0a` is both, not the last one alone
+        help="CUDA targets, e.g. '8.9;9.0a', repeatable (default: TORCH_CUDA_ARCH_LIST, else the "
+        "visible GPUs, a 9.0 GPU as 9.0a)",
     )
     parser.add_argument(
         "--define",

@@ -462,6 +462,15 @@ def test_nvcc_major_mismatch_falls_back_to_cpu(cuda_machine, monkeypatch):
     assert config.backend == "cpu" and "nvcc 12.4" in config.reason and "13.0" in config.reason
 
 
+@pytest.mark.parametrize(
+    "argv", [["--arch", "8.9", "--arch", "9.0a"], ["--arch", "8.9;9.0a"], ["--arch=9.0a,8.9"]]
+)
+def test_arch_given_twice_or_as_a_list_builds_every_target(cuda_machine, argv):
+    args = build._parser().parse_args(["--backend", "cuda", *argv])
+    config = build.resolve_config(args.backend, args.arch)
+    assert config.arch_list == ("8.9", "9.0a")
+
+
 def test_backend_cuda_when_impossible_explains_what_is_missing(cuda_machine, monkeypatch):
     with pytest.raises(build.ConfigError) as excinfo:
         build.resolve_config("cuda")
