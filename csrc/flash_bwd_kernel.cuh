@@ -236,25 +236,41 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       }
 
       // P^T = exp2(S^T * scale_log2 - lse2) with keys past the end and the causal mask at 0;
-      // dS^T = P^T (dP^T - delta). Both go to registers as 16-bit A operands (P^T for dV, dS^T
-      // for dK) and dS^T to shared memory for dQ.
+      // dS^T = P^T (dP^T - delta). The masked blocks (tail and diagonal) get their own copy of
+      // the loop, and no exp2 sits behind a branch: a branch per element pinned each lse load to
+      // its use, one shared-memory round trip per element (the loop's main stall).
+      auto p_and_ds = [&](auto mask) {
+        constexpr bool kMask = decltype(mask)::value;
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+          for (int nt = 0; nt < MN; ++nt) {
+            const int col0 = nt * 8 + (lane & 3) * 2;  // this thread's two query columns
+            const float2 lse2 = *reinterpret_cast<const float2*>(sLse + col0);
+            const float2 delta = *reinterpret_cast<const float2*>(sDelta + col0);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float prob =
+                  exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, (e & 1) ? -lse2.y : -lse2.x));
+              if constexpr (kMask) {
+                const int key = n0 + key_row0 + kt * 16 + lane / 4 + (e >> 1) * 8;
+                if (key >= p.seqlen_k || (p.causal && key > m0 + col0 + (e & 1) + offset))
+                  prob = 0.f;
+              }
+              acc_s[kt][nt][e] = prob;
+              acc_dp[kt][nt][e] = prob * (acc_dp[kt][nt][e] - ((e & 1) ? delta.y : delta.x));
+            }
+          }
+      };
+      if (need_mask)
+        p_and_ds(BoolConstant<true>{});
+      else
+        p_and_ds(BoolConstant<false>{});
+      // Both to registers as 16-bit A operands (P^T for dV, dS^T for dK), and dS^T to shared
+      // memory for dQ.
       uint32_t p_frag[KT][BM / 16][4], ds_frag[KT][BM / 16][4];
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt) {
-#pragma unroll
-        for (int nt = 0; nt < MN; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = n0 + key_row0 + kt * 16 + lane / 4 + (e >> 1) * 8;
-            const int col = nt * 8 + (lane & 3) * 2 + (e & 1);
-            const bool masked =
-                need_mask && (key >= p.seqlen_k || (p.causal && key > m0 + col + offset));
-            const float prob =
-                masked ? 0.f : exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, -sLse[col]));
-            acc_s[kt][nt][e] = prob;
-            acc_dp[kt][nt][e] = prob * (acc_dp[kt][nt][e] - sDelta[col]);
-          }
-        }
 #pragma unroll
         for (int j = 0; j < BM / 16; ++j) {
           p_frag[kt][j][0] = pack2<T>(acc_s[kt][2 * j][0], acc_s[kt][2 * j][1]);
@@ -522,9 +538,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
           const int hh = e >> 1;
           const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
           const int key = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
-          const bool masked = key >= p.seqlen_k || (p.causal && key > i + offset);
-          const float prob =
-              masked ? 0.f : exp2f(fmaf(acc_s[mt][nt][e], p.scale_log2, -lse2[mt][hh]));
+          // A select, not a branch around the exp2 (see the dK/dV kernel's p_and_ds).
+          float prob = exp2f(fmaf(acc_s[mt][nt][e], p.scale_log2, -lse2[mt][hh]));
+          if (key >= p.seqlen_k || (p.causal && key > i + offset)) prob = 0.f;
           acc_dp[mt][nt][e] = prob * (acc_dp[mt][nt][e] - delta[mt][hh]);
         }
 #pragma unroll

@@ -12,6 +12,12 @@
 
 namespace flashmoe::cuda {
 
+// A compile-time bool as a value, to pick a generic lambda's specialization (if constexpr).
+template <bool kValue>
+struct BoolConstant {
+  static constexpr bool value = kValue;
+};
+
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
