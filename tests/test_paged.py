@@ -1,11 +1,15 @@
 """Decode against a paged KV cache: the gate matrix (flashmoe_science/pipeline/paged_gates.py),
-the input checks, CUDA graph capture, and a planted bug (a lookup that ignores the block table)
-that a gate must catch."""
+its ramped caches, the input checks, CUDA graph capture, and planted bugs (a lookup that ignores
+the block table; an output never rescaled) that a gate must catch."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
+from test_gate_plants import _online_softmax
 
 from flashmoe_science import flash_attention_decode
 from flashmoe_science.pipeline import paged_gates, ragged
@@ -47,6 +51,159 @@ def test_matrix_covers_the_issue():
     assert {c.num_splits for c in GPU_CASES} == {0, 1, 7}
     assert {c.causal for c in GPU_CASES} == {False, True}
     assert len({c.id for c in GPU_CASES + CPU_CASES}) == len(GPU_CASES) + len(CPU_CASES)
+
+
+@pytest.mark.parametrize("cases", [GPU_CASES, CPU_CASES], ids=["gpu", "cpu"])
+def test_ramped_cases_cover_both_directions_block_sizes_and_splits(cases):
+    ramped = [c for c in cases if c.scores != "normal"]
+    assert {c.scores for c in ramped} == {"rising", "falling"}
+    assert {c.head_dim for c in ramped} == {64, 128}
+    assert min(c.page_size for c in ramped) <= 64 and max(c.page_size for c in ramped) >= 128
+    assert any(c.num_splits > 1 for c in ramped) and any(c.num_splits == 0 for c in ramped)
+    assert all(max(c.lengths) >= 1000 for c in ramped)  # several 64-key blocks in every split
+    assert any(c.heads_q > c.heads_kv for c in ramped)
+
+
+def test_ramped_cache_ramps_each_sequence_in_logical_order_through_the_table():
+    """The keys of a ramped case ramp along each sequence's own positions 0..cache_seqlen-1 as
+    the block table reads them (not along the shuffled physical pages): the contiguous decode and
+    the reference see the same logical cache."""
+    case = next(c for c in CPU_CASES if c.scores == "rising")
+    assert case.id.endswith("-rising") and case.describe().endswith("scores=rising")
+    plain = dataclasses.replace(case, scores="normal")
+    assert "rising" not in plain.id and "scores" not in plain.describe()
+    q, k_cache, v_cache, table, _ = paged_gates.make_paged_inputs(case, "cpu", 3)
+    q0, k_cache0, v_cache0, table0, _ = paged_gates.make_paged_inputs(plain, "cpu", 3)
+    assert torch.equal(q, q0) and torch.equal(v_cache, v_cache0) and torch.equal(table, table0)
+    assert not torch.equal(table.flatten().sort().values, table.flatten())  # pages shuffled
+    k, k0 = (
+        paged_gates.contiguous_cache(k_cache, table),
+        paged_gates.contiguous_cache(k_cache0, table),
+    )
+    for b, length in enumerate(case.lengths):
+        if length < 2:
+            continue
+        # rising: the sequence's first key as drawn, its last scaled 16 times, its norm growing
+        assert torch.equal(k[b, :, 0], k0[b, :, 0])
+        torch.testing.assert_close(k[b, :, length - 1].float(), 16 * k0[b, :, length - 1].float())
+        norms = k[b, :, :length].float().norm(dim=-1).mean(0)  # per position
+        quarter = length // 4
+        assert norms[-quarter:].mean() > 4 * norms[:quarter].mean()
+        assert torch.equal(k[b, :, length:], k0[b, :, length:])  # past the length: as drawn
+    unused = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    unused[table.long().flatten()] = False
+    assert torch.equal(k_cache[unused], k_cache0[unused])  # pages outside the table untouched
+
+
+def test_ramped_case_rejects_unknown_scores():
+    case = next(c for c in CPU_CASES if c.scores == "falling")
+    with pytest.raises(ValueError, match="PagedCase scores='peaked' is not supported") as info:
+        dataclasses.replace(case, scores="peaked")
+    assert "'normal', 'rising', 'falling'" in str(info.value) and "\n" not in str(info.value)
+
+
+def _split_decode(q, k, v, lengths, causal, scale, num_splits, *, backwards, rescale_output):
+    """Split-KV decode modelled in fp32 over contiguous k, v [B, Hkv, S, D]: each query row's
+    visible keys cut into `num_splits` runs of whole 64-key blocks, each run through the online
+    softmax of test_gate_plants (its lazy rescale; `rescale_output=False` plants the skipped output
+    rescale), the runs combined through their log-sum-exps."""
+    batch, heads, seqlen_q, _ = q.shape
+    out = torch.zeros(q.shape)
+    lse = torch.full((batch, heads, seqlen_q), -math.inf)
+    for b in range(batch):
+        for row in range(seqlen_q):
+            visible = int(lengths[b]) - (seqlen_q - 1 - row if causal else 0)
+            per_split = math.ceil(math.ceil(max(visible, 0) / 64) / num_splits) * 64
+            partial = [
+                _online_softmax(
+                    q[b : b + 1, :, row : row + 1].float(),
+                    k[b : b + 1, :, start : min(start + per_split, visible)],
+                    v[b : b + 1, :, start : min(start + per_split, visible)],
+                    False,
+                    scale,
+                    backwards=backwards,
+                    rescale_output=rescale_output,
+                    block=64,
+                )
+                for start in range(0, visible, per_split or 1)
+            ]
+            if not partial:
+                continue
+            outs = torch.stack([o[0, :, 0] for o, _ in partial])  # [splits, H, D]
+            lses = torch.stack([s[0, :, 0] for _, s in partial])  # [splits, H]
+            lse[b, :, row] = torch.logsumexp(lses, dim=0)
+            out[b, :, row] = (torch.exp(lses - lse[b, :, row]).unsqueeze(-1) * outs).sum(0)
+    return out.to(q.dtype), lse
+
+
+@pytest.mark.parametrize("backwards", [False, True], ids=["forwards", "backwards"])
+def test_a_skipped_output_rescale_passes_normal_caches_and_fails_ramped_ones(
+    backwards, monkeypatch
+):
+    """With N(0, 1) caches the running max settles in the first key block each split visits, so a
+    split-KV decode that never rescales its output passes the normal paged gates; the ramped
+    cases (rising for a kernel that walks the keys forwards, falling for one that walks them
+    backwards) are what catch it."""
+    from flashmoe_science import ops
+
+    def model(rescale_output):
+        def contiguous(q, k, v, lengths, scale, *, causal, num_splits, return_lse):
+            splits = num_splits or 1
+            return _split_decode(
+                q,
+                k,
+                v,
+                lengths,
+                causal,
+                scale,
+                splits,
+                backwards=backwards,
+                rescale_output=rescale_output,
+            )
+
+        def paged(case, q, k_cache, v_cache, table, lengths, scale):
+            k = paged_gates.contiguous_cache(k_cache, table)
+            v = paged_gates.contiguous_cache(v_cache, table)
+            num_splits = case.num_splits or None
+            return contiguous(
+                q, k, v, lengths, scale, causal=case.causal, num_splits=num_splits, return_lse=True
+            )
+
+        # the contiguous decode the paged one is compared with runs the same model
+        monkeypatch.setattr(ops, "flash_attention_decode", contiguous)
+        return paged
+
+    scores = "falling" if backwards else "rising"
+    ramped = [c for c in CPU_CASES if c.scores == scores]
+    assert any(c.num_splits > 1 for c in ramped) and any(c.num_splits == 0 for c in ramped)
+    for case in ramped:
+        normal = dataclasses.replace(case, scores="normal")
+        for honest in (normal, case):
+            assert paged_gates.check_paged_case(honest, "cpu", model(True)).passed, honest.id
+        assert paged_gates.check_paged_case(normal, "cpu", model(False)).passed  # the blind spot
+        failures = paged_gates.check_paged_case(case, "cpu", model(False)).failures
+        assert any("gate 1" in f for f in failures), (case.id, failures)
+
+
+def test_ramped_splits_have_maxima_a_combine_must_weigh():
+    """On a ramped cache the splits' maxima of the scores (log2 units, as the kernels keep them)
+    differ by more than 2^8, so a split-KV combine that ignored the partial log-sum-exps' maxima
+    would be wrong; on the normal cache of the same shape they do not."""
+    case = next(c for c in CPU_CASES if c.scores == "rising" and c.num_splits > 1)
+    spread = {}
+    for scores in ("normal", "rising"):
+        q, k_cache, _, table, _ = paged_gates.make_paged_inputs(
+            dataclasses.replace(case, scores=scores), "cpu", 3
+        )
+        k = paged_gates.contiguous_cache(k_cache, table).float()
+        ratio = case.heads_q // case.heads_kv
+        length = case.lengths[0]
+        s = q[:1].float() @ k[:1, :, :length].repeat_interleave(ratio, 1).transpose(-1, -2)
+        s = s * (math.log2(math.e) / math.sqrt(case.head_dim))
+        per_split = math.ceil(math.ceil(length / 64) / case.num_splits) * 64
+        maxima = torch.stack([c.amax(-1) for c in s.split(per_split, dim=-1)])
+        spread[scores] = float((maxima.amax(0) - maxima.amin(0)).amax())
+    assert spread["rising"] > 8 > spread["normal"], spread
 
 
 def paged(device, page_size=16, lengths=(5, 40)):

@@ -8,7 +8,8 @@ FlashAttention's tests build it), judged against
 
 The case matrix: block sizes 16 to 256, cache lengths that are empty, one token, end inside a page
 and inside a 64-key tile, GQA 1/4/8, both dtypes, head dims 64 and 128, split-KV automatic, off and
-forced, causal and not.
+forced, causal and not; and caches whose keys ramp along each sequence (cases.SCORES), so the online
+softmax's running max moves block after block and the splits' maxima differ.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cases import DTYPES
+from .cases import DTYPES, SCORES, ramp_keys
 from .gates import attention_pytorch_lowp, attention_reference
 from .ragged import RaggedResult, case_seed
 
@@ -35,6 +36,13 @@ class PagedCase:
     page_size: int
     num_splits: int = 0  # 0: automatic
     causal: bool = True
+    scores: str = "normal"  # cases.SCORES, along each sequence's cache positions
+
+    def __post_init__(self):
+        if self.scores not in SCORES:
+            raise ValueError(
+                f"PagedCase scores={self.scores!r} is not supported: use one of {SCORES}"
+            )
 
     @property
     def id(self) -> str:
@@ -46,6 +54,8 @@ class PagedCase:
         parts.append("lens" + "_".join(map(str, self.lengths)))
         if not self.causal:
             parts.append("full")
+        if self.scores != "normal":
+            parts.append(self.scores)
         return "-".join(parts)
 
     def describe(self) -> str:
@@ -54,6 +64,7 @@ class PagedCase:
             f"Sq={self.seqlen_q} D={self.head_dim} dtype={self.dtype} causal={self.causal} "
             f"block_size={self.page_size} num_splits={self.num_splits or 'auto'} "
             f"cache_seqlens={list(self.lengths)}"
+            + (f" scores={self.scores}" if self.scores != "normal" else "")
         )
 
     @property
@@ -70,6 +81,12 @@ LONG_LENGTHS = (32768, 5)
 GQA_RATIOS = (1, 4, 8)
 SPLITS = (0, 1, 7)
 HEADS_Q = 8
+# Ramped cases (cases.SCORES): (head dim, block size, num_splits) for each direction; caches long
+# enough for several 64-key blocks in every split.
+RAMPED = ((64, 16, 7), (64, 256, 0), (128, 64, 0), (128, 128, 7))
+RAMPED_CPU = ((64, 32, 7), (128, 256, 0))
+RAMPED_LENGTHS = (4096, 1000, 17)
+RAMPED_LENGTHS_CPU = (1000, 130, 0)
 
 
 def paged_cases(tier: str) -> list[PagedCase]:
@@ -99,6 +116,23 @@ def _cases(tier: str) -> Iterator[PagedCase]:
     if gpu:
         for page_size in (16, 256):
             yield PagedCase("bf16", 128, 32, 8, 1, LONG_LENGTHS, page_size)
+    # Scores that keep growing along each sequence's cache (cases.SCORES): the online softmax then
+    # rescales block after block, and a split-KV combine must weigh splits whose maxima differ.
+    for scores in ("rising", "falling"):
+        for head_dim, page_size, num_splits in RAMPED if gpu else RAMPED_CPU:
+            ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+            yield PagedCase(
+                tuple(DTYPES)[index % len(DTYPES)],
+                head_dim,
+                HEADS_Q,
+                HEADS_Q // ratio,
+                seqlen_q=(1, 2)[index % 2],
+                lengths=RAMPED_LENGTHS if gpu else RAMPED_LENGTHS_CPU,
+                page_size=page_size,
+                num_splits=num_splits,
+                scores=scores,
+            )
+            index += 1
 
 
 def make_paged_inputs(case: PagedCase, device: str, seed: int):
@@ -117,8 +151,16 @@ def make_paged_inputs(case: PagedCase, device: str, seed: int):
     k_cache = randn(num_pages, case.page_size, case.heads_kv, case.head_dim)
     v_cache = randn(num_pages, case.page_size, case.heads_kv, case.head_dim)
     table = torch.randperm(num_pages, generator=generator)[: batch * per_seq].view(batch, per_seq)
+    table = table.to(torch.int32).to(device)
+    if case.scores != "normal":  # each sequence's keys ramp from its first position to its last
+        logical = contiguous_cache(k_cache, table)  # [B, Hkv, pages x page_size, D], a copy
+        for b, length in enumerate(case.lengths):
+            logical[b : b + 1, :, :length] = ramp_keys(logical[b : b + 1, :, :length], case.scores)
+        k_cache[table.long().reshape(-1)] = logical.transpose(1, 2).reshape(
+            -1, case.page_size, case.heads_kv, case.head_dim
+        )
     lengths = torch.tensor(case.lengths, dtype=torch.int32)
-    return q, k_cache, v_cache, table.to(torch.int32).to(device), lengths.to(device)
+    return q, k_cache, v_cache, table, lengths.to(device)
 
 
 def contiguous_cache(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
