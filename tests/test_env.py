@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from flashmoe_science import _toolkit
-from flashmoe_science.pipeline import env, exitcodes
+from flashmoe_science.pipeline import env, exitcodes, gpukinds
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 NVCC_13_0 = """\
@@ -74,9 +74,11 @@ LOADED_MACHINE = _GenerousDeadline()
 
 @pytest.fixture
 def isolated(monkeypatch, tmp_path):
-    """An empty build root and report dir, so a build lying around does not change the outcome."""
+    """An empty build root and report dir, and no CI leg (a leg adds its gpu-kind check), so a
+    build lying around or a run inside a GPU job does not change the outcome."""
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "build"))
     monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.delenv(gpukinds.KIND_VAR, raising=False)
     return tmp_path
 
 
