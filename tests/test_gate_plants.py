@@ -4,10 +4,10 @@ and shows which gate catches it, and that the failure report says what a kernel 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
+from softmax_model import online_softmax
 
 from flashmoe_science.pipeline import gates
 from flashmoe_science.pipeline.cases import parse_case_id
@@ -118,41 +118,6 @@ def test_failure_report_locates_an_error_that_grows_with_the_query_index():
     assert f"nox -s test -- -k '{BASE.id}-cpu'" in report
 
 
-def _online_softmax(q, k, v, causal, scale, *, backwards, rescale_output, block=128, lazy=8.0):
-    """FlashAttention's forward in fp32, one key block at a time (from the last block when
-    `backwards`, as the wgmma kernel walks), with that kernel's lazy rescale: the running max moves
-    only when a block's max exceeds it by more than 2^lazy. `rescale_output=False` plants the bug
-    of forgetting to rescale the output when it does."""
-    ratio = q.shape[1] // k.shape[1]
-    qf = q.float()
-    kf = k.float().repeat_interleave(ratio, dim=1)
-    vf = v.float().repeat_interleave(ratio, dim=1)
-    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    log2e = 1.4426950408889634
-    rows = torch.arange(seqlen_q).view(-1, 1)
-    m = torch.full((*q.shape[:3], 1), -math.inf)
-    total, out = torch.zeros_like(m), torch.zeros_like(qf)
-    starts = range(0, seqlen_k, block)
-    for n0 in reversed(starts) if backwards else starts:
-        cols = torch.arange(n0, min(n0 + block, seqlen_k)).view(1, -1)
-        s = qf @ kf[:, :, n0 : n0 + block].transpose(-1, -2)
-        if causal:
-            s = s.masked_fill(cols > rows + seqlen_k - seqlen_q, -math.inf)
-        grown = (torch.maximum(m, s.amax(-1, keepdim=True)) - m) * scale * log2e
-        move = ~(grown <= lazy)  # NaN (both -inf) moves too
-        new_m = torch.where(move, torch.maximum(m, s.amax(-1, keepdim=True)), m)
-        shift = torch.where(new_m == -math.inf, 0.0, new_m * scale * log2e)
-        alpha = torch.where(move, torch.exp2(m * scale * log2e - shift), 1.0)
-        p = torch.exp2(s * scale * log2e - shift)
-        total = total * alpha + p.sum(-1, keepdim=True)
-        out = (out * alpha if rescale_output else out) + p @ vf[:, :, n0 : n0 + block]
-        m = new_m
-    empty = total == 0
-    out = torch.where(empty, 0.0, out / torch.where(empty, 1.0, total))
-    lse = torch.where(empty, -math.inf, m * scale + torch.log(total)).squeeze(-1)
-    return out.to(q.dtype), lse
-
-
 @pytest.mark.parametrize("backwards", [False, True], ids=["forwards", "backwards"])
 def test_a_skipped_output_rescale_passes_normal_scores_and_fails_ramped_ones(backwards):
     """With N(0, 1) inputs the running max settles in the first key block a kernel visits, so a
@@ -161,7 +126,7 @@ def test_a_skipped_output_rescale_passes_normal_scores_and_fails_ramped_ones(bac
 
     def attention(rescale_output):
         def fn(case, q, k, v, seqlens, scale):
-            return _online_softmax(
+            return online_softmax(
                 q, k, v, case.causal, scale, backwards=backwards, rescale_output=rescale_output
             )
 
@@ -182,6 +147,8 @@ def test_a_skipped_output_rescale_passes_normal_scores_and_fails_ramped_ones(bac
 SM90A_PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
+from softmax_model import online_softmax
+
 from flashmoe_science.pipeline import gates
 from flashmoe_science.pipeline.cases import parse_case_id
 cases = [parse_case_id(case_id) for case_id in sys.argv[2:]]

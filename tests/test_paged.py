@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_gate_plants import _online_softmax
+from softmax_model import online_softmax
 
 from flashmoe_science import flash_attention_decode
 from flashmoe_science.pipeline import paged_gates, ragged
@@ -115,7 +115,7 @@ def _split_decode(q, k, v, lengths, causal, scale, num_splits, *, backwards, res
             visible = int(lengths[b]) - (seqlen_q - 1 - row if causal else 0)
             per_split = math.ceil(math.ceil(max(visible, 0) / 64) / num_splits) * 64
             partial = [
-                _online_softmax(
+                online_softmax(
                     q[b : b + 1, :, row : row + 1].float(),
                     k[b : b + 1, :, start : min(start + per_split, visible)],
                     v[b : b + 1, :, start : min(start + per_split, visible)],
