@@ -250,8 +250,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
             const float2 delta = *reinterpret_cast<const float2*>(sDelta + col0);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              float prob =
-                  exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, (e & 1) ? -lse2.y : -lse2.x));
+              float prob = exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, (e & 1) ? -lse2.y : -lse2.x));
               if constexpr (kMask) {
                 const int key = n0 + key_row0 + kt * 16 + lane / 4 + (e >> 1) * 8;
                 if (key >= p.seqlen_k || (p.causal && key > m0 + col0 + (e & 1) + offset))
