@@ -387,7 +387,7 @@ def test_read_floor_is_the_fastest_read_and_missing_triton_is_a_record(monkeypat
     config = timing.TimingConfig.for_device("cpu", warmup_ms=1, rep_ms=1)
     calls = {"a": timed(0.05), "b": timed(0.02), "c": timed(0.04)}
     floor = measure.read_floor(case, None, "cpu", PerCallTimer(), config, calls=calls)
-    assert floor == benchrecords.ReadFloor(median_ms=0.02, gbps=3355, config="b")
+    assert floor == benchrecords.ReadFloor(median_ms=0.02, gbps=3355, config="b", iqr_ms=0.0)
     assert floor.gbps == round(case.kv_bytes / 0.02e-3 / 1e9)  # 64 MiB of K and V
 
     def broken():

@@ -161,7 +161,7 @@ def run_matrix(
         cases=[],
     )
     for index, case in enumerate(cases, 1):
-        entry = run_case(case, device, timer, config, ceilings, baselines)
+        entry = run_case(case, device, timer, config, ceilings, baselines, say=say)
         record.cases.append(entry)
         elapsed = time.monotonic() - start
         say(f"[{index}/{total}] {case.id} ... {_progress_text(entry)} ({elapsed:.1f} s elapsed)")
@@ -196,6 +196,8 @@ def _progress_text(entry) -> str:
     default = entry.baselines.get("sdpa-default")
     if isinstance(default, Measured) and default.ratio:
         text += f" (sdpa-default {default.median_ms:.4g} ms, x{default.ratio:.3g})"
+    if entry.unstable:
+        text += f"; still unstable: {', '.join(entry.unstable)}, not judged"
     return text
 
 
