@@ -17,7 +17,6 @@ from .benchrecords import (
     ReadFloor,
 )
 
-
 _mark = targets.unstable_mark
 
 

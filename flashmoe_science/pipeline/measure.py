@@ -21,11 +21,10 @@ import math
 
 import torch
 
-from . import readfloor
+from . import readfloor, stats
 from .baselines import BASELINES, backend_context, first_call, is_refusal, our_call, sdpa_call
 from .benchrecords import CaseRecord, Measured, NotMeasured, ReadFloor, Result
 from .cases import Case, Inputs, make_inputs
-from . import stats
 from .stats import sig, summarize
 from .timing import Timing, TimingConfig, benchmark, first_line, peak_memory_bytes
 
@@ -111,7 +110,9 @@ def unstable_names(results: dict[str, Result]) -> list[str]:
 def _disturbance(results: dict[str, Result]) -> tuple[int, float]:
     """How disturbed one attempt was: its failures, then its widest spread (lower is better)."""
     failures = sum(isinstance(r, NotMeasured) for r in results.values())
-    spreads = [stats.spread(r.median_ms, r.iqr_ms) for r in results.values() if isinstance(r, Measured)]
+    spreads = [
+        stats.spread(r.median_ms, r.iqr_ms) for r in results.values() if isinstance(r, Measured)
+    ]
     return failures, max(spreads, default=0.0)
 
 

@@ -174,8 +174,9 @@ def unstable_reason(*sides) -> str:
     shows a disturbance after its retakes (stats.unstable); "" when none does."""
     for name, side in sides:
         if isinstance(side, (Measured, ReadFloor)) and side.is_unstable():
-            retakes = side.retakes or 0
-            after = f" after {retakes} retake{'s' if retakes != 1 else ''}"
+            retakes = side.retakes
+            plural = "" if retakes == 1 else "s"
+            after = "" if retakes is None else f" after {retakes} retake{plural}"
             return (
                 f"{name.split(' (')[0]} unstable: IQR {100 * side.iqr_ms / side.median_ms:.0f}% "
                 f"of the median{after}; rerun the bench"
