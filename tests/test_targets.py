@@ -495,7 +495,11 @@ def test_a_ratio_of_an_unstable_timing_is_not_judged_and_names_the_spread():
 def test_bench_md_and_the_report_mark_an_unstable_timing(tmp_path, fixture_checkout):
     record = on_card(bench_record(cases=unstable_matrix()), "NVIDIA H100 80GB HBM3")
     record.cases[6].retakes = 2
+    record.timing = dataclasses.replace(record.timing, unstable_spread=0.25, retakes=2)
+    benchrecords.write(record, tmp_path / "bench.json")  # the new fields follow the schema
+    assert benchrecords.load(tmp_path / "bench.json") == record
     text = benchmd.render_markdown(record)
+    assert "is measured again, up to 2 times (‡: still over it)" in text.splitlines()[3]
     row = next(line for line in text.splitlines() if "| fwd-fp16-d64-h8-b1-s512-full |" in line)
     assert row.startswith("| fwd-fp16-d64-h8-b1-s512-full | 0.0651 (0.12)‡ |")
     row = next(line for line in text.splitlines() if "| bwd-bf16-d64-h32-b8-s2048-full |" in line)

@@ -110,7 +110,7 @@ from .baselines import Abort, build_checkout, first_call, our_call
 from .benchmatrix import select
 from .benchrecords import BenchRecord, Ceilings, Commit, Gpu, Measured, NotMeasured, TimingSetup
 from .cases import Case, make_inputs, parse_case_id
-from .measure import ROUNDS, run_case
+from .measure import RETAKES, ROUNDS, run_case
 from .targetcases import Target
 from .targetmeasure import run_target
 from .timing import (
@@ -155,7 +155,12 @@ def run_matrix(
         **machine.versions(device),
         commit=Commit(commit["sha"], commit["dirty"]) if commit["sha"] else None,
         timing=TimingSetup(
-            timer.method, timer.flush_bytes, **dataclasses.asdict(config), rounds=ROUNDS
+            timer.method,
+            timer.flush_bytes,
+            **dataclasses.asdict(config),
+            rounds=ROUNDS,
+            unstable_spread=stats.UNSTABLE_SPREAD,
+            retakes=RETAKES,
         ),
         ceilings=Ceilings.from_json(ceilings),
         cases=[],

@@ -66,6 +66,13 @@ def _header_lines(record: BenchRecord) -> list[str]:
             if timing.rounds
             else ""
         )
+        + (
+            f"; a case with a timing whose IQR exceeds {100 * timing.unstable_spread:.0f}% of its "
+            f"median is measured again, up to {timing.retakes} times "
+            f"({targets.UNSTABLE_MARK}: still over it)"
+            if timing.unstable_spread is not None
+            else ""
+        )
         + ". vs X = X's time / ours (above 1: ours is faster); the read floor "
         "(decode on CUDA) is a bare read of the case's K and V.",
         f"Ceilings measured in this run: copy {_num(copy and copy.gbps, '.0f')} GB/s, "

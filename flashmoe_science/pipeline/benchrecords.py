@@ -60,6 +60,9 @@ class TimingSetup:
     estimate_calls: int
     # ours and the baselines timed in turn over this many rounds (older records: one after another)
     rounds: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # the spread rule (stats.UNSTABLE_SPREAD) and the retakes it allowed (older records: none)
+    unstable_spread: float | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass

@@ -9,6 +9,11 @@ column alike (a steady drift cancels over each pair of rounds), as --base does f
 base. (Timed one after another, the same cuDNN kernel differed by up to 11% between the
 cuDNN and default columns of one H100 run; benches/NOTES.md v3.1.)
 
+A case whose timing of ours or of any baseline shows a disturbance (an IQR over
+stats.UNSTABLE_SPREAD of its median) is measured again whole, up to RETAKES times, and keeps its
+least disturbed attempt; the record says how often, and which columns stayed unstable (their
+ratios are then not judged: pipeline.targets).
+
 Read floor ("read_floor"): the fastest of a few Triton kernels that only read the case's K and V
 (flashmoe_science.pipeline.readfloor). No decode kernel is expected to beat it by much, so SDPA's
 time over it bounds what any kernel can gain on SDPA there.
@@ -117,8 +122,9 @@ def _disturbance(results: dict[str, Result]) -> tuple[int, float]:
 
 
 def _spread_text(results: dict[str, Result], names: list[str]) -> str:
+    spreads = (stats.spread(results[n].median_ms, results[n].iqr_ms) for n in names)
     return ", ".join(
-        f"{name} IQR {100 * results[name].iqr_ms / results[name].median_ms:.0f}%" for name in names
+        f"{name} IQR {100 * spread:.0f}%" for name, spread in zip(names, spreads, strict=True)
     )
 
 
