@@ -177,9 +177,10 @@ def unstable_reason(*sides) -> str:
             retakes = side.retakes
             plural = "" if retakes == 1 else "s"
             after = "" if retakes is None else f" after {retakes} retake{plural}"
+            spread = stats.spread(side.median_ms, side.iqr_ms)
             return (
-                f"{name.split(' (')[0]} unstable: IQR {100 * side.iqr_ms / side.median_ms:.0f}% "
-                f"of the median{after}; rerun the bench"
+                f"{name.split(' (')[0]} unstable: IQR {100 * spread:.0f}% of the median{after}; "
+                "rerun the bench"
             )
     return ""
 
