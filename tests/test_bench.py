@@ -387,7 +387,7 @@ def test_read_floor_is_the_fastest_read_and_missing_triton_is_a_record(monkeypat
     config = timing.TimingConfig.for_device("cpu", warmup_ms=1, rep_ms=1)
     calls = {"a": timed(0.05), "b": timed(0.02), "c": timed(0.04)}
     floor = measure.read_floor(case, None, "cpu", PerCallTimer(), config, calls=calls)
-    assert floor == benchrecords.ReadFloor(median_ms=0.02, gbps=3355, config="b")
+    assert floor == benchrecords.ReadFloor(median_ms=0.02, gbps=3355, config="b", iqr_ms=0.0)
     assert floor.gbps == round(case.kv_bytes / 0.02e-3 / 1e9)  # 64 MiB of K and V
 
     def broken():
@@ -499,6 +499,94 @@ def test_a_call_that_fails_in_a_later_round_becomes_its_record(monkeypatch):
     got = measure.measure_interleaved(calls, case, "cpu", timer, config, {}, rounds=3)
     assert got["ours"].status == "ok"
     assert got["fails"] == benchrecords.NotMeasured("error", "RuntimeError: CUDA out of memory")
+
+
+class DisturbedTimer:
+    """Every other sample of the kernel named `victim` is `factors[i]` times slower during attempt
+    i of a case (CALLS_PER_ATTEMPT calls to time() each): a disturbance that may or may not pass."""
+
+    method, flush_bytes = "fake", 0
+    CALLS_PER_ATTEMPT = 5 * measure.ROUNDS * 2  # ours and 4 baselines, an estimate and a timing
+
+    def __init__(self, factors, victim="ours"):
+        self.factors, self.victim, self.calls = factors, victim, 0
+
+    def warm(self, fn, count):
+        pass
+
+    def time(self, fn, count, flush=True):
+        factor = self.factors[min(self.calls // self.CALLS_PER_ATTEMPT, len(self.factors) - 1)]
+        self.calls += 1
+        slow = factor if fn.name == self.victim else 1.0
+        return [fn.ms * (slow if i % 2 else 1.0) for i in range(count)]
+
+
+def disturbed_case(monkeypatch, factors):
+    """run_case on fake kernels (ours 10 us, every SDPA backend 12 us) under a DisturbedTimer; the
+    record and the progress lines it printed."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setattr(measure, "make_inputs", lambda case, device: None)
+    monkeypatch.setattr(measure, "our_call", lambda case, x: _kernel("ours", 0.010))
+    monkeypatch.setattr(measure, "sdpa_call", lambda case, x: (_kernel("sdpa", 0.012), None))
+    case = cases.parse_case_id("fwd-fp16-d64-h1-b1-s512-full")
+    config = timing.TimingConfig(
+        warmup_ms=0, rep_ms=1, min_warmup=0, min_reps=8, max_reps=8, estimate_calls=1
+    )
+    said = []
+    timer = DisturbedTimer(factors)
+    entry = measure.run_case(case, "cpu", timer, config, {}, baselines=True, say=said.append)
+    return entry, said, timer
+
+
+def test_a_disturbed_case_is_retaken_whole_and_the_retake_is_recorded(monkeypatch):
+    entry, said, timer = disturbed_case(monkeypatch, [5.0, 1.0, 1.0])
+    assert timer.calls == 2 * DisturbedTimer.CALLS_PER_ATTEMPT  # every column timed again
+    assert said == [
+        "  retaking fwd-fp16-d64-h1-b1-s512-full (1 of 2): ours IQR 133% of the median, over 25%"
+    ]
+    assert entry.retakes == 1 and entry.unstable is None
+    assert entry.ours.median_ms == 0.01 and entry.ours.iqr_ms == 0 and entry.ours.retakes == 1
+    for name in benchrecords.BASELINE_NAMES:  # the ratios come from the clean attempt
+        assert entry.baselines[name].ratio == 1.2 and entry.baselines[name].retakes == 1
+    assert list(definition_validator("case").iter_errors(benchrecords.to_json(entry))) == []
+    # an undisturbed case is taken once and says nothing
+    entry, said, timer = disturbed_case(monkeypatch, [1.0])
+    assert timer.calls == DisturbedTimer.CALLS_PER_ATTEMPT and said == []
+    assert entry.retakes is None and entry.ours.retakes is None
+    assert "retakes" not in benchrecords.to_json(entry)
+
+
+def test_a_case_that_stays_disturbed_keeps_its_least_disturbed_attempt_and_is_not_judged(
+    monkeypatch,
+):
+    from flashmoe_science.pipeline import targets
+
+    # 1.4: a spread of 33%, still unstable, but less than the retakes' 133%
+    entry, said, timer = disturbed_case(monkeypatch, [1.4, 5.0, 5.0])
+    assert timer.calls == 3 * DisturbedTimer.CALLS_PER_ATTEMPT and len(said) == 2
+    assert said[1].startswith("  retaking fwd-fp16-d64-h1-b1-s512-full (2 of 2): ours IQR 33%")
+    assert entry.retakes == 2 and entry.unstable == ["ours"]
+    assert entry.ours.iqr_ms == pytest.approx(0.004) and entry.ours.retakes == 2
+    assert bench._progress_text(entry).endswith("; still unstable: ours, not judged")
+    default = entry.baselines["sdpa-default"]
+    sides = (("ours", entry.ours), ("SDPA default", default))
+    verdict = targets.judge(entry.id, targets.SMALL_VS_DEFAULT, default.ratio, 1.0, False, sides)
+    assert verdict.status == targets.NOT_JUDGED
+    assert verdict.reason == "ours unstable: IQR 33% of the median after 2 retakes; rerun the bench"
+    # the retakes are recorded; the record reads back as it was written
+    doc = json.loads(json.dumps(benchrecords.to_json(entry)))
+    assert doc["retakes"] == 2 and doc["unstable"] == ["ours"] and doc["ours"]["retakes"] == 2
+    assert list(definition_validator("case").iter_errors(doc)) == []
+    assert benchrecords.case_from_json(doc) == entry
+    # a record written before the retakes existed still loads, with none recorded
+    for key in ("retakes", "unstable"):
+        del doc[key]
+    for result in (doc["ours"], *doc["baselines"].values()):
+        del result["retakes"]
+    assert list(definition_validator("case").iter_errors(doc)) == []
+    old = benchrecords.case_from_json(doc)
+    assert old.retakes is None and old.unstable is None and old.ours.retakes is None
+    assert list(definition_validator("case").iter_errors({**doc, "retakes": -1}))
 
 
 def test_benchmark_caps_the_repeats_and_honours_a_fixed_count(monkeypatch):

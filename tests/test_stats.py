@@ -122,3 +122,21 @@ def test_too_few_samples_fall_back_to_the_threshold_alone():
     assert verdict.p_value is None
     assert verdict.verdict == stats.REGRESSION
     assert verdict.to_dict()["test"] == "threshold-only"
+
+
+@pytest.mark.parametrize(
+    ("median", "iqr", "unstable"),
+    [
+        (0.0651, 0.12, True),  # the H100 small case a disturbance hit: 184% (10 us in other runs)
+        (0.0119, 0.00084, False),  # a ~12 us case's ordinary jitter: 7%
+        (1.26, 0.16, False),  # the widest undisturbed spread of that run: 13%
+        (0.010, 0.0025, False),  # exactly at the limit: a 10 us case may jitter by 2.5 us
+        (0.010, 0.0026, True),
+        (0.0, 0.0, True),  # a zero median says nothing
+    ],
+)
+def test_a_timing_is_unstable_when_its_iqr_exceeds_a_quarter_of_its_median(median, iqr, unstable):
+    assert stats.UNSTABLE_SPREAD == 0.25
+    assert stats.unstable(median, iqr) is unstable
+    assert stats.spread(0.0651, 0.12) == pytest.approx(1.843, abs=1e-3)
+    assert stats.unstable(0.0119, 0.00084, limit=0.05)  # the limit is a parameter

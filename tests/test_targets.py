@@ -441,6 +441,92 @@ def test_a_missing_side_and_the_cpu_backend_are_not_judged_with_the_reason():
     assert targets.counts(found) == {targets.MET: 0, targets.MISSED: 0, targets.NOT_JUDGED: 3}
 
 
+def disturbed(result, iqr_ms: float, retakes: int | None = 2):
+    """`result` with this IQR (over a quarter of its median: unstable) after `retakes` retakes."""
+    return dataclasses.replace(result, iqr_ms=iqr_ms, retakes=retakes)
+
+
+def unstable_matrix() -> list:
+    """MATRIX with the small case's timing of ours and one backward case's SDPA flash disturbed."""
+    found = copy.deepcopy(MATRIX)
+    small = next(c for c in found if c.group == "small")
+    small.ours = disturbed(dataclasses.replace(small.ours, median_ms=0.0651), 0.12)
+    backward = next(c for c in found if c.id == "bwd-bf16-d64-h32-b8-s2048-full")
+    flash = backward.baselines["sdpa-flash"]
+    backward.baselines["sdpa-flash"] = disturbed(flash, flash.median_ms, retakes=None)
+    return found
+
+
+def test_a_ratio_of_an_unstable_timing_is_not_judged_and_names_the_spread():
+    record = on_card(bench_record(cases=unstable_matrix()), "NVIDIA H100 80GB HBM3")
+    found = {(v.id, v.what): v for v in targets.verdicts(record)}
+    small = found[("fwd-fp16-d64-h8-b1-s512-full", targets.SMALL_VS_DEFAULT)]
+    assert (small.status, small.ratio) == (targets.NOT_JUDGED, 0.96)  # was missed
+    assert small.reason == "ours unstable: IQR 184% of the median after 2 retakes; rerun the bench"
+    case = found[("bwd-bf16-d64-h32-b8-s2048-full", targets.BACKWARD_VS_FLASH)]
+    assert case.status == targets.NOT_JUDGED  # was met; an older record: no retakes to tell
+    assert case.reason == "SDPA flash unstable: IQR 100% of the median; rerun the bench"
+    # a geomean with an unjudgeable case is shown, not judged, as one with a missing ratio
+    backward = found[("backward: 2 of 2 cases", targets.BACKWARD_GEOMEAN)]
+    assert backward.status == targets.NOT_JUDGED and backward.ratio == pytest.approx(0.72**0.5)
+    assert backward.reason == "1 of 2 cases unstable (IQR over 25% of the median); rerun the bench"
+    stable = found[("bwd-bf16-d128-h16-b8-s2048-causal", targets.BACKWARD_VS_FLASH)]
+    assert stable.status == targets.MISSED  # the other case is judged as before
+    # the read floor and the paged targets' sides too
+    floor_case = decode_case(4, 16384, 0.95)
+    floor_case.read_floor.iqr_ms = 0.2  # of 0.5 ms
+    paged = paged_record(64, 0.99, 0.95)
+    paged.contiguous = disturbed(paged.contiguous, 0.3, retakes=1)
+    found = {
+        (v.id, v.what): v for v in targets.verdicts(bench_record(cases=[floor_case], found=[paged]))
+    }
+    floor = found[(floor_case.id, targets.DECODE_VS_FLOOR)]
+    assert floor.status == targets.NOT_JUDGED
+    assert floor.reason == "read floor unstable: IQR 40% of the median; rerun the bench"
+    assert found[(paged.id, targets.PAGED_VS_FLOOR)].status == targets.MET  # both sides stable
+    for what in (targets.PAGED_VS_CONTIGUOUS, targets.CONTIGUOUS_VS_FLOOR):
+        verdict = found[(paged.id, what)]
+        assert verdict.status == targets.NOT_JUDGED
+        assert verdict.reason == (
+            "contiguous unstable: IQR 30% of the median after 1 retake; rerun the bench"
+        )
+
+
+def test_bench_md_and_the_report_mark_an_unstable_timing(tmp_path, fixture_checkout):
+    record = on_card(bench_record(cases=unstable_matrix()), "NVIDIA H100 80GB HBM3")
+    record.cases[6].retakes = 2
+    record.timing = dataclasses.replace(record.timing, unstable_spread=0.25, retakes=2)
+    benchrecords.write(record, tmp_path / "bench.json")  # the new fields follow the schema
+    assert benchrecords.load(tmp_path / "bench.json") == record
+    text = benchmd.render_markdown(record)
+    assert "is measured again, up to 2 times (‡: still over it)" in text.splitlines()[3]
+    row = next(line for line in text.splitlines() if "| fwd-fp16-d64-h8-b1-s512-full |" in line)
+    assert row.startswith("| fwd-fp16-d64-h8-b1-s512-full | 0.0651 (0.12)‡ |")
+    row = next(line for line in text.splitlines() if "| bwd-bf16-d64-h32-b8-s2048-full |" in line)
+    assert "x‡ |" in row  # the SDPA flash column
+    assert (
+        "‡ IQR over 25% of the median, a disturbed timing: 2 of 9 cases unstable, 1 retaken; "
+        "their ratios are not judged, rerun the bench." in text
+    )
+    assert (
+        "| fwd-fp16-d64-h8-b1-s512-full | SDPA default / ours | 0.96x | not judged (ours unstable: "
+        "IQR 184% of the median after 2 retakes; rerun the bench) |" in text
+    )
+    assert "‡" not in benchmd.render_markdown(on_card(bench_record(cases=MATRIX), "NVIDIA H100"))
+
+    def disturb(doc):
+        doc["cases"][-1]["ours"]["iqr_ms"] = 0.03  # of 0.0208 ms
+        doc["cases"][-1]["retakes"], doc["cases"][-1]["unstable"] = 2, ["ours"]
+        doc["targets"][1]["ours"]["iqr_ms"] = 0.5  # of 0.73 ms
+
+    _, text = write_reports(tmp_path, disturb)
+    assert f"| bench | 10 cases, 1 unstable, 0.97{report.TIMES} SDPA default (geo-mean)" in text
+    assert "| `fwd-fp16-d64-h8-b1-s128-full` | 0.0208 ± 0.03‡ |" in text
+    assert "2 of 10 cases unstable" not in text and "1 of 10 cases unstable, 1 retaken" in text
+    assert "| `paged-fp16-d128-h32kv8-b8-k4096-page16` | 128 MiB | 0.73‡ |" in text
+    assert "1 of 5 cases unstable;" in text  # the speed targets' own note
+
+
 def test_verdict_text_names_the_case_the_ratio_and_the_target():
     (verdict,) = targets.target_verdicts(varlen_record(0.9), cpu=False)
     assert verdict.text() == (

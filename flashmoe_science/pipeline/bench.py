@@ -110,7 +110,7 @@ from .baselines import Abort, build_checkout, first_call, our_call
 from .benchmatrix import select
 from .benchrecords import BenchRecord, Ceilings, Commit, Gpu, Measured, NotMeasured, TimingSetup
 from .cases import Case, make_inputs, parse_case_id
-from .measure import ROUNDS, run_case
+from .measure import RETAKES, ROUNDS, run_case
 from .targetcases import Target
 from .targetmeasure import run_target
 from .timing import (
@@ -155,13 +155,18 @@ def run_matrix(
         **machine.versions(device),
         commit=Commit(commit["sha"], commit["dirty"]) if commit["sha"] else None,
         timing=TimingSetup(
-            timer.method, timer.flush_bytes, **dataclasses.asdict(config), rounds=ROUNDS
+            timer.method,
+            timer.flush_bytes,
+            **dataclasses.asdict(config),
+            rounds=ROUNDS,
+            unstable_spread=stats.UNSTABLE_SPREAD,
+            retakes=RETAKES,
         ),
         ceilings=Ceilings.from_json(ceilings),
         cases=[],
     )
     for index, case in enumerate(cases, 1):
-        entry = run_case(case, device, timer, config, ceilings, baselines)
+        entry = run_case(case, device, timer, config, ceilings, baselines, say=say)
         record.cases.append(entry)
         elapsed = time.monotonic() - start
         say(f"[{index}/{total}] {case.id} ... {_progress_text(entry)} ({elapsed:.1f} s elapsed)")
@@ -196,6 +201,8 @@ def _progress_text(entry) -> str:
     default = entry.baselines.get("sdpa-default")
     if isinstance(default, Measured) and default.ratio:
         text += f" (sdpa-default {default.median_ms:.4g} ms, x{default.ratio:.3g})"
+    if entry.unstable:
+        text += f"; still unstable: {', '.join(entry.unstable)}, not judged"
     return text
 
 

@@ -17,10 +17,12 @@ from .benchrecords import (
     ReadFloor,
 )
 
+_mark = targets.unstable_mark
+
 
 def _ms(result) -> str:
     return (
-        f"{result.median_ms:.4g} ({result.iqr_ms:.2g})"
+        f"{result.median_ms:.4g} ({result.iqr_ms:.2g}){_mark(result)}"
         if isinstance(result, Measured)
         else result.status
     )
@@ -29,7 +31,9 @@ def _ms(result) -> str:
 def _ratio(result) -> str:
     if result is None:
         return "-"
-    return f"{result.ratio:.2f}x" if getattr(result, "ratio", None) else result.status
+    if getattr(result, "ratio", None):
+        return f"{result.ratio:.2f}x{_mark(result)}"
+    return result.status
 
 
 def _mib(value: int | None) -> str:
@@ -60,6 +64,13 @@ def _header_lines(record: BenchRecord) -> list[str]:
         + (
             f" of ours and each baseline, timed in turn over {timing.rounds} interleaved rounds"
             if timing.rounds
+            else ""
+        )
+        + (
+            f"; a case with a timing whose IQR exceeds {100 * timing.unstable_spread:.0f}% of its "
+            f"median is measured again, up to {timing.retakes} times "
+            f"({targets.UNSTABLE_MARK}: still over it)"
+            if timing.unstable_spread is not None
             else ""
         )
         + ". vs X = X's time / ours (above 1: ours is faster); the read floor "
@@ -112,6 +123,8 @@ def render_markdown(record: BenchRecord) -> str:
                 reasons.setdefault(f"{name} {result.status}", set()).add(result.reason[:200])
     for what, texts in sorted(reasons.items()):
         lines += ["", f"{what}: " + " / ".join(sorted(texts)[:3])]
+    note = targets.records_note(record.cases)
+    lines += ["", note] if note else []
     lines += render_targets(record)
     if record.comparison:
         lines += ["", *render_comparison(record.comparison)]
@@ -131,7 +144,7 @@ _x, _cell, _judged = targets.PLAIN.ratio, targets.PLAIN.verdict, targets.PLAIN.j
 
 def _side_ms(result) -> str:
     if isinstance(result, (Measured, ReadFloor)):
-        return f"{result.median_ms:.4g}"
+        return f"{result.median_ms:.4g}{_mark(result)}"
     return "-" if result is None else result.status
 
 
@@ -326,6 +339,8 @@ def render_targets(record: BenchRecord) -> list[str]:
         missed.append(f"{missed_cases} of {len(per_case)} matrix cases (the table above)")
     if missed:
         lines += ["", "Missed:", *(f"- {text}" for text in missed)]
+    note = targets.records_note(record.targets or [])
+    lines += ["", note] if note else []
     reasons: dict[str, set[str]] = {}
     for t in record.targets or []:
         for name in ("ours", "dense", "contiguous", "sdpa", "read_floor"):

@@ -60,6 +60,9 @@ class TimingSetup:
     estimate_calls: int
     # ours and the baselines timed in turn over this many rounds (older records: one after another)
     rounds: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # the spread rule (stats.UNSTABLE_SPREAD) and the retakes it allowed (older records: none)
+    unstable_spread: float | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass
@@ -114,7 +117,12 @@ class Measured:
     ratio: float | None = dataclasses.field(
         default=None, metadata=OPTIONAL
     )  # baselines: their median / ours
+    # how often its measurement was retaken for a spread that showed a disturbance
+    retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     status: str = "ok"
+
+    def is_unstable(self) -> bool:
+        return stats.unstable(self.median_ms, self.iqr_ms)
 
 
 @dataclasses.dataclass
@@ -131,7 +139,12 @@ class ReadFloor:
     gbps: float | None
     config: str
     ratio: float | None = dataclasses.field(default=None, metadata=OPTIONAL)  # its time / ours
+    iqr_ms: float | None = dataclasses.field(default=None, metadata=OPTIONAL)  # older records: none
+    retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     status: str = "ok"
+
+    def is_unstable(self) -> bool:
+        return self.iqr_ms is not None and stats.unstable(self.median_ms, self.iqr_ms)
 
 
 Result = Measured | NotMeasured
@@ -163,6 +176,10 @@ class CaseRecord:
     cache_seqlens: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
     deterministic: bool | None = dataclasses.field(default=None, metadata=OPTIONAL)
     scores: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # the interleaved measurement retaken this often for a disturbed spread (older records: none)
+    retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # the columns ("ours", baseline names) whose spread stayed over stats.UNSTABLE_SPREAD
+    unstable: list[str] | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass

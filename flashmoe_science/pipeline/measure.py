@@ -9,6 +9,11 @@ column alike (a steady drift cancels over each pair of rounds), as --base does f
 base. (Timed one after another, the same cuDNN kernel differed by up to 11% between the
 cuDNN and default columns of one H100 run; benches/NOTES.md v3.1.)
 
+A case whose timing of ours or of any baseline shows a disturbance (an IQR over
+stats.UNSTABLE_SPREAD of its median) is measured again whole, up to RETAKES times, and keeps its
+least disturbed attempt; the record says how often, and which columns stayed unstable (their
+ratios are then not judged: pipeline.targets).
+
 Read floor ("read_floor"): the fastest of a few Triton kernels that only read the case's K and V
 (flashmoe_science.pipeline.readfloor). No decode kernel is expected to beat it by much, so SDPA's
 time over it bounds what any kernel can gain on SDPA there.
@@ -21,7 +26,7 @@ import math
 
 import torch
 
-from . import readfloor
+from . import readfloor, stats
 from .baselines import BASELINES, backend_context, first_call, is_refusal, our_call, sdpa_call
 from .benchrecords import CaseRecord, Measured, NotMeasured, ReadFloor, Result
 from .cases import Case, Inputs, make_inputs
@@ -29,6 +34,10 @@ from .stats import sig, summarize
 from .timing import Timing, TimingConfig, benchmark, first_line, peak_memory_bytes
 
 ROUNDS = 4
+# A case whose spread shows a disturbance is timed again at most this often: a disturbance (another
+# process, a clock change) lasts a moment, so one retake usually clears it; the second covers one
+# that spans a retake, and a third would add only time to a case that stays disturbed.
+RETAKES = 2
 
 
 def figures(case: Case, timing: Timing, ceilings: dict, peak: int | None) -> Measured:
@@ -54,15 +63,15 @@ def figures(case: Case, timing: Timing, ceilings: dict, peak: int | None) -> Mea
 
 
 def measure(
-    fn, backend, case: Case, device: str, timer, config: TimingConfig, ceilings: dict
+    fn, backend, case: Case, device: str, timer, config: TimingConfig, ceilings: dict, say=None
 ) -> Result:
     """Time one implementation on one case; a refusal or a failure becomes a record, not a raise."""
     calls = {"it": (fn, backend)}
-    return measure_interleaved(calls, case, device, timer, config, ceilings, rounds=1)["it"]
+    return measure_interleaved(calls, case, device, timer, config, ceilings, 1, say=say)["it"]
 
 
 def read_floor(
-    case: Case, x: Inputs, device: str, timer, config: TimingConfig, calls=None
+    case: Case, x: Inputs, device: str, timer, config: TimingConfig, calls=None, say=None
 ) -> ReadFloor | NotMeasured:
     """The fastest of readfloor's pure reads of this case's K and V, each measured as the cases
     are (`measure`): what any decode kernel that reads those bytes could reach on this card."""
@@ -72,13 +81,19 @@ def read_floor(
         return NotMeasured("unsupported", f"the read floor needs Triton: {exc}")
     best = None
     for name, fn in calls.items():
-        result = measure(fn, None, case, device, timer, config, {})
+        result = measure(fn, None, case, device, timer, config, {}, say=say)
         if isinstance(result, NotMeasured):
             return NotMeasured(result.status, f"{name}: {result.reason}")
-        if best is None or result.median_ms < best[1]:
-            best = (name, result.median_ms)
-    name, median_ms = best
-    return ReadFloor(median_ms=median_ms, gbps=sig(case.kv_bytes / median_ms / 1e6, 4), config=name)
+        if best is None or result.median_ms < best[1].median_ms:
+            best = (name, result)
+    name, fastest = best
+    return ReadFloor(
+        median_ms=fastest.median_ms,
+        gbps=sig(case.kv_bytes / fastest.median_ms / 1e6, 4),
+        config=name,
+        iqr_ms=fastest.iqr_ms,
+        retakes=fastest.retakes,
+    )
 
 
 def round_config(config: TimingConfig, rounds: int) -> TimingConfig:
@@ -92,14 +107,70 @@ def round_config(config: TimingConfig, rounds: int) -> TimingConfig:
     )
 
 
-def measure_interleaved(
-    calls: dict, case: Case, device: str, timer, config: TimingConfig, ceilings: dict, rounds: int
+def unstable_names(results: dict[str, Result]) -> list[str]:
+    """The measured results whose spread shows a disturbance (stats.unstable)."""
+    return [name for name, r in results.items() if isinstance(r, Measured) and r.is_unstable()]
+
+
+def _disturbance(results: dict[str, Result]) -> tuple[int, float]:
+    """How disturbed one attempt was: its failures, then its widest spread (lower is better)."""
+    failures = sum(isinstance(r, NotMeasured) for r in results.values())
+    spreads = [
+        stats.spread(r.median_ms, r.iqr_ms) for r in results.values() if isinstance(r, Measured)
+    ]
+    return failures, max(spreads, default=0.0)
+
+
+def _spread_text(results: dict[str, Result], names: list[str]) -> str:
+    spreads = (stats.spread(results[n].median_ms, results[n].iqr_ms) for n in names)
+    return ", ".join(
+        f"{name} IQR {100 * spread:.0f}%" for name, spread in zip(names, spreads, strict=True)
+    )
+
+
+def _timed_rounds(
+    live: dict, case: Case, timer, config: TimingConfig, ceilings: dict, rounds: int
 ) -> dict[str, Result]:
-    """Time each of calls {name: (fn, backend)} in `rounds` interleaved rounds, every other one in
-    reverse order; the results in the order of calls. A refusal or a failure (in any round)
-    becomes that name's record."""
+    """One attempt: each of live {name: (fn, backend, peak)} timed in `rounds` interleaved rounds,
+    every other one in reverse order; a failure in any round becomes that name's record."""
+    samples: dict[str, list[float]] = {name: [] for name in live}
+    failed: dict[str, Result] = {}
+    per_round = round_config(config, rounds)
+    for index in range(rounds):
+        order = [item for item in live.items() if item[0] not in failed]
+        for name, (fn, backend, _) in order[::-1] if index % 2 else order:
+            with backend_context(backend):
+                try:
+                    samples[name] += benchmark(fn, timer, per_round).samples_ms
+                except RuntimeError as exc:  # out of memory, or a failure only repetition shows
+                    failed[name] = NotMeasured("error", first_line(exc))
+    return {
+        name: failed.get(name)
+        or figures(case, Timing(samples[name], summarize(samples[name])), ceilings, peak)
+        for name, (_, _, peak) in live.items()
+    }
+
+
+def measure_interleaved(
+    calls: dict,
+    case: Case,
+    device: str,
+    timer,
+    config: TimingConfig,
+    ceilings: dict,
+    rounds: int,
+    retakes: int = RETAKES,
+    say=None,
+) -> dict[str, Result]:
+    """Time each of calls {name: (fn, backend)} in `rounds` interleaved rounds (`_timed_rounds`);
+    the results in the order of calls. A refusal or a failure becomes that name's record.
+
+    While any result's spread shows a disturbance (stats.unstable), all of them are timed again,
+    up to `retakes` times, and the least disturbed attempt is kept whole: every ratio stays between
+    columns of one attempt, and a disturbance that comes back on a retake does not replace a clean
+    attempt. Each measured result records the retakes taken."""
     results: dict[str, Result] = {}
-    live: dict[str, tuple] = {}  # name -> (fn, backend, peak, samples)
+    live: dict[str, tuple] = {}  # name -> (fn, backend, peak)
     for name, (fn, backend) in calls.items():
         with backend_context(backend):
             problem = first_call(fn)
@@ -108,21 +179,26 @@ def measure_interleaved(
                 results[name] = NotMeasured(status, problem)
                 continue
             try:
-                live[name] = (fn, backend, peak_memory_bytes(fn, device), [])
+                live[name] = (fn, backend, peak_memory_bytes(fn, device))
             except RuntimeError as exc:
                 results[name] = NotMeasured("error", first_line(exc))
-    per_round = round_config(config, rounds)
-    for index in range(rounds):
-        order = list(live.items())
-        for name, (fn, backend, _, samples) in order[::-1] if index % 2 else order:
-            with backend_context(backend):
-                try:
-                    samples += benchmark(fn, timer, per_round).samples_ms
-                except RuntimeError as exc:  # out of memory, or a failure only repetition shows
-                    results[name] = NotMeasured("error", first_line(exc))
-                    del live[name]
-    for name, (_, _, peak, samples) in live.items():
-        results[name] = figures(case, Timing(samples, summarize(samples)), ceilings, peak)
+    kept = _timed_rounds(live, case, timer, config, ceilings, rounds)
+    taken = 0
+    while taken < retakes and unstable_names(kept):
+        taken += 1
+        if say:
+            names = unstable_names(kept)
+            say(
+                f"  retaking {case.id} ({taken} of {retakes}): {_spread_text(kept, names)} of the "
+                f"median, over {100 * stats.UNSTABLE_SPREAD:.0f}%"
+            )
+        attempt = _timed_rounds(live, case, timer, config, ceilings, rounds)
+        if _disturbance(attempt) < _disturbance(kept):
+            kept = attempt
+    for result in kept.values():
+        if isinstance(result, Measured) and taken:
+            result.retakes = taken
+    results.update(kept)
     return {name: results[name] for name in calls}
 
 
@@ -134,6 +210,7 @@ def run_case(
     ceilings: dict,
     baselines: bool,
     rounds: int = ROUNDS,
+    say=None,
 ) -> CaseRecord:
     x = make_inputs(case, device)
     calls = {"ours": (our_call(case, x), None)}
@@ -144,7 +221,9 @@ def run_case(
             calls[name] = (fn, backend)
         else:
             unsupported[name] = NotMeasured("unsupported", reason)
-    measured = measure_interleaved(calls, case, device, timer, config, ceilings, rounds)
+    measured = measure_interleaved(calls, case, device, timer, config, ceilings, rounds, say=say)
+    still = unstable_names(measured)
+    retakes = next((r.retakes for r in measured.values() if isinstance(r, Measured)), None)
     record = CaseRecord(
         id=case.id,
         **case.to_dict(),
@@ -152,10 +231,12 @@ def run_case(
         bytes=case.bytes_moved,
         ours=measured.pop("ours"),
         baselines={},
+        retakes=retakes,
+        unstable=still or None,
     )
     ours = record.ours if isinstance(record.ours, Measured) else None
     if case.kind == "decode" and device == "cuda":
-        floor = read_floor(case, x, device, timer, config)
+        floor = read_floor(case, x, device, timer, config, say=say)
         if isinstance(floor, ReadFloor) and ours:
             floor.ratio = sig(floor.median_ms / ours.median_ms, 4)
         record.read_floor = floor

@@ -18,7 +18,9 @@ and on an H100, where they were set, the matrix's (automatic configuration):
 On another card or the CPU these show as their geomeans, not judged.
 The small model's prefill and decode ratios have no target: they are shown beside the verdicts.
 
-Timings of the CPU backend check the plumbing only: their verdicts are "not judged".
+Timings of the CPU backend check the plumbing only: their verdicts are "not judged". So is a
+ratio whose timing (ours, the other's, the read floor) stayed unstable after its retakes
+(stats.unstable): its tables mark that timing with UNSTABLE_MARK.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import gpukinds
+from . import gpukinds, stats
 from .benchrecords import (
     BenchRecord,
     CaseRecord,
@@ -73,6 +75,40 @@ BACKWARD_GEOMEAN = "geomean SDPA flash / ours"
 BACKWARD_VS_FLASH = "SDPA flash / ours"
 MATRIX_CASE_LABELS = (PREFILL_VS_CUDNN, TFLOPS_VS_TARGET, SMALL_VS_DEFAULT, BACKWARD_VS_FLASH)
 MATRIX_LABELS = (PREFILL_GEOMEAN, BACKWARD_GEOMEAN, *MATRIX_CASE_LABELS)
+UNSTABLE_MARK = "‡"  # beside a timing whose spread stayed over stats.UNSTABLE_SPREAD
+
+
+def unstable_mark(result) -> str:
+    """UNSTABLE_MARK for a measured result whose spread shows a disturbance, else ""."""
+    unstable = isinstance(result, (Measured, ReadFloor)) and result.is_unstable()
+    return UNSTABLE_MARK if unstable else ""
+
+
+def unstable_note(unstable: int, total: int, retaken: int) -> str:
+    """The footnote of UNSTABLE_MARK: how many of `total` cases stayed unstable, how many were
+    retaken; "" when neither happened."""
+    if not unstable and not retaken:
+        return ""
+    again = f", {retaken} retaken" if retaken else ""
+    return (
+        f"{UNSTABLE_MARK} IQR over {100 * stats.UNSTABLE_SPREAD:.0f}% of the median, a disturbed "
+        f"timing: {unstable} of {total} cases unstable{again}; their ratios are not judged, rerun "
+        "the bench."
+    )
+
+
+def timings(record) -> list:
+    """The timings a matrix case's or a target record's ratios are taken from."""
+    if isinstance(record, CaseRecord):
+        return [record.ours, *record.baselines.values(), record.read_floor]
+    return [getattr(record, name, None) for name in ("ours", "dense", "contiguous", "read_floor")]
+
+
+def records_note(records: list) -> str:
+    """unstable_note for matrix cases or target records."""
+    unstable = sum(any(map(unstable_mark, timings(r))) for r in records)
+    retaken = sum(any(getattr(t, "retakes", None) for t in timings(r)) for r in records)
+    return unstable_note(unstable, len(records), retaken)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +169,34 @@ def _why_not(*sides) -> str:
     return "no ratio"
 
 
+def unstable_reason(*sides) -> str:
+    """Why a ratio of these (name, result) sides says nothing: the first one whose spread still
+    shows a disturbance after its retakes (stats.unstable); "" when none does."""
+    for name, side in sides:
+        if isinstance(side, (Measured, ReadFloor)) and side.is_unstable():
+            retakes = side.retakes
+            plural = "" if retakes == 1 else "s"
+            after = "" if retakes is None else f" after {retakes} retake{plural}"
+            spread = stats.spread(side.median_ms, side.iqr_ms)
+            return (
+                f"{name.split(' (')[0]} unstable: IQR {100 * spread:.0f}% of the median{after}; "
+                "rerun the bench"
+            )
+    return ""
+
+
 def judge(
     case_id: str, what: str, ratio: float | None, target: float, cpu: bool, sides=()
 ) -> Verdict:
+    """MET or MISSED by the ratio; NOT_JUDGED without a ratio, on the CPU, or when a side's
+    timing was disturbed (a disturbed time turns any ratio into noise)."""
     if ratio is None:
         return Verdict(case_id, what, None, target, NOT_JUDGED, _why_not(*sides))
     if cpu:
         return Verdict(case_id, what, ratio, target, NOT_JUDGED, CPU_REASON)
+    unstable = unstable_reason(*sides)
+    if unstable:
+        return Verdict(case_id, what, ratio, target, NOT_JUDGED, unstable)
     return Verdict(case_id, what, ratio, target, MET if ratio >= target else MISSED)
 
 
@@ -196,6 +253,10 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
             continue
         ratios = [_baseline_ratio(c, baseline) for c in cases]
         measured = sum(r is not None for r in ratios)
+        unstable = sum(
+            bool(unstable_reason(("ours", c.ours), (baseline, c.baselines.get(baseline))))
+            for c in cases
+        )
         verdict = judge(
             f"{what}: {measured} of {len(cases)} cases", label, _geomean(ratios), target, cpu
         )
@@ -204,6 +265,11 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
             why_not = f"set for the {MATRIX_CARD.card}; this card is {name}"
         elif measured < len(cases):  # a geomean without its hardest cases could pass
             why_not = f"{len(cases) - measured} of {len(cases)} cases have no {baseline} ratio"
+        elif unstable:  # a disturbed ratio moves the geomean as much as a missing one
+            why_not = (
+                f"{unstable} of {len(cases)} cases unstable (IQR over "
+                f"{100 * stats.UNSTABLE_SPREAD:.0f}% of the median); rerun the bench"
+            )
         if why_not and verdict.status != NOT_JUDGED:
             verdict = dataclasses.replace(verdict, status=NOT_JUDGED, reason=why_not)
         found.append(verdict)

@@ -12,6 +12,8 @@ import re
 from typing import Any
 
 from .. import markdown as md
+from .. import stats
+from ..targets import UNSTABLE_MARK, unstable_note
 from .inputs import Inputs
 from .sections import (
     FAIL,
@@ -210,6 +212,24 @@ def _pct(value: Any, mark: str = "") -> str:
     return f" ({md.sig(value, 2)}%{mark})" if md.num(value) is not None else ""
 
 
+def _unstable(result: Any) -> bool:
+    """Whether a measured result's spread shows a disturbance (stats.unstable); older read floors
+    have no IQR and count as stable."""
+    if not isinstance(result, dict):
+        return False
+    median, iqr = md.num(result.get("median_ms")), md.num(result.get("iqr_ms"))
+    return median is not None and iqr is not None and stats.unstable(median, iqr)
+
+
+def _mark(result: Any) -> str:
+    return UNSTABLE_MARK if _unstable(result) else ""
+
+
+def _timings(case: dict) -> list:
+    baselines = case.get("baselines") if isinstance(case.get("baselines"), dict) else {}
+    return [case.get("ours"), *baselines.values(), case.get("read_floor")]
+
+
 def _measured_cell(result: Any, label: str, speed: float | None, reasons: dict) -> str:
     """A baseline's or the read floor's cell: ms (its time over ours), or why it has none."""
     if result is None:
@@ -218,7 +238,8 @@ def _measured_cell(result: Any, label: str, speed: float | None, reasons: dict) 
     if problem:
         reasons.setdefault(f"{label}: {problem[0]}", set()).add(problem[1])
         return problem[0]  # one word per status, the same on every backend
-    return md.sig(result.get("median_ms")) + (f" ({speed:.2f}{md.TIMES})" if speed else "")
+    speed_text = f" ({speed:.2f}{md.TIMES})" if speed else ""
+    return md.sig(result.get("median_ms")) + speed_text + _mark(result)
 
 
 def _over_copy(ours: dict) -> bool:
@@ -253,7 +274,9 @@ def _bench_row(
     mark = OVER_COPY if _over_copy(ours) else ""
     row = [
         label,
-        md.sig(ours.get("median_ms")) + (f" ± {md.sig(iqr, 2)}" if iqr is not None else ""),
+        md.sig(ours.get("median_ms"))
+        + (f" ± {md.sig(iqr, 2)}" if iqr is not None else "")
+        + _mark(ours),
         md.sig(ours.get("tflops")) + ("" if decode else _pct(ours.get("pct_matmul_ceiling"))),
         md.sig(ours.get("gbps")) + (_pct(ours.get("pct_copy_ceiling"), mark) if decode else ""),
         md.nbytes(ours.get("peak_mem_bytes")) + _flash_peak(case),
@@ -361,6 +384,11 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
             "kernel whose K and V partly sit in L2 (small enough to stay there between calls) reads "
             "part of them faster than DRAM can deliver."
         )
+    unstable = [c for c in cases if any(_unstable(r) for r in _timings(c))]
+    retaken = [c for c in cases if isinstance(c.get("retakes"), int) and c["retakes"] > 0]
+    note = unstable_note(len(unstable), len(cases), len(retaken))
+    if note:
+        parts.append(note)
     if reasons:
         parts.append(
             "\n".join(
@@ -396,6 +424,8 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
     summary = md.plural(len(cases), "case")
     if broken:
         summary += f", {len(broken)} failed"
+    if unstable:
+        summary += f", {len(unstable)} unstable"
     if geo:
         summary += f", {geo:.2f}{md.TIMES} SDPA default (geo-mean)"
     if not_compared:

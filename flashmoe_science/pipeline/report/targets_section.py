@@ -27,7 +27,7 @@ _x, _judged = STYLE.ratio, STYLE.judged
 
 def _ms(result) -> str:
     if isinstance(result, (Measured, ReadFloor)):
-        return md.sig(result.median_ms)
+        return md.sig(result.median_ms) + targets.unstable_mark(result)
     return md.DASH if result is None else md.text(result.status)
 
 
@@ -232,6 +232,9 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
                 rows,
             )
         )
+    note = targets.records_note(record.targets or [])
+    if note:
+        parts.append(note)
     reasons: dict[str, set[str]] = {}
     for target in record.targets or []:
         for name in ("ours", "dense", "contiguous", "sdpa", "read_floor"):
