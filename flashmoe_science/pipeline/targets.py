@@ -235,12 +235,17 @@ def _geomean(ratios: list[float | None]) -> float | None:
     return math.exp(sum(map(math.log, found)) / len(found)) if found else None
 
 
+def _tflops_case(case: CaseRecord) -> bool:
+    """A prefill case the TFLOP/s target covers: D=128, long, non-causal."""
+    return case.head_dim == 128 and case.seqlen_q >= TFLOPS_MIN_SEQLEN and not case.causal
+
+
 def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
     """The prefill, small and backward targets over the matrix's automatic cases: a geomean and
     a verdict per case on an H100; elsewhere only the geomeans, not judged (set for that card)."""
     cpu = record.backend == "cpu"
-    name = record.gpu.name if record.gpu else "the CPU"
-    on_card = not cpu and MATRIX_CARD.matches(record.gpu.name if record.gpu else None)
+    gpu_name = record.gpu.name if record.gpu else None
+    on_card = not cpu and MATRIX_CARD.matches(gpu_name)
     auto = [c for c in record.cases if not c.config]
     prefill = [c for c in auto if c.group == "prefill" and c.seqlen_q >= PREFILL_MIN_SEQLEN]
     backward = [c for c in auto if c.kind == "backward"]
@@ -262,7 +267,7 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
         )
         why_not = ""
         if not on_card:
-            why_not = f"set for the {MATRIX_CARD.card}; this card is {name}"
+            why_not = f"set for the {MATRIX_CARD.card}; this card is {gpu_name or 'the CPU'}"
         elif measured < len(cases):  # a geomean without its hardest cases could pass
             why_not = f"{len(cases) - measured} of {len(cases)} cases have no {baseline} ratio"
         elif unstable:  # a disturbed ratio moves the geomean as much as a missing one
@@ -275,22 +280,21 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
         found.append(verdict)
     if not on_card:
         return found
-    for case in prefill:
-        sides = (("ours", case.ours), ("cuDNN", case.baselines.get("sdpa-cudnn")))
-        ratio = _baseline_ratio(case, "sdpa-cudnn")
-        found.append(judge(case.id, PREFILL_VS_CUDNN, ratio, PREFILL_CASE_TARGET, cpu, sides))
-        if case.head_dim == 128 and case.seqlen_q >= TFLOPS_MIN_SEQLEN and not case.causal:
-            tflops = case.ours.tflops if isinstance(case.ours, Measured) else None
-            ratio = tflops / TFLOPS_TARGET if tflops else None
-            found.append(judge(case.id, TFLOPS_VS_TARGET, ratio, 1.0, cpu, (("ours", case.ours),)))
-    for case in (c for c in auto if c.group == "small"):
-        sides = (("ours", case.ours), ("SDPA default", case.baselines.get("sdpa-default")))
-        ratio = _baseline_ratio(case, "sdpa-default")
-        found.append(judge(case.id, SMALL_VS_DEFAULT, ratio, SMALL_TARGET, cpu, sides))
-    for case in backward:
-        sides = (("ours", case.ours), ("SDPA flash", case.baselines.get("sdpa-flash")))
-        ratio = _baseline_ratio(case, "sdpa-flash")
-        found.append(judge(case.id, BACKWARD_VS_FLASH, ratio, BACKWARD_CASE_TARGET, cpu, sides))
+    small = [c for c in auto if c.group == "small"]
+    for cases, baseline, shown, label, target in (
+        (prefill, "sdpa-cudnn", "cuDNN", PREFILL_VS_CUDNN, PREFILL_CASE_TARGET),
+        (small, "sdpa-default", "SDPA default", SMALL_VS_DEFAULT, SMALL_TARGET),
+        (backward, "sdpa-flash", "SDPA flash", BACKWARD_VS_FLASH, BACKWARD_CASE_TARGET),
+    ):
+        for case in cases:
+            sides = (("ours", case.ours), (shown, case.baselines.get(baseline)))
+            ratio = _baseline_ratio(case, baseline)
+            found.append(judge(case.id, label, ratio, target, cpu, sides))
+            if cases is prefill and _tflops_case(case):  # after its cuDNN verdict
+                tflops = case.ours.tflops if isinstance(case.ours, Measured) else None
+                ratio = tflops / TFLOPS_TARGET if tflops else None
+                sides = (("ours", case.ours),)
+                found.append(judge(case.id, TFLOPS_VS_TARGET, ratio, 1.0, cpu, sides))
     return found
 
 
