@@ -103,6 +103,15 @@ def record_gate(record_property):
     return record
 
 
+def planted_process_env(bug: int, device: str) -> dict[str, str]:
+    """The environment of a planted-bug process: its build carries bug `bug`, and the CPU device
+    hides the GPU. Its working directory is the repository root."""
+    env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 @pytest.fixture
 def run_planted():
     """Runs a gate script (`python -c SCRIPT DEVICE ARGS...`) in a process whose build carries
@@ -111,13 +120,10 @@ def run_planted():
     build."""
 
     def run(bug: int, script: str, device: str, *args: str) -> dict:
-        env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
-        if device == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
         done = subprocess.run(
             [sys.executable, "-c", script, device, *args],
             cwd=REPO_ROOT,
-            env=env,
+            env=planted_process_env(bug, device),
             capture_output=True,
             text=True,
             timeout=900,

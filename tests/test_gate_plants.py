@@ -3,14 +3,20 @@ and shows which gate catches it, and that the failure report says what a kernel 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import planted_process_env
 from softmax_model import online_softmax
 
 from flashmoe_science.pipeline import gates
 from flashmoe_science.pipeline.cases import parse_case_id
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BASE = parse_case_id("fwd-fp16-d64-h8kv2-b2-s129-causal")
@@ -147,8 +153,6 @@ def test_a_skipped_output_rescale_passes_normal_scores_and_fails_ramped_ones(bac
 SM90A_PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
-from softmax_model import online_softmax
-
 from flashmoe_science.pipeline import gates
 from flashmoe_science.pipeline.cases import parse_case_id
 cases = [parse_case_id(case_id) for case_id in sys.argv[2:]]
@@ -197,3 +201,52 @@ def test_planted_sm90a_bug_fails_a_gate(bug, run_planted):
     assert sorted(result["results"]) == sorted(case_ids)
     for case_id, failures in result["results"].items():
         assert failures, f"planted bug {bug} ({name}) passed the gates on {case_id}"
+
+
+# ---- the planted-bug scripts themselves ------------------------------------------------------
+
+
+def _plant_scripts() -> dict[str, str]:
+    """Every module-level `*PLANT_SCRIPT` string of the test modules, by `module.NAME`."""
+    scripts = {}
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                for target in node.targets:
+                    if isinstance(target, ast.Name) and target.id.endswith("PLANT_SCRIPT"):
+                        scripts[f"{path.stem}.{target.id}"] = node.value.value
+    return scripts
+
+
+PLANT_SCRIPTS = _plant_scripts()
+
+
+def test_plant_scripts_are_found():
+    # decode, paged, varlen, backward and the sm_90a kernel each have one
+    assert len(PLANT_SCRIPTS) >= 5, sorted(PLANT_SCRIPTS)
+
+
+@pytest.mark.parametrize("name", sorted(PLANT_SCRIPTS))
+def test_plant_script_imports_resolve_in_its_process(name):
+    """The imports of a plant script resolve in the process `run_planted` starts (its working
+    directory and environment, not pytest's sys.path). Most scripts run only on a GPU, so without
+    this a broken import shows up first on the GPU machine."""
+    imports = [
+        ast.unparse(node)
+        for node in ast.parse(PLANT_SCRIPTS[name]).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    ]
+    assert imports, f"{name} imports nothing"
+    done = subprocess.run(
+        [sys.executable, "-c", "\n".join(imports)],
+        cwd=REPO_ROOT,
+        env=planted_process_env(0, "cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"{name}: {done.stderr.strip().splitlines()[-1:]}"
