@@ -490,6 +490,14 @@ def test_a_ratio_of_an_unstable_timing_is_not_judged_and_names_the_spread():
         assert verdict.reason == (
             "contiguous unstable: IQR 30% of the median after 1 retake; rerun the bench"
         )
+    # a host cost whose loops spread as far (one disturbed pair of loops) is not judged either
+    (host,) = targets.target_verdicts(
+        host_record(0.8, HostCost(25.0, 2000, [20.0, 20.0, 30.0, 30.0])), cpu=False
+    )
+    assert host.status == targets.NOT_JUDGED  # was missed
+    assert host.reason == "ours unstable: IQR 40% of the median; rerun the bench"
+    (host,) = targets.target_verdicts(host_record(0.8), cpu=False)  # loops within 1%
+    assert host.status == targets.MISSED
 
 
 def test_bench_md_and_the_report_mark_an_unstable_timing(tmp_path, fixture_checkout):
@@ -518,13 +526,15 @@ def test_bench_md_and_the_report_mark_an_unstable_timing(tmp_path, fixture_check
         doc["cases"][-1]["ours"]["iqr_ms"] = 0.03  # of 0.0208 ms
         doc["cases"][-1]["retakes"], doc["cases"][-1]["unstable"] = 2, ["ours"]
         doc["targets"][1]["ours"]["iqr_ms"] = 0.5  # of 0.73 ms
+        doc["targets"][3]["sdpa"]["loops_us"] = [20.0, 20.0, 30.0, 30.0]  # SDPA's host cost
 
     _, text = write_reports(tmp_path, disturb)
     assert f"| bench | 10 cases, 1 unstable, 0.97{report.TIMES} SDPA default (geo-mean)" in text
     assert "| `fwd-fp16-d64-h8-b1-s128-full` | 0.0208 ± 0.03‡ |" in text
     assert "2 of 10 cases unstable" not in text and "1 of 10 cases unstable, 1 retaken" in text
     assert "| `paged-fp16-d128-h32kv8-b8-k4096-page16` | 128 MiB | 0.73‡ |" in text
-    assert "1 of 5 cases unstable;" in text  # the speed targets' own note
+    assert "| `host-bf16-d128-h32kv8-b1-k1024-decode-lens` | 21.7 | 25.3‡ |" in text
+    assert "2 of 5 cases unstable;" in text  # the speed targets' own note
 
 
 def test_verdict_text_names_the_case_the_ratio_and_the_target():
@@ -694,17 +704,73 @@ def test_host_calls_match_sdpa_on_the_cpu(call):
 
 def test_paged_and_contiguous_decode_agree_on_the_cpu(monkeypatch):
     target = PagedTarget("bf16", 64, 8, 2, 2, 256, 64)
-    timed = {}
+    outputs = {}
 
-    def fake_measure(fn, backend, case, device, timer, config, ceilings):
-        timed[len(timed)] = fn()
-        return measured(2.0 if len(timed) == 1 else 1.0)
+    def fake_measure(calls, case, device, timer, config, ceilings, rounds):
+        outputs.update({name: fn() for name, (fn, _) in calls.items()})
+        return {name: measured(ms) for name, ms in zip(calls, (2.0, 1.0), strict=True)}
 
-    monkeypatch.setattr(targetmeasure.measure, "measure", fake_measure)
+    monkeypatch.setattr(targetmeasure.measure, "measure_interleaved", fake_measure)
     record = targetmeasure.run_paged(target, "cpu", None, None, {})
-    paged, contiguous = timed[0], timed[1]
-    torch.testing.assert_close(paged.float(), contiguous.float(), atol=0, rtol=0)
+    torch.testing.assert_close(
+        outputs["paged"].float(), outputs["contiguous"].float(), atol=0, rtol=0
+    )
     assert record.ratio == 0.5 and record.read_floor is None and record.floor_ratio is None
+
+
+def drifting_benchmark(order: list):
+    """timing.benchmark on a clock that runs 5% slower with every timing it takes (a card warming
+    up): each timing's samples all read 1 + 0.05 x its number; `order` gets each timed function."""
+
+    def benchmark(fn, timer, config, samples=None):
+        order.append(fn)
+        ms = [1.0 + 0.05 * len(order)] * 3
+        return timing.Timing(ms, targetmeasure.measure.summarize(ms))
+
+    return benchmark
+
+
+@pytest.mark.parametrize("kind", ["varlen", "paged"])
+def test_a_targets_two_sides_are_timed_in_turn_so_drift_cancels(kind, monkeypatch):
+    """Timed one after the other, a drift of 5% between two timings of the same speed reads as a
+    ratio of 1.05 (a target's whole margin); taken in turn, as the matrix's columns are, it
+    cancels."""
+    order = []
+    monkeypatch.setattr(targetmeasure.measure, "benchmark", drifting_benchmark(order))
+    config = timing.TimingConfig.for_device("cpu")
+    if kind == "varlen":
+        target = VarlenTarget("bf16", 64, 2, 2, 96, 16, 64, False)
+        record = targetmeasure.run_varlen(target, "cpu", None, config, {})
+        sides = (record.ours, record.dense)
+    else:
+        target = PagedTarget("bf16", 64, 8, 2, 2, 256, 64)
+        record = targetmeasure.run_paged(target, "cpu", None, config, {})
+        sides = (record.ours, record.contiguous)
+    first, second = order[0], order[1]
+    assert order == [first, second, second, first] * (targetmeasure.measure.ROUNDS // 2)
+    assert sides[0].median_ms == sides[1].median_ms and record.ratio == 1.0
+
+
+def test_host_costs_take_the_sides_loops_in_turn(monkeypatch):
+    order = []
+
+    def host_cost_us(fn, calls, loops):
+        order.append(fn)
+        return [20.0 * (1 + 0.05 * len(order))] * loops  # the host slows down as it goes
+
+    monkeypatch.setattr(targetmeasure, "host_cost_us", host_cost_us)
+    ours, sdpa = (lambda: None), (lambda: None)
+    costs = targetmeasure.host_costs({"ours": ours, "sdpa": sdpa}, calls=2000)
+    assert order == [ours, sdpa, sdpa, ours] * (targetmeasure.HOST_LOOPS // 2)
+    assert costs[0].us_per_call == costs[1].us_per_call and costs[0].calls == 2000
+    assert len(costs[0].loops_us) == targetmeasure.HOST_LOOPS
+
+    def refuses():
+        raise RuntimeError("No available kernel. Aborting execution.")  # SDPA's refusal
+
+    timed, refused = targetmeasure.host_costs({"ours": ours, "sdpa": refuses}, calls=10)
+    assert refused.status == "unsupported" and "No available kernel" in refused.reason
+    assert isinstance(timed, HostCost)  # the other side is still timed
 
 
 def test_host_and_model_cases_are_unsupported_on_the_cpu_with_the_reason(monkeypatch):

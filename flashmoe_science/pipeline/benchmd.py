@@ -353,7 +353,9 @@ def render_targets(record: BenchRecord) -> list[str]:
 
 
 def _us(result) -> str:
-    return f"{result.us_per_call:.3g}" if isinstance(result, HostCost) else result.status
+    if isinstance(result, HostCost):
+        return f"{result.us_per_call:.3g}{_mark(result)}"
+    return result.status
 
 
 def _model(result, field: str, fmt: str) -> str:

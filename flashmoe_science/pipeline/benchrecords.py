@@ -121,6 +121,9 @@ class Measured:
     retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     status: str = "ok"
 
+    def spread(self) -> float:
+        return stats.spread(self.median_ms, self.iqr_ms)
+
     def is_unstable(self) -> bool:
         return stats.unstable(self.median_ms, self.iqr_ms)
 
@@ -142,6 +145,9 @@ class ReadFloor:
     iqr_ms: float | None = dataclasses.field(default=None, metadata=OPTIONAL)  # older records: none
     retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     status: str = "ok"
+
+    def spread(self) -> float:
+        return stats.spread(self.median_ms, self.iqr_ms or 0.0)  # older records: no IQR
 
     def is_unstable(self) -> bool:
         return self.iqr_ms is not None and stats.unstable(self.median_ms, self.iqr_ms)
@@ -190,6 +196,14 @@ class HostCost:
     calls: int  # calls per loop
     loops_us: list[float]  # each loop's time per call
     status: str = "ok"
+
+    def spread(self) -> float:
+        """The loops' IQR as a fraction of their median."""
+        loops = stats.summarize(self.loops_us)
+        return stats.spread(loops.median, loops.iqr)
+
+    def is_unstable(self) -> bool:
+        return self.spread() > stats.UNSTABLE_SPREAD
 
 
 @dataclasses.dataclass

@@ -128,6 +128,12 @@ def _spread_text(results: dict[str, Result], names: list[str]) -> str:
     )
 
 
+def in_turn(items: list, index: int) -> list:
+    """Round `index`'s order of interleaved rounds: forward on even rounds, backward on odd ones,
+    so a steady drift cancels over each pair of rounds."""
+    return items[::-1] if index % 2 else items
+
+
 def _timed_rounds(
     live: dict, case: Case, timer, config: TimingConfig, ceilings: dict, rounds: int
 ) -> dict[str, Result]:
@@ -138,7 +144,7 @@ def _timed_rounds(
     per_round = round_config(config, rounds)
     for index in range(rounds):
         order = [item for item in live.items() if item[0] not in failed]
-        for name, (fn, backend, _) in order[::-1] if index % 2 else order:
+        for name, (fn, backend, _) in in_turn(order, index):
             with backend_context(backend):
                 try:
                     samples[name] += benchmark(fn, timer, per_round).samples_ms

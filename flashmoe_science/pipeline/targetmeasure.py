@@ -1,7 +1,9 @@
-"""The speed-target cases (targetcases), measured into records (benchrecords): each side timed as
-the matrix's cases are (measure.measure: CUDA events, warm-up, L2 flush, median), the host cost by
-timing.host_cost_us, and the small model by timing.benchmark (prefill) and the wall clock around
-whole generations (decode). A side that refuses or fails becomes a NotMeasured record, never a raise.
+"""The speed-target cases (targetcases), measured into records (benchrecords): the two sides of a
+ratio timed together as the matrix's columns are (measure.measure_interleaved: CUDA events,
+warm-up, L2 flush, interleaved rounds, median, retakes), the host cost by timing.host_cost_us with
+the sides' loops in turn, and the small model by timing.benchmark (prefill) and the wall clock
+around whole generations (decode). A side that refuses or fails becomes a NotMeasured record, never
+a raise.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .stats import sig
 from .targetcases import HOST_VARLEN_LENGTHS, HostTarget, ModelTarget, PagedTarget, VarlenTarget
 from .timing import TimingConfig, benchmark, first_line, host_cost_us
 
-HOST_LOOPS = 3
+HOST_LOOPS = 4  # loops a side, ours and SDPA's in turn (measure.in_turn): an even count
 MODEL_RUNS = 3  # timed generations per length (after one untimed), the median kept
 CUDA_ONLY_HOST = (
     "the host cost is measured with CUDA events around calls that queue GPU work; on the CPU "
@@ -99,10 +101,27 @@ def varlen_calls(
     return packed, dense
 
 
+def _side_by_side(calls: dict, target, device: str, timer, config, ceilings) -> list:
+    """Each of calls {name: fn} timed as a matrix case's columns are: in measure.ROUNDS interleaved
+    rounds, retaken while disturbed, so drift during the target hits both sides of its ratio alike
+    (timed one after the other, a drift of a few percent is the size of a target's margin)."""
+    timed = measure.measure_interleaved(
+        {name: (fn, None) for name, fn in calls.items()},
+        target,
+        device,
+        timer,
+        config,
+        ceilings,
+        measure.ROUNDS,
+    )
+    return list(timed.values())
+
+
 def run_varlen(target: VarlenTarget, device: str, timer, config, ceilings) -> VarlenRecord:
     packed, dense = varlen_calls(target, device)
-    ours = measure.measure(packed, None, target, device, timer, config, ceilings)
-    baseline = measure.measure(dense, None, target, device, timer, config, ceilings)
+    ours, baseline = _side_by_side(
+        {"varlen": packed, "dense": dense}, target, device, timer, config, ceilings
+    )
     return _record(
         VarlenRecord,
         target,
@@ -166,8 +185,9 @@ def run_paged(target: PagedTarget, device: str, timer, config, ceilings) -> Page
     def contiguous():
         return api.flash_attention_decode(x.q, x.k, x.v)
 
-    ours = measure.measure(paged, None, target, device, timer, config, ceilings)
-    flat = measure.measure(contiguous, None, target, device, timer, config, ceilings)
+    ours, flat = _side_by_side(
+        {"paged": paged, "contiguous": contiguous}, target, device, timer, config, ceilings
+    )
     floor = measure.read_floor(case, x, device, timer, config) if device == "cuda" else None
     return _record(
         PagedRecord,
@@ -260,15 +280,28 @@ def host_calls(
     ), sdpa
 
 
-def host_cost(fn: Callable[[], object], calls: int) -> HostCost | NotMeasured:
-    problem = first_call(fn)
-    if problem is not None:
-        return NotMeasured("unsupported" if is_refusal(problem) else "error", problem)
-    try:
-        loops = host_cost_us(fn, calls, HOST_LOOPS)
-    except RuntimeError as exc:
-        return NotMeasured("error", first_line(exc))
-    return HostCost(sig(statistics.median(loops), 4), calls, [sig(t, 4) for t in loops])
+def host_costs(fns: dict[str, Callable[[], object]], calls: int) -> list[HostCost | NotMeasured]:
+    """The host cost of each of fns: HOST_LOOPS loops of `calls` calls each, the sides' loops in
+    turn (measure.in_turn), so a drift of the host's speed hits every side alike; each side's
+    median loop, in the order of fns. A side that refuses or fails is a record."""
+    done: dict[str, HostCost | NotMeasured] = {}
+    for name, fn in fns.items():
+        problem = first_call(fn)
+        if problem is not None:
+            done[name] = NotMeasured("unsupported" if is_refusal(problem) else "error", problem)
+    loops: dict[str, list[float]] = {name: [] for name in fns if name not in done}
+    for index in range(HOST_LOOPS):
+        for name in measure.in_turn([name for name in loops if name not in done], index):
+            try:
+                loops[name] += host_cost_us(fns[name], calls, 1)
+            except RuntimeError as exc:
+                done[name] = NotMeasured("error", first_line(exc))
+    for name, times in loops.items():
+        if name not in done:
+            done[name] = HostCost(
+                sig(statistics.median(times), 4), calls, [sig(t, 4) for t in times]
+            )
+    return [done[name] for name in fns]
 
 
 def run_host(target: HostTarget, device: str) -> HostRecord:
@@ -280,7 +313,7 @@ def run_host(target: HostTarget, device: str) -> HostRecord:
         except Exception as exc:  # out of memory, or an argument our op rejects: a record
             ours = sdpa = NotMeasured("error", f"building the inputs: {first_line(exc)}")
         else:
-            ours, sdpa = host_cost(fn, target.calls), host_cost(sdpa_fn, target.calls)
+            ours, sdpa = host_costs({"ours": fn, "sdpa": sdpa_fn}, target.calls)
     ratio = None
     if isinstance(ours, HostCost) and isinstance(sdpa, HostCost) and ours.us_per_call:
         ratio = sig(sdpa.us_per_call / ours.us_per_call, 4)

@@ -20,7 +20,8 @@ The small model's prefill and decode ratios have no target: they are shown besid
 
 Timings of the CPU backend check the plumbing only: their verdicts are "not judged". So is a
 ratio whose timing (ours, the other's, the read floor) stayed unstable after its retakes
-(stats.unstable): its tables mark that timing with UNSTABLE_MARK.
+(stats.unstable), or whose host cost's loops spread as far: its tables mark that timing with
+UNSTABLE_MARK.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from . import gpukinds, stats
 from .benchrecords import (
     BenchRecord,
     CaseRecord,
+    HostCost,
     HostRecord,
     Measured,
     NotMeasured,
@@ -76,11 +78,12 @@ BACKWARD_VS_FLASH = "SDPA flash / ours"
 MATRIX_CASE_LABELS = (PREFILL_VS_CUDNN, TFLOPS_VS_TARGET, SMALL_VS_DEFAULT, BACKWARD_VS_FLASH)
 MATRIX_LABELS = (PREFILL_GEOMEAN, BACKWARD_GEOMEAN, *MATRIX_CASE_LABELS)
 UNSTABLE_MARK = "‡"  # beside a timing whose spread stayed over stats.UNSTABLE_SPREAD
+TIMINGS = (Measured, ReadFloor, HostCost)  # what can be unstable: each has spread(), is_unstable()
 
 
 def unstable_mark(result) -> str:
     """UNSTABLE_MARK for a measured result whose spread shows a disturbance, else ""."""
-    unstable = isinstance(result, (Measured, ReadFloor)) and result.is_unstable()
+    unstable = isinstance(result, TIMINGS) and result.is_unstable()
     return UNSTABLE_MARK if unstable else ""
 
 
@@ -101,7 +104,8 @@ def timings(record) -> list:
     """The timings a matrix case's or a target record's ratios are taken from."""
     if isinstance(record, CaseRecord):
         return [record.ours, *record.baselines.values(), record.read_floor]
-    return [getattr(record, name, None) for name in ("ours", "dense", "contiguous", "read_floor")]
+    names = ("ours", "dense", "contiguous", "sdpa", "read_floor")
+    return [getattr(record, name, None) for name in names]
 
 
 def records_note(records: list) -> str:
@@ -173,11 +177,11 @@ def unstable_reason(*sides) -> str:
     """Why a ratio of these (name, result) sides says nothing: the first one whose spread still
     shows a disturbance after its retakes (stats.unstable); "" when none does."""
     for name, side in sides:
-        if isinstance(side, (Measured, ReadFloor)) and side.is_unstable():
-            retakes = side.retakes
+        if isinstance(side, TIMINGS) and side.is_unstable():
+            retakes = getattr(side, "retakes", None)  # a host cost is not retaken
             plural = "" if retakes == 1 else "s"
             after = "" if retakes is None else f" after {retakes} retake{plural}"
-            spread = stats.spread(side.median_ms, side.iqr_ms)
+            spread = side.spread()
             return (
                 f"{name.split(' (')[0]} unstable: IQR {100 * spread:.0f}% of the median{after}; "
                 "rerun the bench"

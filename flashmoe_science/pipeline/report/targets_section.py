@@ -36,7 +36,9 @@ def _tflops(result) -> str:
 
 
 def _us(result) -> str:
-    return md.sig(result.us_per_call) if isinstance(result, HostCost) else md.text(result.status)
+    if isinstance(result, HostCost):
+        return md.sig(result.us_per_call) + targets.unstable_mark(result)
+    return md.text(result.status)
 
 
 def _model(result, field: str) -> str:
