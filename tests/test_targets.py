@@ -706,7 +706,7 @@ def test_paged_and_contiguous_decode_agree_on_the_cpu(monkeypatch):
     target = PagedTarget("bf16", 64, 8, 2, 2, 256, 64)
     outputs = {}
 
-    def fake_measure(calls, case, device, timer, config, ceilings, rounds):
+    def fake_measure(calls, case, device, timer, config, ceilings, rounds, say=None):
         outputs.update({name: fn() for name, (fn, _) in calls.items()})
         return {name: measured(ms) for name, ms in zip(calls, (2.0, 1.0), strict=True)}
 
@@ -749,6 +749,25 @@ def test_a_targets_two_sides_are_timed_in_turn_so_drift_cancels(kind, monkeypatc
     first, second = order[0], order[1]
     assert order == [first, second, second, first] * (targetmeasure.measure.ROUNDS // 2)
     assert sides[0].median_ms == sides[1].median_ms and record.ratio == 1.0
+
+
+def test_a_disturbed_target_is_retaken_and_says_so(monkeypatch):
+    timed = []
+
+    def disturbed_once(fn, timer, config, samples=None):
+        timed.append(fn)
+        first_attempt = len(timed) <= 2 * targetmeasure.measure.ROUNDS  # both sides, every round
+        ms = [1.0, 2.0, 3.0] if first_attempt else [1.0] * 3  # an IQR of 50% of the median
+        return timing.Timing(ms, targetmeasure.measure.summarize(ms))
+
+    monkeypatch.setattr(targetmeasure.measure, "benchmark", disturbed_once)
+    said = []
+    target = PagedTarget("bf16", 64, 8, 2, 2, 256, 64)
+    config = timing.TimingConfig.for_device("cpu")
+    record = targetmeasure.run_target(target, "cpu", None, config, {}, say=said.append)
+    assert len(said) == 1 and said[0].startswith(f"  retaking {target.id} (1 of 2): paged IQR")
+    assert record.ours.retakes == record.contiguous.retakes == 1
+    assert not record.ours.is_unstable() and record.ratio == 1.0
 
 
 def test_host_costs_take_the_sides_loops_in_turn(monkeypatch):

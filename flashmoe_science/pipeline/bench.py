@@ -173,7 +173,7 @@ def run_matrix(
     if target_cases:
         record.targets = []
     for index, target in enumerate(target_cases, len(cases) + 1):
-        entry = run_target(target, device, timer, config, ceilings)
+        entry = run_target(target, device, timer, config, ceilings, say=say)
         record.targets.append(entry)
         if device == "cuda":
             torch.cuda.empty_cache()

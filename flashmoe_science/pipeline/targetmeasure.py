@@ -101,10 +101,11 @@ def varlen_calls(
     return packed, dense
 
 
-def _side_by_side(calls: dict, target, device: str, timer, config, ceilings) -> list:
+def _side_by_side(calls: dict, target, device: str, timer, config, ceilings, say=None) -> list:
     """Each of calls {name: fn} timed as a matrix case's columns are: in measure.ROUNDS interleaved
-    rounds, retaken while disturbed, so drift during the target hits both sides of its ratio alike
-    (timed one after the other, a drift of a few percent is the size of a target's margin)."""
+    rounds, retaken while disturbed (each retake said through `say`), so drift during the target
+    hits both sides of its ratio alike (timed one after the other, a drift of a few percent is the
+    size of a target's margin)."""
     timed = measure.measure_interleaved(
         {name: (fn, None) for name, fn in calls.items()},
         target,
@@ -113,14 +114,17 @@ def _side_by_side(calls: dict, target, device: str, timer, config, ceilings) -> 
         config,
         ceilings,
         measure.ROUNDS,
+        say=say,
     )
     return list(timed.values())
 
 
-def run_varlen(target: VarlenTarget, device: str, timer, config, ceilings) -> VarlenRecord:
+def run_varlen(
+    target: VarlenTarget, device: str, timer, config, ceilings, say=None
+) -> VarlenRecord:
     packed, dense = varlen_calls(target, device)
     ours, baseline = _side_by_side(
-        {"varlen": packed, "dense": dense}, target, device, timer, config, ceilings
+        {"varlen": packed, "dense": dense}, target, device, timer, config, ceilings, say
     )
     return _record(
         VarlenRecord,
@@ -173,7 +177,7 @@ def _floor_ratio(floor, result) -> float | None:
     return None
 
 
-def run_paged(target: PagedTarget, device: str, timer, config, ceilings) -> PagedRecord:
+def run_paged(target: PagedTarget, device: str, timer, config, ceilings, say=None) -> PagedRecord:
     case = target.contiguous
     x = make_inputs(case, device)
     k_cache, v_cache, table = paged_cache(x.k, x.v, target.block_size, case_seed(target.id))
@@ -186,7 +190,7 @@ def run_paged(target: PagedTarget, device: str, timer, config, ceilings) -> Page
         return api.flash_attention_decode(x.q, x.k, x.v)
 
     ours, flat = _side_by_side(
-        {"paged": paged, "contiguous": contiguous}, target, device, timer, config, ceilings
+        {"paged": paged, "contiguous": contiguous}, target, device, timer, config, ceilings, say
     )
     floor = measure.read_floor(case, x, device, timer, config) if device == "cuda" else None
     return _record(
@@ -444,11 +448,14 @@ def _time_ratio(theirs, ours) -> float | None:
     return None
 
 
-def run_target(target, device: str, timer, config: TimingConfig, ceilings: dict) -> TargetRecord:
+def run_target(
+    target, device: str, timer, config: TimingConfig, ceilings: dict, say=None
+) -> TargetRecord:
+    """One target case measured into its record; `say` hears of each retake of a disturbed one."""
     if isinstance(target, VarlenTarget):
-        return run_varlen(target, device, timer, config, ceilings)
+        return run_varlen(target, device, timer, config, ceilings, say)
     if isinstance(target, PagedTarget):
-        return run_paged(target, device, timer, config, ceilings)
+        return run_paged(target, device, timer, config, ceilings, say)
     if isinstance(target, HostTarget):
         return run_host(target, device)
     return run_model(target, device, timer, config)
