@@ -122,10 +122,15 @@ def _disturbance(results: dict[str, Result]) -> tuple[int, float]:
 
 
 def _spread_text(results: dict[str, Result], names: list[str]) -> str:
-    spreads = (stats.spread(results[n].median_ms, results[n].iqr_ms) for n in names)
-    return ", ".join(
-        f"{name} IQR {100 * spread:.0f}%" for name, spread in zip(names, spreads, strict=True)
-    )
+    return ", ".join(f"{name} IQR {100 * results[name].spread():.0f}%" for name in names)
+
+
+def first_call_record(fn) -> NotMeasured | None:
+    """None if fn runs once, else the record of why not: "unsupported" for a refusal, "error"."""
+    problem = first_call(fn)
+    if problem is None:
+        return None
+    return NotMeasured("unsupported" if is_refusal(problem) else "error", problem)
 
 
 def in_turn(items: list, index: int) -> list:
@@ -179,10 +184,9 @@ def measure_interleaved(
     live: dict[str, tuple] = {}  # name -> (fn, backend, peak)
     for name, (fn, backend) in calls.items():
         with backend_context(backend):
-            problem = first_call(fn)
-            if problem is not None:
-                status = "unsupported" if is_refusal(problem) else "error"
-                results[name] = NotMeasured(status, problem)
+            refused = first_call_record(fn)
+            if refused is not None:
+                results[name] = refused
                 continue
             try:
                 live[name] = (fn, backend, peak_memory_bytes(fn, device))

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import measure
-from .baselines import first_call, is_refusal, ops, sdpa_supports_gqa
+from .baselines import ops, sdpa_supports_gqa
 from .benchrecords import (
     HostCost,
     HostRecord,
@@ -290,9 +290,9 @@ def host_costs(fns: dict[str, Callable[[], object]], calls: int) -> list[HostCos
     median loop, in the order of fns. A side that refuses or fails is a record."""
     done: dict[str, HostCost | NotMeasured] = {}
     for name, fn in fns.items():
-        problem = first_call(fn)
-        if problem is not None:
-            done[name] = NotMeasured("unsupported" if is_refusal(problem) else "error", problem)
+        refused = measure.first_call_record(fn)
+        if refused is not None:
+            done[name] = refused
     loops: dict[str, list[float]] = {name: [] for name in fns if name not in done}
     for index in range(HOST_LOOPS):
         for name in measure.in_turn([name for name in loops if name not in done], index):
