@@ -40,7 +40,7 @@ namespace flashmoe {
 
 constexpr int kMaxSplits = 128;
 // Backward tile configurations (`backward_config=`): see csrc/flash_api_cuda.cuh.
-constexpr int kNumBwdConfigs = 2;
+constexpr int kNumBwdConfigs = 3;
 
 struct AttentionParams {
   // q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk(max), D]; only the last dimension must be contiguous.

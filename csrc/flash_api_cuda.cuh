@@ -22,6 +22,7 @@
 
 #include "attention_ops.h"
 #include "flash_bwd_kernel.cuh"
+#include "flash_bwd_sm90_kernel.cuh"
 #include "flash_decode_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
 #include "flash_fwd_sm90_kernel.cuh"
@@ -687,8 +688,11 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 //      99 KB a block may have on sm86/sm89 (the L4) as well as sm80 and sm90.
 //   2: 128 keys x 64 queries a step, 8 warps (each still owns 16 keys of dK and dV; twice the
 //      warps per SM to hide latency); 112.5 KB at d=128: sm80 and sm90 (73.5 KB at d=64: all).
+//   3: 128 keys x 128 queries (d=64) or 64 queries (d=128) a step on wgmma, 2 warpgroups
+//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configuration 5.
 // The automatic choice takes 2 where it fits the card's shared memory, else 1. The deterministic
 // dQ pass always runs 64 x 64 tiles with 4 warps.
+constexpr int kSm90aBwdConfig = 3;
 template <int D>
 using BwdDqConfig = BwdDqTraits<D, 64, 64, 4>;
 
@@ -697,6 +701,9 @@ void visit_bwd_config(int config, F&& f) {
   if (config == 1) {
     using Traits = BwdTraits<D, 64, 64, 4>;
     f(&flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>, Traits{});
+  } else if (config == kSm90aBwdConfig) {
+    using Traits = Sm90BwdTraits<D>;
+    f(&flash_bwd_sm90_kernel<Traits, T, kAtomicDq>, Traits{});
   } else {
     using Traits = BwdTraits<D, 64, 128, 8>;
     f(&flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>, Traits{});
@@ -770,6 +777,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
               error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
                          "(mma.sync bf16/fp16); this one is ",
                          dev.major, ".", dev.minor));
+  FLASHMOE_CHECK_VALUE(config != kSm90aBwdConfig || (dev.major == 9 && dev.minor == 0),
+                       "backward_config=", config,
+                       " runs on wgmma, which only compute capability 9.0 has; this GPU is ",
+                       dev.major, ".", dev.minor, ": use backward_config 1 or 2 (or 0, automatic)");
+  FLASHMOE_CHECK_VALUE(config != kSm90aBwdConfig || kBuiltSm90a, "backward_config=", config,
+                       " needs the sm_90a build, and this one was built without it: rebuild with "
+                       "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
   const int smem_limit = max_smem_per_block(q_in.device().index());
   if (config == 0) config = bwd_smem_bytes(2, int(q_in.size(3))) <= smem_limit ? 2 : 1;
   FLASHMOE_CHECK_VALUE(bwd_smem_bytes(int(config), int(q_in.size(3))) <= smem_limit,
@@ -881,8 +895,11 @@ void append_kernel_launches(std::string& out) {
     // deterministic dQ pass; the pre-pass and the dQ conversion take none.
     auto dkdv = [&](auto kernel_traits, const char* atomic) {
       using Traits = decltype(kernel_traits);
-      out += "flashmoe::cuda::flash_bwd_dkdv_kernel<" + demangled_name<Traits>() + ", " + dtype +
-             ", " + atomic + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
+      const char* name = std::is_same_v<Traits, Sm90BwdTraits<Traits::kHeadDim>>
+                             ? "flashmoe::cuda::flash_bwd_sm90_kernel<"
+                             : "flashmoe::cuda::flash_bwd_dkdv_kernel<";
+      out += name + demangled_name<Traits>() + ", " + dtype + ", " + atomic + ">\t" +
+             std::to_string(Traits::kSmemBytes) + "\n";
     };
     for (int config = 1; config <= kNumBwdConfigs; ++config) {
       if (head_dim == 64) {

@@ -1,4 +1,4 @@
-// Warpgroup MMA (wgmma, sm_90a only) for the Hopper forward kernel: shared-memory matrix
+// Warpgroup MMA (wgmma, sm_90a only) for the Hopper forward and backward kernels: shared-memory matrix
 // descriptors for tiles in the 128-byte-swizzled panel layout (swizzle_panels), the fences, and
 // m64nNk16 wrappers with fp32 accumulators laid out per warp exactly as mma.sync m16n8 leaves them
 // (so the softmax and masking code of the mma.sync kernels applies unchanged):
@@ -180,19 +180,19 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
   "%56, %57, %58, %59, %60, %61, %62, %63}"
 
-#define FLASHMOE_WGMMA_SS_N64(TYPE)                                                           \
+#define FLASHMOE_WGMMA_SS_N64(TYPE, TNSP)                                                           \
   asm volatile(                                                                               \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                            \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " FLASHMOE_WGMMA_REGS_N64 \
-      ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                       \
+      ", %32, %33, p, 1, 1, " TNSP ";\n}\n"                                                       \
       : FLASHMOE_WGMMA_D_N64                                                                  \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
-#define FLASHMOE_WGMMA_SS_N128(TYPE)                                                            \
+#define FLASHMOE_WGMMA_SS_N128(TYPE, TNSP)                                                            \
   asm volatile(                                                                                 \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                              \
       "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " FLASHMOE_WGMMA_REGS_N128 \
-      ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                         \
+      ", %64, %65, p, 1, 1, " TNSP ";\n}\n"                                                         \
       : FLASHMOE_WGMMA_D_N128                                                                   \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
@@ -213,21 +213,30 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
 
 // d (+)= A B for one m64nNk16 step. mma_ss: A and B from shared memory (descriptors), both
-// K-major. mma_rs: A from registers (the mma.sync A fragment of the warp's 16 rows), B MN-major
+// K-major, or with kMnMajor both MN-major (transposed: the backward's dQ = dS K, dS^T and K as
+// stored). mma_rs: A from registers (the mma.sync A fragment of the warp's 16 rows), B MN-major
 // (transposed). scale_d = 0 overwrites d instead of adding to it.
-template <int N, typename T>
+template <int N, typename T, bool kMnMajor = false>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,
                                        int scale_d) {
   static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 64 && kHalf) {
-    FLASHMOE_WGMMA_SS_N64("f16");
+  if constexpr (N == 64 && kHalf && kMnMajor) {
+    FLASHMOE_WGMMA_SS_N64("f16", "1, 1");
+  } else if constexpr (N == 64 && kHalf) {
+    FLASHMOE_WGMMA_SS_N64("f16", "0, 0");
+  } else if constexpr (N == 64 && kMnMajor) {
+    FLASHMOE_WGMMA_SS_N64("bf16", "1, 1");
   } else if constexpr (N == 64) {
-    FLASHMOE_WGMMA_SS_N64("bf16");
+    FLASHMOE_WGMMA_SS_N64("bf16", "0, 0");
+  } else if constexpr (kHalf && kMnMajor) {
+    FLASHMOE_WGMMA_SS_N128("f16", "1, 1");
   } else if constexpr (kHalf) {
-    FLASHMOE_WGMMA_SS_N128("f16");
+    FLASHMOE_WGMMA_SS_N128("f16", "0, 0");
+  } else if constexpr (kMnMajor) {
+    FLASHMOE_WGMMA_SS_N128("bf16", "1, 1");
   } else {
-    FLASHMOE_WGMMA_SS_N128("bf16");
+    FLASHMOE_WGMMA_SS_N128("bf16", "0, 0");
   }
 }
 template <int N, typename T>
