@@ -690,8 +690,10 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 //      warps per SM to hide latency); 112.5 KB at d=128: sm80 and sm90 (73.5 KB at d=64: all).
 //   3: 128 keys x 128 queries (d=64) or 64 queries (d=128) a step on wgmma, 2 warpgroups
 //      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configuration 5.
-// The automatic choice takes 2 where it fits the card's shared memory, else 1. The deterministic
-// dQ pass always runs 64 x 64 tiles with 4 warps.
+// The automatic choice takes 3 on a 9.0 GPU with the sm_90a build (1.50x configuration 2 and
+// 1.25x SDPA flash over 12 bf16 cases on the H100, benches/NOTES.md bwd v4), else 2 where it fits
+// the card's shared memory, else 1. The deterministic dQ pass always runs 64 x 64 tiles with 4
+// warps.
 constexpr int kSm90aBwdConfig = 3;
 template <int D>
 using BwdDqConfig = BwdDqTraits<D, 64, 64, 4>;
@@ -785,7 +787,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
                        " needs the sm_90a build, and this one was built without it: rebuild with "
                        "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
   const int smem_limit = max_smem_per_block(q_in.device().index());
-  if (config == 0) config = bwd_smem_bytes(2, int(q_in.size(3))) <= smem_limit ? 2 : 1;
+  if (config == 0) {
+    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a      ? kSm90aBwdConfig
+             : bwd_smem_bytes(2, int(q_in.size(3))) <= smem_limit ? 2
+                                                                  : 1;
+  }
   FLASHMOE_CHECK_VALUE(bwd_smem_bytes(int(config), int(q_in.size(3))) <= smem_limit,
                        "backward_config=", config, " needs ",
                        bwd_smem_bytes(int(config), int(q_in.size(3))),

@@ -161,6 +161,8 @@ SM90_ONLY_CONFIGS = frozenset({4})
 # The wgmma kernels: only a build that targets sm_90a carries them (wgmma has no sm_90 or PTX
 # form), and sm_90a code runs only on compute capability 9.0; the operator refuses them elsewhere.
 SM90A_CONFIGS = frozenset({5})
+# The same for the backward's wgmma configuration.
+SM90A_BACKWARD_CONFIGS = frozenset({3})
 
 
 def built_archs() -> tuple[str, ...]:
@@ -178,18 +180,44 @@ def config_unsupported_reason(
     if config in SM90_ONLY_CONFIGS and capability < (9, 0):
         return f"config={config} is built for sm_90 and newer; this GPU is {gpu}"
     if config in SM90A_CONFIGS:
-        archs = built_archs() if arch_list is None else tuple(arch_list)
-        if capability != (9, 0) or not _loader.targets_sm90a(archs):
-            build = (
-                "the build targets " + ", ".join(_loader.arch_label(a) for a in archs)
-                if archs
-                else "the build is CPU-only"
-            )
-            return (
-                f"config={config} needs an sm_90a build on a compute capability 9.0 GPU: build "
-                f"with --arch 9.0a (this GPU is {gpu}, {build})"
-            )
+        return _sm90a_reason(f"config={config}", capability, arch_list)
     return None
+
+
+def _sm90a_reason(
+    option: str, capability: tuple[int, ...], arch_list: Sequence[str] | None
+) -> str | None:
+    """Why a wgmma configuration (`option`, as the user gave it) cannot run here, or None."""
+    archs = built_archs() if arch_list is None else tuple(arch_list)
+    if tuple(capability) == (9, 0) and _loader.targets_sm90a(archs):
+        return None
+    gpu = "sm_" + "".join(str(part) for part in capability)
+    build = (
+        "the build targets " + ", ".join(_loader.arch_label(a) for a in archs)
+        if archs
+        else "the build is CPU-only"
+    )
+    return (
+        f"{option} needs an sm_90a build on a compute capability 9.0 GPU: build with --arch 9.0a "
+        f"(this GPU is {gpu}, {build})"
+    )
+
+
+def backward_config_unsupported_reason(
+    config: int, capability: tuple[int, int], arch_list: Sequence[str] | None = None
+) -> str | None:
+    """Why `backward_config=` cannot run on a GPU of this compute capability with the build for
+    these targets (default: the loaded build's), with what to do; None when it can."""
+    if config in SM90A_BACKWARD_CONFIGS:
+        return _sm90a_reason(f"backward_config={config}", capability, arch_list)
+    return None
+
+
+def backward_config_supported(
+    config: int, capability: tuple[int, int], arch_list: Sequence[str] | None = None
+) -> bool:
+    """Whether `backward_config=` can run here (0, automatic, always can)."""
+    return backward_config_unsupported_reason(config, capability, arch_list) is None
 
 
 def config_supported(
@@ -200,8 +228,11 @@ def config_supported(
     return config_unsupported_reason(config, capability, arch_list) is None
 
 
-def config_needs(config: int) -> str | None:
-    """What a forced configuration needs beyond a GPU, in a few words (a gate's rerun_needs)."""
+def config_needs(config: int, kind: str = "prefill") -> str | None:
+    """What a forced configuration of a case of this kind needs beyond a GPU, in a few words (a
+    gate's rerun_needs); backward cases force backward configurations."""
+    if kind == "backward":
+        return "an sm_90a build on a 9.0 GPU" if config in SM90A_BACKWARD_CONFIGS else None
     if config in SM90A_CONFIGS:
         return "an sm_90a build on a 9.0 GPU"
     if config in SM90_ONLY_CONFIGS:
@@ -237,7 +268,7 @@ def flash_attention_forward(
     architecture selects is gated on one card.
 
     Backward (autograd, flashmoe_science.autograd): FlashAttention-2's, from the saved output and
-    log-sum-exp; gradients come back contiguous, in the inputs' dtype. deterministic=True gives
+    log-sum-exp (on wgmma on an H100 with the sm_90a build); gradients come back contiguous, in the inputs' dtype. deterministic=True gives
     bit-identical gradients over repeated calls (dQ summed in a fixed order, without atomics; a
     little slower). backward_config: 0 picks the backward tile configuration, 1 to
     len(BACKWARD_CONFIGS) force one.

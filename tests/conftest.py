@@ -64,18 +64,24 @@ def has_cuda_kernels() -> bool:
 def require_cuda_build(has_cuda_kernels):
     """What a CUDA gate calls first: a GPU is visible (the `gpu` marker skips the test where none
     is), so a loaded build without CUDA kernels fails the gate rather than pass without running
-    it; a forced tile configuration this GPU or build cannot run skips, saying what it needs
-    (ops.config_unsupported_reason)."""
+    it; a forced tile configuration (forward or backward) this GPU or build cannot run skips,
+    saying what it needs (ops.config_unsupported_reason, ops.backward_config_unsupported_reason)."""
 
-    def require(config: int = 0) -> None:
+    def require(config: int = 0, backward_config: int = 0) -> None:
         if not has_cuda_kernels:
             pytest.fail(
                 "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
                 pytrace=False,
             )
-        from flashmoe_science.ops import config_unsupported_reason
+        from flashmoe_science.ops import (
+            backward_config_unsupported_reason,
+            config_unsupported_reason,
+        )
 
-        reason = config_unsupported_reason(config, torch.cuda.get_device_capability())
+        capability = torch.cuda.get_device_capability()
+        reason = config_unsupported_reason(config, capability) or (
+            backward_config_unsupported_reason(backward_config, capability)
+        )
         if reason:
             pytest.skip(reason)
 

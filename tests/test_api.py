@@ -159,6 +159,36 @@ def test_each_configuration_says_what_it_needs():
         assert "the build is CPU-only" in ops.config_unsupported_reason(5, (9, 0))
 
 
+def test_each_backward_configuration_says_what_it_needs():
+    """Backward configurations 1 and 2 run on any supported GPU; 3 (wgmma) needs an sm_90a build
+    on a 9.0 GPU, and says so in the words the forward's configuration 5 uses."""
+    for capability in ((8, 0), (8, 9), (9, 0), (10, 0)):
+        assert all(ops.backward_config_supported(c, capability, ()) for c in (0, 1, 2))
+    assert ops.backward_config_supported(3, (9, 0), ("8.9", "9.0a"))
+    for capability, archs in (((9, 0), ("8.9", "9.0")), ((8, 9), ("9.0a",)), ((10, 0), ("9.0a",))):
+        assert not ops.backward_config_supported(3, capability, archs)
+    assert ops.backward_config_unsupported_reason(3, (8, 9), ("8.9",)) == (
+        "backward_config=3 needs an sm_90a build on a compute capability 9.0 GPU: build with "
+        "--arch 9.0a (this GPU is sm_89, the build targets sm_89)"
+    )
+    assert set(ops.BACKWARD_CONFIGS) >= ops.SM90A_BACKWARD_CONFIGS
+    assert ops.config_needs(3, "backward") == "an sm_90a build on a 9.0 GPU"
+    assert ops.config_needs(3, "decode") is None and ops.config_needs(2, "backward") is None
+
+
+@pytest.mark.gpu
+def test_backward_config_3_refused_where_it_cannot_run():
+    """Forced where it cannot run (not an H100, or a build without sm_90a), the wgmma backward is
+    a one-line error that says what to use instead, not a launch of a trapping kernel."""
+    if ops.backward_config_supported(3, torch.cuda.get_device_capability()):
+        pytest.skip("this GPU and build run backward_config=3")
+    q, k, v = (t.cuda().requires_grad_() for t in qkv())
+    out = flash_attention_forward(q, k, v, backward_config=3)
+    with pytest.raises(ValueError) as info:
+        out.float().sum().backward()
+    one_line_error(info, "backward_config=3", "backward_config 1 or 2")
+
+
 @pytest.mark.gpu
 def test_mismatched_devices():
     q, k, v = qkv()

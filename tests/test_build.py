@@ -689,7 +689,8 @@ def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch, capsys):
 def traits_smem(kernel: str) -> int:
     """The shared memory a kernel's traits ask for, by the formulas of csrc/flash_fwd_kernel.cuh
     (FwdTraits::kSmemBytes), csrc/flash_fwd_sm90_kernel.cuh (Sm90FwdTraits), csrc/flash_decode_kernel.cuh
-    (DecodeTraits::kSmemBytes) and csrc/flash_bwd_kernel.cuh (BwdTraits, BwdDqTraits)."""
+    (DecodeTraits::kSmemBytes), csrc/flash_bwd_kernel.cuh (BwdTraits, BwdDqTraits) and
+    csrc/flash_bwd_sm90_kernel.cuh (Sm90BwdTraits)."""
     if match := re.search(r"FwdTraits<(\d+), (\d+), (\d+), \d+, (?:true|false)>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (block_m + 2 * block_n) * head_dim * 2  # Q tile + K and V tiles, 2-byte elements
@@ -703,6 +704,11 @@ def traits_smem(kernel: str) -> int:
     if match := re.search(r"BwdDqTraits<(\d+), (\d+), (\d+), \d+>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (2 * block_m + 2 * block_n) * head_dim * 2  # Q, dO, K and V tiles
+    if match := re.search(r"Sm90BwdTraits<(\d+)>", kernel):
+        head_dim = int(match.group(1))
+        block_n, block_m = 128, 128 if head_dim == 64 else 64
+        # K and V, Q and dO double-buffered, dS^T, then lse and delta double-buffered (fp32)
+        return (2 * block_n + 4 * block_m) * head_dim * 2 + block_n * block_m * 2 + 4 * block_m * 4
     if match := re.search(r"Sm90FwdTraits<(\d+), (\d+), (\d+)>", kernel):
         head_dim, block_n, warpgroups = (int(g) for g in match.groups())
         # Q (64 rows a math warpgroup), K and V double-buffered, the output's staging buffer
@@ -851,9 +857,9 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     library = newest_cuda_build()
     table = build.launch_table(library)
     # 2 dtypes x (2 head dims x (5 forward configurations + 4 packed-batch (varlen) ones + their
-    # offset check + the paged decode kernel + the combine kernel + 2 backward configurations
+    # offset check + the paged decode kernel + the combine kernel + 3 backward configurations
     # with and without dQ atomics + the dQ pass + the pre-pass) + the dQ conversion)
-    assert table is not None and len(table) == 2 * (2 * (5 + 4 + 1 + 1 + 1 + 2 * 2 + 1 + 1) + 1)
+    assert table is not None and len(table) == 2 * (2 * (5 + 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1) + 1)
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]

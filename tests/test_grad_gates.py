@@ -32,7 +32,7 @@ def test_grad_gate_cpu(case, record_gate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_grad_gate_cuda(case, record_gate, require_cuda_build):
-    require_cuda_build()
+    require_cuda_build(backward_config=case.config)
     _run(case, "cuda", record_gate)
 
 
@@ -113,11 +113,12 @@ print(json.dumps({"planted": ops.planted_bug(), "results": results}))
 
 # Each planted backward bug (csrc/attention_params.h) and cases that must expose it: dS without the
 # softmax scale (dq and dk off); dK and dV of a GQA group from its first head only; dQ without the
-# last key block (more than one block of keys).
+# last key block (more than one block of keys). Each bug is planted in every dK/dV kernel: the
+# automatic choice (wgmma on an H100) and configuration 2 forced (the mma.sync kernel) both run.
 PLANTS = {
-    4: ("bwd-bf16-d64-h8-b2-s129-full",),
-    5: ("bwd-bf16-d64-h8kv2-b2-s129-full",),
-    6: ("bwd-fp16-d64-h8-b2-q17-k250-full",),
+    4: ("bwd-bf16-d64-h8-b2-s129-full", "bwd-bf16-d128-h8-b2-s129-full-cfg2"),
+    5: ("bwd-bf16-d64-h8kv2-b2-s129-full", "bwd-bf16-d128-h8kv2-b2-s129-full-cfg2"),
+    6: ("bwd-fp16-d64-h8-b2-q17-k250-full", "bwd-fp16-d128-h8-b2-q17-k250-full-cfg2"),
 }
 
 

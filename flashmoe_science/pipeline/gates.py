@@ -215,7 +215,7 @@ def rerun_fields(case: Case, device: str) -> dict:
     return {
         "rerun": case.rerun_command(device),
         "rerun_cpu": case.rerun_command("cpu") if twin else None,
-        "rerun_needs": config_needs(case.config),
+        "rerun_needs": config_needs(case.config, case.kind),
     }
 
 

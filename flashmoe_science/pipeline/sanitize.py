@@ -96,18 +96,31 @@ HEARTBEAT_S = 30.0
 FWD_LENGTHS = ((1, 1), (65, 65), (129, 129), (257, 257), (17, 257), (257, 17))
 
 
+def _target() -> tuple[tuple[int, int], tuple[str, ...] | None]:
+    """The GPU's compute capability and build targets the workload is for: this GPU and the
+    loaded build's, or an H100's own build when no GPU is visible (for listing)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_capability(), None
+    return (9, 0), ("9.0a",)
+
+
 def workload_configs() -> list[int]:
     """The kernel configurations the workload forces: all that this GPU can run (all of them when
     no GPU is visible, for listing)."""
-    import torch
-
     from ..ops import CONFIGS, config_supported
 
-    if torch.cuda.is_available():
-        capability, archs = torch.cuda.get_device_capability(), None  # the loaded build's targets
-    else:
-        capability, archs = (9, 0), ("9.0a",)  # an H100's own build
+    capability, archs = _target()
     return [c for c in CONFIGS if config_supported(c, capability, archs)]
+
+
+def workload_backward_configs() -> list[int]:
+    """The backward configurations the workload forces, chosen as workload_configs does."""
+    from ..ops import BACKWARD_CONFIGS, backward_config_supported
+
+    capability, archs = _target()
+    return [c for c in BACKWARD_CONFIGS if backward_config_supported(c, capability, archs)]
 
 
 def workload_cases() -> list:
@@ -174,12 +187,10 @@ def workload_cases() -> list:
                 )
     # The backward: every configuration, with dQ by atomics and deterministic, over odd lengths
     # (keys and queries past a block's end, rows that see no key), GQA 4 and a strided view.
-    from ..ops import BACKWARD_CONFIGS
-
     backward = ((65, 65, 4, 1, False), (129, 257, 8, 2, True), (257, 17, 2, 2, True))
     for dtype in ("fp16", "bf16"):
         for head_dim in (64, 128):
-            for config in BACKWARD_CONFIGS:
+            for config in workload_backward_configs():
                 for deterministic in (False, True):
                     for seqlen_q, seqlen_k, heads_q, heads_kv, causal in backward:
                         cases.append(
