@@ -99,6 +99,28 @@ def test_nondeterminism_fails_a_deterministic_case():
     assert result.deterministic is False and not result.passed
 
 
+@pytest.mark.gate
+@pytest.mark.gpu
+def test_poisoned_allocator_reaches_every_gradient(require_cuda_build):
+    """A backward whose dv (a fresh allocation after dq and dk, as a kernel's output is) leaves one
+    element unwritten fails the gate on CUDA: before each case the allocator holds nothing but
+    NaN-filled blocks of q's and k's sizes, enough for the output and all three gradients. With
+    one block poisoned per size, freed one at a time, dv came from unpoisoned memory."""
+    require_cuda_build()
+    case = Case("backward", "bf16", 1, 8, 2, 65, 65, 64, False)
+
+    def one_element_unwritten(case, q, k, v, dout, scale):
+        dq, dk, dv = grad_gates.call_api(case, q, k, v, dout, scale)
+        lazy = torch.empty_like(dv)
+        lazy.view(-1)[1:] = dv.reshape(-1)[1:]
+        return dq, dk, lazy
+
+    result = grad_gates.check_case(case, "cuda", one_element_unwritten)
+    assert result.grads["dv"].nonfinite == 1
+    assert any("dv: 1 NaN/Inf elements" in f for f in result.failures)
+    assert grad_gates.check_case(case, "cuda").passed  # the real backward writes every element
+
+
 PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops

@@ -270,11 +270,21 @@ def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
     )
 
 
-def _poison_allocator(shape, dtype, device: str) -> None:
-    # The CUDA caching allocator hands the next same-sized request this NaN-filled block, so any
-    # output element the kernel forgets to write shows up as NaN.
+def _poison_allocator(*shapes, dtype, device: str, copies: int = 1) -> None:
+    """Leave the CUDA caching allocator nothing but NaN-filled free blocks: `copies` blocks of
+    each shape, held at once and then freed together, after the cache has been emptied (a free
+    block left over from earlier work would be an exact fit that is not poisoned). The next
+    requests of those sizes (the outputs, the gradients) land on NaN, so any element a kernel
+    forgets to write shows up. One block of one shape is not enough for a backward: out, dq, dk
+    and dv each need their own, and freed one by one, the same block would be poisoned over and
+    over while the others came from elsewhere."""
     if device.startswith("cuda"):
-        junk = torch.full(shape, math.nan, dtype=dtype, device=device)
+        torch.cuda.empty_cache()
+        junk = [
+            torch.full(shape, math.nan, dtype=dtype, device=device)
+            for shape in shapes
+            for _ in range(copies)
+        ]
         del junk
 
 
@@ -284,9 +294,9 @@ def check_case(case: Case, device: str, attention_fn: AttentionFn | None = None)
     seed = case.seed()
     q, k, v, seqlens = make_inputs(case, device, seed)
     scale = 1.0 / math.sqrt(case.head_dim)
-    _poison_allocator(q.shape, q.dtype, device)
+    _poison_allocator(q.shape, dtype=q.dtype, device=device)
     out, lse = fn(case, q, k, v, seqlens, scale)
-    _poison_allocator(q.shape, q.dtype, device)
+    _poison_allocator(q.shape, dtype=q.dtype, device=device)
     out_again, lse_again = fn(case, q, k, v, seqlens, scale)
     ref, ref_lse = attention_reference(q, k, v, case.causal, scale, seqlens)
     out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, seqlens)
