@@ -184,22 +184,37 @@ def test_gradients_reach_every_input():
         assert t.grad is not None and t.grad.shape == t.shape and t.grad.abs().sum() > 0
 
 
-def test_opcheck_and_compile_of_forward_and_backward():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_opcheck_and_compile_of_forward_and_backward(device, request):
+    """opcheck (schema, fake, autograd registration, AOT dispatch) of the differentiable forward and
+    of the backward operator itself, and torch.compile(fullgraph=True) of forward plus backward
+    giving eager's gradients bit for bit (deterministic, so dQ's atomics cannot differ)."""
     from flashmoe_science import flash_attention_forward
 
-    q, k, v = _small(dtype=torch.float16)
+    if device == "cuda":
+        request.getfixturevalue("require_cuda_build")()
+    q, k, v = (t.detach().to(device).requires_grad_() for t in _small(dtype=torch.float16))
     torch.library.opcheck(
-        torch.ops.flashmoe_science.attention.default, (q, k, v, True, 0.125, 0, 0, False, 0)
+        torch.ops.flashmoe_science.attention.default, (q, k, v, True, 0.125, 0, 0, True, 0)
+    )
+    plain = [t.detach() for t in (q, k, v)]
+    out, lse = torch.ops.flashmoe_science.attention(*plain, True, 0.125, 0, 0, True, 0)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(
+        torch.ops.flashmoe_science.attention_backward.default,
+        (dout, *plain, out, lse, True, 0.125, True, 0),
     )
     compiled = torch.compile(
-        lambda q, k, v: flash_attention_forward(q, k, v, causal=True).float().sum(),
+        lambda q, k, v: (
+            flash_attention_forward(q, k, v, causal=True, deterministic=True).float().sum()
+        ),
         fullgraph=True,
     )
     compiled(q, k, v).backward()
     eager = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    flash_attention_forward(q, k, v, causal=True).float().sum().backward()
+    flash_attention_forward(q, k, v, causal=True, deterministic=True).float().sum().backward()
     for t, e in zip((q, k, v), eager, strict=True):
         assert torch.equal(t.grad, e)
 
