@@ -26,7 +26,7 @@ namespace flashmoe::cuda {
 template <int kHeadDim_>
 struct Sm90BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockN = 128;  // keys per block: 64 per warpgroup
+  static constexpr int kBlockN = 128;                         // keys per block: 64 per warpgroup
   static constexpr int kBlockM = kHeadDim_ == 64 ? 128 : 64;  // queries per step
   static constexpr int kNThreads = 256;
   // K and V, Q and dO (two buffers each), dS^T [kBlockN][kBlockM], then lse and delta (two
@@ -47,9 +47,9 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   extern __shared__ __align__(1024) uint4 smem_buf[];
   T* sK = reinterpret_cast<T*>(smem_buf);
   T* sV = sK + BN * D;
-  T* sQ = sV + BN * D;       // [2][BM x D]
-  T* sdO = sQ + 2 * BM * D;  // [2][BM x D]
-  T* sdS = sdO + 2 * BM * D;  // dS^T: [BN keys][BM queries]
+  T* sQ = sV + BN * D;                                    // [2][BM x D]
+  T* sdO = sQ + 2 * BM * D;                               // [2][BM x D]
+  T* sdS = sdO + 2 * BM * D;                              // dS^T: [BN keys][BM queries]
   float* sLse = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM]
   float* sDelta = sLse + 2 * BM;                          // [2][BM]
 
@@ -62,10 +62,8 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k,
-                                                  tid);
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k,
-                                                  tid);
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, tid);
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, tid);
   cp_async_commit();
 
   int group = p.heads_ratio;
@@ -80,8 +78,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   auto issue_step = [&](int step) {
     const int buf = step & 1, h = step_head(step), m0 = step_m0(step);
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-    const T* do_base =
-        static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+    const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
     load_kv_tile<D, BM, kThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0, p.seqlen_q,
                                         tid);
     load_kv_tile<D, BM, kThreads, true>(sdO + buf * BM * D, do_base, p.do_row_stride, m0,

@@ -1,7 +1,7 @@
-// Warpgroup MMA (wgmma, sm_90a only) for the Hopper forward and backward kernels: shared-memory matrix
-// descriptors for tiles in the 128-byte-swizzled panel layout (swizzle_panels), the fences, and
-// m64nNk16 wrappers with fp32 accumulators laid out per warp exactly as mma.sync m16n8 leaves them
-// (so the softmax and masking code of the mma.sync kernels applies unchanged):
+// Warpgroup MMA (wgmma, sm_90a only) for the Hopper forward and backward kernels: shared-memory
+// matrix descriptors for tiles in the 128-byte-swizzled panel layout (swizzle_panels), the fences,
+// and m64nNk16 wrappers with fp32 accumulators laid out per warp exactly as mma.sync m16n8 leaves
+// them (so the softmax and masking code of the mma.sync kernels applies unchanged):
 //   d[n8][e]: row 16 * (warp % 4) + lane / 4 + 8 * (e / 2), column 8 * n8 + 2 * (lane % 4) + e % 2.
 // Everything here is a template or is only called from code compiled under
 // __CUDA_ARCH_FEAT_SM90_ALL, so the sm_80/sm_89/sm_90 passes of the unit never emit it.
@@ -180,19 +180,19 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
   "%56, %57, %58, %59, %60, %61, %62, %63}"
 
-#define FLASHMOE_WGMMA_SS_N64(TYPE, TNSP)                                                           \
+#define FLASHMOE_WGMMA_SS_N64(TYPE, TNSP)                                                     \
   asm volatile(                                                                               \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                            \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " FLASHMOE_WGMMA_REGS_N64 \
-      ", %32, %33, p, 1, 1, " TNSP ";\n}\n"                                                       \
+      ", %32, %33, p, 1, 1, " TNSP ";\n}\n"                                                   \
       : FLASHMOE_WGMMA_D_N64                                                                  \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
-#define FLASHMOE_WGMMA_SS_N128(TYPE, TNSP)                                                            \
+#define FLASHMOE_WGMMA_SS_N128(TYPE, TNSP)                                                      \
   asm volatile(                                                                                 \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                              \
       "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " FLASHMOE_WGMMA_REGS_N128 \
-      ", %64, %65, p, 1, 1, " TNSP ";\n}\n"                                                         \
+      ", %64, %65, p, 1, 1, " TNSP ";\n}\n"                                                     \
       : FLASHMOE_WGMMA_D_N128                                                                   \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
