@@ -10,10 +10,9 @@ import dataclasses
 
 import pytest
 import torch
-from config_choice import h100_automatic_config
 
 from flashmoe_science.pipeline import gates
-from flashmoe_science.pipeline.cases import Case, make_inputs, parse_case_id
+from flashmoe_science.pipeline.cases import Case, make_inputs
 
 GPU_CASES = gates.gate_cases("gpu")
 CPU_CASES = gates.gate_cases("cpu")
@@ -86,29 +85,16 @@ def test_the_wgmma_configuration_meets_the_whole_matrix():
         assert any(c.num_splits > 1 for c in mine) and any(c.num_splits == 0 for c in mine)
 
 
-def test_the_automatic_choice_restated_for_the_tests_matches_the_known_cases():
-    """config_choice restates the operator's choice on an H100: decode shapes take the decode
-    kernel, a large prefill the wgmma kernel, a small grid the 64-row tiles."""
-    assert h100_automatic_config(parse_case_id("dec-bf16-d128-h32kv8-b4-q1-k8192")) == 3
-    assert h100_automatic_config(parse_case_id("dec-bf16-d128-h8kv2-b3-q16-k4096")) == 3
-    assert h100_automatic_config(parse_case_id("fwd-bf16-d128-h16-b4-s4096-causal")) == 5
-    assert h100_automatic_config(parse_case_id("fwd-fp16-d64-h8-b2-s257-full")) == 3
-    assert h100_automatic_config(parse_case_id("fwd-fp16-d64-h8-b2-s1024-full")) == 2
-
-
 def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path():
     """Decode of more than 16 query rows with cache_seqlens (chunked prefill, speculative
-    decoding), which an H100 runs on the wgmma kernel with K and V copied by cp.async (the host
-    uses no TMA with cache lengths): both dtypes, head dims and masks for Sq 65 and 257, caches
-    of a few hundred to 2000 keys holding empty, one-token, partial-tile and full sequences,
-    split and not, GQA 1/4/8."""
+    decoding) forced onto the wgmma kernel, which copies K and V by cp.async there (the host uses
+    no TMA with cache lengths): both dtypes, head dims and masks for Sq 65 and 257, caches of a
+    few hundred to 2000 keys holding empty, one-token, partial-tile and full sequences, split and
+    not, GQA 1/4/8."""
     mine = [
         c
         for c in GPU_CASES
-        if c.kind == "decode"
-        and c.cache_seqlens
-        and c.seqlen_q > 16
-        and h100_automatic_config(c) == 5
+        if c.kind == "decode" and c.cache_seqlens and c.seqlen_q > 16 and c.config == 5
     ]
     assert {(c.dtype, c.head_dim, c.causal, c.seqlen_q) for c in mine} == {
         (t, d, m, q) for t in ("fp16", "bf16") for d in (64, 128) for m in (0, 1) for q in (65, 257)
@@ -120,7 +106,6 @@ def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path():
     assert any(n > 128 and n % 128 for n, _ in lengths)  # a partial last 128-key tile
     assert {c.num_splits for c in mine} == {0, 3}
     assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
-    assert all(c.config == 0 for c in mine)  # the automatic choice: the user's call
 
 
 def test_bshd_view_is_used_in_place():
