@@ -317,6 +317,7 @@ def flash_attention_decode(
     num_splits: int | None = None,
     return_lse: bool = False,
     block_table: torch.Tensor | None = None,
+    config: int = 0,
 ):
     """Decoding attention of a few new queries against a KV cache, split along the cache (flash-decoding).
 
@@ -339,6 +340,10 @@ def flash_attention_decode(
     [0, Smax] or a block outside the cache gets NaN output and log-sum-exp. Set
     FLASHMOE_CHECK_INPUTS=1 to have them checked on the host as well (one copy and sync per call),
     which raises a one-line error naming the value. The CPU implementation always checks them.
+
+    config: 0 picks the CUDA tile configuration (the decode kernel for a few queries; many query
+    rows, chunked prefill say, may take a prefill configuration), 1 to len(CONFIGS) force one as
+    flash_attention_forward's config does. A paged cache has one kernel: config must be 0 there.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
@@ -348,9 +353,15 @@ def flash_attention_decode(
     _check_bool("return_lse", return_lse)
     if num_splits is not None:
         _check_int("num_splits", num_splits, 1, 128, "None = automatic")
+    _check_int("config", config, 0, len(CONFIGS), "0 = automatic, " + _CONFIG_TEXT)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     if block_table is not None:
         _check_tensor("block_table", block_table)
+        if config != 0:
+            raise ValueError(
+                f"config={config} cannot be forced with block_table: a paged cache runs the decode "
+                "kernel only; use config=0"
+            )
         out, lse = _call(
             torch.ops.flashmoe_science.paged_fwd,
             q,
@@ -372,7 +383,7 @@ def flash_attention_decode(
         causal,
         scale,
         num_splits or 0,
-        0,
+        config,
     )
     return (out, lse) if return_lse else out
 

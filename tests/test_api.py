@@ -235,7 +235,28 @@ DECODE_BAD = [
         ("num_splits", "None", "got 0"),
     ),
     ("num_splits too many", lambda s: s, {"num_splits": 129}, ValueError, ("num_splits", "129")),
+    ("config out of range", lambda s: s, {"config": 6}, ValueError, ("config", "got 6", "0 =")),
 ]
+
+
+def test_decode_config_is_forced_or_refused_in_one_line():
+    """config= forces a tile configuration on a decode call as on the forward: on CPU tensors a
+    CUDA configuration is refused, and a paged cache (one kernel) refuses any but 0."""
+    q, k, v = qkv(sq=1)
+    seqlens = torch.tensor([20, 7], dtype=torch.int32)
+    assert torch.equal(
+        flash_attention_decode(q, k, v, seqlens, config=0), flash_attention_decode(q, k, v, seqlens)
+    )
+    with pytest.raises(ValueError) as info:
+        flash_attention_decode(q, k, v, seqlens, config=5)
+    one_line_error(info, "config=5", "CPU tensors", "config=0")
+    pages = k.transpose(1, 2).reshape(-1, 16, k.shape[1], k.shape[-1])[:2].contiguous()
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    with pytest.raises(ValueError) as info:
+        flash_attention_decode(
+            q, pages, pages, torch.tensor([5, 7], dtype=torch.int32), block_table=table, config=3
+        )
+    one_line_error(info, "config=3", "block_table", "config=0")
 
 
 @pytest.mark.parametrize(

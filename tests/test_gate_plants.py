@@ -171,10 +171,17 @@ SM90A_RAMPED_CASES = (
     "fwd-bf16-d128-h8kv2-b2-s1000-full-cfg5-falling",
     "fwd-fp16-d64-h8-b2-q257-k1000-causal-cfg5-falling",
 )
+# Decode of many query rows with cache_seqlens on the wgmma kernel (gates.MANY_ROW_DECODE), which
+# copies K and V by cp.async there, as the host uses no TMA with cache lengths. Every sequence
+# ends inside a 128-key tile (101, 299 and 300 keys), unmasked.
+SM90A_CP_ASYNC_CASE = "dec-fp16-d128-h48kv6-b3-q65-k300-full-cfg5-lens101_299_300"
 SM90A_PLANTS = {
     9: ("a math warpgroup skips one mbarrier wait for its K tile", SM90A_CASES),
     10: ("K read with the wrong (64-byte) swizzle", SM90A_CASES),
-    11: ("the last, partial key tile never copied", SM90A_CASES),
+    11: (
+        "the last, partial key tile never copied (by TMA or by cp.async)",
+        (*SM90A_CASES, SM90A_CP_ASYNC_CASE),
+    ),
     12: ("the output never rescaled when the running max moves", SM90A_RAMPED_CASES),
 }
 
@@ -201,6 +208,19 @@ def test_planted_sm90a_bug_fails_a_gate(bug, run_planted):
     assert sorted(result["results"]) == sorted(case_ids)
     for case_id, failures in result["results"].items():
         assert failures, f"planted bug {bug} ({name}) passed the gates on {case_id}"
+
+
+def test_the_partial_tile_plant_meets_both_copy_paths():
+    """Plant 11 has a variant per copy path of the wgmma kernel's producer: its case list holds
+    prefill cases forced onto configuration 5 (TMA) and a decode gate case forced there with
+    cache_seqlens (cp.async), whose sequences end inside a key tile."""
+    cases = [parse_case_id(case_id) for case_id in SM90A_PLANTS[11][1]]
+    assert any(c.config == 5 and c.cache_seqlens is None for c in cases)
+    cp_async = [c for c in cases if c.cache_seqlens and c.config == 5]
+    assert cp_async and all(c.kind == "decode" for c in cp_async)
+    assert all(n % 128 for c in cp_async for n in c.cache_seqlens)
+    gpu_ids = {c.id for c in gates.gate_cases("gpu")}
+    assert {c.id for c in cp_async} <= gpu_ids  # honest, it passes its gate
 
 
 # ---- the planted-bug scripts themselves ------------------------------------------------------

@@ -85,6 +85,29 @@ def test_the_wgmma_configuration_meets_the_whole_matrix():
         assert any(c.num_splits > 1 for c in mine) and any(c.num_splits == 0 for c in mine)
 
 
+def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path():
+    """Decode of more than 16 query rows with cache_seqlens (chunked prefill, speculative
+    decoding) forced onto the wgmma kernel, which copies K and V by cp.async there (the host uses
+    no TMA with cache lengths): both dtypes, head dims and masks for Sq 65 and 257, caches of a
+    few hundred to 2000 keys holding empty, one-token, partial-tile and full sequences, split and
+    not, GQA 1/4/8."""
+    mine = [
+        c
+        for c in GPU_CASES
+        if c.kind == "decode" and c.cache_seqlens and c.seqlen_q > 16 and c.config == 5
+    ]
+    assert {(c.dtype, c.head_dim, c.causal, c.seqlen_q) for c in mine} == {
+        (t, d, m, q) for t in ("fp16", "bf16") for d in (64, 128) for m in (0, 1) for q in (65, 257)
+    }
+    assert len(mine) <= 40  # the GPU test stage's wall time
+    assert min(c.seqlen_k for c in mine) <= 300 and max(c.seqlen_k for c in mine) >= 2000
+    lengths = [(n, c.seqlen_k) for c in mine for n in c.cache_seqlens]
+    assert {0, 1} <= {n for n, _ in lengths} and any(n == k for n, k in lengths)
+    assert any(n > 128 and n % 128 for n, _ in lengths)  # a partial last 128-key tile
+    assert {c.num_splits for c in mine} == {0, 3}
+    assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
+
+
 def test_bshd_view_is_used_in_place():
     """A [B, H, S, D] view of a [B, S, H, D] tensor is a non-contiguous input the gates really exercise."""
     case = next(c for c in CPU_CASES if c.layout == "bshd" and c.seqlen_q > 1 and c.heads_q > 1)

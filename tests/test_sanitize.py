@@ -339,6 +339,19 @@ def test_workload_covers_every_code_path():
         c.cache_seqlens and c.num_splits >= 7 and max(c.cache_seqlens) < 64 * c.num_splits
         for c in dec
     )
+    # many query rows against a cache with lengths 0, short and full, on the wgmma kernel (where
+    # the card runs it), whose producer copies K and V with cp.async when cache_seqlens is given
+    many_rows = [c for c in dec if c.cache_seqlens and c.seqlen_q > 16 and c.config == 5]
+    if 5 not in sanitize.workload_configs():
+        assert not many_rows
+        return
+    assert {(c.dtype, c.head_dim) for c in many_rows} == {
+        (t, d) for t in ("fp16", "bf16") for d in (64, 128)
+    }
+    assert {c.causal for c in many_rows} == {False, True}
+    assert {c.seqlen_q for c in many_rows} == {65, 257}
+    assert {c.num_splits for c in many_rows} == {0, 3}
+    assert all({0, c.seqlen_k} <= set(c.cache_seqlens) for c in many_rows)
     # the packed and paged calls carry their gates' case types and id formats
     from flashmoe_science.pipeline.paged_gates import PagedCase
     from flashmoe_science.pipeline.varlen_gates import VarlenCase

@@ -257,6 +257,7 @@ def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
             causal=case.causal,
             num_splits=case.num_splits or None,
             return_lse=True,
+            config=case.config,
         )
     return ops.flash_attention_forward(
         q,
@@ -448,7 +449,8 @@ def _mixed_lengths(seqlen_k: int, batch: int, index: int) -> tuple[int, ...]:
 
 def decode_cases(tier: str) -> Iterator[Case]:
     """Split-KV decode gate cases: short queries against caches from 1 to 128k tokens, mixed
-    cache_seqlens in one batch, GQA ratios 1/4/8, both dtypes, forced and automatic split counts."""
+    cache_seqlens in one batch, GQA ratios 1/4/8, both dtypes, forced and automatic split counts;
+    on the GPU tier also many query rows against such caches (many_row_decode_cases)."""
     gpu = tier == "gpu"
     index = 0
     for dtype in DTYPES:
@@ -494,6 +496,42 @@ def decode_cases(tier: str) -> Iterator[Case]:
                     num_splits=splits,
                     scores=scores,
                 )
+    if gpu:
+        yield from many_row_decode_cases()
+
+
+# Many query rows against a cache with per-sequence lengths (chunked prefill, speculative
+# decoding), the wgmma kernel forced (configuration 5, which a large enough grid of them takes by
+# itself on an H100): its producer copies K and V with cp.async whenever cache_seqlens is given
+# (TMA would copy a cache's unused rows), a path no prefill case takes. (Sq, Sk, forced splits.)
+MANY_ROW_DECODE = ((65, 300, 0), (65, 2000, 3), (257, 1000, 0), (257, 2000, 3))
+MANY_ROW_DECODE_CONFIG = 5
+# Batch and query heads per Sq: 144 tiles (Sq 65: 3 x 48 x 1; Sq 257: 3 x 16 x 3 row tiles), more
+# than an H100's 132 SMs, as the automatic choice would need.
+MANY_ROW_DECODE_HEADS = {65: (3, 48), 257: (3, 16)}
+
+
+def many_row_decode_cases() -> Iterator[Case]:
+    """Decode of 65 and 257 query rows with mixed cache_seqlens (empty, one token, partial and
+    full 128-key tiles), both dtypes, head dims and masks, GQA ratios 1/4/8 (none packed), with
+    and without splits, on the wgmma kernel's cp.async path (MANY_ROW_DECODE)."""
+    variants = itertools.product(MANY_ROW_DECODE, DTYPES, (64, 128), (False, True))
+    for index, ((seqlen_q, seqlen_k, splits), dtype, head_dim, causal) in enumerate(variants):
+        batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
+        yield Case(
+            "decode",
+            dtype,
+            batch,
+            heads_q,
+            heads_q // GQA_RATIOS[index % len(GQA_RATIOS)],
+            seqlen_q,
+            seqlen_k,
+            head_dim,
+            causal,
+            num_splits=splits,
+            cache_seqlens=_mixed_lengths(seqlen_k, batch, index),
+            config=MANY_ROW_DECODE_CONFIG,
+        )
 
 
 def gate_cases(tier: str) -> list[Case]:

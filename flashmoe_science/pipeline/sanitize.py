@@ -14,7 +14,8 @@ see no key and KV blocks that are only partly valid), causal and not, fp16 and b
 and 128, GQA ratio 4 (packed and unpacked), every kernel configuration the card can run (`config=1`
 to `5`; 4 needs sm_90, 5 an sm_90a build on a 9.0 GPU), the [B, S, H, D] view layout, forced 1 and 3 splits and automatic
 splitting, and decode with 1, 3, 7 and 128 splits, automatic splits over a 4097-token cache, and
-cache_seqlens holding 0 and short lengths, so that many splits are empty; the backward of every
+cache_seqlens holding 0 and short lengths, so that many splits are empty, and of 65 and 257 query
+rows against such a cache on the wgmma kernel (copying K and V with cp.async); the backward of every
 backward configuration; packed (varlen) batches that mix lengths 0, 1, 17 and one past a block's
 end with Sq != Sk both ways, per forward configuration that has a packed variant, and their
 backward; decode against paged caches of block sizes 16, 64 and 256 with shuffled page tables,
@@ -129,6 +130,7 @@ def workload_cases() -> list:
     decode. Shapes rotate through GQA ratios 1 and 4, batch 1 and 2, both layouts and forced or
     automatic split counts."""
     from .cases import Case
+    from .gates import MANY_ROW_DECODE_CONFIG, MANY_ROW_DECODE_HEADS
 
     configs = workload_configs()
     cases = []
@@ -185,6 +187,35 @@ def workload_cases() -> list:
                         cache_seqlens=lens,
                     )
                 )
+    # Many query rows against a cache with lengths 0, short and full, on the wgmma kernel, whose
+    # producer then copies K and V with cp.async, not TMA (gates.MANY_ROW_DECODE), where the card
+    # runs it. (dtype, head dim, Sq, causal, splits); GQA 4, unpacked.
+    many_rows = (
+        ("fp16", 64, 65, True, 0),
+        ("fp16", 128, 257, False, 3),
+        ("bf16", 64, 257, True, 3),
+        ("bf16", 128, 65, False, 0),
+    )
+    for dtype, head_dim, seqlen_q, causal, splits in many_rows:
+        if MANY_ROW_DECODE_CONFIG not in configs:
+            break
+        batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
+        cases.append(
+            Case(
+                "decode",
+                dtype,
+                batch,
+                heads_q,
+                heads_q // 4,
+                seqlen_q,
+                300,
+                head_dim,
+                causal,
+                num_splits=splits,
+                cache_seqlens=(0, 17, 300),
+                config=MANY_ROW_DECODE_CONFIG,
+            )
+        )
     # The backward: every configuration, with dQ by atomics and deterministic, over odd lengths
     # (keys and queries past a block's end, rows that see no key), GQA 4 and a strided view.
     backward = ((65, 65, 4, 1, False), (129, 257, 8, 2, True), (257, 17, 2, 2, True))
