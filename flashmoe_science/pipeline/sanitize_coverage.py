@@ -62,7 +62,12 @@ class Fact:
 _RACECHECK_SCOPE = "racecheck checks threads' shared-memory accesses"
 FACTS: dict[str, dict[str, Fact]] = {
     "memcheck": {
-        "tma": Fact(CHECKED, "cp.async.bulk checks (--check-bulk-copy yes)", BULK_COPY),
+        "tma": Fact(
+            CHECKED,
+            "--check-bulk-copy yes: checks related to cp.async.bulk (the documentation does not "
+            "list them)",
+            BULK_COPY,
+        ),
         "bulk_reduce": Fact(
             UNDOCUMENTED,
             "--check-bulk-copy names cp.async.bulk; cp.reduce.async.bulk is not mentioned",
