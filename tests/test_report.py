@@ -918,7 +918,7 @@ def test_a_sanitizer_without_the_hopper_options_is_named_for_each_tool(tmp_path)
         in text
     )
     assert "| memcheck | pass | **not checked** | **not checked** | **not checked** |" in text
-    assert "Hopper options passed as `yes`: none." in text
+    assert "passed as `yes` to the tools they concern: none." in text
 
 
 def test_a_failed_sanitize_fails_the_verdict_once(tmp_path):
@@ -939,3 +939,13 @@ def test_a_stale_or_malformed_sanitize_json_is_no_pass(tmp_path):
     doc["tools"]["memcheck"]["coverage"] = "all of it"
     rc, text = _with_sanitize(tmp_path / "bad", doc)
     assert rc == exitcodes.USAGE and "sanitize.json unreadable" in text.splitlines()[0]
+
+
+def test_sanitize_json_text_is_escaped(tmp_path):
+    doc = _sanitize_doc([])
+    doc["tools"]["racecheck"]["coverage"][0]["why"] = "<img src=x> @someone | #12"
+    doc["tools"]["<b>x</b>"] = {"status": "pass", "coverage": []}
+    _, text = _with_sanitize(tmp_path, doc)
+    assert "<img" not in text and "<b>x</b>" not in text
+    assert "&lt;img src=x&gt; @\u200bsomeone \\| #\u200b12" in text
+    assert_well_formed(text)

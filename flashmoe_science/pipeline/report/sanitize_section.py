@@ -78,21 +78,21 @@ def sanitize_section(inputs: Inputs, detail: Detail) -> Section | None:
             )
         rows.append([md.text(name, 40), md.text(tool.get("status") or md.DASH, 40), *cells])
         gaps += [
-            f"- {md.text(name, 40)}, {_feature(item.get('feature'))}: {md.text(item.get('status'), 40)}: "
-            f"{md.text(item.get('why'), 300)}"
+            f"- {md.text(name, 40)}, {_feature(item.get('feature'))}: "
+            f"{md.text(item.get('status'), 40)}: {md.text(item.get('why'), 300)}"
             for item in by_feature.values()
             if item.get("status") in (NOT_CHECKED, UNDOCUMENTED)
         ]
     version = md.text(doc.get("sanitizer_version") or "compute-sanitizer", 120)
     options = doc.get("sanitizer_options")
-    passed = (
-        "its --help could not be read"
+    offered = (
+        "unknown (its --help could not be read)"
         if options is None
         else ", ".join(md.code(o, 60) for o in options[:8] if isinstance(o, str)) or "none"
     )
     body = [
-        f"{version} on {md.text(doc.get('gpu') or 'an unknown GPU', 120)}; Hopper options passed "
-        f"as `yes`: {passed}.",
+        f"{version} on {md.text(doc.get('gpu') or 'an unknown GPU', 120)}. Hopper options it "
+        f"offers, passed as `yes` to the tools they concern: {offered}.",
         "",
         md.table(["tool", "result", *(FEATURES[f] for f in features)], rows),
     ]
