@@ -175,6 +175,7 @@ def _tool(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
 NVCC = "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n"
 SANITIZER = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo "Version 2025.3.1.0"; exit 0; fi
+if [ "$1" = "--help" ]; then exit 0; fi
 echo "$0" >> "$WHO_RAN"
 """
 

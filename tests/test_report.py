@@ -860,3 +860,92 @@ def test_a_report_folder_that_cannot_be_written_does_not_fail_the_stage(tmp_path
     with stages.timed_stage("env", directory=blocker) as run:
         run.exit_code = exitcodes.OK
     assert "env: cannot record the stage in stages.json" in capsys.readouterr().err
+
+
+# ---- the sanitizer: per tool, what it does not check of the Hopper features ----
+
+
+def _sanitize_doc(options: list[str], failing: tuple[str, ...] = ()) -> dict:
+    """sanitize.json as the sanitize stage writes it, the coverage from sanitize_coverage."""
+    from flashmoe_science.pipeline import sanitize, sanitize_coverage
+
+    tools = {
+        tool: {
+            "status": "fail" if tool in failing else "pass",
+            "coverage": sanitize_coverage.coverage(tool, options),
+        }
+        for tool in sanitize.TOOLS
+    }
+    return {
+        "schema": sanitize.SCHEMA,
+        "provenance": _provenance(),
+        "gpu": "NVIDIA H100 80GB HBM3",
+        "sanitizer_version": "Version 2025.3.1.0",
+        "sanitizer_options": options,
+        "status": "fail" if failing else "pass",
+        "tools": tools,
+    }
+
+
+def _with_sanitize(tmp_path: Path, doc: dict, status: str = "ok") -> tuple[int, str]:
+    reports = copy_fixture("passing", tmp_path)
+    (reports / "sanitize.json").write_text(json.dumps(doc))
+    stages.record_stage("sanitize", 300.0, status, 0 if status == "ok" else 1, directory=reports)
+    return render_dir(reports)
+
+
+def test_a_clean_sanitize_says_per_tool_what_it_did_not_check(tmp_path):
+    options = ["--check-bulk-copy", "--check-warpgroup-mma"]
+    rc, text = _with_sanitize(tmp_path, _sanitize_doc(options))
+    assert rc == exitcodes.OK and text.splitlines()[0] == "## ✅ flashmoe-science: passed"
+    assert (
+        "| ✅ | sanitize | clean; not checked: TMA (racecheck), wgmma (initcheck, racecheck), "
+        "mbarrier (memcheck, initcheck) | 5m 00s |"
+    ) in text
+    assert text.count("| sanitize |") == 1  # the section stands for the stage's own row
+    assert "| racecheck | pass | **not checked** | not documented | **not checked** |" in text
+    assert "- racecheck, TMA: not checked: racecheck checks threads' shared-memory" in text
+    assert "`--check-bulk-copy`, `--check-warpgroup-mma`" in text
+    assert_well_formed(text)
+
+
+def test_a_sanitizer_without_the_hopper_options_is_named_for_each_tool(tmp_path):
+    rc, text = _with_sanitize(tmp_path, _sanitize_doc([]))
+    assert rc == exitcodes.OK
+    assert "- memcheck, TMA: not checked: this compute-sanitizer has no --check-bulk-copy" in text
+    assert (
+        "- synccheck, wgmma: not checked: this compute-sanitizer has no --check-warpgroup-mma"
+        in text
+    )
+    assert "| memcheck | pass | **not checked** | **not checked** | **not checked** |" in text
+    assert "passed as `yes` to the tools they concern: none." in text
+
+
+def test_a_failed_sanitize_fails_the_verdict_once(tmp_path):
+    doc = _sanitize_doc(["--check-bulk-copy"], failing=("racecheck",))
+    rc, text = _with_sanitize(tmp_path, doc, status="fail")
+    assert rc == exitcodes.OK  # the verdict is data
+    assert text.splitlines()[0] == "## ❌ flashmoe-science: sanitize failed"
+    assert "| ❌ | sanitize | FAILED (racecheck); not checked:" in text
+    assert text.count("| sanitize |") == 1
+
+
+def test_a_stale_or_malformed_sanitize_json_is_no_pass(tmp_path):
+    doc = _sanitize_doc([])
+    doc["provenance"] = _provenance(OLDER_SHA)
+    rc, text = _with_sanitize(tmp_path / "stale", doc)
+    assert rc == exitcodes.USAGE and "stale sanitize.json" in text.splitlines()[0]
+    doc = _sanitize_doc([])
+    doc["tools"]["memcheck"]["coverage"] = "all of it"
+    rc, text = _with_sanitize(tmp_path / "bad", doc)
+    assert rc == exitcodes.USAGE and "sanitize.json unreadable" in text.splitlines()[0]
+
+
+def test_sanitize_json_text_is_escaped(tmp_path):
+    doc = _sanitize_doc([])
+    doc["tools"]["racecheck"]["coverage"][0]["why"] = "<img src=x> @someone | #12"
+    doc["tools"]["<b>x</b>"] = {"status": "pass", "coverage": []}
+    _, text = _with_sanitize(tmp_path, doc)
+    assert "<img" not in text and "<b>x</b>" not in text
+    assert "&lt;img src=x&gt; @\u200bsomeone \\| #\u200b12" in text
+    assert_well_formed(text)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmoe_science.pipeline import cli, exitcodes, sanitize
+from flashmoe_science.pipeline import cli, exitcodes, sanitize, sanitize_coverage
 from flashmoe_science.pipeline.cases import Case
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
@@ -156,6 +156,47 @@ ERROR_999 = """\
 NO_PERMISSION = """\
 ========= COMPUTE-SANITIZER
 ========= Error: Unable to attach to the target process: insufficient permissions
+"""
+
+# `compute-sanitizer --help` as a release with the Hopper options prints it (boost-style: one
+# option a line, its description wrapped under it), cut to the lines around them.
+HELP_HOPPER = """\
+NVIDIA (R) Compute Sanitizer
+Copyright (c) 2020-2025 NVIDIA Corporation
+Version 2025.3.1.0 (build 36398416) (public-release)
+Usage: compute-sanitizer [options] [your-program] [your-program-options]
+
+General options:
+  -h [ --help ]                         Produce this help message.
+  -v [ --version ]                      Print the version of the Compute Sanitizer.
+  --check-bulk-copy arg (=yes)          Enables checks related to the PTX
+                                        cp.async.bulk instructions on Hopper.
+  --check-device-heap arg (=yes)        Enable device heap checking.
+  --check-exit-code arg (=yes)          Check application exit code and print an
+                                        error if it is different than 0.
+  --check-warpgroup-mma arg (=yes)      Enables memcheck and synccheck support for
+                                        PTX wgmma instructions.
+  --error-exitcode arg (=0)             When this is set, Compute Sanitizer will
+                                        return the given exit code when errors are
+                                        found.
+"""
+
+# An older release: neither Hopper option (a description that names the words is no option).
+HELP_OLD = """\
+NVIDIA (R) Compute Sanitizer
+Copyright (c) 2020-2022 NVIDIA Corporation
+Version 2022.2.0 (build 31629151) (public-release)
+Usage: compute-sanitizer [options] [your-program] [your-program-options]
+
+General options:
+  -h [ --help ]                         Produce this help message.
+  --check-device-heap arg (=yes)        Enable device heap checking.
+  --check-exit-code arg (=yes)          Check application exit code; unlike
+                                        --check-bulk-copy in later releases.
+  --check-warpgroup-mma-legacy arg      (an option of another name)
+  --error-exitcode arg (=0)             When this is set, Compute Sanitizer will
+                                        return the given exit code when errors are
+                                        found.
 """
 
 
@@ -505,6 +546,71 @@ def test_sanitizer_command_and_environment():
     )
 
 
+# --------------------------------------------------------------------------------------------------
+# What each tool covers of the Hopper features (sanitize_coverage)
+# --------------------------------------------------------------------------------------------------
+
+BOTH = {"--check-bulk-copy", "--check-warpgroup-mma"}
+
+
+def test_offered_options_from_both_kinds_of_help_text():
+    assert sanitize_coverage.offered_options(HELP_HOPPER) == BOTH
+    assert sanitize_coverage.offered_options(HELP_OLD) == set()
+    only_bulk = HELP_HOPPER.replace("--check-warpgroup-mma", "--check-other")
+    assert sanitize_coverage.offered_options(only_bulk) == {"--check-bulk-copy"}
+
+
+def _flag(command: list[str], option: str) -> str | None:
+    return command[command.index(option) + 1] if option in command else None
+
+
+def test_hopper_options_are_passed_as_yes_only_where_offered_and_concerned():
+    for tool in sanitize.TOOLS:
+        offered = sanitize.sanitizer_command("cs", tool, offered=BOTH)
+        assert _flag(offered, "--check-bulk-copy") == "yes"  # a general option: every tool
+        # memcheck and synccheck support for wgmma, by the tool's documentation
+        wgmma = "yes" if tool in ("memcheck", "synccheck") else None
+        assert _flag(offered, "--check-warpgroup-mma") == wgmma
+        assert offered.index("--check-bulk-copy") < offered.index(sys.executable)  # tool options
+        bare = sanitize.sanitizer_command("cs", tool)
+        assert "--check-bulk-copy" not in bare and "--check-warpgroup-mma" not in bare
+    old = sanitize_coverage.offered_options(HELP_OLD)
+    assert "--check-bulk-copy" not in sanitize.sanitizer_command("cs", "memcheck", offered=old)
+
+
+def _statuses(tool: str, offered) -> dict[str, str]:
+    return {s["feature"]: s["status"] for s in sanitize_coverage.coverage(tool, offered)}
+
+
+def test_coverage_rests_on_the_offered_options():
+    assert _statuses("memcheck", BOTH) == {
+        "tma": "checked",
+        "bulk_reduce": "not documented",
+        "wgmma": "checked",
+        "mbarrier": "not checked",
+    }
+    old = sanitize_coverage.coverage("memcheck", set())
+    assert [s["status"] for s in old if s["feature"] in ("tma", "wgmma")] == ["not checked"] * 2
+    assert {s["why"] for s in old if s["feature"] == "tma"} == {
+        "this compute-sanitizer has no --check-bulk-copy"
+    }
+    assert _statuses("synccheck", BOTH)["wgmma"] == "checked"
+    assert _statuses("synccheck", set())["wgmma"] == "not checked"
+    unreadable = sanitize_coverage.coverage("memcheck", None)
+    assert "--help was unreadable" in unreadable[0]["why"]
+
+
+def test_racecheck_never_claims_tma_or_wgmma():
+    # racecheck pairs threads' shared-memory accesses: TMA writes and wgmma reads are neither
+    statuses = _statuses("racecheck", BOTH)
+    assert statuses["tma"] == statuses["wgmma"] == "not checked"
+    assert all(
+        set(_statuses(tool, BOTH)) == set(sanitize_coverage.FEATURES) for tool in sanitize.TOOLS
+    )
+    line = sanitize_coverage.gap_line(sanitize_coverage.coverage("racecheck", BOTH))
+    assert line == "not checked: TMA, wgmma; not documented: bulk reduce, mbarrier"
+
+
 def _executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -575,6 +681,10 @@ if [ "$1" = "--version" ]; then
   echo "Version 2025.3.1.0 (build 36398416) (public-release)"
   exit 0
 fi
+if [ "$1" = "--help" ]; then
+  cat "$FAKE_DIR/help.txt"
+  exit 0
+fi
 tool=memcheck
 while [ $# -gt 0 ]; do
   if [ "$1" = "--tool" ]; then tool=$2; fi
@@ -594,6 +704,7 @@ def fake_sanitizer(isolated, monkeypatch):
     for variable in ("CUDA_HOME", "CUDA_PATH"):  # a real toolkit there would come first
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("FAKE_DIR", str(fake))
+    (fake / "help.txt").write_text(HELP_HOPPER)
 
     def say(tool: str, text: str, rc: int = 0) -> None:
         (fake / f"{tool}.txt").write_text(text)
@@ -616,6 +727,38 @@ def test_clean_tools_pass(isolated, fake_gpu, fake_sanitizer, capsys):
     assert calls == ["tool=memcheck caching=1 defines=", "tool=racecheck caching=on defines="]
     stages = json.loads((isolated / "reports" / "stages.json").read_text())["stages"]
     assert stages["sanitize"]["status"] == "ok"
+
+
+def test_each_tool_says_what_its_pass_does_not_cover(isolated, fake_gpu, fake_sanitizer, capsys):
+    fake_sanitizer("memcheck", CLEAN)
+    fake_sanitizer("racecheck", RACECHECK_CLEAN)
+    assert sanitize.main(["--tool", "memcheck,racecheck"]) == exitcodes.OK
+    out = capsys.readouterr().out
+    assert "  racecheck: not checked: TMA, wgmma; not documented: bulk reduce, mbarrier\n" in out
+    assert "  memcheck: not checked: mbarrier; not documented: bulk reduce\n" in out
+    doc = json.loads((isolated / "reports" / "sanitize.json").read_text())
+    assert doc["schema"] == "flashmoe-science/sanitize/2"
+    assert doc["sanitizer_options"] == ["--check-bulk-copy", "--check-warpgroup-mma"]
+    memcheck, racecheck = doc["tools"]["memcheck"], doc["tools"]["racecheck"]
+    assert "--check-bulk-copy yes --check-warpgroup-mma yes" in memcheck["command"]
+    assert "--check-warpgroup-mma" not in racecheck["command"]
+    assert [s["feature"] for s in racecheck["coverage"]] == list(sanitize_coverage.FEATURES)
+    assert {s["status"] for s in racecheck["coverage"] if s["feature"] == "tma"} == {"not checked"}
+
+
+def test_an_older_sanitizer_is_said_not_to_check_tma_or_wgmma(
+    isolated, fake_gpu, fake_sanitizer, capsys
+):
+    (isolated / "fake" / "help.txt").write_text(HELP_OLD)
+    fake_sanitizer("memcheck", CLEAN)
+    assert sanitize.main(["--tool", "memcheck"]) == exitcodes.OK
+    assert "  memcheck: not checked: TMA, bulk reduce, wgmma, mbarrier\n" in capsys.readouterr().out
+    doc = json.loads((isolated / "reports" / "sanitize.json").read_text())
+    memcheck = doc["tools"]["memcheck"]
+    assert doc["sanitizer_options"] == [] and "--check-" not in memcheck["command"]
+    why = {s["feature"]: s["why"] for s in memcheck["coverage"]}
+    assert why["tma"] == "this compute-sanitizer has no --check-bulk-copy"
+    assert why["wgmma"] == "this compute-sanitizer has no --check-warpgroup-mma"
 
 
 def test_a_finding_fails_with_a_condensed_report(isolated, fake_gpu, fake_sanitizer, capsys):

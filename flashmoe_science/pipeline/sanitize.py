@@ -23,8 +23,10 @@ empty caches and partial last pages, forced and automatic splits. Varlen and pag
 from their gates' own builders (varlen_gates.py, paged_gates.py).
 
 Each tool runs as `compute-sanitizer --tool T --error-exitcode 99 --print-limit 20
-[--racecheck-report all] --kernel-name kns=K ... python -m flashmoe_science.pipeline.sanitize
---workload`, one --kernel-name for each of our kernels (KERNEL_OPERATORS; see sanitizer_command);
+[--racecheck-report all] [--check-bulk-copy yes] [--check-warpgroup-mma yes] --kernel-name kns=K
+... python -m flashmoe_science.pipeline.sanitize --workload`, the Hopper options where the installed
+tool offers them (its --help, read once) and they concern T (sanitize_coverage), one --kernel-name
+for each of our kernels (KERNEL_OPERATORS; see sanitizer_command);
 --all-kernels drops the filter, which otherwise keeps torch's own kernels uninstrumented and the run
 fast. memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1: out of the caching
 allocator's large segments, a read past a tensor lands in another tensor of the same segment and is
@@ -35,7 +37,10 @@ call; the report is about that call.
 Any finding fails the run: per tool, the check, the kernel, the source line, the thread and block,
 and the case, condensed from the tool's output (parse_sanitizer_output, a pure function); the full
 output is in <reports>/sanitize-<tool>.log. <reports>/sanitize.json holds, per tool, the status, the
-wall time and the findings, and stages.json gets a "sanitize" stage, which the PR report shows.
+wall time, the findings and the coverage: for TMA, bulk reductions, wgmma and mbarriers, whether the
+tool checks them, does not, or is not documented to (sanitize_coverage.coverage), so a PASS says
+what it did not look at; the console summary and the PR report show what is not checked. stages.json
+gets a "sanitize" stage.
 
 Exit codes (flashmoe_science.pipeline.exitcodes): 0 every tool clean; 1 a finding (or the workload crashed,
 or a tool timed out); 2 usage; 125 the extension does not build; 126 compute-sanitizer is missing or
@@ -60,11 +65,11 @@ from pathlib import Path
 from typing import Any
 
 from .._toolkit import find_cuda_tool, run_streaming
-from . import exitcodes, paths
+from . import exitcodes, paths, sanitize_coverage
 from .cudatools import UNUSABLE_PATTERNS, paths_display, short_kernel
 from .provenance import clear_outputs, provenance
 
-SCHEMA = "flashmoe-science/sanitize/1"
+SCHEMA = "flashmoe-science/sanitize/2"  # 2: per tool "coverage"
 TOOLS = ("memcheck", "initcheck", "synccheck", "racecheck")  # racecheck, the slowest, last
 SANITIZER_ERROR_EXIT = 99
 PRINT_LIMIT = 20
@@ -692,15 +697,22 @@ def count_text(report: ToolReport) -> str:
 
 
 def sanitizer_command(
-    exe: str, tool: str, print_limit: int = PRINT_LIMIT, kernel_filter: bool = True
+    exe: str,
+    tool: str,
+    print_limit: int = PRINT_LIMIT,
+    kernel_filter: bool = True,
+    offered: Sequence[str] = (),
 ) -> list[str]:
-    """The one place the compute-sanitizer command line is put together."""
+    """The one place the compute-sanitizer command line is put together. `offered`: the Hopper
+    options the installed tool lists (sanitize_coverage.offered_options)."""
     command = [exe, "--tool", tool, "--error-exitcode", str(SANITIZER_ERROR_EXIT)]
     command += ["--print-limit", str(print_limit)]
     # The workload is the one process to watch; a stale build's nvcc children need no watching.
     command += ["--target-processes", "application-only"]
     if tool == "racecheck":
         command += ["--racecheck-report", "all"]
+    # Explicit, so that a check of TMA or wgmma never rests on the tool's default.
+    command += sanitize_coverage.tool_options(tool, offered)
     if kernel_filter:  # torch's own kernels run uninstrumented: much faster
         for substring in KERNEL_SUBSTRINGS:
             command += ["--kernel-name", f"kns={substring}"]
@@ -804,6 +816,15 @@ def _tool_version(exe: str) -> tuple[str | None, str | None]:
     return version, unusable_reason(text)
 
 
+def _offered_options(exe: str) -> frozenset[str] | None:
+    """The Hopper options the tool's --help lists; None when --help cannot be run."""
+    try:
+        done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sanitize_coverage.offered_options(done.stdout + done.stderr)
+
+
 def _unusable_line(exe: str, reason: str) -> str:
     return (
         f"sanitize: {exe} cannot instrument this GPU here ({reason}); run it where the driver "
@@ -851,6 +872,7 @@ def run(args, tools: list[str]) -> int:
     if problem:
         _say(_unusable_line(exe, problem))
         return exitcodes.TOOL_MISSING
+    offered = _offered_options(exe)
 
     defines = _defines(args)
     from . import build
@@ -878,6 +900,9 @@ def run(args, tools: list[str]) -> int:
         "gpu": gpu,
         "sanitizer": exe,
         "sanitizer_version": version,
+        # The Hopper options its --help lists (None: unreadable); each tool's "coverage" says
+        # what they and the tool's own scope leave unchecked.
+        "sanitizer_options": None if offered is None else sorted(offered),
         "defines": list(defines),
         "calls": total,
         "kernel_filter": None if args.all_kernels else list(KERNEL_SUBSTRINGS),
@@ -885,7 +910,7 @@ def run(args, tools: list[str]) -> int:
     }
     results: list[tuple[str, ToolReport, str, float]] = []
     for tool in tools:
-        report, status, elapsed = _run_tool(exe, tool, args, defines, total, out, doc)
+        report, status, elapsed = _run_tool(exe, tool, args, defines, total, out, doc, offered)
         if status == "unusable":
             _say(_unusable_line(exe, report.unusable or "unusable"))
             _write(doc, out)
@@ -901,6 +926,8 @@ def run(args, tools: list[str]) -> int:
     _say("")
     for tool, report, status, elapsed in results:
         _say(f"sanitize: {tool:<9} {status.upper():<7} {count_text(report):<24} {elapsed:7.1f} s")
+        if gaps := sanitize_coverage.gap_line(doc["tools"][tool]["coverage"]):
+            _say(f"  {tool}: {gaps}")  # what this tool's PASS does not cover
     for tool, report, status, _ in results:
         lines = condensed(report, status)
         if not lines and status != "pass":
@@ -916,9 +943,16 @@ def run(args, tools: list[str]) -> int:
 
 
 def _run_tool(
-    exe: str, tool: str, args, defines: Sequence[str], total: int, out: Path, doc: dict
+    exe: str,
+    tool: str,
+    args,
+    defines: Sequence[str],
+    total: int,
+    out: Path,
+    doc: dict,
+    offered: frozenset[str] | None,
 ) -> tuple[ToolReport, str, float]:
-    command = sanitizer_command(exe, tool, args.print_limit, not args.all_kernels)
+    command = sanitizer_command(exe, tool, args.print_limit, not args.all_kernels, offered or ())
     log_path = out / f"sanitize-{tool}.log"
     started = time.monotonic()
     state = {"calls": 0, "said": started}
@@ -953,6 +987,7 @@ def _run_tool(
         "warnings": report.warnings,
         "calls_started": report.cases_started,
         "findings": [f.to_json() for f in merge_findings(report.findings)[:PRINT_LIMIT]],
+        "coverage": sanitize_coverage.coverage(tool, offered),
         "reason": _reason(report, status, returncode, args.timeout, text),
         "log": paths_display(log_path),
         "command": shlex.join(command),

@@ -2,8 +2,9 @@
 the job summary.
 
 It reads what the other commands left in the report folder (flashmoe_science.pipeline.paths.report_dir()):
-env.json, build.json (or a build.log tail when the build failed), gates.json, bench.json and
-stages.json, and writes report.md there. A missing file renders as "not run", never as an error.
+env.json, build.json (or a build.log tail when the build failed), gates.json, bench.json,
+sanitize.json (each compute-sanitizer tool's result and what it does not check of the Hopper
+features) and stages.json, and writes report.md there. A missing file renders as "not run", never as an error.
 
     line 1   the verdict: `## ✅ flashmoe-science: passed`, `## ❌ flashmoe-science: 3 gates failed`, ...
     line 2   MARKER, a hidden line by which the PR comment is found and updated in place

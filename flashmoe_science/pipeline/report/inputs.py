@@ -20,7 +20,7 @@ BUILD_LOG = "build.log"
 MAX_RECORD_BYTES = 64 * 2**20  # a record larger than this is not parsed (the real ones are < 1 MiB)
 MAX_LOG_BYTES = 2**20  # of build.log, only the end is read
 BENCH_SCHEMA = REPO_ROOT / "benches" / "bench.schema.json"
-RECORDS = ("env.json", "build.json", "gates.json", "bench.json")
+RECORDS = ("env.json", "build.json", "gates.json", "bench.json", "sanitize.json")
 
 
 @dataclasses.dataclass
@@ -30,6 +30,7 @@ class Inputs:
     build_log: str | None = None
     gates: dict | None = None
     bench: dict | None = None
+    sanitize: dict | None = None
     stages: dict[str, dict] = dataclasses.field(default_factory=dict)
     base_build: dict | None = None
     base_build_path: str | None = None
@@ -148,6 +149,7 @@ def load_inputs(
     inputs.build = _read_json(directory / "build.json", "build.json", bad, inputs.notes)
     inputs.gates = _read_json(directory / "gates.json", "gates.json", bad, inputs.notes)
     inputs.bench = _read_json(directory / "bench.json", "bench.json", bad)
+    inputs.sanitize = _read_json(directory / "sanitize.json", "sanitize.json", bad, inputs.notes)
     for label in RECORDS:
         doc = getattr(inputs, label.removesuffix(".json"))
         why = (

@@ -19,6 +19,8 @@ from .build_section import build_section
 from .env_section import env_facts, env_section
 from .gates_section import MAX_FAILING, case_failed, gates_section
 from .inputs import Inputs, stage_failed
+from .sanitize_section import sanitize_section
+from .sanitize_section import shown as sanitize_shown
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN, Detail, Section
 from .targets_section import targets_section
 from .trusted import history_section, trusted_header
@@ -100,8 +102,10 @@ def _verdict(sections: list[Section], inputs: Inputs) -> Verdict:
 
 
 def _extra_stages(inputs: Inputs) -> list[str]:
-    """Stages in stages.json without a section of their own (sanitize, profile)."""
-    return [name for name in inputs.stages if name not in SECTION_STAGES]
+    """Stages in stages.json without a section of their own (profile; sanitize without a
+    sanitize.json)."""
+    own = (*SECTION_STAGES, "sanitize") if sanitize_shown(inputs) else SECTION_STAGES
+    return [name for name in inputs.stages if name not in own]
 
 
 def _wall_time(inputs: Inputs, name: str) -> tuple[str, float | None]:
@@ -181,6 +185,7 @@ SECTIONS: tuple[tuple[str, str, Callable[[Inputs, Detail], Section | None]], ...
     ("test", "Correctness gates", gates_section),
     ("bench", "Benchmark", bench_section),
     ("speed", "Speed targets", targets_section),
+    ("sanitize", "Sanitizer", sanitize_section),
 )
 
 

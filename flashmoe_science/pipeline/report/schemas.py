@@ -1,5 +1,5 @@
-"""The shapes the report accepts for env.json, build.json, gates.json and stages.json (bench.json
-has its own schema, benches/bench.schema.json).
+"""The shapes the report accepts for env.json, build.json, gates.json, sanitize.json and
+stages.json (bench.json has its own schema, benches/bench.schema.json).
 
 The records may come from a pull request's code, so the report checks each against its schema
 before using it: a record that does not match is named unreadable (exit 2), never half-rendered.
@@ -191,7 +191,41 @@ STAGES = _record(
     }
 )
 
-SCHEMAS = {"env.json": ENV, "build.json": BUILD, "gates.json": GATES, "stages.json": STAGES}
+_SANITIZER_TOOL = {
+    "type": "object",
+    "properties": {
+        "status": _SHORT,
+        "coverage": _list(
+            {
+                "type": "object",
+                "properties": {"feature": _SHORT, "status": _SHORT, "why": _SHORT},
+            }
+        ),
+    },
+}
+
+SANITIZE = _record(
+    {
+        "status": _SHORT,
+        "gpu": _SHORT,
+        "sanitizer_version": _SHORT,
+        "sanitizer_options": _list(_SHORT),
+        "tools": {
+            "type": ["object", "null"],
+            "maxProperties": 16,
+            "propertyNames": {"maxLength": 64},
+            "additionalProperties": _SANITIZER_TOOL,
+        },
+    }
+)
+
+SCHEMAS = {
+    "env.json": ENV,
+    "build.json": BUILD,
+    "gates.json": GATES,
+    "sanitize.json": SANITIZE,
+    "stages.json": STAGES,
+}
 
 
 def depth(doc: Any) -> int:
