@@ -1,5 +1,5 @@
 """What each compute-sanitizer tool checks of the Hopper features the sm_90a kernels use: TMA bulk
-tensor copies, bulk reductions, wgmma and mbarriers.
+tensor copies, wgmma and mbarriers, and bulk reductions for a kernel that would use them.
 
 Two things decide it. The installed tool's options: `compute-sanitizer --help` is read once
 (offered_options, a pure function over its text), and the Hopper options it offers are passed as
