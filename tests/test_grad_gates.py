@@ -99,7 +99,6 @@ def test_nondeterminism_fails_a_deterministic_case():
     assert result.deterministic is False and not result.passed
 
 
-@pytest.mark.gate
 @pytest.mark.gpu
 def test_poisoned_allocator_reaches_every_gradient(require_cuda_build):
     """A backward whose dv (a fresh allocation after dq and dk, as a kernel's output is) leaves one

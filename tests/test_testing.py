@@ -132,7 +132,7 @@ def test_other():
 """
 
 
-def run_suite(tmp_path: Path, *args: str, fail_gate=0, fail_other=False) -> dict:
+def run_suite(tmp_path: Path, *args: str, fail_gate=0, fail_other=False, extra="") -> dict:
     suite = tmp_path / "suite"
     suite.mkdir(exist_ok=True)
     (suite / "conftest.py").write_text(
@@ -140,6 +140,7 @@ def run_suite(tmp_path: Path, *args: str, fail_gate=0, fail_other=False) -> dict
     )
     (suite / "test_suite.py").write_text(
         SUITE.replace("{FAIL_GATE}", str(fail_gate)).replace("{FAIL_OTHER}", str(fail_other))
+        + extra
     )
     reports = tmp_path / "reports"
     subprocess.run(
@@ -173,6 +174,34 @@ def test_a_failing_gate_and_a_failing_other_test_are_told_apart(tmp_path, capsys
     said = capsys.readouterr().err
     assert "1 test outside the gates FAILED (2 of 2 gates passed)" in said
     assert ALL_PASSED not in said
+
+
+TRAINING_TEST = """
+def test_training(record_property):
+    record_property("training", {"ours": [4.6312, 3.2001], "sdpa": [4.6312, 3.2107]})
+"""
+
+
+def test_the_training_run_is_recorded_and_said(tmp_path, capsys):
+    """The training run's losses reach gates.json and the test stage's verdict lines (a GPU run's
+    log then carries them), and a run without it says nothing of it."""
+    rec = run_suite(tmp_path, extra=TRAINING_TEST)
+    assert rec["training"] == {
+        "ours": [4.6312, 3.2001],
+        "sdpa": [4.6312, 3.2107],
+        "outcome": "passed",
+    }
+    assert testing.verdict(rec, 1.0) == exitcodes.OK
+    out = capsys.readouterr().out
+    assert (
+        "test: training run (passed), loss first -> last: ours 4.6312 -> 3.2001, SDPA "
+        "4.6312 -> 3.2107" in out
+    )
+    assert out.index("training run") < out.index(ALL_PASSED)
+    rec = run_suite(tmp_path)
+    assert rec["training"] is None
+    testing.verdict(rec, 1.0)
+    assert "training" not in capsys.readouterr().out
 
 
 def test_gates_only_deselects_every_other_test(tmp_path):

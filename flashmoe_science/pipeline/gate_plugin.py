@@ -58,6 +58,9 @@ from .provenance import provenance
 SCHEMA = "flashmoe-science/gates/2"
 RECORD = "gates.json"
 MARKER = "gate"
+# The short training run's losses (tests/test_training.py), {"ours": [first, last], "sdpa":
+# [first, last]}: recorded beside the gates so a run's record and its verdict line carry them.
+TRAINING = "training"
 
 PASSED = "passed"
 FAILED = "failed"
@@ -134,9 +137,11 @@ def write_record(
     tests: dict | None = None,
     rows: Iterable[dict] = (),
     reason: str | None = None,
+    training: dict | None = None,
 ) -> dict:
     """Write gates.json into the report directory (atomically) and return what was written.
-    Counts left out are zero: the stage stopped before any test ran."""
+    Counts left out are zero: the stage stopped before any test ran. `training`: the training
+    run's losses and outcome where it ran (TRAINING), else null."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome={outcome!r}; supported: {', '.join(OUTCOMES)}")
     if gates is None or tests is None:
@@ -160,6 +165,7 @@ def write_record(
         "worst_case": worst.get("case_id"),
         "worst_ratio": max((r.get("ratio") or 0.0) for r in rows) if rows else None,
         "cases": sorted(rows, key=lambda r: (r.get("outcome") == "passed", r.get("case_id", ""))),
+        "training": training,
     }
     path = report_dir() / RECORD
     tmp = path.with_name(f".{RECORD}.tmp")
@@ -184,6 +190,7 @@ class GateRecorder:
         self.is_gate: dict[str, bool] = {}
         self.skip_reasons: list[str] = []
         self.rows: list[dict] = []
+        self.training: dict | None = None
         self.collection_errors = 0
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
@@ -219,6 +226,8 @@ class GateRecorder:
             for name, value in report.user_properties:
                 if name == MARKER:
                     self.rows.append({**value, "outcome": report.outcome})
+                elif name == TRAINING:
+                    self.training = {**value, "outcome": report.outcome}
 
     def counts(self) -> tuple[dict, dict]:
         gates, tests = empty_counts()
@@ -253,6 +262,7 @@ class GateRecorder:
             tests=tests,
             rows=self.rows,
             reason=self.reason(outcome, int(exitstatus), gates, tests),
+            training=self.training,
         )
 
     def reason(self, outcome: str, exitstatus: int, gates: dict, tests: dict) -> str | None:

@@ -295,8 +295,23 @@ def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
+def training_line(record: dict) -> str | None:
+    """The training run's losses, first and last step, ours against SDPA's, where it ran."""
+    run = record.get("training")
+    if not run:
+        return None
+    (ours_first, ours_last), (sdpa_first, sdpa_last) = run["ours"], run["sdpa"]
+    return (
+        f"test: training run ({run.get('outcome', '?')}), loss first -> last: ours "
+        f"{ours_first:.4f} -> {ours_last:.4f}, SDPA {sdpa_first:.4f} -> {sdpa_last:.4f}"
+    )
+
+
 def verdict(record: dict, elapsed: float, no_gates_ok: bool = False) -> int:
-    """Print the one line that says what `record` means and what to do next; return the exit."""
+    """Print the one line that says what `record` means and what to do next (after the training
+    run's losses, where it ran); return the exit."""
+    if line := training_line(record):
+        print(line, flush=True)
     outcome = record["outcome"]
     gates, tests = record["gates"], record["tests"]
     keyword = (record.get("selection") or {}).get("keyword")

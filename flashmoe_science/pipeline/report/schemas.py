@@ -169,6 +169,14 @@ GATES = _record(
         "worst_ratio": _NUMBER,
         "worst_case": _SHORT,
         "cases": _list(_CASE),
+        "training": {
+            "type": ["object", "null"],
+            "properties": {
+                "ours": {"type": "array", "items": _NUMBER, "maxItems": 2},
+                "sdpa": {"type": "array", "items": _NUMBER, "maxItems": 2},
+                "outcome": _SHORT,
+            },
+        },
     }
 )
 
