@@ -543,7 +543,7 @@ def test_requirements_command_fails_on_an_old_driver(capsys):
 
 def runner_section() -> str:
     text = (ROOT / "README.md").read_text()
-    start = text.index("## GPU CI on a self-hosted L4 runner")
+    start = text.index("## GPU CI on self-hosted GPU runners")
     return text[start : text.index("\n## ", start + 1)]
 
 

@@ -26,7 +26,7 @@ usage() {
   cat <<EOF
 Usage: scripts/runner/register.sh [--dry-run] COMMAND [OPTIONS]
 
-Commands (the README's "GPU CI on a self-hosted L4 runner" walks through them):
+Commands (the README's "GPU CI on self-hosted GPU runners" walks through them):
   preflight  Check this machine for the GPU job: the driver and nvcc that torch's CUDA needs
              (python -m flashmoe_science.pipeline.runner_requirements) and the environment
              check (python -m flashmoe_science env --require-gpu), with --python's interpreter.
