@@ -40,9 +40,11 @@ def test_gate_paged_cuda(case, record_gate, require_cuda_build):
 
 
 def test_matrix_covers_the_issue():
-    """Block sizes 16 to 256, lengths ending inside a page and a tile, empty and one-token caches,
+    """Block sizes 16 to 1024 (the API takes any power of two from 16: those above 256 are gated
+    too, on the CPU as well), lengths ending inside a page and a tile, empty and one-token caches,
     GQA 1/4/8, both dtypes and head dims, split-KV automatic/off/forced, causal and not."""
-    assert {c.page_size for c in GPU_CASES} == {16, 32, 64, 128, 256}
+    assert {c.page_size for c in GPU_CASES} == {16, 32, 64, 128, 256, 512, 1024}
+    assert {16, 256, 1024} <= {c.page_size for c in CPU_CASES}
     lengths = {n for c in GPU_CASES for n in c.lengths}
     assert {0, 1, 63, 65, 1000, 4096, 32768} <= lengths
     assert {c.heads_q // c.heads_kv for c in GPU_CASES} >= {1, 4, 8}

@@ -73,8 +73,10 @@ class PagedCase:
         return max(1, math.ceil(max(self.lengths) / self.page_size)) + 1
 
 
-PAGE_SIZES = (16, 32, 64, 128, 256)
-PAGE_SIZES_CPU = (16, 64, 256)
+# Every power of two from 16 is accepted; the range is 16 to 256, and 512 and 1024 are
+# gated as well, so no block size a user may pass goes ungated below a sequence's length.
+PAGE_SIZES = (16, 32, 64, 128, 256, 512, 1024)
+PAGE_SIZES_CPU = (16, 64, 256, 1024)
 LENGTHS = (0, 1, 63, 65, 1000, 4096)
 LENGTHS_CPU = (0, 1, 17, 65, 300)
 LONG_LENGTHS = (32768, 5)
