@@ -104,7 +104,9 @@ def test_poisoned_allocator_reaches_every_gradient(require_cuda_build):
     """A backward whose dv (a fresh allocation after dq and dk, as a kernel's output is) leaves one
     element unwritten fails the gate on CUDA: before each case the allocator holds nothing but
     NaN-filled blocks of q's and k's sizes, enough for the output and all three gradients. With
-    one block poisoned per size, freed one at a time, dv came from unpoisoned memory."""
+    one block poisoned per size, freed one at a time, dv came from unpoisoned memory. (Small
+    shapes: the blocks share one segment, and `lazy`, allocated last, must still fall in its NaN
+    part, grad_gates.POISONED_COPIES.)"""
     require_cuda_build()
     case = Case("backward", "bf16", 1, 8, 2, 65, 65, 64, False)
 

@@ -38,7 +38,7 @@ from .gates import (
 
 GATE1_REL = 0.1
 DETERMINISM_REPEATS = 10
-POISONED_COPIES = 4  # NaN-filled free blocks of q's and of k's size before each case
+POISONED_COPIES = 6  # NaN-filled free blocks of q's and of k's size before each case
 GRADS = ("dq", "dk", "dv")
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -272,7 +272,9 @@ def check_case(case: Case, device: str, grad_fn: GradFn | None = None) -> GradRe
     q, k, v, _ = make_inputs(case, device, seed)
     dout = make_output_grad(case, device)
     scale = 1.0 / math.sqrt(case.head_dim)
-    # The forward's output and dq take q's size, dk and dv k's: two blocks each at least.
+    # The forward's output and dq take q's size, dk and dv k's: two blocks each at least. Small
+    # blocks share one segment, so the NaN region is their sum, and the backward's fp32 buffers
+    # (lse, delta, dq_accum: about two more of q's size) come out of it too: six of each.
     _poison_allocator(q.shape, k.shape, dtype=q.dtype, device=device, copies=POISONED_COPIES)
     got = fn(case, q, k, v, dout, scale)
     repeats = []
