@@ -268,10 +268,10 @@ def flash_attention_forward(
     architecture selects is gated on one card.
 
     Backward (autograd, flashmoe_science.autograd): FlashAttention-2's, from the saved output and
-    log-sum-exp (on wgmma on an H100 with the sm_90a build); gradients come back contiguous, in the inputs' dtype. deterministic=True gives
-    bit-identical gradients over repeated calls (dQ summed in a fixed order, without atomics; a
-    little slower). backward_config: 0 picks the backward tile configuration, 1 to
-    len(BACKWARD_CONFIGS) force one.
+    log-sum-exp (on wgmma on an H100 with the sm_90a build); gradients come back contiguous, in
+    the inputs' dtype. deterministic=True gives bit-identical gradients over repeated calls (dQ
+    summed in a fixed order, without atomics; a little slower). backward_config: 0 picks the
+    backward tile configuration, 1 to len(BACKWARD_CONFIGS) force one.
 
     Returns the output [B, Hq, Sq, D] in the input dtype, and with return_lse=True also the
     log-sum-exp of each row as fp32 [B, Hq, Sq].
