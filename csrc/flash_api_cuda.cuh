@@ -92,19 +92,27 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int
   return 1;
 }
 
+// Refuses a forced wgmma configuration (`option`=`config`: the forward's config=5, the backward's
+// backward_config=3) where it cannot run: a GPU other than compute capability 9.0, or a build
+// without sm_90a. `others` names the configurations that can, for the message.
+inline void check_wgmma_config(const char* option, int64_t config, const DeviceInfo& dev,
+                               const char* others) {
+  FLASHMOE_CHECK_VALUE(dev.major == 9 && dev.minor == 0, option, "=", config,
+                       " runs on wgmma, which only compute capability 9.0 has; this GPU is ",
+                       dev.major, ".", dev.minor, ": use ", option, " ", others,
+                       " (or 0, automatic)");
+  FLASHMOE_CHECK_VALUE(kBuiltSm90a, option, "=", config,
+                       " needs the sm_90a build, and this one was built without it: rebuild with "
+                       "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
+}
+
 // Refuses a forced configuration this GPU (or this build) cannot run. `others` names the ones it
 // can, for the message.
 inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const char* others) {
   FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
                        " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
                        ".", dev.minor, ": use config ", others, " (or 0, automatic)");
-  FLASHMOE_CHECK_VALUE(config != kSm90aConfig || (dev.major == 9 && dev.minor == 0),
-                       "config=", config,
-                       " runs on wgmma, which only compute capability 9.0 has; this GPU is ",
-                       dev.major, ".", dev.minor, ": use config ", others, " (or 0, automatic)");
-  FLASHMOE_CHECK_VALUE(config != kSm90aConfig || kBuiltSm90a, "config=", config,
-                       " needs the sm_90a build, and this one was built without it: rebuild with "
-                       "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
+  if (config == kSm90aConfig) check_wgmma_config("config", config, dev, others);
 }
 
 template <typename Traits, typename T, bool kVarlen>
@@ -779,13 +787,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
               error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
                          "(mma.sync bf16/fp16); this one is ",
                          dev.major, ".", dev.minor));
-  FLASHMOE_CHECK_VALUE(config != kSm90aBwdConfig || (dev.major == 9 && dev.minor == 0),
-                       "backward_config=", config,
-                       " runs on wgmma, which only compute capability 9.0 has; this GPU is ",
-                       dev.major, ".", dev.minor, ": use backward_config 1 or 2 (or 0, automatic)");
-  FLASHMOE_CHECK_VALUE(config != kSm90aBwdConfig || kBuiltSm90a, "backward_config=", config,
-                       " needs the sm_90a build, and this one was built without it: rebuild with "
-                       "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
+  if (config == kSm90aBwdConfig) check_wgmma_config("backward_config", config, dev, "1 or 2");
   const int smem_limit = max_smem_per_block(q_in.device().index());
   if (config == 0) {
     config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a      ? kSm90aBwdConfig

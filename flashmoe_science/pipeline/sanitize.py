@@ -201,9 +201,9 @@ def workload_cases() -> list:
         ("bf16", 64, 257, True, 3),
         ("bf16", 128, 65, False, 0),
     )
-    for dtype, head_dim, seqlen_q, causal, splits in many_rows:
-        if MANY_ROW_DECODE_CONFIG not in configs:
-            break
+    for dtype, head_dim, seqlen_q, causal, splits in (
+        many_rows if MANY_ROW_DECODE_CONFIG in configs else ()
+    ):
         batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
         cases.append(
             Case(
