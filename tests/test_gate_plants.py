@@ -93,6 +93,37 @@ def test_nan_output_is_caught(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_unwritten_output_element_is_caught(device):
+    """An output a kernel allocates and leaves one element of unwritten fails: inside the gate's
+    call every fresh tensor is NaN (gates.poisoned_outputs), whatever the allocator held before."""
+
+    def one_element_unwritten(*args):
+        out, lse = honest(*args)
+        lazy = torch.empty_like(out)
+        lazy.view(-1)[1:] = out.reshape(-1)[1:]
+        return lazy, lse
+
+    result = gates.check_case(BASE, device, planted(one_element_unwritten))
+    assert result.nonfinite == 1 and not result.passed
+    assert any("1 NaN/Inf output elements" in f for f in result.failures)
+
+
+@pytest.mark.parametrize("was_on", [False, True])
+def test_poisoned_outputs_fills_fresh_tensors_and_restores_the_settings(was_on):
+    torch.use_deterministic_algorithms(was_on)
+    try:
+        with gates.poisoned_outputs():
+            assert torch.empty(7).isnan().all()
+            assert torch.empty(3, dtype=torch.bfloat16).isnan().all()
+            assert torch.are_deterministic_algorithms_enabled()
+        assert torch.are_deterministic_algorithms_enabled() is was_on
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.utils.deterministic.fill_uninitialized_memory  # PyTorch's default, kept
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nondeterminism_is_caught(device):
     calls = []
 

@@ -99,15 +99,14 @@ def test_nondeterminism_fails_a_deterministic_case():
     assert result.deterministic is False and not result.passed
 
 
-@pytest.mark.gpu
-def test_poisoned_allocator_reaches_every_gradient(require_cuda_build):
-    """A backward whose dv (a fresh allocation after dq and dk, as a kernel's output is) leaves one
-    element unwritten fails the gate on CUDA: before each case the allocator holds nothing but
-    NaN-filled blocks of q's and k's sizes, enough for the output and all three gradients. With
-    one block poisoned per size, freed one at a time, dv came from unpoisoned memory. (Small
-    shapes: the blocks share one segment, and `lazy`, allocated last, must still fall in its NaN
-    part, grad_gates.POISONED_COPIES.)"""
-    require_cuda_build()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_unwritten_gradient_element_is_caught(device, request):
+    """A backward whose dv leaves one element unwritten fails the gate: inside the gate's call
+    every fresh tensor is NaN (gates.poisoned_outputs), whatever the allocator held before. (The
+    previous way, filling the caching allocator's free blocks with NaN, missed exactly this: dv
+    landed on a block a temporary of the backward had already written.)"""
+    if device == "cuda":
+        request.getfixturevalue("require_cuda_build")()
     case = Case("backward", "bf16", 1, 8, 2, 65, 65, 64, False)
 
     def one_element_unwritten(case, q, k, v, dout, scale):
@@ -116,10 +115,10 @@ def test_poisoned_allocator_reaches_every_gradient(require_cuda_build):
         lazy.view(-1)[1:] = dv.reshape(-1)[1:]
         return dq, dk, lazy
 
-    result = grad_gates.check_case(case, "cuda", one_element_unwritten)
+    result = grad_gates.check_case(case, device, one_element_unwritten)
     assert result.grads["dv"].nonfinite == 1
     assert any("dv: 1 NaN/Inf elements" in f for f in result.failures)
-    assert grad_gates.check_case(case, "cuda").passed  # the real backward writes every element
+    assert grad_gates.check_case(case, device).passed  # the real backward writes every element
 
 
 PLANT_SCRIPT = """

@@ -7,12 +7,13 @@ by PyTorch at the input precision, and floor = 2 * max |(ref + 0.3 - 0.3) - ref|
 (the error of doing any arithmetic at all), so the gate cannot fail only because PyTorch's own error
 happens to be zero (FlashAttention's hopper tests use the same form).
 
-Every case also checks: no NaN or Inf, every output element written (the allocator is poisoned with
-NaN first), the log-sum-exp against the reference, and bit-identical repeated calls.
+Every case also checks: no NaN or Inf, every output element written (the call's fresh tensors come
+filled with NaN: poisoned_outputs), the log-sum-exp against the reference, and bit-identical repeated calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -271,22 +272,25 @@ def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
     )
 
 
-def _poison_allocator(*shapes, dtype, device: str, copies: int = 1) -> None:
-    """Leave the CUDA caching allocator nothing but NaN-filled free blocks: `copies` blocks of
-    each shape, held at once and then freed together, after the cache has been emptied (a free
-    block left over from earlier work would be an exact fit that is not poisoned). The next
-    requests of those sizes (the outputs, the gradients) land on NaN, so any element a kernel
-    forgets to write shows up. One block of one shape is not enough for a backward: out, dq, dk
-    and dv each need their own, and freed one by one, the same block would be poisoned over and
-    over while the others came from elsewhere."""
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        junk = [
-            torch.full(shape, math.nan, dtype=dtype, device=device)
-            for shape in shapes
-            for _ in range(copies)
-        ]
-        del junk
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Inside, every tensor the call allocates without initialising (torch.empty and its kin, from
+    Python or from the extension's C++) comes filled with NaN, on the CPU and on CUDA alike, so
+    any element a kernel forgets to write shows up as NaN. This is PyTorch's
+    `torch.utils.deterministic.fill_uninitialized_memory`, which acts only while deterministic
+    algorithms are on: they are turned on with warn_only (no operator refuses to run) and
+    everything is restored on the way out. Poisoning the caching allocator's free blocks instead
+    was not enough: a gradient could land on a block a temporary had already overwritten."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
 
 
 def check_case(case: Case, device: str, attention_fn: AttentionFn | None = None) -> GateResult:
@@ -295,10 +299,9 @@ def check_case(case: Case, device: str, attention_fn: AttentionFn | None = None)
     seed = case.seed()
     q, k, v, seqlens = make_inputs(case, device, seed)
     scale = 1.0 / math.sqrt(case.head_dim)
-    _poison_allocator(q.shape, dtype=q.dtype, device=device)
-    out, lse = fn(case, q, k, v, seqlens, scale)
-    _poison_allocator(q.shape, dtype=q.dtype, device=device)
-    out_again, lse_again = fn(case, q, k, v, seqlens, scale)
+    with poisoned_outputs():
+        out, lse = fn(case, q, k, v, seqlens, scale)
+        out_again, lse_again = fn(case, q, k, v, seqlens, scale)
     ref, ref_lse = attention_reference(q, k, v, case.causal, scale, seqlens)
     out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, seqlens)
     return evaluate(case, device, seed, out, lse, out_again, lse_again, ref, ref_lse, out_pt)

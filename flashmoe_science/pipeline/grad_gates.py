@@ -10,8 +10,8 @@ Gate 2 (FlashAttention's rule for gradients, tests/test_flash_attn.py): max |g -
 2 * max |g_pt - g_ref| + floor, where g_pt is PyTorch's own autograd through the same attention at
 the input precision and floor = 2 * max |(g_ref + 0.3 - 0.3) - g_ref| in the input dtype.
 
-Every case also checks: no NaN or Inf, every gradient element written (the allocator is poisoned
-with NaN first), and for deterministic=True cases, bit-identical gradients over 10 calls.
+Every case also checks: no NaN or Inf, every gradient element written (the call's fresh tensors come
+filled with NaN: gates.poisoned_outputs), and for deterministic=True cases, bit-identical gradients over 10 calls.
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ from .gates import (
     UNEQUAL,
     UNEQUAL_CPU,
     _heads,
-    _poison_allocator,
     _visible_mask,
+    poisoned_outputs,
     rerun_fields,
 )
 
 GATE1_REL = 0.1
 DETERMINISM_REPEATS = 10
-POISONED_COPIES = 6  # NaN-filled free blocks of q's and of k's size before each case
 GRADS = ("dq", "dk", "dv")
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -272,14 +271,11 @@ def check_case(case: Case, device: str, grad_fn: GradFn | None = None) -> GradRe
     q, k, v, _ = make_inputs(case, device, seed)
     dout = make_output_grad(case, device)
     scale = 1.0 / math.sqrt(case.head_dim)
-    # The forward's output and dq take q's size, dk and dv k's: two blocks each at least. Small
-    # blocks share one segment, so the NaN region is their sum, and the backward's fp32 buffers
-    # (lse, delta, dq_accum: about two more of q's size) come out of it too: six of each.
-    _poison_allocator(q.shape, k.shape, dtype=q.dtype, device=device, copies=POISONED_COPIES)
-    got = fn(case, q, k, v, dout, scale)
-    repeats = []
-    if case.deterministic:
-        repeats = [fn(case, q, k, v, dout, scale) for _ in range(DETERMINISM_REPEATS - 1)]
+    with poisoned_outputs():
+        got = fn(case, q, k, v, dout, scale)
+        repeats = []
+        if case.deterministic:
+            repeats = [fn(case, q, k, v, dout, scale) for _ in range(DETERMINISM_REPEATS - 1)]
     ref = reference_grads(q, k, v, dout, case.causal, scale)
     pt = pytorch_lowp_grads(q, k, v, dout, case.causal, scale)
     return evaluate(case, device, seed, got, ref, pt, repeats)

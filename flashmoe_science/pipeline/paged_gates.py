@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES, SCORES, ramp_keys
-from .gates import attention_pytorch_lowp, attention_reference
+from .gates import attention_pytorch_lowp, attention_reference, poisoned_outputs
 from .ragged import RaggedResult, case_seed
 
 
@@ -200,8 +200,9 @@ def check_paged_case(case: PagedCase, device: str, paged_fn: PagedFn | None = No
     seed = case_seed(case.id)
     q, k_cache, v_cache, table, lengths = make_paged_inputs(case, device, seed)
     scale = 1.0 / math.sqrt(case.head_dim)
-    out, lse = fn(case, q, k_cache, v_cache, table, lengths, scale)
-    out_again, lse_again = fn(case, q, k_cache, v_cache, table, lengths, scale)
+    with poisoned_outputs():
+        out, lse = fn(case, q, k_cache, v_cache, table, lengths, scale)
+        out_again, lse_again = fn(case, q, k_cache, v_cache, table, lengths, scale)
     k, v = contiguous_cache(k_cache, table), contiguous_cache(v_cache, table)
     contiguous_out, contiguous_lse = ops.flash_attention_decode(
         q,

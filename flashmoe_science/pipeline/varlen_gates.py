@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES, SCORES, ramp_keys
-from .gates import attention_pytorch_lowp, attention_reference
+from .gates import attention_pytorch_lowp, attention_reference, poisoned_outputs
 from .ragged import RaggedResult, case_seed
 
 
@@ -197,8 +197,9 @@ def check_varlen_case(case: VarlenCase, device: str, varlen_fn: VarlenFn | None 
     seed = case_seed(case.id)
     q, k, v, cu_q, cu_k = make_varlen_inputs(case, device, seed)
     scale = 1.0 / math.sqrt(case.head_dim)
-    out, lse = fn(case, q, k, v, cu_q, cu_k, scale)
-    out_again, lse_again = fn(case, q, k, v, cu_q, cu_k, scale)
+    with poisoned_outputs():
+        out, lse = fn(case, q, k, v, cu_q, cu_k, scale)
+        out_again, lse_again = fn(case, q, k, v, cu_q, cu_k, scale)
     result = RaggedResult(case.id)
     q0 = k0 = 0
     for b, (len_q, len_k) in enumerate(zip(case.lengths_q, case.lengths_k, strict=True)):
