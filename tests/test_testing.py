@@ -371,4 +371,4 @@ def test_the_stage_runs_pytest_with_the_report_plugins():
         "-p",
         "pytest_instafail",
     ]
-    assert cmd[-5:] == ["-n", "4", "-q", "-k", "x"]
+    assert cmd[-7:] == ["-n", "4", "-q", "--durations=20", "--durations-min=5", "-k", "x"]

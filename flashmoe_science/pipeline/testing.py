@@ -142,10 +142,27 @@ def isolated_env(base: dict[str, str]) -> dict[str, str]:
     return env
 
 
+# The run's slowest tests (5 s or more each, 20 at most) are listed at its end, so where the
+# stage's time goes (planted-bug builds, the gate matrix, the training run) is in every job's log.
+DURATIONS = ("--durations=20", "--durations-min=5")
+
+
 def pytest_command(targets: list[str], workers: str, pytest_args: list[str]) -> list[str]:
-    """The stage's pytest run: our plugins, the report plugins, `workers` xdist workers."""
+    """The stage's pytest run: our plugins, the report plugins, `workers` xdist workers, the
+    slowest tests listed at the end."""
     plugins = [*PLUGINS, *report_plugins()]
-    return [sys.executable, "-m", "pytest", *plugins, *targets, "-n", workers, "-q", *pytest_args]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        *plugins,
+        *targets,
+        "-n",
+        workers,
+        "-q",
+        *DURATIONS,
+        *pytest_args,
+    ]
 
 
 @dataclass
