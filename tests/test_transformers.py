@@ -87,6 +87,39 @@ def test_padded_logits_match_sdpa(name, device, side, monkeypatch):
     assert err_ours <= ERROR_RATIO * err_sdpa + 1e-6, (err_ours, err_sdpa)
 
 
+def test_a_forward_packs_its_padding_mask_once(name, monkeypatch):
+    """Packing a padded batch syncs the device (nonzero, the maxima); every layer of a forward gets
+    the same mask, so one forward computes the packing once, not once per layer, and the next
+    forward (a new mask tensor) computes it again."""
+    computed = []
+    compute = integration._compute_packing
+    monkeypatch.setattr(
+        integration, "_compute_packing", lambda *a: computed.append(a) or compute(*a)
+    )
+    ours = model(name, model("eager").state_dict(), torch.bfloat16)
+    assert ours.config.num_hidden_layers >= 2
+    ids, mask = batch("cpu", "left")
+    with torch.no_grad():
+        first = ours(input_ids=ids, attention_mask=mask).logits
+        assert len(computed) == 1
+        again = ours(input_ids=ids, attention_mask=mask.clone()).logits
+    assert len(computed) == 2
+    assert torch.equal(first, again)
+
+
+def test_packing_follows_the_mask_through_in_place_changes():
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.int64)
+    before = integration._packing(mask, 4, 4)
+    assert integration._packing(mask, 4, 4) is before  # the same mask, untouched: cached
+    assert (before.max_seqlen_k, before.cu_seqlens_k.tolist()) == (4, [0, 3, 7])
+    mask[1, :2] = 0  # in place: the version counter moves
+    after = integration._packing(mask, 4, 4)
+    assert (after.max_seqlen_k, after.cu_seqlens_k.tolist()) == (3, [0, 3, 5])
+    assert after.k_index.tolist() == [1, 2, 3, 6, 7]
+    one_query = integration._packing(mask, 1, 4)  # other lengths: computed for them
+    assert one_query.cu_seqlens_q.tolist() == [0, 1, 2] and one_query.q_index.tolist() == [0, 1]
+
+
 def test_attention_without_its_mask_function_misses_the_padding(name):
     """The negative control: registered without the mask function, the attention never sees the
     padding, and left-padded logits go wrong. This is what register()'s mask function prevents."""

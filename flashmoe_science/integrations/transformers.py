@@ -15,7 +15,8 @@ Per call (query [B, Hq, Sq, D], key and value [B, Hkv, Sk, D], not expanded for 
   what a KV cache needs (the Sq new queries are the last Sq positions);
 - a padding mask: the real tokens are packed (the queries are the last Sq positions of the
   mask, the keys past it unfilled slots of a static cache) and run through
-  flash_attention_varlen_forward; padded query rows come back 0;
+  flash_attention_varlen_forward; padded query rows come back 0. The packing (which syncs the
+  device) is computed once per mask tensor, not once per layer;
 - packed inputs without padding (cu_seq_lens_q/k and max_length_q/k from transformers'
   DataCollatorWithFlattening): varlen on the flattened batch.
 fp16 and bf16 run as they are; an fp32 model's attention runs in bf16 (as transformers' own
@@ -29,6 +30,7 @@ backward per sequence).
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +129,58 @@ def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
+@dataclass(frozen=True)
+class _Packing:
+    """How a padding mask packs one call's queries and keys: the rows to gather, the sequences'
+    offsets, and the longest sequences as host ints."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+# (mask, its version counter, Sq, Sk, packing) of the last padded call.
+_last_packing: tuple | None = None
+
+
+def _packing(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> _Packing:
+    """The packing of a 2-D padding mask for Sq queries and Sk keys. Computing it synchronises the
+    device three times (two nonzero, the maxima), and every layer of a forward pass gets the same
+    mask tensor: so it is computed once per mask, not once per layer. The cache holds the mask
+    itself, so no other mask can take its memory while it is cached, and an in-place change to
+    it (its version counter moves) computes the packing again."""
+    global _last_packing
+    last = _last_packing
+    if last is not None and last[0] is mask and last[1:4] == (mask._version, seqlen_q, seqlen_k):
+        return last[4]
+    packing = _compute_packing(mask, seqlen_q, seqlen_k)
+    _last_packing = (mask, mask._version, seqlen_q, seqlen_k, packing)
+    return packing
+
+
+def _compute_packing(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> _Packing:
+    real = mask.to(torch.bool)
+    query_mask = real[:, -seqlen_q:]  # the queries are the last Sq positions the mask covers
+    if real.shape[1] < seqlen_k:  # a static cache: keys past the mask are not filled yet
+        key_mask = F.pad(real, (0, seqlen_k - real.shape[1]), value=False)
+    else:
+        key_mask = real[:, -seqlen_k:]
+    lengths_q = query_mask.sum(1, dtype=torch.int32)
+    lengths_k = key_mask.sum(1, dtype=torch.int32)
+    max_q, max_k = (int(x) for x in torch.stack([lengths_q.max(), lengths_k.max()]).tolist())
+    return _Packing(
+        query_mask.reshape(-1).nonzero().squeeze(1),
+        key_mask.reshape(-1).nonzero().squeeze(1),
+        _cumulative(lengths_q),
+        _cumulative(lengths_k),
+        max_q,
+        max_k,
+    )
+
+
 def _padded_attention(q, k, v, mask: torch.Tensor, causal: bool, scale):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] and a 2-D padding mask: the real tokens of each
     sequence packed into one varlen call, scattered back into zeros."""
@@ -134,30 +188,20 @@ def _padded_attention(q, k, v, mask: torch.Tensor, causal: bool, scale):
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
-    mask = mask.to(torch.bool)
-    query_mask = mask[:, -seqlen_q:]  # the queries are the last Sq positions the mask covers
-    if mask.shape[1] < seqlen_k:  # a static cache: keys past the mask are not filled yet
-        key_mask = F.pad(mask, (0, seqlen_k - mask.shape[1]), value=False)
-    else:
-        key_mask = mask[:, -seqlen_k:]
-    q_index = query_mask.reshape(-1).nonzero().squeeze(1)
-    k_index = key_mask.reshape(-1).nonzero().squeeze(1)
-    lengths_q = query_mask.sum(1, dtype=torch.int32)
-    lengths_k = key_mask.sum(1, dtype=torch.int32)
-    max_q, max_k = (int(x) for x in torch.stack([lengths_q.max(), lengths_k.max()]).tolist())
+    pack = _packing(mask, seqlen_q, seqlen_k)
     out = flash_attention_varlen_forward(
-        q.reshape(batch * seqlen_q, heads_q, head_dim).index_select(0, q_index),
-        k.reshape(batch * seqlen_k, *k.shape[2:]).index_select(0, k_index),
-        v.reshape(batch * seqlen_k, *v.shape[2:]).index_select(0, k_index),
-        _cumulative(lengths_q),
-        _cumulative(lengths_k),
-        max_q,
-        max_k,
+        q.reshape(batch * seqlen_q, heads_q, head_dim).index_select(0, pack.q_index),
+        k.reshape(batch * seqlen_k, *k.shape[2:]).index_select(0, pack.k_index),
+        v.reshape(batch * seqlen_k, *v.shape[2:]).index_select(0, pack.k_index),
+        pack.cu_seqlens_q,
+        pack.cu_seqlens_k,
+        pack.max_seqlen_q,
+        pack.max_seqlen_k,
         causal,
         scale,
     )
     full = out.new_zeros(batch * seqlen_q, heads_q, head_dim)
-    full.index_copy_(0, q_index, out)
+    full.index_copy_(0, pack.q_index, out)
     return full.view(batch, seqlen_q, heads_q, head_dim)
 
 
