@@ -8,7 +8,8 @@ by PyTorch at the input precision, and floor = 2 * max |(ref + 0.3 - 0.3) - ref|
 happens to be zero (FlashAttention's hopper tests use the same form).
 
 Every case also checks: no NaN or Inf, every output element written (the call's fresh tensors come
-filled with NaN: poisoned_outputs), the log-sum-exp against the reference, and bit-identical repeated calls.
+filled with NaN: poisoned_outputs), the log-sum-exp against the reference, and bit-identical
+repeated calls.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ Gate 2 (FlashAttention's rule for gradients, tests/test_flash_attn.py): max |g -
 2 * max |g_pt - g_ref| + floor, where g_pt is PyTorch's own autograd through the same attention at
 the input precision and floor = 2 * max |(g_ref + 0.3 - 0.3) - g_ref| in the input dtype.
 
-Every case also checks: no NaN or Inf, every gradient element written (the call's fresh tensors come
-filled with NaN: gates.poisoned_outputs), and for deterministic=True cases, bit-identical gradients over 10 calls.
+Every case also checks: no NaN or Inf, every gradient element written (the call's fresh tensors
+come filled with NaN: gates.poisoned_outputs), and for deterministic=True cases, bit-identical
+gradients over 10 calls.
 """
 
 from __future__ import annotations
