@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -333,11 +335,35 @@ def test_fails():
 def test_runs_on():
     time.sleep(120)
 """
+FAILURE_DEADLINE_S = 30  # the failure comes in well under a second; the run goes on for 120 s
+
+
+def first_line_with(stream, text: str, deadline_s: float) -> tuple[str | None, list[str]]:
+    """The first line of `stream` that holds `text`, read for at most `deadline_s` (None if it
+    did not come by then), and the lines read until then."""
+    seen: list[str] = []
+    found: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            seen.append(line)
+            if text in line:
+                found.put(line)
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        return found.get(timeout=deadline_s), seen
+    except queue.Empty:
+        return None, seen
 
 
 def test_a_failure_is_named_before_the_run_ends(tmp_path):
     """A run cut short by a time limit (a CI step's, a GPU lease's) never reaches pytest's summary:
-    the stage's command must print each failure when it happens."""
+    the stage's command must print each failure when it happens (pytest-instafail), and its
+    output must not wait in a buffer: the stage's stdout is a pipe, where Python holds output
+    back unless told not to (testing.isolated_env). Run from an environment without
+    PYTHONUNBUFFERED, as CI's is."""
     assert testing.report_plugins(), "pytest-instafail is in the test dependency group"
     (tmp_path / "test_slow.py").write_text(SLOW_AFTER_A_FAILURE)
     cmd = [
@@ -349,17 +375,17 @@ def test_a_failure_is_named_before_the_run_ends(tmp_path):
         "-p",
         "no:cacheprovider",
     ]
-    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     with subprocess.Popen(
-        [*cmd, "test_slow.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True
+        [*cmd, "test_slow.py"],
+        cwd=tmp_path,
+        env=testing.isolated_env(base),
+        stdout=subprocess.PIPE,
+        text=True,
     ) as proc:
         try:
-            seen = []
-            for line in proc.stdout:  # test_runs_on sleeps for 120 s: the failure comes first
-                seen.append(line)
-                if "planted failure" in line:
-                    break
-            assert any("planted failure" in line for line in seen), "".join(seen)
+            line, seen = first_line_with(proc.stdout, "planted failure", FAILURE_DEADLINE_S)
+            assert line, f"no failure printed within {FAILURE_DEADLINE_S} s: {''.join(seen)!r}"
             assert proc.poll() is None, "the failure must be printed while the run goes on"
         finally:
             proc.kill()

@@ -136,8 +136,11 @@ def _all_workers() -> str:
 
 
 def isolated_env(base: dict[str, str]) -> dict[str, str]:
-    """`base` with pytest's plugin autoload off, so only PLUGINS and the suite's own load."""
-    env = dict(base, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    """`base` with pytest's plugin autoload off, so only PLUGINS and the suite's own load, and
+    Python's output unbuffered: the stage's stdout is a pipe (nox, a CI log), where Python holds
+    up to 8 KB back, so without it a failure that instafail prints at once would reach the log
+    only when the run ends, which a run stopped by a time limit never does."""
+    env = dict(base, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONUNBUFFERED="1")
     env.pop("PYTEST_PLUGINS", None)
     return env
 
