@@ -11,6 +11,11 @@ from . import _loader
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Each line out as it is written, also where stdout is a pipe (nox, a CI log), where Python
+    # would hold up to 8 KB back: progress and verdict lines keep their order with stderr's, and
+    # a step stopped by a time limit still shows what it printed.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["build"] and _loader.installed():
         return _loader.main(argv[1:])

@@ -391,6 +391,25 @@ def test_a_failure_is_named_before_the_run_ends(tmp_path):
             proc.kill()
 
 
+def test_commands_write_each_line_as_it_comes():
+    """`python -m flashmoe_science` writes each line when it is printed, also into a pipe, where
+    Python would otherwise hold output back until the command ends: a stage stopped by a time
+    limit still shows its progress, in order with stderr. Run without PYTHONUNBUFFERED."""
+    script = (
+        "import time; from flashmoe_science.__main__ import main; main(['--help']); "
+        "print('a line, then a long wait'); time.sleep(120)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            line, seen = first_line_with(proc.stdout, "a long wait", FAILURE_DEADLINE_S)
+            assert line, f"nothing printed within {FAILURE_DEADLINE_S} s: {''.join(seen)!r}"
+        finally:
+            proc.kill()
+
+
 def test_the_stage_runs_pytest_with_the_report_plugins():
     cmd = testing.pytest_command(["tests"], "4", ["-k", "x"])
     assert cmd[cmd.index("--instafail") - 2 : cmd.index("--instafail")] == [
