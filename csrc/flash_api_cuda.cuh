@@ -147,9 +147,9 @@ void visit_config(int config, F&& f) {
     using Traits = DecodeTraits<D, kDecodeStages>;
     f(&flash_decode_kernel<Traits, T>, Traits{});
   } else if (config == kSm90aConfig) {
-    // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong), three at
-    // d64 (192-row tiles).
-    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2>;
+    // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
+    // in three buffers), three at d64 (192-row tiles, two buffers).
+    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>;
     f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
@@ -276,8 +276,8 @@ void use_tma_if_it_fits(AttentionParams& p) {
 // The sm_90a kernels, which are persistent (one block per SM walks the tiles).
 template <typename Traits>
 struct IsSm90Traits : std::false_type {};
-template <int D, int BN, int kWarpgroups>
-struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups>> : std::true_type {};
+template <int D, int BN, int kWarpgroups, int kStages>
+struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups, kStages>> : std::true_type {};
 
 template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,

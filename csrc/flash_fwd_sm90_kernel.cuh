@@ -25,19 +25,25 @@
 
 namespace flashmoe::cuda {
 
-template <int kHeadDim_, int kBlockN_, int kWarpgroups_>
+template <int kHeadDim_, int kBlockN_, int kWarpgroups_, int kStages_>
 struct Sm90FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarpgroups = kWarpgroups_;  // math warpgroups, plus one that only copies
+  // K and V buffers each. With three the output is written from registers: its staging buffer
+  // would not fit beside them at D=128 (Q + 3 x (K + V) is 224 KB of the 227 KB).
+  static constexpr int kStages = kStages_;
+  static constexpr bool kStagedOutput = kStages_ == 2;
   static constexpr int kBlockM = 64 * kWarpgroups_;
   static constexpr int kMathThreads = 128 * kWarpgroups_;
   static constexpr int kNThreads = kMathThreads + 128;
   static constexpr int kNWarps = kNThreads / 32;
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kLoadThreads = 128;  // the producer warpgroup
-  // Q, K and V double-buffered, the output's staging buffer, then the mbarriers (Sm90Barriers).
-  static constexpr int kTileBytes = (2 * kBlockM + 4 * kBlockN) * kHeadDim * 2;
+  // Q, kStages K and V buffers, the output's staging buffer (two stages only), then the
+  // mbarriers (Sm90Barriers).
+  static constexpr int kTileBytes =
+      ((kStagedOutput ? 2 : 1) * kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2;
   static constexpr int kSmemBytes = kTileBytes + 128;
   // setmaxnreg moves registers only inside the block's own allocation, which is fixed at launch:
   // kNThreads x the launch bound's registers (the SM's 64K shared out, a multiple of 8 each).
@@ -58,6 +64,7 @@ struct Sm90FwdTraits {
       "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
   static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128),
                 "wgmma tiles: 64-column panels, N of 64 or 128");
+  static_assert(kStages == 2 || kStages == 3, "K and V in two or three buffers");
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kHeadDim * 2) % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle atom");
 };
@@ -221,11 +228,13 @@ struct Sm90Rows {
     }
   }
 
-  // Normalises and writes this warp's 16 rows of tile (block_x, split): O (staged through the
-  // same rows of `stage`, which only this warp touches now, so that it leaves in 16-byte row
-  // chunks) and the log-sum-exp, or the split's fp32 partials. The tile's coordinates are
-  // recomputed, not held through the loop.
+  // Normalises and writes this warp's 16 rows of tile (block_x, split): O and the log-sum-exp, or
+  // the split's fp32 partials. O is staged through the same rows of `stage` (which only this
+  // warp touches now) so that it leaves in 16-byte row chunks, or without a staging buffer
+  // (Traits::kStagedOutput false) written from registers, 4 bytes a thread and 16 a quad. The
+  // tile's coordinates are recomputed, not held through the loop.
   __device__ __forceinline__ void write_out(T* stage, int block_x, int split) {
+    constexpr bool kStaged = Traits::kStagedOutput;
     constexpr int kChunks = Traits::kChunks;
     T* sQ = stage;
     const TileCoords te = TileCoords::of_block<BM, kVarlen>(p, block_x, split);
@@ -239,13 +248,21 @@ struct Sm90Rows {
                         : sum > 0.f ? row_max[hh] * p.softmax_scale + logf(sum)
                                     : -INFINITY;
       const int row = warp_row0 + lane / 4 + hh * 8, r = em0 + row;
-      if (p.num_splits == 1) {
+      if (kStaged && p.num_splits == 1) {
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
           *reinterpret_cast<uint32_t*>(sQ + swizzle<D>(row, dt) + (lane & 3) * 2) =
               pack2<T>(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
       }
       if (r >= te.rows_total) continue;
+      if (!kStaged && p.num_splits == 1) {
+        T* o_row = static_cast<T*>(p.o) + eb * p.o_batch_stride + te.head(r) * p.o_head_stride +
+                   (te.row0_q + te.query(r)) * p.o_row_stride + (lane & 3) * 2;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+          *reinterpret_cast<uint32_t*>(o_row + dt * 8) =
+              pack2<T>(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
+      }
       const int64_t lse_index =
           kVarlen ? int64_t(te.head(r)) * p.total_q + te.row0_q + te.query(r)
                   : (int64_t(eb) * p.heads_q + te.head(r)) * p.seqlen_q + te.query(r);
@@ -261,7 +278,7 @@ struct Sm90Rows {
         if ((lane & 3) == 0) p.lse_accum[te.split * rows_all + lse_index] = lse;
       }
     }
-    if (p.num_splits == 1) {
+    if (kStaged && p.num_splits == 1) {
       __syncwarp();
 #pragma unroll
       for (int c = lane; c < 16 * kChunks; c += 32) {
@@ -316,26 +333,33 @@ struct Sm90Block {
 // landed in a buffer (the producer's 128 threads arrive as their copies land, or with TMA one
 // thread and the copy's bytes), and a buffer free again (each math warp arrives when done).
 struct Sm90Barriers {
-  uint64_t q_full, q_empty, k_full[2], v_full[2], k_empty[2], v_empty[2];
+  static constexpr int kMaxStages = 3;
+  uint64_t q_full, q_empty, k_full[kMaxStages], v_full[kMaxStages], k_empty[kMaxStages],
+      v_empty[kMaxStages];
 };
+static_assert(sizeof(Sm90Barriers) <= 128, "the mbarriers get 128 bytes after the tiles");
 
 // Warp-specialized and persistent: one block per SM walks the tiles of
 // (batch x head x row block) x split in rounds (tile_of); the last warpgroup copies,
 // the others compute. The producer runs ahead across tiles (the next tile's Q and first K/V tiles
 // load while the math warps finish this one), and the output is staged in its own buffer.
 // Buffers are used in turn over the whole walk: key block number `use` (counted over every tile)
-// sits in buffer use % 2 for the (use / 2)-th time, so waits for it to be full are on parity
-// (use / 2) % 2 and waits for it to be empty on the other (a fresh barrier passes the first).
+// sits in buffer use % kStages for the (use / kStages)-th time, so waits for it to be full are on
+// parity (use / kStages) % 2 and waits for it to be empty on the other (a fresh barrier passes
+// the first).
 template <typename Traits, typename T, bool kVarlen>
 __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kMathWarps = Traits::kMathThreads / 32;
+  constexpr int kStages = Traits::kStages;
+  auto stage_of = [](int use) { return use % kStages; };
+  auto phase_of = [](int use) { return (use / kStages) & 1; };
 
   extern __shared__ __align__(1024) uint4 smem_buf[];
   T* sQ = reinterpret_cast<T*>(smem_buf);
   T* sK = sQ + BM * D;
-  T* sV = sK + 2 * BN * D;
-  T* sO = sV + 2 * BN * D;  // the output's staging
+  T* sV = sK + kStages * BN * D;
+  T* sO = sV + kStages * BN * D;  // the output's staging (Traits::kStagedOutput)
   Sm90Barriers& bar =
       *reinterpret_cast<Sm90Barriers*>(reinterpret_cast<char*>(smem_buf) + Traits::kTileBytes);
 
@@ -345,7 +369,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     sm90::mbar_init(&bar.q_full, 128);
     sm90::mbar_init(&bar.q_empty, kMathWarps);
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(&bar.k_full[s], full_count);
       sm90::mbar_init(&bar.v_full[s], full_count);
       sm90::mbar_init(&bar.k_empty[s], kMathWarps);
@@ -398,7 +422,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       // batch is one sequence of total_k rows, this one starting at row0_k).
       const int row0 = blk.t.row0_k, bb = kVarlen ? 0 : blk.t.b, hkv = blk.t.hkv;
       for (int n = blk.n_hi - 1; n >= blk.n_lo; --n, ++use) {
-        const int s = use & 1, empty_parity = ((use >> 1) & 1) ^ 1;
+        const int s = stage_of(use), empty_parity = phase_of(use) ^ 1;
         if (p.tma) {
           if (ptid != 0) continue;
           bool copy = true;
@@ -452,7 +476,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     // second, skipping it, would still read after the first waited, which hides the bug.)
     if (wg == 0 && use == 0) return;
 #endif
-    sm90::mbar_wait(full, (use >> 1) & 1);
+    sm90::mbar_wait(full, phase_of(use));
     sm90::fence_proxy_async();
   };
   auto release = [&](uint64_t* empty) {
@@ -473,7 +497,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       sm90::mbar_wait(&bar.q_full, q_uses++ & 1);
       sm90::fence_proxy_async();
       // The first key block: S alone.
-      int buf = use & 1;
+      int buf = stage_of(use);
       wait_full(&bar.k_full[buf], use);
       my_turn();
       rows.issue_s(buf);
@@ -486,7 +510,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       // Then S(n) with P(n + 1) V(n + 1), the previous block's V in the previous buffer.
       for (int n = n_hi - 2; n >= n_lo; --n) {
         const int prev = buf;
-        buf = ++use & 1;
+        buf = stage_of(++use);
         wait_full(&bar.k_full[buf], use);
         wait_full(&bar.v_full[prev], use - 1);
         my_turn();

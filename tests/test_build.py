@@ -709,11 +709,12 @@ def traits_smem(kernel: str) -> int:
         block_n, block_m = 128, 128 if head_dim == 64 else 64
         # K and V, Q and dO double-buffered, dS^T, then lse and delta double-buffered (fp32)
         return (2 * block_n + 4 * block_m) * head_dim * 2 + block_n * block_m * 2 + 4 * block_m * 4
-    if match := re.search(r"Sm90FwdTraits<(\d+), (\d+), (\d+)>", kernel):
-        head_dim, block_n, warpgroups = (int(g) for g in match.groups())
-        # Q (64 rows a math warpgroup), K and V double-buffered, the output's staging buffer
-        # (Q's size), then 128 bytes of mbarriers (csrc/flash_fwd_sm90_kernel.cuh)
-        return (2 * 64 * warpgroups + 4 * block_n) * head_dim * 2 + 128
+    if match := re.search(r"Sm90FwdTraits<(\d+), (\d+), (\d+), (\d+)>", kernel):
+        head_dim, block_n, warpgroups, stages = (int(g) for g in match.groups())
+        # Q (64 rows a math warpgroup), K and V in `stages` buffers, with two stages the output's
+        # staging buffer (Q's size), then 128 bytes of mbarriers (csrc/flash_fwd_sm90_kernel.cuh)
+        q_tiles = 2 if stages == 2 else 1
+        return (q_tiles * 64 * warpgroups + 2 * stages * block_n) * head_dim * 2 + 128
     assert re.search(
         r"split_kv_combine|bwd_preprocess|bwd_convert_dq|varlen_offsets_check", kernel
     ), kernel
