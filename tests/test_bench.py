@@ -213,6 +213,27 @@ def test_refuses_to_time_under_pytest_xdist(monkeypatch, capsys):
         timing.benchmark(lambda: None, FakeTimer([1.0] * 20), timing.TimingConfig.for_device("cpu"))
 
 
+def test_a_missing_validator_stops_the_run_before_anything_is_built_or_timed(
+    tmp_path, monkeypatch, capsys
+):
+    """bench.json is validated when it is written, at the end: without jsonschema a whole run's
+    measurements were lost there (an H100 run of 281 cases, then a traceback)."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # `import jsonschema` raises ImportError
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("built or timed without a way to write bench.json")
+
+    monkeypatch.setattr(bench, "build_checkout", must_not_run)
+    monkeypatch.setattr(bench, "run_matrix", must_not_run)
+    assert bench.main(["--quick", "--backend", "cpu"]) == exitcodes.ENV_BROKEN
+    err = capsys.readouterr().err
+    assert "pip install jsonschema" in err and "nothing was timed" in err
+    assert len(err.strip().splitlines()) == 1
+    assert bench.main(["--quick", "--backend", "cpu", "--list"]) == exitcodes.OK  # lists anyway
+
+
 def test_a_run_clears_the_previous_results_before_it_builds(tmp_path, monkeypatch):
     """A commit that does not build (exit 125) must not leave an older run's bench.json behind,
     where the report would read it as this commit's."""

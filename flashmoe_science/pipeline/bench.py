@@ -376,6 +376,8 @@ def run(args) -> int:
     if args.list:
         print("\n".join([c.id for c in cases] + [t.id for t in target_cases]))
         return exitcodes.OK
+    if bisect_case is None and (problem := benchrecords.validator_problem()):
+        raise Abort(exitcodes.ENV_BROKEN, f"{problem}; nothing was timed")
     if args.base and not headbase.resolve_ref(args.base):
         raise Abort(
             exitcodes.USAGE, f"--base {args.base!r} is not a commit here (`git log --oneline`)"

@@ -480,15 +480,28 @@ def schema() -> dict:
         ) from exc
 
 
+VALIDATOR_MISSING = (
+    "validating bench.json needs the jsonschema package: `pip install jsonschema` "
+    "(or `pip install -e .`, which depends on it)"
+)
+
+
+def validator_problem() -> str | None:
+    """Why bench.json could not be validated (and so not written) here, or None. The benchmark
+    asks before it times anything: a missing package found at the end costs the whole run."""
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        return VALIDATOR_MISSING
+    return None
+
+
 def schema_errors(doc: Any) -> list[str]:
     """Every way `doc` breaks benches/bench.schema.json, as 'path: message' lines."""
     try:
         import jsonschema
     except ImportError as exc:
-        raise InvalidBenchFile(
-            "validating bench.json needs the jsonschema package: `pip install jsonschema` "
-            "(or `pip install -e .`, which depends on it)"
-        ) from exc
+        raise InvalidBenchFile(VALIDATOR_MISSING) from exc
     validator = jsonschema.Draft202012Validator(schema())
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     return [f"{'.'.join(map(str, e.absolute_path)) or '$'}: {e.message[:300]}" for e in errors]
