@@ -342,7 +342,8 @@ static_assert(sizeof(Sm90Barriers) <= 128, "the mbarriers get 128 bytes after th
 // Warp-specialized and persistent: one block per SM walks the tiles of
 // (batch x head x row block) x split in rounds (tile_of); the last warpgroup copies,
 // the others compute. The producer runs ahead across tiles (the next tile's Q and first K/V tiles
-// load while the math warps finish this one), and the output is staged in its own buffer.
+// load while the math warps finish this one); with two K/V stages the output is staged in its own
+// buffer, with three it is written from registers.
 // Buffers are used in turn over the whole walk: key block number `use` (counted over every tile)
 // sits in buffer use % kStages for the (use / kStages)-th time, so waits for it to be full are on
 // parity (use / kStages) % 2 and waits for it to be empty on the other (a fresh barrier passes

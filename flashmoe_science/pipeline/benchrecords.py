@@ -498,10 +498,10 @@ def validator_problem() -> str | None:
 
 def schema_errors(doc: Any) -> list[str]:
     """Every way `doc` breaks benches/bench.schema.json, as 'path: message' lines."""
-    try:
-        import jsonschema
-    except ImportError as exc:
-        raise InvalidBenchFile(VALIDATOR_MISSING) from exc
+    if problem := validator_problem():
+        raise InvalidBenchFile(problem)
+    import jsonschema
+
     validator = jsonschema.Draft202012Validator(schema())
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     return [f"{'.'.join(map(str, e.absolute_path)) or '$'}: {e.message[:300]}" for e in errors]
