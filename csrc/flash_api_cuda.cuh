@@ -46,13 +46,24 @@ namespace flashmoe::cuda {
 //      and persistent (flash_fwd_sm90_kernel.cuh). sm_90a only: built with FLASHMOE_SM90A (the
 //      loader defines it with arch 9.0a, the default on an H100), run on compute capability 9.0
 //      only. The H100's choice (benches/NOTES.md v3.0, v3.1).
+//   6: the same kernel with 128-row tiles at d=64 too: two math warpgroups in ping-pong, K and V
+//      in three buffers, the output written from registers (at d=128 it is configuration 5's
+//      kernel). sm_90a only, as 5. The H100's choice at d=64 for causal heads of at most 1024
+//      query rows and 1024 keys: a 192-row tile computes more masked rows x keys there (at
+//      S=512, 9 x 192 x 128 against 10 x 128 x 128 per head). Against 5 on the H100: causal
+//      S=512 1.125x-1.131x, S=1024 1.106x-1.123x; non-causal S=512 0.92x-0.97x, S >= 2048
+//      0.81x-0.91x (benches/NOTES.md v3.7). No packed-batch variant.
 //   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
 //   registers, one block per SM, 0.47-0.63x SDPA flash.
-constexpr int kNumConfigs = 5;
+constexpr int kNumConfigs = 6;
 constexpr int kDecodeConfig = 3;
 constexpr int kDecodeStages = 3;
-constexpr int kSm90Config = 4;   // built for sm_90 and newer only
-constexpr int kSm90aConfig = 5;  // wgmma: the sm_90a build on a 9.0 GPU only
+constexpr int kSm90Config = 4;       // built for sm_90 and newer only
+constexpr int kSm90aConfig = 5;      // wgmma: the sm_90a build on a 9.0 GPU only
+constexpr int kSm90aM128Config = 6;  // the same, 128-row tiles at d=64 as well
+constexpr bool is_sm90a_config(int64_t config) {
+  return config == kSm90aConfig || config == kSm90aM128Config;
+}
 #ifdef FLASHMOE_SM90A
 constexpr bool kBuiltSm90a = true;
 #else
@@ -75,10 +86,12 @@ inline DeviceInfo device_info(int device) {
   return info;
 }
 
-// The automatic choice. `heads` is the grid's (batch, head) count, `rows_per_head` its rows.
-// Grids too small to fill the GPU take smaller row tiles (more blocks): the 16-row decode tiles
-// when even 64-row tiles leave SMs idle (one sequence of a few hundred tokens, say).
-inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int rows_per_head) {
+// The automatic choice. `heads` is the grid's (batch, head) count, `rows_per_head` its rows,
+// `seqlen_k` its keys. Grids too small to fill the GPU take smaller row tiles (more blocks): the
+// 16-row decode tiles when even 64-row tiles leave SMs idle (one sequence of a few hundred
+// tokens, say).
+inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int rows_per_head,
+                         bool causal, int seqlen_k) {
   const bool small_smem = dev.major == 8 && dev.minor != 0;  // sm86, sm87, sm89: 100 KB per SM
   if (rows_per_head <= 16 || heads * ceil_div(rows_per_head, 64) < dev.sm_count) {
     return kDecodeConfig;
@@ -86,15 +99,21 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int
   if (rows_per_head <= 64 || heads * ceil_div(rows_per_head, 128) < dev.sm_count) return 2;
   // The H100 with the sm_90a build: wgmma, 1.21x config 4 over 32 prefill cases
   // (benches/NOTES.md).
-  if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a) return kSm90aConfig;
+  if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a) {
+    // 128-row tiles at d=64 where the causal mask leaves a 192-row tile the most idle work:
+    // measured faster at S = Sq = Sk <= 1024 only, and a long key sequence is mostly unmasked,
+    // where 192-row tiles win (see configuration 6 above).
+    const bool short_causal = causal && rows_per_head <= 1024 && seqlen_k <= 1024;
+    return head_dim == 64 && short_causal ? kSm90aM128Config : kSm90aConfig;
+  }
   if (dev.major >= 9) return kSm90Config;
   if (head_dim == 128 && small_smem) return 2;
   return 1;
 }
 
-// Refuses a forced wgmma configuration (`option`=`config`: the forward's config=5, the backward's
-// backward_config=3) where it cannot run: a GPU other than compute capability 9.0, or a build
-// without sm_90a. `others` names the configurations that can, for the message.
+// Refuses a forced wgmma configuration (`option`=`config`: the forward's config=5 or 6, the
+// backward's backward_config=3) where it cannot run: a GPU other than compute capability 9.0, or a
+// build without sm_90a. `others` names the configurations that can, for the message.
 inline void check_wgmma_config(const char* option, int64_t config, const DeviceInfo& dev,
                                const char* others) {
   FLASHMOE_CHECK_VALUE(dev.major == 9 && dev.minor == 0, option, "=", config,
@@ -112,7 +131,7 @@ inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const
   FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
                        " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
                        ".", dev.minor, ": use config ", others, " (or 0, automatic)");
-  if (config == kSm90aConfig) check_wgmma_config("config", config, dev, others);
+  if (is_sm90a_config(config)) check_wgmma_config("config", config, dev, others);
 }
 
 template <typename Traits, typename T, bool kVarlen>
@@ -134,7 +153,7 @@ auto fwd_kernel() {
 }
 
 // Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration). kVarlen: the
-// forward kernel's packed-batch instantiation (configurations 1, 2 and 4; never the decode one).
+// forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3 or 6).
 template <typename T, int D, bool kVarlen = false, typename F>
 void visit_config(int config, F&& f) {
   if (config == 1) {
@@ -151,6 +170,12 @@ void visit_config(int config, F&& f) {
     // in three buffers), three at d64 (192-row tiles, two buffers).
     using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>;
     f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
+  } else if (config == kSm90aM128Config && !kVarlen) {
+    // Two math warpgroups at both head dims (at d=128 the same type, so the same kernel, as 5).
+    // The dense kernel even in the packed-batch visit, which never comes here: no packed variant
+    // is compiled.
+    using Traits = Sm90FwdTraits<D, 128, 2, 3>;
+    f(&flash_fwd_sm90_kernel<Traits, T>, Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
     f(fwd_kernel<Traits, T, kVarlen>(), Traits{});
@@ -283,7 +308,7 @@ template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
                       cudaStream_t stream) {
   AttentionParams p = params;
-  if (kBuiltSm90a && config == kSm90aConfig) use_tma_if_it_fits<T>(p);
+  if (kBuiltSm90a && is_sm90a_config(config)) use_tma_if_it_fits<T>(p);
   auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
@@ -328,10 +353,11 @@ int blocks_per_sm(int device, int head_dim, int config) {
 
 constexpr int block_m_of(int config, int head_dim) {
   if (config == kSm90aConfig) return head_dim == 64 ? 192 : 128;
+  if (config == kSm90aM128Config) return 128;
   return config == 2 ? 64 : config == kDecodeConfig ? 16 : 128;
 }
 constexpr int block_n_of(int config, int head_dim) {
-  if (config == kSm90aConfig) return 128;
+  if (is_sm90a_config(config)) return 128;
   if (config == 1 && head_dim == 128) return 32;
   if (config == kSm90Config && head_dim == 64) return 128;
   return 64;
@@ -440,7 +466,8 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   p.pack_gqa = p.heads_ratio > 1 && int64_t(p.seqlen_q) * p.heads_ratio <= 128;
   const int rows_per_head = p.seqlen_q * (p.pack_gqa ? p.heads_ratio : 1);
   const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
-  if (config == 0) config = choose_config(dev, p.head_dim, grid_x, rows_per_head);
+  if (config == 0)
+    config = choose_config(dev, p.head_dim, grid_x, rows_per_head, causal, p.seqlen_k);
 
   const int m_blocks = ceil_div(rows_per_head, block_m_of(int(config), p.head_dim));
   // Launch order (measured on the H100, benches/NOTES.md v2.5): the row blocks of a head side by
@@ -581,9 +608,9 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dim_cuda(q_in.size(2));
-  FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs && config != kDecodeConfig,
-                       "config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got ",
-                       config);
+  FLASHMOE_CHECK_VALUE(
+      config >= 0 && config <= kNumConfigs && config != kDecodeConfig && config != kSm90aM128Config,
+      "config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
   check_cuda_device(q_in, dev);
@@ -616,8 +643,10 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   p.pack_gqa = false;
   const int64_t grid_x = batch * p.heads_q;
   if (config == 0) {
-    config = choose_config(dev, p.head_dim, grid_x, p.seqlen_q);
-    if (config == kDecodeConfig) config = 2;  // the decode kernel has no packed-batch variant
+    config = choose_config(dev, p.head_dim, grid_x, p.seqlen_q, causal, p.seqlen_k);
+    // The decode kernel and configuration 6 have no packed-batch variant.
+    if (config == kDecodeConfig) config = 2;
+    if (config == kSm90aM128Config) config = kSm90aConfig;
   }
   const int m_blocks = ceil_div(p.seqlen_q, block_m_of(int(config), p.head_dim));
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
@@ -697,7 +726,7 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 //   2: 128 keys x 64 queries a step, 8 warps (each still owns 16 keys of dK and dV; twice the
 //      warps per SM to hide latency); 112.5 KB at d=128: sm80 and sm90 (73.5 KB at d=64: all).
 //   3: 128 keys x 128 queries (d=64) or 64 queries (d=128) a step on wgmma, 2 warpgroups
-//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configuration 5.
+//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 and 6.
 // The automatic choice takes 3 on a 9.0 GPU with the sm_90a build (1.50x configuration 2 and
 // 1.25x SDPA flash over 12 bf16 cases on the H100, benches/NOTES.md bwd v4), else 2 where it fits
 // the card's shared memory, else 1. The deterministic dQ pass always runs 64 x 64 tiles with 4

@@ -145,6 +145,8 @@ CONFIGS = {
     3: "decode kernel: 16 rows, 4 warps splitting the keys",
     4: "128x64 tiles at d128, 128x128 at d64, 4 warps (sm_90 and newer)",
     5: "128x128 tiles (192x128 at d64), 2 (3) warpgroups, wgmma (sm_90a build on a 9.0 GPU)",
+    6: "128x128 tiles at both head dims (d128: config 5's kernel), 2 warpgroups, wgmma (sm_90a "
+    "build on a 9.0 GPU)",
 }
 _CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in CONFIGS.items())
 # Backward tile configurations that `backward_config=` forces (csrc/flash_api_cuda.cuh).
@@ -160,9 +162,11 @@ _BACKWARD_CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in BACKWARD_CONFIG
 SM90_ONLY_CONFIGS = frozenset({4})
 # The wgmma kernels: only a build that targets sm_90a carries them (wgmma has no sm_90 or PTX
 # form), and sm_90a code runs only on compute capability 9.0; the operator refuses them elsewhere.
-SM90A_CONFIGS = frozenset({5})
+SM90A_CONFIGS = frozenset({5, 6})
 # The same for the backward's wgmma configuration.
 SM90A_BACKWARD_CONFIGS = frozenset({3})
+# The configurations without a packed-batch (varlen) variant: the decode kernel and 6.
+NO_PACKED_CONFIGS = frozenset({3, 6})
 
 
 def built_archs() -> tuple[str, ...]:
@@ -264,7 +268,7 @@ def flash_attention_forward(
     are the last Sq positions). A query that sees no key gets output 0 and log-sum-exp -inf.
     softmax_scale defaults to 1/sqrt(D). num_splits: 0 chooses the split-KV count from the SM count
     and the work, 1 disables splitting. config: 0 picks the kernel and tile configuration for the GPU;
-    1 to 5 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
+    1 to 6 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
     architecture selects is gated on one card.
 
     Backward (autograd, flashmoe_science.autograd): FlashAttention-2's, from the saved output and
@@ -412,7 +416,7 @@ def flash_attention_varlen_forward(
     sq queries and sk keys sees keys j <= i + sk - sq), as in FlashAttention 2.1+; a query that
     sees no key gets output 0 and log-sum-exp -inf. GQA, dtypes and head dims as
     flash_attention_forward. config: 0 picks the tile configuration; 1, 2, 4 or 5 force one of the
-    forward kernels' (CONFIGS; the decode kernel, 3, has no packed variant).
+    forward kernels' (CONFIGS; the decode kernel, 3, and 6 have no packed variant).
 
     No host synchronisation (CUDA graphs can capture the call): on CUDA the kernel checks the
     cu_seqlens values itself. Nothing outside the packed tensors is read whatever they hold, and
@@ -438,7 +442,7 @@ def flash_attention_varlen_forward(
     _check_int("max_seqlen_k", max_seqlen_k, 0, 1 << 30, "the longest key sequence")
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
-    if config == 3 or isinstance(config, bool) or not isinstance(config, int):
+    if isinstance(config, bool) or not isinstance(config, int) or config in NO_PACKED_CONFIGS:
         raise ValueError(
             f"config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got {config!r}"
         )

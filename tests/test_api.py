@@ -86,11 +86,18 @@ BAD_INPUTS = [
         ("config=5", "CUDA"),
     ),
     (
-        "config out of range",
+        "the 128-row wgmma config on CPU",
         lambda q, k, v: (q, k, v),
         {"config": 6},
         ValueError,
-        ("config", "[0, 5]", "got 6"),
+        ("config=6", "CUDA"),
+    ),
+    (
+        "config out of range",
+        lambda q, k, v: (q, k, v),
+        {"config": 7},
+        ValueError,
+        ("config", "[0, 6]", "got 7"),
     ),
     (
         "num_splits out of range",
@@ -136,14 +143,25 @@ def test_bad_input_gives_one_line_error(name, mutate, kwargs, exc, needles):
 
 
 def test_each_configuration_says_what_it_needs():
-    """4 needs compute capability 9.0 or newer; 5 (wgmma) an sm_90a build on a 9.0 GPU, by
+    """4 needs compute capability 9.0 or newer; 5 and 6 (wgmma) an sm_90a build on a 9.0 GPU, by
     default the loaded build's targets."""
     assert all(ops.config_supported(c, (8, 0), ()) for c in (0, 1, 2, 3))
     assert ops.config_supported(4, (9, 0), ()) and not ops.config_supported(4, (8, 9), ())
-    assert ops.config_supported(5, (9, 0), ("8.9", "9.0a"))
-    assert ops.config_supported(5, [9, 0], ("9.0a+PTX",))
-    for capability, archs in (((9, 0), ("8.9", "9.0")), ((8, 9), ("9.0a",)), ((10, 0), ("9.0a",))):
-        assert not ops.config_supported(5, capability, archs)
+    assert {5, 6} == ops.SM90A_CONFIGS
+    for config in ops.SM90A_CONFIGS:
+        assert ops.config_supported(config, (9, 0), ("8.9", "9.0a"))
+        assert ops.config_supported(config, [9, 0], ("9.0a+PTX",))
+        for capability, archs in (
+            ((9, 0), ("8.9", "9.0")),
+            ((8, 9), ("9.0a",)),
+            ((10, 0), ("9.0a",)),
+        ):
+            assert not ops.config_supported(config, capability, archs)
+        assert ops.config_needs(config) == "an sm_90a build on a 9.0 GPU"
+    assert ops.config_unsupported_reason(6, (8, 9), ("8.9",)) == (
+        "config=6 needs an sm_90a build on a compute capability 9.0 GPU: build with --arch 9.0a "
+        "(this GPU is sm_89, the build targets sm_89)"
+    )
     reason = ops.config_unsupported_reason(5, (9, 0), ("8.9", "9.0"))
     assert reason == (
         "config=5 needs an sm_90a build on a compute capability 9.0 GPU: build with --arch 9.0a "
@@ -235,7 +253,7 @@ DECODE_BAD = [
         ("num_splits", "None", "got 0"),
     ),
     ("num_splits too many", lambda s: s, {"num_splits": 129}, ValueError, ("num_splits", "129")),
-    ("config out of range", lambda s: s, {"config": 6}, ValueError, ("config", "got 6", "0 =")),
+    ("config out of range", lambda s: s, {"config": 7}, ValueError, ("config", "got 7", "0 =")),
 ]
 
 

@@ -69,35 +69,42 @@ def _shapes(config: int) -> set[tuple]:
     }
 
 
-def test_the_wgmma_configuration_meets_the_whole_matrix():
-    """The sm_90a configuration goes through everything the automatic choice does (every length,
+def test_the_wgmma_configurations_meet_the_whole_matrix():
+    """The sm_90a configurations go through everything the automatic choice does (every length,
     Sq != Sk both ways, both dtypes, head dims and masks, GQA 1/4/8, strided views), and through
-    the shapes and split-KV path every forced configuration gets."""
+    the shapes and split-KV path every forced configuration gets, at the head dims they gate."""
     from flashmoe_science.ops import SM90A_CONFIGS
 
-    assert set(gates.FULL_MATRIX_CONFIGS) == SM90A_CONFIGS == {5}
+    assert set(gates.FULL_MATRIX_CONFIGS) == SM90A_CONFIGS == {5, 6}
     forced = _shapes(1)
     for config in SM90A_CONFIGS:
         mine = [c for c in GPU_CASES if c.config == config]
-        assert _shapes(config) == _shapes(0) | forced
+        head_dims = gates.gated_head_dims(config)
+        assert _shapes(config) == {s for s in _shapes(0) | forced if s[1] in head_dims}
         assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
         assert {c.layout for c in mine} == {"bhsd", "bshd"}
         assert any(c.num_splits > 1 for c in mine) and any(c.num_splits == 0 for c in mine)
 
 
-def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path():
+@pytest.mark.parametrize("config", [5, 6])
+def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path(config):
     """Decode of more than 16 query rows with cache_seqlens (chunked prefill, speculative
-    decoding) forced onto the wgmma kernel, which copies K and V by cp.async there (the host uses
-    no TMA with cache lengths): both dtypes, head dims and masks for Sq 65 and 257, caches of a
-    few hundred to 2000 keys holding empty, one-token, partial-tile and full sequences, split and
-    not, GQA 1/4/8."""
+    decoding) forced onto each wgmma configuration, which copies K and V by cp.async there (the
+    host uses no TMA with cache lengths): both dtypes, the head dims it gates and both masks for
+    Sq 65 and 257, caches of a few hundred to 2000 keys holding empty, one-token, partial-tile and
+    full sequences, split and not, GQA 1/4/8."""
+    assert config in gates.MANY_ROW_DECODE_CONFIGS
     mine = [
         c
         for c in GPU_CASES
-        if c.kind == "decode" and c.cache_seqlens and c.seqlen_q > 16 and c.config == 5
+        if c.kind == "decode" and c.cache_seqlens and c.seqlen_q > 16 and c.config == config
     ]
     assert {(c.dtype, c.head_dim, c.causal, c.seqlen_q) for c in mine} == {
-        (t, d, m, q) for t in ("fp16", "bf16") for d in (64, 128) for m in (0, 1) for q in (65, 257)
+        (t, d, m, q)
+        for t in ("fp16", "bf16")
+        for d in gates.gated_head_dims(config)
+        for m in (0, 1)
+        for q in (65, 257)
     }
     assert len(mine) <= 40  # the GPU test stage's wall time
     assert min(c.seqlen_k for c in mine) <= 300 and max(c.seqlen_k for c in mine) >= 2000
@@ -106,6 +113,21 @@ def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path():
     assert any(n > 128 and n % 128 for n, _ in lengths)  # a partial last 128-key tile
     assert {c.num_splits for c in mine} == {0, 3}
     assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
+
+
+def test_configuration_6_is_gated_at_head_dim_64_only():
+    """At head dim 128 configuration 6 runs configuration 5's kernel (the same Sm90FwdTraits), so
+    its forced cases, prefill, ramped and many-row decode, are all at 64; every other
+    configuration is gated at both head dims."""
+    assert gates.gated_head_dims(6) == (64,)
+    assert {c.head_dim for c in GPU_CASES if c.config == 6} == {64}
+    for config in gates.FORCED_CONFIGS:
+        if config != 6:
+            assert gates.gated_head_dims(config) == (64, 128)
+            assert {c.head_dim for c in GPU_CASES if c.config == config} == {64, 128}
+    sixes = [c for c in GPU_CASES if c.config == 6]
+    assert {c.kind for c in sixes} == {"prefill", "decode"}
+    assert {"rising", "falling"} <= {c.scores for c in sixes}
 
 
 def test_bshd_view_is_used_in_place():
@@ -185,6 +207,7 @@ def test_a_failing_cuda_case_reports_the_rerun_its_twin_and_sm90():
     [
         ((8, 9), ("8.9", "9.0a"), 5, "needs an sm_90a build on a compute capability 9.0 GPU"),
         ((9, 0), ("8.9", "9.0"), 5, "needs an sm_90a build on a compute capability 9.0 GPU"),
+        ((8, 9), ("8.9", "9.0a"), 6, "needs an sm_90a build on a compute capability 9.0 GPU"),
         ((8, 9), ("8.9",), 4, "is built for sm_90 and newer; this GPU is sm_89"),
     ],
 )

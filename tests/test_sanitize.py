@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmoe_science.pipeline import cli, exitcodes, sanitize, sanitize_coverage
+from flashmoe_science.pipeline import cli, exitcodes, gates, sanitize, sanitize_coverage
 from flashmoe_science.pipeline.cases import Case
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
@@ -337,7 +337,9 @@ def test_workload_covers_every_code_path():
     fwd = [c for c in cases if c.kind == "prefill"]
     dec = [c for c in cases if c.kind == "decode"]
     bwd = [c for c in cases if c.kind == "backward"]
-    assert len(workload) <= 400  # racecheck's wall time grows with it (~0.1 s a call on an H100)
+    # racecheck's wall time grows with it (~0.1 s a call on an H100); 430 since configuration 6
+    # (26 calls at head dim 64)
+    assert len(workload) <= 430
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration this GPU runs (all of them, wgmma included, for an
@@ -356,7 +358,10 @@ def test_workload_covers_every_code_path():
     assert any(c.heads_q > c.heads_kv for c in bwd) and any(c.layout == "bshd" for c in bwd)
     instantiations = {(c.dtype, c.head_dim, c.config) for c in fwd}
     assert instantiations == {
-        (t, d, k) for t in ("fp16", "bf16") for d in (64, 128) for k in sanitize.workload_configs()
+        (t, d, k)
+        for t in ("fp16", "bf16")
+        for k in sanitize.workload_configs()
+        for d in gates.gated_head_dims(k)  # 6 at 64 only: at 128 it is 5's kernel
     }
     for key in instantiations:  # every kernel instantiation, masked and not, on every length
         for causal in (False, True):
@@ -380,19 +385,26 @@ def test_workload_covers_every_code_path():
         c.cache_seqlens and c.num_splits >= 7 and max(c.cache_seqlens) < 64 * c.num_splits
         for c in dec
     )
-    # many query rows against a cache with lengths 0, short and full, on the wgmma kernel (where
-    # the card runs it), whose producer copies K and V with cp.async when cache_seqlens is given
-    many_rows = [c for c in dec if c.cache_seqlens and c.seqlen_q > 16 and c.config == 5]
+    # many query rows against a cache with lengths 0, short and full, on the wgmma kernels (where
+    # the card runs them), whose producer copies K and V with cp.async when cache_seqlens is given
+    many = [c for c in dec if c.cache_seqlens and c.seqlen_q > 16]
     if 5 not in sanitize.workload_configs():
-        assert not many_rows
+        assert not many
         return
+    assert {c.config for c in many} == set(gates.MANY_ROW_DECODE_CONFIGS) == {5, 6}
+    many_rows = [c for c in many if c.config == 5]
     assert {(c.dtype, c.head_dim) for c in many_rows} == {
         (t, d) for t in ("fp16", "bf16") for d in (64, 128)
     }
     assert {c.causal for c in many_rows} == {False, True}
     assert {c.seqlen_q for c in many_rows} == {65, 257}
     assert {c.num_splits for c in many_rows} == {0, 3}
-    assert all({0, c.seqlen_k} <= set(c.cache_seqlens) for c in many_rows)
+    assert all({0, c.seqlen_k} <= set(c.cache_seqlens) for c in many)
+    sixes = [c for c in many if c.config == 6]
+    assert {(c.dtype, c.head_dim, c.seqlen_q) for c in sixes} == {
+        ("fp16", 64, 65),
+        ("bf16", 64, 257),
+    }
     # the packed and paged calls carry their gates' case types and id formats
     from flashmoe_science.pipeline.paged_gates import PagedCase
     from flashmoe_science.pipeline.varlen_gates import VarlenCase

@@ -49,11 +49,12 @@ def test_matrix_covers_the_issue():
     assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
     assert {c.causal for c in GPU_CASES} == {False, True}
     assert {c.head_dim for c in GPU_CASES} == {64, 128}
-    from flashmoe_science.ops import CONFIGS
+    # every forward configuration but those without a packed variant: the decode kernel (3) and 6
+    from flashmoe_science.ops import CONFIGS, NO_PACKED_CONFIGS
 
-    # every forward configuration but the decode kernel's (3), which has no packed variant
-    assert {c.config for c in GPU_CASES} == {0, *CONFIGS} - {3}
-    assert set(varlen_gates.VARLEN_CONFIGS) == set(CONFIGS) - {3}
+    assert {3, 6} == NO_PACKED_CONFIGS
+    assert {c.config for c in GPU_CASES} == {0, *CONFIGS} - NO_PACKED_CONFIGS
+    assert set(varlen_gates.VARLEN_CONFIGS) == set(CONFIGS) - NO_PACKED_CONFIGS
     assert len({c.id for c in GPU_CASES + CPU_CASES}) == len(GPU_CASES) + len(CPU_CASES)
 
 
@@ -193,6 +194,7 @@ def _cu(args, values):
         ),
         (lambda a: {**a, "q": a["q"].float()}, TypeError, "q has dtype torch.float32"),
         (lambda a: {**a, "config": 3}, ValueError, "config must be 0 (automatic), 1, 2, 4 or 5"),
+        (lambda a: {**a, "config": 6}, ValueError, "config must be 0 (automatic), 1, 2, 4 or 5"),
     ],
 )
 def test_bad_input_raises_one_line(device, monkeypatch, change, error, message):
@@ -235,6 +237,18 @@ def test_backward_matches_the_dense_backward_per_sequence(device, causal):
         torch.testing.assert_close(leaf.grad, e, atol=1e-2, rtol=1e-2)
     assert torch.all(leaves[0].grad[3:3] == 0) and torch.all(leaves[1].grad[4:9] == 0)
     assert leaves[0].grad[73:].abs().sum() == 0  # the last sequence has no keys
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [3, 6])
+def test_the_cuda_operator_refuses_a_configuration_without_a_packed_variant(config):
+    """Called past the Python check, the CUDA operator itself refuses the decode kernel (3) and
+    configuration 6 for a packed batch, in one line, on any GPU (before its device checks)."""
+    q, k, v, cu_q, cu_k = packed("cuda")
+    with pytest.raises(ValueError) as info:
+        torch.ops.flashmoe_science.varlen_fwd(q, k, v, cu_q, cu_k, 5, 5, True, 0.125, config)
+    message = str(info.value)
+    assert f"1, 2, 4 or 5 for a packed batch, got {config}" in message and "\n" not in message
 
 
 def test_opcheck():

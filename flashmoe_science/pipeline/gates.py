@@ -328,10 +328,18 @@ UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
 GQA_RATIOS = (1, 4, 8)
 # The forward tile configurations the GPU matrix forces: every id of ops.CONFIGS (a test keeps
 # them equal; importing ops here would build the extension at import).
-FORCED_CONFIGS = (1, 2, 3, 4, 5)
+FORCED_CONFIGS = (1, 2, 3, 4, 5, 6)
 # Those forced through the whole matrix (every length, strided views), as the automatic choice
 # is: the wgmma kernels (ops.SM90A_CONFIGS), which only the H100 runs and nothing else gates.
-FULL_MATRIX_CONFIGS = (5,)
+FULL_MATRIX_CONFIGS = (5, 6)
+# Head dims gated per forced configuration where not both: at d128 configuration 6 runs
+# configuration 5's kernel, whose cases would only take the GPU's time a second time.
+GATED_HEAD_DIMS = {6: (64,)}
+
+
+def gated_head_dims(config: int) -> tuple[int, ...]:
+    """The CUDA head dims whose kernels a configuration's forced gate cases run (GATED_HEAD_DIMS)."""
+    return GATED_HEAD_DIMS.get(config, (64, 128))
 
 
 def _heads(index: int, total_q_rows: int) -> tuple[int, int, int]:
@@ -356,7 +364,7 @@ def forward_cases(tier: str) -> Iterator[Case]:
     def matrix(config: int) -> Iterator[Case]:
         nonlocal index
         for dtype in DTYPES:
-            for head_dim in head_dims:
+            for head_dim in head_dims if config == 0 else gated_head_dims(config):
                 for causal in (False, True):
                     for seqlen_q, seqlen_k in pairs:
                         batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
@@ -383,11 +391,12 @@ def forward_cases(tier: str) -> Iterator[Case]:
         yield from _ramped_cases((0,), (257, 257))
         return
     # Every kernel configuration any architecture selects, forced on this card (ids as in
-    # ops.CONFIGS), each also through its split-KV path; a card or build that cannot run one
-    # skips its cases, saying what they need (ops.config_unsupported_reason).
+    # ops.CONFIGS), each also through its split-KV path, then the whole matrix for
+    # FULL_MATRIX_CONFIGS; a card or build that cannot run one skips its cases, saying what they
+    # need (ops.config_unsupported_reason).
     for config in FORCED_CONFIGS:
         for dtype in DTYPES:
-            for head_dim in (64, 128):
+            for head_dim in gated_head_dims(config):
                 for causal in (False, True):
                     for seqlen_q, seqlen_k, splits in (
                         (1, 1, 0),
@@ -415,8 +424,8 @@ def forward_cases(tier: str) -> Iterator[Case]:
                             num_splits=splits,
                         )
                         index += 1
-    for config in FULL_MATRIX_CONFIGS:
-        yield from matrix(config)
+        if config in FULL_MATRIX_CONFIGS:
+            yield from matrix(config)
     yield from _ramped_cases((0, *FORCED_CONFIGS), (1000, 1000))
 
 
@@ -426,6 +435,8 @@ def _ramped_cases(configs: tuple[int, ...], shape: tuple[int, int]) -> Iterator[
     factors after the first key block, so a wrong or skipped rescale of the output shows."""
     variants = itertools.product(configs, DTYPES, (64, 128), (False, True), ("rising", "falling"))
     for index, (config, dtype, head_dim, causal, scores) in enumerate(variants):
+        if config and head_dim not in gated_head_dims(config):
+            continue
         batch, hq, hkv = _heads(index, max(shape))
         case = Case("prefill", dtype, batch, hq, hkv, *shape, head_dim, causal, config=config)
         yield dataclasses.replace(case, scores=scores)
@@ -505,11 +516,12 @@ def decode_cases(tier: str) -> Iterator[Case]:
 
 
 # Many query rows against a cache with per-sequence lengths (chunked prefill, speculative
-# decoding), the wgmma kernel forced (configuration 5, which a large enough grid of them takes by
-# itself on an H100): its producer copies K and V with cp.async whenever cache_seqlens is given
-# (TMA would copy a cache's unused rows), a path no prefill case takes. (Sq, Sk, forced splits.)
+# decoding), the wgmma kernels forced (configuration 5, or 6 at d64, which a large enough grid of
+# them takes by itself on an H100): their producer copies K and V with cp.async whenever
+# cache_seqlens is given (TMA would copy a cache's unused rows), a path no prefill case takes.
+# (Sq, Sk, forced splits.)
 MANY_ROW_DECODE = ((65, 300, 0), (65, 2000, 3), (257, 1000, 0), (257, 2000, 3))
-MANY_ROW_DECODE_CONFIG = 5
+MANY_ROW_DECODE_CONFIGS = (5, 6)
 # Batch and query heads per Sq: 144 tiles (Sq 65: 3 x 48 x 1; Sq 257: 3 x 16 x 3 row tiles), more
 # than an H100's 132 SMs, as the automatic choice would need.
 MANY_ROW_DECODE_HEADS = {65: (3, 48), 257: (3, 16)}
@@ -517,25 +529,29 @@ MANY_ROW_DECODE_HEADS = {65: (3, 48), 257: (3, 16)}
 
 def many_row_decode_cases() -> Iterator[Case]:
     """Decode of 65 and 257 query rows with mixed cache_seqlens (empty, one token, partial and
-    full 128-key tiles), both dtypes, head dims and masks, GQA ratios 1/4/8 (none packed), with
-    and without splits, on the wgmma kernel's cp.async path (MANY_ROW_DECODE)."""
-    variants = itertools.product(MANY_ROW_DECODE, DTYPES, (64, 128), (False, True))
-    for index, ((seqlen_q, seqlen_k, splits), dtype, head_dim, causal) in enumerate(variants):
-        batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
-        yield Case(
-            "decode",
-            dtype,
-            batch,
-            heads_q,
-            heads_q // GQA_RATIOS[index % len(GQA_RATIOS)],
-            seqlen_q,
-            seqlen_k,
-            head_dim,
-            causal,
-            num_splits=splits,
-            cache_seqlens=_mixed_lengths(seqlen_k, batch, index),
-            config=MANY_ROW_DECODE_CONFIG,
+    full 128-key tiles), both dtypes, head dims (gated_head_dims) and masks, GQA ratios 1/4/8
+    (none packed), with and without splits, on the wgmma kernels' cp.async path
+    (MANY_ROW_DECODE)."""
+    for config in MANY_ROW_DECODE_CONFIGS:
+        variants = itertools.product(
+            MANY_ROW_DECODE, DTYPES, gated_head_dims(config), (False, True)
         )
+        for index, ((seqlen_q, seqlen_k, splits), dtype, head_dim, causal) in enumerate(variants):
+            batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
+            yield Case(
+                "decode",
+                dtype,
+                batch,
+                heads_q,
+                heads_q // GQA_RATIOS[index % len(GQA_RATIOS)],
+                seqlen_q,
+                seqlen_k,
+                head_dim,
+                causal,
+                num_splits=splits,
+                cache_seqlens=_mixed_lengths(seqlen_k, batch, index),
+                config=config,
+            )
 
 
 def gate_cases(tier: str) -> list[Case]:

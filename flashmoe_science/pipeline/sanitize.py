@@ -12,10 +12,11 @@ prints a `sanitize-case: ID` line before each call so a finding can be tied to t
 it. The cases cover: odd lengths (1, 17, 65, 129, 257, and Sq != Sk both ways, so causal rows that
 see no key and KV blocks that are only partly valid), causal and not, fp16 and bf16, head dims 64
 and 128, GQA ratio 4 (packed and unpacked), every kernel configuration the card can run (`config=1`
-to `5`; 4 needs sm_90, 5 an sm_90a build on a 9.0 GPU), the [B, S, H, D] view layout, forced 1 and 3 splits and automatic
-splitting, and decode with 1, 3, 7 and 128 splits, automatic splits over a 4097-token cache, and
-cache_seqlens holding 0 and short lengths, so that many splits are empty, and of 65 and 257 query
-rows against such a cache on the wgmma kernel (copying K and V with cp.async); the backward of every
+to `6`; 4 needs sm_90, 5 and 6 an sm_90a build on a 9.0 GPU; 6 at head dim 64 only, its 128 being
+5's kernel), the [B, S, H, D] view layout, forced 1 and 3 splits and automatic splitting, and
+decode with 1, 3, 7 and 128 splits, automatic splits over a 4097-token cache, and cache_seqlens
+holding 0 and short lengths, so that many splits are empty, and of 65 and 257 query rows against
+such a cache on the wgmma kernels (copying K and V with cp.async); the backward of every
 backward configuration; packed (varlen) batches that mix lengths 0, 1, 17 and one past a block's
 end with Sq != Sk both ways, per forward configuration that has a packed variant, and their
 backward; decode against paged caches of block sizes 16, 64 and 256 with shuffled page tables,
@@ -52,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -79,7 +81,7 @@ TOOL_TIMEOUT_S = 900
 KERNEL_OPERATORS = {
     "flash_fwd_kernel": "attention",
     "flash_fwd_varlen_kernel": "varlen_fwd",
-    "flash_fwd_sm90_kernel": "attention",  # config 5, wgmma (an sm_90a build on a 9.0 GPU)
+    "flash_fwd_sm90_kernel": "attention",  # configs 5 and 6, wgmma (an sm_90a build on a 9.0 GPU)
     "flash_fwd_sm90_varlen_kernel": "varlen_fwd",
     "varlen_offsets_check_kernel": "varlen_fwd",  # the packed batch's offsets, checked on the GPU
     "flash_decode_kernel": "fwd",
@@ -135,14 +137,14 @@ def workload_cases() -> list:
     decode. Shapes rotate through GQA ratios 1 and 4, batch 1 and 2, both layouts and forced or
     automatic split counts."""
     from .cases import Case
-    from .gates import MANY_ROW_DECODE_CONFIG, MANY_ROW_DECODE_HEADS
+    from .gates import MANY_ROW_DECODE_CONFIGS, MANY_ROW_DECODE_HEADS, gated_head_dims
 
     configs = workload_configs()
     cases = []
     index = 0
     for dtype in ("fp16", "bf16"):
         for head_dim in (64, 128):
-            for config in configs:
+            for config in (c for c in configs if head_dim in gated_head_dims(c)):
                 for causal in (False, True):
                     for seqlen_q, seqlen_k in FWD_LENGTHS:
                         four = (index // 2) % 2 == 1  # GQA ratio 4, packed and not
@@ -192,18 +194,20 @@ def workload_cases() -> list:
                         cache_seqlens=lens,
                     )
                 )
-    # Many query rows against a cache with lengths 0, short and full, on the wgmma kernel, whose
+    # Many query rows against a cache with lengths 0, short and full, on the wgmma kernels, whose
     # producer then copies K and V with cp.async, not TMA (gates.MANY_ROW_DECODE), where the card
-    # runs it. (dtype, head dim, Sq, causal, splits); GQA 4, unpacked.
+    # runs them. (dtype, head dim, Sq, causal, splits); GQA 4, unpacked.
     many_rows = (
         ("fp16", 64, 65, True, 0),
         ("fp16", 128, 257, False, 3),
         ("bf16", 64, 257, True, 3),
         ("bf16", 128, 65, False, 0),
     )
-    for dtype, head_dim, seqlen_q, causal, splits in (
-        many_rows if MANY_ROW_DECODE_CONFIG in configs else ()
+    for config, (dtype, head_dim, seqlen_q, causal, splits) in itertools.product(
+        (c for c in MANY_ROW_DECODE_CONFIGS if c in configs), many_rows
     ):
+        if head_dim not in gated_head_dims(config):
+            continue
         batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
         cases.append(
             Case(
@@ -218,7 +222,7 @@ def workload_cases() -> list:
                 causal,
                 num_splits=splits,
                 cache_seqlens=(0, 17, 300),
-                config=MANY_ROW_DECODE_CONFIG,
+                config=config,
             )
         )
     # The backward: every configuration, with dQ by atomics and deterministic, over odd lengths
