@@ -240,6 +240,10 @@ struct Sm90Rows {
     const TileCoords te = TileCoords::of_block<BM, kVarlen>(p, block_x, split);
     const int eb = te.b, em0 = (te.m_blocks - 1 - te.m_block) * BM;
     const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+    auto o_row_of = [&](int r) {  // the output row of tile row r
+      return static_cast<T*>(p.o) + eb * p.o_batch_stride + te.head(r) * p.o_head_stride +
+             (te.row0_q + te.query(r)) * p.o_row_stride;
+    };
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const float sum = quad_sum(row_sum[hh]);
@@ -256,8 +260,7 @@ struct Sm90Rows {
       }
       if (r >= te.rows_total) continue;
       if (!kStaged && p.num_splits == 1) {
-        T* o_row = static_cast<T*>(p.o) + eb * p.o_batch_stride + te.head(r) * p.o_head_stride +
-                   (te.row0_q + te.query(r)) * p.o_row_stride + (lane & 3) * 2;
+        T* o_row = o_row_of(r) + (lane & 3) * 2;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
           *reinterpret_cast<uint32_t*>(o_row + dt * 8) =
@@ -284,9 +287,7 @@ struct Sm90Rows {
       for (int c = lane; c < 16 * kChunks; c += 32) {
         const int row = warp_row0 + c / kChunks, ch = c % kChunks, r = em0 + row;
         if (r >= te.rows_total) continue;
-        T* o_row = static_cast<T*>(p.o) + eb * p.o_batch_stride + te.head(r) * p.o_head_stride +
-                   (te.row0_q + te.query(r)) * p.o_row_stride;
-        *reinterpret_cast<uint4*>(o_row + ch * 8) =
+        *reinterpret_cast<uint4*>(o_row_of(r) + ch * 8) =
             *reinterpret_cast<const uint4*>(sQ + swizzle<D>(row, ch));
       }
     }
