@@ -101,9 +101,9 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int
   // (benches/NOTES.md).
   if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a) {
     // 128-row tiles at d=64 where the causal mask leaves a 192-row tile the most idle work:
-    // measured faster at S = Sq = Sk <= 1024 only, and a long key sequence is mostly unmasked,
-    // where 192-row tiles win (see configuration 6 above).
-    const bool short_causal = causal && rows_per_head <= 1024 && seqlen_k <= 1024;
+    // short heads with no more keys than query rows. Where the keys outnumber the rows the mask
+    // covers little, and 192-row tiles win (see configuration 6 above).
+    const bool short_causal = causal && rows_per_head <= 1024 && seqlen_k <= rows_per_head;
     return head_dim == 64 && short_causal ? kSm90aM128Config : kSm90aConfig;
   }
   if (dev.major >= 9) return kSm90Config;

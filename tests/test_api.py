@@ -207,6 +207,47 @@ def test_backward_config_3_refused_where_it_cannot_run():
     one_line_error(info, "backward_config=3", "backward_config 1 or 2")
 
 
+def _sm90_traits_launched(call) -> str:
+    """The Sm90FwdTraits<...> of the sm90 forward kernel a call launches, from the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "Sm90FwdTraits" in e.name]
+    assert names, "no sm90 forward kernel ran"
+    return names[0][names[0].index("Sm90FwdTraits") :].split(">")[0] + ">"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "seqlen_q, seqlen_k, causal, head_dim, traits",
+    [
+        (512, 512, True, 64, "Sm90FwdTraits<64, 128, 2, 3>"),  # 6: 128-row tiles
+        (1000, 1000, True, 64, "Sm90FwdTraits<64, 128, 2, 3>"),
+        (1024, 512, True, 64, "Sm90FwdTraits<64, 128, 2, 3>"),
+        (512, 512, False, 64, "Sm90FwdTraits<64, 128, 3, 2>"),  # 5: 192-row tiles
+        (2048, 2048, True, 64, "Sm90FwdTraits<64, 128, 3, 2>"),
+        (512, 4096, True, 64, "Sm90FwdTraits<64, 128, 3, 2>"),
+        (512, 512, True, 128, "Sm90FwdTraits<128, 128, 2, 3>"),
+    ],
+)
+def test_the_h100_picks_128_row_tiles_at_d64_for_short_causal_heads(
+    seqlen_q, seqlen_k, causal, head_dim, traits
+):
+    """On a 9.0 GPU with the sm_90a build, the automatic choice takes configuration 6 (128-row
+    tiles) at D=64 for causal heads of at most 1024 rows with no more keys than rows, and 5
+    everywhere else (benches/NOTES.md v3.8 measured both sides of each bound)."""
+    if not ops.config_supported(6, torch.cuda.get_device_capability()):
+        pytest.skip("configuration 6 needs an sm_90a build on a 9.0 GPU")
+    heads = 32 if head_dim == 64 else 16
+    batch = max(1, 16384 // seqlen_q)
+    q, k, v = (
+        torch.randn(batch, heads, s, head_dim, device="cuda", dtype=torch.bfloat16)
+        for s in (seqlen_q, seqlen_k, seqlen_k)
+    )
+    got = _sm90_traits_launched(lambda: flash_attention_forward(q, k, v, causal))
+    assert got == traits
+
+
 @pytest.mark.gpu
 def test_mismatched_devices():
     q, k, v = qkv()

@@ -244,9 +244,12 @@ def test_backward_matches_the_dense_backward_per_sequence(device, causal):
 def test_the_cuda_operator_refuses_a_configuration_without_a_packed_variant(config):
     """Called past the Python check, the CUDA operator itself refuses the decode kernel (3) and
     configuration 6 for a packed batch, in one line, on any GPU (before its device checks)."""
+    from flashmoe_science import ops
+
     q, k, v, cu_q, cu_k = packed("cuda")
+    op = torch.ops.flashmoe_science.varlen_fwd  # ops._call types the C++ error, as the API does
     with pytest.raises(ValueError) as info:
-        torch.ops.flashmoe_science.varlen_fwd(q, k, v, cu_q, cu_k, 5, 5, True, 0.125, config)
+        ops._call(op, q, k, v, cu_q, cu_k, 5, 5, True, 0.125, config)
     message = str(info.value)
     assert f"1, 2, 4 or 5 for a packed batch, got {config}" in message and "\n" not in message
 
