@@ -49,10 +49,11 @@ namespace flashmoe::cuda {
 //   6: the same kernel with 128-row tiles at d=64 too: two math warpgroups in ping-pong, K and V
 //      in three buffers, the output written from registers (at d=128 it is configuration 5's
 //      kernel). sm_90a only, as 5. The H100's choice at d=64 for causal heads of at most 1024
-//      query rows and 1024 keys: a 192-row tile computes more masked rows x keys there (at
-//      S=512, 9 x 192 x 128 against 10 x 128 x 128 per head). Against 5 on the H100: causal
-//      S=512 1.125x-1.131x, S=1024 1.106x-1.123x; non-causal S=512 0.92x-0.97x, S >= 2048
-//      0.81x-0.91x (benches/NOTES.md v3.7). No packed-batch variant.
+//      query rows and no more keys than rows: a 192-row tile computes more masked rows x keys
+//      there (at S=512, 9 x 192 x 128 against 10 x 128 x 128 per head). Against 5 on the H100
+//      (benches/NOTES.md v3.8): causal S=512 1.14x-1.15x, S=1000-1024 1.11x-1.12x, 1024 rows x
+//      512 keys 1.06x; more keys than rows 0.91x-0.99x, causal S=2048 0.94x-0.96x, non-causal
+//      0.82x-0.97x. No packed-batch variant.
 //   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
 //   registers, one block per SM, 0.47-0.63x SDPA flash.
 constexpr int kNumConfigs = 6;
