@@ -101,10 +101,13 @@ struct AttentionParams {
 
   // The sm_90a warp-specialized kernel: with `tma` set, its producer copies K and V tiles with the
   // tensor memory accelerator through these maps (CUtensorMap objects the host encodes); without,
-  // with cp.async. Zero everywhere else.
+  // with cp.async. With `q_tma` set too, it copies each tile's Q the same way (a dense batch whose
+  // tile rows are one head's queries: not packed GQA, not a packed batch). Zero everywhere else.
   alignas(64) unsigned char tma_k[128];
   alignas(64) unsigned char tma_v[128];
+  alignas(64) unsigned char tma_q[128];
   bool tma;
+  bool q_tma;
 };
 
 // The backward pass: gradients of out = softmax(q k^T * scale) v with respect to q, k and v, given

@@ -278,13 +278,28 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
   return done == CUDA_SUCCESS;
 }
 
+constexpr int block_m_of(int config, int head_dim) {
+  if (config == kSm90aConfig) return head_dim == 64 ? 192 : 128;
+  if (config == kSm90aM128Config) return 128;
+  return config == 2 ? 64 : config == kDecodeConfig ? 16 : 128;
+}
+constexpr int block_n_of(int config, int head_dim) {
+  if (is_sm90a_config(config)) return 128;
+  if (config == 1 && head_dim == 128) return 32;
+  if (config == kSm90Config && head_dim == 64) return 128;
+  return 64;
+}
+
 // Whether the sm_90a kernel's producer (128-key boxes) copies K and V with TMA: it
 // does where the key rows past a sequence's end are other keys or outside the tensor
 // (zero-filled), not where they are a cache's unused rows (cache_seqlens), which may hold
 // anything. FLASHMOE_SM90_TMA=0 turns it off (the producer then copies with cp.async). The maps
-// are encoded on every call (two host calls of a few microseconds), not cached.
+// are encoded on every call (two host calls of a few microseconds), not cached. Q goes by TMA as
+// well where K and V do and a tile's rows are one head's consecutive queries (`box_rows` = the
+// kernel's row tile): 128 cp.async a producer thread cost about 3.7 us of issue at d=128, on the
+// path from a tile's last S to the next tile's first (benches/NOTES.md v3.8).
 template <typename T>
-void use_tma_if_it_fits(AttentionParams& p) {
+void use_tma_if_it_fits(AttentionParams& p, int box_rows_q) {
   static const bool allowed = [] {
     const char* env = std::getenv("FLASHMOE_SM90_TMA");
     return env == nullptr || std::strcmp(env, "0") != 0;
@@ -297,6 +312,9 @@ void use_tma_if_it_fits(AttentionParams& p) {
                         p.k_head_stride, p.k_batch_stride, p.head_dim, /*box_rows=*/128) &&
           encode_kv_map(p.tma_v, p.v, fp16, rows, p.heads_kv, batch, p.v_row_stride,
                         p.v_head_stride, p.v_batch_stride, p.head_dim, /*box_rows=*/128);
+  p.q_tma = p.tma && !packed && !p.pack_gqa &&
+            encode_kv_map(p.tma_q, p.q, fp16, p.seqlen_q, p.heads_q, p.batch, p.q_row_stride,
+                          p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q);
 }
 
 // The sm_90a kernels, which are persistent (one block per SM walks the tiles).
@@ -309,7 +327,9 @@ template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
                       cudaStream_t stream) {
   AttentionParams p = params;
-  if (kBuiltSm90a && is_sm90a_config(config)) use_tma_if_it_fits<T>(p);
+  if (kBuiltSm90a && is_sm90a_config(config)) {
+    use_tma_if_it_fits<T>(p, block_m_of(config, p.head_dim));
+  }
   auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
@@ -350,18 +370,6 @@ int blocks_per_sm(int device, int head_dim, int config) {
     blocks = std::max(blocks, 1);
   }
   return blocks;
-}
-
-constexpr int block_m_of(int config, int head_dim) {
-  if (config == kSm90aConfig) return head_dim == 64 ? 192 : 128;
-  if (config == kSm90aM128Config) return 128;
-  return config == 2 ? 64 : config == kDecodeConfig ? 16 : 128;
-}
-constexpr int block_n_of(int config, int head_dim) {
-  if (is_sm90a_config(config)) return 128;
-  if (config == 1 && head_dim == 128) return 32;
-  if (config == kSm90Config && head_dim == 64) return 128;
-  return 64;
 }
 
 // Arrival counters for the decode kernel's fused combine: one per row tile, all zero between

@@ -368,7 +368,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int full_count = p.tma ? 1 : 128;
   if (tid == 0) {
-    sm90::mbar_init(&bar.q_full, 128);
+    sm90::mbar_init(&bar.q_full, p.q_tma ? 1 : 128);
     sm90::mbar_init(&bar.q_empty, kMathWarps);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -409,15 +409,25 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     if (p.tma && ptid == 0) {
       sm90::prefetch_tensor_map(p.tma_k);
       sm90::prefetch_tensor_map(p.tma_v);
+      if (p.q_tma) sm90::prefetch_tensor_map(p.tma_q);
     }
     const int tiles_x = tiles_per_split(), tiles = tiles_x * p.num_splits;
     int q_uses = 0, use = 0;
     for (int round = 0, tile = tile_of(0); tile < tiles; tile = tile_of(++round)) {
       const Sm90Block<Traits, kVarlen> blk(p, tile % tiles_x, tile / tiles_x);
       if (!has_work(blk)) continue;
-      sm90::mbar_wait(&bar.q_empty, (q_uses++ & 1) ^ 1);
-      blk.t.template load_q<D, BM, 128, /*kPanels=*/true>(sQ, p, blk.m0, ptid);
-      sm90::mbar_arrive_on_copies(&bar.q_full);
+      if (p.q_tma) {  // one thread: the tile's rows are one head's queries m0.. (zero past the end)
+        if (ptid == 0) {
+          sm90::mbar_wait(&bar.q_empty, (q_uses & 1) ^ 1);
+          sm90::mbar_arrive_expect_tx(&bar.q_full, uint32_t(BM) * D * 2);
+          sm90::tma_load_5d(sQ, p.tma_q, &bar.q_full, 0, blk.m0, 0, blk.t.head(blk.m0), blk.t.b);
+        }
+        ++q_uses;
+      } else {
+        sm90::mbar_wait(&bar.q_empty, (q_uses++ & 1) ^ 1);
+        blk.t.template load_q<D, BM, 128, /*kPanels=*/true>(sQ, p, blk.m0, ptid);
+        sm90::mbar_arrive_on_copies(&bar.q_full);
+      }
       const T* k_base = blk.template k_base<T>(p);
       const T* v_base = blk.template v_base<T>(p);
       // Coordinates {column in panel, row, panel, head, batch} of the host's 5-D maps (a packed
