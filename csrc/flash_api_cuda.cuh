@@ -294,10 +294,11 @@ constexpr int block_n_of(int config, int head_dim) {
 // does where the key rows past a sequence's end are other keys or outside the tensor
 // (zero-filled), not where they are a cache's unused rows (cache_seqlens), which may hold
 // anything. FLASHMOE_SM90_TMA=0 turns it off (the producer then copies with cp.async). The maps
-// are encoded on every call (two host calls of a few microseconds), not cached. Q goes by TMA as
-// well where K and V do and a tile's rows are one head's consecutive queries (`box_rows` = the
-// kernel's row tile): 128 cp.async a producer thread cost about 3.7 us of issue at d=128, on the
-// path from a tile's last S to the next tile's first (benches/NOTES.md v3.8).
+// are encoded on every call (two host calls of a few microseconds), not cached. At d=128 Q goes by
+// TMA as well where K and V do and a tile's rows are one head's consecutive queries (`box_rows_q`
+// = the kernel's row tile): its cp.async took the producer about 3.7 us to issue, on the path from
+// a tile's last S to the next tile's first, and TMA gave 1.01x-1.09x. At d=64, where Q was never
+// late, TMA gave 0.94x-0.96x (benches/NOTES.md v3.8).
 template <typename T>
 void use_tma_if_it_fits(AttentionParams& p, int box_rows_q) {
   static const bool allowed = [] {
@@ -312,7 +313,7 @@ void use_tma_if_it_fits(AttentionParams& p, int box_rows_q) {
                         p.k_head_stride, p.k_batch_stride, p.head_dim, /*box_rows=*/128) &&
           encode_kv_map(p.tma_v, p.v, fp16, rows, p.heads_kv, batch, p.v_row_stride,
                         p.v_head_stride, p.v_batch_stride, p.head_dim, /*box_rows=*/128);
-  p.q_tma = p.tma && !packed && !p.pack_gqa &&
+  p.q_tma = p.tma && p.head_dim == 128 && !packed && !p.pack_gqa &&
             encode_kv_map(p.tma_q, p.q, fp16, p.seqlen_q, p.heads_q, p.batch, p.q_row_stride,
                           p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q);
 }
