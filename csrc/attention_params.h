@@ -105,8 +105,8 @@ struct AttentionParams {
   // tile rows are one head's queries: not packed GQA, not a packed batch). Zero everywhere else.
   alignas(64) unsigned char tma_k[128];
   alignas(64) unsigned char tma_v[128];
-  alignas(64) unsigned char tma_q[128];
   bool tma;
+  alignas(64) unsigned char tma_q[128];  // after `tma`: the d=64 kernels' parameter offsets stay
   bool q_tma;
 };
 

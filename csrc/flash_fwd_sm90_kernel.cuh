@@ -354,6 +354,9 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kMathWarps = Traits::kMathThreads / 32;
   constexpr int kStages = Traits::kStages;
+  // Q by TMA where the host encoded its map (p.q_tma), at d=128 only: at d=64 Q was never late and
+  // TMA lost (benches/NOTES.md v3.8), so the d=64 kernels keep only the cp.async copy.
+  constexpr bool kQByTma = D == 128;
   auto stage_of = [](int use) { return use % kStages; };
   auto phase_of = [](int use) { return (use / kStages) & 1; };
 
@@ -368,7 +371,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int full_count = p.tma ? 1 : 128;
   if (tid == 0) {
-    sm90::mbar_init(&bar.q_full, p.q_tma ? 1 : 128);
+    sm90::mbar_init(&bar.q_full, kQByTma && p.q_tma ? 1 : 128);
     sm90::mbar_init(&bar.q_empty, kMathWarps);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -409,14 +412,15 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     if (p.tma && ptid == 0) {
       sm90::prefetch_tensor_map(p.tma_k);
       sm90::prefetch_tensor_map(p.tma_v);
-      if (p.q_tma) sm90::prefetch_tensor_map(p.tma_q);
+      if (kQByTma && p.q_tma) sm90::prefetch_tensor_map(p.tma_q);
     }
     const int tiles_x = tiles_per_split(), tiles = tiles_x * p.num_splits;
     int q_uses = 0, use = 0;
     for (int round = 0, tile = tile_of(0); tile < tiles; tile = tile_of(++round)) {
       const Sm90Block<Traits, kVarlen> blk(p, tile % tiles_x, tile / tiles_x);
       if (!has_work(blk)) continue;
-      if (p.q_tma) {  // one thread: the tile's rows are one head's queries m0.. (zero past the end)
+      // Q by TMA: one thread, one box of one head's queries m0.. (zeros past the end).
+      if (kQByTma && p.q_tma) {
         if (ptid == 0) {
           sm90::mbar_wait(&bar.q_empty, (q_uses & 1) ^ 1);
           sm90::mbar_arrive_expect_tx(&bar.q_full, uint32_t(BM) * D * 2);
