@@ -94,6 +94,12 @@ def profile(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def phases(session: nox.Session) -> None:
+    """The sm_90a forward's phases per tile on one bench case (`nox -s phases -- CASE`; GPU)."""
+    flashmoe(session, "phases", *session.posargs)
+
+
+@nox.session(default=False)
 def lint(session: nox.Session) -> None:
     """pre-commit on all files (ruff, clang-format, shellcheck, YAML and workflow checks)."""
     session.run(

@@ -23,7 +23,59 @@
 #include "flash_kernel_utils.cuh"
 #include "wgmma_utils.cuh"
 
+#ifndef FLASHMOE_PHASE_TRACE
+#define FLASHMOE_PHASE_TRACE 0
+#endif
+
 namespace flashmoe::cuda {
+
+// The phase trace (`python -m flashmoe_science phases CASE`, a build with FLASHMOE_PHASE_TRACE=1;
+// without it every call below is empty and the kernels are unchanged): clock64 stamps of each
+// tile's phases, by the first thread of each math warpgroup and the producer's thread 0, into
+// stamps[block][walk step][slot]; per block the %globaltimer and clock64 at its start and its end
+// (spans), which turn cycles into time. Slots (flashmoe_science/pipeline/phases.py reads them by
+// these numbers): warpgroup w's at w * kPerWarpgroup + a Mark; its key blocks at kKeyBlocks + w;
+// the producer's Q copy at kProducer + 0 (before the Q-free wait), 1 (after it), 2 (issued).
+// Steps past kRounds and blocks past kBlocks are not recorded.
+namespace phase_trace {
+constexpr int kBlocks = 256, kRounds = 64, kSlots = 32, kPerWarpgroup = 8, kMaxWarpgroups = 3;
+constexpr int kKeyBlocks = kPerWarpgroup * kMaxWarpgroups, kProducer = kKeyBlocks + kMaxWarpgroups;
+enum Mark {
+  kTileStart,
+  kQReady,
+  kFirstKReady,
+  kFirstS,
+  kFirstSoftmax,
+  kLoopDone,
+  kLastPV,
+  kOutput
+};
+static_assert(kProducer + 3 <= kSlots, "the slots fit");
+#if FLASHMOE_PHASE_TRACE
+__device__ long long stamps[kBlocks * kRounds * kSlots];
+__device__ long long spans[kBlocks * 4];
+__device__ __forceinline__ void put(int round, int slot, long long value) {
+  if (blockIdx.x < kBlocks && round < kRounds)
+    stamps[(blockIdx.x * kRounds + round) * kSlots + slot] = value;
+}
+__device__ __forceinline__ void stamp(int round, int slot) { put(round, slot, clock64()); }
+__device__ __forceinline__ void span(int end) {  // end: 0 at the block's start, 1 at its end
+  long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  if (blockIdx.x < kBlocks) {
+    spans[blockIdx.x * 4 + 2 * end] = now;
+    spans[blockIdx.x * 4 + 2 * end + 1] = clock64();
+  }
+}
+#endif
+}  // namespace phase_trace
+// A statement of the phase trace: compiled only with FLASHMOE_PHASE_TRACE, so that without it the
+// kernels' SASS is exactly the untraced one.
+#if FLASHMOE_PHASE_TRACE
+#define FLASHMOE_PHASE(...) __VA_ARGS__
+#else
+#define FLASHMOE_PHASE(...)
+#endif
 
 template <int kHeadDim_, int kBlockN_, int kWarpgroups_, int kStages_>
 struct Sm90FwdTraits {
@@ -370,6 +422,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int full_count = p.tma ? 1 : 128;
+  FLASHMOE_PHASE(if (tid == 0) phase_trace::span(0);)
   if (tid == 0) {
     sm90::mbar_init(&bar.q_full, kQByTma && p.q_tma ? 1 : 128);
     sm90::mbar_init(&bar.q_empty, kMathWarps);
@@ -419,19 +472,23 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     for (int round = 0, tile = tile_of(0); tile < tiles; tile = tile_of(++round)) {
       const Sm90Block<Traits, kVarlen> blk(p, tile % tiles_x, tile / tiles_x);
       if (!has_work(blk)) continue;
+      FLASHMOE_PHASE(if (ptid == 0) phase_trace::stamp(round, phase_trace::kProducer);)
       // Q by TMA: one thread, one box of one head's queries m0.. (zeros past the end).
       if (kQByTma && p.q_tma) {
         if (ptid == 0) {
           sm90::mbar_wait(&bar.q_empty, (q_uses & 1) ^ 1);
+          FLASHMOE_PHASE(phase_trace::stamp(round, phase_trace::kProducer + 1);)
           sm90::mbar_arrive_expect_tx(&bar.q_full, uint32_t(BM) * D * 2);
           sm90::tma_load_5d(sQ, p.tma_q, &bar.q_full, 0, blk.m0, 0, blk.t.head(blk.m0), blk.t.b);
         }
         ++q_uses;
       } else {
         sm90::mbar_wait(&bar.q_empty, (q_uses++ & 1) ^ 1);
+        FLASHMOE_PHASE(if (ptid == 0) phase_trace::stamp(round, phase_trace::kProducer + 1);)
         blk.t.template load_q<D, BM, 128, /*kPanels=*/true>(sQ, p, blk.m0, ptid);
         sm90::mbar_arrive_on_copies(&bar.q_full);
       }
+      FLASHMOE_PHASE(if (ptid == 0) phase_trace::stamp(round, phase_trace::kProducer + 2);)
       const T* k_base = blk.template k_base<T>(p);
       const T* v_base = blk.template v_base<T>(p);
       // Coordinates {column in panel, row, panel, head, batch} of the host's 5-D maps (a packed
@@ -507,22 +564,32 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     const Sm90Block<Traits, kVarlen> blk(p, block_x, split);
     if (kVarlen && blk.m0 >= blk.t.rows_total) continue;  // past its sequence: nothing to write
     const int n_lo = blk.n_lo, n_hi = blk.n_hi;
+    // The phase trace's stamps (FLASHMOE_PHASE_TRACE builds only): one thread per warpgroup.
+    FLASHMOE_PHASE(const bool tracer = tid % 128 == 0; auto mark = [&](phase_trace::Mark m) {
+      if (tracer) phase_trace::stamp(round, wg * phase_trace::kPerWarpgroup + m);
+    };)
+    FLASHMOE_PHASE(mark(phase_trace::kTileStart);)
+    FLASHMOE_PHASE(if (tracer) phase_trace::put(round, phase_trace::kKeyBlocks + wg, n_hi - n_lo);)
     Sm90Rows<Traits, T, kVarlen> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
     float rescale[2];
     if (n_hi > n_lo) {
       sm90::mbar_wait(&bar.q_full, q_uses++ & 1);
       sm90::fence_proxy_async();
+      FLASHMOE_PHASE(mark(phase_trace::kQReady);)
       // The first key block: S alone.
       int buf = stage_of(use);
       wait_full(&bar.k_full[buf], use);
+      FLASHMOE_PHASE(mark(phase_trace::kFirstKReady);)
       my_turn();
       rows.issue_s(buf);
       their_turn();
       rows.template wait<0>();
+      FLASHMOE_PHASE(mark(phase_trace::kFirstS);)
       release(&bar.k_empty[buf]);
       if (n_hi - n_lo == 1) release(&bar.q_empty);  // the tile's last read of Q
       rows.softmax(n_hi - 1, rescale);
       rows.rescale_o_and_pack_p(rescale);
+      FLASHMOE_PHASE(mark(phase_trace::kFirstSoftmax);)
       // Then S(n) with P(n + 1) V(n + 1), the previous block's V in the previous buffer.
       for (int n = n_hi - 2; n >= n_lo; --n) {
         const int prev = buf;
@@ -541,16 +608,20 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
         release(&bar.v_empty[prev]);
         rows.rescale_o_and_pack_p(rescale);
       }
+      FLASHMOE_PHASE(mark(phase_trace::kLoopDone);)
       wait_full(&bar.v_full[buf], use);
       my_turn();
       rows.issue_pv(buf);
       their_turn();
       rows.template wait<0>();
+      FLASHMOE_PHASE(mark(phase_trace::kLastPV);)
       release(&bar.v_empty[buf]);
       ++use;
     }
     rows.write_out(sO, block_x, split);
+    FLASHMOE_PHASE(mark(phase_trace::kOutput);)
   }
+  FLASHMOE_PHASE(if (tid == 0) phase_trace::span(1);)
 }
 
 template <typename Traits, typename T, bool kVarlen>

@@ -16,3 +16,31 @@ TORCH_LIBRARY_IMPL(flashmoe_science, CUDA, m) {
 TORCH_LIBRARY_FRAGMENT(flashmoe_science, m) {
   m.def("kernel_launches() -> str", &flashmoe::cuda::kernel_launches);
 }
+
+#if FLASHMOE_PHASE_TRACE
+// The phase trace's buffers (flash_fwd_sm90_kernel.cuh), for `python -m flashmoe_science phases`.
+namespace flashmoe::cuda {
+inline int64_t phase_trace_reset() {
+  void* stamps = nullptr;
+  C10_CUDA_CHECK(cudaGetSymbolAddress(&stamps, phase_trace::stamps));
+  C10_CUDA_CHECK(cudaMemset(stamps, 0, sizeof(phase_trace::stamps)));
+  return 0;
+}
+// One int64 tensor on the CPU: the stamps [blocks, rounds, slots], then the spans [blocks, 4].
+inline at::Tensor phase_trace_dump() {
+  constexpr int64_t kStamps = sizeof(phase_trace::stamps) / sizeof(long long);
+  constexpr int64_t kSpans = sizeof(phase_trace::spans) / sizeof(long long);
+  at::Tensor out = at::empty({kStamps + kSpans}, at::kLong);
+  C10_CUDA_CHECK(
+      cudaMemcpyFromSymbol(out.data_ptr(), phase_trace::stamps, sizeof(phase_trace::stamps)));
+  C10_CUDA_CHECK(cudaMemcpyFromSymbol(out.data_ptr<int64_t>() + kStamps, phase_trace::spans,
+                                      sizeof(phase_trace::spans)));
+  return out;
+}
+}  // namespace flashmoe::cuda
+
+TORCH_LIBRARY_FRAGMENT(flashmoe_science, m) {
+  m.def("phase_trace_reset() -> int", &flashmoe::cuda::phase_trace_reset);
+  m.def("phase_trace_dump() -> Tensor", &flashmoe::cuda::phase_trace_dump);
+}
+#endif

@@ -38,6 +38,10 @@ COMMANDS = {
         "flashmoe_science.pipeline.profile",
         "Nsight Compute on one bench case: what bounds it",
     ),
+    "phases": (
+        "flashmoe_science.pipeline.phases",
+        "the sm_90a forward's time per tile, phase by phase (a traced build)",
+    ),
 }
 
 
