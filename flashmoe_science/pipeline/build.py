@@ -144,6 +144,19 @@ def ensure_built(
         raise condensed(exc) from None
 
 
+def ensure_built_for(command: str, defines: Sequence[str] = ()) -> Path | int:
+    """A CUDA build for a pipeline command (sanitize, phases): the library's path, or, after one
+    line that names the command, the failure's exit code."""
+    try:
+        return ensure_built("cuda", defines=defines)
+    except ConfigError as exc:
+        print(f"{command}: cannot configure the CUDA build: {exc}", flush=True)
+        return exc.exit_code
+    except BuildError as exc:
+        print(f"{command}: the extension does not build (exit {exc.exit_code})\n{exc}", flush=True)
+        return exc.exit_code
+
+
 def condensed(exc: BuildError) -> BuildError:
     """The loader's error with the compiler's first error and the pipeline's exit code."""
     if not exc.log_text or exc.log_path is None:

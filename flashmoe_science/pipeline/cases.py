@@ -186,6 +186,15 @@ class Case:
         return cls(**{k: v for k, v in data.items() if k in fields})
 
 
+def parse_case_arg(command: str, case_id: str) -> Case | None:
+    """parse_case_id for a command's CASE argument: None after one line `command: why`."""
+    try:
+        return parse_case_id(case_id)
+    except ValueError as exc:
+        print(f"{command}: {exc}", flush=True)
+        return None
+
+
 def parse_case_id(case_id: str) -> Case:
     """The case an id names (the inverse of Case.id); ValueError says what is wrong with a bad one."""
     match = _ID_RE.match(case_id)

@@ -273,12 +273,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from .cases import parse_case_id
+    from .cases import parse_case_arg
 
-    try:
-        case = parse_case_id(args.case)
-    except ValueError as exc:
-        _say(f"phases: {exc}")
+    case = parse_case_arg("phases", args.case)
+    if case is None:
         return exitcodes.USAGE
     if args.workload:
         return run_workload(args.case, args.json)
@@ -302,14 +300,9 @@ def run(case, json_path: Path) -> int:
 
     start = time.monotonic()
     _say(f"phases: building with -D{DEFINE} (a build folder of its own)")
-    try:
-        library = build.ensure_built("cuda", defines=(DEFINE,))
-    except build.ConfigError as exc:
-        _say(f"phases: cannot configure the CUDA build: {exc}")
-        return exc.exit_code
-    except build.BuildError as exc:
-        _say(f"phases: the traced extension does not build (exit {exc.exit_code})\n{exc}")
-        return exc.exit_code
+    library = build.ensure_built_for("phases", (DEFINE,))
+    if isinstance(library, int):
+        return library
     _say(f"phases: {case.id}: tracing one call (build {paths_display(library.parent)})")
     env = dict(os.environ, FLASHMOE_BUILD_DEFINES=DEFINE, PYTHONUNBUFFERED="1")
     with tempfile.TemporaryDirectory() as tmp:

@@ -596,12 +596,10 @@ def _show_ncu_line(line: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from .cases import parse_case_id
+    from .cases import parse_case_arg
 
-    try:
-        case = parse_case_id(args.case)
-    except ValueError as exc:
-        _say(f"profile: {exc}")
+    case = parse_case_arg("profile", args.case)
+    if case is None:
         return exitcodes.USAGE
     if args.workload:
         return run_workload(args.case, args.calls)

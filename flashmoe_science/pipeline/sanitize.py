@@ -881,14 +881,9 @@ def run(args, tools: list[str]) -> int:
     defines = _defines(args)
     from . import build
 
-    try:
-        library = build.ensure_built("cuda", defines=defines)
-    except build.ConfigError as exc:
-        _say(f"sanitize: cannot configure the CUDA build: {exc}")
-        return exc.exit_code
-    except build.BuildError as exc:
-        _say(f"sanitize: the extension does not build (exit {exc.exit_code})\n{exc}")
-        return exc.exit_code
+    library = build.ensure_built_for("sanitize", defines)
+    if isinstance(library, int):
+        return library
 
     total = len(workload_cases())
     with_defines = f" with -D{' -D'.join(defines)}" if defines else ""
