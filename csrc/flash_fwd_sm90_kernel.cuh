@@ -12,9 +12,9 @@
 // mbarrier when its copies land; the math warpgroups (two at D=128, three at D=64) wait on those,
 // give buffers back through other mbarriers, never meet at a block-wide barrier, and take the
 // producer's registers (setmaxnreg). The kernel is persistent (one block per SM walks the tiles),
-// copies K and V with TMA where the host could encode their tensor maps, and two math warpgroups
-// take turns at the tensor cores (ping-pong). The steps live in Sm90Rows, the schedule in
-// flash_fwd_sm90_block.
+// copies K and V (at D=128 each tile's Q too) with TMA where the host could encode their tensor
+// maps, and two math warpgroups take turns at the tensor cores (ping-pong). The steps live in
+// Sm90Rows, the schedule in flash_fwd_sm90_block.
 // Compiled for sm_90a only: in every other device pass the kernel body is a trap, and the host
 // refuses the configuration (see the host API).
 #pragma once
@@ -30,13 +30,14 @@
 namespace flashmoe::cuda {
 
 // The phase trace (`python -m flashmoe_science phases CASE`, a build with FLASHMOE_PHASE_TRACE=1;
-// without it every call below is empty and the kernels are unchanged): clock64 stamps of each
-// tile's phases, by the first thread of each math warpgroup and the producer's thread 0, into
-// stamps[block][walk step][slot]; per block the %globaltimer and clock64 at its start and its end
-// (spans), which turn cycles into time. Slots (flashmoe_science/pipeline/phases.py reads them by
-// these numbers): warpgroup w's at w * kPerWarpgroup + a Mark; its key blocks at kKeyBlocks + w;
-// the producer's Q copy at kProducer + 0 (before the Q-free wait), 1 (after it), 2 (issued).
-// Steps past kRounds and blocks past kBlocks are not recorded.
+// without it none of this is compiled, FLASHMOE_PHASE below, and the kernels are unchanged):
+// clock64 stamps of each tile's phases, by the first thread of each math warpgroup and the
+// producer's thread 0, into stamps[block][walk step][slot]; per block the %globaltimer and clock64
+// at its start and its end (spans), which turn cycles into time. Slots
+// (flashmoe_science/pipeline/phases.py reads them by these numbers): warpgroup w's at w *
+// kPerWarpgroup + a Mark; its key blocks at kKeyBlocks + w; the producer's Q copy at kProducer + 0
+// (before the Q-free wait), 1 (after it), 2 (issued). Steps past kRounds and blocks past kBlocks
+// are not recorded.
 namespace phase_trace {
 constexpr int kBlocks = 256, kRounds = 64, kSlots = 32, kPerWarpgroup = 8, kMaxWarpgroups = 3;
 constexpr int kKeyBlocks = kPerWarpgroup * kMaxWarpgroups, kProducer = kKeyBlocks + kMaxWarpgroups;
