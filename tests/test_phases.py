@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashmoe_science.pipeline import cli, exitcodes, paths, phases
+from flashmoe_science.pipeline.cases import parse_case_arg
 
 KERNEL = paths.REPO_ROOT / "csrc" / "flash_fwd_sm90_kernel.cuh"
 GHZ = 2.0  # cycles per ns in the synthetic traces
@@ -163,3 +164,65 @@ def test_without_a_gpu_it_says_so_and_what_to_do(capsys, tmp_path):
 def test_the_command_is_registered():
     assert cli.COMMANDS["phases"][0] == "flashmoe_science.pipeline.phases"
     assert "phases" in cli.usage()
+
+
+def test_a_traced_run_prints_the_table_and_writes_its_record(monkeypatch, tmp_path, capsys):
+    """The command around the workload: the traced build, the workload's process and its JSON,
+    the summary, the lines printed and phases-CASE.json (the GPU parts stood in for)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from flashmoe_science.pipeline import build
+
+    trace = two_blocks()
+    calls = []
+
+    def fake_run(command, env):
+        calls.append((command, env["FLASHMOE_BUILD_DEFINES"]))
+        out = Path(command[command.index("--json") + 1])
+        doc = {"ours_ms": 0.2, "sdpa_default_ms": 0.15, "sdpa_missing": None}
+        doc |= {"kernels": ["flash_fwd_sm90_kernel"], "stamps": trace.stamps, "spans": trace.spans}
+        out.write_text(json.dumps(doc))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(build, "ensure_built_for", lambda command, defines: tmp_path / "lib.so")
+    monkeypatch.setattr(phases, "_workload", fake_run)
+    monkeypatch.setattr(phases, "_blocks", lambda summary: 2)
+    monkeypatch.setattr(phases, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    case = parse_case_arg("phases", "fwd-bf16-d128-h16-b32-s512-full")
+    record = tmp_path / f"phases-{case.id}.json"
+    assert phases.run(case, record) == exitcodes.OK
+    assert calls and calls[0][1] == phases.DEFINE and "--workload" in calls[0][0]
+    out = capsys.readouterr().out
+    assert "6 tiles, 2 math warpgroups" in out
+    assert "(0.750x)" in out  # SDPA default over ours, over as many tiles
+    assert "fixed cost" in out and "per_key_block" in out
+    doc = json.loads(record.read_text())
+    assert doc["case"] == case.id and doc["tiles"] == 6 and doc["gpu"].startswith("NVIDIA")
+    assert doc["fixed_cost_us"] == pytest.approx(phases.fixed_cost_us(doc))
+
+
+def test_a_run_where_no_wgmma_tile_ran_says_what_to_use_instead(monkeypatch, tmp_path, capsys):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from flashmoe_science.pipeline import build
+
+    empty = Trace()
+
+    def fake_run(command, env):
+        doc = {"ours_ms": 0.2, "sdpa_default_ms": None, "sdpa_missing": "x"}
+        doc |= {"kernels": ["flash_fwd_kernel"], "stamps": empty.stamps, "spans": empty.spans}
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(doc))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(build, "ensure_built_for", lambda command, defines: tmp_path / "lib.so")
+    monkeypatch.setattr(phases, "_workload", fake_run)
+    case = parse_case_arg("phases", "fwd-bf16-d64-h32-b32-s512-causal")
+    record = tmp_path / "phases.json"
+    assert phases.run(case, record) == exitcodes.GATE_FAILED
+    out = capsys.readouterr().out
+    assert "no wgmma forward tile ran" in out and "flash_fwd_kernel" in out
+    assert f"profile {case.id}" in out and not record.exists()

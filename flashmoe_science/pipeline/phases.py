@@ -310,10 +310,7 @@ def run(case, json_path: Path) -> int:
         command = [sys.executable, "-m", "flashmoe_science.pipeline.phases", case.id]
         command += ["--workload", "--json", str(raw_path)]
         try:
-            done = subprocess.run(
-                command, env=env, cwd=paths.REPO_ROOT, timeout=WORKLOAD_TIMEOUT_S, text=True,
-                capture_output=True,
-            )  # fmt: skip
+            done = _workload(command, env)
         except subprocess.TimeoutExpired:
             _say(f"phases: the traced call did not finish in {WORKLOAD_TIMEOUT_S} s")
             return exitcodes.GATE_FAILED
@@ -374,6 +371,14 @@ def run(case, json_path: Path) -> int:
         f"({time.monotonic() - start:.0f} s)"
     )
     return exitcodes.OK
+
+
+def _workload(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The traced call's process (its output kept for a failure's last lines)."""
+    return subprocess.run(
+        command, env=env, cwd=paths.REPO_ROOT, timeout=WORKLOAD_TIMEOUT_S, text=True,
+        capture_output=True,
+    )  # fmt: skip
 
 
 def _blocks(summary: dict) -> int:
