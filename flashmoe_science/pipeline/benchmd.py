@@ -51,7 +51,11 @@ def _header_lines(record: BenchRecord) -> list[str]:
         where = f"{gpu.name} (sm_{sm}, {gpu.sm_count} SMs), driver {record.driver}"
     else:
         where = "CPU backend (plumbing numbers, not a performance claim)"
-    sha = f"{commit.sha[:12]}{' (dirty)' if commit.dirty else ''}" if commit else "None"
+    sha = (
+        f"{commit.sha[:12]}{' (dirty)' if commit.dirty else ''}"
+        if commit
+        else "unknown (not a git checkout)"
+    )
     flush = timing.l2_flush_bytes // 2**20
     copy, matmul = record.ceilings.copy, record.ceilings.matmul
     return [

@@ -59,12 +59,16 @@ def commit(tree: Path = REPO_ROOT) -> dict:
 
     The fingerprint hashes the uncommitted change (tracked diff against HEAD plus untracked files
     that git does not ignore), so two runs over the same dirty tree agree and any edit between them
-    does not. It is None for a clean tree."""
+    does not. It is None for a clean tree.
+
+    A tree that git does not track is not a checkout, even inside one: an installed copy in a
+    virtual environment or an unpacked archive under someone's repository would otherwise be
+    described by that repository's commit. Only the tree's own files count toward "dirty"."""
     sha = _git(tree, "rev-parse", "--verify", "HEAD")
-    if sha is None:
+    if sha is None or not _git(tree, "ls-files", "-z", "--", "."):
         return {"sha": None, "dirty": False, "fingerprint": None}
-    diff = _git(tree, "diff", "HEAD", "--binary", "--no-ext-diff") or b""
-    untracked = _git(tree, "ls-files", "--others", "--exclude-standard", "-z") or b""
+    diff = _git(tree, "diff", "HEAD", "--binary", "--no-ext-diff", "--", ".") or b""
+    untracked = _git(tree, "ls-files", "--others", "--exclude-standard", "-z", "--", ".") or b""
     if not diff and not untracked:
         return {"sha": sha.decode().strip(), "dirty": False, "fingerprint": None}
     digest = hashlib.sha256(diff)

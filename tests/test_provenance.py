@@ -1,0 +1,69 @@
+"""Which commit a record names: a checkout's own, and none for a tree git does not track, even when
+that tree sits inside some repository (an installed copy in a virtual environment, an unpacked
+archive under a scratch folder). Run on throwaway repositories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gitrepo import git
+
+from flashmoe_science.pipeline import provenance
+
+
+def _project(root: Path) -> Path:
+    (root / "flashmoe_science").mkdir(parents=True)
+    (root / "flashmoe_science" / "__init__.py").write_text("VERSION = 1\n")
+    return root
+
+
+def _repo(root: Path) -> str:
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "project")
+    return git(root, "rev-parse", "HEAD").stdout.strip()
+
+
+def test_a_clean_checkout_is_its_commit_and_an_edit_makes_it_dirty(tmp_path):
+    tree = _project(tmp_path / "checkout")
+    sha = _repo(tree)
+    assert provenance.commit(tree) == {"sha": sha, "dirty": False, "fingerprint": None}
+
+    (tree / "flashmoe_science" / "__init__.py").write_text("VERSION = 2\n")
+    first = provenance.commit(tree)
+    assert first["sha"] == sha and first["dirty"] and first["fingerprint"]
+    assert provenance.commit(tree) == first  # the same edit, the same fingerprint
+
+    (tree / "new.py").write_text("x = 1\n")  # an untracked file changes the code too
+    assert provenance.commit(tree)["fingerprint"] != first["fingerprint"]
+
+
+@pytest.mark.parametrize("kind", ["ignored", "untracked"])
+def test_a_copy_inside_another_repository_names_no_commit(tmp_path, kind):
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    (outer / "README").write_text("someone else's project\n")
+    if kind == "ignored":
+        (outer / ".gitignore").write_text(".venv/\n")
+    _repo(outer)
+    copy = _project(outer / ".venv" / "lib" / "site-packages")
+
+    block = provenance.commit(copy)
+
+    assert block == {"sha": None, "dirty": False, "fingerprint": None}
+    assert provenance.describe_commit(block) == "unknown commit"
+
+
+def test_a_project_tracked_in_a_larger_repository_counts_only_its_own_files(tmp_path):
+    mono = tmp_path / "mono"
+    tree = _project(mono / "attention")
+    (mono / "other.txt").write_text("a\n")
+    sha = _repo(mono)
+
+    (mono / "other.txt").write_text("b\n")  # an edit outside the project
+    (mono / "stray.txt").write_text("c\n")
+    assert provenance.commit(tree) == {"sha": sha, "dirty": False, "fingerprint": None}
+
+    (tree / "flashmoe_science" / "__init__.py").write_text("VERSION = 2\n")
+    assert provenance.commit(tree)["dirty"]
