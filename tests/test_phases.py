@@ -196,7 +196,8 @@ def test_a_traced_run_prints_the_table_and_writes_its_record(monkeypatch, tmp_pa
     assert calls and calls[0][1] == phases.DEFINE and "--workload" in calls[0][0]
     out = capsys.readouterr().out
     assert "6 tiles, 2 math warpgroups" in out
-    assert "(0.750x)" in out  # SDPA default over ours, over as many tiles
+    assert "(0.750x the traced kernel" in out  # SDPA default over ours, over as many tiles
+    assert "`bench` gives the ratio of record" in out  # the trace's stamps slow our kernel
     assert "fixed cost" in out and "per_key_block" in out
     doc = json.loads(record.read_text())
     assert doc["case"] == case.id and doc["tiles"] == 6 and doc["gpu"].startswith("NVIDIA")
