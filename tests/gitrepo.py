@@ -26,6 +26,13 @@ def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
     )
 
 
+def commit(repo: Path, message: str) -> str:
+    """Commits everything in the working tree; returns the new commit's sha."""
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", message)
+    return git(repo, "rev-parse", "HEAD").stdout.strip()
+
+
 # What a working tree holds besides the project: never copied into a throwaway history.
 _NOT_PROJECT = {
     ".git",

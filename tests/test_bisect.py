@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gitrepo import copy_project, git
+from gitrepo import commit, copy_project, git
 
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
@@ -26,12 +26,6 @@ COMPILE_ERROR = "\nthis line is not C++;\n"
 # A few CPU gate cases keep each bisect step to seconds; their ids come from `--list`.
 CASES = 3
 STEP_BUDGET_S = 60  # generous for a loaded 2-core machine; a step took 5-6 s there, idle
-
-
-def commit(repo: Path, message: str) -> str:
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", message)
-    return git(repo, "rev-parse", "HEAD").stdout.strip()
 
 
 def edit(repo: Path, path: str, old: str, new: str) -> None:

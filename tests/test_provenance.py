@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gitrepo import git
+from gitrepo import commit, git
 
 from flashmoe_science.pipeline import provenance
 
@@ -20,9 +20,7 @@ def _project(root: Path) -> Path:
 
 def _repo(root: Path) -> str:
     git(root, "init", "-q")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "project")
-    return git(root, "rev-parse", "HEAD").stdout.strip()
+    return commit(root, "project")
 
 
 def test_a_clean_checkout_is_its_commit_and_an_edit_makes_it_dirty(tmp_path):
