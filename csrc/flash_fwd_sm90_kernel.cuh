@@ -289,13 +289,12 @@ struct Sm90Rows {
   // the split's fp32 partials. O is staged through the same rows of `stage` (which only this
   // warp touches now) so that it leaves in 16-byte row chunks, or without a staging buffer
   // (Traits::kStagedOutput false) written from registers: 4 bytes a thread, or 8 bytes a thread
-  // and 32 a lane pair (Traits::kPairedStores). The
-  // tile's coordinates are recomputed, not held through the loop.
-  __device__ __forceinline__ void write_out(T* stage, int block_x, int split) {
+  // and 32 a lane pair (Traits::kPairedStores). `te` is the tile's coordinates, recomputed by
+  // the caller rather than held through the loop.
+  __device__ __forceinline__ void write_out(T* stage, const TileCoords& te) {
     constexpr bool kStaged = Traits::kStagedOutput;
     constexpr int kChunks = Traits::kChunks;
     T* sQ = stage;
-    const TileCoords te = TileCoords::of_block<BM, kVarlen>(p, block_x, split);
     const int eb = te.b, em0 = (te.m_blocks - 1 - te.m_block) * BM;
     const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
     auto o_row_of = [&](int r) {  // the output row of tile row r
@@ -597,6 +596,11 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     FLASHMOE_PHASE(if (tracer) phase_trace::put(round, phase_trace::kKeyBlocks + wg, n_hi - n_lo);)
     Sm90Rows<Traits, T, kVarlen> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
     float rescale[2];
+    // The output's coordinates: recomputed (not held through the loop, which has no registers to
+    // spare), while the last P V runs where there is one, so that their integer divisions do not
+    // sit between that P V and the output's stores.
+    auto out_coords = [&]() { return TileCoords::of_block<BM, kVarlen>(p, block_x, split); };
+    TileCoords out_te;
     if (n_hi > n_lo) {
       sm90::mbar_wait(&bar.q_full, q_uses++ & 1);
       sm90::fence_proxy_async();
@@ -638,12 +642,15 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       my_turn();
       rows.issue_pv(buf);
       their_turn();
+      out_te = out_coords();
       rows.template wait<0>();
       FLASHMOE_PHASE(mark(phase_trace::kLastPV);)
       release(&bar.v_empty[buf]);
       ++use;
+    } else {
+      out_te = out_coords();
     }
-    rows.write_out(sO, block_x, split);
+    rows.write_out(sO, out_te);
     FLASHMOE_PHASE(mark(phase_trace::kOutput);)
   }
   FLASHMOE_PHASE(if (tid == 0) phase_trace::span(1);)
