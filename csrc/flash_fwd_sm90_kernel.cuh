@@ -291,6 +291,18 @@ struct Sm90Rows {
   // (Traits::kStagedOutput false) written from registers: 4 bytes a thread, or 8 bytes a thread
   // and 32 a lane pair (Traits::kPairedStores). `te` is the tile's coordinates, recomputed by
   // the caller rather than held through the loop.
+  // The rows' normaliser and log-sum-exp, in place of their sum and max: it needs only the last
+  // softmax, so the caller runs it while the last P V is in flight. Before write_out.
+  __device__ __forceinline__ void finish_rows(const TileCoords& te) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float sum = quad_sum(row_sum[hh]);
+      row_sum[hh] = te.bad_len ? NAN : sum > 0.f ? 1.f / sum : 0.f;
+      row_max[hh] = te.bad_len  ? NAN
+                    : sum > 0.f ? row_max[hh] * p.softmax_scale + logf(sum)
+                                : -INFINITY;
+    }
+  }
   __device__ __forceinline__ void write_out(T* stage, const TileCoords& te) {
     constexpr bool kStaged = Traits::kStagedOutput;
     constexpr int kChunks = Traits::kChunks;
@@ -303,11 +315,7 @@ struct Sm90Rows {
     };
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const float sum = quad_sum(row_sum[hh]);
-      const float inv = te.bad_len ? NAN : sum > 0.f ? 1.f / sum : 0.f;
-      const float lse = te.bad_len  ? NAN
-                        : sum > 0.f ? row_max[hh] * p.softmax_scale + logf(sum)
-                                    : -INFINITY;
+      const float inv = row_sum[hh], lse = row_max[hh];  // finish_rows
       const int row = warp_row0 + lane / 4 + hh * 8, r = em0 + row;
       if (kStaged && p.num_splits == 1) {
 #pragma unroll
@@ -328,17 +336,20 @@ struct Sm90Rows {
         // 4i..4i+3 of chunk dt, the odd one those of chunk dt + 1. Every lane shuffles (a quad's
         // row may be past the end; another quad's not), then only rows in range store.
         const bool odd = lane & 1;
-        T* o_row = o_row_of(r) + (lane & 2) * 2;
+        uint2 pairs[DT / 2];
 #pragma unroll
         for (int dt = 0; dt < DT; dt += 2) {
           const uint32_t lo = pack2<T>(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
           const uint32_t hi =
               pack2<T>(acc_o[dt + 1][2 * hh] * inv, acc_o[dt + 1][2 * hh + 1] * inv);
           const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? lo : hi, 1);
-          if (r < te.rows_total) {
-            *reinterpret_cast<uint2*>(o_row + (dt + odd) * 8) =
-                odd ? make_uint2(got, hi) : make_uint2(lo, got);
-          }
+          pairs[dt / 2] = odd ? make_uint2(got, hi) : make_uint2(lo, got);
+        }
+        if (r < te.rows_total) {  // one branch and one address for the row's stores
+          T* o_row = o_row_of(r) + (lane & 2) * 2 + odd * 8;
+#pragma unroll
+          for (int dt = 0; dt < DT; dt += 2)
+            *reinterpret_cast<uint2*>(o_row + dt * 8) = pairs[dt / 2];
         }
       }
       if (r >= te.rows_total) continue;
@@ -643,12 +654,14 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       rows.issue_pv(buf);
       their_turn();
       out_te = out_coords();
+      rows.finish_rows(out_te);
       rows.template wait<0>();
       FLASHMOE_PHASE(mark(phase_trace::kLastPV);)
       release(&bar.v_empty[buf]);
       ++use;
     } else {
       out_te = out_coords();
+      rows.finish_rows(out_te);
     }
     rows.write_out(sO, out_te);
     FLASHMOE_PHASE(mark(phase_trace::kOutput);)
