@@ -608,6 +608,16 @@ inline std::tuple<Tensor, Tensor> paged_fwd_cpu(const Tensor& q, const Tensor& k
 
 inline int64_t planted_bug() { return FLASHMOE_PLANT_BUG; }
 
+// decode_num_splits (attention_params.h) as an operator, for tests and tools.
+inline int64_t decode_num_splits_op(int64_t tiles, int64_t sm_count, int64_t n_blocks) {
+  FLASHMOE_CHECK_VALUE(tiles >= 1 && tiles < (1 << 30), "tiles must be in [1, 2^30), got ", tiles);
+  FLASHMOE_CHECK_VALUE(sm_count >= 1 && sm_count < (1 << 20), "sm_count must be in [1, 2^20), got ",
+                       sm_count);
+  FLASHMOE_CHECK_VALUE(n_blocks >= 1 && n_blocks < (1 << 30), "n_blocks must be in [1, 2^30), got ",
+                       n_blocks);
+  return decode_num_splits(int(tiles), int(sm_count), int(n_blocks));
+}
+
 }  // namespace flashmoe
 
 // Schemas, written once. Each backend registers its implementation with TORCH_LIBRARY_IMPL.
@@ -645,6 +655,8 @@ TORCH_LIBRARY(flashmoe_science, m) {
       "paged_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor? seqlens_k, "
       "bool causal, float softmax_scale, int num_splits) -> (Tensor, Tensor)");
   m.def("planted_bug() -> int", &flashmoe::planted_bug);
+  m.def("decode_num_splits(int tiles, int sm_count, int n_blocks) -> int",
+        &flashmoe::decode_num_splits_op);
 }
 
 TORCH_LIBRARY_IMPL(flashmoe_science, CPU, m) {

@@ -166,4 +166,26 @@ inline int num_splits_heuristic(int blocks_without_split, int num_units, int num
   return 1;
 }
 
+// Decode's split count for a grid of `tiles` (batch x KV heads) with `n_blocks` key blocks each,
+// one block per SM: the count that minimises waves x (key blocks of the longest split +
+// kSplitCost), the fewest splits on a tie. The longest split is what the wave waits for, so 256
+// blocks in 16 splits of 16 beat 15 of up to 18 (the wave-efficiency rule's pick); kSplitCost is
+// the epilogue's fixed cost (partials, arrival, combine: about 3 us, two blocks' worth at the copy
+// rate). Splits keep at least 4 blocks (256 keys): shorter ones lose more to the pipeline's fill
+// and the combine than they gain. A grid that already fills the machine is not split. Forced counts
+// on the H100 (benches/NOTES.md v4.0): B=1, Hkv=8, 16k tokens 34.3 us with 15 splits, 33.2 with 16.
+inline int decode_num_splits(int tiles, int sm_count, int n_blocks) {
+  constexpr int kSplitCost = 2;
+  if (tiles >= 0.8f * sm_count) return 1;
+  const int max_splits = std::min({kMaxSplits, sm_count, n_blocks / 4});
+  int best = 1;
+  int64_t best_cost = -1;
+  for (int s = 1; s <= std::max(1, max_splits); ++s) {
+    const int64_t waves = (int64_t(tiles) * s + sm_count - 1) / sm_count;
+    const int64_t cost = waves * (ceil_div(n_blocks, s) + kSplitCost);
+    if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
 }  // namespace flashmoe

@@ -490,11 +490,7 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   int splits = int(num_splits);
   const int tiles = int(std::min<int64_t>(grid_x * m_blocks, 1 << 30));
   if (splits == 0 && config == kDecodeConfig) {
-    // Decode: aim for one block per SM (not the two that fit) and at least 4 stages (256 keys)
-    // per split. Forced split counts on the H200 and the H100 (benches/NOTES.md) were fastest
-    // there: more, shorter splits lose more to the pipeline's fill and the combine than they gain.
-    splits = num_splits_heuristic(tiles, dev.sm_count, n_blocks,
-                                  std::max(1, std::min(kMaxSplits, n_blocks / 4)));
+    splits = decode_num_splits(tiles, dev.sm_count, n_blocks);
   } else if (splits == 0) {
     const int resident =
         q.scalar_type() == at::kHalf

@@ -473,6 +473,19 @@ def split_kv_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, dtype
     return _call(torch.ops.flashmoe_science.split_kv_combine, out_partial, lse_partial, dtype)
 
 
+def decode_num_splits(tiles: int, sm_count: int, n_blocks: int) -> int:
+    """The split-KV count the CUDA decode kernel picks when num_splits is automatic, for `tiles`
+    (batch x KV heads) with `n_blocks` blocks of 64 keys each on a card of `sm_count` SMs (rule in
+    csrc/attention_params.h)."""
+    for name, value, high in (
+        ("tiles", tiles, 30),
+        ("sm_count", sm_count, 20),
+        ("n_blocks", n_blocks, 30),
+    ):
+        _check_int(name, value, 1, (1 << high) - 1, "a count")
+    return int(_call(torch.ops.flashmoe_science.decode_num_splits, tiles, sm_count, n_blocks))
+
+
 def planted_bug() -> int:
     """Which planted bug the loaded build carries (0: none). Tests use it to prove a gate catches it."""
     return int(torch.ops.flashmoe_science.planted_bug())

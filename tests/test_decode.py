@@ -25,6 +25,52 @@ def decode_inputs(
     return q, k, v, lens
 
 
+# The CUDA decode's automatic split count on an H100 (132 SMs) for grids measured there
+# (benches/NOTES.md v4.0): tiles = batch x KV heads, n_blocks = keys / 64.
+@pytest.mark.parametrize(
+    ("tiles", "n_blocks", "splits"),
+    [
+        (8, 256, 16),  # B=1, Hkv=8, 16k keys: 16 splits of 16 blocks (15 would leave up to 18)
+        (8, 512, 16),  # 32k keys: 16 splits in one wave, not 32 in two
+        (8, 1024, 16),  # 64k
+        (32, 64, 4),  # B=1, Hkv=32, 4k keys: one wave
+        (32, 256, 4),
+        (32, 16, 4),  # 1k keys: no split shorter than 4 blocks
+        (1, 1024, 128),  # one head: as many splits as allowed
+        (106, 4096, 1),  # a grid that fills 80% of the machine is not split
+    ],
+)
+def test_decode_split_count(tiles, n_blocks, splits):
+    from flashmoe_science import ops
+
+    assert ops.decode_num_splits(tiles, 132, n_blocks) == splits
+
+
+def test_decode_split_count_keeps_splits_whole_and_in_one_wave():
+    """Over a sweep of small grids the pick never leaves a split shorter than 4 blocks, and never
+    takes a second wave whose splits are no shorter than one wave's."""
+    from flashmoe_science import ops
+
+    for tiles in (1, 2, 3, 5, 8, 16, 24, 32, 64, 100):
+        for n_blocks in (1, 3, 4, 16, 63, 64, 65, 255, 256, 1000, 4096):
+            s = ops.decode_num_splits(tiles, 132, n_blocks)
+            assert 1 <= s <= 128 and (s == 1 or n_blocks // s >= 4), (tiles, n_blocks, s)
+            one_wave = max(x for x in range(1, s + 1) if tiles * x <= 132 or x == 1)
+            if tiles * s > 132 and tiles <= 132:
+                assert math.ceil(n_blocks / s) < math.ceil(n_blocks / one_wave), (tiles, n_blocks)
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [((0, 132, 10), "tiles"), ((8, 0, 10), "sm_count"), ((8, 132, -1), "n_blocks")],
+)
+def test_decode_split_count_rejects_bad_counts(args, name):
+    from flashmoe_science import ops
+
+    with pytest.raises(ValueError, match=name):
+        ops.decode_num_splits(*args)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("splits", [2, 3, 7, 16])
 def test_split_matches_unsplit(device, splits):
