@@ -1,6 +1,7 @@
 """Which commit a record names: a checkout's own, and none for a tree git does not track, even when
 that tree sits inside some repository (an installed copy in a virtual environment, an unpacked
-archive under a scratch folder). Run on throwaway repositories."""
+archive under a scratch folder); such a tree is known by a fingerprint of its files. Run on
+throwaway repositories and folders."""
 
 from __future__ import annotations
 
@@ -49,8 +50,39 @@ def test_a_copy_inside_another_repository_names_no_commit(tmp_path, kind):
 
     block = provenance.commit(copy)
 
-    assert block == {"sha": None, "dirty": False, "fingerprint": None}
-    assert provenance.describe_commit(block) == "unknown commit"
+    assert block["sha"] is None and not block["dirty"] and block["fingerprint"]
+    assert provenance.describe_commit(block) == f"no commit (files {block['fingerprint']})"
+
+
+def test_a_tree_outside_git_is_known_by_its_files(tmp_path):
+    """Records written from an unpacked archive (no git at all) still judge each other: the same
+    files are the same code, an edit makes the older records stale, caches do not count."""
+    from flashmoe_science.pipeline.report.inputs import stale_reason
+
+    first, second = _project(tmp_path / "a"), _project(tmp_path / "b")
+    (first / "csrc").mkdir()
+    (first / "csrc" / "kernel.cuh").write_text("// v1\n")
+    (second / "csrc").mkdir()
+    (second / "csrc" / "kernel.cuh").write_text("// v1\n")
+    written = provenance.commit(first)
+    assert written == provenance.commit(second)  # same files, same code, wherever they lie
+    record = {"commit": written, "run_id": "r1"}
+    assert stale_reason(record, provenance.commit(first), None) is None
+
+    (first / "flashmoe_science" / "__pycache__").mkdir()
+    (first / "flashmoe_science" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+    assert provenance.commit(first) == written
+
+    (first / "csrc" / "kernel.cuh").write_text("// v2\n")
+    now = provenance.commit(first)
+    assert now["fingerprint"] != written["fingerprint"]
+    reason = stale_reason(record, now, None)
+    assert reason and f"files {written['fingerprint']}" in reason
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert provenance.commit(empty) == {"sha": None, "dirty": False, "fingerprint": None}
+    assert stale_reason({"commit": provenance.commit(empty)}, provenance.commit(empty), None)
 
 
 def test_a_project_tracked_in_a_larger_repository_counts_only_its_own_files(tmp_path):

@@ -57,16 +57,17 @@ def _git(tree: Path, *args: str) -> bytes | None:
 def commit(tree: Path = REPO_ROOT) -> dict:
     """{"sha": full sha or None (not a git checkout), "dirty": bool, "fingerprint": str or None}.
 
-    The fingerprint hashes the uncommitted change (tracked diff against HEAD plus untracked files
-    that git does not ignore), so two runs over the same dirty tree agree and any edit between them
-    does not. It is None for a clean tree.
+    In a checkout the fingerprint hashes the uncommitted change (tracked diff against HEAD plus
+    untracked files that git does not ignore), so two runs over the same dirty tree agree and any
+    edit between them does not. It is None for a clean tree. Outside one it is the tree's
+    source_fingerprint, so records of the same files still agree there.
 
     A tree that git does not track is not a checkout, even inside one: an installed copy in a
     virtual environment or an unpacked archive under someone's repository would otherwise be
     described by that repository's commit. Only the tree's own files count toward "dirty"."""
     sha = _git(tree, "rev-parse", "--verify", "HEAD")
     if sha is None or not _git(tree, "ls-files", "-z", "--", "."):
-        return {"sha": None, "dirty": False, "fingerprint": None}
+        return {"sha": None, "dirty": False, "fingerprint": source_fingerprint(tree)}
     diff = _git(tree, "diff", "HEAD", "--binary", "--no-ext-diff", "--", ".") or b""
     untracked = _git(tree, "ls-files", "--others", "--exclude-standard", "-z", "--", ".") or b""
     if not diff and not untracked:
@@ -80,14 +81,41 @@ def commit(tree: Path = REPO_ROOT) -> dict:
     return {"sha": sha.decode().strip(), "dirty": True, "fingerprint": digest.hexdigest()[:16]}
 
 
+# What the code of a tree outside git is: the package, the kernels and the build's configuration.
+SOURCE_PARTS = ("flashmoe_science", "csrc", "pyproject.toml", "noxfile.py")
+
+
+def source_fingerprint(tree: Path) -> str | None:
+    """A hash of SOURCE_PARTS' files under `tree` (names and contents, caches left out), or None
+    when it has none of them."""
+    digest = hashlib.sha256()
+    found = False
+    for part in SOURCE_PARTS:
+        top = tree / part
+        files = [top] if top.is_file() else sorted(top.rglob("*")) if top.is_dir() else []
+        for path in files:
+            if not path.is_file() or "__pycache__" in path.parts or path.suffix == ".pyc":
+                continue
+            found = True
+            digest.update(b"\0" + path.relative_to(tree).as_posix().encode() + b"\0")
+            with contextlib.suppress(OSError):  # vanished or unreadable: its name still counts
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16] if found else None
+
+
 def provenance(tree: Path = REPO_ROOT) -> dict:
     """The block every record carries: {"commit": commit(tree), "run_id": run_id()}."""
     return {"commit": commit(tree), "run_id": run_id()}
 
 
 def same_code(a: dict | None, b: dict | None) -> bool:
-    """True when two commit blocks describe the same code (same sha, same uncommitted change)."""
-    if not a or not b or not a.get("sha") or not b.get("sha"):
+    """True when two commit blocks describe the same code: same sha and uncommitted change, or, for
+    trees outside git, the same source fingerprint."""
+    if not a or not b:
+        return False
+    if not a.get("sha") and not b.get("sha"):
+        return bool(a.get("fingerprint")) and a.get("fingerprint") == b.get("fingerprint")
+    if not a.get("sha") or not b.get("sha"):
         return False
     return (a.get("sha"), bool(a.get("dirty")), a.get("fingerprint")) == (
         b.get("sha"),
@@ -97,7 +125,10 @@ def same_code(a: dict | None, b: dict | None) -> bool:
 
 
 def describe_commit(block: dict | None) -> str:
-    """'3fa2c1d4e5f6' / '3fa2c1d4e5f6 (dirty 9b1c2d3e)' / 'unknown commit'."""
+    """'3fa2c1d4e5f6' / '3fa2c1d4e5f6 (dirty 9b1c2d3e)' / 'no commit (files 9b1c2d3e)' /
+    'unknown commit'."""
+    if block and not block.get("sha") and block.get("fingerprint"):
+        return f"no commit (files {block['fingerprint']})"
     if not block or not block.get("sha"):
         return "unknown commit"
     text = str(block["sha"])[:12]
