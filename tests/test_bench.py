@@ -83,6 +83,27 @@ def test_the_schema_rejects_what_it_should():
         assert list(validator.iter_errors(bad)), bad
 
 
+def test_bench_md_names_the_commit_or_the_files_it_measured():
+    """A run from a checkout names its commit; one from a tree outside git names the fingerprint
+    of its files (provenance.source_fingerprint), the only thing that identifies that code."""
+    record = benchrecords.load(sorted(FIXTURES.glob("*/bench.json"))[0])
+    record.commit = benchrecords.Commit("0123456789abcdef", dirty=True)
+    assert "commit 0123456789ab (dirty)" in benchmd.render_markdown(record)
+    record.commit = None
+    record.provenance = {
+        **record.provenance,
+        "commit": {"sha": None, "dirty": False, "fingerprint": "9b1c2d3e4f5a6b7c"},
+    }
+    assert "commit none (not a git checkout; files 9b1c2d3e4f5a6b7c)" in benchmd.render_markdown(
+        record
+    )
+    record.provenance = {
+        **record.provenance,
+        "commit": {"sha": None, "dirty": False, "fingerprint": None},
+    }
+    assert "commit none (not a git checkout)" in benchmd.render_markdown(record)
+
+
 @pytest.mark.parametrize("path", sorted(FIXTURES.glob("*/bench.json")), ids=lambda p: p.parent.name)
 def test_report_fixtures_load_as_records(path):
     record = benchrecords.load(path)

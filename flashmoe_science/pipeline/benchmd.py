@@ -51,10 +51,11 @@ def _header_lines(record: BenchRecord) -> list[str]:
         where = f"{gpu.name} (sm_{sm}, {gpu.sm_count} SMs), driver {record.driver}"
     else:
         where = "CPU backend (plumbing numbers, not a performance claim)"
+    files = (record.provenance.get("commit") or {}).get("fingerprint")
     sha = (
         f"{commit.sha[:12]}{' (dirty)' if commit.dirty else ''}"
         if commit
-        else "unknown (not a git checkout)"
+        else f"none (not a git checkout{f'; files {files}' if files else ''})"
     )
     flush = timing.l2_flush_bytes // 2**20
     copy, matmul = record.ceilings.copy, record.ceilings.matmul
