@@ -517,8 +517,27 @@ def nvcc_threads(config: BuildConfig) -> int:
     return max(1, min(threads, int(max_jobs))) if max_jobs.isdigit() else threads
 
 
+def portable_flags(config: BuildConfig) -> dict[str, list[str]]:
+    """compile_flags with the two machine-specific prefixes in them (the checkout's sources and
+    torch's site-packages, both in include paths) written as placeholders: what the hash sees, so
+    that a copy of the checkout elsewhere, a runner with another workspace path, or another
+    machine with the same torch and toolkit release recognises the same build as its own."""
+    prefixes = [(str(config.sources_dir), "<sources>")]
+    if config.backend == "cuda":
+        prefixes.append((str(torch_package_dir().parent), "<site-packages>"))
+
+    def portable(flag: str) -> str:
+        for prefix, placeholder in prefixes:
+            if flag == prefix or flag.startswith(prefix + os.sep):
+                return placeholder + flag[len(prefix) :]
+        return flag
+
+    return {kind: [portable(f) for f in flags] for kind, flags in compile_flags(config).items()}
+
+
 def source_hash(config: BuildConfig) -> str:
-    """Every file under sources_dir (names and bytes) + flags + defines + key + toolkit version."""
+    """Every file under sources_dir (names and bytes) + flags (portable_flags) + defines + key +
+    toolkit release: nothing that depends on where the checkout or torch lies."""
     digest = hashlib.sha256()
     for path in sorted(_source_files(config.sources_dir)):
         digest.update(path.relative_to(config.sources_dir).as_posix().encode() + b"\0")
@@ -528,7 +547,7 @@ def source_hash(config: BuildConfig) -> str:
         "backend": config.backend,
         "name": config.name,
         "defines": config.defines,
-        "flags": compile_flags(config),
+        "flags": portable_flags(config),
         "nvcc": config.toolkit.version if config.backend == "cuda" else None,
     }
     digest.update(json.dumps(signature, sort_keys=True).encode())

@@ -8,6 +8,7 @@ tmp_path, and the CPU backend, so they run on any machine with a compiler and to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -401,6 +402,37 @@ def test_a_visible_90_gpu_is_built_sm90a_with_its_define(cuda_machine, monkeypat
     assert loader.source_hash(plain) != loader.source_hash(
         build.resolve_config("auto", arch_list="9.0a")
     )
+
+
+def test_a_build_is_recognised_wherever_the_checkout_and_torch_lie(
+    cuda_machine, monkeypatch, tmp_path
+):
+    """The build hash holds no absolute path: a copy of the sources in another place, under a torch
+    installed elsewhere (its pip nvidia headers in the include paths), hashes the same, so a build
+    made on one machine (or in a runner's cache) is reused on another with the same torch and
+    toolkit release; an edit to a source still changes it."""
+    sites = []
+    for where in ("here", "there"):
+        site = tmp_path / where / "lib" / "site-packages"
+        (site / "torch").mkdir(parents=True)
+        (site / "nvidia" / "cublas" / "include").mkdir(parents=True)
+        sources = tmp_path / where / "checkout" / "csrc"
+        shutil.copytree(REPO_ROOT / "csrc", sources)
+        sites.append((site, sources))
+
+    def config_at(site, sources):
+        monkeypatch.setattr(loader, "torch_package_dir", lambda: site / "torch")
+        config = dataclasses.replace(
+            build.resolve_config("cuda", arch_list="9.0a"), sources_dir=sources
+        )
+        flags = loader.compile_flags(config)["include_paths"]
+        assert str(sources) in flags and str(site / "nvidia" / "cublas" / "include") in flags
+        return config
+
+    here, there = (config_at(*where) for where in sites)
+    assert loader.source_hash(here) == loader.source_hash(there)
+    (sites[1][1] / "attention_params.h").write_text("// edited\n", encoding="utf-8")
+    assert loader.source_hash(here) != loader.source_hash(config_at(*sites[1]))
 
 
 def test_torch_turns_the_targets_into_sm90a_gencode(cuda_machine, monkeypatch, tmp_path):
