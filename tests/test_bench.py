@@ -428,23 +428,26 @@ def test_read_floor_is_the_fastest_read_and_missing_triton_is_a_record(monkeypat
     case = cases.parse_case_id("dec-bf16-d128-h32-b1-q1-k4096")
     config = timing.TimingConfig.for_device("cpu", warmup_ms=1, rep_ms=1)
     calls = {"a": timed(0.05), "b": timed(0.02), "c": timed(0.04)}
-    floor = measure.read_floor(case, None, "cpu", PerCallTimer(), config, calls=calls)
+    floor, others = measure.read_floor(case, None, "cpu", PerCallTimer(), config, calls=calls)
     assert floor == benchrecords.ReadFloor(median_ms=0.02, gbps=3355, config="b", iqr_ms=0.0)
+    assert others == {}
     assert floor.gbps == round(case.kv_bytes / 0.02e-3 / 1e9)  # 64 MiB of K and V
 
     def broken():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    floor = measure.read_floor(case, None, "cpu", PerCallTimer(), config, calls={"x": broken})
+    floor, _ = measure.read_floor(case, None, "cpu", PerCallTimer(), config, calls={"x": broken})
     assert floor.status == "error" and floor.reason.startswith("x: ")
 
     def no_triton(k, v):
         raise ImportError("No module named 'triton'")
 
     monkeypatch.setattr(measure.readfloor, "read_calls", no_triton)
-    floor = measure.read_floor(
-        case, cases.Inputs(None, None, None, None), "cpu", PerCallTimer(), config
+    ours = {"ours": (timed(0.03), None)}
+    floor, others = measure.read_floor(
+        case, cases.Inputs(None, None, None, None), "cpu", PerCallTimer(), config, alongside=ours
     )
+    assert others["ours"].median_ms == 0.03  # what it was set against is still timed
     assert floor == benchrecords.NotMeasured(
         "unsupported", "the read floor needs Triton: No module named 'triton'"
     )
@@ -520,6 +523,31 @@ def test_ours_and_the_baselines_are_timed_in_interleaved_rounds(monkeypatch, rou
         assert ratio > 1.05  # sequential timing shows a difference that is not there
     else:
         assert abs(ratio - 1) < 0.02
+
+
+def test_the_read_floor_is_timed_in_the_rounds_of_what_it_is_set_against(monkeypatch):
+    """On a drifting card a floor read that takes as long as our kernel must come out at a ratio
+    near 1: it is timed in the same interleaved rounds, not after ours (where the drift alone made
+    it look 5% slower or more)."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    case = cases.parse_case_id("dec-bf16-d128-h32-b1-q1-k4096")
+    config = timing.TimingConfig(
+        warmup_ms=0, rep_ms=30, min_warmup=0, min_reps=30, max_reps=30, estimate_calls=1
+    )
+    timer = DriftingTimer(drift=0.004)
+    floor, timed_with = measure.read_floor(
+        case,
+        None,
+        "cpu",
+        timer,
+        config,
+        calls={"reader": _kernel("floor", 1.0)},
+        alongside={"ours": (_kernel("ours", 1.0), None)},
+    )
+    assert timer.order[:4] == ["ours", "floor", "floor", "ours"]
+    assert (
+        floor.config == "reader" and abs(floor.median_ms / timed_with["ours"].median_ms - 1) < 0.02
+    )
 
 
 def test_a_call_that_fails_in_a_later_round_becomes_its_record(monkeypatch):

@@ -22,7 +22,8 @@ hits every column alike. A backend that refuses a case is recorded as "unsupport
 reason. "ratio" is SDPA's time / ours: above 1, ours is faster.
 
 Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton kernels that only read
-the case's K and V, timed the same way (flashmoe_science.pipeline.readfloor). No decode kernel is expected
+the case's K and V, timed in the same interleaved rounds as ours and the baselines
+(flashmoe_science.pipeline.readfloor). No decode kernel is expected
 to beat it by much, so SDPA's time over it bounds what any kernel can gain on SDPA there; its
 "ratio" is its time / ours (1 would be a decode as fast as a bare read).
 

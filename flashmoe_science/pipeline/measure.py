@@ -15,8 +15,9 @@ least disturbed attempt; the record says how often, and which columns stayed uns
 ratios are then not judged: pipeline.targets).
 
 Read floor ("read_floor"): the fastest of a few Triton kernels that only read the case's K and V
-(flashmoe_science.pipeline.readfloor). No decode kernel is expected to beat it by much, so SDPA's
-time over it bounds what any kernel can gain on SDPA there.
+(flashmoe_science.pipeline.readfloor), timed in the same interleaved rounds as ours and the
+baselines. No decode kernel is expected to beat it by much, so SDPA's time over it bounds what any
+kernel can gain on SDPA there.
 """
 
 from __future__ import annotations
@@ -70,18 +71,26 @@ def measure(
     return measure_interleaved(calls, case, device, timer, config, ceilings, 1, say=say)["it"]
 
 
-def read_floor(
-    case: Case, x: Inputs, device: str, timer, config: TimingConfig, calls=None, say=None
-) -> ReadFloor | NotMeasured:
-    """The fastest of readfloor's pure reads of this case's K and V, each measured as the cases
-    are (`measure`): what any decode kernel that reads those bytes could reach on this card."""
+# The read floor's columns among a decode case's calls: FLOOR + readfloor's configuration name.
+FLOOR = "read floor: "
+
+
+def floor_calls(x: Inputs, calls=None) -> dict | NotMeasured:
+    """readfloor's pure reads of x's K and V (or `calls`, {name: fn}) as measure_interleaved calls
+    named FLOOR + name, or why there are none (no Triton)."""
     try:
         calls = calls if calls is not None else readfloor.read_calls(x.k, x.v)
     except ImportError as exc:
         return NotMeasured("unsupported", f"the read floor needs Triton: {exc}")
+    return {FLOOR + name: (fn, None) for name, fn in calls.items()}
+
+
+def take_floor(case: Case, results: dict[str, Result]) -> ReadFloor | NotMeasured:
+    """Removes the FLOOR columns from `results` and returns the fastest as the case's read floor
+    (or the first failure, named)."""
+    floors = {n[len(FLOOR) :]: results.pop(n) for n in list(results) if n.startswith(FLOOR)}
     best = None
-    for name, fn in calls.items():
-        result = measure(fn, None, case, device, timer, config, {}, say=say)
+    for name, result in floors.items():
         if isinstance(result, NotMeasured):
             return NotMeasured(result.status, f"{name}: {result.reason}")
         if best is None or result.median_ms < best[1].median_ms:
@@ -94,6 +103,40 @@ def read_floor(
         iqr_ms=fastest.iqr_ms,
         retakes=fastest.retakes,
     )
+
+
+def read_floor(
+    case: Case,
+    x: Inputs,
+    device: str,
+    timer,
+    config: TimingConfig,
+    calls=None,
+    say=None,
+    alongside: dict | None = None,
+    ceilings: dict | None = None,
+) -> tuple[ReadFloor | NotMeasured, dict[str, Result]]:
+    """The fastest of readfloor's pure reads of this case's K and V: what any decode kernel that
+    reads those bytes could reach on this card. They are timed in interleaved rounds together
+    with `alongside` ({name: (fn, backend)}, the kernels whose time is set against the floor), so
+    that drift during the case hits the floor and those kernels alike; returns the floor and
+    alongside's results (with `ceilings`' figures). (Timed after them instead, the same 64 MB floor read 29.8 to 30.7 us
+    from run to run on the H100, a 3% swing against a 0.90x target; benches/NOTES.md v4.0.)"""
+    alongside = dict(alongside or {})
+    floors = floor_calls(x, calls)
+    if isinstance(floors, NotMeasured):
+        results = (
+            measure_interleaved(
+                alongside, case, device, timer, config, ceilings or {}, ROUNDS, say=say
+            )
+            if alongside
+            else {}
+        )
+        return floors, results
+    results = measure_interleaved(
+        {**alongside, **floors}, case, device, timer, config, ceilings or {}, ROUNDS, say=say
+    )
+    return take_floor(case, results), results
 
 
 def round_config(config: TimingConfig, rounds: int) -> TimingConfig:
@@ -231,7 +274,16 @@ def run_case(
             calls[name] = (fn, backend)
         else:
             unsupported[name] = NotMeasured("unsupported", reason)
+    floor = None
+    if case.kind == "decode" and device == "cuda":  # the floor is timed among the case's calls
+        floors = floor_calls(x)
+        if isinstance(floors, NotMeasured):
+            floor = floors
+        else:
+            calls.update(floors)
     measured = measure_interleaved(calls, case, device, timer, config, ceilings, rounds, say=say)
+    if any(name.startswith(FLOOR) for name in measured):
+        floor = take_floor(case, measured)
     still = unstable_names(measured)
     retakes = next((r.retakes for r in measured.values() if isinstance(r, Measured)), None)
     record = CaseRecord(
@@ -245,8 +297,7 @@ def run_case(
         unstable=still or None,
     )
     ours = record.ours if isinstance(record.ours, Measured) else None
-    if case.kind == "decode" and device == "cuda":
-        floor = read_floor(case, x, device, timer, config, say=say)
+    if floor is not None:
         if isinstance(floor, ReadFloor) and ours:
             floor.ratio = sig(floor.median_ms / ours.median_ms, 4)
         record.read_floor = floor

@@ -189,10 +189,16 @@ def run_paged(target: PagedTarget, device: str, timer, config, ceilings, say=Non
     def contiguous():
         return api.flash_attention_decode(x.q, x.k, x.v)
 
-    ours, flat = _side_by_side(
-        {"paged": paged, "contiguous": contiguous}, target, device, timer, config, ceilings, say
-    )
-    floor = measure.read_floor(case, x, device, timer, config) if device == "cuda" else None
+    calls = {"paged": paged, "contiguous": contiguous}
+    if device == "cuda":  # the floor in the same interleaved rounds as both sides
+        alongside = {name: (fn, None) for name, fn in calls.items()}
+        floor, timed = measure.read_floor(
+            case, x, device, timer, config, say=say, alongside=alongside, ceilings=ceilings
+        )
+        ours, flat = timed["paged"], timed["contiguous"]
+    else:
+        floor = None
+        ours, flat = _side_by_side(calls, target, device, timer, config, ceilings, say)
     return _record(
         PagedRecord,
         target,
