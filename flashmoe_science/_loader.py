@@ -353,6 +353,16 @@ def arch_tag(arch: str) -> str:
     return "sm" + arch.replace(".", "").replace("+PTX", "ptx")
 
 
+DEFINES_VAR = "FLASHMOE_BUILD_DEFINES"
+
+
+def env_defines() -> tuple[str, ...]:
+    """The extra -D defines FLASHMOE_BUILD_DEFINES names (comma-separated): the build every command
+    of this process loads, and builds, unless it is given --define (tests load planted-bug
+    variants this way; an experiment's switch goes the same way)."""
+    return tuple(d for d in os.environ.get(DEFINES_VAR, "").split(",") if d)
+
+
 def normalize_defines(defines: Sequence[str]) -> tuple[str, ...]:
     """Accept 'NAME', 'NAME=VAL' or '-DNAME=VAL'; keep order, drop repeats."""
     seen: dict[str, None] = {}

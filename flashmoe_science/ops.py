@@ -10,7 +10,6 @@ torch.compile and torch.library.opcheck need.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Sequence
 
@@ -24,9 +23,8 @@ _built_archs: tuple[str, ...] = ()  # the CUDA targets of the loaded build (empt
 
 
 def build_defines() -> tuple[str, ...]:
-    """Extra -D defines for the build this process loads (tests use it to load planted-bug variants)."""
-    raw = os.environ.get("FLASHMOE_BUILD_DEFINES", "")
-    return tuple(d for d in raw.split(",") if d)
+    """Extra -D defines for the build this process loads (FLASHMOE_BUILD_DEFINES: _loader.env_defines)."""
+    return _loader.env_defines()
 
 
 def load_library() -> None:

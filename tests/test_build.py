@@ -911,3 +911,22 @@ def test_first_use_shows_progress_on_stderr_and_writes_no_report(tiny_unit, tmp_
     assert library.exists() and not (tmp_path / "reports" / "build.json").exists()
     assert loader.ensure_built("cpu", sources_dir=tiny_unit) == library
     assert capsys.readouterr().err == ""  # up to date: silent
+
+
+def test_build_builds_the_library_the_other_commands_load(monkeypatch):
+    """`build` with FLASHMOE_BUILD_DEFINES set builds the variant that test, bench and sanitize then
+    load (it built the plain library before, and the first of them compiled again); --define
+    still wins."""
+    seen = []
+
+    def fake_resolve(backend, arch, defines, sources_dir=None):
+        seen.append(tuple(defines))
+        raise loader.ConfigError("stop here", 2)
+
+    monkeypatch.setattr(build, "resolve_config", fake_resolve)
+    monkeypatch.setenv("FLASHMOE_BUILD_DEFINES", "FLASHMOE_PLANT_BUG=3,FLASHMOE_X=1")
+    assert build.main([]) == 2
+    assert build.main(["--define", "FLASHMOE_Y=2"]) == 2
+    monkeypatch.delenv("FLASHMOE_BUILD_DEFINES")
+    assert build.main([]) == 2
+    assert seen == [("FLASHMOE_PLANT_BUG=3", "FLASHMOE_X=1"), ("FLASHMOE_Y=2",), ()]

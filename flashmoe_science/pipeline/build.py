@@ -337,7 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.require_gpu and args.backend == "auto":
         args.backend = "cuda"
     try:
-        config = resolve_config(args.backend, args.arch, args.define, sources_dir=args.sources_dir)
+        # --define, else FLASHMOE_BUILD_DEFINES: the library the other commands will load
+        defines = args.define or _loader.env_defines()
+        config = resolve_config(args.backend, args.arch, defines, sources_dir=args.sources_dir)
     except ConfigError as exc:
         print(f"build: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -66,6 +66,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import _loader
 from .._toolkit import find_cuda_tool, run_streaming
 from . import exitcodes, paths, sanitize_coverage
 from .cudatools import UNUSABLE_PATTERNS, paths_display, short_kernel
@@ -794,10 +795,7 @@ def _say(text: str) -> None:
 
 
 def _defines(args) -> tuple[str, ...]:
-    if args.define:
-        return tuple(args.define)
-    raw = os.environ.get("FLASHMOE_BUILD_DEFINES", "")
-    return tuple(d for d in raw.split(",") if d)
+    return tuple(args.define) if args.define else _loader.env_defines()
 
 
 def _gpu_name() -> str | None:
