@@ -104,6 +104,49 @@ def test_bench_md_names_the_commit_or_the_files_it_measured():
     assert "commit none (not a git checkout)" in benchmd.render_markdown(record)
 
 
+def test_a_variant_build_is_named_in_bench_json_and_bench_md():
+    record = benchrecords.load(sorted(FIXTURES.glob("*/bench.json"))[0])
+    record.defines = ["FLASHMOE_EXP2_EMU=3"]
+    assert schema_errors(benchrecords.to_json(record)) == []
+    assert "**not the default build**: -DFLASHMOE_EXP2_EMU=3." in benchmd.render_markdown(record)
+    record.defines = None
+    assert "not the default build" not in benchmd.render_markdown(record)
+    assert "defines" not in benchrecords.to_json(record)
+
+
+def test_base_defines_build_and_time_the_base_as_a_variant(monkeypatch, tmp_path, capsys):
+    """--base-dir . --base-defines '' times the head's switch against the same tree without it: the
+    base's build and worker get exactly those defines, and the record names them."""
+    p = bench.parser()
+    for argv, message in (
+        (["--base-defines", ""], "goes with --base REF or --base-dir DIR"),
+        (["--base-dir", ".", "--base-defines", "9BAD"], "--base-defines: bad define"),
+    ):
+        with pytest.raises(SystemExit):
+            bench._check_args(p, p.parse_args(argv))
+        assert message in capsys.readouterr().err
+    monkeypatch.setenv("FLASHMOE_BUILD_DEFINES", "FLASHMOE_EXP2_EMU=3")
+    env = headbase.side_env(tmp_path, tmp_path / "b", tmp_path / "r", "")
+    assert env["FLASHMOE_BUILD_DEFINES"] == "" and env["FLASHMOE_BUILD_ROOT"] == str(tmp_path / "b")
+    assert (
+        headbase.side_env(tmp_path, None, None)["FLASHMOE_BUILD_DEFINES"] == "FLASHMOE_EXP2_EMU=3"
+    )
+
+    seen = {}
+
+    def fake_compare(tree, sha, cases, device, args, say=print):
+        seen["defines"] = args.base_defines
+        return []
+
+    monkeypatch.setattr(headbase, "compare_with_tree", fake_compare)
+    args = p.parse_args(["--base-dir", str(tmp_path), "--base-defines", ""])
+    comparison = headbase.compare(None, [], "cpu", args, say=lambda _m: None)
+    assert seen["defines"] == "" and comparison.base.defines == []
+    assert "built with no extra defines" in benchmd.render_comparison(comparison)[0]
+    args = p.parse_args(["--base-dir", str(tmp_path), "--base-defines", "FLASHMOE_EXP2_EMU=3"])
+    assert headbase.compare(None, [], "cpu", args, say=lambda _m: None).base.defines is None
+
+
 @pytest.mark.parametrize("path", sorted(FIXTURES.glob("*/bench.json")), ids=lambda p: p.parent.name)
 def test_report_fixtures_load_as_records(path):
     record = benchrecords.load(path)

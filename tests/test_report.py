@@ -169,6 +169,22 @@ def test_decode_table_alone_gets_the_read_floor_column(tmp_path):
     assert f"1.00{report.TIMES} would be a decode as fast as reading the cache" in text
 
 
+def test_a_bench_of_a_variant_build_says_so(tmp_path):
+    """bench.json of a library built with extra defines (an experiment's switch, a planted bug) is
+    not a verdict on the default build: the report warns and names them, and names the base's."""
+    folder = tmp_path / "variant"
+    shutil.copytree(FIXTURES / "passing", folder)
+    bench = json.loads((folder / "bench.json").read_text())
+    bench["defines"] = ["FLASHMOE_EXP2_EMU=3"]
+    bench["comparison"]["base"]["defines"] = []
+    (folder / "bench.json").write_text(json.dumps(bench))
+    _, text = run_report(folder, tmp_path)
+    assert "timed a variant build, not the default one: -DFLASHMOE_EXP2_EMU=3" in text
+    assert "vs origin/main (no extra defines)" in text
+    _, plain = run_report(FIXTURES / "passing", tmp_path / "plain")
+    assert "variant build" not in plain and "no extra defines" not in plain
+
+
 def test_build_failure_shows_log_tail(tmp_path):
     _, text = run_report(FIXTURES / "build_failed", tmp_path)
     assert "ninja: build stopped: subcommand failed." in text

@@ -95,6 +95,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import _loader
 from . import (
     benchmd,
     benchrecords,
@@ -165,6 +166,7 @@ def run_matrix(
         ),
         ceilings=Ceilings.from_json(ceilings),
         cases=[],
+        defines=list(_loader.env_defines()) or None,
     )
     for index, case in enumerate(cases, 1):
         entry = run_case(case, device, timer, config, ceilings, baselines, say=say)
@@ -282,6 +284,12 @@ def parser() -> argparse.ArgumentParser:
         help="compare against an existing checkout instead of a worktree of REF",
     )
     g.add_argument(
+        "--base-defines",
+        metavar="LIST",
+        help="the base side's extra -D defines, comma-separated ('' for none; default: the head's, "
+        "FLASHMOE_BUILD_DEFINES): with --base-dir . it times a compile-time switch against itself",
+    )
+    g.add_argument(
         "--rounds", type=int, default=5, help="base/head alternations per case (default 5)"
     )
     g.add_argument(
@@ -327,6 +335,13 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--max-ms goes with --bisect CASE")
     if args.base and args.base_dir:
         p.error("give --base REF or --base-dir DIR, not both")
+    if args.base_defines is not None:
+        if not (args.base or args.base_dir):
+            p.error("--base-defines goes with --base REF or --base-dir DIR")
+        try:
+            _loader.normalize_defines([d for d in args.base_defines.split(",") if d])
+        except _loader.ConfigError as exc:
+            p.error(f"--base-defines: {exc}")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
 

@@ -62,7 +62,12 @@ def _header_lines(record: BenchRecord) -> list[str]:
     return [
         "# Attention benchmark: flashmoe-science against PyTorch SDPA",
         "",
-        f"{where}; torch {record.torch}, CUDA {record.cuda}; commit {sha}.",
+        f"{where}; torch {record.torch}, CUDA {record.cuda}; commit {sha}"
+        + (
+            f"; **not the default build**: {' '.join('-D' + d for d in record.defines)}."
+            if record.defines
+            else "."
+        ),
         f"Timing: {timing.method}"
         + (f", {flush} MiB L2 flush before every call" if flush else ", no cache flush")
         + "; median ms (IQR)"
@@ -378,8 +383,14 @@ def _comparison_row(r) -> str:
 
 def render_comparison(comparison: Comparison) -> list[str]:
     base = comparison.base
+    built = (
+        f", built with {' '.join('-D' + d for d in base.defines) or 'no extra defines'}"
+        if base.defines is not None
+        else ""
+    )
     lines = [
-        f"## Head against base {base.ref} ({str(base.sha)[:12]}), source: {comparison.source}",
+        f"## Head against base {base.ref} ({str(base.sha)[:12]}{built}), source: "
+        f"{comparison.source}",
         "",
         f"Threshold {comparison.threshold * 100:.0f}% and Mann-Whitney p < "
         f"{comparison.alpha}: {comparison.summary_text()}.",

@@ -332,6 +332,8 @@ class BaseRef:
     stored_commit: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
     stored_at: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
     stored_torch: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # the base side's extra -D defines (bench --base-defines), when they differ from the head's
+    defines: list[str] | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass
@@ -371,6 +373,9 @@ class BenchRecord:
     comparison: Comparison | None = None
     # the speed-target cases (pipeline.targetcases); left out when none ran
     targets: list[TargetRecord] | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # the extra -D defines of the library that was timed (FLASHMOE_BUILD_DEFINES); left out when
+    # none: a run of a variant (an experiment's switch, a planted bug) says so
+    defines: list[str] | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 # --------------------------------------------------------------------------------------------------

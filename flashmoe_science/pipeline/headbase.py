@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .. import _loader
 from . import exitcodes, history, paths, provenance, stats
 from .baselines import ops, our_call
 from .benchrecords import BaseRef, BenchRecord, CaseVerdict, Comparison, MissingVerdict
@@ -262,10 +263,15 @@ def prepare_worktree(sha: str) -> Path:
     return tree
 
 
-def side_env(tree: Path, build_root: Path | None, report_dir: Path | None) -> dict:
+def side_env(
+    tree: Path, build_root: Path | None, report_dir: Path | None, defines: str | None = None
+) -> dict:
     """The environment a side's build and worker run in: its own tree first on the path, and for the
-    base its own build root and report dir, so neither its library nor its build.json touch ours."""
+    base its own build root and report dir, so neither its library nor its build.json touch ours;
+    `defines` (comma-separated) replaces FLASHMOE_BUILD_DEFINES for that side when given."""
     env = dict(os.environ)
+    if defines is not None:
+        env[_loader.DEFINES_VAR] = defines
     env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.pop("PYTEST_XDIST_WORKER", None)
     if build_root is not None:
@@ -312,7 +318,7 @@ def compare_with_tree(
         )
     build_root, base_reports = base_dirs(tree, sha)
     base_reports.mkdir(parents=True, exist_ok=True)
-    env = side_env(tree, build_root, base_reports)
+    env = side_env(tree, build_root, base_reports, getattr(args, "base_defines", None))
     build_base(tree, env, base_reports.parent / f"{build_root.name}.log", say)
     timing_args = []
     for flag, value in (("--warmup-ms", args.warmup_ms), ("--rep-ms", args.rep_ms)):
@@ -373,6 +379,11 @@ def compare(record: BenchRecord, cases: Sequence[Case], device: str, args, say=p
     else:
         tree, sha = None, resolve_ref(args.base)
         base = BaseRef(ref=args.base, sha=sha)
+    base_defines = getattr(args, "base_defines", None)
+    if base_defines is not None:
+        wanted = [d for d in base_defines.split(",") if d]
+        if wanted != list(_loader.env_defines()):
+            base.defines = wanted
     try:
         if tree is None:
             if not commit_has_bench(sha):  # no worktree needed to know

@@ -421,6 +421,16 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
     if not_compared:
         severity = max(severity, NOTE)
         problems.append((NOTE, f"bench not compared ({md.text(not_compared, 120)})"))
+    variant = [str(d) for d in bench.get("defines") or [] if isinstance(d, str)]
+    if variant:  # a planted bug or an experiment's switch: not the library users get
+        severity = max(severity, WARN)
+        problems.append(
+            (
+                WARN,
+                "timed a variant build, not the default one: "
+                + md.text(" ".join("-D" + d for d in variant), 200),
+            )
+        )
     summary = md.plural(len(cases), "case")
     if broken:
         summary += f", {len(broken)} failed"
@@ -445,7 +455,13 @@ def _comparison_source(comparison: dict | None) -> str:
 def _base_ref(comparison: dict | None) -> str:
     base = (comparison or {}).get("base")
     ref = base.get("ref") if isinstance(base, dict) else None
-    return str(ref or "base")
+    defines = base.get("defines") if isinstance(base, dict) else None
+    built = (
+        f" ({' '.join('-D' + str(d) for d in defines) or 'no extra defines'})"
+        if isinstance(defines, list)
+        else ""
+    )
+    return str(ref or "base") + built
 
 
 def _comparison(
