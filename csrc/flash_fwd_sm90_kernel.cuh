@@ -37,9 +37,10 @@ namespace flashmoe::cuda {
 // (flashmoe_science/pipeline/phases.py reads them by these numbers): warpgroup w's at w *
 // kPerWarpgroup + a Mark; its key blocks at kKeyBlocks + w; the producer's Q copy at kProducer + 0
 // (before the Q-free wait), 1 (after it), 2 (issued). Steps past kRounds and blocks past kBlocks
-// are not recorded.
+// are not recorded. kLastPVIssued splits the last P V: its V's wait, the warpgroup's turn and the
+// issue, then the rows' finish and the wait for the P V itself.
 namespace phase_trace {
-constexpr int kBlocks = 256, kRounds = 64, kSlots = 32, kPerWarpgroup = 8, kMaxWarpgroups = 3;
+constexpr int kBlocks = 256, kRounds = 64, kSlots = 40, kPerWarpgroup = 9, kMaxWarpgroups = 3;
 constexpr int kKeyBlocks = kPerWarpgroup * kMaxWarpgroups, kProducer = kKeyBlocks + kMaxWarpgroups;
 enum Mark {
   kTileStart,
@@ -48,6 +49,7 @@ enum Mark {
   kFirstS,
   kFirstSoftmax,
   kLoopDone,
+  kLastPVIssued,
   kLastPV,
   kOutput
 };
@@ -653,6 +655,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       my_turn();
       rows.issue_pv(buf);
       their_turn();
+      FLASHMOE_PHASE(mark(phase_trace::kLastPVIssued);)
       out_te = out_coords();
       rows.finish_rows(out_te);
       rows.template wait<0>();

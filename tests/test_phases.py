@@ -75,8 +75,9 @@ class Trace:
         ]
 
 
-# q_wait, first_k_wait, first_s, first_softmax, per_key_block, last_pv, output (cycles)
-DURATIONS = [200, 40, 100, 160, 300, 90, 400]
+# q_wait, first_k_wait, first_s, first_softmax, per_key_block, last_pv_issue, last_pv, output
+# (cycles)
+DURATIONS = [200, 40, 100, 160, 300, 25, 90, 400]
 
 
 def two_blocks(rounds=3, key_blocks=4, gap=120):

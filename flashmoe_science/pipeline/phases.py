@@ -48,7 +48,7 @@ from .provenance import provenance
 SCHEMA = "flashmoe-phases/1"
 DEFINE = "FLASHMOE_PHASE_TRACE=1"
 # csrc/flash_fwd_sm90_kernel.cuh, namespace phase_trace (a test holds the two together)
-BLOCKS, ROUNDS, SLOTS, PER_WARPGROUP, MAX_WARPGROUPS = 256, 64, 32, 8, 3
+BLOCKS, ROUNDS, SLOTS, PER_WARPGROUP, MAX_WARPGROUPS = 256, 64, 40, 9, 3
 KEY_BLOCKS = PER_WARPGROUP * MAX_WARPGROUPS  # slot of warpgroup w's key-block count: KEY_BLOCKS + w
 PRODUCER = KEY_BLOCKS + MAX_WARPGROUPS  # + 0 before the Q-free wait, + 1 after it, + 2 Q issued
 MARKS = (
@@ -58,6 +58,7 @@ MARKS = (
     "first_s",
     "first_softmax",
     "loop_done",
+    "last_pv_issued",
     "last_pv",
     "output",
 )
@@ -68,7 +69,18 @@ PHASES = (
     ("first_s", "first_k_ready", "first_s", "the first S = Q K^T, alone"),
     ("first_softmax", "first_s", "first_softmax", "its softmax, nothing to overlap"),
     ("per_key_block", "first_softmax", "loop_done", "S(n) with P V(n + 1), per key block"),
-    ("last_pv", "loop_done", "last_pv", "the last P V, alone"),
+    (
+        "last_pv_issue",
+        "loop_done",
+        "last_pv_issued",
+        "the last V, this warpgroup's turn, the issue",
+    ),
+    (
+        "last_pv",
+        "last_pv_issued",
+        "last_pv",
+        "the last P V after its issue (rows finished under it)",
+    ),
     ("output", "last_pv", "output", "the output and LSE written"),
 )
 WARMUP_CALLS, TIMED_CALLS = 3, 20
