@@ -356,11 +356,17 @@ def arch_tag(arch: str) -> str:
 DEFINES_VAR = "FLASHMOE_BUILD_DEFINES"
 
 
+def split_defines(text: str) -> tuple[str, ...]:
+    """'A=1,B' -> ('A=1', 'B'): a comma-separated list of defines, as FLASHMOE_BUILD_DEFINES and
+    bench --base-defines write them ('' is none)."""
+    return tuple(d for d in text.split(",") if d)
+
+
 def env_defines() -> tuple[str, ...]:
     """The extra -D defines FLASHMOE_BUILD_DEFINES names (comma-separated): the build every command
     of this process loads, and builds, unless it is given --define (tests load planted-bug
     variants this way; an experiment's switch goes the same way)."""
-    return tuple(d for d in os.environ.get(DEFINES_VAR, "").split(",") if d)
+    return split_defines(os.environ.get(DEFINES_VAR, ""))
 
 
 def normalize_defines(defines: Sequence[str]) -> tuple[str, ...]:

@@ -339,7 +339,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         if not (args.base or args.base_dir):
             p.error("--base-defines goes with --base REF or --base-dir DIR")
         try:
-            _loader.normalize_defines([d for d in args.base_defines.split(",") if d])
+            _loader.normalize_defines(_loader.split_defines(args.base_defines))
         except _loader.ConfigError as exc:
             p.error(f"--base-defines: {exc}")
     if args.rounds < 1:

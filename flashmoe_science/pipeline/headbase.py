@@ -381,9 +381,9 @@ def compare(record: BenchRecord, cases: Sequence[Case], device: str, args, say=p
         base = BaseRef(ref=args.base, sha=sha)
     base_defines = getattr(args, "base_defines", None)
     if base_defines is not None:
-        wanted = [d for d in base_defines.split(",") if d]
-        if wanted != list(_loader.env_defines()):
-            base.defines = wanted
+        wanted = _loader.split_defines(base_defines)
+        if wanted != _loader.env_defines():
+            base.defines = list(wanted)
     try:
         if tree is None:
             if not commit_has_bench(sha):  # no worktree needed to know

@@ -115,28 +115,24 @@ def read_floor(
     say=None,
     alongside: dict | None = None,
     ceilings: dict | None = None,
+    rounds: int = ROUNDS,
 ) -> tuple[ReadFloor | NotMeasured, dict[str, Result]]:
     """The fastest of readfloor's pure reads of this case's K and V: what any decode kernel that
-    reads those bytes could reach on this card. They are timed in interleaved rounds together
-    with `alongside` ({name: (fn, backend)}, the kernels whose time is set against the floor), so
-    that drift during the case hits the floor and those kernels alike; returns the floor and
-    alongside's results (with `ceilings`' figures). (Timed after them instead, the same 64 MB floor read 29.8 to 30.7 us
-    from run to run on the H100, a 3% swing against a 0.90x target; benches/NOTES.md v4.0.)"""
-    alongside = dict(alongside or {})
+    reads those bytes could reach on this card. They are timed in the same `rounds` interleaved
+    rounds as `alongside` ({name: (fn, backend)}: the kernels set against the floor), so drift
+    during the case hits both sides alike; returns the floor and alongside's results. (Timed after
+    them instead, the same 64 MB floor read 29.8 to 30.7 us from run to run on the H100: a 3%
+    swing against a 0.90x target; benches/NOTES.md v4.0.)"""
+    calls_now = dict(alongside or {})
     floors = floor_calls(x, calls)
-    if isinstance(floors, NotMeasured):
-        results = (
-            measure_interleaved(
-                alongside, case, device, timer, config, ceilings or {}, ROUNDS, say=say
-            )
-            if alongside
-            else {}
-        )
-        return floors, results
-    results = measure_interleaved(
-        {**alongside, **floors}, case, device, timer, config, ceilings or {}, ROUNDS, say=say
+    if not isinstance(floors, NotMeasured):
+        calls_now.update(floors)
+    results = (
+        measure_interleaved(calls_now, case, device, timer, config, ceilings or {}, rounds, say=say)
+        if calls_now
+        else {}
     )
-    return take_floor(case, results), results
+    return (floors if isinstance(floors, NotMeasured) else take_floor(case, results)), results
 
 
 def round_config(config: TimingConfig, rounds: int) -> TimingConfig:
@@ -274,16 +270,23 @@ def run_case(
             calls[name] = (fn, backend)
         else:
             unsupported[name] = NotMeasured("unsupported", reason)
-    floor = None
     if case.kind == "decode" and device == "cuda":  # the floor is timed among the case's calls
-        floors = floor_calls(x)
-        if isinstance(floors, NotMeasured):
-            floor = floors
-        else:
-            calls.update(floors)
-    measured = measure_interleaved(calls, case, device, timer, config, ceilings, rounds, say=say)
-    if any(name.startswith(FLOOR) for name in measured):
-        floor = take_floor(case, measured)
+        floor, measured = read_floor(
+            case,
+            x,
+            device,
+            timer,
+            config,
+            say=say,
+            alongside=calls,
+            ceilings=ceilings,
+            rounds=rounds,
+        )
+    else:
+        floor = None
+        measured = measure_interleaved(
+            calls, case, device, timer, config, ceilings, rounds, say=say
+        )
     still = unstable_names(measured)
     retakes = next((r.retakes for r in measured.values() if isinstance(r, Measured)), None)
     record = CaseRecord(

@@ -421,7 +421,7 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
     if not_compared:
         severity = max(severity, NOTE)
         problems.append((NOTE, f"bench not compared ({md.text(not_compared, 120)})"))
-    variant = [str(d) for d in bench.get("defines") or [] if isinstance(d, str)]
+    variant = [d for d in bench.get("defines") or [] if isinstance(d, str)]
     if variant:  # a planted bug or an experiment's switch: not the library users get
         severity = max(severity, WARN)
         problems.append(
