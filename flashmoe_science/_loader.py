@@ -362,6 +362,11 @@ def split_defines(text: str) -> tuple[str, ...]:
     return tuple(d for d in text.split(",") if d)
 
 
+def define_flags(defines) -> str:
+    """('A=1', 'B') -> '-DA=1 -DB': defines as a compiler command line spells them ('' for none)."""
+    return " ".join(f"-D{d}" for d in defines)
+
+
 def env_defines() -> tuple[str, ...]:
     """The extra -D defines FLASHMOE_BUILD_DEFINES names (comma-separated): the build every command
     of this process loads, and builds, unless it is given --define (tests load planted-bug
@@ -629,7 +634,7 @@ def describe(config: BuildConfig) -> str:
         what = f"CUDA unit {source} for {targets} (torch {torch_short}, CUDA {config.torch_cuda})"
     else:
         what = f"CPU-only unit {source} (torch {torch_short})"
-    defines = f" with {' '.join('-D' + d for d in config.defines)}" if config.defines else ""
+    defines = f" with {define_flags(config.defines)}" if config.defines else ""
     return f"build: {what}{defines} -> {display_path(config.build_dir)}"
 
 

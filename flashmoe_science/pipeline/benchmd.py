@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from .. import _loader
 from . import stats, targets
 from .benchrecords import (
     BASELINE_NAMES,
@@ -64,7 +65,7 @@ def _header_lines(record: BenchRecord) -> list[str]:
         "",
         f"{where}; torch {record.torch}, CUDA {record.cuda}; commit {sha}"
         + (
-            f"; **not the default build**: {' '.join('-D' + d for d in record.defines)}."
+            f"; **not the default build**: {_loader.define_flags(record.defines)}."
             if record.defines
             else "."
         ),
@@ -384,7 +385,7 @@ def _comparison_row(r) -> str:
 def render_comparison(comparison: Comparison) -> list[str]:
     base = comparison.base
     built = (
-        f", built with {' '.join('-D' + d for d in base.defines) or 'no extra defines'}"
+        f", built with {_loader.define_flags(base.defines) or 'no extra defines'}"
         if base.defines is not None
         else ""
     )

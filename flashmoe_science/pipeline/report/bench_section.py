@@ -11,6 +11,7 @@ import math
 import re
 from typing import Any
 
+from ... import _loader
 from .. import markdown as md
 from .. import stats
 from ..targets import UNSTABLE_MARK, unstable_note
@@ -428,7 +429,7 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
             (
                 WARN,
                 "timed a variant build, not the default one: "
-                + md.text(" ".join("-D" + d for d in variant), 200),
+                + md.text(_loader.define_flags(variant), 200),
             )
         )
     summary = md.plural(len(cases), "case")
@@ -457,7 +458,7 @@ def _base_ref(comparison: dict | None) -> str:
     ref = base.get("ref") if isinstance(base, dict) else None
     defines = base.get("defines") if isinstance(base, dict) else None
     built = (
-        f" ({' '.join('-D' + str(d) for d in defines) or 'no extra defines'})"
+        f" ({_loader.define_flags(map(str, defines)) or 'no extra defines'})"
         if isinstance(defines, list)
         else ""
     )
