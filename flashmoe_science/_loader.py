@@ -540,7 +540,7 @@ def nvcc_threads(config: BuildConfig) -> int:
 
 def portable_flags(config: BuildConfig) -> dict[str, list[str]]:
     """compile_flags with the two machine-specific prefixes in them (the checkout's sources and
-    torch's site-packages, both in include paths) written as placeholders: what the hash sees, so
+    torch's site-packages, in include paths and the linker's -L folders) written as placeholders: what the hash sees, so
     that a copy of the checkout elsewhere, a runner with another workspace path, or another
     machine with the same torch and toolkit release recognises the same build as its own."""
     prefixes = [(str(config.sources_dir), "<sources>")]
@@ -548,9 +548,12 @@ def portable_flags(config: BuildConfig) -> dict[str, list[str]]:
         prefixes.append((str(torch_package_dir().parent), "<site-packages>"))
 
     def portable(flag: str) -> str:
+        # a path alone (include_paths) or after its option (ldflags' -L<dir>)
+        option = "-L" if flag.startswith("-L") else ""
+        path = flag[len(option) :]
         for prefix, placeholder in prefixes:
-            if flag == prefix or flag.startswith(prefix + os.sep):
-                return placeholder + flag[len(prefix) :]
+            if path == prefix or path.startswith(prefix + os.sep):
+                return option + placeholder + path[len(prefix) :]
         return flag
 
     return {kind: [portable(f) for f in flags] for kind, flags in compile_flags(config).items()}

@@ -408,7 +408,8 @@ def test_a_build_is_recognised_wherever_the_checkout_and_torch_lie(
     cuda_machine, monkeypatch, tmp_path
 ):
     """The build hash holds no absolute path: a copy of the sources in another place, under a torch
-    installed elsewhere (its pip nvidia headers in the include paths), hashes the same, so a build
+    installed elsewhere (its pip nvidia headers in the include paths, their libraries in the
+    linker's -L folders), hashes the same, so a build
     made on one machine (or in a runner's cache) is reused on another with the same torch and
     toolkit release; an edit to a source still changes it."""
     sites = []
@@ -416,23 +417,25 @@ def test_a_build_is_recognised_wherever_the_checkout_and_torch_lie(
         site = tmp_path / where / "lib" / "site-packages"
         (site / "torch").mkdir(parents=True)
         (site / "nvidia" / "cublas" / "include").mkdir(parents=True)
+        (site / "nvidia" / "cublas" / "lib").mkdir(parents=True)
         sources = tmp_path / where / "checkout" / "csrc"
         shutil.copytree(REPO_ROOT / "csrc", sources)
         sites.append((site, sources))
 
-    def config_at(site, sources):
+    def hash_at(site, sources):  # the hash as a machine with torch under `site` computes it
         monkeypatch.setattr(loader, "torch_package_dir", lambda: site / "torch")
         config = dataclasses.replace(
             build.resolve_config("cuda", arch_list="9.0a"), sources_dir=sources
         )
-        flags = loader.compile_flags(config)["include_paths"]
-        assert str(sources) in flags and str(site / "nvidia" / "cublas" / "include") in flags
-        return config
+        flags = loader.compile_flags(config)
+        assert str(sources) in flags["include_paths"]
+        assert str(site / "nvidia" / "cublas" / "include") in flags["include_paths"]
+        assert f"-L{site / 'nvidia' / 'cublas' / 'lib'}" in flags["ldflags"]
+        return loader.source_hash(config)
 
-    here, there = (config_at(*where) for where in sites)
-    assert loader.source_hash(here) == loader.source_hash(there)
+    assert hash_at(*sites[0]) == hash_at(*sites[1])
     (sites[1][1] / "attention_params.h").write_text("// edited\n", encoding="utf-8")
-    assert loader.source_hash(here) != loader.source_hash(config_at(*sites[1]))
+    assert hash_at(*sites[0]) != hash_at(*sites[1])
 
 
 def test_torch_turns_the_targets_into_sm90a_gencode(cuda_machine, monkeypatch, tmp_path):
