@@ -871,6 +871,47 @@ def test_performance_loss_naming_an_inlined_function_goes_to_the_entry_being_com
     assert [bool(k["performance_loss"]) for k in kernels] == [False, True, False, False]
 
 
+# CUDA 13's ptxas prints a run's advice (and spill warnings) before the entries it compiles: here
+# the sm_89 run first, then the sm_90a run with its advice for the wgmma kernel at the top.
+_FWD90 = "_ZN8flashmoe4cuda21flash_fwd_sm90_kernelINS0_13Sm90FwdTraitsILi64ELi128ELi2ELi3EEE13__nv_bfloat16EEvNS_15AttentionParamsE"
+_DECODE = "_ZN8flashmoe4cuda19flash_decode_kernelINS0_12DecodeTraitsILi128ELi3EEE13__nv_bfloat16EEvNS_15AttentionParamsE"
+
+
+def _entry(name: str, arch: str, registers: int) -> str:
+    return (
+        f"ptxas info    : Compiling entry function '{name}' for '{arch}'\n"
+        f"ptxas info    : Function properties for {name}\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        f"ptxas info    : Used {registers} registers, used 1 barriers\n"
+    )
+
+
+PTXAS_13 = (
+    _entry(_FWD90, "sm_89", 4)
+    + _entry(_DECODE, "sm_89", 96)
+    + "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are "
+    "serialized due to non wgmma instructions reading accumulator registers of  a wgmma between "
+    f"start and end of the pipeline stage in the function '{_FWD90}'\n"
+    + _entry(_DECODE, "sm_90a", 96)
+    + _entry(_FWD90, "sm_90a", 168)
+)
+
+
+def test_ptxas_13_advice_before_its_entries_goes_to_the_entry_of_that_run():
+    """ptxas 13 prints the advice ahead of the run's entries; it belongs to the sm_90a entry of
+    the kernel it names (before: dropped, or given to the sm_89 entry parsed before it)."""
+    kernels = compiler_output.parse_ptxas(PTXAS_13, demangle=identity)
+    assert [(k["arch"], k["registers"], bool(k["performance_loss"])) for k in kernels] == [
+        ("sm_89", 4, False),
+        ("sm_89", 96, False),
+        ("sm_90a", 96, False),
+        ("sm_90a", 168, True),
+    ]
+    assert kernels[3]["performance_loss"].startswith("C7514: wgmma.mma_async instructions are")
+    alone = compiler_output.parse_ptxas(PTXAS_13[PTXAS_13.index("ptxas info    : (C75") :])
+    assert [bool(k["performance_loss"]) for k in alone] == [False, True]
+
+
 def newest_cuda_build() -> Path | None:
     """The library of this checkout's newest successful CUDA build (nox -s build on a GPU machine,
     nox -s compile elsewhere), if any."""

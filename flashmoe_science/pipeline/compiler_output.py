@@ -48,11 +48,21 @@ def parse_ptxas(text: str, demangle: Callable[[list[str]], list[str]] | None = N
     `demangle` maps mangled names to readable ones (default: c++filt when installed).
 
     'Potential Performance Loss' advice (serialized wgmma) goes to `performance_loss` of the kernel
-    it names, else of the entry being compiled (it may name a function inlined into it).
+    it names, else of the entry being compiled (it may name a function inlined into it). ptxas
+    13 prints a run's advice before that run's entries: advice naming an entry still to come goes
+    to the next entry of that name (the arch that run compiles); advice printed before any entry
+    that names none goes to the next entry compiled.
     """
     kernels: list[dict] = []
     current: dict | None = None
     properties_of: dict | None = None
+    entries = {match.group(1) for match in _ENTRY_RE.finditer(text)}
+    pending: dict[str | None, str] = {}  # advice for an entry still to come (None: the next one)
+
+    def advise(kernel: dict, advice: str) -> None:
+        if kernel["performance_loss"] is None:
+            kernel["performance_loss"] = advice
+
     for line in text.splitlines():
         if match := _ENTRY_RE.search(line):
             current = {
@@ -68,11 +78,20 @@ def parse_ptxas(text: str, demangle: Callable[[list[str]], list[str]] | None = N
             }
             kernels.append(current)
             properties_of = None
+            for key in (current["mangled"], None):
+                if key in pending:
+                    advise(current, pending.pop(key))
         elif match := _LOSS_RE.search(line):
             code, what, function = match.groups()
-            target = next((k for k in reversed(kernels) if k["mangled"] == function), current)
-            if target is not None and target["performance_loss"] is None:
-                target["performance_loss"] = f"{code}: {what}"
+            advice = f"{code}: {what}"
+            if current is not None and function == current["mangled"]:
+                advise(current, advice)
+            elif function in entries:
+                pending.setdefault(function, advice)
+            elif current is not None:
+                advise(current, advice)
+            else:
+                pending.setdefault(None, advice)
         elif match := _PROPS_RE.search(line):
             properties_of = current if current and match.group(1) == current["mangled"] else None
         elif (match := _STACK_RE.search(line)) and properties_of is not None:
@@ -83,6 +102,11 @@ def parse_ptxas(text: str, demangle: Callable[[list[str]], list[str]] | None = N
             current["registers"] = int(match.group(1))
             smem = _SMEM_RE.search(line)
             current["smem_bytes"] = int(smem.group(1)) if smem else 0
+    for function, advice in pending.items():  # advice after the last entry of its name
+        for kernel in reversed(kernels):
+            if function is None or kernel["mangled"] == function:
+                advise(kernel, advice)
+                break
     names = (demangle or demangle_names)([k["mangled"] for k in kernels])
     for kernel, name in zip(kernels, names, strict=True):
         kernel["kernel"] = shorten_kernel_name(name)
