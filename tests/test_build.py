@@ -957,6 +957,25 @@ def test_first_use_shows_progress_on_stderr_and_writes_no_report(tiny_unit, tmp_
     assert capsys.readouterr().err == ""  # up to date: silent
 
 
+def test_strict_build_fails_on_a_serialized_wgmma_pipeline(monkeypatch, capsys, tmp_path):
+    """`build --strict` (nox -s compile, so CI) exits 1 and names the kernel when ptxas serialized
+    a wgmma pipeline; without --strict, or with no such kernel, the build passes."""
+    config = build.resolve_config("cpu")
+    kernels = compiler_output.parse_ptxas(PTXAS_13, demangle=identity)
+
+    def fake_build(config, force=False, quiet=False):
+        return build.BuildResult(config, tmp_path / "lib.so", False, 0.1, kernels, tmp_path, {})
+
+    monkeypatch.setattr(build, "resolve_config", lambda *a, **k: config)
+    monkeypatch.setattr(build, "build", fake_build)
+    assert build.main(["--strict"]) == exitcodes.GATE_FAILED
+    err = capsys.readouterr().err
+    assert "serialized the wgmma pipeline of 1 kernel(s)" in err and "sm_90a" in err
+    assert build.main([]) == exitcodes.OK
+    kernels[3]["performance_loss"] = None
+    assert build.main(["--strict"]) == exitcodes.OK
+
+
 def test_build_builds_the_library_the_other_commands_load(monkeypatch):
     """`build` with FLASHMOE_BUILD_DEFINES set builds the variant that test, bench and sanitize then
     load (it built the plain library before, and the first of them compiled again); --define

@@ -320,6 +320,12 @@ def _parser() -> argparse.ArgumentParser:
         help="directory holding the unit and its headers (default: csrc/)",
     )
     parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when ptxas serialized a kernel's wgmma pipeline (correct but several times "
+        "slower); nox -s compile passes it",
+    )
+    parser.add_argument(
         "--require-gpu",
         action="store_true",
         default=require_gpu_from_env(),
@@ -363,6 +369,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"build: done in {elapsed:.1f} s" if result.cold else f"build: up to date ({elapsed:.1f} s)"
     )
+    serialized = [k for k in result.kernels if k.get("performance_loss")]
+    if args.strict and serialized:
+        names = ", ".join(f"{k['kernel']} ({k['arch']})" for k in serialized[:3])
+        more = f" and {len(serialized) - 3} more" if len(serialized) > 3 else ""
+        print(
+            f"build: FAILED (--strict): ptxas serialized the wgmma pipeline of {len(serialized)} "
+            f"kernel(s): {names}{more}. Look for a non-wgmma instruction touching an accumulator "
+            "while its wgmma may still run (the advice in the build log names the cause)",
+            file=sys.stderr,
+        )
+        return exitcodes.GATE_FAILED
     return exitcodes.OK
 
 
