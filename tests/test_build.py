@@ -933,10 +933,12 @@ def newest_cuda_build() -> Path | None:
 def test_dynamic_smem_is_what_each_launch_asks_for():
     library = newest_cuda_build()
     table = build.launch_table(library)
-    # 2 dtypes x (2 head dims x (5 forward configurations + 4 packed-batch (varlen) ones + their
-    # offset check + the paged decode kernel + the combine kernel + 3 backward configurations
-    # with and without dQ atomics + the dQ pass + the pre-pass) + the dQ conversion)
-    assert table is not None and len(table) == 2 * (2 * (5 + 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1) + 1)
+    # 2 dtypes x (forward kernels: 5 at d=128 and 6 at d=64, where configuration 6 is a kernel of
+    # its own + 2 head dims x (4 packed-batch (varlen) ones + their offset check + the paged
+    # decode kernel + the combine kernel + 3 backward configurations with and without dQ atomics
+    # + the dQ pass + the pre-pass) + the dQ conversion)
+    per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
+    assert table is not None and len(table) == 2 * (5 + 6 + 2 * per_head_dim + 1)
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]
