@@ -540,9 +540,10 @@ def nvcc_threads(config: BuildConfig) -> int:
 
 def portable_flags(config: BuildConfig) -> dict[str, list[str]]:
     """compile_flags with the two machine-specific prefixes in them (the checkout's sources and
-    torch's site-packages, in include paths and the linker's -L folders) written as placeholders: what the hash sees, so
-    that a copy of the checkout elsewhere, a runner with another workspace path, or another
-    machine with the same torch and toolkit release recognises the same build as its own."""
+    torch's site-packages, in include paths and the linker's -L folders) written as placeholders:
+    what the hash sees, so that a copy of the checkout elsewhere, a runner with another workspace
+    path, or another machine with the same torch and toolkit release recognises the same build as
+    its own."""
     prefixes = [(str(config.sources_dir), "<sources>")]
     if config.backend == "cuda":
         prefixes.append((str(torch_package_dir().parent), "<site-packages>"))
