@@ -221,49 +221,40 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   // met a page outside the cache is known: a bad page or cache_seqlens value poisons the outputs.
   const bool poison = __syncthreads_or(bad_page) || t.bad_len;
 
-  // Reduce the 4 warps: each row's max (log2 units) and sum per warp, then every warp writes its
-  // output rescaled to the common max and divided by the common sum; the writers below add them.
+  // Reduce the 4 warps in one exchange: each warp leaves its rows' max (log2 units), sum and
+  // unnormalised output in shared memory; after one barrier each writer thread weighs the warps'
+  // outputs of its row by exp2(max_w - max) and divides by the common sum.
   float* scratch = reinterpret_cast<float*>(smem_buf);  // [warp][row][kScratchStride]
   float* warp_max = scratch + Traits::kNWarps * BM * Traits::kScratchStride;  // [warp][row]
   float* warp_sum = warp_max + Traits::kNWarps * BM;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
+    const int r = lane / 4 + hh * 8;
     row_sum[hh] = quad_sum(row_sum[hh]);
     if ((lane & 3) == 0) {
-      const int r = lane / 4 + hh * 8;
       warp_max[warp * BM + r] = row_max[hh] == -INFINITY ? -INFINITY : row_max[hh] * p.scale_log2;
       warp_sum[warp * BM + r] = row_sum[hh];
     }
-  }
-  __syncthreads();
-  // The common max and sum of row r over the warps (sum 0: no warp saw a key).
-  auto row_stats = [&](int r, float& mx, float& sum) {
-    mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < Traits::kNWarps; ++w)
-      mx = fmaxf(mx, warp_max[w * BM + r]);
-    sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < Traits::kNWarps; ++w)
-      if (warp_sum[w * BM + r] > 0.f)
-        sum += warp_sum[w * BM + r] * exp2f(warp_max[w * BM + r] - mx);
-  };
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = lane / 4 + hh * 8;
-    float mx, sum;
-    row_stats(r, mx, sum);
-    const float f = row_sum[hh] > 0.f ? exp2f(warp_max[warp * BM + r] - mx) / sum : 0.f;
     float* dst = scratch + (warp * BM + r) * Traits::kScratchStride + (lane & 3) * 2;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt)
       *reinterpret_cast<float2*>(dst + dt * 8) =
-          make_float2(acc_o[dt][2 * hh] * f, acc_o[dt][2 * hh + 1] * f);
+          make_float2(acc_o[dt][2 * hh], acc_o[dt][2 * hh + 1]);
   }
   __syncthreads();
 
-  // Write-out: thread t owns columns [c0, c0 + kCols) of tile row t / kThreadsPerRow.
+  // Write-out: thread t owns columns [c0, c0 + kCols) of tile row t / kThreadsPerRow. The common
+  // max and sum of its row over the warps (sum 0: no warp saw a key), and each warp's weight.
   const int r = tid / kThreadsPerRow, c0 = (tid % kThreadsPerRow) * kCols, gr = m0 + r;
+  float mx = -INFINITY, sum = 0.f, weight[Traits::kNWarps];
+#pragma unroll
+  for (int w = 0; w < Traits::kNWarps; ++w)
+    mx = fmaxf(mx, warp_max[w * BM + r]);
+#pragma unroll
+  for (int w = 0; w < Traits::kNWarps; ++w) {
+    weight[w] = warp_sum[w * BM + r] > 0.f ? exp2f(warp_max[w * BM + r] - mx) : 0.f;
+    sum += warp_sum[w * BM + r] * weight[w];
+  }
   float out[kCols];
 #pragma unroll
   for (int e = 0; e < kCols; ++e)
@@ -274,11 +265,14 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
 #pragma unroll
     for (int e = 0; e < kCols; e += 4) {
       const float4 x = *reinterpret_cast<const float4*>(src + e);
-      out[e] += x.x, out[e + 1] += x.y, out[e + 2] += x.z, out[e + 3] += x.w;
+      out[e] += weight[w] * x.x, out[e + 1] += weight[w] * x.y;
+      out[e + 2] += weight[w] * x.z, out[e + 3] += weight[w] * x.w;
     }
   }
-  float mx, sum;
-  row_stats(r, mx, sum);
+  const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+  for (int e = 0; e < kCols; ++e)
+    out[e] *= inv_sum;
   const float lse = poison ? NAN : sum > 0.f ? mx * float(M_LN2) + logf(sum) : -INFINITY;
   if (poison) {
 #pragma unroll
@@ -312,17 +306,20 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
     if (c0 == 0) p.lse_accum[split * rows_all + lse_index] = lse;
   }
 
-  // The last split of this tile to finish combines them all. The fence makes this block's partial
-  // visible before its arrival is counted; the counter is reset for the next launch.
+  // The last split of this tile to finish combines them all. Thread 0 counts the block's arrival
+  // with one acquire-release atomic: its release publishes the partial (ordered before it by the
+  // barrier), its acquire makes the partials of the splits counted before it visible to the whole
+  // block (through the barrier after it). The counter is reset for the next launch.
   __shared__ bool is_last;
-  __threadfence();
-  __syncthreads();
+  __syncthreads();  // the block's partial stores come before thread 0's release below
   const int tile = blockIdx.x;
-  if (tid == 0) is_last = atomicAdd(p.split_counters + tile, 1) == p.num_splits - 1;
-  __syncthreads();
+  if (tid == 0) {
+    const int arrived = atomic_add_acq_rel_gpu(p.split_counters + tile, 1);
+    is_last = arrived == p.num_splits - 1;
+    if (is_last) p.split_counters[tile] = 0;
+  }
+  __syncthreads();  // ... and the other splits' partials, acquired by thread 0, before every load
   if (!is_last) return;
-  __threadfence();
-  if (tid == 0) p.split_counters[tile] = 0;
   // Work items are (valid row, 4 columns): with the 1 to 4 rows of a typical decode tile every
   // thread gets at most one, and it reads all its splits' LSEs and partials in one go.
   const int valid_rows = min(BM, rows_total - m0);

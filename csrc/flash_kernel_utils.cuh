@@ -62,6 +62,17 @@ struct L2Policy {
     cp_async_16(smem, gmem, valid, policy);
   }
 };
+// atomicAdd with acquire-release semantics at GPU scope (returns the old value): one instruction
+// that publishes what the barrier before it ordered and acquires what earlier arrivals published.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* address, int value) {
+  int old;
+  asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;\n"
+               : "=r"(old)
+               : "l"(address), "r"(value)
+               : "memory");
+  return old;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
