@@ -98,7 +98,8 @@ def profile(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def phases(session: nox.Session) -> None:
-    """The sm_90a forward's phases per tile on one bench case (`nox -s phases -- CASE`; GPU)."""
+    """The sm_90a forward's phases per tile, or the decode's per block, on one bench case
+    (`nox -s phases -- CASE [--block-size N]`; GPU)."""
     flashmoe(session, "phases", *session.posargs)
 
 

@@ -22,6 +22,40 @@
 
 namespace flashmoe::cuda {
 
+// The decode's phase trace (`python -m flashmoe_science phases dec-...`, a build with
+// FLASHMOE_PHASE_TRACE=1; flashmoe_science/pipeline/decode_phases.py reads it by these numbers):
+// thread 0 of each block stamps clock64 at each Mark into stamps[block][slot], the block being
+// blockIdx.x + gridDim.x * blockIdx.y (the split); %globaltimer at its start and its end (which
+// put the blocks on one time line and turn cycles into time), its SM, whether it combined the
+// tile's splits, and the stages it read. Blocks past kBlocks are not recorded.
+namespace decode_trace {
+constexpr int kBlocks = 1024, kSlots = 12;
+enum Mark { kStart, kFirstStage, kLastStage, kLoopDone, kReduced, kArrived, kCombined };
+enum Slot { kTimerStart = 7, kTimerEnd, kSm, kCombiner, kStages };
+#if FLASHMOE_PHASE_TRACE
+__device__ long long stamps[kBlocks * kSlots];
+__device__ __forceinline__ void put(int slot, long long value) {
+  const int block = blockIdx.x + gridDim.x * blockIdx.y;
+  if (threadIdx.x == 0 && block < kBlocks) stamps[block * kSlots + slot] = value;
+}
+__device__ __forceinline__ void stamp(Mark mark) { put(mark, clock64()); }
+__device__ __forceinline__ void timer(Slot slot) {
+  long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  put(slot, now);
+}
+__device__ __forceinline__ void start(int stages) {
+  timer(kTimerStart);
+  stamp(kStart);
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  put(kSm, sm);
+  put(kStages, stages);
+}
+__device__ __forceinline__ void end() { timer(kTimerEnd); }
+#endif
+}  // namespace decode_trace
+
 template <int kHeadDim_, int kStages_>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
@@ -72,6 +106,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   const int n_block_max = t.kv_block_end<BM, BN>(p, m0);
   const int n_lo = split * p.n_blocks_per_split;
   const int n_iters = max(0, min(n_block_max, n_lo + p.n_blocks_per_split) - n_lo);
+  FLASHMOE_PHASE(decode_trace::start(n_iters);)
 #if FLASHMOE_PLANT_BUG == 1
   const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
 #endif
@@ -107,6 +142,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   }
   cp_async_wait<kStages - 2>();
   __syncthreads();
+  FLASHMOE_PHASE(decode_trace::stamp(decode_trace::kFirstStage);)
   uint32_t q_frag[KT][4];  // Q stays in registers: every warp multiplies the same 16 rows
   const uint32_t q_addr = smem_u32(sQ + swizzle<D>(lane & 15, lane >> 4));
 #pragma unroll
@@ -134,6 +170,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   for (int it = 0; it < n_iters; ++it) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage `it` has landed, and every warp is done with the buffer refilled next
+    FLASHMOE_PHASE(if (it == n_iters - 1) decode_trace::stamp(decode_trace::kLastStage);)
     if (it + kStages - 1 < n_iters) load_stage(it + kStages - 1);
     cp_async_commit();
 
@@ -220,6 +257,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   // Every warp is done with the stages (they become the reduction scratch), and whether any thread
   // met a page outside the cache is known: a bad page or cache_seqlens value poisons the outputs.
   const bool poison = __syncthreads_or(bad_page) || t.bad_len;
+  FLASHMOE_PHASE(decode_trace::stamp(decode_trace::kLoopDone);)
 
   // Reduce the 4 warps in one exchange: each warp leaves its rows' max (log2 units), sum and
   // unnormalised output in shared memory; after one barrier each writer thread weighs the warps'
@@ -284,6 +322,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   const int i = row_query(gr), h = row_head(gr);
   const int64_t lse_index = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
   const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  FLASHMOE_PHASE(decode_trace::stamp(decode_trace::kReduced);)
   if (p.num_splits == 1) {
     if (!row_valid) return;
     T* o_row =
@@ -295,6 +334,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
                      pack2<T>(out[e + 4], out[e + 5]), pack2<T>(out[e + 6], out[e + 7]));
     }
     if (c0 == 0) p.lse[lse_index] = lse;
+    FLASHMOE_PHASE(decode_trace::end();)  // thread 0's row is always valid
     return;
   }
   if (row_valid) {
@@ -319,6 +359,9 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
     if (is_last) p.split_counters[tile] = 0;
   }
   __syncthreads();  // ... and the other splits' partials, acquired by thread 0, before every load
+  FLASHMOE_PHASE(decode_trace::stamp(decode_trace::kArrived);)
+  FLASHMOE_PHASE(decode_trace::put(decode_trace::kCombiner, is_last);)
+  FLASHMOE_PHASE(if (!is_last) decode_trace::end();)
   if (!is_last) return;
   // Work items are (valid row, 4 columns): with the 1 to 4 rows of a typical decode tile every
   // thread gets at most one, and it reads all its splits' LSEs and partials in one go.
@@ -337,6 +380,8 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
         make_uint2(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]));
     if (col == 0) p.lse[index] = lse_row;
   }
+  FLASHMOE_PHASE(__syncthreads(); decode_trace::stamp(decode_trace::kCombined);
+                 decode_trace::end();)
 }
 
 template <typename Traits, typename T>

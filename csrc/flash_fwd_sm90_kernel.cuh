@@ -23,14 +23,11 @@
 #include "flash_kernel_utils.cuh"
 #include "wgmma_utils.cuh"
 
-#ifndef FLASHMOE_PHASE_TRACE
-#define FLASHMOE_PHASE_TRACE 0
-#endif
-
 namespace flashmoe::cuda {
 
 // The phase trace (`python -m flashmoe_science phases CASE`, a build with FLASHMOE_PHASE_TRACE=1;
-// without it none of this is compiled, FLASHMOE_PHASE below, and the kernels are unchanged):
+// without it none of this is compiled, FLASHMOE_PHASE in flash_kernel_utils.cuh, and the kernels
+// are unchanged):
 // clock64 stamps of each tile's phases, by the first thread of each math warpgroup and the
 // producer's thread 0, into stamps[block][walk step][slot]; per block the %globaltimer and clock64
 // at its start and its end (spans), which turn cycles into time. Slots
@@ -72,13 +69,6 @@ __device__ __forceinline__ void span(int end) {  // end: 0 at the block's start,
 }
 #endif
 }  // namespace phase_trace
-// A statement of the phase trace: compiled only with FLASHMOE_PHASE_TRACE, so that without it the
-// kernels' SASS is exactly the untraced one.
-#if FLASHMOE_PHASE_TRACE
-#define FLASHMOE_PHASE(...) __VA_ARGS__
-#else
-#define FLASHMOE_PHASE(...)
-#endif
 
 template <int kHeadDim_, int kBlockN_, int kWarpgroups_, int kStages_>
 struct Sm90FwdTraits {

@@ -10,6 +10,19 @@
 
 #include "attention_params.h"
 
+// The phase traces (`python -m flashmoe_science phases CASE`): a build with FLASHMOE_PHASE_TRACE=1
+// stamps the sm_90a forward's and the decode's phases. A statement of a trace goes inside
+// FLASHMOE_PHASE(...), which compiles it only then, so that without the define the kernels' SASS
+// is exactly the untraced one.
+#ifndef FLASHMOE_PHASE_TRACE
+#define FLASHMOE_PHASE_TRACE 0
+#endif
+#if FLASHMOE_PHASE_TRACE
+#define FLASHMOE_PHASE(...) __VA_ARGS__
+#else
+#define FLASHMOE_PHASE(...)
+#endif
+
 namespace flashmoe::cuda {
 
 // A compile-time bool as a value, to pick a generic lambda's specialization (if constexpr).

@@ -18,7 +18,8 @@ TORCH_LIBRARY_FRAGMENT(flashmoe_science, m) {
 }
 
 #if FLASHMOE_PHASE_TRACE
-// The phase trace's buffers (flash_fwd_sm90_kernel.cuh), for `python -m flashmoe_science phases`.
+// The phase traces' buffers (flash_fwd_sm90_kernel.cuh, flash_decode_kernel.cuh), for
+// `python -m flashmoe_science phases`.
 namespace flashmoe::cuda {
 inline int64_t phase_trace_reset() {
   void* stamps = nullptr;
@@ -37,10 +38,25 @@ inline at::Tensor phase_trace_dump() {
                                       sizeof(phase_trace::spans)));
   return out;
 }
+// The decode's stamps (flash_decode_kernel.cuh, namespace decode_trace): [blocks, slots].
+inline int64_t decode_trace_reset() {
+  void* stamps = nullptr;
+  C10_CUDA_CHECK(cudaGetSymbolAddress(&stamps, decode_trace::stamps));
+  C10_CUDA_CHECK(cudaMemset(stamps, 0, sizeof(decode_trace::stamps)));
+  return 0;
+}
+inline at::Tensor decode_trace_dump() {
+  at::Tensor out = at::empty({decode_trace::kBlocks * decode_trace::kSlots}, at::kLong);
+  C10_CUDA_CHECK(
+      cudaMemcpyFromSymbol(out.data_ptr(), decode_trace::stamps, sizeof(decode_trace::stamps)));
+  return out;
+}
 }  // namespace flashmoe::cuda
 
 TORCH_LIBRARY_FRAGMENT(flashmoe_science, m) {
   m.def("phase_trace_reset() -> int", &flashmoe::cuda::phase_trace_reset);
   m.def("phase_trace_dump() -> Tensor", &flashmoe::cuda::phase_trace_dump);
+  m.def("decode_trace_reset() -> int", &flashmoe::cuda::decode_trace_reset);
+  m.def("decode_trace_dump() -> Tensor", &flashmoe::cuda::decode_trace_dump);
 }
 #endif

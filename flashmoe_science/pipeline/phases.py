@@ -1,8 +1,10 @@
 """`python -m flashmoe_science phases CASE` (`nox -s phases -- CASE`): where the sm_90a forward
-kernel's time goes, phase by phase of each tile.
+kernel's time goes, phase by phase of each tile; for a decode case (dec-...), where the split-KV
+decode's goes, block by block (decode_phases.py).
 
     python -m flashmoe_science phases fwd-bf16-d128-h16-b32-s512-full
     python -m flashmoe_science phases fwd-bf16-d64-h32-b32-s512-causal --output /tmp/phases
+    python -m flashmoe_science phases dec-bf16-d128-h32kv8-b4-q1-k8192 --block-size 64
 
 The wgmma forward (configurations 5 and 6) is persistent: each block walks tiles of 128 or 192
 query rows, and a tile's time is its key blocks plus a fixed cost (waiting for Q, the first S and
@@ -23,8 +25,8 @@ slow: `bench` gives the ratio of record), and what the producer waited for. Writ
 <reports>/phases-CASE.json. Steps of a block's walk past ROUNDS are not recorded (the summary says
 how many blocks reached it).
 
-Exit codes: 0 ok; 1 the workload failed or no wgmma forward tile ran (the case or the GPU does not
-use configurations 5/6); 2 bad CASE; 125 the traced build fails; 255 no GPU.
+Exit codes: 0 ok; 1 the workload failed or no traced block ran (a prefill case the GPU does not run
+with configurations 5/6); 2 bad CASE or --block-size; 125 the traced build fails; 255 no GPU.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import exitcodes, paths
+from . import decode_phases, exitcodes, paths
 from .cudatools import paths_display
 from .provenance import provenance
 
@@ -273,12 +275,20 @@ def run_workload(case_id: str, json_path: Path) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flashmoe_science phases",
-        description="Trace the sm_90a forward kernel's phases, tile by tile, on one bench case.",
+        description="Trace the sm_90a forward kernel's phases tile by tile, or the decode's block "
+        "by block, on one bench case.",
     )
     p.add_argument(
         "case", metavar="CASE", help="a bench case id, e.g. fwd-bf16-d128-h16-b32-s512-full"
     )
     p.add_argument("--output", type=Path, help="folder for phases-CASE.json (default: reports/)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        metavar="N",
+        help="decode cases: read the same cache through a shuffled block table of N-key pages "
+        "(the paged decode; a power of two from 16)",
+    )
     p.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     return p
@@ -291,7 +301,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     case = parse_case_arg("phases", args.case)
     if case is None:
         return exitcodes.USAGE
+    block_size = args.block_size
+    if block_size is not None and (
+        case.kind != "decode" or block_size < 16 or block_size & (block_size - 1)
+    ):
+        _say(
+            f"phases: --block-size {block_size} with {case.id}: a paged cache is read by decode "
+            "cases (dec-...), in pages of a power of two from 16 keys, e.g. --block-size 64"
+        )
+        return exitcodes.USAGE
     if args.workload:
+        if case.kind == "decode":
+            return decode_phases.run_workload(args.case, block_size, args.json)
         return run_workload(args.case, args.json)
     import torch
 
@@ -303,15 +324,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exitcodes.ENV_BROKEN
     out = args.output or paths.report_dir()
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / f"phases-{case.id}.json"
+    name = case.id if block_size is None else f"{case.id}-page{block_size}"
+    json_path = out / f"phases-{name}.json"
     json_path.unlink(missing_ok=True)  # never an older run's record
+    if case.kind == "decode":
+        return run_decode(case, json_path, block_size)
     return run(case, json_path)
 
 
-def run(case, json_path: Path) -> int:
+def traced_run(case, extra: Sequence[str] = ()) -> dict | int:
+    """Build with the trace, run the case's workload in a process of its own: its record, or an
+    exit code (said why)."""
     from . import build
 
-    start = time.monotonic()
+    _say(f"phases: building with -D{DEFINE} (a build folder of its own)")
     _say(f"phases: building with -D{DEFINE} (a build folder of its own)")
     library = build.ensure_built_for("phases", (DEFINE,))
     if isinstance(library, int):
@@ -320,7 +346,7 @@ def run(case, json_path: Path) -> int:
     env = dict(os.environ, FLASHMOE_BUILD_DEFINES=DEFINE, PYTHONUNBUFFERED="1")
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "trace.json"
-        command = [sys.executable, "-m", "flashmoe_science.pipeline.phases", case.id]
+        command = [sys.executable, "-m", "flashmoe_science.pipeline.phases", case.id, *extra]
         command += ["--workload", "--json", str(raw_path)]
         try:
             done = _workload(command, env)
@@ -333,7 +359,14 @@ def run(case, json_path: Path) -> int:
             for line in tail:
                 _say(f"  {line[:300]}")
             return exitcodes.GATE_FAILED
-        raw = json.loads(raw_path.read_text())
+        return json.loads(raw_path.read_text())
+
+
+def run(case, json_path: Path) -> int:
+    start = time.monotonic()
+    raw = traced_run(case)
+    if isinstance(raw, int):
+        return raw
     summary = summarize(raw["stamps"], raw["spans"])
     if summary["tiles"] == 0:
         _say(
@@ -383,6 +416,59 @@ def run(case, json_path: Path) -> int:
         f"phases: a tile's fixed cost (its time less its key blocks at the loop's rate) "
         f"{_num(doc['fixed_cost_us'])} us; wrote {paths_display(json_path)} "
         f"({time.monotonic() - start:.0f} s)"
+    )
+    return exitcodes.OK
+
+
+def run_decode(case, json_path: Path, block_size: int | None) -> int:
+    start = time.monotonic()
+    extra = () if block_size is None else ("--block-size", str(block_size))
+    raw = traced_run(case, extra)
+    if isinstance(raw, int):
+        return raw
+    summary = decode_phases.summarize(raw["stamps"])
+    if not summary["phases"]:
+        _say(
+            f"phases: no decode block of {case.id} was traced (kernels: "
+            f"{', '.join(raw['kernels']) or 'none'}); the trace covers the split-KV decode kernel "
+            f"(configuration 3); for other kernels use `python -m flashmoe_science profile {case.id}`"
+        )
+        return exitcodes.GATE_FAILED
+    ours_ms, sdpa_ms = raw["ours_ms"], raw["sdpa_default_ms"]
+    doc = {
+        "schema": SCHEMA,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "provenance": provenance(),
+        "case": case.id,
+        "block_size": block_size,
+        "gpu": _gpu_name(),
+        "kernels": raw["kernels"],
+        "ours_ms": ours_ms,
+        "sdpa_default_ms": sdpa_ms,
+        "sdpa_missing": raw["sdpa_missing"],
+        "tail_us": decode_phases.tail_us(summary),
+        **summary,
+    }
+    json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    paged = "" if block_size is None else f", paged in {block_size}-key blocks"
+    _say(f"phases: {case.id}{paged} on {doc['gpu']}: {', '.join(raw['kernels'])}")
+    _say(
+        f"  {summary['blocks']} blocks on {summary['sms']} SMs, {summary['combining_blocks']} of "
+        f"them combined splits, median stages a block {summary['stages_median']}, clock "
+        f"{_num(summary['clock_ghz'])} GHz"
+    )
+    sdpa = (
+        f"SDPA default {sdpa_ms * 1000:.1f} us ({sdpa_ms / ours_ms:.3f}x; no L2 flush here: "
+        "`bench` gives the ratio of record)"
+        if sdpa_ms
+        else f"SDPA default not timed ({raw['sdpa_missing']})"
+    )
+    _say(f"  a call {ours_ms * 1000:.1f} us (the traced build, warm L2); {sdpa}")
+    for line in decode_phases.format_table(summary):
+        _say(line)
+    _say(
+        f"phases: the latest block's tail (its loop's end to its end) {_num(doc['tail_us'])} us; "
+        f"wrote {paths_display(json_path)} ({time.monotonic() - start:.0f} s)"
     )
     return exitcodes.OK
 
