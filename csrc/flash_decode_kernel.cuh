@@ -261,7 +261,9 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
 
   // Reduce the 4 warps in one exchange: each warp leaves its rows' max (log2 units), sum and
   // unnormalised output in shared memory; after one barrier each writer thread weighs the warps'
-  // outputs of its row by exp2(max_w - max) and divides by the common sum.
+  // outputs of its row by exp2(max_w - max) and divides by the common sum. Only the tile's valid
+  // rows are exchanged (Sq x the query heads of a KV head: 1 to 4 of the 16 in a typical decode).
+  const int valid_rows = min(BM, rows_total - m0);
   float* scratch = reinterpret_cast<float*>(smem_buf);  // [warp][row][kScratchStride]
   float* warp_max = scratch + Traits::kNWarps * BM * Traits::kScratchStride;  // [warp][row]
   float* warp_sum = warp_max + Traits::kNWarps * BM;
@@ -269,6 +271,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   for (int hh = 0; hh < 2; ++hh) {
     const int r = lane / 4 + hh * 8;
     row_sum[hh] = quad_sum(row_sum[hh]);
+    if (r >= valid_rows) continue;
     if ((lane & 3) == 0) {
       warp_max[warp * BM + r] = row_max[hh] == -INFINITY ? -INFINITY : row_max[hh] * p.scale_log2;
       warp_sum[warp * BM + r] = row_sum[hh];
@@ -284,21 +287,23 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   // Write-out: thread t owns columns [c0, c0 + kCols) of tile row t / kThreadsPerRow. The common
   // max and sum of its row over the warps (sum 0: no warp saw a key), and each warp's weight.
   const int r = tid / kThreadsPerRow, c0 = (tid % kThreadsPerRow) * kCols, gr = m0 + r;
+  const bool row_valid = r < valid_rows;
   float mx = -INFINITY, sum = 0.f, weight[Traits::kNWarps];
 #pragma unroll
   for (int w = 0; w < Traits::kNWarps; ++w)
-    mx = fmaxf(mx, warp_max[w * BM + r]);
+    mx = row_valid ? fmaxf(mx, warp_max[w * BM + r]) : mx;
 #pragma unroll
   for (int w = 0; w < Traits::kNWarps; ++w) {
-    weight[w] = warp_sum[w * BM + r] > 0.f ? exp2f(warp_max[w * BM + r] - mx) : 0.f;
-    sum += warp_sum[w * BM + r] * weight[w];
+    const float warp_rows_sum = row_valid ? warp_sum[w * BM + r] : 0.f;
+    weight[w] = warp_rows_sum > 0.f ? exp2f(warp_max[w * BM + r] - mx) : 0.f;
+    sum += warp_rows_sum * weight[w];
   }
   float out[kCols];
 #pragma unroll
   for (int e = 0; e < kCols; ++e)
     out[e] = 0.f;
 #pragma unroll
-  for (int w = 0; w < Traits::kNWarps; ++w) {
+  for (int w = 0; w < Traits::kNWarps && row_valid; ++w) {
     const float* src = scratch + (w * BM + r) * Traits::kScratchStride + c0;
 #pragma unroll
     for (int e = 0; e < kCols; e += 4) {
@@ -318,7 +323,6 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
       out[e] = NAN;
   }
 
-  const bool row_valid = gr < rows_total;
   const int i = row_query(gr), h = row_head(gr);
   const int64_t lse_index = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
   const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
@@ -365,7 +369,6 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   if (!is_last) return;
   // Work items are (valid row, 4 columns): with the 1 to 4 rows of a typical decode tile every
   // thread gets at most one, and it reads all its splits' LSEs and partials in one go.
-  const int valid_rows = min(BM, rows_total - m0);
   for (int item = tid; item < valid_rows * (D / 4); item += kThreads) {
     const int rr = item / (D / 4), col = item % (D / 4) * 4, g = m0 + rr;
     const int hg = row_head(g), ig = row_query(g);
