@@ -235,3 +235,51 @@ def test_main_sends_a_decode_case_to_the_decode_trace(monkeypatch, tmp_path):
         (tmp_path / f"phases-{CASE}-page128.json", 128),
         (tmp_path / f"phases-{CASE}.json", None),
     ]
+
+
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_the_workload_records_one_traced_call_after_a_flush(monkeypatch, tmp_path, block_size):
+    """The workload's process (the GPU stood in for by CPU tensors and a fake library): it resets
+    the decode's buffer, flushes L2, runs the case once (paged with --block-size), and writes the
+    buffer with the untraced timings."""
+    import torch
+
+    from flashmoe_science.pipeline import baselines, cases
+
+    events = []
+
+    class Library:
+        def decode_trace_reset(self):
+            events.append("reset")
+
+        def decode_trace_dump(self):
+            events.append("dump")
+            return torch.arange(decode_phases.BLOCKS * decode_phases.SLOTS)
+
+    calls = []
+
+    def fake_decode(q, k, v, cache_seqlens=None, causal=True, block_table=None, **options):
+        calls.append(block_table)
+        events.append("call")
+        return q
+
+    monkeypatch.setattr(baselines.ops(), "load_library", lambda: None)
+    monkeypatch.setattr(baselines.ops(), "flash_attention_decode", fake_decode)
+    monkeypatch.setattr(torch.ops, "flashmoe_science", Library(), raising=False)
+    real_inputs = cases.make_inputs
+    monkeypatch.setattr(cases, "make_inputs", lambda case, device: real_inputs(case, "cpu"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(phases, "_time_ms", lambda fn: (fn(), 0.05)[1])
+    monkeypatch.setattr(phases, "_kernels_of", lambda fn: ["flash_decode_kernel"])
+    monkeypatch.setattr(phases, "_flush_l2", lambda: events.append("flush"))
+    out = tmp_path / "trace.json"
+    case = "dec-bf16-d128-h32kv8-b1-q1-k1024"
+    assert phases.run_workload(case, out, block_size) == exitcodes.OK
+    assert events[-4:] == ["reset", "flush", "call", "dump"]
+    assert (calls[-1] is None) == (block_size is None)
+    if block_size:
+        assert calls[-1].dtype == torch.int32 and calls[-1].shape == (1, 1024 // block_size)
+    doc = json.loads(out.read_text())
+    assert doc["stamps"] == list(range(decode_phases.BLOCKS * decode_phases.SLOTS))
+    assert doc["ours_ms"] == 0.05 and doc["kernels"] == ["flash_decode_kernel"]
+    assert "spans" not in doc

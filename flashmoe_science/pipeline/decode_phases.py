@@ -20,12 +20,8 @@ targets do.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
-from pathlib import Path
-
-from . import exitcodes
 
 # csrc/flash_decode_kernel.cuh, namespace decode_trace (a test holds the two together)
 BLOCKS, SLOTS = 1024, 12
@@ -41,8 +37,6 @@ PHASES = (
     ("combine", "arrived", "combined", "the last split of a tile combines its splits"),
 )
 TIMELINE = ("first_stage", "last_stage", "loop_done", "end")
-L2_FLUSH_BYTES = 256 * 2**20
-WARMUP_CALLS, TIMED_CALLS = 3, 20
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -141,13 +135,9 @@ def tail_us(summary: dict) -> float | None:
     return block["end"] - block["loop_done"]
 
 
-# --------------------------------------------------------------------------------------------------
-# The workload (runs on the traced build, in its own process)
-# --------------------------------------------------------------------------------------------------
-
-
 def decode_call(case, x, block_size: int | None):
-    """Our decode on the case's inputs; with block_size, on the same contents in a paged cache."""
+    """Our decode on the case's inputs; with block_size, on the same contents in a paged cache
+    (phases.run_workload traces it)."""
     from .baselines import ops, our_call
     from .targetmeasure import paged_cache
 
@@ -158,37 +148,3 @@ def decode_call(case, x, block_size: int | None):
     return lambda: api.flash_attention_decode(
         x.q, k_cache, v_cache, x.cache_seqlens, causal=case.causal, block_table=table
     )
-
-
-def run_workload(case_id: str, block_size: int | None, json_path: Path) -> int:
-    import torch
-
-    from .baselines import ops, sdpa_call
-    from .cases import make_inputs, parse_case_id
-    from .phases import DEFINE, _kernels_of, _say, _time_ms
-
-    case = parse_case_id(case_id)
-    ops().load_library()
-    library = torch.ops.flashmoe_science
-    if not hasattr(library, "decode_trace_dump"):
-        _say(f"phases: the loaded build has no decode trace (built without -D{DEFINE})")
-        return exitcodes.GATE_FAILED
-    x = make_inputs(case, "cuda")
-    fn = decode_call(case, x, block_size)
-    for _ in range(WARMUP_CALLS):
-        fn()
-    torch.cuda.synchronize()
-    ours_ms = _time_ms(fn)
-    sdpa, why_not = sdpa_call(case, x)
-    sdpa_ms = _time_ms(sdpa) if sdpa is not None else None
-    kernels = _kernels_of(fn)
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    library.decode_trace_reset()
-    flush.zero_()
-    torch.cuda.synchronize()
-    fn()
-    torch.cuda.synchronize()
-    doc = {"ours_ms": ours_ms, "sdpa_default_ms": sdpa_ms, "sdpa_missing": why_not}
-    doc |= {"kernels": kernels, "stamps": library.decode_trace_dump().tolist()}
-    json_path.write_text(json.dumps(doc))
-    return exitcodes.OK

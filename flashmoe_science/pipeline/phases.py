@@ -222,6 +222,15 @@ def _time_ms(fn) -> float:
     return statistics.median(times)
 
 
+def _flush_l2() -> None:
+    """The bench's L2 flush before a call (timing.CudaTimer's)."""
+    import torch
+
+    from .timing import L2_FLUSH_BYTES
+
+    torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda").zero_()
+
+
 def _kernels_of(fn) -> list[str]:
     import torch
 
@@ -234,7 +243,9 @@ def _kernels_of(fn) -> list[str]:
     return sorted({short_kernel(n) for n in names})
 
 
-def run_workload(case_id: str, json_path: Path) -> int:
+def run_workload(case_id: str, json_path: Path, block_size: int | None = None) -> int:
+    """One traced call of the case (a decode one after an L2 flush, as bench times it), the trace's
+    buffers and the untraced timings, into json_path."""
     import torch
 
     from .baselines import ops, our_call, sdpa_call
@@ -243,11 +254,13 @@ def run_workload(case_id: str, json_path: Path) -> int:
     case = parse_case_id(case_id)
     ops().load_library()
     library = torch.ops.flashmoe_science
-    if not hasattr(library, "phase_trace_dump"):
-        _say(f"phases: the loaded build has no phase trace (built without -D{DEFINE})")
+    decode = case.kind == "decode"
+    name = "decode_trace" if decode else "phase_trace"
+    if not hasattr(library, f"{name}_dump"):
+        _say(f"phases: the loaded build has no {name} (built without -D{DEFINE})")
         return exitcodes.GATE_FAILED
     x = make_inputs(case, "cuda")
-    fn = our_call(case, x)
+    fn = decode_phases.decode_call(case, x, block_size) if decode else our_call(case, x)
     for _ in range(WARMUP_CALLS):
         fn()
     torch.cuda.synchronize()
@@ -255,14 +268,19 @@ def run_workload(case_id: str, json_path: Path) -> int:
     sdpa, why_not = sdpa_call(case, x)
     sdpa_ms = _time_ms(sdpa) if sdpa is not None else None
     kernels = _kernels_of(fn)
-    library.phase_trace_reset()
+    getattr(library, f"{name}_reset")()
+    if decode:
+        _flush_l2()
     torch.cuda.synchronize()
     fn()
     torch.cuda.synchronize()
-    trace = library.phase_trace_dump().tolist()
-    stamps, spans = trace[: BLOCKS * ROUNDS * SLOTS], trace[BLOCKS * ROUNDS * SLOTS :]
+    trace = getattr(library, f"{name}_dump")().tolist()
     doc = {"ours_ms": ours_ms, "sdpa_default_ms": sdpa_ms, "sdpa_missing": why_not}
-    doc |= {"kernels": kernels, "stamps": stamps, "spans": spans}
+    if decode:
+        doc |= {"kernels": kernels, "stamps": trace}
+    else:
+        stamps, spans = trace[: BLOCKS * ROUNDS * SLOTS], trace[BLOCKS * ROUNDS * SLOTS :]
+        doc |= {"kernels": kernels, "stamps": stamps, "spans": spans}
     json_path.write_text(json.dumps(doc))
     return exitcodes.OK
 
@@ -311,9 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return exitcodes.USAGE
     if args.workload:
-        if case.kind == "decode":
-            return decode_phases.run_workload(args.case, block_size, args.json)
-        return run_workload(args.case, args.json)
+        return run_workload(args.case, args.json, block_size)
     import torch
 
     if not torch.cuda.is_available():
