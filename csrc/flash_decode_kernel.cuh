@@ -39,11 +39,7 @@ __device__ __forceinline__ void put(int slot, long long value) {
   if (threadIdx.x == 0 && block < kBlocks) stamps[block * kSlots + slot] = value;
 }
 __device__ __forceinline__ void stamp(Mark mark) { put(mark, clock64()); }
-__device__ __forceinline__ void timer(Slot slot) {
-  long long now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  put(slot, now);
-}
+__device__ __forceinline__ void timer(Slot slot) { put(slot, global_timer_ns()); }
 __device__ __forceinline__ void start(int stages) {
   timer(kTimerStart);
   stamp(kStart);

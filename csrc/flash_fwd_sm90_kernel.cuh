@@ -60,8 +60,7 @@ __device__ __forceinline__ void put(int round, int slot, long long value) {
 }
 __device__ __forceinline__ void stamp(int round, int slot) { put(round, slot, clock64()); }
 __device__ __forceinline__ void span(int end) {  // end: 0 at the block's start, 1 at its end
-  long long now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  const long long now = global_timer_ns();
   if (blockIdx.x < kBlocks) {
     spans[blockIdx.x * 4 + 2 * end] = now;
     spans[blockIdx.x * 4 + 2 * end + 1] = clock64();

@@ -25,6 +25,16 @@
 
 namespace flashmoe::cuda {
 
+#if FLASHMOE_PHASE_TRACE
+// The GPU's nanosecond timer, one for all SMs: the traces' time line (its tick is coarse, 0.256 us
+// on the H100; clock64 times a phase within a block).
+__device__ __forceinline__ long long global_timer_ns() {
+  long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+#endif
+
 // A compile-time bool as a value, to pick a generic lambda's specialization (if constexpr).
 template <bool kValue>
 struct BoolConstant {

@@ -138,13 +138,9 @@ def tail_us(summary: dict) -> float | None:
 def decode_call(case, x, block_size: int | None):
     """Our decode on the case's inputs; with block_size, on the same contents in a paged cache
     (phases.run_workload traces it)."""
-    from .baselines import ops, our_call
-    from .targetmeasure import paged_cache
+    from .baselines import our_call
+    from .targetmeasure import paged_decode_call
 
     if block_size is None:
         return our_call(case, x)
-    k_cache, v_cache, table = paged_cache(x.k, x.v, block_size, seed=1)
-    api = ops()
-    return lambda: api.flash_attention_decode(
-        x.q, k_cache, v_cache, x.cache_seqlens, causal=case.causal, block_table=table
-    )
+    return paged_decode_call(x, block_size, 1, x.cache_seqlens, causal=case.causal)

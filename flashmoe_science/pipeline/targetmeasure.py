@@ -177,14 +177,23 @@ def _floor_ratio(floor, result) -> float | None:
     return None
 
 
+def paged_decode_call(
+    x, block_size: int, seed: int, cache_seqlens=None, causal: bool = True
+) -> Callable[[], object]:
+    """Our decode of x.q against x.k and x.v's contents in a paged cache of block_size-key pages
+    in a shuffled order (paged_cache): the call, ready to time or trace."""
+    k_cache, v_cache, table = paged_cache(x.k, x.v, block_size, seed)
+    api = ops()
+    return lambda: api.flash_attention_decode(
+        x.q, k_cache, v_cache, cache_seqlens, causal=causal, block_table=table
+    )
+
+
 def run_paged(target: PagedTarget, device: str, timer, config, ceilings, say=None) -> PagedRecord:
     case = target.contiguous
     x = make_inputs(case, device)
-    k_cache, v_cache, table = paged_cache(x.k, x.v, target.block_size, case_seed(target.id))
+    paged = paged_decode_call(x, target.block_size, case_seed(target.id))
     api = ops()
-
-    def paged():
-        return api.flash_attention_decode(x.q, k_cache, v_cache, block_table=table)
 
     def contiguous():
         return api.flash_attention_decode(x.q, x.k, x.v)
@@ -284,10 +293,7 @@ def host_calls(
     lengths = torch.full((target.batch,), target.seqlen_k, dtype=torch.int32, device=device)
     if target.call == "decode-lens":
         return (lambda: api.flash_attention_decode(x.q, x.k, x.v, lengths)), sdpa
-    k_cache, v_cache, table = paged_cache(x.k, x.v, 64, seed)
-    return (
-        lambda: api.flash_attention_decode(x.q, k_cache, v_cache, lengths, block_table=table)
-    ), sdpa
+    return paged_decode_call(x, 64, seed, lengths), sdpa
 
 
 def host_costs(fns: dict[str, Callable[[], object]], calls: int) -> list[HostCost | NotMeasured]:
