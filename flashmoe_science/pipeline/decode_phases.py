@@ -20,8 +20,9 @@ targets do.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
+
+from .phases import _median, _num
 
 # csrc/flash_decode_kernel.cuh, namespace decode_trace (a test holds the two together)
 BLOCKS, SLOTS = 1024, 12
@@ -37,10 +38,6 @@ PHASES = (
     ("combine", "arrived", "combined", "the last split of a tile combines its splits"),
 )
 TIMELINE = ("first_stage", "last_stage", "loop_done", "end")
-
-
-def _median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def summarize(stamps: Sequence[int]) -> dict:
@@ -121,10 +118,6 @@ def format_table(summary: dict) -> list[str]:
     for mark, fig in summary["timeline"].items():
         lines.append(f"  {mark:<12} {_num(fig['median_us']):>10} {_num(fig['latest_us']):>8}")
     return lines
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 def tail_us(summary: dict) -> float | None:

@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import decode_phases, exitcodes, paths
+from . import exitcodes, paths
 from .cudatools import paths_display
 from .provenance import provenance
 
@@ -248,6 +248,7 @@ def run_workload(case_id: str, json_path: Path, block_size: int | None = None) -
     buffers and the untraced timings, into json_path."""
     import torch
 
+    from . import decode_phases
     from .baselines import ops, our_call, sdpa_call
     from .cases import make_inputs, parse_case_id
 
@@ -437,6 +438,8 @@ def run(case, json_path: Path) -> int:
 
 
 def run_decode(case, json_path: Path, block_size: int | None) -> int:
+    from . import decode_phases
+
     start = time.monotonic()
     extra = () if block_size is None else ("--block-size", str(block_size))
     raw = traced_run(case, extra)
