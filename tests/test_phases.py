@@ -196,6 +196,7 @@ def test_a_traced_run_prints_the_table_and_writes_its_record(monkeypatch, tmp_pa
     assert phases.run(case, record) == exitcodes.OK
     assert calls and calls[0][1] == phases.DEFINE and "--workload" in calls[0][0]
     out = capsys.readouterr().out
+    assert out.count("building with") == 1  # each step said once
     assert "6 tiles, 2 math warpgroups" in out
     assert "(0.750x the traced kernel" in out  # SDPA default over ours, over as many tiles
     assert "`bench` gives the ratio of record" in out  # the trace's stamps slow our kernel

@@ -355,7 +355,6 @@ def traced_run(case, extra: Sequence[str] = ()) -> dict | int:
     from . import build
 
     _say(f"phases: building with -D{DEFINE} (a build folder of its own)")
-    _say(f"phases: building with -D{DEFINE} (a build folder of its own)")
     library = build.ensure_built_for("phases", (DEFINE,))
     if isinstance(library, int):
         return library
