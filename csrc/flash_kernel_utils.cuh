@@ -338,8 +338,9 @@ __device__ __forceinline__ uint32_t swizzle_step(uint32_t base, int block, int s
 // kThreads / kChunks-th row, so its addresses are one base plus a constant per pass (the swizzle
 // depends on row % 8 only): the loop holds no per-pass addresses across the main loop.
 // kPanels: into the sm_90a kernel's wgmma layout (swizzle_panels) instead of swizzle<kHeadDim>.
-template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, typename T,
-          typename L2 = L2Default>
+// kWhole: the caller knows every row is below `len` (no per-row check, no zero fill).
+template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, bool kWhole = false,
+          typename T, typename L2 = L2Default>
 __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row_stride, int row0,
                                              int len, int tid, L2 l2 = {}) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
@@ -352,7 +353,7 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row
   const T* src = base + (row0 + r) * row_stride + ch * 8;
 #pragma unroll
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-    const bool valid = row0 + r + pass * kRowsPerPass < len;
+    const bool valid = kWhole || row0 + r + pass * kRowsPerPass < len;
     const T* from = src + pass * kRowsPerPass * row_stride;
 #if FLASHMOE_PLANT_BUG == 3
     // Rows past the sequence end are read, 4 GiB past where they would lie (outside any
@@ -395,15 +396,35 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
     bad_page |= unsigned(page) >= unsigned(p.num_pages);
     return min(max(page, 0), p.num_pages - 1);
   };
-  const bool one_page_per_tile = (1 << p.page_shift) >= kRows;
-  const int tile_page = one_page_per_tile && row0 < len ? page_of(row0) : 0;
+  if ((1 << p.page_shift) >= kRows) {
+    // One page holds the whole tile: its rows are consecutive rows of that page, copied as a
+    // contiguous tile's are. A branch of its own (uniform: the page size is a launch parameter),
+    // so this common case does not run the per-row lookups' predicated code too: that had nearly
+    // doubled the main loop's instructions (benches/NOTES.md v4.3).
+    const int page = row0 < len ? page_of(row0) : 0;
+    const int64_t in_page = row0 & in_page_mask;
+    const T* k_rows = k_base + page * p.k_batch_stride + in_page * p.k_row_stride;
+    const T* v_rows = v_base + page * p.v_batch_stride + in_page * p.v_row_stride;
+    if (row0 + kRows <= len) {  // every tile but a sequence's last: no row to check or zero-fill
+      load_kv_tile<kHeadDim, kRows, kThreads, false, true>(k_tile, k_rows, p.k_row_stride, 0, 0,
+                                                           tid, l2);
+      load_kv_tile<kHeadDim, kRows, kThreads, false, true>(v_tile, v_rows, p.v_row_stride, 0, 0,
+                                                           tid, l2);
+    } else {
+      load_kv_tile<kHeadDim, kRows, kThreads>(k_tile, k_rows, p.k_row_stride, 0, len - row0, tid,
+                                              l2);
+      load_kv_tile<kHeadDim, kRows, kThreads>(v_tile, v_rows, p.v_row_stride, 0, len - row0, tid,
+                                              l2);
+    }
+    return;
+  }
   T* k_dst = k_tile + swizzle<kHeadDim>(r, ch);
   T* v_dst = v_tile + swizzle<kHeadDim>(r, ch);
 #pragma unroll
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
     const int row = row0 + r + pass * kRowsPerPass;
     const bool valid = row < len;
-    const int page = !valid ? 0 : one_page_per_tile ? tile_page : page_of(row);
+    const int page = valid ? page_of(row) : 0;
     const int in_page = row & in_page_mask;
     const T* k_from = k_base + page * p.k_batch_stride + in_page * p.k_row_stride + ch * 8;
     const T* v_from = v_base + page * p.v_batch_stride + in_page * p.v_row_stride + ch * 8;
