@@ -150,20 +150,29 @@ inline void check_seqlens_values(const Tensor& seqlens_cpu, int64_t seqlen_k) {
   }
 }
 
+// Which of k's and v's dimensions hold the heads and the keys: 1 and 2 for [B, Hkv, S, D], 2 and 1
+// for a paged cache's [num_pages, page_size, Hkv, D], read in place (a transposed view costs the
+// host about half a microsecond each, on a path whose host cost is a target).
+struct KvDims {
+  int heads = 1, keys = 2;
+};
+
 inline AttentionParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
-                                   double softmax_scale) {
+                                   double softmax_scale, KvDims kv = {}) {
   AttentionParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(kv.heads);
+  p.k_row_stride = k.stride(kv.keys);
+  p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(kv.heads);
+  p.v_row_stride = v.stride(kv.keys);
   p.batch = int(q.size(0));
   p.heads_q = int(q.size(1));
-  p.heads_kv = int(k.size(1));
+  p.heads_kv = int(k.size(kv.heads));
   p.seqlen_q = int(q.size(2));
-  p.seqlen_k = int(k.size(2));
+  p.seqlen_k = int(k.size(kv.keys));
   p.head_dim = int(q.size(3));
   p.heads_ratio = p.heads_q / p.heads_kv;
   p.causal = causal;
@@ -175,9 +184,9 @@ inline AttentionParams make_params(const Tensor& q, const Tensor& k, const Tenso
 
 // Outputs for inputs with nothing to compute: B, Hq or Sq is 0 (empty results), or there are no
 // keys (output 0, log-sum-exp -inf, the limit of an empty softmax).
-inline std::optional<std::tuple<Tensor, Tensor>> empty_result(const Tensor& q, const Tensor& k) {
+inline std::optional<std::tuple<Tensor, Tensor>> empty_result(const Tensor& q, int64_t keys) {
   const bool no_rows = q.numel() == 0 && (q.size(0) == 0 || q.size(1) == 0 || q.size(2) == 0);
-  if (!no_rows && k.size(2) != 0) return std::nullopt;
+  if (!no_rows && keys != 0) return std::nullopt;
   auto out = at::zeros(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<float>::infinity(),
                       q.options().dtype(at::kFloat));
@@ -238,7 +247,7 @@ inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tenso
       " selects a CUDA tile configuration, but the inputs are CPU tensors; use config=0 "
       "(automatic) on the CPU");
   if (seqlens_k.has_value()) check_seqlens_values(*seqlens_k, k.size(2));
-  if (auto empty = empty_result(q, k)) return *empty;
+  if (auto empty = empty_result(q, k.size(2))) return *empty;
 
   auto qf = q.to(at::kFloat).contiguous();
   auto kf = k.to(at::kFloat).contiguous();

@@ -566,7 +566,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   if (seqlens_k.has_value() && capture == cudaStreamCaptureStatusNone && host_checks_requested()) {
     check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
   }
-  if (auto empty = empty_result(q_in, k_in)) return *empty;
+  if (auto empty = empty_result(q_in, k_in.size(2))) return *empty;
 
   const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
                    v = aligned_for_cp_async(v_in);
@@ -704,13 +704,13 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
     if (lens_cpu) check_seqlens_values(*lens_cpu, capacity);
     check_block_table_values(block_table.cpu().contiguous(), lens_cpu, page_size, k_cache.size(0));
   }
-  if (auto empty = empty_result(q_in, k_cache.transpose(1, 2))) return *empty;
+  if (auto empty = empty_result(q_in, capacity)) return *empty;
 
   const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_cache),
                    v = aligned_for_cp_async(v_cache);
   const at::Tensor table = block_table.stride(1) == 1 ? block_table : block_table.contiguous();
-  // [num_pages, Hkv, page_size, D] views: the batch stride is the page stride.
-  AttentionParams p = make_params(q, k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale);
+  // The batch stride is the page stride; the heads are dimension 2, a page's rows dimension 1.
+  AttentionParams p = make_params(q, k, v, causal, softmax_scale, KvDims{2, 1});
   p.seqlen_k = int(capacity);
   if (lens) p.seqlens_k = lens->data_ptr<int>();
   p.block_table = table.data_ptr<int>();
