@@ -161,12 +161,14 @@ def varlen_record(ratio: float | None, ours=None) -> VarlenRecord:
     )  # fmt: skip
 
 
-def paged_record(block: int, ratio: float, floor: float | None, kv_bytes: int = 128 * MIB):
+def paged_record(
+    block: int, ratio: float, floor: float | None, kv_bytes: int = 128 * MIB, orders=None
+):
     target = PagedTarget("bf16", 128, 32, 8, 4, 8192, block)
     return PagedRecord(
         target.id, "paged", "bf16", 128, 32, 8, 4, 8192, block, kv_bytes, measured(1.0),
         measured(ratio), ReadFloor(0.9, 1.0, "x") if floor else None, ratio, floor,
-        floor and floor * ratio,
+        floor and floor * ratio, orders,
     )  # fmt: skip
 
 
@@ -196,6 +198,7 @@ def test_target_records_round_trip_and_the_schema_rejects_bad_ones():
         varlen_record(0.97),
         paged_record(64, 0.99, 0.92),
         paged_record(16, 0.9, None),
+        paged_record(64, 0.99, 0.92, orders=[0.98, 1.0, None]),
         host_record(1.25),
         host_record(None, NotMeasured("unsupported", "CUDA only")),
         model_record(),
@@ -212,7 +215,10 @@ def test_target_records_round_trip_and_the_schema_rejects_bad_ones():
             {**doc, "ours": {"status": "ok"}},
         ):
             assert list(validator.iter_errors(bad)), bad
-    host = benchrecords.to_json(records[3])
+    paged = benchrecords.to_json(records[3])
+    assert list(validator.iter_errors({**paged, "orders_ms": []}))
+    assert list(validator.iter_errors({**paged, "orders_ms": [-1.0]}))
+    host = benchrecords.to_json(records[4])
     assert list(validator.iter_errors({**host, "call": "prefill"}))
     assert list(validator.iter_errors({**host, "ratio": -1}))
     varlen = benchrecords.to_json(records[0])
@@ -580,6 +586,25 @@ def test_bench_md_shows_each_kind_and_lists_the_misses():
     assert benchmd.render_targets(bench_record()) == []
 
 
+def test_bench_md_and_the_report_list_the_page_orders(tmp_path, fixture_checkout):
+    """A paged record of several page orders shows each order's time and says the paged side is
+    their median; one of a single order (older bench.json files) says neither."""
+    timed = paged_record(64, 0.99, 0.95, orders=[0.98, 1.0, 1.02])
+    text = "\n".join(benchmd.render_targets(bench_record(found=[timed])))
+    assert "The paged side is the median of its shuffled page orders" in text
+    assert f"| {timed.id} | 128 | 1 | 0.98 / 1 / 1.02 | 0.99 |" in text
+    old = "\n".join(benchmd.render_targets(bench_record(found=[paged_record(64, 0.99, 0.95)])))
+    assert "page orders, each" not in old and f"| {timed.id} | 128 | 1 | - | 0.99 |" in old
+
+    def with_orders(doc):
+        doc["targets"][1]["orders_ms"] = [0.98, 1.0, 1.02]
+
+    _, report_text = write_reports(tmp_path, with_orders)
+    assert "paged: the median of its shuffled page orders" in report_text
+    _, report_text = write_reports(tmp_path / "old", lambda doc: None)
+    assert "page orders" not in report_text
+
+
 def write_reports(tmp_path, mutate) -> tuple[int, str]:
     reports = tmp_path / "reports"
     shutil.copytree(FIXTURES / "passing", reports, ignore=shutil.ignore_patterns("expected.md"))
@@ -703,19 +728,68 @@ def test_host_calls_match_sdpa_on_the_cpu(call):
 
 
 def test_paged_and_contiguous_decode_agree_on_the_cpu(monkeypatch):
+    """Every page order holds the contiguous contents (the same output, bit for bit), and the paged
+    side is the order of median time, each order's time kept in the record."""
     target = PagedTarget("bf16", 64, 8, 2, 2, 256, 64)
     outputs = {}
+    times = (3.0, 2.0, 2.5, 1.0)  # the three page orders, then contiguous
 
     def fake_measure(calls, case, device, timer, config, ceilings, rounds, say=None):
         outputs.update({name: fn() for name, (fn, _) in calls.items()})
-        return {name: measured(ms) for name, ms in zip(calls, (2.0, 1.0), strict=True)}
+        return {name: measured(ms) for name, ms in zip(calls, times, strict=True)}
 
     monkeypatch.setattr(targetmeasure.measure, "measure_interleaved", fake_measure)
     record = targetmeasure.run_paged(target, "cpu", None, None, {})
-    torch.testing.assert_close(
-        outputs["paged"].float(), outputs["contiguous"].float(), atol=0, rtol=0
+    assert len(outputs) == targetmeasure.PAGE_ORDERS + 1 == 4
+    for out in outputs.values():
+        torch.testing.assert_close(out.float(), outputs["contiguous"].float(), atol=0, rtol=0)
+    assert record.ours.median_ms == 2.5 and record.ratio == 0.4
+    assert record.orders_ms == [3.0, 2.0, 2.5]
+    assert record.read_floor is None and record.floor_ratio is None
+
+
+def test_on_cuda_the_page_orders_share_the_read_floors_rounds(monkeypatch):
+    """The CUDA branch's wiring, on CPU tensors: every page order and contiguous go to read_floor's
+    interleaved rounds as `alongside`, and the floor ratios use the median order."""
+    from flashmoe_science.pipeline import cases
+
+    target = PagedTarget("bf16", 64, 8, 2, 2, 256, 64)
+    seen = {}
+
+    def fake_floor(case, x, device, timer, config, say=None, alongside=None, ceilings=None):
+        seen.update(alongside)
+        times = {"paged, order 1": 2.0, "paged, order 2": 4.0, "paged, order 3": 3.0}
+        return ReadFloor(1.5, 1.0, "x"), {n: measured(times.get(n, 1.0)) for n in alongside}
+
+    monkeypatch.setattr(
+        targetmeasure, "make_inputs", lambda case, device: cases.make_inputs(case, "cpu")
     )
-    assert record.ratio == 0.5 and record.read_floor is None and record.floor_ratio is None
+    monkeypatch.setattr(targetmeasure.measure, "read_floor", fake_floor)
+    record = targetmeasure.run_paged(target, "cuda", None, None, {})
+    assert list(seen) == ["paged, order 1", "paged, order 2", "paged, order 3", "contiguous"]
+    assert record.orders_ms == [2.0, 4.0, 3.0] and record.ours.median_ms == 3.0
+    assert record.floor_ratio == 0.5 and record.contiguous_floor_ratio == 1.5
+    assert record.ratio == pytest.approx(1 / 3, rel=1e-3)
+
+
+def test_the_page_orders_are_different_permutations():
+    """Three seeds, three shuffles of the same pages (one order timed three times would leave the
+    median as much to luck as one order)."""
+    from flashmoe_science.pipeline.cases import make_inputs
+
+    x = make_inputs(PagedTarget("bf16", 64, 8, 2, 2, 256, 16).contiguous, "cpu")
+    seed = 7
+    tables = [targetmeasure.paged_cache(x.k, x.v, 16, seed + i)[2] for i in range(3)]
+    assert all(sorted(t.flatten().tolist()) == list(range(32)) for t in tables)
+    assert len({tuple(t.flatten().tolist()) for t in tables}) == 3
+
+
+def test_the_paged_side_is_the_median_order_and_a_failed_order_fails_it():
+    fast, mid, slow = measured(1.0), measured(2.0), measured(3.0)
+    assert targetmeasure.median_order([slow, fast, mid]) is mid
+    assert targetmeasure.median_order([mid]) is mid
+    failed = NotMeasured("error", "RuntimeError: boom")
+    assert targetmeasure.median_order([fast, failed, slow]) is failed  # never hidden by the others
 
 
 def drifting_benchmark(order: list):
@@ -746,8 +820,10 @@ def test_a_targets_two_sides_are_timed_in_turn_so_drift_cancels(kind, monkeypatc
         target = PagedTarget("bf16", 64, 8, 2, 2, 256, 64)
         record = targetmeasure.run_paged(target, "cpu", None, config, {})
         sides = (record.ours, record.contiguous)
-    first, second = order[0], order[1]
-    assert order == [first, second, second, first] * (targetmeasure.measure.ROUNDS // 2)
+    n = 2 if kind == "varlen" else targetmeasure.PAGE_ORDERS + 1  # the timed calls
+    calls = order[:n]  # the first round's order; every other round reverses it
+    assert len(set(calls)) == n and len(order) % (2 * n) == 0
+    assert order == (calls + calls[::-1]) * (len(order) // (2 * n))
     assert sides[0].median_ms == sides[1].median_ms and record.ratio == 1.0
 
 
@@ -756,7 +832,8 @@ def test_a_disturbed_target_is_retaken_and_says_so(monkeypatch):
 
     def disturbed_once(fn, timer, config, samples=None):
         timed.append(fn)
-        first_attempt = len(timed) <= 2 * targetmeasure.measure.ROUNDS  # both sides, every round
+        sides = targetmeasure.PAGE_ORDERS + 1  # the page orders and contiguous
+        first_attempt = len(timed) <= sides * targetmeasure.measure.ROUNDS  # every side, round
         ms = [1.0, 2.0, 3.0] if first_attempt else [1.0] * 3  # an IQR of 50% of the median
         return timing.Timing(ms, targetmeasure.measure.summarize(ms))
 
@@ -765,7 +842,9 @@ def test_a_disturbed_target_is_retaken_and_says_so(monkeypatch):
     target = PagedTarget("bf16", 64, 8, 2, 2, 256, 64)
     config = timing.TimingConfig.for_device("cpu")
     record = targetmeasure.run_target(target, "cpu", None, config, {}, say=said.append)
-    assert len(said) == 1 and said[0].startswith(f"  retaking {target.id} (1 of 2): paged IQR")
+    assert len(said) == 1 and said[0].startswith(
+        f"  retaking {target.id} (1 of 2): paged, order 1 IQR"
+    )
     assert record.ours.retakes == record.contiguous.retakes == 1
     assert not record.ours.is_unstable() and record.ratio == 1.0
 

@@ -255,6 +255,9 @@ class PagedRecord:
     ratio: float | None  # contiguous time / paged time: paged's speed over contiguous's
     floor_ratio: float | None  # read floor time / paged time
     contiguous_floor_ratio: float | None  # read floor time / contiguous time
+    # each shuffled page order's median time (ms; None where not measured): ours is the median
+    # order's record (older records: one order, no list)
+    orders_ms: list[float | None] | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass
