@@ -106,12 +106,12 @@ def varlen_calls(
     return packed, dense
 
 
-def _side_by_side(calls: dict, target, device: str, timer, config, ceilings, say=None) -> list:
-    """Each of calls {name: fn} timed as a matrix case's columns are: in measure.ROUNDS interleaved
-    rounds, retaken while disturbed (each retake said through `say`), so drift during the target
-    hits both sides of its ratio alike (timed one after the other, a drift of a few percent is the
-    size of a target's margin)."""
-    timed = measure.measure_interleaved(
+def _side_by_side(calls: dict, target, device: str, timer, config, ceilings, say=None) -> dict:
+    """Each of calls {name: fn} timed as a matrix case's columns are, as {name: result} in calls'
+    order: in measure.ROUNDS interleaved rounds, retaken while disturbed (each retake said through
+    `say`), so drift during the target hits both sides of its ratio alike (timed one after the
+    other, a drift of a few percent is the size of a target's margin)."""
+    return measure.measure_interleaved(
         {name: (fn, None) for name, fn in calls.items()},
         target,
         device,
@@ -121,7 +121,6 @@ def _side_by_side(calls: dict, target, device: str, timer, config, ceilings, say
         measure.ROUNDS,
         say=say,
     )
-    return list(timed.values())
 
 
 def run_varlen(
@@ -130,7 +129,7 @@ def run_varlen(
     packed, dense = varlen_calls(target, device)
     ours, baseline = _side_by_side(
         {"varlen": packed, "dense": dense}, target, device, timer, config, ceilings, say
-    )
+    ).values()
     return _record(
         VarlenRecord,
         target,
@@ -224,13 +223,7 @@ def run_paged(target: PagedTarget, device: str, timer, config, ceilings, say=Non
         )
     else:
         floor = None
-        timed = dict(
-            zip(
-                calls,
-                _side_by_side(calls, target, device, timer, config, ceilings, say),
-                strict=True,
-            )
-        )
+        timed = _side_by_side(calls, target, device, timer, config, ceilings, say)
     per_order = [timed[name] for name in orders]
     ours, flat = median_order(per_order), timed["contiguous"]
     return _record(
