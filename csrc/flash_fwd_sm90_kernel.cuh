@@ -446,7 +446,15 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   Sm90Barriers& bar =
       *reinterpret_cast<Sm90Barriers*>(reinterpret_cast<char*>(smem_buf) + Traits::kTileBytes);
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // With two math warpgroups the warp index comes through a shuffle from lane 0: the compiler then
+  // knows it is the same in every lane, so the role branch and what derives from the warp (the
+  // math loop's counters, the wgmma descriptors) live in uniform registers, with no
+  // register-to-uniform moves before each wgmma (the d128 main loop: 744 -> 667 instructions,
+  // 48 R2UR -> 0). Three math warpgroups (configuration 5) already kept them uniform; there the
+  // shuffled index (tried together with 32-bit descriptor steps) lost 2-5% on the H200 and added
+  // producer spills, so they keep tid / 32 (benches/NOTES.md v4.4).
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int warp = Traits::kWarpgroups == 2 ? __shfl_sync(0xffffffffu, tid / 32, 0) : tid / 32;
   const int full_count = p.tma ? 1 : 128;
   FLASHMOE_PHASE(if (tid == 0) phase_trace::span(0);)
   if (tid == 0) {
