@@ -250,7 +250,8 @@ struct Sm90Rows {
         }
     }
   }
-  __device__ __forceinline__ void rescale_o_and_pack_p(const float (&rescale)[2]) {
+  // O *= what the latest softmax's max moved it by, before the P V of that softmax's P.
+  __device__ __forceinline__ void rescale_o(const float (&rescale)[2]) {
     // Lazy: past the first key blocks the max rarely moves (see softmax), and the warp skips
     // the multiplies when none of its rows did.
     bool any_moved = true;
@@ -267,6 +268,8 @@ struct Sm90Rows {
         for (int e = 0; e < 4; ++e)
           acc_o[dt][e] *= rescale[e >> 1];
     }
+  }
+  __device__ __forceinline__ void pack_p() {
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) {
       p_frag[j][0] = pack2<T>(acc_s[2 * j][0], acc_s[2 * j][1]);
@@ -576,6 +579,11 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     if constexpr (kPingPong) sm90::pass_turn(wg);
   };
   if (kPingPong && wg == 1) sm90::pass_turn(wg);
+  // Under ping-pong the output's rescale runs while the tensor cores run this warpgroup's S,
+  // between its S and its P V (FlashAttention-3's order), not between the P V's end and the next
+  // turn: H200 A/B 1.03x-1.05x at d128. Three warpgroups keep it after the P V (there the early
+  // rescale lost 3.5%; benches/NOTES.md v4.4).
+  constexpr bool kRescaleUnderS = kPingPong;
   // Waits until the producer's copies into a buffer landed, then makes them visible to wgmma.
   auto wait_full = [&](uint64_t* full, int use) {
 #if FLASHMOE_PLANT_BUG == 9
@@ -627,7 +635,8 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       release(&bar.k_empty[buf]);
       if (n_hi - n_lo == 1) release(&bar.q_empty);  // the tile's last read of Q
       rows.softmax(n_hi - 1, rescale);
-      rows.rescale_o_and_pack_p(rescale);
+      if constexpr (!kRescaleUnderS) rows.rescale_o(rescale);
+      rows.pack_p();
       FLASHMOE_PHASE(mark(phase_trace::kFirstSoftmax);)
       // Then S(n) with P(n + 1) V(n + 1), the previous block's V in the previous buffer.
       for (int n = n_hi - 2; n >= n_lo; --n) {
@@ -637,6 +646,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
         wait_full(&bar.v_full[prev], use - 1);
         my_turn();
         rows.issue_s(buf);
+        if constexpr (kRescaleUnderS) rows.rescale_o(rescale);  // before P(n + 1) V(n + 1)
         rows.issue_pv(prev);
         their_turn();
         rows.template wait<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
@@ -645,11 +655,13 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
         rows.softmax(n, rescale);
         rows.template wait<0>();
         release(&bar.v_empty[prev]);
-        rows.rescale_o_and_pack_p(rescale);
+        if constexpr (!kRescaleUnderS) rows.rescale_o(rescale);
+        rows.pack_p();
       }
       FLASHMOE_PHASE(mark(phase_trace::kLoopDone);)
       wait_full(&bar.v_full[buf], use);
       my_turn();
+      if constexpr (kRescaleUnderS) rows.rescale_o(rescale);
       rows.issue_pv(buf);
       their_turn();
       FLASHMOE_PHASE(mark(phase_trace::kLastPVIssued);)
