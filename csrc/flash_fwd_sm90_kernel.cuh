@@ -580,9 +580,9 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   };
   if (kPingPong && wg == 1) sm90::pass_turn(wg);
   // Under ping-pong the output's rescale runs while the tensor cores run this warpgroup's S,
-  // between its S and its P V (FlashAttention-3's order), not between the P V's end and the next
-  // turn: H200 A/B 1.03x-1.05x at d128. Three warpgroups keep it after the P V (there the early
-  // rescale lost 3.5%; benches/NOTES.md v4.4).
+  // between its S and its P V (FlashAttention-3's order above head dim 128), not between the P V's
+  // end and the next turn: H200 A/B 1.03x-1.05x at d128. Three warpgroups keep it after the P V
+  // (there the early rescale lost 3.5%; benches/NOTES.md v4.4).
   constexpr bool kRescaleUnderS = kPingPong;
   // Waits until the producer's copies into a buffer landed, then makes them visible to wgmma.
   auto wait_full = [&](uint64_t* full, int use) {
