@@ -54,16 +54,24 @@ namespace flashmoe::cuda {
 //      (benches/NOTES.md v3.8): causal S=512 1.14x-1.15x, S=1000-1024 1.11x-1.12x, 1024 rows x
 //      512 keys 1.06x; more keys than rows 0.91x-0.99x, causal S=2048 0.94x-0.96x, non-causal
 //      0.82x-0.97x. No packed-batch variant.
+//   7: configuration 5's kernel with 176-key tiles at d=128 (FlashAttention-3's non-causal
+//      tile): S by a m64n176k16 wgmma, 37% more work per wgmma, barrier round and rescale, K and V
+//      in two buffers (three do not fit: Q 32 KB + 2 x 88 KB = 213 KB), the output written from
+//      registers (at d=64 it is configuration 5's kernel). sm_90a only, as 5. The H200's choice
+//      at d=128 for non-causal heads of at least 4096 keys: against 5 on the H200
+//      (benches/NOTES.md v4.5), non-causal S=4096-16k 1.046x-1.083x (6 rounds); S=2048 1.006x,
+//      S=1024 0.99x, S=512 0.96x, causal S=2048 0.94x-0.95x. No packed-batch variant.
 //   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
 //   registers, one block per SM, 0.47-0.63x SDPA flash.
-constexpr int kNumConfigs = 6;
+constexpr int kNumConfigs = 7;
 constexpr int kDecodeConfig = 3;
 constexpr int kDecodeStages = 3;
 constexpr int kSm90Config = 4;       // built for sm_90 and newer only
 constexpr int kSm90aConfig = 5;      // wgmma: the sm_90a build on a 9.0 GPU only
 constexpr int kSm90aM128Config = 6;  // the same, 128-row tiles at d=64 as well
+constexpr int kSm90aN176Config = 7;  // the same, 176-key tiles at d=128
 constexpr bool is_sm90a_config(int64_t config) {
-  return config == kSm90aConfig || config == kSm90aM128Config;
+  return config == kSm90aConfig || config == kSm90aM128Config || config == kSm90aN176Config;
 }
 #ifdef FLASHMOE_SM90A
 constexpr bool kBuiltSm90a = true;
@@ -105,7 +113,10 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int
     // short heads with no more keys than query rows. Where the keys outnumber the rows the mask
     // covers little, and 192-row tiles win (see configuration 6 above).
     const bool short_causal = causal && rows_per_head <= 1024 && seqlen_k <= rows_per_head;
-    return head_dim == 64 && short_causal ? kSm90aM128Config : kSm90aConfig;
+    if (head_dim == 64 && short_causal) return kSm90aM128Config;
+    // 176-key tiles at d=128 where a head's keys are long and unmasked (configuration 7 above).
+    if (head_dim == 128 && !causal && seqlen_k >= 4096) return kSm90aN176Config;
+    return kSm90aConfig;
   }
   if (dev.major >= 9) return kSm90Config;
   if (head_dim == 128 && small_smem) return 2;
@@ -154,7 +165,7 @@ auto fwd_kernel() {
 }
 
 // Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration). kVarlen: the
-// forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3 or 6).
+// forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3, 6 or 7).
 template <typename T, int D, bool kVarlen = false, typename F>
 void visit_config(int config, F&& f) {
   if (config == 1) {
@@ -176,6 +187,11 @@ void visit_config(int config, F&& f) {
     // The dense kernel even in the packed-batch visit, which never comes here: no packed variant
     // is compiled.
     using Traits = Sm90FwdTraits<D, 128, 2, 3>;
+    f(&flash_fwd_sm90_kernel<Traits, T>, Traits{});
+  } else if (config == kSm90aN176Config && !kVarlen) {
+    // 176-key tiles at d=128, two K/V buffers; at d=64 configuration 5's type, so its kernel. No
+    // packed variant, as 6.
+    using Traits = Sm90FwdTraits<D, D == 128 ? 176 : 128, D == 64 ? 3 : 2, 2>;
     f(&flash_fwd_sm90_kernel<Traits, T>, Traits{});
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
@@ -279,11 +295,12 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
 }
 
 constexpr int block_m_of(int config, int head_dim) {
-  if (config == kSm90aConfig) return head_dim == 64 ? 192 : 128;
+  if (config == kSm90aConfig || config == kSm90aN176Config) return head_dim == 64 ? 192 : 128;
   if (config == kSm90aM128Config) return 128;
   return config == 2 ? 64 : config == kDecodeConfig ? 16 : 128;
 }
 constexpr int block_n_of(int config, int head_dim) {
+  if (config == kSm90aN176Config && head_dim == 128) return 176;
   if (is_sm90a_config(config)) return 128;
   if (config == 1 && head_dim == 128) return 32;
   if (config == kSm90Config && head_dim == 64) return 128;
@@ -300,7 +317,7 @@ constexpr int block_n_of(int config, int head_dim) {
 // a tile's last S to the next tile's first, and TMA gave 1.01x-1.09x. At d=64, where Q was never
 // late, TMA gave 0.94x-0.96x (benches/NOTES.md v3.8).
 template <typename T>
-void use_tma_if_it_fits(AttentionParams& p, int box_rows_q) {
+void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {
   static const bool allowed = [] {
     const char* env = std::getenv("FLASHMOE_SM90_TMA");
     return env == nullptr || std::strcmp(env, "0") != 0;
@@ -310,9 +327,9 @@ void use_tma_if_it_fits(AttentionParams& p, int box_rows_q) {
   const int64_t rows = packed ? p.total_k : p.seqlen_k, batch = packed ? 1 : p.batch;
   const bool fp16 = std::is_same_v<T, __half>;
   p.tma = encode_kv_map(p.tma_k, p.k, fp16, rows, p.heads_kv, batch, p.k_row_stride,
-                        p.k_head_stride, p.k_batch_stride, p.head_dim, /*box_rows=*/128) &&
+                        p.k_head_stride, p.k_batch_stride, p.head_dim, box_rows_kv) &&
           encode_kv_map(p.tma_v, p.v, fp16, rows, p.heads_kv, batch, p.v_row_stride,
-                        p.v_head_stride, p.v_batch_stride, p.head_dim, /*box_rows=*/128);
+                        p.v_head_stride, p.v_batch_stride, p.head_dim, box_rows_kv);
   p.q_tma = p.tma && p.head_dim == 128 && !packed && !p.pack_gqa &&
             encode_kv_map(p.tma_q, p.q, fp16, p.seqlen_q, p.heads_q, p.batch, p.q_row_stride,
                           p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q);
@@ -329,7 +346,7 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
                       cudaStream_t stream) {
   AttentionParams p = params;
   if (kBuiltSm90a && is_sm90a_config(config)) {
-    use_tma_if_it_fits<T>(p, block_m_of(config, p.head_dim));
+    use_tma_if_it_fits<T>(p, block_m_of(config, p.head_dim), block_n_of(config, p.head_dim));
   }
   auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
@@ -614,9 +631,10 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dim_cuda(q_in.size(2));
-  FLASHMOE_CHECK_VALUE(
-      config >= 0 && config <= kNumConfigs && config != kDecodeConfig && config != kSm90aM128Config,
-      "config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got ", config);
+  FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs && config != kDecodeConfig &&
+                           config != kSm90aM128Config && config != kSm90aN176Config,
+                       "config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got ",
+                       config);
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
   check_cuda_device(q_in, dev);
@@ -650,9 +668,9 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   const int64_t grid_x = batch * p.heads_q;
   if (config == 0) {
     config = choose_config(dev, p.head_dim, grid_x, p.seqlen_q, causal, p.seqlen_k);
-    // The decode kernel and configuration 6 have no packed-batch variant.
+    // The decode kernel and configurations 6 and 7 have no packed-batch variant.
     if (config == kDecodeConfig) config = 2;
-    if (config == kSm90aM128Config) config = kSm90aConfig;
+    if (config == kSm90aM128Config || config == kSm90aN176Config) config = kSm90aConfig;
   }
   const int m_blocks = ceil_div(p.seqlen_q, block_m_of(int(config), p.head_dim));
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
@@ -732,7 +750,7 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 //   2: 128 keys x 64 queries a step, 8 warps (each still owns 16 keys of dK and dV; twice the
 //      warps per SM to hide latency); 112.5 KB at d=128: sm80 and sm90 (73.5 KB at d=64: all).
 //   3: 128 keys x 128 queries (d=64) or 64 queries (d=128) a step on wgmma, 2 warpgroups
-//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 and 6.
+//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 to 7.
 // The automatic choice takes 3 on a 9.0 GPU with the sm_90a build (1.50x configuration 2 and
 // 1.25x SDPA flash over 12 bf16 cases on the H100, benches/NOTES.md bwd v4), else 2 where it fits
 // the card's shared memory, else 1. The deterministic dQ pass always runs 64 x 64 tiles with 4

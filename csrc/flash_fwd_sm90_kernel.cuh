@@ -74,10 +74,11 @@ struct Sm90FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarpgroups = kWarpgroups_;  // math warpgroups, plus one that only copies
-  // K and V buffers each. With three the output is written from registers: its staging buffer
-  // would not fit beside them at D=128 (Q + 3 x (K + V) is 224 KB of the 227 KB).
+  // K and V buffers each. With three, or two of 176 keys, the output is written from registers:
+  // its staging buffer would not fit beside them at D=128 (Q + 3 x (K + V) of 128 keys is 224 KB
+  // of the 227 KB, Q + 2 x (K + V) of 176 keys 213 KB).
   static constexpr int kStages = kStages_;
-  static constexpr bool kStagedOutput = kStages_ == 2;
+  static constexpr bool kStagedOutput = kStages_ == 2 && kBlockN_ <= 128;
   // Unstaged output at D=128 leaves in 8-byte stores, one whole 32-byte sector a lane pair (A/B on
   // the H100: 1.03x-1.08x at S <= 1024). At D=64 (configuration 6) the same stores lost
   // 0.96x-0.98x, so there each thread stores its own 4 bytes.
@@ -110,8 +111,8 @@ struct Sm90FwdTraits {
   static_assert(
       128 * kProducerRegs + kMathThreads * kMathRegs <= kLaunchRegs * kNThreads,
       "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
-  static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128),
-                "wgmma tiles: 64-column panels, N of 64 or 128");
+  static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128 || kBlockN == 176),
+                "wgmma tiles: 64-column panels, N of 64, 128 or 176");
   static_assert(kStages == 2 || kStages == 3, "K and V in two or three buffers");
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kHeadDim * 2) % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle atom");

@@ -171,6 +171,12 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
       "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]),              \
       "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]),              \
       "+f"(d[15][3])
+#define FLASHMOE_WGMMA_D_N176                                                            \
+  FLASHMOE_WGMMA_D_N128, "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), \
+      "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]),    \
+      "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]),    \
+      "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]),    \
+      "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3])
 #define FLASHMOE_WGMMA_REGS_N64                                                                 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -179,6 +185,21 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
   "%56, %57, %58, %59, %60, %61, %62, %63}"
+
+#define FLASHMOE_WGMMA_REGS_N176                                                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+  "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "  \
+  "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
+
+#define FLASHMOE_WGMMA_SS_N176(TYPE)                                                            \
+  asm volatile(                                                                                 \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n176k16.f32." TYPE "." TYPE " " FLASHMOE_WGMMA_REGS_N176 \
+      ", %88, %89, p, 1, 1, 0, 0;\n}\n"                                                         \
+      : FLASHMOE_WGMMA_D_N176                                                                   \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
 #define FLASHMOE_WGMMA_SS_N64(TYPE, TNSP)                                                     \
   asm volatile(                                                                               \
@@ -219,9 +240,14 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
 template <int N, typename T, bool kMnMajor = false>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,
                                        int scale_d) {
-  static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
+  static_assert(N == 64 || N == 128 || (N == 176 && !kMnMajor),
+                "wgmma N: 64, 128 (or 176 K-major)");
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 64 && kHalf && kMnMajor) {
+  if constexpr (N == 176 && kHalf) {
+    FLASHMOE_WGMMA_SS_N176("f16");
+  } else if constexpr (N == 176) {
+    FLASHMOE_WGMMA_SS_N176("bf16");
+  } else if constexpr (N == 64 && kHalf && kMnMajor) {
     FLASHMOE_WGMMA_SS_N64("f16", "1, 1");
   } else if constexpr (N == 64 && kHalf) {
     FLASHMOE_WGMMA_SS_N64("f16", "0, 0");
@@ -256,6 +282,9 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 }
 
 #undef FLASHMOE_WGMMA_SS_N64
+#undef FLASHMOE_WGMMA_SS_N176
+#undef FLASHMOE_WGMMA_REGS_N176
+#undef FLASHMOE_WGMMA_D_N176
 #undef FLASHMOE_WGMMA_SS_N128
 #undef FLASHMOE_WGMMA_RS_N64
 #undef FLASHMOE_WGMMA_RS_N128

@@ -145,6 +145,8 @@ CONFIGS = {
     5: "128x128 tiles (192x128 at d64), 2 (3) warpgroups, wgmma (sm_90a build on a 9.0 GPU)",
     6: "128x128 tiles at both head dims (d128: config 5's kernel), 2 warpgroups, wgmma (sm_90a "
     "build on a 9.0 GPU)",
+    7: "128x176 tiles at d128 (d64: config 5's kernel), 2 warpgroups, wgmma (sm_90a build on a "
+    "9.0 GPU)",
 }
 _CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in CONFIGS.items())
 # Backward tile configurations that `backward_config=` forces (csrc/flash_api_cuda.cuh).
@@ -160,11 +162,11 @@ _BACKWARD_CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in BACKWARD_CONFIG
 SM90_ONLY_CONFIGS = frozenset({4})
 # The wgmma kernels: only a build that targets sm_90a carries them (wgmma has no sm_90 or PTX
 # form), and sm_90a code runs only on compute capability 9.0; the operator refuses them elsewhere.
-SM90A_CONFIGS = frozenset({5, 6})
+SM90A_CONFIGS = frozenset({5, 6, 7})
 # The same for the backward's wgmma configuration.
 SM90A_BACKWARD_CONFIGS = frozenset({3})
-# The configurations without a packed-batch (varlen) variant: the decode kernel and 6.
-NO_PACKED_CONFIGS = frozenset({3, 6})
+# The configurations without a packed-batch (varlen) variant: the decode kernel, 6 and 7.
+NO_PACKED_CONFIGS = frozenset({3, 6, 7})
 
 
 def built_archs() -> tuple[str, ...]:
@@ -266,7 +268,7 @@ def flash_attention_forward(
     are the last Sq positions). A query that sees no key gets output 0 and log-sum-exp -inf.
     softmax_scale defaults to 1/sqrt(D). num_splits: 0 chooses the split-KV count from the SM count
     and the work, 1 disables splitting. config: 0 picks the kernel and tile configuration for the GPU;
-    1 to 6 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
+    1 to 7 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
     architecture selects is gated on one card.
 
     Backward (autograd, flashmoe_science.autograd): FlashAttention-2's, from the saved output and
@@ -414,7 +416,7 @@ def flash_attention_varlen_forward(
     sq queries and sk keys sees keys j <= i + sk - sq), as in FlashAttention 2.1+; a query that
     sees no key gets output 0 and log-sum-exp -inf. GQA, dtypes and head dims as
     flash_attention_forward. config: 0 picks the tile configuration; 1, 2, 4 or 5 force one of the
-    forward kernels' (CONFIGS; the decode kernel, 3, and 6 have no packed variant).
+    forward kernels' (CONFIGS; the decode kernel, 3, and 6 and 7 have no packed variant).
 
     No host synchronisation (CUDA graphs can capture the call): on CUDA the kernel checks the
     cu_seqlens values itself. Nothing outside the packed tensors is read whatever they hold, and

@@ -95,9 +95,9 @@ BAD_INPUTS = [
     (
         "config out of range",
         lambda q, k, v: (q, k, v),
-        {"config": 7},
+        {"config": 8},
         ValueError,
-        ("config", "[0, 6]", "got 7"),
+        ("config", "[0, 7]", "got 8"),
     ),
     (
         "num_splits out of range",
@@ -143,11 +143,11 @@ def test_bad_input_gives_one_line_error(name, mutate, kwargs, exc, needles):
 
 
 def test_each_configuration_says_what_it_needs():
-    """4 needs compute capability 9.0 or newer; 5 and 6 (wgmma) an sm_90a build on a 9.0 GPU, by
-    default the loaded build's targets."""
+    """4 needs compute capability 9.0 or newer; 5, 6 and 7 (wgmma) an sm_90a build on a 9.0 GPU,
+    by default the loaded build's targets."""
     assert all(ops.config_supported(c, (8, 0), ()) for c in (0, 1, 2, 3))
     assert ops.config_supported(4, (9, 0), ()) and not ops.config_supported(4, (8, 9), ())
-    assert {5, 6} == ops.SM90A_CONFIGS
+    assert {5, 6, 7} == ops.SM90A_CONFIGS
     for config in ops.SM90A_CONFIGS:
         assert ops.config_supported(config, (9, 0), ("8.9", "9.0a"))
         assert ops.config_supported(config, [9, 0], ("9.0a+PTX",))
@@ -294,7 +294,7 @@ DECODE_BAD = [
         ("num_splits", "None", "got 0"),
     ),
     ("num_splits too many", lambda s: s, {"num_splits": 129}, ValueError, ("num_splits", "129")),
-    ("config out of range", lambda s: s, {"config": 7}, ValueError, ("config", "got 7", "0 =")),
+    ("config out of range", lambda s: s, {"config": 8}, ValueError, ("config", "got 8", "0 =")),
 ]
 
 

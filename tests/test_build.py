@@ -746,9 +746,10 @@ def traits_smem(kernel: str) -> int:
         return (2 * block_n + 4 * block_m) * head_dim * 2 + block_n * block_m * 2 + 4 * block_m * 4
     if match := re.search(r"Sm90FwdTraits<(\d+), (\d+), (\d+), (\d+)>", kernel):
         head_dim, block_n, warpgroups, stages = (int(g) for g in match.groups())
-        # Q (64 rows a math warpgroup), K and V in `stages` buffers, with two stages the output's
-        # staging buffer (Q's size), then 128 bytes of mbarriers (csrc/flash_fwd_sm90_kernel.cuh)
-        q_tiles = 2 if stages == 2 else 1
+        # Q (64 rows a math warpgroup), K and V in `stages` buffers, with two stages of at most
+        # 128 keys the output's staging buffer (Q's size), then 128 bytes of mbarriers
+        # (csrc/flash_fwd_sm90_kernel.cuh)
+        q_tiles = 2 if stages == 2 and block_n <= 128 else 1
         return (q_tiles * 64 * warpgroups + 2 * stages * block_n) * head_dim * 2 + 128
     assert re.search(
         r"split_kv_combine|bwd_preprocess|bwd_convert_dq|varlen_offsets_check", kernel
@@ -933,12 +934,12 @@ def newest_cuda_build() -> Path | None:
 def test_dynamic_smem_is_what_each_launch_asks_for():
     library = newest_cuda_build()
     table = build.launch_table(library)
-    # 2 dtypes x (forward kernels: 5 at d=128 and 6 at d=64, where configuration 6 is a kernel of
-    # its own + 2 head dims x (4 packed-batch (varlen) ones + their offset check + the paged
-    # decode kernel + the combine kernel + 3 backward configurations with and without dQ atomics
-    # + the dQ pass + the pre-pass) + the dQ conversion)
+    # 2 dtypes x (forward kernels: 6 at d=128, where configuration 7 is a kernel of its own, and 6
+    # at d=64, where configuration 6 is + 2 head dims x (4 packed-batch (varlen) ones + their
+    # offset check + the paged decode kernel + the combine kernel + 3 backward configurations with
+    # and without dQ atomics + the dQ pass + the pre-pass) + the dQ conversion)
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
-    assert table is not None and len(table) == 2 * (5 + 6 + 2 * per_head_dim + 1)
+    assert table is not None and len(table) == 2 * (6 + 6 + 2 * per_head_dim + 1)
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]

@@ -190,12 +190,14 @@ cases = [parse_case_id(case_id) for case_id in sys.argv[2:]]
 print(json.dumps({"planted": ops.planted_bug(),
                   "results": {c.id: gates.check_case(c, sys.argv[1]).failures for c in cases}}))
 """
-# All end in a partial 128-key tile (1000 = 7 x 128 + 104): two math warpgroups with ping-pong
-# at D=128, three without at D=64 (configuration 5), two with ping-pong at D=64 (configuration 6).
+# All end in a partial key tile (1000 = 7 x 128 + 104 = 5 x 176 + 120): two math warpgroups with
+# ping-pong at D=128, three without at D=64 (configuration 5), two with ping-pong at D=64
+# (configuration 6), and 176-key tiles at D=128 (configuration 7).
 SM90A_CASES = (
     "fwd-bf16-d128-h8kv2-b2-s1000-causal-cfg5",
     "fwd-fp16-d64-h8-b2-q257-k1000-full-cfg5",
     "fwd-bf16-d64-h8kv1-b2-s1000-causal-cfg6",
+    "fwd-fp16-d128-h8kv2-b2-s1000-full-cfg7",
 )
 # The kernel walks the keys from the last block to the first: with -falling scores the running
 # max keeps moving, by more than the factor its lazy rescale ignores (2^8; configuration 6's two
@@ -204,13 +206,15 @@ SM90A_RAMPED_CASES = (
     "fwd-bf16-d128-h8kv2-b2-s1000-full-cfg5-falling",
     "fwd-fp16-d64-h8-b2-q257-k1000-causal-cfg5-falling",
     "fwd-bf16-d64-h8-b2-s1000-full-cfg6-falling",
+    "fwd-fp16-d128-h8-b2-s1000-full-cfg7-falling",
 )
 # Decode of many query rows with cache_seqlens on the wgmma kernels (gates.MANY_ROW_DECODE), which
 # copy K and V by cp.async there, as the host uses no TMA with cache lengths. Every sequence ends
-# inside a 128-key tile (101, 299 and 300 keys), unmasked.
+# inside a 128-key (and a 176-key) tile (101, 299 and 300 keys), unmasked.
 SM90A_CP_ASYNC_CASES = (
     "dec-fp16-d128-h48kv6-b3-q65-k300-full-cfg5-lens101_299_300",
     "dec-bf16-d64-h48kv6-b3-q65-k300-full-cfg6-lens101_299_300",
+    "dec-bf16-d128-h48kv6-b3-q65-k300-full-cfg7-lens101_299_300",
 )
 SM90A_PLANTS = {
     9: ("a math warpgroup skips one mbarrier wait for its K tile", SM90A_CASES),
@@ -239,7 +243,7 @@ def _runs_config_5() -> bool:
 )
 def test_planted_sm90a_bug_fails_a_gate(bug, run_planted):
     """Build the unit with a planted wgmma-kernel bug (-DFLASHMOE_PLANT_BUG=9 to 12) and show
-    the forward gates catch it on every config-5 and config-6 case named for it."""
+    the forward gates catch it on every config-5, config-6 and config-7 case named for it."""
     name, case_ids = SM90A_PLANTS[bug]
     result = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda", *case_ids)
     assert sorted(result["results"]) == sorted(case_ids)
@@ -249,28 +253,30 @@ def test_planted_sm90a_bug_fails_a_gate(bug, run_planted):
 
 def test_the_partial_tile_plant_meets_both_copy_paths():
     """Plant 11 has a variant per copy path of each wgmma configuration's producer: its case list
-    holds prefill cases forced onto configurations 5 and 6 (TMA) and a decode gate case forced
+    holds prefill cases forced onto configurations 5, 6 and 7 (TMA) and a decode gate case forced
     onto each with cache_seqlens (cp.async), whose sequences end inside a key tile."""
     cases = [parse_case_id(case_id) for case_id in SM90A_PLANTS[11][1]]
     gpu_ids = {c.id for c in gates.gate_cases("gpu")}
-    for config in (5, 6):
+    for config in (5, 6, 7):
         assert any(c.config == config and c.cache_seqlens is None for c in cases)
         cp_async = [c for c in cases if c.cache_seqlens and c.config == config]
         assert cp_async and all(c.kind == "decode" for c in cp_async)
-        assert all(n % 128 for c in cp_async for n in c.cache_seqlens)
+        assert all(n % 128 and n % 176 for c in cp_async for n in c.cache_seqlens)
         assert {c.id for c in cp_async} <= gpu_ids  # honest, it passes its gate
 
 
 def test_each_sm90a_plant_fails_a_case_of_each_wgmma_configuration():
-    """Every wgmma plant (9 to 12) is shown to fail config-5 and config-6 cases; config 6's are
-    cases of the GPU gate matrix, at the head dim it gates (gates.gated_head_dims: D=64)."""
+    """Every wgmma plant (9 to 12) is shown to fail config-5, config-6 and config-7 cases; those of
+    6 and 7 are cases of the GPU gate matrix, at the head dim each gates (gates.gated_head_dims:
+    D=64 and D=128)."""
     gpu_ids = {c.id for c in gates.gate_cases("gpu")}
     for _, case_ids in SM90A_PLANTS.values():
         cases = [parse_case_id(case_id) for case_id in case_ids]
-        assert {c.config for c in cases} == {5, 6}
-        sixes = [c for c in cases if c.config == 6]
-        assert all(c.head_dim in gates.gated_head_dims(6) for c in sixes)
-        assert {c.id for c in sixes} <= gpu_ids
+        assert {c.config for c in cases} == {5, 6, 7}
+        for config in (6, 7):
+            mine = [c for c in cases if c.config == config]
+            assert all(c.head_dim in gates.gated_head_dims(config) for c in mine)
+            assert {c.id for c in mine} <= gpu_ids
 
 
 # ---- the planted-bug scripts themselves ------------------------------------------------------

@@ -75,7 +75,7 @@ def test_the_wgmma_configurations_meet_the_whole_matrix():
     the shapes and split-KV path every forced configuration gets, at the head dims they gate."""
     from flashmoe_science.ops import SM90A_CONFIGS
 
-    assert set(gates.FULL_MATRIX_CONFIGS) == SM90A_CONFIGS == {5, 6}
+    assert set(gates.FULL_MATRIX_CONFIGS) == SM90A_CONFIGS == {5, 6, 7}
     forced = _shapes(1)
     for config in SM90A_CONFIGS:
         mine = [c for c in GPU_CASES if c.config == config]
@@ -86,7 +86,7 @@ def test_the_wgmma_configurations_meet_the_whole_matrix():
         assert any(c.num_splits > 1 for c in mine) and any(c.num_splits == 0 for c in mine)
 
 
-@pytest.mark.parametrize("config", [5, 6])
+@pytest.mark.parametrize("config", [5, 6, 7])
 def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path(config):
     """Decode of more than 16 query rows with cache_seqlens (chunked prefill, speculative
     decoding) forced onto each wgmma configuration, which copies K and V by cp.async there (the
@@ -115,19 +115,20 @@ def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path(config):
     assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
 
 
-def test_configuration_6_is_gated_at_head_dim_64_only():
-    """At head dim 128 configuration 6 runs configuration 5's kernel (the same Sm90FwdTraits), so
-    its forced cases, prefill, ramped and many-row decode, are all at 64; every other
-    configuration is gated at both head dims."""
-    assert gates.gated_head_dims(6) == (64,)
-    assert {c.head_dim for c in GPU_CASES if c.config == 6} == {64}
-    for config in gates.FORCED_CONFIGS:
-        if config != 6:
-            assert gates.gated_head_dims(config) == (64, 128)
-            assert {c.head_dim for c in GPU_CASES if c.config == config} == {64, 128}
-    sixes = [c for c in GPU_CASES if c.config == 6]
-    assert {c.kind for c in sixes} == {"prefill", "decode"}
-    assert {"rising", "falling"} <= {c.scores for c in sixes}
+@pytest.mark.parametrize("config, head_dim", [(6, 64), (7, 128)])
+def test_configurations_6_and_7_are_gated_at_their_own_head_dim_only(config, head_dim):
+    """At head dim 128 configuration 6 runs configuration 5's kernel (the same Sm90FwdTraits), and
+    at 64 configuration 7 does, so their forced cases, prefill, ramped and many-row decode, are all
+    at the other head dim; every other configuration is gated at both head dims."""
+    assert gates.gated_head_dims(config) == (head_dim,)
+    assert {c.head_dim for c in GPU_CASES if c.config == config} == {head_dim}
+    for other in gates.FORCED_CONFIGS:
+        if other not in (6, 7):
+            assert gates.gated_head_dims(other) == (64, 128)
+            assert {c.head_dim for c in GPU_CASES if c.config == other} == {64, 128}
+    mine = [c for c in GPU_CASES if c.config == config]
+    assert {c.kind for c in mine} == {"prefill", "decode"}
+    assert {"rising", "falling"} <= {c.scores for c in mine}
 
 
 def test_bshd_view_is_used_in_place():

@@ -338,8 +338,8 @@ def test_workload_covers_every_code_path():
     dec = [c for c in cases if c.kind == "decode"]
     bwd = [c for c in cases if c.kind == "backward"]
     # racecheck's wall time grows with it (~0.1 s a call on an H100); 430 since configuration 6
-    # (26 calls at head dim 64)
-    assert len(workload) <= 430
+    # (26 calls at head dim 64), 450 since configuration 7 (14 at head dim 128)
+    assert len(workload) <= 450
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration this GPU runs (all of them, wgmma included, for an
@@ -391,7 +391,7 @@ def test_workload_covers_every_code_path():
     if 5 not in sanitize.workload_configs():
         assert not many
         return
-    assert {c.config for c in many} == set(gates.MANY_ROW_DECODE_CONFIGS) == {5, 6}
+    assert {c.config for c in many} == set(gates.MANY_ROW_DECODE_CONFIGS) == {5, 6, 7}
     many_rows = [c for c in many if c.config == 5]
     assert {(c.dtype, c.head_dim) for c in many_rows} == {
         (t, d) for t in ("fp16", "bf16") for d in (64, 128)
@@ -404,6 +404,11 @@ def test_workload_covers_every_code_path():
     assert {(c.dtype, c.head_dim, c.seqlen_q) for c in sixes} == {
         ("fp16", 64, 65),
         ("bf16", 64, 257),
+    }
+    sevens = [c for c in many if c.config == 7]
+    assert {(c.dtype, c.head_dim, c.seqlen_q) for c in sevens} == {
+        ("fp16", 128, 257),
+        ("bf16", 128, 65),
     }
     # the packed and paged calls carry their gates' case types and id formats
     from flashmoe_science.pipeline.paged_gates import PagedCase

@@ -49,10 +49,10 @@ def test_matrix_covers_the_issue():
     assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
     assert {c.causal for c in GPU_CASES} == {False, True}
     assert {c.head_dim for c in GPU_CASES} == {64, 128}
-    # every forward configuration but those without a packed variant: the decode kernel (3) and 6
+    # every forward configuration but those without a packed variant: the decode kernel (3), 6 and 7
     from flashmoe_science.ops import CONFIGS, NO_PACKED_CONFIGS
 
-    assert {3, 6} == NO_PACKED_CONFIGS
+    assert {3, 6, 7} == NO_PACKED_CONFIGS
     assert {c.config for c in GPU_CASES} == {0, *CONFIGS} - NO_PACKED_CONFIGS
     assert set(varlen_gates.VARLEN_CONFIGS) == set(CONFIGS) - NO_PACKED_CONFIGS
     assert len({c.id for c in GPU_CASES + CPU_CASES}) == len(GPU_CASES) + len(CPU_CASES)
@@ -240,10 +240,11 @@ def test_backward_matches_the_dense_backward_per_sequence(device, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [3, 6])
+@pytest.mark.parametrize("config", [3, 6, 7])
 def test_the_cuda_operator_refuses_a_configuration_without_a_packed_variant(config):
     """Called past the Python check, the CUDA operator itself refuses the decode kernel (3) and
-    configuration 6 for a packed batch, in one line, on any GPU (before its device checks)."""
+    configurations 6 and 7 for a packed batch, in one line, on any GPU (before its device
+    checks)."""
     from flashmoe_science import ops
 
     q, k, v, cu_q, cu_k = packed("cuda")

@@ -328,13 +328,14 @@ UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
 GQA_RATIOS = (1, 4, 8)
 # The forward tile configurations the GPU matrix forces: every id of ops.CONFIGS (a test keeps
 # them equal; importing ops here would build the extension at import).
-FORCED_CONFIGS = (1, 2, 3, 4, 5, 6)
+FORCED_CONFIGS = (1, 2, 3, 4, 5, 6, 7)
 # Those forced through the whole matrix (every length, strided views), as the automatic choice
 # is: the wgmma kernels (ops.SM90A_CONFIGS), which only the H100 runs and nothing else gates.
-FULL_MATRIX_CONFIGS = (5, 6)
+FULL_MATRIX_CONFIGS = (5, 6, 7)
 # Head dims gated per forced configuration where not both: at d128 configuration 6 runs
-# configuration 5's kernel, whose cases would only take the GPU's time a second time.
-GATED_HEAD_DIMS = {6: (64,)}
+# configuration 5's kernel, and at d64 configuration 7 does, whose cases would only take the GPU's
+# time a second time.
+GATED_HEAD_DIMS = {6: (64,), 7: (128,)}
 
 
 def gated_head_dims(config: int) -> tuple[int, ...]:
@@ -516,12 +517,12 @@ def decode_cases(tier: str) -> Iterator[Case]:
 
 
 # Many query rows against a cache with per-sequence lengths (chunked prefill, speculative
-# decoding), the wgmma kernels forced (configuration 5, or 6 at d64, which a large enough grid of
-# them takes by itself on an H100): their producer copies K and V with cp.async whenever
+# decoding), the wgmma kernels forced (configuration 5, 6 at d64 or 7 at d128, which a large enough
+# grid of them takes by itself on an H100): their producer copies K and V with cp.async whenever
 # cache_seqlens is given (TMA would copy a cache's unused rows), a path no prefill case takes.
 # (Sq, Sk, forced splits.)
 MANY_ROW_DECODE = ((65, 300, 0), (65, 2000, 3), (257, 1000, 0), (257, 2000, 3))
-MANY_ROW_DECODE_CONFIGS = (5, 6)
+MANY_ROW_DECODE_CONFIGS = (5, 6, 7)
 # Batch and query heads per Sq: 144 tiles (Sq 65: 3 x 48 x 1; Sq 257: 3 x 16 x 3 row tiles), more
 # than an H100's 132 SMs, as the automatic choice would need.
 MANY_ROW_DECODE_HEADS = {65: (3, 48), 257: (3, 16)}

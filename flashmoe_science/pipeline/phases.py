@@ -6,7 +6,7 @@ decode's goes, block by block (decode_phases.py).
     python -m flashmoe_science phases fwd-bf16-d64-h32-b32-s512-causal --output /tmp/phases
     python -m flashmoe_science phases dec-bf16-d128-h32kv8-b4-q1-k8192 --block-size 64
 
-The wgmma forward (configurations 5 and 6) is persistent: each block walks tiles of 128 or 192
+The wgmma forward (configurations 5 to 7) is persistent: each block walks tiles of 128 or 192
 query rows, and a tile's time is its key blocks plus a fixed cost (waiting for Q, the first S and
 its softmax with nothing to overlap, the last P V alone, the output, the step to the next tile).
 Nsight Compute sees the kernel whole; this command sees the phases. It builds the extension with
@@ -26,7 +26,7 @@ slow: `bench` gives the ratio of record), and what the producer waited for. Writ
 how many blocks reached it).
 
 Exit codes: 0 ok; 1 the workload failed or no traced block ran (a prefill case the GPU does not run
-with configurations 5/6); 2 bad CASE or --block-size; 125 the traced build fails; 255 no GPU.
+with configurations 5 to 7); 2 bad CASE or --block-size; 125 the traced build fails; 255 no GPU.
 """
 
 from __future__ import annotations
@@ -387,7 +387,7 @@ def run(case, json_path: Path) -> int:
     if summary["tiles"] == 0:
         _say(
             f"phases: no wgmma forward tile ran in {case.id} (kernels: "
-            f"{', '.join(raw['kernels']) or 'none'}): the trace covers configurations 5 and 6, "
+            f"{', '.join(raw['kernels']) or 'none'}): the trace covers configurations 5 to 7, "
             "which run on a compute capability 9.0 GPU with an sm_90a build; for other kernels "
             f"use `python -m flashmoe_science profile {case.id}`"
         )

@@ -82,7 +82,7 @@ TOOL_TIMEOUT_S = 900
 KERNEL_OPERATORS = {
     "flash_fwd_kernel": "attention",
     "flash_fwd_varlen_kernel": "varlen_fwd",
-    "flash_fwd_sm90_kernel": "attention",  # configs 5 and 6, wgmma (an sm_90a build on a 9.0 GPU)
+    "flash_fwd_sm90_kernel": "attention",  # configs 5 to 7, wgmma (an sm_90a build on a 9.0 GPU)
     "flash_fwd_sm90_varlen_kernel": "varlen_fwd",
     "varlen_offsets_check_kernel": "varlen_fwd",  # the packed batch's offsets, checked on the GPU
     "flash_decode_kernel": "fwd",
