@@ -307,8 +307,8 @@ constexpr int block_n_of(int config, int head_dim) {
   return 64;
 }
 
-// Whether the sm_90a kernel's producer (128-key boxes) copies K and V with TMA: it
-// does where the key rows past a sequence's end are other keys or outside the tensor
+// Whether the sm_90a kernel's producer (boxes of its key tile, 128 or 176 rows) copies K and V with
+// TMA: it does where the key rows past a sequence's end are other keys or outside the tensor
 // (zero-filled), not where they are a cache's unused rows (cache_seqlens), which may hold
 // anything. FLASHMOE_SM90_TMA=0 turns it off (the producer then copies with cp.async). The maps
 // are encoded on every call (two host calls of a few microseconds), not cached. At d=128 Q goes by

@@ -4,9 +4,10 @@
 // read transposed from shared memory. Masking, the online softmax, split-KV partials, the packed
 // batch and the epilogue are the mma.sync kernel's, since wgmma leaves each warp's accumulators in
 // the mma.sync layout (wgmma_utils.cuh). Tiles live in shared memory in wgmma's 128-byte-swizzled
-// panel layout (swizzle_panels); K and V are in two buffers (three at D=128); each warpgroup
-// overlaps its softmax with the tensor cores (FlashAttention-3's intra-warpgroup overlap: S(n) and
-// P(n+1) V(n+1) go out together, the softmax of S(n) runs while P V does).
+// panel layout (swizzle_panels); K and V are in two buffers (three at D=128 with 128-key tiles);
+// S(n) and P(n+1) V(n+1) go out together (FlashAttention-3's intra-warpgroup overlap), though
+// ptxas puts the wait for that P V above the softmax of S(n), which then runs after it (moving
+// the wait below gained nothing at D=128: benches/NOTES.md v4.5).
 //
 // Warp-specialized: a producer warpgroup issues every copy and signals each buffer through an
 // mbarrier when its copies land; the math warpgroups (two at D=128, three at D=64) wait on those,
