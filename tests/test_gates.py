@@ -118,8 +118,9 @@ def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path(config):
 @pytest.mark.parametrize("config, head_dim", [(6, 64), (7, 128)])
 def test_configurations_6_and_7_are_gated_at_their_own_head_dim_only(config, head_dim):
     """At head dim 128 configuration 6 runs configuration 5's kernel (the same Sm90FwdTraits), and
-    at 64 configuration 7 does, so their forced cases, prefill, ramped and many-row decode, are all
-    at the other head dim; every other configuration is gated at both head dims."""
+    at 64 configuration 7 does, so the forced cases of each, prefill, ramped and many-row decode,
+    are all at the head dim where its kernel is its own; every other configuration is gated at both
+    head dims."""
     assert gates.gated_head_dims(config) == (head_dim,)
     assert {c.head_dim for c in GPU_CASES if c.config == config} == {head_dim}
     for other in gates.FORCED_CONFIGS:
