@@ -294,17 +294,24 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
   return done == CUDA_SUCCESS;
 }
 
-constexpr int block_m_of(int config, int head_dim) {
-  if (config == kSm90aConfig || config == kSm90aN176Config) return head_dim == 64 ? 192 : 128;
-  if (config == kSm90aM128Config) return 128;
-  return config == 2 ? 64 : config == kDecodeConfig ? 16 : 128;
-}
-constexpr int block_n_of(int config, int head_dim) {
-  if (config == kSm90aN176Config && head_dim == 128) return 176;
-  if (is_sm90a_config(config)) return 128;
-  if (config == 1 && head_dim == 128) return 32;
-  if (config == kSm90Config && head_dim == 64) return 128;
-  return 64;
+// The row and key tiles of configuration `config` at `head_dim`: its kernel's traits, as
+// visit_config chooses them (the same for both dtypes and for the packed-batch kernels), so the
+// grid, the split count and the TMA boxes cannot disagree with the kernel they launch.
+struct TileShape {
+  int block_m, block_n;
+};
+inline TileShape tile_shape_of(int config, int head_dim) {
+  TileShape shape{};
+  auto read = [&](auto, auto traits) {
+    using Traits = decltype(traits);
+    shape = {Traits::kBlockM, Traits::kBlockN};
+  };
+  if (head_dim == 64) {
+    visit_config<__half, 64>(config, read);
+  } else {
+    visit_config<__half, 128>(config, read);
+  }
+  return shape;
 }
 
 // Whether the sm_90a kernel's producer (boxes of its key tile, 128 or 176 rows) copies K and V with
@@ -346,7 +353,8 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
                       cudaStream_t stream) {
   AttentionParams p = params;
   if (kBuiltSm90a && is_sm90a_config(config)) {
-    use_tma_if_it_fits<T>(p, block_m_of(config, p.head_dim), block_n_of(config, p.head_dim));
+    const TileShape tile = tile_shape_of(config, p.head_dim);
+    use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n);
   }
   auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
@@ -496,14 +504,15 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   if (config == 0)
     config = choose_config(dev, p.head_dim, grid_x, rows_per_head, causal, p.seqlen_k);
 
-  const int m_blocks = ceil_div(rows_per_head, block_m_of(int(config), p.head_dim));
+  const TileShape tile = tile_shape_of(int(config), p.head_dim);
+  const int m_blocks = ceil_div(rows_per_head, tile.block_m);
   // Launch order (measured on the H100, benches/NOTES.md v2.5): the row blocks of a head side by
   // side share its K and V in L2, which pays for short and unmasked sequences; long causal ones
   // (32+ row blocks of 1 to 32+ KV blocks each) gain more from all heads' heavy blocks first.
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
   FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "q of shape ", shape_str(q),
                        " exceeds the launch grid (batch x heads x row blocks must be below 2^31)");
-  const int n_blocks = ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim));
+  const int n_blocks = ceil_div(p.seqlen_k, tile.block_n);
   int splits = int(num_splits);
   const int tiles = int(std::min<int64_t>(grid_x * m_blocks, 1 << 30));
   if (splits == 0 && config == kDecodeConfig) {
@@ -672,13 +681,14 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
     if (config == kDecodeConfig) config = 2;
     if (config == kSm90aM128Config || config == kSm90aN176Config) config = kSm90aConfig;
   }
-  const int m_blocks = ceil_div(p.seqlen_q, block_m_of(int(config), p.head_dim));
+  const TileShape tile = tile_shape_of(int(config), p.head_dim);
+  const int m_blocks = ceil_div(p.seqlen_q, tile.block_m);
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
   FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "batch ", batch, " x heads ",
                        p.heads_q, " x row blocks of max_seqlen_q ", max_seqlen_q,
                        " exceeds the launch grid (must be below 2^31)");
   p.num_splits = 1;
-  p.n_blocks_per_split = std::max(1, ceil_div(p.seqlen_k, block_n_of(int(config), p.head_dim)));
+  p.n_blocks_per_split = std::max(1, ceil_div(p.seqlen_k, tile.block_n));
 
   // Contiguous: with offsets that do not partition the batch, the kernel's blocks fill all of out
   // and lse with NaN, which takes them to be dense.
