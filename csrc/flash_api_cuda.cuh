@@ -179,7 +179,7 @@ void visit_config(int config, F&& f) {
     f(&flash_decode_kernel<Traits, T>, Traits{});
   } else if (config == kSm90aConfig) {
     // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
-    // in three buffers), three at d64 (192-row tiles, two buffers).
+    // in three buffers), three at d64 (192-row tiles in turns, two buffers).
     using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>;
     f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
   } else if (config == kSm90aM128Config && !kVarlen) {

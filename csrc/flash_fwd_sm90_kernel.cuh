@@ -14,8 +14,8 @@
 // give buffers back through other mbarriers, never meet at a block-wide barrier, and take the
 // producer's registers (setmaxnreg). The kernel is persistent (one block per SM walks the tiles),
 // copies K and V (at D=128 each tile's Q too) with TMA where the host could encode their tensor
-// maps, and two math warpgroups take turns at the tensor cores (ping-pong). The steps live in
-// Sm90Rows, the schedule in flash_fwd_sm90_block.
+// maps, and the math warpgroups take turns at the tensor cores (ping-pong with two, a round robin
+// with three). The steps live in Sm90Rows, the schedule in flash_fwd_sm90_block.
 // Compiled for sm_90a only: in every other device pass the kernel body is a trap, and the host
 // refuses the configuration (see the host API).
 #pragma once
@@ -127,8 +127,9 @@ struct Sm90Rows {
   static constexpr int NT = BN / 8, DT = D / 8;
   static constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the next buffer
   // Lazy rescale (see softmax) where the softmax is in the math warpgroups' critical path: with
-  // three warpgroups (D=64) it gave +7.5%; under ping-pong (two, D=128) the softmax already hides
-  // under the other warpgroup's matmuls and the vote cost 1% (benches/NOTES.md, v3.2).
+  // three warpgroups (D=64) it gave +7.5% (before they took turns); under ping-pong (two) the
+  // softmax already hides under the other warpgroup's matmuls and the vote cost 1%
+  // (benches/NOTES.md, v3.2).
   static constexpr bool kLazy = Traits::kWarpgroups != 2;
   static constexpr float kLazyLog2 = 8.f;  // log2 of the growth the running max may ignore
 
@@ -569,23 +570,20 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   }
 
   sm90::setmaxnreg_inc<Traits::kMathRegs>();
-  // With two math warpgroups they take turns issuing their GEMMs, so one's softmax runs under the
-  // other's matmuls; the second gives the first its first turn. (Every warpgroup issues the same
-  // number of batches; the last pass is never waited for, which the block's exit discards.)
-  constexpr bool kPingPong = Traits::kWarpgroups == 2;
+  // The math warpgroups take turns issuing their GEMMs, in a cycle (ping-pong with two, round
+  // robin with three), so one's softmax runs under the others' matmuls; the last gives the first
+  // its first turn. (Every warpgroup issues the same number of batches; the last pass is never
+  // waited for, which the block's exit discards.) With three the turns gave 1.01x-1.07x at d=64
+  // on the H200 (benches/NOTES.md v4.6).
+  constexpr int kWarpgroups = Traits::kWarpgroups;
   const int wg = warp / 4;
-  auto my_turn = [&]() {
-    if constexpr (kPingPong) sm90::wait_turn(wg);
-  };
-  auto their_turn = [&]() {
-    if constexpr (kPingPong) sm90::pass_turn(wg);
-  };
-  if (kPingPong && wg == 1) sm90::pass_turn(wg);
-  // Under ping-pong the output's rescale runs while the tensor cores run this warpgroup's S,
-  // between its S and its P V (FlashAttention-3's order above head dim 128), not between the P V's
-  // end and the next turn: H200 A/B 1.03x-1.05x at d128. Three warpgroups keep it after the P V
-  // (there the early rescale lost 3.5%; benches/NOTES.md v4.4).
-  constexpr bool kRescaleUnderS = kPingPong;
+  auto my_turn = [&]() { sm90::wait_turn(wg); };
+  auto their_turn = [&]() { sm90::pass_turn<kWarpgroups>(wg); };
+  if (wg == kWarpgroups - 1) sm90::pass_turn<kWarpgroups>(wg);
+  // The output's rescale runs while the tensor cores run this warpgroup's S, between its S and its
+  // P V (FlashAttention-3's order above head dim 128), not between the P V's end and the next
+  // turn: H200 A/B 1.03x-1.05x at d128 (benches/NOTES.md v4.4); with three warpgroups it lost
+  // 3.5% without the turns and gains about 1% with them (v4.6).
   // Waits until the producer's copies into a buffer landed, then makes them visible to wgmma.
   auto wait_full = [&](uint64_t* full, int use) {
 #if FLASHMOE_PLANT_BUG == 9
@@ -637,7 +635,6 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
       release(&bar.k_empty[buf]);
       if (n_hi - n_lo == 1) release(&bar.q_empty);  // the tile's last read of Q
       rows.softmax(n_hi - 1, rescale);
-      if constexpr (!kRescaleUnderS) rows.rescale_o(rescale);
       rows.pack_p();
       FLASHMOE_PHASE(mark(phase_trace::kFirstSoftmax);)
       // Then S(n) with P(n + 1) V(n + 1), the previous block's V in the previous buffer.
@@ -648,7 +645,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
         wait_full(&bar.v_full[prev], use - 1);
         my_turn();
         rows.issue_s(buf);
-        if constexpr (kRescaleUnderS) rows.rescale_o(rescale);  // before P(n + 1) V(n + 1)
+        rows.rescale_o(rescale);  // before P(n + 1) V(n + 1)
         rows.issue_pv(prev);
         their_turn();
         rows.template wait<1>();  // S(n) is done; P(n + 1) V(n + 1) may still run
@@ -657,13 +654,12 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
         rows.softmax(n, rescale);
         rows.template wait<0>();
         release(&bar.v_empty[prev]);
-        if constexpr (!kRescaleUnderS) rows.rescale_o(rescale);
         rows.pack_p();
       }
       FLASHMOE_PHASE(mark(phase_trace::kLoopDone);)
       wait_full(&bar.v_full[buf], use);
       my_turn();
-      if constexpr (kRescaleUnderS) rows.rescale_o(rescale);
+      rows.rescale_o(rescale);
       rows.issue_pv(buf);
       their_turn();
       FLASHMOE_PHASE(mark(phase_trace::kLastPVIssued);)

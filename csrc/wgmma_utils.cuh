@@ -144,14 +144,17 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 __device__ __forceinline__ void warpgroup_sync(int warpgroup) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
 }
-// Two warpgroups taking turns at the tensor cores (FlashAttention-3's ping-pong): barrier
-// kTurnBarrier + w completes when warpgroup w waits on it and the other has arrived.
+// kWarpgroups warpgroups taking turns at the tensor cores in a cycle (FlashAttention-3's
+// ping-pong with two, its round robin with three): barrier kTurnBarrier + w completes when
+// warpgroup w waits on it and the one before w in the cycle has arrived.
 constexpr int kTurnBarrier = 4;
 __device__ __forceinline__ void wait_turn(int warpgroup) {
   asm volatile("bar.sync %0, 256;\n" ::"r"(kTurnBarrier + warpgroup) : "memory");
 }
+template <int kWarpgroups>
 __device__ __forceinline__ void pass_turn(int warpgroup) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(kTurnBarrier + (warpgroup ^ 1)) : "memory");
+  const int next = warpgroup + 1 == kWarpgroups ? 0 : warpgroup + 1;
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(kTurnBarrier + next) : "memory");
 }
 
 // The asm of one m64nNk16 wgmma for both input types (TYPE: "f16" or "bf16"), over d[N/8][4]:
