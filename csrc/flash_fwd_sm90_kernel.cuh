@@ -574,7 +574,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   // robin with three), so one's softmax runs under the others' matmuls; the last gives the first
   // its first turn. (Every warpgroup issues the same number of batches; the last pass is never
   // waited for, which the block's exit discards.) With three the turns gave 1.01x-1.07x at d=64
-  // on the H200 (benches/NOTES.md v4.6).
+  // on the H200, medians of 4 rounds (1.01x-1.02x best round against best; benches/NOTES.md v4.6).
   constexpr int kWarpgroups = Traits::kWarpgroups;
   const int wg = warp / 4;
   auto my_turn = [&]() { sm90::wait_turn(wg); };
