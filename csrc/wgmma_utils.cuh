@@ -140,19 +140,17 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
-// A barrier over one warpgroup's 128 threads (id 1 + the warpgroup; 0 is __syncthreads').
-__device__ __forceinline__ void warpgroup_sync(int warpgroup) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
-}
 // kWarpgroups warpgroups taking turns at the tensor cores in a cycle (FlashAttention-3's
 // ping-pong with two, its round robin with three): barrier kTurnBarrier + w completes when
-// warpgroup w waits on it and the one before w in the cycle has arrived.
+// warpgroup w waits on it and the one before w in the cycle has arrived. (Named barrier 0 is
+// __syncthreads'; the turns take kTurnBarrier to kTurnBarrier + 2.)
 constexpr int kTurnBarrier = 4;
 __device__ __forceinline__ void wait_turn(int warpgroup) {
   asm volatile("bar.sync %0, 256;\n" ::"r"(kTurnBarrier + warpgroup) : "memory");
 }
 template <int kWarpgroups>
 __device__ __forceinline__ void pass_turn(int warpgroup) {
+  static_assert(kWarpgroups >= 2 && kWarpgroups <= 3, "turns between two or three warpgroups");
   const int next = warpgroup + 1 == kWarpgroups ? 0 : warpgroup + 1;
   asm volatile("bar.arrive %0, 256;\n" ::"r"(kTurnBarrier + next) : "memory");
 }
