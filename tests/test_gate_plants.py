@@ -191,7 +191,7 @@ print(json.dumps({"planted": ops.planted_bug(),
                   "results": {c.id: gates.check_case(c, sys.argv[1]).failures for c in cases}}))
 """
 # All end in a partial key tile (1000 = 7 x 128 + 104 = 5 x 176 + 120): two math warpgroups with
-# ping-pong at D=128, three without at D=64 (configuration 5), two with ping-pong at D=64
+# ping-pong at D=128, three in a round robin at D=64 (configuration 5), two with ping-pong at D=64
 # (configuration 6), and 176-key tiles at D=128 (configuration 7).
 SM90A_CASES = (
     "fwd-bf16-d128-h8kv2-b2-s1000-causal-cfg5",
