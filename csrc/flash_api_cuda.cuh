@@ -73,6 +73,16 @@ constexpr int kSm90aN176Config = 7;  // the same, 176-key tiles at d=128
 constexpr bool is_sm90a_config(int64_t config) {
   return config == kSm90aConfig || config == kSm90aM128Config || config == kSm90aN176Config;
 }
+// Whether a configuration has a packed-batch (varlen) kernel: not the decode kernel, 6 or 7
+// (visit_config compiles none for them; ops.NO_PACKED_CONFIGS is the Python side's copy).
+constexpr bool has_packed_variant(int64_t config) {
+  return config != kDecodeConfig && config != kSm90aM128Config && config != kSm90aN176Config;
+}
+// What a packed batch runs where the automatic choice took a configuration without a packed
+// kernel: the decode kernel's rows go to 2, configurations 6 and 7 to 5 (same kernel family).
+constexpr int64_t packed_variant_of(int64_t config) {
+  return has_packed_variant(config) ? config : config == kDecodeConfig ? 2 : kSm90aConfig;
+}
 #ifdef FLASHMOE_SM90A
 constexpr bool kBuiltSm90a = true;
 #else
@@ -168,6 +178,9 @@ auto fwd_kernel() {
 // forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3, 6 or 7).
 template <typename T, int D, bool kVarlen = false, typename F>
 void visit_config(int config, F&& f) {
+  // The kVarlen visit compiles no kernel for these (the `!kVarlen` branches below).
+  static_assert(!has_packed_variant(kDecodeConfig) && !has_packed_variant(kSm90aM128Config) &&
+                !has_packed_variant(kSm90aN176Config));
   if (config == 1) {
     using Traits = FwdTraits<D, 128, D == 128 ? 32 : 64, 4>;
     f(fwd_kernel<Traits, T, kVarlen>(), Traits{});
@@ -640,8 +653,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dim_cuda(q_in.size(2));
-  FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs && config != kDecodeConfig &&
-                           config != kSm90aM128Config && config != kSm90aN176Config,
+  FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs && has_packed_variant(config),
                        "config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got ",
                        config);
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -676,10 +688,8 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   p.pack_gqa = false;
   const int64_t grid_x = batch * p.heads_q;
   if (config == 0) {
-    config = choose_config(dev, p.head_dim, grid_x, p.seqlen_q, causal, p.seqlen_k);
-    // The decode kernel and configurations 6 and 7 have no packed-batch variant.
-    if (config == kDecodeConfig) config = 2;
-    if (config == kSm90aM128Config || config == kSm90aN176Config) config = kSm90aConfig;
+    config =
+        packed_variant_of(choose_config(dev, p.head_dim, grid_x, p.seqlen_q, causal, p.seqlen_k));
   }
   const TileShape tile = tile_shape_of(int(config), p.head_dim);
   const int m_blocks = ceil_div(p.seqlen_q, tile.block_m);
