@@ -177,7 +177,7 @@ inline int num_splits_heuristic(int blocks_without_split, int num_units, int num
 // (benches/NOTES.md v4.0): B=1, Hkv=8, 16k tokens 34.3 us with 15 splits, 33.2 with 16. On the
 // H200 (v4.7), against the read floor: B=16, Hkv=32 (512 tiles), 4k-32k keys 0.87x-0.91x unsplit,
 // 0.92x-0.93x in four splits (1k keys: 0.94x unsplit, 0.89x in four); grids of one wave (128
-// tiles) lose 2-14% to any split.
+// tiles) lose 4-18% to any split.
 inline int decode_num_splits(int tiles, int sm_count, int n_blocks) {
   constexpr int kSplitCost = 2;
   if (tiles > 2 * sm_count && n_blocks >= 64) return 4;
