@@ -132,6 +132,12 @@ struct Sm90Rows {
   // (benches/NOTES.md, v3.2).
   static constexpr bool kLazy = Traits::kWarpgroups != 2;
   static constexpr float kLazyLog2 = 8.f;  // log2 of the growth the running max may ignore
+  // Masked blocks by chunks of columns (softmax_masked) in the two-warpgroup kernels over 128-key
+  // blocks: configuration 6 at d=64 S <= 1024 causal 1.053x-1.057x, d=128 causal 1.004x-1.012x
+  // (H200 A/B, benches/NOTES.md v4.8). In configurations 5 at d=64 (three warpgroups, 160
+  // registers) and 7 (176 keys) the extra code spilled (100 and 148 bytes), so they keep the mask
+  // per element.
+  static constexpr bool kMaskByChunks = Traits::kWarpgroups == 2 && BN == 128;
 
   const AttentionParams& p;
   const TileCoords t;  // a copy: a reference to the caller's would give it an address
@@ -196,6 +202,24 @@ struct Sm90Rows {
     sm90::fence_operands(acc_o);
   }
 
+  // Folds a block's row max `mx` (over the quad) into row hh's running max and sum; returns the
+  // scaled max the exponentials subtract. Lazy: the running max moves only when the block's max
+  // exceeds it by more than a factor of 2^kLazyLog2: below that the probabilities stay under
+  // 2^kLazyLog2 (fp16 and bf16 hold that exactly as well as values under 1), the output and the
+  // sum need no rescale, and the log-sum-exp uses the same max, so the result is the same. (NaN:
+  // both -inf.)
+  __device__ __forceinline__ float fold_max(int hh, float mx, float (&rescale)[2]) {
+    const float grown = (mx - row_max[hh]) * p.scale_log2;
+    if (!kLazy || !(grown <= kLazyLog2)) {
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+      rescale[hh] = exp2f(row_max[hh] * p.scale_log2 - max_scaled);
+      row_max[hh] = mx;
+      row_sum[hh] *= rescale[hh];
+      return max_scaled;
+    }
+    rescale[hh] = 1.f;
+    return row_max[hh] * p.scale_log2;
+  }
   // Masks S(n), folds it into the running max and sum and leaves P(n) in acc_s; `rescale` is
   // what the output accumulated so far must be multiplied by.
   __device__ __forceinline__ void softmax(int n, float (&rescale)[2]) {
@@ -203,6 +227,12 @@ struct Sm90Rows {
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || n * BN < key_begin;
 #endif
+    if constexpr (kMaskByChunks) {
+      if (need_mask) {
+        softmax_masked(n, rescale);
+        return;
+      }
+    }
     if (need_mask) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -227,22 +257,7 @@ struct Sm90Rows {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
-      mx = quad_max(mx);
-      // Lazy: the running max moves only when the block's max exceeds it by more than a factor
-      // of 2^kLazyLog2: below that the probabilities stay under 2^kLazyLog2 (fp16 and bf16
-      // hold that exactly as well as values under 1), the output and the sum need no rescale,
-      // and the log-sum-exp uses the same max, so the result is the same. (NaN: both -inf.)
-      const float grown = (mx - row_max[hh]) * p.scale_log2;
-      float max_scaled;
-      if (!kLazy || !(grown <= kLazyLog2)) {
-        max_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-        rescale[hh] = exp2f(row_max[hh] * p.scale_log2 - max_scaled);
-        row_max[hh] = mx;
-        row_sum[hh] *= rescale[hh];
-      } else {
-        max_scaled = row_max[hh] * p.scale_log2;
-        rescale[hh] = 1.f;
-      }
+      const float max_scaled = fold_max(hh, quad_max(mx), rescale);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -251,6 +266,78 @@ struct Sm90Rows {
           acc_s[nt][e] = prob;
           row_sum[hh] += prob;
         }
+    }
+  }
+  // softmax() for a key block that needs a mask, by chunks of kC column groups (8 columns each):
+  // a chunk past the last key any of the warp's 16 rows sees is skipped (P = 0: no max, no
+  // exponentials), a chunk before the first row's last key needs no test per element, and only
+  // the chunks the warp's diagonal crosses are masked element by element. A causal diagonal block
+  // of 128 x 128 leaves a warp 2 to 16 of its 16 column groups, 9 on average. The bounds are the
+  // same in every lane, so the branches are uniform; the arithmetic (the max, the exponentials,
+  // the sum's order) is softmax()'s, so P is the same bit for bit.
+  __device__ __forceinline__ void softmax_masked(int n, float (&rescale)[2]) {
+    constexpr int kC = 4, kChunks = NT / kC;
+    static_assert(NT % kC == 0, "whole chunks of column groups");
+    const int base = n * BN;
+    auto last_key_of = [&](int r) {  // non-decreasing in r, packed GQA rows included
+      return p.causal ? min(t.len_k - 1, t.query(r) + t.len_k - t.len_q) : t.len_k - 1;
+    };
+    const int r_first = m0 + warp_row0;
+    int lo = last_key_of(r_first) - base;             // columns <= lo: visible to all 16 rows
+    const int hi = last_key_of(r_first + 15) - base;  // columns > hi: masked for all 16 rows
+#if FLASHMOE_PLANT_BUG == 1
+    lo = -1;  // every chunk tested element by element, where the planted test is
+#endif
+    int lk[2];  // this thread's rows' last visible column, less its own first column
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      lk[hh] = last_key_of(m0 + warp_row0 + lane / 4 + hh * 8) - base - (lane & 3) * 2;
+    float mx[2] = {row_max[0], row_max[1]};
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (c * kC * 8 > hi) break;  // this chunk and every later one: masked for all rows
+      if (c * kC * 8 + kC * 8 - 1 > lo) {
+#pragma unroll
+        for (int nt = c * kC; nt < c * kC + kC; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            bool masked = nt * 8 + (e & 1) > lk[e >> 1];
+#if FLASHMOE_PLANT_BUG == 1
+            masked = masked || base + nt * 8 + (lane & 3) * 2 + (e & 1) < key_begin;
+#endif
+            if (masked) acc_s[nt][e] = -INFINITY;
+          }
+      }
+#pragma unroll
+      for (int nt = c * kC; nt < c * kC + kC; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          mx[hh] = fmaxf(mx[hh], fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
+    }
+    float max_scaled[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      max_scaled[hh] = fold_max(hh, quad_max(mx[hh]), rescale);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (c * kC * 8 > hi) {
+#pragma unroll
+        for (int nt = c * kC; nt < c * kC + kC; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc_s[nt][e] = 0.f;
+        continue;
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int nt = c * kC; nt < c * kC + kC; ++nt)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            const float prob = exp2f(fmaf(acc_s[nt][e], p.scale_log2, -max_scaled[hh]));
+            acc_s[nt][e] = prob;
+            row_sum[hh] += prob;
+          }
     }
   }
   // O *= what the latest softmax's max moved it by, before the P V of that softmax's P.
