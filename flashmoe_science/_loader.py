@@ -40,6 +40,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -624,6 +625,99 @@ def is_up_to_date(config: BuildConfig, digest: str | None = None) -> bool:
     )
 
 
+# What a finished build's copy holds beside the library and build.json: the kernels' registers
+# and spills (the build report's) and the compiler's log. Object files and ninja's state stay.
+REUSED_FILES = ("kernels.json", "build.log")
+# Builds of earlier sources kept beside each key's (in <key>.previous/<hash>), the newest first,
+# so that going back to those sources (a git bisect, a branch switch) restores instead of compiling
+# the unit again: 2-3 minutes of nvcc on a GPU runner for 10-60 MB of disk each.
+KEEP_PREVIOUS = 3
+
+
+def _install_build(src: Path, library_name: str, dest: Path, record: dict) -> None:
+    """A finished build's files from `src` into `dest`, with `record` as its build.json (written
+    last and removed first, so a half-done copy never looks up to date). Each file goes in under a
+    temporary name and is renamed into place: a process that has the old library loaded keeps it."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "build.json").unlink(missing_ok=True)
+    for name in (library_name, *REUSED_FILES):
+        if not (src / name).is_file():
+            (dest / name).unlink(missing_ok=True)
+            continue
+        staged = dest / f".{name}.{os.getpid()}.tmp"
+        shutil.copy2(src / name, staged)
+        staged.replace(dest / name)
+    where = {"so_path": str(dest / library_name), "log": str(dest / "build.log")}
+    write_json(dest / "build.json", {**record, **where})
+
+
+def previous_dir(config: BuildConfig) -> Path:
+    return config.build_dir.with_name(f"{config.key}.previous")
+
+
+def _keep_previous(config: BuildConfig) -> None:
+    """Before the build directory is rebuilt for other sources: keep its finished build under its
+    hash, and only the KEEP_PREVIOUS most recently used."""
+    record = read_record(config)
+    library = library_path(config)
+    if not record or record.get("status") != "ok" or not record.get("hash") or not library.exists():
+        return
+    slot = previous_dir(config) / str(record["hash"])[:20]
+    if not (slot / "build.json").is_file():
+        _install_build(config.build_dir, library.name, slot, record)
+    slot.touch()
+    slots = sorted(previous_dir(config).iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in slots[KEEP_PREVIOUS:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _restore_previous(config: BuildConfig, digest: str) -> dict | None:
+    """The kept build of these very sources (hash `digest`) put back in the build directory (the
+    current one kept first); its record, or None when none is kept."""
+    slot = previous_dir(config) / digest[:20]
+    library = library_path(config)
+    try:
+        record = json.loads((slot / "build.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("hash") != digest or record.get("status") != "ok":
+        return None
+    if not (slot / library.name).is_file():
+        return None
+    _keep_previous(config)
+    _install_build(slot, library.name, config.build_dir, record)
+    for stale in config.build_dir.glob("*.o"):  # the other sources' object: ninja must not see it
+        stale.unlink()
+    slot.touch()
+    return read_record(config)
+
+
+def reuse_build(config: BuildConfig, sources_dir: Path, root: Path) -> bool:
+    """Give build root `root` config's up-to-date build for the sources at `sources_dir` (another
+    tree, e.g. a worktree of another commit) when those hash the same as the build's (same bytes,
+    flags, defines, torch and toolkit): that tree's build then finds its library made instead of
+    compiling the same unit again. A build `root` already has of those sources stays; a stale or
+    failed one there is replaced. False, and nothing written, when there is nothing to reuse."""
+    record = read_record(config)
+    if not is_up_to_date(config) or record is None:
+        return False
+    theirs = dataclasses.replace(config, sources_dir=Path(sources_dir))
+    digest = record["hash"]
+    if not theirs.source.exists() or source_hash(theirs) != digest:
+        return False
+    dest = Path(root) / config.key
+    try:
+        if json.loads((dest / "build.json").read_text()).get("hash") == digest:
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    library = library_path(config)
+    _install_build(
+        config.build_dir, library.name, dest, {**record, "source": display_path(theirs.source)}
+    )
+    return True
+
+
 # --------------------------------------------------------------------------------------------------
 # Building
 # --------------------------------------------------------------------------------------------------
@@ -677,7 +771,12 @@ def build(
     with _build_lock(config.build_dir, say):
         # checked under the lock: another process may have just finished this very build
         digest = source_hash(config)
-        if not force and is_up_to_date(config, digest):
+        record = read_record(config) if is_up_to_date(config, digest) else None
+        if not force and record is None:
+            record = _restore_previous(config, digest)
+            if record is not None:
+                say(f"  these sources were built before: restored from {previous_dir(config)}")
+        if not force and record is not None:
             return BuildResult(
                 config,
                 library_path(config),
@@ -685,8 +784,9 @@ def build(
                 time.perf_counter() - start,
                 config.build_dir / "build.log",
                 "",
-                read_record(config) or {},
+                record,
             )
+        _keep_previous(config)
         return _compile(config, digest, start, say, heartbeat_s)
 
 

@@ -379,6 +379,7 @@ def test_opcheck(device):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile(device):
     q, k, v = qkv(device)

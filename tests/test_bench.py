@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-from gitrepo import copy_project, git
+from gitrepo import copy_project, git, reuse_this_build
 
 from flashmoe_science.pipeline import (
     baselines,
@@ -223,6 +223,7 @@ def run_bench(
     )
 
 
+@pytest.mark.slow
 def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path):
     done = run_bench(
         ["--quick", "--backend", "cpu", "--rep-ms", "20", "--warmup-ms", "1"],
@@ -359,6 +360,17 @@ def test_quick_cases_are_a_handful_from_the_default_matrix(device):
     assert [c.group for c in quick].count("small") == 1
     # a subset, so a stored full run can serve as the reference of a quick run
     assert {c.id for c in quick} <= {c.id for c in benchmatrix.default_matrix(device)}
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_glob_with_quick_picks_among_the_quick_cases(device):
+    quick, quick_targets = benchmatrix.select(device, quick=True)
+    cases_, targets = benchmatrix.select(device, quick=True, patterns=["fwd-*", "paged-*"])
+    assert [c.id for c in cases_] == [c.id for c in quick if c.id.startswith("fwd-")]
+    assert len(cases_) == 3  # two prefill cases and the small one, not the matrix's dozens
+    assert [t.id for t in targets] == [t.id for t in quick_targets if t.id.startswith("paged-")]
+    with pytest.raises(ValueError, match=r"matches nothing in the \w+ --quick subset"):
+        benchmatrix.select(device, quick=True, patterns=["dec-*-k65536"])
 
 
 def test_cpu_matrix_is_scaled_down():
@@ -808,6 +820,7 @@ def flash_attention_forward(*args, **kwargs):  # planted by tests/test_bench.py:
 def test_base_worktree_comparison_finds_a_planted_slowdown(tmp_path):
     repo = tmp_path / "repo"
     copy_project(REPO_ROOT, repo)
+    reuse_this_build(repo)
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "base")
@@ -837,6 +850,12 @@ def test_base_worktree_comparison_finds_a_planted_slowdown(tmp_path):
         "--samples-per-round",
         "4",
         "--fail-on-regression",
+        # the matrix's cases: the speed targets' dense sides would pay the planted 200 ms a call
+        # (their plumbing is test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table's)
+        "--case",
+        "fwd-*",
+        "--case",
+        "dec-*",
     ]
     done = run_bench(args, repo, env, timeout=900)
     output = done.stdout[-4000:] + done.stderr[-4000:]
@@ -859,6 +878,11 @@ def test_base_worktree_comparison_finds_a_planted_slowdown(tmp_path):
     assert (worktrees / label / "flashmoe_science" / "pipeline" / "bench.py").is_file()
     assert (worktrees / f"{label}.build").is_dir()
     assert (worktrees / f"{label}.reports" / "build.json").is_file()
+    # the change is to Python alone: the base's kernel sources are the head's, and its build
+    # reused the head's library instead of compiling the same unit again
+    assert "it reuses the head's build" in done.stdout, output
+    base_log = (worktrees / f"{label}.build.log").read_text()
+    assert "build: up to date (" in base_log and "compiling" not in base_log, base_log
 
 
 def test_workers_start_through_the_cli_that_every_version_has():
@@ -920,6 +944,7 @@ def test_head_against_a_base_from_before_the_pipeline_moved(tmp_path):
     _git(repo, "commit", "-q", "-m", "base: the layout before the pipeline moved")
     _git(repo, "rm", "-q", "-r", ".")
     copy_project(REPO_ROOT, repo)
+    reuse_this_build(repo)
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "head: this tree")
 

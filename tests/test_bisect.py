@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gitrepo import commit, copy_project, git
+from gitrepo import commit, copy_project, git, reuse_this_build
 
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
@@ -40,6 +40,7 @@ def test_git_bisect_run_names_the_breaking_commit(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     copy_project(REPO_ROOT, repo)
+    reuse_this_build(repo)  # the good commit's sources are this checkout's
     git(repo, "init", "-q", "-b", "main")
     good = commit(repo, "good: the project as it is")
     (repo / "NOTES.txt").write_text("1\n")

@@ -672,6 +672,117 @@ def test_real_build_then_up_to_date_then_rebuild_on_change(tiny_unit, tmp_path, 
     assert not loader.is_up_to_date(config)
 
 
+def _recorded_build(config) -> None:
+    """config's build directory as a finished build leaves it (the library's bytes aside)."""
+    config.build_dir.mkdir(parents=True, exist_ok=True)
+    loader.library_path(config).write_bytes(b"a library")
+    (config.build_dir / "kernels.json").write_text("[]\n")
+    (config.build_dir / "build.log").write_text("the compiler's log\n")
+    record = loader._record(config, loader.source_hash(config), 12.5, True)
+    loader.write_json(loader.record_path(config), record)
+
+
+def test_reuse_build_gives_a_tree_with_the_same_sources_the_build(tiny_unit, tmp_path, monkeypatch):
+    config = loader.resolve_config("cpu", sources_dir=tiny_unit)
+    assert not loader.reuse_build(config, tiny_unit, tmp_path / "none")  # nothing built yet
+    assert not (tmp_path / "none").exists()
+    _recorded_build(config)
+    theirs = tmp_path / "base" / "csrc"
+    shutil.copytree(tiny_unit, theirs)
+    root = tmp_path / "base.build"
+    dest = root / config.key
+    library = dest / loader.library_path(config).name
+
+    def their_build_is_up_to_date() -> bool:
+        """What their tree's loader sees, with their build root."""
+        with monkeypatch.context() as their_env:
+            their_env.setenv("FLASHMOE_BUILD_ROOT", str(root))
+            their_config = loader.resolve_config("cpu", sources_dir=theirs)
+            assert their_config.build_dir == dest
+            return loader.is_up_to_date(their_config)
+
+    assert loader.reuse_build(config, theirs, root)
+    assert their_build_is_up_to_date()  # their build compiles nothing
+    assert library.read_bytes() == b"a library"
+    record = json.loads((dest / "build.json").read_text())
+    assert record["so_path"] == str(library) and record["log"] == str(dest / "build.log")
+    assert record["source"] == loader.display_path(theirs / "flashmoe_science.cpp")
+    assert (dest / "kernels.json").read_text() == "[]\n"
+    assert [p.name for p in root.iterdir()] == [config.key]  # no staging folder left behind
+
+    # theirs already up to date: kept as it is
+    library.write_bytes(b"their own library")
+    assert loader.reuse_build(config, theirs, root)
+    assert library.read_bytes() == b"their own library"
+
+    # one byte of theirs differs: nothing reused, their stale build untouched
+    (theirs / "twice.h").write_text("constexpr int kFactor = 3;\n")
+    assert not loader.reuse_build(config, theirs, root)
+    assert not their_build_is_up_to_date()
+    assert library.read_bytes() == b"their own library"
+
+    # the same bytes again, their record stale: replaced by the up-to-date build
+    (theirs / "twice.h").write_text((tiny_unit / "twice.h").read_text())
+    loader.write_json(dest / "build.json", {**record, "hash": "stale"})
+    assert not their_build_is_up_to_date()
+    assert loader.reuse_build(config, theirs, root)
+    assert their_build_is_up_to_date() and library.read_bytes() == b"a library"
+
+    # other defines hash otherwise: the head's build without them is not theirs
+    with_define = dataclasses.replace(config, defines=("FLASHMOE_PLANT_BUG=1",))
+    assert not loader.reuse_build(with_define, theirs, tmp_path / "defined.build")
+
+
+def test_sources_built_before_are_restored_not_compiled_again(tiny_unit, monkeypatch):
+    """A git bisect or a branch switch goes back to sources built before: their build comes back
+    from <key>.previous, the KEEP_PREVIOUS most recently used kept."""
+    compiled = []
+
+    def fake_compile(config, digest, start, say, heartbeat_s):
+        compiled.append(digest)
+        loader.library_path(config).write_bytes(f"built from {digest}".encode())
+        record = loader._record(config, digest, 1.0, True)
+        loader.write_json(loader.record_path(config), record)
+        return loader.BuildResult(
+            config, loader.library_path(config), True, 1.0, Path(), "", record
+        )
+
+    monkeypatch.setattr(loader, "_compile", fake_compile)
+    header = tiny_unit / "twice.h"
+    config = loader.resolve_config("cpu", sources_dir=tiny_unit)
+
+    def build_with(factor: int, force: bool = False) -> tuple[bool, str, list[str]]:
+        header.write_text(f"constexpr int kFactor = {factor};\n")
+        said = []
+        result = loader.build(config, force=force, say=said.append)
+        assert loader.is_up_to_date(config)
+        digest = loader.source_hash(config)
+        assert loader.library_path(config).read_bytes() == f"built from {digest}".encode()
+        assert result.record["hash"] == digest
+        return result.cold, digest, said
+
+    assert build_with(2)[0] and build_with(3)[0]  # two sources, two compiles
+    (config.build_dir / "flashmoe_science.o").write_bytes(b"the object of kFactor = 3")
+    cold, digest_2, said = build_with(2)  # back to the first: restored, nothing compiled
+    assert not cold and len(compiled) == 2 and "restored from" in said[0]
+    assert not (config.build_dir / "flashmoe_science.o").exists()  # not the restored sources'
+    assert not build_with(3)[0] and len(compiled) == 2  # and the second, kept when 2 came back
+
+    assert all(build_with(f)[0] for f in (4, 5, 6))  # three more sources
+    kept = sorted(p.name for p in loader.previous_dir(config).iterdir())
+    assert len(kept) == loader.KEEP_PREVIOUS and digest_2[:20] not in kept  # the oldest dropped
+    assert build_with(2)[0] and len(compiled) == 6  # so compiled again
+
+    assert build_with(2, force=True)[0] and len(compiled) == 7  # --force always compiles
+    slot = loader.previous_dir(config) / loader.source_hash(config)[:20]
+    build_with(5)
+    assert not build_with(2)[0]  # 2 was kept when 5 was restored
+    build_with(5)
+    record = json.loads((slot / "build.json").read_text())
+    loader.write_json(slot / "build.json", {**record, "hash": "another"})  # damaged: not trusted
+    assert build_with(2)[0]
+
+
 @pytest.mark.slow
 def test_real_build_with_syntax_error_reports_file_and_line(tiny_unit, capsys):
     (tiny_unit / "flashmoe_science.cpp").write_text(BROKEN_UNIT)

@@ -306,6 +306,7 @@ def test_plant_scripts_are_found():
     assert len(PLANT_SCRIPTS) >= 5, sorted(PLANT_SCRIPTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PLANT_SCRIPTS))
 def test_plant_script_imports_resolve_in_its_process(name):
     """The imports of a plant script resolve in the process `run_planted` starts (its working

@@ -52,6 +52,7 @@ def test_wheel_and_sdist_carry_the_kernel_sources(wheel):
     assert sorted(m.split("/")[-1] for m in members if "/csrc/" in m) == UNITS_AND_HEADERS
 
 
+@pytest.mark.slow
 def test_installed_wheel_works_outside_the_checkout_and_writes_nothing_there(wheel, tmp_path):
     # wheelcheck raises CheckFailed when the calls fail, build again after the prebuild, write
     # into the (empty) current directory, or leave no library under FLASHMOE_CACHE_DIR

@@ -183,16 +183,15 @@ def select_cases(device: str, quick: bool = False, patterns: Sequence[str] = ())
 def select(
     device: str, quick: bool = False, patterns: Sequence[str] = ()
 ) -> tuple[list[Case], list[Target]]:
-    """(matrix cases, target cases): the defaults, their --quick subsets, or those named by ids or
-    globs (in order). A glob may match either kind; one that matches nothing is an error."""
+    """(matrix cases, target cases): the defaults or their --quick subsets, or those named by ids
+    or globs (in order), where a glob with --quick picks among the quick cases. A glob may match
+    either kind; one that matches nothing is an error."""
     matrix, targets = default_matrix(device), default_targets(device)
     by_id = {c.id: c for c in matrix}
     targets_by_id = {t.id: t for t in targets}
     if quick:
-        return (
-            [by_id[i] for i in QUICK_IDS[device]],
-            [targets_by_id[i] for i in QUICK_TARGET_IDS[device]],
-        )
+        matrix = [by_id[i] for i in QUICK_IDS[device]]
+        targets = [targets_by_id[i] for i in QUICK_TARGET_IDS[device]]
     if not patterns:
         return matrix, targets
     chosen: dict[str, Case] = {}
@@ -203,7 +202,8 @@ def select(
             target_hits = [t for t in targets if fnmatch.fnmatchcase(t.id, pattern)]
             if not hits and not target_hits:
                 raise ValueError(
-                    f"--case {pattern!r} matches nothing in the {device} matrix (see --list)"
+                    f"--case {pattern!r} matches nothing in the {device} "
+                    f"{'--quick subset' if quick else 'matrix'} (see --list)"
                 )
             chosen.update((c.id, c) for c in hits)
             chosen_targets.update((t.id, t) for t in target_hits)

@@ -281,7 +281,21 @@ def side_env(
     return env
 
 
+def reuse_head_build(tree: Path, env: dict) -> bool:
+    """Seed the base's build root with this process's build of the same defines when the base's
+    kernel sources hash the same (a change to Python alone): its build then compiles nothing."""
+    try:
+        config = _loader.resolve_config(
+            defines=_loader.split_defines(env.get(_loader.DEFINES_VAR, ""))
+        )
+    except _loader.ConfigError:
+        return False  # the base's own build says why
+    return _loader.reuse_build(config, tree / "csrc", Path(env["FLASHMOE_BUILD_ROOT"]))
+
+
 def build_base(tree: Path, env: dict, log_path: Path, say=print) -> None:
+    if reuse_head_build(tree, env):
+        say("bench: the base's kernel sources are the head's: it reuses the head's build")
     say(f"bench: building the base in {tree} into {env['FLASHMOE_BUILD_ROOT']} (log {log_path})")
     with open(log_path, "w") as log:
         code = subprocess.call(
