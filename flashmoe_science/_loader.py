@@ -615,14 +615,21 @@ def read_record(config: BuildConfig) -> dict | None:
         return None
 
 
+def finished_build(directory: Path, library_name: str) -> dict | None:
+    """The record of the finished build `directory` holds (a build directory, or a kept or reused
+    copy of one): its build.json says ok and its library is there. None otherwise."""
+    try:
+        record = json.loads((directory / "build.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("status") != "ok":
+        return None
+    return record if (directory / library_name).exists() else None
+
+
 def is_up_to_date(config: BuildConfig, digest: str | None = None) -> bool:
-    record = read_record(config)
-    return (
-        record is not None
-        and record.get("status") == "ok"
-        and library_path(config).exists()
-        and record.get("hash") == (digest or source_hash(config))
-    )
+    record = finished_build(config.build_dir, library_path(config).name)
+    return record is not None and record.get("hash") == (digest or source_hash(config))
 
 
 # What a finished build's copy holds beside the library and build.json: the kernels' registers
@@ -658,9 +665,9 @@ def previous_dir(config: BuildConfig) -> Path:
 def _keep_previous(config: BuildConfig) -> None:
     """Before the build directory is rebuilt for other sources: keep its finished build under its
     hash, and only the KEEP_PREVIOUS most recently used."""
-    record = read_record(config)
     library = library_path(config)
-    if not record or record.get("status") != "ok" or not record.get("hash") or not library.exists():
+    record = finished_build(config.build_dir, library.name)
+    if record is None or not record.get("hash"):
         return
     slot = previous_dir(config) / str(record["hash"])[:20]
     if not (slot / "build.json").is_file():
@@ -676,13 +683,8 @@ def _restore_previous(config: BuildConfig, digest: str) -> dict | None:
     current one kept first); its record, or None when none is kept."""
     slot = previous_dir(config) / digest[:20]
     library = library_path(config)
-    try:
-        record = json.loads((slot / "build.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if record.get("hash") != digest or record.get("status") != "ok":
-        return None
-    if not (slot / library.name).is_file():
+    record = finished_build(slot, library.name)
+    if record is None or record.get("hash") != digest:
         return None
     _keep_previous(config)
     _install_build(slot, library.name, config.build_dir, record)
@@ -698,20 +700,18 @@ def reuse_build(config: BuildConfig, sources_dir: Path, root: Path) -> bool:
     flags, defines, torch and toolkit): that tree's build then finds its library made instead of
     compiling the same unit again. A build `root` already has of those sources stays; a stale or
     failed one there is replaced. False, and nothing written, when there is nothing to reuse."""
-    record = read_record(config)
-    if not is_up_to_date(config) or record is None:
+    library = library_path(config)
+    record = finished_build(config.build_dir, library.name)
+    digest = source_hash(config)
+    if record is None or record.get("hash") != digest:
         return False
     theirs = dataclasses.replace(config, sources_dir=Path(sources_dir))
-    digest = record["hash"]
     if not theirs.source.exists() or source_hash(theirs) != digest:
         return False
     dest = Path(root) / config.key
-    try:
-        if json.loads((dest / "build.json").read_text()).get("hash") == digest:
-            return True
-    except (OSError, ValueError, AttributeError):
-        pass
-    library = library_path(config)
+    held = finished_build(dest, library.name)
+    if held is not None and held.get("hash") == digest:
+        return True
     _install_build(
         config.build_dir, library.name, dest, {**record, "source": display_path(theirs.source)}
     )
