@@ -693,6 +693,33 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     const Sm90Block<Traits, kVarlen> blk(p, block_x, split);
     if (kVarlen && blk.m0 >= blk.t.rows_total) continue;  // past its sequence: nothing to write
     const int n_lo = blk.n_lo, n_hi = blk.n_hi;
+    // With three math warpgroups (192-row tiles), one whose 64 rows all lie past the tile's last
+    // row (a sequence's last row block) has nothing to compute or write. It keeps the block's
+    // protocol: the same waits for Q, K and V to land before it gives their buffers back (an
+    // arrival before the copy landed would count towards the buffer's previous use), and as many
+    // turns as the others take. H200 A/B: d=64 S=512 full 1.017x-1.022x, elsewhere within noise;
+    // in the two-warpgroup kernels the branch cost 1-2% (benches/NOTES.md v5.0), so they keep
+    // computing such rows. The test goes through __all_sync: a branch on tid / 32 the compiler
+    // cannot prove warp-uniform took the key-block loop's descriptors out of uniform registers.
+    if (kWarpgroups == 3 && __all_sync(0xffffffffu, blk.m0 + wg * 64 >= blk.t.rows_total)) {
+      if (n_hi > n_lo) {
+        sm90::mbar_wait(&bar.q_full, q_uses++ & 1);
+#pragma unroll 1
+        for (int n = n_hi - 1; n >= n_lo; --n, ++use) {
+          const int s = stage_of(use);
+          my_turn();
+          their_turn();
+          sm90::mbar_wait(&bar.k_full[s], phase_of(use));
+          release(&bar.k_empty[s]);
+          if (n == n_lo) release(&bar.q_empty);
+          sm90::mbar_wait(&bar.v_full[s], phase_of(use));
+          release(&bar.v_empty[s]);
+        }
+        my_turn();  // the other warpgroups' last P V
+        their_turn();
+      }
+      continue;
+    }
     // The phase trace's stamps (FLASHMOE_PHASE_TRACE builds only): one thread per warpgroup.
     FLASHMOE_PHASE(const bool tracer = tid % 128 == 0; auto mark = [&](phase_trace::Mark m) {
       if (tracer) phase_trace::stamp(round, wg * phase_trace::kPerWarpgroup + m);
