@@ -658,8 +658,24 @@ def _install_build(src: Path, library_name: str, dest: Path, record: dict) -> No
     write_json(dest / "build.json", {**record, **where})
 
 
+PREVIOUS_SUFFIX = ".previous"
+
+
 def previous_dir(config: BuildConfig) -> Path:
-    return config.build_dir.with_name(f"{config.key}.previous")
+    return config.build_dir.with_name(f"{config.key}{PREVIOUS_SUFFIX}")
+
+
+def kept_builds_bytes(root: Path) -> int:
+    """What the kept builds of earlier sources (every key's <key>.previous under build root
+    `root`) take on disk, in bytes."""
+    if not root.is_dir():
+        return 0
+    return sum(
+        f.stat().st_size
+        for kept in root.glob(f"*{PREVIOUS_SUFFIX}")
+        for f in kept.rglob("*")
+        if f.is_file() and not f.is_symlink()
+    )
 
 
 def _keep_previous(config: BuildConfig) -> None:

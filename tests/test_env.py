@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from flashmoe_science import _loader as loader
 from flashmoe_science import _toolkit
 from flashmoe_science.pipeline import env, exitcodes, gpukinds
 from flashmoe_science.pipeline.paths import REPO_ROOT
@@ -340,6 +341,22 @@ def test_disk(tmp_path):
     assert env.check_disk(tmp_path / "build", free_bytes=1 * 2**30).status == "warn"
     low = env.check_disk(tmp_path / "build", free_bytes=100 * 2**20)
     assert low.status == "fail" and "FLASHMOE_BUILD_ROOT" in low.fix
+
+
+def test_disk_names_the_kept_builds_of_earlier_sources(tmp_path):
+    root = tmp_path / "build"
+    kept = root / "torch2.13.0-cpu.previous" / "0123456789abcdef0123"
+    kept.mkdir(parents=True)
+    (kept / "flashmoe_science_C.so").write_bytes(b"x" * 3 * 2**20)
+    (root / "torch2.13.0-cpu").mkdir()
+    (root / "torch2.13.0-cpu" / "flashmoe_science_C.so").write_bytes(b"x" * 2**20)  # not kept
+    assert loader.kept_builds_bytes(root) == 3 * 2**20
+    low = env.check_disk(root, free_bytes=100 * 2**20)
+    assert low.status == "fail" and "3 MiB" in low.detail
+    assert low.fix.startswith(f"delete {root / '*.previous'}") and "FLASHMOE_BUILD_ROOT" in low.fix
+    assert (
+        "earlier sources" not in env.check_disk(tmp_path / "empty", free_bytes=100 * 2**30).detail
+    )
 
 
 # --- GPU processes

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import _toolkit
+from .. import _loader, _toolkit
 from . import exitcodes, gpukinds
 from .paths import build_root, report_dir, require_gpu_from_env
 from .provenance import clear_outputs, provenance
@@ -530,6 +530,12 @@ def check_disk(path: Path, free_bytes: int | None = None) -> Check:
     free = _gib(free_bytes)
     detail = f"{free} GiB free at {path}"
     fix = "free some space, or set FLASHMOE_BUILD_ROOT to a directory on a larger disk"
+    kept = _loader.kept_builds_bytes(path)
+    if kept:
+        # builds of earlier sources, kept so that a bisect or a branch switch need not compile
+        where = path / f"*{_loader.PREVIOUS_SUFFIX}"
+        detail += f"; builds of earlier sources kept there: {kept / 2**20:.0f} MiB ({where})"
+        fix = f"delete {where} (builds of earlier sources, compiled again when needed), " + fix
     if free < FAIL_FREE_GIB:
         return Check("disk", "fail", detail, fix)
     if free < MIN_FREE_GIB:
