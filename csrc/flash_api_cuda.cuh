@@ -914,7 +914,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, co
 
 // The dynamic shared memory each kernel asks for at launch, which ptxas's resource report cannot
 // see: one "<kernel as c++filt names it>\t<bytes>" line per instantiation, for the build report
-// (flashmoe_science/pipeline/build.py). It walks the configurations through visit_kernel and reads
+// (flashmoe_science/pipeline/build/unit.py). It walks the configurations through visit_kernel and reads
 // the same Traits::kSmemBytes as launch_attention, so the figures are the launches' own.
 template <typename Type>
 std::string demangled_name() {

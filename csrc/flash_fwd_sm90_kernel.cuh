@@ -32,7 +32,7 @@ namespace flashmoe::cuda {
 // clock64 stamps of each tile's phases, by the first thread of each math warpgroup and the
 // producer's thread 0, into stamps[block][walk step][slot]; per block the %globaltimer and clock64
 // at its start and its end (spans), which turn cycles into time. Slots
-// (flashmoe_science/pipeline/phases.py reads them by these numbers): warpgroup w's at w *
+// (flashmoe_science/pipeline/tools/phases.py reads them by these numbers): warpgroup w's at w *
 // kPerWarpgroup + a Mark; its key blocks at kKeyBlocks + w; the producer's Q copy at kProducer + 0
 // (before the Q-free wait), 1 (after it), 2 (issued). Steps past kRounds and blocks past kBlocks
 // are not recorded. kLastPVIssued splits the last P V: its V's wait, the warpgroup's turn and the

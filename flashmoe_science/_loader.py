@@ -15,7 +15,7 @@ Where things are:
 
 Nothing is written into the current directory. Progress goes to the terminal (stderr by default),
 the full compiler output to ``<build_dir>/build.log``. Reading the compiler's output (resource
-table, first error) is the pipeline's job (``flashmoe_science.pipeline.compiler_output``).
+table, first error) is the pipeline's job (``flashmoe_science.pipeline.build.compiler_output``).
 
 Why a child process: the parent reads the compiler's output line by line (progress, a heartbeat
 during long nvcc runs) and a compiler crash cannot take the caller down.

@@ -1,5 +1,5 @@
 """Shared fixtures. The `gate` marker, `--gates-only` and reports/gates.json come from the package's
-plugin (flashmoe_science/pipeline/gate_plugin.py), loaded here so plain `pytest` behaves as the
+plugin (flashmoe_science/pipeline/gates/plugin.py), loaded here so plain `pytest` behaves as the
 test stage does."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
-pytest_plugins = ("flashmoe_science.pipeline.gate_plugin",)
+pytest_plugins = ("flashmoe_science.pipeline.gates.plugin",)
 
 
 def cuda_build_loaded() -> bool:

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 from actjobs import REPO, ROOT, Api, run_job, skip_unless_act_runs
 
-from flashmoe_science.pipeline import benchrecords, gpukinds, historybranch, trend
+from flashmoe_science.pipeline import gpukinds
+from flashmoe_science.pipeline.bench import records as benchrecords
+from flashmoe_science.pipeline.bench import trend
+from flashmoe_science.pipeline.ci import historybranch
 
 pytestmark = [
     skip_unless_act_runs(),

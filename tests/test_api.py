@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashmoe_science import flash_attention_decode, flash_attention_forward, ops
-from flashmoe_science.pipeline import gates
+from flashmoe_science.pipeline.gates import forward as gates
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

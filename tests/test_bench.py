@@ -17,20 +17,12 @@ import pytest
 import torch
 from gitrepo import copy_project, git, reuse_this_build
 
-from flashmoe_science.pipeline import (
-    baselines,
-    bench,
-    benchmatrix,
-    benchmd,
-    benchrecords,
-    cases,
-    exitcodes,
-    headbase,
-    history,
-    measure,
-    stats,
-    timing,
-)
+from flashmoe_science.pipeline import cases, exitcodes
+from flashmoe_science.pipeline.bench import baselines, headbase, history, measure, stats, timing
+from flashmoe_science.pipeline.bench import matrix as benchmatrix
+from flashmoe_science.pipeline.bench import records as benchrecords
+from flashmoe_science.pipeline.bench import run as bench
+from flashmoe_science.pipeline.bench import summary as benchmd
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 
@@ -684,7 +676,7 @@ def test_a_disturbed_case_is_retaken_whole_and_the_retake_is_recorded(monkeypatc
 def test_a_case_that_stays_disturbed_keeps_its_least_disturbed_attempt_and_is_not_judged(
     monkeypatch,
 ):
-    from flashmoe_science.pipeline import targets
+    from flashmoe_science.pipeline.bench import targets
 
     # 1.4: a spread of 33%, still unstable, but less than the retakes' 133%
     entry, said, timer = disturbed_case(monkeypatch, [1.4, 5.0, 5.0])

@@ -1,5 +1,5 @@
 """Tests of the build: the loader (flashmoe_science._loader), the compiler-output parsers on real
-compiler output, and real tiny CPU builds through the pipeline's `build` (flashmoe_science.pipeline.build).
+compiler output, and real tiny CPU builds through the pipeline's `build` (flashmoe_science.pipeline.build.unit).
 
 The real compiles use a throwaway unit in tmp_path (not csrc/), a build root and a report folder in
 tmp_path, and the CPU backend, so they run on any machine with a compiler and torch.
@@ -23,7 +23,9 @@ import pytest
 
 from flashmoe_science import _loader as loader
 from flashmoe_science import _toolkit
-from flashmoe_science.pipeline import build, compiler_output, exitcodes
+from flashmoe_science.pipeline import exitcodes
+from flashmoe_science.pipeline.build import compiler_output
+from flashmoe_science.pipeline.build import unit as build
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 # Real `-Xptxas=-v` output (CUDA 13.0) in the shape nvcc prints it, for two archs. The decode
@@ -67,7 +69,7 @@ ptxas info    : Used 8 registers, used 0 barriers
 
 # What build.log holds after nvcc fails (CUDA 13.0, torch 2.14.1); command lines shortened.
 NVCC_FAILURE_LOG = """\
-$ /work/main/.venv/bin/python -m flashmoe_science.pipeline.build --child /work/main/build/torch2.14.1-cu13.0-sm90/child.json
+$ /work/main/.venv/bin/python -m flashmoe_science.pipeline.build.unit --child /work/main/build/torch2.14.1-cu13.0-sm90/child.json
 W1126 02:05:55.282000 6599 torch/utils/cpp_extension.py:183] No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda-13.0'
 [1/2] /usr/local/cuda-13.0/bin/nvcc -MD -MF flashmoe_science.cuda.o.d -DTORCH_EXTENSION_NAME=flashmoe_science_C -c /work/main/csrc/flashmoe_science.cu -o flashmoe_science.cuda.o
 FAILED: [code=255] flashmoe_science.cuda.o
@@ -656,7 +658,7 @@ def test_real_build_then_up_to_date_then_rebuild_on_change(tiny_unit, tmp_path, 
         [
             sys.executable,
             "-m",
-            "flashmoe_science.pipeline.build",
+            "flashmoe_science.pipeline.build.unit",
             "--backend",
             "cpu",
             "--sources-dir",
@@ -806,7 +808,7 @@ def test_real_build_with_syntax_error_reports_file_and_line(tiny_unit, capsys):
 
 def test_help_lists_the_options():
     out = subprocess.run(
-        [sys.executable, "-m", "flashmoe_science.pipeline.build", "--help"],
+        [sys.executable, "-m", "flashmoe_science.pipeline.build.unit", "--help"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -8,8 +8,11 @@ import json
 import pytest
 import torch
 
-from flashmoe_science.pipeline import benchmatrix, cases, gates, sanitize
+from flashmoe_science.pipeline import cases
+from flashmoe_science.pipeline.bench import matrix as benchmatrix
 from flashmoe_science.pipeline.cases import Case, make_inputs, parse_case_id
+from flashmoe_science.pipeline.gates import forward as gates
+from flashmoe_science.pipeline.tools import sanitize
 
 EVERY_MATRIX = {
     "gates-gpu": gates.gate_cases("gpu"),

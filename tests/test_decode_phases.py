@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import build, decode_phases, exitcodes, paths, phases
+from flashmoe_science.pipeline import exitcodes, paths
+from flashmoe_science.pipeline.build import unit as build
 from flashmoe_science.pipeline.cases import parse_case_arg
+from flashmoe_science.pipeline.tools import decode_phases, phases
 
 KERNEL = paths.REPO_ROOT / "csrc" / "flash_decode_kernel.cuh"
 GHZ = 2.0  # cycles per ns in the synthetic traces
@@ -244,7 +246,8 @@ def test_the_workload_records_one_traced_call_after_a_flush(monkeypatch, tmp_pat
     buffer with the untraced timings."""
     import torch
 
-    from flashmoe_science.pipeline import baselines, cases
+    from flashmoe_science.pipeline import cases
+    from flashmoe_science.pipeline.bench import baselines
 
     events = []
 

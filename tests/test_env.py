@@ -16,7 +16,8 @@ import pytest
 
 from flashmoe_science import _loader as loader
 from flashmoe_science import _toolkit
-from flashmoe_science.pipeline import env, exitcodes, gpukinds
+from flashmoe_science.pipeline import exitcodes, gpukinds
+from flashmoe_science.pipeline.env import checks as env
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 NVCC_13_0 = """\
@@ -502,7 +503,7 @@ def test_whole_run_here_is_fast_and_passes(isolated):
     out = isolated / "env.json"
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "flashmoe_science.pipeline.env", "--json", str(out)],
+        [sys.executable, "-m", "flashmoe_science.pipeline.env.checks", "--json", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -14,8 +14,8 @@ import torch
 from conftest import planted_process_env
 from softmax_model import online_softmax
 
-from flashmoe_science.pipeline import gates
 from flashmoe_science.pipeline.cases import parse_case_id
+from flashmoe_science.pipeline.gates import forward as gates
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

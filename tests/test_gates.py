@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from flashmoe_science.pipeline import gates
 from flashmoe_science.pipeline.cases import Case, make_inputs
+from flashmoe_science.pipeline.gates import forward as gates
 
 GPU_CASES = gates.gate_cases("gpu")
 CPU_CASES = gates.gate_cases("cpu")

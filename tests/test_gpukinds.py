@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashmoe_science.pipeline import env, gpukinds
+from flashmoe_science.pipeline import gpukinds
+from flashmoe_science.pipeline.env import checks as env
 
 H100 = env.Gpu(
     name="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.2, count=1

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmoe_science.pipeline import grad_gates
 from flashmoe_science.pipeline.cases import Case, make_inputs
+from flashmoe_science.pipeline.gates import backward as grad_gates
 
 GPU_CASES = list(grad_gates.backward_cases("gpu"))
 CPU_CASES = list(grad_gates.backward_cases("cpu"))
 
 
 def _run(case: Case, device: str, record_gate) -> None:
-    from flashmoe_science.pipeline.gates import rerun_fields
+    from flashmoe_science.pipeline.gates.forward import rerun_fields
 
     result = grad_gates.check_case(case, device)
     reruns = rerun_fields(case, device)
@@ -40,7 +40,7 @@ def test_matrix_covers_the_issue():
     """Every S of the forward's matrix, Sq != Sk both ways, GQA 1/4/8, causal both, both dtypes
     and head dims, strided views, every backward configuration forced, deterministic calls."""
     from flashmoe_science.ops import BACKWARD_CONFIGS
-    from flashmoe_science.pipeline import gates
+    from flashmoe_science.pipeline.gates import forward as gates
 
     assert set(gates.SEQLENS) <= {c.seqlen_q for c in GPU_CASES if c.seqlen_q == c.seqlen_k}
     assert {(c.head_dim, c.dtype, c.causal) for c in GPU_CASES} == {
@@ -58,7 +58,7 @@ def test_matrix_covers_the_issue():
 def test_reference_is_autograd_of_the_attention():
     """The closed-form reference equals PyTorch's autograd through the fp64 attention (rows that
     see no key included: Sq > Sk with a causal mask)."""
-    from flashmoe_science.pipeline.gates import attention_reference
+    from flashmoe_science.pipeline.gates.forward import attention_reference
 
     case = Case("backward", "bf16", 2, 4, 2, 23, 11, 16, True)
     q, k, v, _ = make_inputs(case, "cpu")

@@ -12,10 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from flashmoe_science import (
-    flash_attention_decode,
-    flash_attention_varlen_forward,
-)
+from flashmoe_science import flash_attention_decode, flash_attention_varlen_forward
 
 pytestmark = pytest.mark.gpu
 

@@ -15,8 +15,11 @@ import pytest
 
 from flashmoe_science import _loader as loader
 from flashmoe_science import _toolkit
-from flashmoe_science.pipeline import env, exitcodes, profile, sanitize, wheelcheck
+from flashmoe_science.pipeline import exitcodes
+from flashmoe_science.pipeline.build import wheelcheck
+from flashmoe_science.pipeline.env import checks as env
 from flashmoe_science.pipeline.paths import REPO_ROOT
+from flashmoe_science.pipeline.tools import profile, sanitize
 
 UNITS_AND_HEADERS = sorted(
     p.name for p in (REPO_ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".cu", ".h", ".cuh")
@@ -206,7 +209,7 @@ def test_one_lookup_order_for_env_build_sanitize_and_profile(
     monkeypatch.setenv("WHO_RAN", str(tmp_path / "who"))
     monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
     monkeypatch.setattr(sanitize, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
-    from flashmoe_science.pipeline import build
+    from flashmoe_science.pipeline.build import unit as build
 
     monkeypatch.setattr(build, "ensure_built", lambda backend, defines=(): Path("/b/x.so"))
     sanitize.main(["--tool", "memcheck"])

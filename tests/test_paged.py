@@ -1,4 +1,4 @@
-"""Decode against a paged KV cache: the gate matrix (flashmoe_science/pipeline/paged_gates.py),
+"""Decode against a paged KV cache: the gate matrix (flashmoe_science/pipeline/gates/paged.py),
 its ramped caches, the input checks, CUDA graph capture, and planted bugs (a lookup that ignores
 the block table; an output never rescaled) that a gate must catch."""
 
@@ -12,7 +12,8 @@ import torch
 from softmax_model import online_softmax
 
 from flashmoe_science import flash_attention_decode
-from flashmoe_science.pipeline import paged_gates, ragged
+from flashmoe_science.pipeline.gates import paged as paged_gates
+from flashmoe_science.pipeline.gates import ragged
 
 GPU_CASES = paged_gates.paged_cases("gpu")
 CPU_CASES = paged_gates.paged_cases("cpu")

@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 
-from flashmoe_science.pipeline import cli, exitcodes, paths, phases
+from flashmoe_science.pipeline import cli, exitcodes, paths
 from flashmoe_science.pipeline.cases import parse_case_arg
+from flashmoe_science.pipeline.tools import phases
 
 KERNEL = paths.REPO_ROOT / "csrc" / "flash_fwd_sm90_kernel.cuh"
 GHZ = 2.0  # cycles per ns in the synthetic traces
@@ -163,7 +164,7 @@ def test_without_a_gpu_it_says_so_and_what_to_do(capsys, tmp_path):
 
 
 def test_the_command_is_registered():
-    assert cli.COMMANDS["phases"][0] == "flashmoe_science.pipeline.phases"
+    assert cli.COMMANDS["phases"][0] == "flashmoe_science.pipeline.tools.phases"
     assert "phases" in cli.usage()
 
 
@@ -174,7 +175,7 @@ def test_a_traced_run_prints_the_table_and_writes_its_record(monkeypatch, tmp_pa
     import subprocess
     from pathlib import Path
 
-    from flashmoe_science.pipeline import build
+    from flashmoe_science.pipeline.build import unit as build
 
     trace = two_blocks()
     calls = []
@@ -211,7 +212,7 @@ def test_a_run_where_no_wgmma_tile_ran_says_what_to_use_instead(monkeypatch, tmp
     import subprocess
     from pathlib import Path
 
-    from flashmoe_science.pipeline import build
+    from flashmoe_science.pipeline.build import unit as build
 
     empty = Trace()
 

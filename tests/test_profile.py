@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmoe_science.pipeline import bench, exitcodes, profile
+from flashmoe_science.pipeline import exitcodes
+from flashmoe_science.pipeline.bench import run as bench
 from flashmoe_science.pipeline.paths import REPO_ROOT
+from flashmoe_science.pipeline.tools import profile
 
 PREFILL_ID = "fwd-bf16-d128-h16-b1-s16384-causal"
 DECODE_ID = "dec-bf16-d128-h32-b1-q1-k131072"
@@ -251,7 +253,12 @@ def test_ncu_command():
     metrics = command[command.index("--metrics") + 1].split(",")
     assert "gpu__time_duration.sum" in metrics
     assert "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum" in metrics
-    assert command[-6:-2] == ["-m", "flashmoe_science.pipeline.profile", "--workload", PREFILL_ID]
+    assert command[-6:-2] == [
+        "-m",
+        "flashmoe_science.pipeline.tools.profile",
+        "--workload",
+        PREFILL_ID,
+    ]
     assert profile.ncu_import_command("ncu", Path("r.ncu-rep")) == (
         ["ncu", "--import", "r.ncu-rep", "--csv", "--page", "raw", "--print-units", "base"]
     )
@@ -408,7 +415,7 @@ def test_nothing_profiled_fails(isolated, fake_gpu, fake_ncu, capsys):
 def test_cli_lists_the_command():
     from flashmoe_science.pipeline import cli
 
-    assert cli.COMMANDS["profile"][0] == "flashmoe_science.pipeline.profile"
+    assert cli.COMMANDS["profile"][0] == "flashmoe_science.pipeline.tools.profile"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
 PUBLISH_ACTION = "pypa/gh-action-pypi-publish@"
-WHEELCHECK = "python -m flashmoe_science.pipeline.wheelcheck"
+WHEELCHECK = "python -m flashmoe_science.pipeline.build.wheelcheck"
 
 
 @pytest.fixture(scope="module")

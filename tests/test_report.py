@@ -883,7 +883,7 @@ def test_a_report_folder_that_cannot_be_written_does_not_fail_the_stage(tmp_path
 
 def _sanitize_doc(options: list[str], failing: tuple[str, ...] = ()) -> dict:
     """sanitize.json as the sanitize stage writes it, the coverage from sanitize_coverage."""
-    from flashmoe_science.pipeline import sanitize, sanitize_coverage
+    from flashmoe_science.pipeline.tools import sanitize, sanitize_coverage
 
     tools = {
         tool: {

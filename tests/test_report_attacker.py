@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import exitcodes, gpuci, report, trend
+from flashmoe_science.pipeline import exitcodes, report
 from flashmoe_science.pipeline import markdown as md
+from flashmoe_science.pipeline.bench import trend
+from flashmoe_science.pipeline.ci import gpuci
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # the fixtures' provenance

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import exitcodes, gpuci, gpukinds, report, trend
+from flashmoe_science.pipeline import exitcodes, gpukinds, report
+from flashmoe_science.pipeline.bench import trend
+from flashmoe_science.pipeline.ci import gpuci
 from flashmoe_science.pipeline.report import legs
 from flashmoe_science.pipeline.report.inputs import load_inputs
 from flashmoe_science.pipeline.report.sections import ICONS

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import runner_requirements as rr
+from flashmoe_science.pipeline.ci import runner_requirements as rr
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "scripts" / "runner"
@@ -348,7 +348,7 @@ def test_register_dry_run_prints_the_whole_plan_one_runner_per_gpu(tree):
     assert "    ACTIONS_RUNNER_HOOK_JOB_STARTED=/opt/flashmoe-runner/bin/cleanup-hook.sh" in out
     assert "    FLASHMOE_RUNNER_PYTHON=/opt/torch/.venv/bin/python3" in out
     assert "-m flashmoe_science env --require-gpu" in out
-    assert "-m flashmoe_science.pipeline.runner_requirements" in out
+    assert "-m flashmoe_science.pipeline.ci.runner_requirements" in out
 
 
 def test_register_dry_run_follows_the_environment_overrides():

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashmoe_science.pipeline import cli, exitcodes, gates, sanitize, sanitize_coverage
+from flashmoe_science.pipeline import cli, exitcodes
 from flashmoe_science.pipeline.cases import Case
+from flashmoe_science.pipeline.gates import forward as gates
 from flashmoe_science.pipeline.paths import REPO_ROOT
+from flashmoe_science.pipeline.tools import sanitize, sanitize_coverage
 
 FWD = (
     "void flashmoe::cuda::flash_fwd_kernel<flashmoe::cuda::FwdTraits<(int)128, (int)64, (int)64, "
@@ -411,8 +413,8 @@ def test_workload_covers_every_code_path():
         ("bf16", 128, 65),
     }
     # the packed and paged calls carry their gates' case types and id formats
-    from flashmoe_science.pipeline.paged_gates import PagedCase
-    from flashmoe_science.pipeline.varlen_gates import VarlenCase
+    from flashmoe_science.pipeline.gates.paged import PagedCase
+    from flashmoe_science.pipeline.gates.varlen import VarlenCase
 
     others = (VarlenCase, PagedCase, sanitize.VarlenBackward)
     assert all(isinstance(c, others) for c in workload if not isinstance(c, Case))
@@ -422,7 +424,7 @@ def test_workload_covers_packed_batches():
     """Every packed-batch kernel instantiation (dtype x head dim x configuration with a packed
     variant), each masked and not, over lengths 0, 1, 17 and one past a block's end, Sq != Sk both
     ways, GQA 1 and 4; the backward once per dtype and head dim."""
-    from flashmoe_science.pipeline.varlen_gates import VARLEN_CONFIGS, VarlenCase
+    from flashmoe_science.pipeline.gates.varlen import VARLEN_CONFIGS, VarlenCase
 
     cases = sanitize.workload_cases()
     varlen = [c for c in cases if isinstance(c, VarlenCase)]
@@ -460,7 +462,7 @@ def test_workload_covers_packed_batches():
 def test_workload_covers_paged_decode():
     """The paged decode kernel per dtype and head dim over block sizes 16, 64 and 256, on shuffled
     page tables, with empty caches and partial last pages, forced and automatic splits."""
-    from flashmoe_science.pipeline.paged_gates import PagedCase, make_paged_inputs
+    from flashmoe_science.pipeline.gates.paged import PagedCase, make_paged_inputs
 
     paged = [c for c in sanitize.workload_cases() if isinstance(c, PagedCase)]
     assert {(c.dtype, c.head_dim, c.page_size) for c in paged} == {
@@ -548,7 +550,7 @@ def test_sanitizer_command_and_environment():
     assert memcheck[-4:] == [
         sys.executable,
         "-m",
-        "flashmoe_science.pipeline.sanitize",
+        "flashmoe_science.pipeline.tools.sanitize",
         "--workload",
     ]
     racecheck = sanitize.sanitizer_command("cs", "racecheck", kernel_filter=False)
@@ -665,7 +667,7 @@ def isolated(tmp_path, monkeypatch):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(sanitize, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
-    from flashmoe_science.pipeline import build
+    from flashmoe_science.pipeline.build import unit as build
 
     built = []
     monkeypatch.setattr(
@@ -829,7 +831,7 @@ def test_unknown_tool_is_a_usage_error(capsys):
 
 
 def test_cli_lists_the_command():
-    assert cli.COMMANDS["sanitize"][0] == "flashmoe_science.pipeline.sanitize"
+    assert cli.COMMANDS["sanitize"][0] == "flashmoe_science.pipeline.tools.sanitize"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -885,8 +887,8 @@ def test_every_kernel_is_instrumented():
     missing from them would go unchecked without a word. Every __global__ in csrc/ must pass both."""
     import re
 
-    from flashmoe_science.pipeline import profile
     from flashmoe_science.pipeline.paths import REPO_ROOT
+    from flashmoe_science.pipeline.tools import profile
 
     source = "\n".join(p.read_text() for p in sorted((REPO_ROOT / "csrc").glob("*.cuh")))
     kernels = set(

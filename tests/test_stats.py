@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from flashmoe_science.pipeline import stats
+from flashmoe_science.pipeline.bench import stats
 
 # (x, y, U of x, two-sided p) from scipy 1.17.1's mannwhitneyu(x, y, method="asymptotic"),
 # which uses the same normal approximation with tie and continuity corrections.

@@ -14,20 +14,14 @@ import jsonschema
 import pytest
 import torch
 
-from flashmoe_science.pipeline import (
-    bench,
-    benchmatrix,
-    benchmd,
-    benchrecords,
-    exitcodes,
-    provenance,
-    report,
-    stages,
-    targetmeasure,
-    targets,
-    timing,
-)
-from flashmoe_science.pipeline.benchrecords import (
+from flashmoe_science.pipeline import exitcodes, provenance, report, stages
+from flashmoe_science.pipeline.bench import matrix as benchmatrix
+from flashmoe_science.pipeline.bench import records as benchrecords
+from flashmoe_science.pipeline.bench import run as bench
+from flashmoe_science.pipeline.bench import summary as benchmd
+from flashmoe_science.pipeline.bench import target_measure as targetmeasure
+from flashmoe_science.pipeline.bench import targets, timing
+from flashmoe_science.pipeline.bench.records import (
     HostCost,
     HostRecord,
     Measured,
@@ -38,9 +32,7 @@ from flashmoe_science.pipeline.benchrecords import (
     ReadFloor,
     VarlenRecord,
 )
-from flashmoe_science.pipeline.cases import Case
-from flashmoe_science.pipeline.paths import REPO_ROOT
-from flashmoe_science.pipeline.targetcases import (
+from flashmoe_science.pipeline.bench.target_cases import (
     HOST_CALLS,
     HostTarget,
     ModelTarget,
@@ -48,6 +40,8 @@ from flashmoe_science.pipeline.targetcases import (
     VarlenTarget,
     mixed_lengths,
 )
+from flashmoe_science.pipeline.cases import Case
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "report"
 MIB = 2**20
@@ -712,7 +706,7 @@ def test_host_calls_match_sdpa_on_the_cpu(call):
     ours, sdpa = targetmeasure.host_calls(target, "cpu")
     out, expected = ours(), sdpa()
     if call == "varlen":  # packed rows against the padded batch's real rows
-        from flashmoe_science.pipeline.targetcases import HOST_VARLEN_LENGTHS
+        from flashmoe_science.pipeline.bench.target_cases import HOST_VARLEN_LENGTHS
 
         start = 0
         for b, n in enumerate(HOST_VARLEN_LENGTHS):

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import exitcodes, gate_plugin, provenance, testing
+from flashmoe_science.pipeline import exitcodes, provenance
+from flashmoe_science.pipeline.gates import plugin as gate_plugin
+from flashmoe_science.pipeline.gates import testing
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 ALL_PASSED = "all gates passed"
@@ -138,7 +140,7 @@ def run_suite(tmp_path: Path, *args: str, fail_gate=0, fail_other=False, extra="
     suite = tmp_path / "suite"
     suite.mkdir(exist_ok=True)
     (suite / "conftest.py").write_text(
-        'pytest_plugins = ("flashmoe_science.pipeline.gate_plugin",)\n'
+        'pytest_plugins = ("flashmoe_science.pipeline.gates.plugin",)\n'
     )
     (suite / "test_suite.py").write_text(
         SUITE.replace("{FAIL_GATE}", str(fail_gate)).replace("{FAIL_OTHER}", str(fail_other))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashmoe_science.pipeline.gate_plugin import TRAINING
+from flashmoe_science.pipeline.gates.plugin import TRAINING
 
 STEPS = 100
 VOCAB, DIM, HEADS, KV_HEADS, LAYERS, SEQ, BATCH = 256, 256, 4, 2, 2, 256, 8

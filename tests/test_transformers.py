@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flashmoe_science.integrations import transformers as integration  # noqa: E402
-from flashmoe_science.pipeline import smallmodel  # noqa: E402
+from flashmoe_science.pipeline.bench import smallmodel  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LENGTHS = (7, 3, 5, 1, 12)

@@ -2,7 +2,7 @@
 start (no `pull_request` workflow reaches a self-hosted runner; the GPU job runs only the commit
 main's `approve` job allowed), the read-only checkout, the label made one-shot and checked against
 the labeller's permission, the required gate, the history, and the supply chain (hash-locked tools,
-one index per install, Dependabot). The decisions themselves (flashmoe_science.pipeline.gpuci) are
+one index per install, Dependabot). The decisions themselves (flashmoe_science.pipeline.ci.gpuci) are
 tested against a fake API here, and under act in tests/test_act_trust.py."""
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from flashmoe_science.pipeline import benchrecords, gpuci, gpukinds, historybranch, trend
+from flashmoe_science.pipeline import gpukinds
+from flashmoe_science.pipeline.bench import records as benchrecords
+from flashmoe_science.pipeline.bench import trend
+from flashmoe_science.pipeline.ci import gpuci, historybranch
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
@@ -116,7 +119,7 @@ def test_approve_decides_and_records_before_any_pr_code_runs():
     job = JOBS["approve"]
     assert job["permissions"] == {"contents": "read", "pull-requests": "write"}
     decide = next(s for s in job["steps"] if s.get("id") == "decide")
-    assert decide["run"].startswith("python3 -m flashmoe_science.pipeline.gpuci approve")
+    assert decide["run"].startswith("python3 -m flashmoe_science.pipeline.ci.gpuci approve")
     assert decide["env"]["GH_TOKEN"] == "${{ github.token }}"
     upload = step_of(job, "actions/upload-artifact@")
     assert upload["with"]["name"] == "gpu-ci-approval"

@@ -1,4 +1,4 @@
-"""Packed (varlen) batches: the gate matrix (flashmoe_science/pipeline/varlen_gates.py), the input
+"""Packed (varlen) batches: the gate matrix (flashmoe_science/pipeline/gates/varlen.py), the input
 checks, the log-sum-exp layout, the backward, and a planted bug (a kernel that reads one
 key past each sequence's end) that a gate must catch."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flashmoe_science import flash_attention_forward, flash_attention_varlen_forward
-from flashmoe_science.pipeline import ragged, varlen_gates
+from flashmoe_science.pipeline.gates import ragged
+from flashmoe_science.pipeline.gates import varlen as varlen_gates
 
 GPU_CASES = varlen_gates.varlen_cases("gpu")
 CPU_CASES = varlen_gates.varlen_cases("cpu")

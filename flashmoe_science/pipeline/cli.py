@@ -14,16 +14,19 @@ from . import exitcodes, stages
 
 COMMANDS = {
     "env": (
-        "flashmoe_science.pipeline.env",
+        "flashmoe_science.pipeline.env.checks",
         "validate the environment (Python, torch, CUDA, nvcc, GPU, NumPy, ...)",
     ),
-    "build": ("flashmoe_science.pipeline.build", "build the extension as one compilation unit"),
+    "build": (
+        "flashmoe_science.pipeline.build.unit",
+        "build the extension as one compilation unit",
+    ),
     "test": (
-        "flashmoe_science.pipeline.testing",
+        "flashmoe_science.pipeline.gates.testing",
         "build incrementally, then run the correctness gates (bisect-safe)",
     ),
     "bench": (
-        "flashmoe_science.pipeline.bench",
+        "flashmoe_science.pipeline.bench.run",
         "time the kernels against PyTorch SDPA; --base REF compares commits",
     ),
     "report": (
@@ -31,15 +34,15 @@ COMMANDS = {
         "render reports/*.json into reports/report.md (PR comment, job summary)",
     ),
     "sanitize": (
-        "flashmoe_science.pipeline.sanitize",
+        "flashmoe_science.pipeline.tools.sanitize",
         "compute-sanitizer's tools over every kernel path",
     ),
     "profile": (
-        "flashmoe_science.pipeline.profile",
+        "flashmoe_science.pipeline.tools.profile",
         "Nsight Compute on one bench case: what bounds it",
     ),
     "phases": (
-        "flashmoe_science.pipeline.phases",
+        "flashmoe_science.pipeline.tools.phases",
         "the sm_90a forward's time per tile, phase by phase (a traced build)",
     ),
 }

@@ -49,7 +49,7 @@ Options:
                   --matrix gpu:h100 for gpu-ci.yml's h100 leg. Without it act runs every leg.
   --artifacts-from DIR  Artifacts an earlier run uploaded (DIR/NAME/...), for the download stand-in
                   (pr-report.yml reads GPU CI's).
-  GitHub API calls of the trusted jobs (flashmoe_science.pipeline.gpuci) go to \$FLASHMOE_GITHUB_API
+  GitHub API calls of the trusted jobs (flashmoe_science.pipeline.ci.gpuci) go to \$FLASHMOE_GITHUB_API
   when it is set here (a local stub server: tests/test_act_trust.py starts one); passed to the job.
   The bench-history branch is read from and pushed to \$FLASHMOE_HISTORY_REMOTE when it is set (a
   local bare repository: tests/test_act_history.py makes one); passed to the job.

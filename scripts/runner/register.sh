@@ -28,7 +28,7 @@ Usage: scripts/runner/register.sh [--dry-run] COMMAND [OPTIONS]
 
 Commands (the README's "GPU CI on self-hosted GPU runners" walks through them):
   preflight  Check this machine for the GPU job: the driver and nvcc that torch's CUDA needs
-             (python -m flashmoe_science.pipeline.runner_requirements) and the environment
+             (python -m flashmoe_science.pipeline.ci.runner_requirements) and the environment
              check (python -m flashmoe_science env --require-gpu), with --python's interpreter.
   download   Download actions/runner $RUNNER_VERSION into $CACHE and check its SHA-256
              (install does this; no root needed where $CACHE is writable).
@@ -168,7 +168,7 @@ preflight() {
   repo_root="$(cd "$HERE/../.." && pwd)"
   say "preflight with $PYTHON"
   if ((DRY)); then
-    echo "+ PYTHONPATH=$repo_root $PYTHON -m flashmoe_science.pipeline.runner_requirements"
+    echo "+ PYTHONPATH=$repo_root $PYTHON -m flashmoe_science.pipeline.ci.runner_requirements"
     echo "+ PYTHONPATH=$repo_root $PYTHON -m flashmoe_science env --require-gpu --json /dev/null"
     return 0
   fi
@@ -177,7 +177,7 @@ preflight() {
   [[ -f "$repo_root/flashmoe_science/pipeline/runner_requirements.py" ]] ||
     die "preflight needs the repository's checkout ($repo_root has none)" \
       "run scripts/runner/register.sh from a checkout of the repository"
-  PYTHONPATH="$repo_root" "$PYTHON" -m flashmoe_science.pipeline.runner_requirements ||
+  PYTHONPATH="$repo_root" "$PYTHON" -m flashmoe_science.pipeline.ci.runner_requirements ||
     die "the driver or nvcc does not match torch's CUDA (above)" "install the versions named above"
   # --json /dev/null: a check of the machine, not a CI record to leave in the checkout's reports/.
   PYTHONPATH="$repo_root" "$PYTHON" -m flashmoe_science env --require-gpu --json /dev/null ||

@@ -53,8 +53,9 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from .. import exitcodes, stages, trend
+from .. import exitcodes, stages
 from .. import markdown as md
+from ..bench import trend
 from ..markdown import TIMES
 from ..paths import report_dir
 from .inputs import Inputs, load_inputs

@@ -13,8 +13,8 @@ from typing import Any
 
 from ... import _loader
 from .. import markdown as md
-from .. import stats
-from ..targets import UNSTABLE_MARK, unstable_note
+from ..bench import stats
+from ..bench.targets import UNSTABLE_MARK, unstable_note
 from .inputs import Inputs
 from .sections import (
     FAIL,

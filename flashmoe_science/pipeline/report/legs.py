@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .. import gpukinds, trend
+from .. import gpukinds
 from .. import markdown as md
+from ..bench import trend
 from .inputs import Inputs, load_inputs
 from .render import MARKER, hard_cut, render, verdict
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN

@@ -6,7 +6,7 @@ table's sanitize row says what stages.json knows."""
 from __future__ import annotations
 
 from .. import markdown as md
-from ..sanitize_coverage import FEATURES, NOT_CHECKED, UNDOCUMENTED
+from ..tools.sanitize_coverage import FEATURES, NOT_CHECKED, UNDOCUMENTED
 from .inputs import Inputs, stage_failed
 from .sections import FAIL, NOTRUN, OK, Detail, Section, stale_section
 

@@ -10,9 +10,10 @@ whether this change broke something. Only our kernel failing on a speed case fai
 
 from __future__ import annotations
 
-from .. import benchrecords, targets
 from .. import markdown as md
-from ..benchrecords import HostCost, Measured, ModelTiming, NotMeasured, ReadFloor
+from ..bench import records as benchrecords
+from ..bench import targets
+from ..bench.records import HostCost, Measured, ModelTiming, NotMeasured, ReadFloor
 from .inputs import Inputs
 from .sections import FAIL, NOTE, OK, Detail, Section
 

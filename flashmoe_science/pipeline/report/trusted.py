@@ -4,8 +4,9 @@ workflows or the report's own code) and main's performance history beside this r
 
 from __future__ import annotations
 
-from .. import benchrecords, trend
 from .. import markdown as md
+from ..bench import records as benchrecords
+from ..bench import trend
 from .inputs import Inputs
 from .sections import NOTE, OK, WARN, Detail, Section
 
@@ -16,8 +17,8 @@ SENSITIVE = (
     "scripts/runner/",
     "flashmoe_science/pipeline/report/",
     "flashmoe_science/pipeline/markdown.py",
-    "flashmoe_science/pipeline/gpuci.py",
-    "flashmoe_science/pipeline/trend.py",
+    "flashmoe_science/pipeline/ci/gpuci.py",
+    "flashmoe_science/pipeline/bench/trend.py",
     "noxfile.py",
 )
 

@@ -1,0 +1,219 @@
+"""The benchmark's case matrix: prefill over the FA2 benchmark's 16k-token sweep, decode over cache
+lengths, batches and GQA ratios, small shapes, and the backward (alone, and with the forward as a
+training step) over the prefill sweep; then the speed-target cases (targetcases: varlen, paged
+decode, host cost, the small model); scaled down on the CPU backend."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+from ..cases import Case, parse_case_id
+from .target_cases import HOST_CALLS, HostTarget, ModelTarget, PagedTarget, Target, VarlenTarget
+
+KV_CACHE_LIMIT_BYTES = 8 * 1024**3  # decode cases whose K+V exceed this are left out of the matrix
+
+
+def prefill_cases(seqlens, tokens, heads_for_dim, dtypes=("fp16", "bf16")) -> list[Case]:
+    """B*S = tokens for every S (the FA2 benchmark's 16k-token sweep)."""
+    return [
+        Case("prefill", dtype, tokens // s, heads, heads, s, s, d, causal)
+        for dtype in dtypes
+        for d, heads in heads_for_dim.items()
+        for s in seqlens
+        for causal in (False, True)
+    ]
+
+
+def training_cases(
+    seqlens, tokens, heads_for_dim, dtypes=("fp16", "bf16"), kinds=("backward", "train"), config=0
+) -> list[Case]:
+    """The prefill sweep's shapes as backward and training-step cases; config forces a backward
+    configuration (the one another card picks, measured on this one)."""
+    return [
+        Case(
+            kind,
+            c.dtype,
+            c.batch,
+            c.heads_q,
+            c.heads_kv,
+            c.seqlen_q,
+            c.seqlen_k,
+            c.head_dim,
+            c.causal,
+            config=config,
+        )
+        for kind in kinds
+        for c in prefill_cases(seqlens, tokens, heads_for_dim, dtypes)
+    ]
+
+
+def decode_cases(
+    kv_lens, batches, heads_q, heads_kv, head_dim=128, limit=KV_CACHE_LIMIT_BYTES
+) -> list[Case]:
+    cases = [
+        Case("decode", dtype, b, heads_q, hkv, 1, kv, head_dim, True)
+        for dtype in ("bf16", "fp16")
+        for hkv in heads_kv
+        for b in batches
+        for kv in kv_lens
+    ]
+    return [c for c in cases if c.kv_bytes <= limit]
+
+
+def small_cases(heads=(1, 8), seqlens=(128, 512)) -> list[Case]:
+    """Shapes a user reported as slow: one sequence, few heads; launch and tail effects dominate."""
+    return [
+        Case("prefill", "fp16", 1, h, h, s, s, 64, False, group="small")
+        for h in heads
+        for s in seqlens
+    ]
+
+
+def gpu_matrix() -> list[Case]:
+    return [
+        *prefill_cases((128, 256, 512, 1024, 2048, 4096, 8192, 16384), 16384, {64: 32, 128: 16}),
+        *decode_cases((1024, 4096, 8192, 16384, 32768, 65536, 131072), (1, 4, 16), 32, (32, 8)),
+        *small_cases(),
+        *training_cases((512, 1024, 2048, 4096, 8192, 16384), 16384, {64: 32, 128: 16}),
+        # backward configuration 1 is what the L4 (sm_89, 99 KB of shared memory a block) runs
+        *training_cases(
+            (512, 2048, 8192), 16384, {64: 32, 128: 16}, ("bf16",), ("backward",), config=1
+        ),
+    ]
+
+
+def cpu_matrix() -> list[Case]:
+    """The GPU matrix shrunk until the CPU implementation gets through it in ~30 s on 2 cores."""
+    return [
+        *prefill_cases((128, 256, 512), 1024, {64: 4, 128: 2}),
+        *decode_cases((1024, 4096), (1, 4), 8, (8, 2)),
+        *small_cases(),
+        *training_cases((128, 256), 512, {64: 2, 128: 1}),
+    ]
+
+
+QUICK_IDS = {
+    "cuda": (
+        "fwd-bf16-d128-h16-b4-s4096-causal",
+        "fwd-fp16-d64-h32-b16-s1024-full",
+        "dec-bf16-d128-h32kv8-b16-q1-k8192",
+        "fwd-fp16-d64-h8-b1-s512-full",
+        "bwd-bf16-d128-h16-b4-s4096-causal",
+    ),
+    "cpu": (
+        "fwd-bf16-d128-h2-b4-s256-causal",
+        "fwd-fp16-d64-h4-b8-s128-full",
+        "dec-bf16-d128-h8kv2-b4-q1-k1024",
+        "fwd-fp16-d64-h1-b1-s128-full",
+        "bwd-bf16-d128-h1-b2-s256-causal",
+    ),
+}
+
+
+def varlen_targets(total, shortest, longest, heads_for_dim, dtypes=("fp16", "bf16")):
+    """Packed batches of `total` tokens, lengths mixed from shortest to longest, with the prefill
+    sweep's heads (Hq == Hkv)."""
+    return [
+        VarlenTarget(dtype, d, heads, heads, total, shortest, longest, causal)
+        for dtype in dtypes
+        for d, heads in heads_for_dim.items()
+        for causal in (False, True)
+    ]
+
+
+def paged_targets(batch_and_seqlen, block_sizes, heads_q, heads_kv, head_dim=128):
+    return [
+        PagedTarget("bf16", head_dim, heads_q, heads_kv, b, k, block)
+        for b, k in batch_and_seqlen
+        for block in block_sizes
+    ]
+
+
+def gpu_targets() -> list[Target]:
+    return [
+        *varlen_targets(16384, 128, 4096, {64: 32, 128: 16}),
+        # every shape's K+V is at least 64 MiB, where the read-floor target applies
+        *paged_targets(((1, 32768), (4, 8192), (16, 8192)), (16, 64, 128, 256), 32, 8),
+        *(HostTarget(call) for call in HOST_CALLS),
+        ModelTarget(),
+    ]
+
+
+def cpu_targets() -> list[Target]:
+    """The host-cost and model cases stay in: on the CPU they become "unsupported" records."""
+    return [
+        *varlen_targets(1024, 16, 256, {64: 4}, ("bf16",)),
+        *paged_targets(((4, 1024),), (16, 64, 128, 256), 8, 2),
+        *(HostTarget(call) for call in HOST_CALLS),
+        ModelTarget(),
+    ]
+
+
+TARGET_PREFIXES = ("varlen-", "paged-", "host-", "model-")
+QUICK_TARGET_IDS = {
+    "cuda": (
+        "varlen-bf16-d128-h16-t16384-len128_4096-causal",
+        "paged-bf16-d128-h32kv8-b4-k8192-page64",
+        "host-bf16-d128-h32kv8-b1-k1024-decode-lens",
+        "model-llama-bf16-b8-s512-new32",
+    ),
+    "cpu": (
+        "varlen-bf16-d64-h4-t1024-len16_256-causal",
+        "paged-bf16-d128-h8kv2-b4-k1024-page64",
+        "host-bf16-d128-h32kv8-b1-k1024-decode-lens",
+        "model-llama-bf16-b8-s512-new32",
+    ),
+}
+
+
+def default_targets(device: str) -> list[Target]:
+    return gpu_targets() if device == "cuda" else cpu_targets()
+
+
+def default_matrix(device: str) -> list[Case]:
+    return gpu_matrix() if device == "cuda" else cpu_matrix()
+
+
+def select_cases(device: str, quick: bool = False, patterns: Sequence[str] = ()) -> list[Case]:
+    """The default matrix, its --quick subset, or the cases named by ids or globs (in order)."""
+    return select(device, quick, patterns)[0]
+
+
+def select(
+    device: str, quick: bool = False, patterns: Sequence[str] = ()
+) -> tuple[list[Case], list[Target]]:
+    """(matrix cases, target cases): the defaults or their --quick subsets, or those named by ids
+    or globs (in order), where a glob with --quick picks among the quick cases. A glob may match
+    either kind; one that matches nothing is an error."""
+    matrix, targets = default_matrix(device), default_targets(device)
+    by_id = {c.id: c for c in matrix}
+    targets_by_id = {t.id: t for t in targets}
+    if quick:
+        matrix = [by_id[i] for i in QUICK_IDS[device]]
+        targets = [targets_by_id[i] for i in QUICK_TARGET_IDS[device]]
+    if not patterns:
+        return matrix, targets
+    chosen: dict[str, Case] = {}
+    chosen_targets: dict[str, Target] = {}
+    for pattern in patterns:
+        if any(ch in pattern for ch in "*?["):
+            hits = [c for c in matrix if fnmatch.fnmatchcase(c.id, pattern)]
+            target_hits = [t for t in targets if fnmatch.fnmatchcase(t.id, pattern)]
+            if not hits and not target_hits:
+                raise ValueError(
+                    f"--case {pattern!r} matches nothing in the {device} "
+                    f"{'--quick subset' if quick else 'matrix'} (see --list)"
+                )
+            chosen.update((c.id, c) for c in hits)
+            chosen_targets.update((t.id, t) for t in target_hits)
+        elif pattern in targets_by_id:
+            chosen_targets[pattern] = targets_by_id[pattern]
+        elif pattern.startswith(TARGET_PREFIXES):
+            raise ValueError(
+                f"--case {pattern!r} is not a target case of the {device} matrix; "
+                "`bench --list` prints them (a glob such as 'paged-*' selects several)"
+            )
+        else:
+            chosen[pattern] = by_id.get(pattern) or parse_case_id(pattern)
+    return list(chosen.values()), list(chosen_targets.values())

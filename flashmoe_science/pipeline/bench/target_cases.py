@@ -1,0 +1,189 @@
+"""The benchmark's speed-target cases: calls judged against a target ratio rather than against SDPA
+alone (flashmoe_science.pipeline.bench.targets holds the targets). Their ids are selected with `--case`
+like the matrix's:
+
+    varlen-bf16-d128-h16-t16384-len128_4096-causal   a packed batch of 16384 tokens, lengths drawn
+                                                    (seeded) from 128 to 4096, against our dense
+                                                    kernel run once per distinct length
+    paged-bf16-d128-h32kv8-b4-k8192-page64          decode against a paged cache (block size 64,
+                                                    a shuffled block table) and against the same
+                                                    contents contiguous
+    host-bf16-d128-h32kv8-b1-k1024-decode-lens      the per-call cost of 2,000 back-to-back calls
+                                                    (decode, decode-lens, paged64 or varlen)
+    model-llama-bf16-b8-s512-new32                  the small Llama-style model: prefill and
+                                                    greedy decoding, our attention against SDPA
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from ..cases import ELEMENT_BYTES, Case
+
+HOST_CALLS = ("decode", "decode-lens", "paged64", "varlen")
+# The packed batch of the varlen host-cost case: small, so the loop measures the host, not the GPU.
+HOST_VARLEN_LENGTHS = (17, 64, 33, 50)
+
+
+def mixed_lengths(total: int, shortest: int, longest: int) -> tuple[int, ...]:
+    """Sequence lengths in [shortest, longest] adding up to `total`, drawn from a fixed seed (the
+    same mix for every dtype, head dim and mask, so their cases compare)."""
+    if not shortest <= longest or total < shortest:
+        raise ValueError(
+            f"no mix of lengths {shortest} to {longest} adds up to {total} tokens: "
+            "give shortest <= longest <= total"
+        )
+    rng = random.Random(total * 1_000_003 + shortest * 1_009 + longest)
+    lengths, remaining = [], total
+    while remaining > longest:  # each draw leaves at least `shortest` for the last sequence
+        n = rng.randint(shortest, min(longest, remaining - shortest))
+        lengths.append(n)
+        remaining -= n
+    lengths.append(remaining)
+    return tuple(lengths)
+
+
+def _heads(heads_q: int, heads_kv: int) -> str:
+    return f"h{heads_q}" + (f"kv{heads_kv}" if heads_kv != heads_q else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenTarget:
+    """flash_attention_varlen_forward on a packed batch against flash_attention_forward on the same
+    sequences, one dense call per distinct length."""
+
+    dtype: str
+    head_dim: int
+    heads_q: int
+    heads_kv: int
+    total: int  # tokens in the packed batch (Sq == Sk per sequence)
+    shortest: int
+    longest: int
+    causal: bool
+    kind: str = "varlen"
+
+    @property
+    def id(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (
+            f"varlen-{self.dtype}-d{self.head_dim}-{_heads(self.heads_q, self.heads_kv)}"
+            f"-t{self.total}-len{self.shortest}_{self.longest}-{mask}"
+        )
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return mixed_lengths(self.total, self.shortest, self.longest)
+
+    @property
+    def flops(self) -> int:
+        """The dense cases' accounting summed over the sequences (halved for causal, Sq == Sk)."""
+        per = [4 * self.heads_q * n * n * self.head_dim for n in self.lengths]
+        return sum(f // 2 if self.causal else f for f in per)
+
+    @property
+    def bytes_moved(self) -> int:
+        return 2 * self.total * (self.heads_q + self.heads_kv) * self.head_dim * ELEMENT_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedTarget:
+    """Decode against a paged cache of `block_size` (a shuffled block table) and against the same
+    contents contiguous (the decode case `contiguous`), with the read floor of those contents."""
+
+    dtype: str
+    head_dim: int
+    heads_q: int
+    heads_kv: int
+    batch: int
+    seqlen_k: int
+    block_size: int
+    kind: str = "paged"
+
+    def __post_init__(self):
+        if self.seqlen_k % self.block_size:
+            raise ValueError(
+                f"PagedTarget seqlen_k={self.seqlen_k} is not a multiple of block_size="
+                f"{self.block_size}: the paged and contiguous caches must hold the same keys"
+            )
+
+    @property
+    def id(self) -> str:
+        return (
+            f"paged-{self.dtype}-d{self.head_dim}-{_heads(self.heads_q, self.heads_kv)}"
+            f"-b{self.batch}-k{self.seqlen_k}-page{self.block_size}"
+        )
+
+    @property
+    def contiguous(self) -> Case:
+        return Case(
+            "decode",
+            self.dtype,
+            self.batch,
+            self.heads_q,
+            self.heads_kv,
+            1,
+            self.seqlen_k,
+            self.head_dim,
+            True,
+        )
+
+    @property
+    def flops(self) -> int:
+        return self.contiguous.flops
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.contiguous.bytes_moved
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.contiguous.kv_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTarget:
+    """The per-call cost of `calls` back-to-back calls without a synchronisation in the loop, ours
+    beside SDPA's equivalent call. call: decode (no cache_seqlens), decode-lens (with them), paged64
+    (a block table of block size 64, and cache_seqlens as a server passes them), varlen (a small
+    packed batch, HOST_VARLEN_LENGTHS)."""
+
+    call: str
+    dtype: str = "bf16"
+    head_dim: int = 128
+    heads_q: int = 32
+    heads_kv: int = 8
+    batch: int = 1
+    seqlen_k: int = 1024
+    calls: int = 2000
+    kind: str = "host"
+
+    def __post_init__(self):
+        if self.call not in HOST_CALLS:
+            raise ValueError(f"HostTarget call={self.call!r} is not one of {HOST_CALLS}")
+
+    @property
+    def id(self) -> str:
+        return (
+            f"host-{self.dtype}-d{self.head_dim}-{_heads(self.heads_q, self.heads_kv)}"
+            f"-b{self.batch}-k{self.seqlen_k}-{self.call}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTarget:
+    """The small Llama-style model (pipeline.smallmodel): prefill of `batch` x `prompt` tokens, and
+    greedy generation of `new_tokens` with the KV cache; our attention against SDPA."""
+
+    dtype: str = "bf16"
+    batch: int = 8
+    prompt: int = 512
+    new_tokens: int = 32
+    kind: str = "model"
+
+    @property
+    def id(self) -> str:
+        return f"model-llama-{self.dtype}-b{self.batch}-s{self.prompt}-new{self.new_tokens}"
+
+
+Target = VarlenTarget | PagedTarget | HostTarget | ModelTarget

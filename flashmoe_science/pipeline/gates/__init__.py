@@ -1,0 +1,8 @@
+"""Stage 3, gates: is every kernel correct over the sequence-length x head-dim matrix?
+
+forward.py (prefill and decode), backward.py, varlen.py and paged.py name the cases and compare each
+against a float32 reference with PyTorch's own low-precision error as the bound; ragged.py holds
+what varlen and paged share. plugin.py is the pytest plugin that records every gate; testing.py is
+`python -m flashmoe_science test`, the bisect-safe command around pytest.
+Reads: the built unit, tests/. Writes: reports/gates.json.
+"""

@@ -1,0 +1,567 @@
+"""Correctness gates: the case matrix, the references, the two gates and the failure report.
+
+Gate 1 (the user's): max |out - ref| < 0.1.
+Gate 2 (FlashAttention's, stricter): max |out - ref| <= 2 * max |out_pt - ref| + floor, where ref is the
+attention computed in fp32 (fp64 on the CPU) from the same inputs, out_pt is the same attention done
+by PyTorch at the input precision, and floor = 2 * max |(ref + 0.3 - 0.3) - ref| in the input dtype
+(the error of doing any arithmetic at all), so the gate cannot fail only because PyTorch's own error
+happens to be zero (FlashAttention's hopper tests use the same form).
+
+Every case also checks: no NaN or Inf, every output element written (the call's fresh tensors come
+filled with NaN: poisoned_outputs), the log-sum-exp against the reference, and bit-identical
+repeated calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..cases import DTYPES, Case, make_inputs
+
+GATE1_MAX_DIFF = 0.1
+GATE2_PT_MULTIPLIER = 2.0
+GATE2_EPS = 1e-5
+LSE_ATOL = 1e-3
+LSE_RTOL = 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# References
+# --------------------------------------------------------------------------------------------------
+
+
+def _visible_mask(case_like: tuple[int, int, bool], seqlens, batch: int, device) -> torch.Tensor:
+    """[B, 1, Sq, Sk] True where query i may see key j (bottom-right causal, per-sequence length)."""
+    seqlen_q, seqlen_k, causal = case_like
+    if seqlens is None:
+        lens = torch.full((batch,), seqlen_k, device=device, dtype=torch.int64)
+    else:
+        lens = seqlens.to(device=device, dtype=torch.int64)
+    i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    lens = lens.view(-1, 1, 1, 1)
+    visible = j < lens
+    if causal:
+        visible = visible & (j <= i + lens - seqlen_q)
+    return visible
+
+
+def attention_reference(q, k, v, causal: bool, scale: float, seqlens=None, compute_dtype=None):
+    """Attention computed in `compute_dtype` (fp32 on CUDA, fp64 on the CPU by default) from the same
+    inputs. Rows that see no key get output 0 and log-sum-exp -inf. Returns (out, lse) in compute_dtype."""
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.device.type == "cpu" else torch.float32
+    ratio = q.shape[1] // k.shape[1]
+    qc = q.to(compute_dtype)
+    kc = k.to(compute_dtype).repeat_interleave(ratio, dim=1)
+    vc = v.to(compute_dtype).repeat_interleave(ratio, dim=1)
+    scores = (qc @ kc.transpose(-1, -2)) * scale
+    visible = _visible_mask((q.shape[2], k.shape[2], causal), seqlens, q.shape[0], q.device)
+    scores = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.where(torch.isinf(lse).unsqueeze(-1), torch.zeros_like(probs), probs)
+    return probs @ vc, lse
+
+
+def attention_pytorch_lowp(q, k, v, causal: bool, scale: float, seqlens=None):
+    """The same attention done by plain PyTorch at the input precision, with the scale moved onto k
+    (FlashAttention's `reorder_ops`), to measure the error that precision alone causes."""
+    ratio = q.shape[1] // k.shape[1]
+    kr = k.repeat_interleave(ratio, dim=1)
+    vr = v.repeat_interleave(ratio, dim=1)
+    scores = q @ (kr * scale).transpose(-1, -2)
+    visible = _visible_mask((q.shape[2], k.shape[2], causal), seqlens, q.shape[0], q.device)
+    scores = scores.masked_fill(~visible, -math.inf)
+    probs = torch.softmax(scores.float(), dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0).to(q.dtype)
+    return probs @ vr
+
+
+# --------------------------------------------------------------------------------------------------
+# Gates
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GateResult:
+    case_id: str
+    device: str
+    seed: int
+    max_diff: float
+    mean_diff: float
+    pt_max_diff: float
+    floor: float
+    bound: float
+    ratio: float  # max_diff / pt_max_diff (how many times PyTorch's own error)
+    worst: tuple[int, int, int, int]  # (batch, head, query row, column of D)
+    row_profile: list[tuple[int, int, float]]  # (first row, last row, max diff) per row segment
+    nonfinite: int
+    lse_max_diff: float
+    lse_inf_mismatch: int
+    deterministic: bool
+    failures: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["passed"] = self.passed
+        return {
+            key: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for key, v in d.items()
+        }
+
+
+def row_profile(err_rows: torch.Tensor, segments: int = 8) -> list[tuple[int, int, float]]:
+    """Max error per contiguous segment of query rows: how the error grows along the rows."""
+    n = err_rows.numel()
+    if n == 0:
+        return []
+    bounds = sorted({round(i * n / segments) for i in range(segments + 1)})
+    return [
+        (lo, hi - 1, float(err_rows[lo:hi].max()))
+        for lo, hi in itertools.pairwise(bounds)
+        if hi > lo
+    ]
+
+
+def evaluate(
+    case: Case, device: str, seed: int, out, lse, out_again, lse_again, ref, ref_lse, out_pt
+) -> GateResult:
+    """Apply every gate to one call's results against the references."""
+    dtype = DTYPES[case.dtype]
+    outf = out.to(ref.dtype)
+    err = (outf - ref).abs()
+    nonfinite = int((~torch.isfinite(out)).sum())
+    err = torch.nan_to_num(err, nan=math.inf)
+    max_diff = float(err.max()) if err.numel() else 0.0
+    mean_diff = float(err.mean()) if err.numel() else 0.0
+    pt_max = float((out_pt.to(ref.dtype) - ref).abs().max()) if ref.numel() else 0.0
+    ref_lowp = ref.to(dtype)
+    floor = 2 * float(((ref_lowp + 0.3 - 0.3) - ref_lowp).abs().max()) if ref.numel() else 0.0
+    bound = GATE2_PT_MULTIPLIER * pt_max + floor + GATE2_EPS
+    worst = (0, 0, 0, 0)
+    if err.numel():
+        flat = int(err.argmax())
+        worst = tuple(int(x) for x in torch.unravel_index(torch.tensor(flat), err.shape))
+    err_rows = err.amax(dim=(0, 1, 3)) if err.numel() else err.new_zeros(0)
+
+    lse_max_diff, lse_inf_mismatch = 0.0, 0
+    if lse is not None and ref_lse.numel():
+        lse32 = lse.to(ref_lse.dtype)
+        ref_inf, got_inf = torch.isinf(ref_lse), torch.isinf(lse32)
+        lse_inf_mismatch = int((ref_inf != got_inf).sum()) + int(torch.isnan(lse32).sum())
+        finite = ~ref_inf & ~got_inf
+        if finite.any():
+            excess = (lse32[finite] - ref_lse[finite]).abs() - LSE_RTOL * ref_lse[finite].abs()
+            lse_max_diff = float(excess.max())
+    deterministic = torch.equal(out, out_again) and (lse is None or torch.equal(lse, lse_again))
+
+    result = GateResult(
+        case_id=case.id,
+        device=device,
+        seed=seed,
+        max_diff=max_diff,
+        mean_diff=mean_diff,
+        pt_max_diff=pt_max,
+        floor=floor,
+        bound=bound,
+        ratio=max_diff / pt_max if pt_max > 0 else (0.0 if max_diff == 0 else math.inf),
+        worst=worst,
+        row_profile=row_profile(err_rows.float().cpu()),
+        nonfinite=nonfinite,
+        lse_max_diff=lse_max_diff,
+        lse_inf_mismatch=lse_inf_mismatch,
+        deterministic=deterministic,
+    )
+    if nonfinite:
+        result.failures.append(
+            f"{nonfinite} NaN/Inf output elements (unwritten output or a missing NaN guard)"
+        )
+    if not max_diff < GATE1_MAX_DIFF:
+        result.failures.append(f"gate 1: max diff {max_diff:.4g} >= {GATE1_MAX_DIFF}")
+    if not max_diff <= bound:
+        result.failures.append(
+            f"gate 2: max diff {max_diff:.4g} > {GATE2_PT_MULTIPLIER:g} * PyTorch's {pt_max:.4g} + floor {floor:.3g}"
+        )
+    if lse_inf_mismatch:
+        result.failures.append(
+            f"log-sum-exp: {lse_inf_mismatch} rows disagree on -inf/NaN (empty rows)"
+        )
+    if lse_max_diff > LSE_ATOL:
+        result.failures.append(
+            f"log-sum-exp: max diff {lse_max_diff:.4g} beyond {LSE_ATOL} + {LSE_RTOL} * |lse|"
+        )
+    if not deterministic:
+        result.failures.append("repeated calls on the same inputs are not bit-identical (a race?)")
+    return result
+
+
+def rerun_fields(case: Case, device: str) -> dict:
+    """How to run one gate case again: the command, its CPU twin (the same id in the CPU tier, with
+    the same inputs) when there is one, and what hardware the case needs, if more than a GPU."""
+    from ...ops import config_needs
+
+    twin = device == "cuda" and case.id in cpu_tier_ids()
+    return {
+        "rerun": case.rerun_command(device),
+        "rerun_cpu": case.rerun_command("cpu") if twin else None,
+        "rerun_needs": config_needs(case.config, case.kind),
+    }
+
+
+def format_failure(case: Case, result: GateResult) -> str:
+    """The multi-line report of a failing case: what, how much, where, how it grows, how to rerun."""
+    b, h, row, col = result.worst
+    profile = ", ".join(f"rows {lo}-{hi}: {mx:.3g}" for lo, hi, mx in result.row_profile)
+    lines = [
+        f"FAILED {case.id} on {result.device} (seed {result.seed})",
+        f"  case: {case.describe()}",
+        *(f"  {f}" for f in result.failures),
+        f"  max diff {result.max_diff:.4g} (mean {result.mean_diff:.3g}); PyTorch {case.dtype} error "
+        f"{result.pt_max_diff:.4g}; error ratio {result.ratio:.3g}x; gate-2 bound {result.bound:.4g}",
+        f"  worst element: batch {b}, head {h}, query row {row}, column {col}",
+        f"  error along query rows: {profile}",
+    ]
+    rerun = rerun_fields(case, result.device)
+    needs = f" (needs {rerun['rerun_needs']})" if rerun["rerun_needs"] else ""
+    lines.append(f"  rerun: {rerun['rerun']}{needs}")
+    if rerun["rerun_cpu"]:
+        lines.append(f"  rerun on the CPU (same inputs): {rerun['rerun_cpu']}")
+    return "\n".join(lines)
+
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
+    """Call the public API exactly as a user would."""
+    from ... import ops
+
+    if case.kind == "decode":
+        return ops.flash_attention_decode(
+            q,
+            k,
+            v,
+            seqlens,
+            softmax_scale,
+            causal=case.causal,
+            num_splits=case.num_splits or None,
+            return_lse=True,
+            config=case.config,
+        )
+    return ops.flash_attention_forward(
+        q,
+        k,
+        v,
+        case.causal,
+        softmax_scale,
+        return_lse=True,
+        num_splits=case.num_splits,
+        config=case.config,
+    )
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Inside, every tensor the call allocates without initialising (torch.empty and its kin, from
+    Python or from the extension's C++) comes filled with NaN, on the CPU and on CUDA alike, so
+    any element a kernel forgets to write shows up as NaN. This is PyTorch's
+    `torch.utils.deterministic.fill_uninitialized_memory`, which acts only while deterministic
+    algorithms are on: they are turned on with warn_only (no operator refuses to run) and
+    everything is restored on the way out. Poisoning the caching allocator's free blocks instead
+    was not enough: a gradient could land on a block a temporary had already overwritten."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
+
+
+def check_case(case: Case, device: str, attention_fn: AttentionFn | None = None) -> GateResult:
+    """Run one case through the API (or `attention_fn`, for planted-error tests) and every gate."""
+    fn = attention_fn or call_api
+    seed = case.seed()
+    q, k, v, seqlens = make_inputs(case, device, seed)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    with poisoned_outputs():
+        out, lse = fn(case, q, k, v, seqlens, scale)
+        out_again, lse_again = fn(case, q, k, v, seqlens, scale)
+    ref, ref_lse = attention_reference(q, k, v, case.causal, scale, seqlens)
+    out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, seqlens)
+    return evaluate(case, device, seed, out, lse, out_again, lse_again, ref, ref_lse, out_pt)
+
+
+# --------------------------------------------------------------------------------------------------
+# The case matrix
+# --------------------------------------------------------------------------------------------------
+
+SEQLENS = (1, 2, 17, 64, 65, 127, 128, 129, 255, 256, 257, 512, 1000, 1024, 2048, 4096)
+SEQLENS_CPU = (1, 2, 17, 64, 65, 127, 129, 257, 512)
+UNEQUAL = (
+    (1, 4096),
+    (4096, 1),
+    (113, 203),
+    (203, 113),
+    (1024, 1023),
+    (1023, 1024),
+    (1, 1000),
+    (17, 1),
+)
+UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
+GQA_RATIOS = (1, 4, 8)
+# The forward tile configurations the GPU matrix forces: every id of ops.CONFIGS (a test keeps
+# them equal; importing ops here would build the extension at import).
+FORCED_CONFIGS = (1, 2, 3, 4, 5, 6, 7)
+# Those forced through the whole matrix (every length, strided views), as the automatic choice
+# is: the wgmma kernels (ops.SM90A_CONFIGS), which only the H100 runs and nothing else gates.
+FULL_MATRIX_CONFIGS = (5, 6, 7)
+# Head dims gated per forced configuration where not both: at d128 configuration 6 runs
+# configuration 5's kernel, and at d64 configuration 7 does, whose cases would only take the GPU's
+# time a second time.
+GATED_HEAD_DIMS = {6: (64,), 7: (128,)}
+
+
+def gated_head_dims(config: int) -> tuple[int, ...]:
+    """The CUDA head dims whose kernels a configuration's forced gate cases run (GATED_HEAD_DIMS)."""
+    return GATED_HEAD_DIMS.get(config, (64, 128))
+
+
+def _heads(index: int, total_q_rows: int) -> tuple[int, int, int]:
+    """Batch, Hq, Hkv for the index-th case: ratios cycle through 1, 4 and 8, and batch and heads
+    shrink as sequences grow so every case stays small enough for the fp32 reference."""
+    ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+    heads_q = 8
+    batch = 2 if total_q_rows <= 1024 else 1
+    return batch, heads_q, heads_q // ratio
+
+
+def forward_cases(tier: str) -> Iterator[Case]:
+    """Forward gate cases. tier "gpu": the full matrix, automatic and for FULL_MATRIX_CONFIGS, and
+    every configuration forced on a few shapes; tier "cpu": a representative subset."""
+    gpu = tier == "gpu"
+    head_dims = (64, 128) if gpu else (64, 128, 96)  # any head dim works on the CPU
+    pairs = [(s, s) for s in (SEQLENS if gpu else SEQLENS_CPU)] + list(
+        UNEQUAL if gpu else UNEQUAL_CPU
+    )
+    index = 0
+
+    def matrix(config: int) -> Iterator[Case]:
+        nonlocal index
+        for dtype in DTYPES:
+            for head_dim in head_dims if config == 0 else gated_head_dims(config):
+                for causal in (False, True):
+                    for seqlen_q, seqlen_k in pairs:
+                        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+                        if not gpu and max(seqlen_q, seqlen_k) >= 512:
+                            batch, hq, hkv = 1, 4, (1, 4, 2)[index % 3]
+                        layout = "bshd" if index % 4 == 3 else "bhsd"
+                        yield Case(
+                            "prefill",
+                            dtype,
+                            batch,
+                            hq,
+                            hkv,
+                            seqlen_q,
+                            seqlen_k,
+                            head_dim,
+                            causal,
+                            layout=layout,
+                            config=config,
+                        )
+                        index += 1
+
+    yield from matrix(0)
+    if not gpu:
+        yield from _ramped_cases((0,), (257, 257))
+        return
+    # Every kernel configuration any architecture selects, forced on this card (ids as in
+    # ops.CONFIGS), each also through its split-KV path, then the whole matrix for
+    # FULL_MATRIX_CONFIGS; a card or build that cannot run one skips its cases, saying what they
+    # need (ops.config_unsupported_reason).
+    for config in FORCED_CONFIGS:
+        for dtype in DTYPES:
+            for head_dim in gated_head_dims(config):
+                for causal in (False, True):
+                    for seqlen_q, seqlen_k, splits in (
+                        (1, 1, 0),
+                        (65, 65, 0),
+                        (257, 257, 0),
+                        (1000, 1000, 0),
+                        (113, 203, 0),
+                        (2048, 2047, 0),
+                        (16, 2000, 5),
+                    ):
+                        if config in FULL_MATRIX_CONFIGS and (seqlen_q, seqlen_k) in pairs:
+                            continue  # its full matrix below has the shape
+                        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+                        yield Case(
+                            "prefill",
+                            dtype,
+                            batch,
+                            hq,
+                            hkv,
+                            seqlen_q,
+                            seqlen_k,
+                            head_dim,
+                            causal,
+                            config=config,
+                            num_splits=splits,
+                        )
+                        index += 1
+        if config in FULL_MATRIX_CONFIGS:
+            yield from matrix(config)
+    yield from _ramped_cases((0, *FORCED_CONFIGS), (1000, 1000))
+
+
+def _ramped_cases(configs: tuple[int, ...], shape: tuple[int, int]) -> Iterator[Case]:
+    """Scores that keep growing along the keys, forwards and backwards (cases.SCORES), for each
+    configuration: the only cases in which the running max of the online softmax moves by large
+    factors after the first key block, so a wrong or skipped rescale of the output shows."""
+    variants = itertools.product(configs, DTYPES, (64, 128), (False, True), ("rising", "falling"))
+    for index, (config, dtype, head_dim, causal, scores) in enumerate(variants):
+        if config and head_dim not in gated_head_dims(config):
+            continue
+        batch, hq, hkv = _heads(index, max(shape))
+        case = Case("prefill", dtype, batch, hq, hkv, *shape, head_dim, causal, config=config)
+        yield dataclasses.replace(case, scores=scores)
+
+
+DECODE_SEQLENS_K = (1, 2, 63, 64, 65, 257, 1000, 4096, 32768, 131072)
+DECODE_SEQLENS_K_CPU = (1, 2, 63, 65, 257, 1000)
+DECODE_SEQLENS_Q = (1, 2, 4, 16)
+DECODE_SPLITS = (0, 1, 2, 3, 7, 128)  # 0: automatic
+
+
+def _mixed_lengths(seqlen_k: int, batch: int, index: int) -> tuple[int, ...]:
+    """Per-sequence cache lengths for one batch: empty, one token, lengths that end inside a split,
+    and the full cache."""
+    pool = [
+        0,
+        1,
+        max(0, seqlen_k // 3 + 1),
+        max(0, seqlen_k - 1),
+        seqlen_k,
+        max(0, seqlen_k // 2 + 7),
+    ]
+    return tuple(min(seqlen_k, pool[(index + i) % len(pool)]) for i in range(batch))
+
+
+def decode_cases(tier: str) -> Iterator[Case]:
+    """Split-KV decode gate cases: short queries against caches from 1 to 128k tokens, mixed
+    cache_seqlens in one batch, GQA ratios 1/4/8, both dtypes, forced and automatic split counts;
+    on the GPU tier also many query rows against such caches (many_row_decode_cases)."""
+    gpu = tier == "gpu"
+    index = 0
+    for dtype in DTYPES:
+        for seqlen_k in DECODE_SEQLENS_K if gpu else DECODE_SEQLENS_K_CPU:
+            for seqlen_q in DECODE_SEQLENS_Q:
+                if seqlen_q > seqlen_k:
+                    continue
+                ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+                head_dim = (64, 128)[index % 2]
+                splits = DECODE_SPLITS[index % len(DECODE_SPLITS)]
+                batch = 1 if seqlen_k >= 32768 else 3
+                heads_q = 8 if seqlen_k < 32768 else 4 * ratio
+                lengths = _mixed_lengths(seqlen_k, batch, index) if index % 3 else None
+                yield Case(
+                    "decode",
+                    dtype,
+                    batch,
+                    heads_q,
+                    heads_q // ratio,
+                    seqlen_q,
+                    seqlen_k,
+                    head_dim,
+                    True,
+                    num_splits=splits,
+                    cache_seqlens=lengths,
+                )
+                index += 1
+    # Scores that keep growing along the cache (see _ramped_cases): the decode kernel's running
+    # max then moves from chunk to chunk and from split to split.
+    for scores in ("rising", "falling"):
+        for dtype in DTYPES:
+            for seqlen_k, splits in ((1000, 0), (4096, 7)) if gpu else ((257, 0), (1000, 3)):
+                yield Case(
+                    "decode",
+                    dtype,
+                    2,
+                    8,
+                    2,
+                    4 if splits else 1,
+                    seqlen_k,
+                    128 if splits else 64,
+                    True,
+                    num_splits=splits,
+                    scores=scores,
+                )
+    if gpu:
+        yield from many_row_decode_cases()
+
+
+# Many query rows against a cache with per-sequence lengths (chunked prefill, speculative
+# decoding), the wgmma kernels forced (configuration 5, 6 at d64 or 7 at d128, which a large enough
+# grid of them takes by itself on an H100): their producer copies K and V with cp.async whenever
+# cache_seqlens is given (TMA would copy a cache's unused rows), a path no prefill case takes.
+# (Sq, Sk, forced splits.)
+MANY_ROW_DECODE = ((65, 300, 0), (65, 2000, 3), (257, 1000, 0), (257, 2000, 3))
+MANY_ROW_DECODE_CONFIGS = (5, 6, 7)
+# Batch and query heads per Sq: 144 tiles (Sq 65: 3 x 48 x 1; Sq 257: 3 x 16 x 3 row tiles), more
+# than an H100's 132 SMs, as the automatic choice would need.
+MANY_ROW_DECODE_HEADS = {65: (3, 48), 257: (3, 16)}
+
+
+def many_row_decode_cases() -> Iterator[Case]:
+    """Decode of 65 and 257 query rows with mixed cache_seqlens (empty, one token, partial and
+    full 128-key tiles), both dtypes, head dims (gated_head_dims) and masks, GQA ratios 1/4/8
+    (none packed), with and without splits, on the wgmma kernels' cp.async path
+    (MANY_ROW_DECODE)."""
+    for config in MANY_ROW_DECODE_CONFIGS:
+        variants = itertools.product(
+            MANY_ROW_DECODE, DTYPES, gated_head_dims(config), (False, True)
+        )
+        for index, ((seqlen_q, seqlen_k, splits), dtype, head_dim, causal) in enumerate(variants):
+            batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
+            yield Case(
+                "decode",
+                dtype,
+                batch,
+                heads_q,
+                heads_q // GQA_RATIOS[index % len(GQA_RATIOS)],
+                seqlen_q,
+                seqlen_k,
+                head_dim,
+                causal,
+                num_splits=splits,
+                cache_seqlens=_mixed_lengths(seqlen_k, batch, index),
+                config=config,
+            )
+
+
+def gate_cases(tier: str) -> list[Case]:
+    return list(forward_cases(tier)) + list(decode_cases(tier))
+
+
+@functools.cache
+def cpu_tier_ids() -> frozenset[str]:
+    """Every CPU-tier gate id, the backward's included (grad_gates builds on this module)."""
+    from .backward import backward_cases
+
+    return frozenset(c.id for c in [*gate_cases("cpu"), *backward_cases("cpu")])

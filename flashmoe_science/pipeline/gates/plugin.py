@@ -1,0 +1,295 @@
+"""The pytest plugin behind the test stage's record: which tests are gates, and reports/gates.json.
+
+tests/conftest.py loads it (`pytest_plugins`), so plain `pytest` and `nox -s test` agree. A gate is
+a test marked `gate` (the case matrices of the modules testing.GATE_MODULES names: forward and decode,
+backward, varlen, paged); its figures arrive as the `gate` user
+property. `--gates-only` deselects every other test, so a bisect step cannot be failed by a test
+that is not a gate.
+
+At the end of every session (on the controller under pytest-xdist; never for --collect-only) the
+plugin writes gates.json, and the test stage writes the same record itself when pytest never got
+that far (the build failed, pytest could not start). Schema "flashmoe-science/gates/2":
+
+  schema        "flashmoe-science/gates/2"
+  timestamp     UTC, ISO 8601
+  provenance    provenance.provenance(): {"commit": {"sha", "dirty", "fingerprint"}, "run_id"}
+  outcome       one of OUTCOMES (below)
+  reason        one line on why, for every outcome but "passed"/"failed"; else null
+  pytest_exit   pytest's exit status; null when pytest did not run
+  selection     {"keyword": the -k expression or null, "markexpr": the -m expression or null,
+                 "gates_only": bool, "args": pytest's arguments}
+  gates         {"selected", "ran", "passed", "failed", "skipped"} over gate tests only;
+                ran = passed + failed; an error in a gate's setup counts as failed
+  tests         {"selected", "passed", "failed", "errors", "skipped"} over every test, gates
+                included ("selected" = tests that reported; "errors": setup/teardown errors)
+  total, failed the gate cases that ran and those that failed (schema 1's names, kept)
+  worst_max_diff, worst_case, worst_ratio
+                the largest max |out - ref|, its case id, and the largest error ratio to
+                PyTorch's own error, over the gate cases that ran (null when none ran)
+  cases         one row per gate case that ran: gates.GateResult.to_json() plus op, dtype,
+                head_dim and "outcome" (pytest's); failing cases first
+
+OUTCOMES, and what `python -m flashmoe_science test` exits with for each:
+  passed                      gates ran, none failed, no other test failed            0
+  failed                      a gate failed                                           1
+  tests-failed-outside-gates  no gate failed, another test did                        1
+  no-gates-selected           tests ran (and passed), none of them a gate             255
+                              (0 with --no-gates-ok)
+  gates-skipped-need-gpu      every selected gate was skipped (a CUDA case without     255
+                              a GPU, or an sm_90 configuration on an older card)
+  no-tests-collected          the selection matched nothing (pytest exit 5)           255
+  interrupted                 pytest was interrupted, or collection failed            255
+  error                       pytest failed to run (usage or internal error), or the  255
+                              stage stopped before it: torch missing (255), the
+                              commit does not build (125, a bisect skips it)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+
+import pytest
+
+from ..paths import report_dir
+from ..provenance import provenance
+
+SCHEMA = "flashmoe-science/gates/2"
+RECORD = "gates.json"
+MARKER = "gate"
+# The short training run's losses (tests/test_training.py), {"ours": [first, last], "sdpa":
+# [first, last]}: recorded beside the gates so a run's record and its verdict line carry them.
+TRAINING = "training"
+
+PASSED = "passed"
+FAILED = "failed"
+TESTS_FAILED_OUTSIDE_GATES = "tests-failed-outside-gates"
+NO_GATES_SELECTED = "no-gates-selected"
+GATES_SKIPPED_NEED_GPU = "gates-skipped-need-gpu"
+NO_TESTS_COLLECTED = "no-tests-collected"
+INTERRUPTED = "interrupted"
+ERROR = "error"
+OUTCOMES = (
+    PASSED,
+    FAILED,
+    TESTS_FAILED_OUTSIDE_GATES,
+    NO_GATES_SELECTED,
+    GATES_SKIPPED_NEED_GPU,
+    NO_TESTS_COLLECTED,
+    INTERRUPTED,
+    ERROR,
+)
+
+PYTEST_EXIT_NAMES = {
+    0: "all tests passed",
+    1: "tests failed",
+    2: "interrupted",
+    3: "internal error",
+    4: "usage error",
+    5: "no tests collected",
+}
+
+
+def empty_counts() -> tuple[dict, dict]:
+    """(gates, tests) counters with every key at zero."""
+    gates = dict.fromkeys(("selected", "ran", "passed", "failed", "skipped"), 0)
+    tests = dict.fromkeys(("selected", "passed", "failed", "errors", "skipped"), 0)
+    return gates, tests
+
+
+def classify(pytest_exit: int | None, gates: dict, tests: dict, collection_errors: int = 0) -> str:
+    """The outcome (one of OUTCOMES) of a session with these counts and this exit status."""
+    if pytest_exit is None:
+        return ERROR
+    if pytest_exit == pytest.ExitCode.NO_TESTS_COLLECTED:
+        return NO_TESTS_COLLECTED
+    if collection_errors or pytest_exit == pytest.ExitCode.INTERRUPTED:
+        return INTERRUPTED
+    if pytest_exit not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        return ERROR
+    if gates["failed"]:
+        return FAILED
+    if tests["failed"] or tests["errors"] or pytest_exit == pytest.ExitCode.TESTS_FAILED:
+        return TESTS_FAILED_OUTSIDE_GATES
+    if not tests["selected"]:
+        return NO_TESTS_COLLECTED
+    if not gates["ran"]:
+        return GATES_SKIPPED_NEED_GPU if gates["selected"] else NO_GATES_SELECTED
+    return PASSED
+
+
+def selection(keyword: str | None, markexpr: str | None, gates_only: bool, args: Sequence[str]):
+    return {
+        "keyword": keyword or None,
+        "markexpr": markexpr or None,
+        "gates_only": bool(gates_only),
+        "args": list(args),
+    }
+
+
+def write_record(
+    *,
+    outcome: str,
+    pytest_exit: int | None,
+    selected: dict,
+    gates: dict | None = None,
+    tests: dict | None = None,
+    rows: Iterable[dict] = (),
+    reason: str | None = None,
+    training: dict | None = None,
+) -> dict:
+    """Write gates.json into the report directory (atomically) and return what was written.
+    Counts left out are zero: the stage stopped before any test ran. `training`: the training
+    run's losses and outcome where it ran (TRAINING), else null."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome={outcome!r}; supported: {', '.join(OUTCOMES)}")
+    if gates is None or tests is None:
+        gates, tests = empty_counts()
+    rows = list(rows)
+    failed_rows = [r for r in rows if r.get("outcome") != "passed"]
+    worst = max(rows, key=lambda r: r.get("max_diff") or 0.0) if rows else {}
+    doc = {
+        "schema": SCHEMA,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "provenance": provenance(),
+        "outcome": outcome,
+        "reason": reason,
+        "pytest_exit": None if pytest_exit is None else int(pytest_exit),
+        "selection": selected,
+        "gates": gates,
+        "tests": tests,
+        "total": len(rows),
+        "failed": len(failed_rows),
+        "worst_max_diff": worst.get("max_diff"),
+        "worst_case": worst.get("case_id"),
+        "worst_ratio": max((r.get("ratio") or 0.0) for r in rows) if rows else None,
+        "cases": sorted(rows, key=lambda r: (r.get("outcome") == "passed", r.get("case_id", ""))),
+        "training": training,
+    }
+    path = report_dir() / RECORD
+    tmp = path.with_name(f".{RECORD}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return doc
+
+
+def _skip_reason(report) -> str | None:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return None
+
+
+class GateRecorder:
+    """Per-session state: each test's outcome (gate or not) and the gate cases' figures."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.outcomes: dict[str, str] = {}  # nodeid -> passed | failed | error | skipped
+        self.is_gate: dict[str, bool] = {}
+        self.skip_reasons: list[str] = []
+        self.rows: list[dict] = []
+        self.training: dict | None = None
+        self.collection_errors = 0
+
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
+        if not config.getoption("gates_only"):
+            return
+        keep = [item for item in items if item.get_closest_marker(MARKER)]
+        dropped = [item for item in items if not item.get_closest_marker(MARKER)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            self.collection_errors += 1
+
+    def pytest_runtest_logreport(self, report) -> None:
+        # Runs on the controller under pytest-xdist too, with keywords and user_properties carried.
+        nodeid = report.nodeid
+        self.is_gate[nodeid] = MARKER in report.keywords
+        previous = self.outcomes.get(nodeid)
+        if report.failed:
+            self.outcomes[nodeid] = "failed" if report.when == "call" else "error"
+            if previous == "failed":
+                self.outcomes[nodeid] = "failed"
+        elif report.skipped:
+            self.outcomes[nodeid] = "skipped"
+            reason = _skip_reason(report)
+            if self.is_gate[nodeid] and reason and reason not in self.skip_reasons:
+                self.skip_reasons.append(reason)
+        elif report.when == "call" or previous is None:
+            self.outcomes[nodeid] = "passed"
+        if report.when == "call":
+            for name, value in report.user_properties:
+                if name == MARKER:
+                    self.rows.append({**value, "outcome": report.outcome})
+                elif name == TRAINING:
+                    self.training = {**value, "outcome": report.outcome}
+
+    def counts(self) -> tuple[dict, dict]:
+        gates, tests = empty_counts()
+        for nodeid, outcome in self.outcomes.items():
+            tests["selected"] += 1
+            tests["errors" if outcome == "error" else outcome] += 1
+            if self.is_gate.get(nodeid):
+                gates["selected"] += 1
+                if outcome == "skipped":
+                    gates["skipped"] += 1
+                else:
+                    gates["ran"] += 1
+                    gates["passed" if outcome == "passed" else "failed"] += 1
+        return gates, tests
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        config = self.config
+        if hasattr(config, "workerinput") or config.option.collectonly:
+            return
+        gates, tests = self.counts()
+        outcome = classify(int(exitstatus), gates, tests, self.collection_errors)
+        write_record(
+            outcome=outcome,
+            pytest_exit=int(exitstatus),
+            selected=selection(
+                config.option.keyword,
+                config.option.markexpr,
+                config.getoption("gates_only"),
+                config.invocation_params.args,
+            ),
+            gates=gates,
+            tests=tests,
+            rows=self.rows,
+            reason=self.reason(outcome, int(exitstatus), gates, tests),
+            training=self.training,
+        )
+
+    def reason(self, outcome: str, exitstatus: int, gates: dict, tests: dict) -> str | None:
+        if outcome == GATES_SKIPPED_NEED_GPU:
+            return "; ".join(self.skip_reasons[:3]) or "skipped"
+        if outcome == INTERRUPTED and self.collection_errors:
+            return f"{self.collection_errors} error(s) while collecting tests"
+        if outcome in (INTERRUPTED, ERROR, NO_TESTS_COLLECTED):
+            return f"pytest exited {exitstatus} ({PYTEST_EXIT_NAMES.get(exitstatus, 'unknown')})"
+        if outcome == NO_GATES_SELECTED:
+            return f"{tests['selected']} tests ran, none of them a gate"
+        if outcome == TESTS_FAILED_OUTSIDE_GATES:
+            return f"{tests['failed'] + tests['errors']} tests outside the gates failed"
+        return None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gates-only",
+        action="store_true",
+        default=False,
+        help="run only the correctness gates (tests marked `gate`); other tests are deselected",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{MARKER}: a correctness gate case (counted in reports/{RECORD})"
+    )
+    config.pluginmanager.register(GateRecorder(config), "flashmoe-gate-recorder")

@@ -1,0 +1,388 @@
+"""`python -m flashmoe_science test` (and so `nox -s test`): build incrementally, then run the tests.
+
+Exit codes follow the `git bisect run` contract (flashmoe_science.pipeline.exitcodes), one per
+outcome of reports/gates.json (gate_plugin.OUTCOMES), so a bisect step is good only when gates ran
+and passed:
+  0   gates ran and every one passed, and so did every other selected test    -> good
+      (or, with --no-gates-ok, the selected tests passed and none was a gate)
+  1   a gate failed, or a test outside the gates failed                        -> bad
+  125 this commit cannot be built                                              -> skipped
+  255 not a verdict on this commit: no gate selected, every selected gate skipped (a CUDA case
+      without a GPU), no test collected (-k matched nothing), pytest interrupted or unusable,
+      no GPU where one is required, torch missing                              -> the bisect stops
+
+Selections: `--gates` collects the gate module alone and keeps only the gates, so a test that is
+not a gate cannot mark a bisect step bad; `--list` prints the gate ids (what `-k` selects) and runs
+nothing. A selection of at most SERIAL_MAX_TESTS tests runs in one process: starting pytest-xdist
+workers (each imports torch and collects) costs more than such a run. pytest runs with its plugin
+autoload off, so plugins installed in a reused interpreter (pytest-benchmark, ...) stay out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .. import exitcodes
+from ..paths import REPO_ROOT, report_dir, require_gpu_from_env
+from ..provenance import clear_outputs
+from . import plugin as gate_plugin
+from .plugin import (
+    ERROR,
+    FAILED,
+    GATES_SKIPPED_NEED_GPU,
+    INTERRUPTED,
+    NO_GATES_SELECTED,
+    NO_TESTS_COLLECTED,
+    PASSED,
+    TESTS_FAILED_OUTSIDE_GATES,
+)
+
+# The gate matrix lives here; `--gates` collects nothing else.
+GATE_MODULES = (
+    "tests/test_gates.py",
+    "tests/test_grad_gates.py",
+    "tests/test_varlen.py",
+    "tests/test_paged.py",
+)
+# At most this many selected tests run without pytest-xdist: each worker imports torch and collects
+# before its first test. On 2 shared CPU cores, 4 gate cases took 8.2 s on 2 workers and 4.6 s in one
+# process; 28 cases were no faster on 2 workers (10.0 s against 10.8 s).
+SERIAL_MAX_TESTS = 32
+# Plugin autoload is off (PYTEST_DISABLE_PLUGIN_AUTOLOAD): the plugins the suite uses, by module.
+# pytest-xdist's workers get the same arguments and environment, so they load it too; its other
+# entry point (xdist.looponfail) serves only --looponfail.
+PLUGINS = ("-p", "xdist.plugin")
+
+
+def report_plugins() -> tuple[str, ...]:
+    """pytest-instafail where it is installed (the test dependency group has it): each failure is
+    printed with its traceback when it happens, not in the summary at the end, so a run stopped
+    by a time limit still names what failed. Left out where it is missing (a GPU machine without
+    it runs the suite as before)."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytest_instafail") is None:
+        return ()
+    return ("-p", "pytest_instafail", "--instafail")
+
+
+EXIT_CODES = {
+    PASSED: exitcodes.OK,
+    FAILED: exitcodes.GATE_FAILED,
+    TESTS_FAILED_OUTSIDE_GATES: exitcodes.GATE_FAILED,
+    NO_GATES_SELECTED: exitcodes.ENV_BROKEN,
+    GATES_SKIPPED_NEED_GPU: exitcodes.ENV_BROKEN,
+    NO_TESTS_COLLECTED: exitcodes.ENV_BROKEN,
+    INTERRUPTED: exitcodes.ENV_BROKEN,
+    ERROR: exitcodes.ENV_BROKEN,
+}
+NO_TESTS_EXIT = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+LIST_HINT = "`nox -s test -- --list` prints the gate ids"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flashmoe_science test",
+        description="Build (incrementally) and run the correctness gates and the other tests. "
+        "Unknown options go to pytest, e.g. `-x`. Bisect with the gates alone: "
+        "`git bisect run nox -s test -- --gates -k '<gate id>'`.",
+        epilog="Exit: 0 gates ran and passed; 1 a gate or another test failed; 125 no build; "
+        "255 no verdict (no gate selected, every gate skipped for want of a GPU, nothing "
+        "collected, pytest unusable). The outcome and counts land in reports/gates.json.",
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--require-gpu",
+        action="store_true",
+        default=require_gpu_from_env(),
+        help="a missing GPU or CUDA build is an error, exit 255 (default: FLASHMOE_REQUIRE_GPU=1)",
+    )
+    parser.add_argument(
+        "--workers",
+        default=None,
+        help="pytest-xdist workers (default: none for a selection of at most "
+        f"{SERIAL_MAX_TESTS} tests, else one per CPU core, at most 8)",
+    )
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k: select by name")
+    parser.add_argument(
+        "--gates",
+        action="store_true",
+        help=f"run the gates alone ({', '.join(GATE_MODULES)}, tests marked `gate`): "
+        "what a bisect wants",
+    )
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="print the gate ids (narrowed by -k), one a line, and run nothing",
+    )
+    parser.add_argument(
+        "--no-gates-ok",
+        action="store_true",
+        help="a selection without gates (e.g. -k test_api) exits 0 when its tests pass "
+        "(default: 255, since it says nothing about correctness)",
+    )
+    return parser
+
+
+def _all_workers() -> str:
+    return str(max(1, min(8, os.cpu_count() or 1)))
+
+
+def isolated_env(base: dict[str, str]) -> dict[str, str]:
+    """`base` with pytest's plugin autoload off, so only PLUGINS and the suite's own load, and
+    Python's output unbuffered: the stage's stdout is a pipe (nox, a CI log), where Python holds
+    up to 8 KB back, so without it a failure that instafail prints at once would reach the log
+    only when the run ends, which a run stopped by a time limit never does."""
+    env = dict(base, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONUNBUFFERED="1")
+    env.pop("PYTEST_PLUGINS", None)
+    return env
+
+
+# The run's slowest tests (5 s or more each, 20 at most) are listed at its end, so where the
+# stage's time goes (planted-bug builds, the gate matrix, the training run) is in every job's log.
+DURATIONS = ("--durations=20", "--durations-min=5")
+
+
+def pytest_command(targets: list[str], workers: str, pytest_args: list[str]) -> list[str]:
+    """The stage's pytest run: our plugins, the report plugins, `workers` xdist workers, the
+    slowest tests listed at the end."""
+    plugins = [*PLUGINS, *report_plugins()]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        *plugins,
+        *targets,
+        "-n",
+        workers,
+        "-q",
+        *DURATIONS,
+        *pytest_args,
+    ]
+
+
+@dataclass
+class Collected:
+    """What a selection collects: pytest's exit status, the test count and the gate ids."""
+
+    exit: int
+    tests: int = 0
+    gate_ids: list[str] = field(default_factory=list)
+
+    def pytest_collection_finish(self, session) -> None:
+        self.tests = len(session.items)
+        self.gate_ids = [
+            getattr(getattr(item, "callspec", None), "id", item.name)
+            for item in session.items
+            if item.get_closest_marker(gate_plugin.MARKER)
+        ]
+
+
+def collect(pytest_args: list[str]) -> Collected:
+    """Collect `pytest_args` in this process (torch is imported already) and run nothing."""
+    import pytest
+
+    collected = Collected(exit=-1)
+    sink = io.StringIO()
+    argv = [*PLUGINS, *pytest_args, "--collect-only", "-qq", "-p", "no:cacheprovider"]
+    saved = dict(os.environ)
+    os.environ.update(isolated_env({}))
+    try:
+        with (
+            contextlib.chdir(REPO_ROOT),
+            contextlib.redirect_stdout(sink),
+            contextlib.redirect_stderr(sink),
+        ):
+            collected.exit = int(pytest.main(argv, plugins=[collected]))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return collected
+
+
+def list_gates(pytest_args: list[str]) -> int:
+    collected = collect([*GATE_MODULES, "--gates-only", *pytest_args])
+    if collected.exit not in (0, NO_TESTS_EXIT):
+        print(
+            f"test: cannot collect the gates (pytest exit {collected.exit}); see why with "
+            f"`python -m pytest {' '.join(GATE_MODULES)} --collect-only`",
+            file=sys.stderr,
+        )
+        return exitcodes.ENV_BROKEN
+    print("\n".join(collected.gate_ids))
+    if not collected.gate_ids:
+        print("test: no gate matches this selection", file=sys.stderr)
+    return exitcodes.OK
+
+
+def main(argv: list[str]) -> int:
+    args, pytest_args = _parser().parse_known_args(argv)
+    if args.keyword is not None:
+        pytest_args = [*pytest_args, "-k", args.keyword]
+    if args.list:
+        return list_gates(pytest_args)
+    targets = [*GATE_MODULES, "--gates-only"] if args.gates else ["tests"]
+    start = time.monotonic()
+    clear_outputs(gate_plugin.RECORD)
+    selected = gate_plugin.selection(args.keyword, None, args.gates, [*targets, *pytest_args])
+
+    def stopped(code: int, reason: str) -> int:
+        gate_plugin.write_record(outcome=ERROR, pytest_exit=None, selected=selected, reason=reason)
+        return code
+
+    try:
+        import torch
+    except ImportError as exc:
+        print(
+            f"test: torch is not importable ({exc}); fix: run scripts/setup_environment.sh",
+            file=sys.stderr,
+        )
+        return stopped(exitcodes.ENV_BROKEN, f"torch is not importable ({exc})")
+    if args.require_gpu and not torch.cuda.is_available():
+        print(
+            "test: --require-gpu but torch sees no GPU; fix: check `nvidia-smi` and that torch is a CUDA build",
+            file=sys.stderr,
+        )
+        return stopped(exitcodes.ENV_BROKEN, "--require-gpu but torch sees no GPU")
+
+    from ..build import unit as build
+
+    try:
+        config = build.resolve_config(backend="cuda" if args.require_gpu else "auto")
+        build.build(config)
+    except build.ConfigError as exc:
+        print(f"test: cannot configure the build: {exc}", file=sys.stderr)
+        return stopped(exc.exit_code, f"cannot configure the build: {str(exc)[:300]}")
+    except build.BuildError as exc:
+        print(
+            f"test: this commit does not build (exit {exitcodes.BUILD_FAILED}, git bisect skips it)\n{exc}",
+            file=sys.stderr,
+        )
+        return stopped(exitcodes.BUILD_FAILED, "this commit does not build")
+
+    collected = collect([*targets, *pytest_args])
+    if collected.exit == NO_TESTS_EXIT:
+        record = gate_plugin.write_record(
+            outcome=NO_TESTS_COLLECTED,
+            pytest_exit=collected.exit,
+            selected=selected,
+            reason="the selection matched no test",
+        )
+        return verdict(record, time.monotonic() - start, args.no_gates_ok)
+    workers = args.workers
+    why = ""
+    if workers is None:
+        small = collected.exit != 0 or collected.tests <= SERIAL_MAX_TESTS
+        workers = "0" if small else _all_workers()
+        if small and collected.exit == 0:
+            why = f" ({collected.tests} tests: one process, no worker start-up)"
+    cmd = pytest_command(targets, workers, pytest_args)
+    print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
+    env = isolated_env(dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else ""))
+    with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:  # pytest got the Ctrl-C too: let it write its record
+            rc = proc.wait()
+    elapsed = time.monotonic() - start
+    record = _read_record()
+    if record is None:  # pytest stopped before its session ended (usage or internal error)
+        record = gate_plugin.write_record(
+            outcome={2: INTERRUPTED, NO_TESTS_EXIT: NO_TESTS_COLLECTED}.get(rc, ERROR),
+            pytest_exit=rc,
+            selected=selected,
+            reason=f"pytest exited {rc} ({gate_plugin.PYTEST_EXIT_NAMES.get(rc, 'crashed')})",
+        )
+    return verdict(record, elapsed, args.no_gates_ok)
+
+
+def _read_record() -> dict | None:
+    try:
+        record = json.loads((report_dir() / gate_plugin.RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("outcome") in EXIT_CODES else None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def training_line(record: dict) -> str | None:
+    """The training run's losses, first and last step, ours against SDPA's, where it ran."""
+    run = record.get("training")
+    if not run:
+        return None
+    (ours_first, ours_last), (sdpa_first, sdpa_last) = run["ours"], run["sdpa"]
+    return (
+        f"test: training run ({run.get('outcome', '?')}), loss first -> last: ours "
+        f"{ours_first:.4f} -> {ours_last:.4f}, SDPA {sdpa_first:.4f} -> {sdpa_last:.4f}"
+    )
+
+
+def verdict(record: dict, elapsed: float, no_gates_ok: bool = False) -> int:
+    """Print the one line that says what `record` means and what to do next (after the training
+    run's losses, where it ran); return the exit."""
+    if line := training_line(record):
+        print(line, flush=True)
+    outcome = record["outcome"]
+    gates, tests = record["gates"], record["tests"]
+    keyword = (record.get("selection") or {}).get("keyword")
+    took = f"in {elapsed:.1f} s"
+    passed_tests = _plural(tests["passed"], "test") + " passed"
+    other_failed = tests["failed"] + tests["errors"] - gates["failed"]
+    code = EXIT_CODES[outcome]
+    if outcome == PASSED:
+        skipped = f"; {gates['skipped']:,} skipped, need a GPU" if gates["skipped"] else ""
+        counts = f"{gates['passed']:,} of {gates['ran']:,}{skipped}"
+        line = f"test: all gates passed ({counts}) · {passed_tests} {took}"
+    elif outcome == FAILED:
+        line = (
+            f"test: {gates['failed']:,} of {_plural(gates['ran'], 'gate')} FAILED {took}; each "
+            "failure above ends with a command that reruns it"
+        )
+        if other_failed > 0:
+            line += f" ({_plural(other_failed, 'other test')} failed too)"
+    elif outcome == TESTS_FAILED_OUTSIDE_GATES:
+        gate_text = (
+            f"{gates['passed']:,} of {_plural(gates['ran'], 'gate')} passed"
+            if gates["ran"]
+            else "no gate ran"
+        )
+        line = (
+            f"test: {_plural(max(other_failed, 1), 'test')} outside the gates FAILED ({gate_text}) "
+            f"{took}; see the failures above (`--gates` runs the gates alone)"
+        )
+    elif outcome == NO_GATES_SELECTED:
+        if no_gates_ok:
+            code = exitcodes.OK
+            line = f"test: {passed_tests}; no gate selected (--no-gates-ok) {took}"
+        else:
+            line = (
+                f"test: {passed_tests}; no gate selected, so no verdict on correctness (exit "
+                f"{code}). Select gates ({LIST_HINT}) or pass --no-gates-ok if that was meant"
+            )
+    elif outcome == GATES_SKIPPED_NEED_GPU:
+        line = (
+            f"test: every selected gate ({gates['skipped']:,}) was skipped: "
+            f"{record.get('reason') or 'skipped'}; no verdict on this commit (exit {code}). Run "
+            "it on a GPU machine with the CUDA build, or select the CPU cases (ids ending -cpu)"
+        )
+    elif outcome == NO_TESTS_COLLECTED:
+        matched = f"-k {keyword!r} matched nothing" if keyword else "the selection matched nothing"
+        line = f"test: no tests collected: {matched} (exit {code}); {LIST_HINT}"
+    else:
+        line = (
+            f"test: {record.get('reason') or outcome}; no verdict on this commit (exit {code}). "
+            "See pytest's output above"
+        )
+    print(line, file=sys.stdout if code == exitcodes.OK else sys.stderr, flush=True)
+    return code

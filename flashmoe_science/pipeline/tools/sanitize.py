@@ -1,0 +1,1026 @@
+"""`python -m flashmoe_science sanitize` (`nox -s sanitize`): NVIDIA compute-sanitizer's memcheck,
+initcheck, synccheck and racecheck over a small workload that still reaches every kernel code path.
+
+    python -m flashmoe_science sanitize                      # all four tools (budget: 10 min, H100)
+    python -m flashmoe_science sanitize --tool memcheck      # one tool (repeatable, or a,b)
+    python -m flashmoe_science sanitize --tool memcheck --define FLASHMOE_PLANT_BUG=3
+    python -m flashmoe_science.pipeline.tools.sanitize --list               # the workload's calls (case ids)
+
+The workload (`python -m flashmoe_science.pipeline.tools.sanitize --workload`, run under each tool) calls the
+public API once per case, inputs on the GPU, with a torch.cuda.synchronize after each call, and
+prints a `sanitize-case: ID` line before each call so a finding can be tied to the call that made
+it. The cases cover: odd lengths (1, 17, 65, 129, 257, and Sq != Sk both ways, so causal rows that
+see no key and KV blocks that are only partly valid), causal and not, fp16 and bf16, head dims 64
+and 128, GQA ratio 4 (packed and unpacked), every kernel configuration the card can run (`config=1`
+to `6`; 4 needs sm_90, 5 and 6 an sm_90a build on a 9.0 GPU; 6 at head dim 64 only, its 128 being
+5's kernel), the [B, S, H, D] view layout, forced 1 and 3 splits and automatic splitting, and
+decode with 1, 3, 7 and 128 splits, automatic splits over a 4097-token cache, and cache_seqlens
+holding 0 and short lengths, so that many splits are empty, and of 65 and 257 query rows against
+such a cache on the wgmma kernels (copying K and V with cp.async); the backward of every
+backward configuration; packed (varlen) batches that mix lengths 0, 1, 17 and one past a block's
+end with Sq != Sk both ways, per forward configuration that has a packed variant, and their
+backward; decode against paged caches of block sizes 16, 64 and 256 with shuffled page tables,
+empty caches and partial last pages, forced and automatic splits. Varlen and paged inputs come
+from their gates' own builders (varlen_gates.py, paged_gates.py).
+
+Each tool runs as `compute-sanitizer --tool T --error-exitcode 99 --print-limit 20
+[--racecheck-report all] [--check-bulk-copy yes] [--check-warpgroup-mma yes] --kernel-name kns=K
+... python -m flashmoe_science.pipeline.tools.sanitize --workload`, the Hopper options where the installed
+tool offers them (its --help, read once) and they concern T (sanitize_coverage), one --kernel-name
+for each of our kernels (KERNEL_OPERATORS; see sanitizer_command);
+--all-kernels drops the filter, which otherwise keeps torch's own kernels uninstrumented and the run
+fast. memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1: out of the caching
+allocator's large segments, a read past a tensor lands in another tensor of the same segment and is
+not reported. The extension is built before any tool starts, never under one. memcheck stops a
+kernel at its first error and the CUDA context is lost, so the workload stops at the first faulty
+call; the report is about that call.
+
+Any finding fails the run: per tool, the check, the kernel, the source line, the thread and block,
+and the case, condensed from the tool's output (parse_sanitizer_output, a pure function); the full
+output is in <reports>/sanitize-<tool>.log. <reports>/sanitize.json holds, per tool, the status, the
+wall time, the findings and the coverage: for TMA, bulk reductions, wgmma and mbarriers, whether the
+tool checks them, does not, or is not documented to (sanitize_coverage.coverage), so a PASS says
+what it did not look at; the console summary and the PR report show what is not checked. stages.json
+gets a "sanitize" stage.
+
+Exit codes (flashmoe_science.pipeline.exitcodes): 0 every tool clean; 1 a finding (or the workload crashed,
+or a tool timed out); 2 usage; 125 the extension does not build; 126 compute-sanitizer is missing or
+may not instrument this GPU here; 255 no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ... import _loader
+from ..._toolkit import find_cuda_tool, run_streaming
+from .. import exitcodes, paths
+from ..provenance import clear_outputs, provenance
+from . import sanitize_coverage
+from .cudatools import UNUSABLE_PATTERNS, paths_display, short_kernel
+
+SCHEMA = "flashmoe-science/sanitize/2"  # 2: per tool "coverage"
+TOOLS = ("memcheck", "initcheck", "synccheck", "racecheck")  # racecheck, the slowest, last
+SANITIZER_ERROR_EXIT = 99
+PRINT_LIMIT = 20
+TOOL_TIMEOUT_S = 900
+# The kernels the sanitizer instruments (name prefixes), each with the operator whose CUDA
+# implementation launches it: the workload calls every one of these operators.
+KERNEL_OPERATORS = {
+    "flash_fwd_kernel": "attention",
+    "flash_fwd_varlen_kernel": "varlen_fwd",
+    "flash_fwd_sm90_kernel": "attention",  # configs 5 to 7, wgmma (an sm_90a build on a 9.0 GPU)
+    "flash_fwd_sm90_varlen_kernel": "varlen_fwd",
+    "varlen_offsets_check_kernel": "varlen_fwd",  # the packed batch's offsets, checked on the GPU
+    "flash_decode_kernel": "fwd",
+    "flash_decode_paged_kernel": "paged_fwd",
+    "split_kv_combine_kernel": "attention",  # a prefill's forced or automatic splits
+    "flash_bwd_": "attention_backward",  # the backward's pre-pass, dK/dV, dQ and conversion kernels
+}
+KERNEL_SUBSTRINGS = tuple(KERNEL_OPERATORS)
+# A read past a tensor stays inside one of the caching allocator's segments and goes unreported.
+NO_CACHING_TOOLS = ("memcheck", "initcheck")
+CASE_MARK = "sanitize-case: "
+DONE_MARK = "sanitize-done: "
+SHOWN_PER_TOOL = 3
+HEARTBEAT_S = 30.0
+
+# --------------------------------------------------------------------------------------------------
+# The workload
+# --------------------------------------------------------------------------------------------------
+
+FWD_LENGTHS = ((1, 1), (65, 65), (129, 129), (257, 257), (17, 257), (257, 17))
+
+
+def _target() -> tuple[tuple[int, int], tuple[str, ...] | None]:
+    """The GPU's compute capability and build targets the workload is for: this GPU and the
+    loaded build's, or an H100's own build when no GPU is visible (for listing)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_capability(), None
+    return (9, 0), ("9.0a",)
+
+
+def workload_configs() -> list[int]:
+    """The kernel configurations the workload forces: all that this GPU can run (all of them when
+    no GPU is visible, for listing)."""
+    from ...ops import CONFIGS, config_supported
+
+    capability, archs = _target()
+    return [c for c in CONFIGS if config_supported(c, capability, archs)]
+
+
+def workload_backward_configs() -> list[int]:
+    """The backward configurations the workload forces, chosen as workload_configs does."""
+    from ...ops import BACKWARD_CONFIGS, backward_config_supported
+
+    capability, archs = _target()
+    return [c for c in BACKWARD_CONFIGS if backward_config_supported(c, capability, archs)]
+
+
+def workload_cases() -> list:
+    """Every forward kernel instantiation (dtype x head dim x tile configuration) with and without
+    the causal mask over odd lengths, then the decode paths, the backward, packed batches and paged
+    decode. Shapes rotate through GQA ratios 1 and 4, batch 1 and 2, both layouts and forced or
+    automatic split counts."""
+    from ..cases import Case
+    from ..gates.forward import MANY_ROW_DECODE_CONFIGS, MANY_ROW_DECODE_HEADS, gated_head_dims
+
+    configs = workload_configs()
+    cases = []
+    index = 0
+    for dtype in ("fp16", "bf16"):
+        for head_dim in (64, 128):
+            for config in (c for c in configs if head_dim in gated_head_dims(c)):
+                for causal in (False, True):
+                    for seqlen_q, seqlen_k in FWD_LENGTHS:
+                        four = (index // 2) % 2 == 1  # GQA ratio 4, packed and not
+                        heads_kv = 1 if four else 2
+                        heads_q = heads_kv * (4 if four else 1)
+                        cases.append(
+                            Case(
+                                "prefill",
+                                dtype,
+                                2 if index % 4 == 1 else 1,
+                                heads_q,
+                                heads_kv,
+                                seqlen_q,
+                                seqlen_k,
+                                head_dim,
+                                causal,
+                                layout="bshd" if index % 5 == 3 else "bhsd",
+                                config=config,
+                                num_splits=(0, 1, 3)[index % 3],
+                            )
+                        )
+                        index += 1
+    # (Sq, Sk, Hq, Hkv, causal, splits, cache_seqlens): splits 0 = automatic
+    decode = (
+        (1, 257, 8, 2, True, 1, None),
+        (4, 257, 8, 2, False, 3, (0, 1, 257)),
+        (1, 257, 8, 2, True, 7, (257, 100, 0)),
+        (16, 65, 8, 1, True, 7, (5, 0, 65)),  # 128 packed rows; short caches, most splits empty
+        (1, 4097, 8, 2, True, 0, (4097, 0, 33)),
+        (2, 129, 4, 4, True, 128, (0, 3, 129)),
+    )
+    for dtype in ("fp16", "bf16"):
+        for head_dim in (64, 128):
+            for seqlen_q, seqlen_k, heads_q, heads_kv, causal, splits, lens in decode:
+                cases.append(
+                    Case(
+                        "decode",
+                        dtype,
+                        3 if lens else 1,
+                        heads_q,
+                        heads_kv,
+                        seqlen_q,
+                        seqlen_k,
+                        head_dim,
+                        causal,
+                        num_splits=splits,
+                        cache_seqlens=lens,
+                    )
+                )
+    # Many query rows against a cache with lengths 0, short and full, on the wgmma kernels, whose
+    # producer then copies K and V with cp.async, not TMA (gates.MANY_ROW_DECODE), where the card
+    # runs them. (dtype, head dim, Sq, causal, splits); GQA 4, unpacked.
+    many_rows = (
+        ("fp16", 64, 65, True, 0),
+        ("fp16", 128, 257, False, 3),
+        ("bf16", 64, 257, True, 3),
+        ("bf16", 128, 65, False, 0),
+    )
+    for config, (dtype, head_dim, seqlen_q, causal, splits) in itertools.product(
+        (c for c in MANY_ROW_DECODE_CONFIGS if c in configs), many_rows
+    ):
+        if head_dim not in gated_head_dims(config):
+            continue
+        batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
+        cases.append(
+            Case(
+                "decode",
+                dtype,
+                batch,
+                heads_q,
+                heads_q // 4,
+                seqlen_q,
+                300,
+                head_dim,
+                causal,
+                num_splits=splits,
+                cache_seqlens=(0, 17, 300),
+                config=config,
+            )
+        )
+    # The backward: every configuration, with dQ by atomics and deterministic, over odd lengths
+    # (keys and queries past a block's end, rows that see no key), GQA 4 and a strided view.
+    backward = ((65, 65, 4, 1, False), (129, 257, 8, 2, True), (257, 17, 2, 2, True))
+    for dtype in ("fp16", "bf16"):
+        for head_dim in (64, 128):
+            for config in workload_backward_configs():
+                for deterministic in (False, True):
+                    for seqlen_q, seqlen_k, heads_q, heads_kv, causal in backward:
+                        cases.append(
+                            Case(
+                                "backward",
+                                dtype,
+                                1,
+                                heads_q,
+                                heads_kv,
+                                seqlen_q,
+                                seqlen_k,
+                                head_dim,
+                                causal,
+                                layout="bshd" if seqlen_q == 129 else "bhsd",
+                                config=config,
+                                deterministic=deterministic,
+                            )
+                        )
+    return cases + varlen_workload(configs) + paged_workload()
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenBackward:
+    """The gradients of a packed call (autograd through flash_attention_varlen_forward, whose
+    backward runs the backward kernels on each sequence's rows)."""
+
+    forward: Any  # a varlen_gates.VarlenCase
+
+    @property
+    def id(self) -> str:
+        return "varlenbwd" + self.forward.id.removeprefix("varlen")
+
+
+# Packed batches, (query lengths, key lengths): empty and one-token sequences, 17, lengths one past
+# a 64- and a 128-row block (65, 129, 257), Sq == Sk, Sq < Sk and Sq > Sk (queries that see no key).
+VARLEN_LENGTHS = (
+    ((17, 0, 1, 129, 1, 65), (17, 3, 0, 257, 1, 33)),
+    ((0, 65, 257, 1), (0, 129, 17, 1)),
+)
+
+
+def varlen_workload(configs: Sequence[int]) -> list:
+    """Every packed-batch kernel instantiation (dtype x head dim x each forced configuration that
+    has a packed variant) with and without the causal mask, GQA ratios 1 and 4; then the backward
+    once per dtype and head dim."""
+    from ..gates.varlen import VARLEN_CONFIGS, VarlenCase
+
+    cases: list = []
+    blocks = [(dtype, head_dim) for dtype in ("fp16", "bf16") for head_dim in (64, 128)]
+    for block, (dtype, head_dim) in enumerate(blocks):
+        # Over the four blocks, each configuration meets both batches with each mask, and both
+        # GQA ratios.
+        for config in (c for c in configs if c in VARLEN_CONFIGS):
+            for causal in (False, True):
+                lengths_q, lengths_k = VARLEN_LENGTHS[(block + causal) % 2]
+                heads_kv = 1 if (block + config) % 2 else 4
+                cases.append(
+                    VarlenCase(dtype, head_dim, 4, heads_kv, lengths_q, lengths_k, causal, config)
+                )
+        lengths_q, lengths_k = VARLEN_LENGTHS[block % 2]
+        forward = VarlenCase(dtype, head_dim, 4, 1, lengths_q, lengths_k, block % 3 != 1)
+        cases.append(VarlenBackward(forward))
+    return cases
+
+
+# Paged decode: cache lengths empty, one token, one past a page of 16 and a 64-key tile, and many
+# pages with a partial last one.
+PAGED_LENGTHS = (0, 1, 17, 65, 300)
+PAGED_LONG_LENGTHS = (4097, 0, 33)  # automatic splitting that does split
+PAGE_SIZES = (16, 64, 256)
+
+
+def paged_workload() -> list:
+    """The paged decode kernel per dtype and head dim over block sizes 16, 64 and 256 and shuffled
+    page tables (paged_gates.make_paged_inputs), GQA ratios 1 and 4, forced 3 and 7 splits (most
+    of them empty) and automatic, causal and not."""
+    from ..gates.paged import PagedCase
+
+    cases: list = []
+    blocks = [(dtype, head_dim) for dtype in ("fp16", "bf16") for head_dim in (64, 128)]
+    for block, (dtype, head_dim) in enumerate(blocks):
+        for i, page_size in enumerate(PAGE_SIZES):
+            turn = block + i  # rotates the other choices over the block sizes
+            cases.append(
+                PagedCase(
+                    dtype,
+                    head_dim,
+                    8,
+                    2 if turn % 2 else 8,
+                    seqlen_q=(1, 4)[(block // 2 + i) % 2],
+                    lengths=PAGED_LENGTHS,
+                    page_size=page_size,
+                    num_splits=(0, 3, 7)[turn % 3],
+                    causal=turn % 4 != 3,
+                )
+            )
+        page_size = PAGE_SIZES[block % len(PAGE_SIZES)]
+        cases.append(PagedCase(dtype, head_dim, 8, 2, 1, PAGED_LONG_LENGTHS, page_size))
+    return cases
+
+
+def run_workload(cases: Sequence | None = None, device: str = "cuda") -> int:
+    """Call the API once per case; on the GPU, what the sanitizer under it watches (the tests run
+    it on the CPU to prove every call is a valid one)."""
+    import torch
+
+    from ... import ops
+
+    ops.load_library()
+    cases = workload_cases() if cases is None else cases
+    for case in cases:
+        print(f"{CASE_MARK}{case.id}", flush=True)
+        call_case(case, device)
+        if device == "cuda":
+            torch.cuda.synchronize()  # a finding is reported before the next case's line
+    print(f"{DONE_MARK}{len(cases)} calls", flush=True)
+    return exitcodes.OK
+
+
+def call_case(case, device: str) -> None:
+    """One call of the public API on the inputs the case's gates draw for it."""
+    import torch
+
+    from ..cases import make_inputs, make_output_grad
+    from ..gates import backward as grad_gates
+    from ..gates import paged as paged_gates
+    from ..gates import varlen as varlen_gates
+    from ..gates.forward import call_api
+    from ..gates.ragged import case_seed
+
+    if isinstance(case, VarlenBackward):
+        seed = case_seed(case.id)
+        q, k, v, cu_q, cu_k = varlen_gates.make_varlen_inputs(case.forward, device, seed)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        scale = 1.0 / math.sqrt(case.forward.head_dim)
+        out, _ = varlen_gates.call_varlen(case.forward, q, k, v, cu_q, cu_k, scale)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+        torch.autograd.grad(out, (q, k, v), grad.to(out))
+        return
+    scale = 1.0 / math.sqrt(case.head_dim)
+    if isinstance(case, varlen_gates.VarlenCase):
+        inputs = varlen_gates.make_varlen_inputs(case, device, case_seed(case.id))
+        varlen_gates.call_varlen(case, *inputs, scale)
+    elif isinstance(case, paged_gates.PagedCase):
+        inputs = paged_gates.make_paged_inputs(case, device, case_seed(case.id))
+        paged_gates.call_paged(case, *inputs, scale)
+    elif case.kind == "backward":
+        q, k, v, _ = make_inputs(case, device)
+        grad_gates.call_api(case, q, k, v, make_output_grad(case, device), scale)
+    else:
+        call_api(case, *make_inputs(case, device), scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing compute-sanitizer's output (pure functions)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Finding:
+    """One reported error or hazard, condensed."""
+
+    tool: str
+    check: str  # "Invalid __global__ read of size 16 bytes", "Race reported between Write and Read"
+    severity: str = (
+        "error"  # "error", "warning", or "api" (a failed CUDA call, usually a consequence)
+    )
+    kernel: str | None = None
+    where: str | None = None  # "flash_fwd_kernel.cuh:93", or "+0x1f30" without line info
+    thread: str | None = None
+    block: str | None = None
+    detail: str | None = None  # "Access at 0x... is out of bounds and is 4 GiB after ..."
+    other: str | None = None  # racecheck: the other access, "Read at flash_fwd_kernel.cuh:160"
+    hazards: int | None = None
+    case: str | None = None
+    count: int = 1  # identical findings (same check, kernel, place) merged
+
+    def key(self) -> tuple:
+        return (self.check, self.kernel, self.where, self.other)
+
+    def line(self) -> str:
+        text = self.check
+        if self.other:  # racecheck: the two accesses, then the kernel
+            text += f" between {self.where or '?'} and {self.other}"
+        if self.kernel:
+            text += f" in {self.kernel}"
+        if self.where and not self.other:
+            text += f" at {self.where}"
+        if self.hazards:
+            text += f" [{self.hazards} hazards]"
+        who = " ".join(
+            f"{name} ({value})"
+            for name, value in (("thread", self.thread), ("block", self.block))
+            if value
+        )
+        if who:
+            text += f", {who}"
+        if self.detail:
+            text += f": {self.detail}"
+        if self.count > 1:
+            text += f" (x{self.count})"
+        if self.case:
+            text += f" [case {self.case}]"
+        return text
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class ToolReport:
+    tool: str
+    errors: int | None = None  # from ERROR SUMMARY (or racecheck's summary)
+    warnings: int = 0
+    findings: list[Finding] = dataclasses.field(default_factory=list)
+    unusable: str | None = None  # the line saying the tool cannot run here
+    cases_started: int = 0
+    workload_done: bool = False
+
+    def kernel_findings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity != "api"]
+
+
+_PREFIX_RE = re.compile(r"^========= ?(?P<body>.*)$")
+_ACCESS_RE = re.compile(r"^(?:Invalid|Misaligned) \S+ (?:read|write|atomic)\w* of size \d+ bytes?")
+_UNINIT_RE = re.compile(r"^Uninitialized \S+ memory read of size \d+ bytes?")
+_RACE_RE = re.compile(
+    r"^(?P<sev>Error|Warning|Information|ERROR|WARNING|INFO)\S*: Race reported between "
+    r"(?P<access>\w+) access at (?P<loc>.+)$"
+)
+_HAZARD_RE = re.compile(
+    r"^(?P<sev>\w+): Potential (?P<kind>RAW|WAR|WAW) hazard detected at (?P<space>\S+) "
+    r"(?P<addr>0x[0-9a-fA-F]+) in block \((?P<block>[^)]*)\)"
+)
+_BARRIER_RE = re.compile(r"^Barrier error detected\b")
+_API_RE = re.compile(
+    r"^Program hit (?P<err>\S+) \(error (?P<code>\d+)\) due to \"(?P<msg>[^\"]*)\""
+    r"(?: on CUDA API call to (?P<call>\w+))?"
+)
+_ERROR_SUMMARY_RE = re.compile(r"^ERROR SUMMARY: ([\d,]+) errors?")
+_RACE_SUMMARY_RE = re.compile(
+    r"^RACECHECK SUMMARY: ([\d,]+) hazards? displayed \(([\d,]+) errors?, ([\d,]+) warnings?\)"
+)
+_AT_RE = re.compile(r"^at (?P<loc>.+)$")
+_AND_RE = re.compile(
+    r"^and (?P<access>\w+) access at (?P<loc>.+?)(?: \[(?P<n>[\d,]+) hazards?\])?$"
+)
+# The caller frames of an inlined device function (the kernel that inlined load_kv_tile, say).
+_DEVICE_FRAME_RE = re.compile(r"^Device Frame:\s*(?P<loc>.+?)(?:\s+\[0x[0-9a-fA-F]+\])?$")
+_BY_THREAD_RE = re.compile(r"^by thread \((?P<thread>[^)]*)\) in block \((?P<block>[^)]*)\)")
+_HAZARD_ACCESS_RE = re.compile(
+    r"^(?P<access>Write|Read)\w* Thread \((?P<thread>[^)]*)\) at (?P<loc>.+)$"
+)
+_ADDRESS_RE = re.compile(r"^(?:Address|Access at|Access to) 0x[0-9a-fA-F]+ (?P<what>is .+)$")
+_AND_IS_RE = re.compile(r"^and (?P<what>is .+)$")
+# Header lines that are not findings, even when an indented line follows them.
+_NOT_FINDINGS = (
+    "COMPUTE-SANITIZER",
+    "Target application returned an error",
+    "Saved host backtrace",
+    "LEAK SUMMARY",
+    "RACECHECK SUMMARY",
+    "ERROR SUMMARY",
+    "Program finished",
+)
+
+
+def unusable_reason(text: str) -> str | None:
+    """The first line saying the sanitizer (or the profiler) cannot work here, else None."""
+    for line in text.splitlines():
+        if any(p.search(line) for p in UNUSABLE_PATTERNS):
+            return _PREFIX_RE.sub(r"\g<body>", line).strip()[:300]
+    return None
+
+
+def is_our_kernel(name: str) -> bool:
+    return any(name.startswith(kernel) for kernel in KERNEL_SUBSTRINGS)
+
+
+def parse_location(text: str) -> tuple[str | None, str | None]:
+    """(kernel, where) from the text after 'at'. compute-sanitizer writes, by version and build,
+    'FUNC+0x1f30 in /path/file.cuh:93', 'FUNC+0x80', '0x3f0 in FUNC' or '0x30 in /p/f.cu:6:FUNC'."""
+    text = text.strip()
+    if match := re.match(r"^(?P<func>.+?)\+(?P<off>0x[0-9a-fA-F]+)(?: in (?P<src>.+))?$", text):
+        src = match["src"]
+        return short_kernel(match["func"]), (Path(src).name if src else f"+{match['off']}")
+    if match := re.match(r"^(?P<pc>0x[0-9a-fA-F]+) in (?P<rest>.+)$", text):
+        rest = match["rest"]
+        if inner := re.match(r"^(?P<file>[^:\s]+):(?P<line>\d+):(?P<func>.+)$", rest):
+            return short_kernel(inner["func"]), f"{Path(inner['file']).name}:{inner['line']}"
+        return short_kernel(rest), match["pc"]
+    return short_kernel(text), None
+
+
+def _number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def _header_finding(tool: str, body: str) -> Finding | None:
+    """A finding for a record's first line, or None when the line is not one."""
+    if _ACCESS_RE.match(body) or _UNINIT_RE.match(body):
+        return Finding(tool, body.split(" at 0x")[0].strip())
+    if match := _RACE_RE.match(body):
+        severity = "warning" if match["sev"].lower().startswith("warn") else "error"
+        finding = Finding(tool, "Race reported", severity)
+        finding.kernel, where = parse_location(match["loc"])
+        finding.where = f"{match['access']} access at {where}" if where else match["access"]
+        return finding
+    if match := _HAZARD_RE.match(body):
+        severity = "warning" if match["sev"].lower().startswith("warn") else "error"
+        finding = Finding(tool, f"Potential {match['kind']} hazard on {match['space']}", severity)
+        finding.block = match["block"]
+        return finding
+    if _BARRIER_RE.match(body):
+        return Finding(tool, body)
+    if match := _API_RE.match(body):
+        call = f" in {match['call']}" if match["call"] else ""
+        return Finding(tool, f"CUDA error {match['err']} ({match['msg']}){call}", "api")
+    return None
+
+
+def _what(text: str) -> str:
+    """'is 1,024 bytes after the nearest allocation at 0x7f.. of size 65,792 bytes' ->
+    '1,024 bytes after the nearest allocation of size 65,792 bytes'."""
+    text = re.sub(r"^is ", "", text.strip())
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+
+
+def _continue(finding: Finding, body: str, pending_generic: bool) -> bool:
+    """Apply an indented line to the finding; True when a generic header became a finding."""
+    if match := _AT_RE.match(body):
+        if finding.kernel is None:
+            finding.kernel, finding.where = parse_location(match["loc"])
+            return pending_generic
+    elif match := _DEVICE_FRAME_RE.match(body):
+        # The fault sat in a device function inlined into a kernel: name the kernel, keep the
+        # innermost place (the line that faulted).
+        caller, _ = parse_location(match["loc"])
+        if caller and is_our_kernel(caller) and not is_our_kernel(finding.kernel or ""):
+            helper = finding.kernel
+            finding.kernel = caller
+            if helper and finding.where:
+                finding.where = f"{finding.where} ({helper.split('<')[0]})"
+    elif match := _AND_RE.match(body):
+        _, where = parse_location(match["loc"])
+        finding.other = finding.other or f"{match['access']} access at {where}"
+        if match["n"]:
+            finding.hazards = (finding.hazards or 0) + _number(match["n"])
+    elif match := _BY_THREAD_RE.match(body):
+        finding.thread = finding.thread or match["thread"]
+        finding.block = finding.block or match["block"]
+    elif match := _HAZARD_ACCESS_RE.match(body):
+        kernel, where = parse_location(match["loc"])
+        if finding.kernel is None:
+            finding.kernel, finding.where = kernel, f"{match['access']} at {where}"
+            finding.thread = match["thread"]
+        else:
+            finding.other = finding.other or f"{match['access']} at {where}"
+    elif match := _ADDRESS_RE.match(body):
+        finding.detail = _what(match["what"])
+    elif (match := _AND_IS_RE.match(body)) and finding.detail:
+        finding.detail = f"{finding.detail}, {_what(match['what'])}"[:300]
+    return False
+
+
+def parse_sanitizer_output(tool: str, text: str) -> ToolReport:
+    """compute-sanitizer's (merged stdout and stderr) output -> counts and condensed findings.
+
+    Records start at '========= X' and continue on '=========     y' lines; lines without the
+    prefix are the workload's own ('sanitize-case: ID' ties the findings that follow to a call)."""
+    report = ToolReport(tool)
+    case: str | None = None
+    current: Finding | None = None
+    generic: Finding | None = None  # an unknown header, a finding once an 'at' line follows
+    for raw in text.splitlines():
+        match = _PREFIX_RE.match(raw)
+        if match is None:
+            line = raw.strip()
+            if line.startswith(CASE_MARK):
+                case = line[len(CASE_MARK) :].strip()
+                report.cases_started += 1
+            elif line.startswith(DONE_MARK):
+                report.workload_done = True
+            continue
+        body = match["body"]
+        if not body.strip():
+            continue
+        if body[0] == " ":  # continuation of the current record
+            body = body.strip()
+            if current is not None:
+                _continue(current, body, False)
+            elif generic is not None and _continue(generic, body, True):
+                current, generic = generic, None
+                report.findings.append(current)
+            continue
+        body = body.strip()
+        current, generic = None, None
+        if match := _ERROR_SUMMARY_RE.match(body):
+            report.errors = max(report.errors or 0, _number(match[1]))
+        elif match := _RACE_SUMMARY_RE.match(body):
+            report.errors = max(report.errors or 0, _number(match[2]))
+            report.warnings = _number(match[3])
+        elif finding := _header_finding(tool, body):
+            finding.case = case
+            report.findings.append(finding)
+            current = finding
+        elif not body.startswith(_NOT_FINDINGS):
+            generic = Finding(tool, body[:200], case=case)
+    report.unusable = unusable_reason(text)
+    return report
+
+
+def merge_findings(findings: Sequence[Finding]) -> list[Finding]:
+    """Identical findings (same check, kernel and place: other threads, other blocks) merged into
+    the first, with a count; kernel findings before failed API calls (their consequence)."""
+    merged: dict[tuple, Finding] = {}
+    for finding in findings:
+        first = merged.get(finding.key())
+        if first is None:
+            merged[finding.key()] = dataclasses.replace(finding)
+        else:
+            first.count += finding.count
+            if finding.hazards:
+                first.hazards = (first.hazards or 0) + finding.hazards
+    return sorted(merged.values(), key=lambda f: f.severity == "api")
+
+
+def tool_status(report: ToolReport, returncode: int | None, timed_out: bool = False) -> str:
+    """'unusable', 'timeout', 'fail' (a finding), 'error' (crashed or stopped without a finding)
+    or 'pass'."""
+    if report.unusable and not report.kernel_findings():  # a tool that reports kernels works
+        return "unusable"
+    if timed_out:
+        return "timeout"
+    if report.findings or report.errors or report.warnings or returncode == SANITIZER_ERROR_EXIT:
+        return "fail"
+    if returncode != 0 or not report.workload_done:
+        return "error"
+    return "pass"
+
+
+def condensed(report: ToolReport, status: str, limit: int = SHOWN_PER_TOOL) -> list[str]:
+    """A few lines for a failing tool: its kernels, then the first distinct findings."""
+    merged = merge_findings(report.findings)
+    if status != "fail" or not merged:
+        return []
+    kernels = sorted({f.kernel for f in report.kernel_findings() if f.kernel})
+    lines = [f"  {report.tool}: kernels {', '.join(kernels)}"] if kernels else []
+    lines += [f"  {report.tool}: {f.line()}" for f in merged[:limit]]
+    if len(merged) > limit:
+        lines.append(f"  {report.tool}: ... and {len(merged) - limit} more distinct findings")
+    return lines
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
+def count_text(report: ToolReport) -> str:
+    if report.tool == "racecheck" and report.errors is not None:
+        return f"{_plural(report.errors, 'error')}, {_plural(report.warnings, 'warning')}"
+    if report.errors is None:
+        return _plural(len(report.findings), "finding")
+    return _plural(report.errors, "error")
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding and running the tool
+# --------------------------------------------------------------------------------------------------
+
+
+def sanitizer_command(
+    exe: str,
+    tool: str,
+    print_limit: int = PRINT_LIMIT,
+    kernel_filter: bool = True,
+    offered: Sequence[str] = (),
+) -> list[str]:
+    """The one place the compute-sanitizer command line is put together. `offered`: the Hopper
+    options the installed tool lists (sanitize_coverage.offered_options)."""
+    command = [exe, "--tool", tool, "--error-exitcode", str(SANITIZER_ERROR_EXIT)]
+    command += ["--print-limit", str(print_limit)]
+    # The workload is the one process to watch; a stale build's nvcc children need no watching.
+    command += ["--target-processes", "application-only"]
+    if tool == "racecheck":
+        command += ["--racecheck-report", "all"]
+    # Explicit, so that a check of TMA or wgmma never rests on the tool's default.
+    command += sanitize_coverage.tool_options(tool, offered)
+    if kernel_filter:  # torch's own kernels run uninstrumented: much faster
+        for substring in KERNEL_SUBSTRINGS:
+            command += ["--kernel-name", f"kns={substring}"]
+    return [
+        *command,
+        sys.executable,
+        "-m",
+        "flashmoe_science.pipeline.tools.sanitize",
+        "--workload",
+    ]
+
+
+def tool_env(tool: str, defines: Sequence[str]) -> dict[str, str]:
+    env = dict(os.environ, FLASHMOE_BUILD_DEFINES=",".join(defines), PYTHONUNBUFFERED="1")
+    if tool in NO_CACHING_TOOLS:
+        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+    return env
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+
+def _tools(values: Sequence[str]) -> list[str]:
+    chosen: list[str] = []
+    for value in values:
+        for tool in filter(None, (v.strip() for v in value.split(","))):
+            if tool not in TOOLS:
+                raise argparse.ArgumentTypeError(
+                    f"unknown tool {tool!r}: choose from {', '.join(TOOLS)}"
+                )
+            if tool not in chosen:
+                chosen.append(tool)
+    return chosen or list(TOOLS)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flashmoe_science sanitize",
+        description="Run compute-sanitizer's memcheck, initcheck, synccheck and racecheck over a "
+        "small workload that reaches every kernel code path; any finding fails.",
+    )
+    p.add_argument(
+        "--tool",
+        action="append",
+        default=[],
+        metavar="TOOL",
+        help=f"run only these tools (repeatable or comma-separated; default: {','.join(TOOLS)})",
+    )
+    p.add_argument(
+        "--define",
+        action="append",
+        default=[],
+        metavar="NAME=VAL",
+        help="sanitize a build with this -D define, e.g. FLASHMOE_PLANT_BUG=3 (default: "
+        "$FLASHMOE_BUILD_DEFINES)",
+    )
+    p.add_argument(
+        "--all-kernels",
+        action="store_true",
+        help="instrument torch's kernels too (slower; default: only this project's kernels)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=TOOL_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds allowed per tool (default {TOOL_TIMEOUT_S})",
+    )
+    p.add_argument(
+        "--print-limit", type=int, default=PRINT_LIMIT, help="errors each tool prints at most"
+    )
+    p.add_argument("--list", action="store_true", help="print the workload's case ids and exit")
+    p.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _defines(args) -> tuple[str, ...]:
+    return tuple(args.define) if args.define else _loader.env_defines()
+
+
+def _gpu_name() -> str | None:
+    """The GPU's name, or None when torch sees none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def _tool_version(exe: str) -> tuple[str | None, str | None]:
+    """(version line, unusable reason)."""
+    try:
+        done = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"{exe} --version failed: {exc}"
+    text = done.stdout + done.stderr
+    version = next((ln.strip() for ln in text.splitlines() if "ersion" in ln), None)
+    return version, unusable_reason(text)
+
+
+def _offered_options(exe: str) -> frozenset[str] | None:
+    """The Hopper options the tool's --help lists; None when --help cannot be run."""
+    try:
+        done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sanitize_coverage.offered_options(done.stdout + done.stderr)
+
+
+def _unusable_line(exe: str, reason: str) -> str:
+    return (
+        f"sanitize: {exe} cannot instrument this GPU here ({reason}); run it where the driver "
+        "allows GPU debugging (root or a permitted user, not a restricted container) with a CUDA "
+        f"toolkit new enough for this GPU (exit {exitcodes.TOOL_MISSING})"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        tools = _tools(args.tool)
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    if args.list:
+        print("\n".join(case.id for case in workload_cases()))
+        return exitcodes.OK
+    if args.workload:
+        return run_workload()
+    return run(args, tools)
+
+
+def run(args, tools: list[str]) -> int:
+    start = time.monotonic()
+    clear_outputs("sanitize.json", *(f"sanitize-{tool}.log" for tool in tools))
+    gpu = _gpu_name()
+    if gpu is None:
+        _say(
+            "sanitize: torch sees no GPU, and compute-sanitizer checks kernels as they run on one; "
+            "run on a GPU machine (check `nvidia-smi`, CUDA_VISIBLE_DEVICES) "
+            f"(exit {exitcodes.ENV_BROKEN})"
+        )
+        return exitcodes.ENV_BROKEN
+    exe = find_cuda_tool("compute-sanitizer")
+    if exe is None:
+        _say(
+            "sanitize: compute-sanitizer not found in $CUDA_HOME/bin, on PATH or in "
+            "/usr/local/cuda/bin; install the CUDA toolkit (it ships compute-sanitizer) or put its "
+            "bin/ on PATH "
+            f"(exit {exitcodes.TOOL_MISSING})"
+        )
+        return exitcodes.TOOL_MISSING
+    version, problem = _tool_version(exe)
+    if problem:
+        _say(_unusable_line(exe, problem))
+        return exitcodes.TOOL_MISSING
+    offered = _offered_options(exe)
+
+    defines = _defines(args)
+    from ..build import unit as build
+
+    library = build.ensure_built_for("sanitize", defines)
+    if isinstance(library, int):
+        return library
+
+    total = len(workload_cases())
+    with_defines = f" with -D{' -D'.join(defines)}" if defines else ""
+    _say(
+        f"sanitize: {', '.join(tools)} over {total} calls on {gpu}{with_defines} "
+        f"({version or exe}); build {paths_display(library.parent)}"
+    )
+    out = paths.report_dir()
+    doc: dict = {
+        "schema": SCHEMA,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "provenance": provenance(),
+        "gpu": gpu,
+        "sanitizer": exe,
+        "sanitizer_version": version,
+        # The Hopper options its --help lists (None: unreadable); each tool's "coverage" says
+        # what they and the tool's own scope leave unchecked.
+        "sanitizer_options": None if offered is None else sorted(offered),
+        "defines": list(defines),
+        "calls": total,
+        "kernel_filter": None if args.all_kernels else list(KERNEL_SUBSTRINGS),
+        "tools": {},
+    }
+    results: list[tuple[str, ToolReport, str, float]] = []
+    for tool in tools:
+        report, status, elapsed = _run_tool(exe, tool, args, defines, total, out, doc, offered)
+        if status == "unusable":
+            _say(_unusable_line(exe, report.unusable or "unusable"))
+            _write(doc, out)
+            return exitcodes.TOOL_MISSING
+        results.append((tool, report, status, elapsed))
+
+    elapsed_all = time.monotonic() - start
+    failed = [tool for tool, _, status, _ in results if status != "pass"]
+    doc["status"] = "fail" if failed else "pass"
+    doc["elapsed_s"] = round(elapsed_all, 1)
+    _write(doc, out)
+
+    _say("")
+    for tool, report, status, elapsed in results:
+        _say(f"sanitize: {tool:<9} {status.upper():<7} {count_text(report):<24} {elapsed:7.1f} s")
+        if gaps := sanitize_coverage.gap_line(doc["tools"][tool]["coverage"]):
+            _say(f"  {tool}: {gaps}")  # what this tool's PASS does not cover
+    for tool, report, status, _ in results:
+        lines = condensed(report, status)
+        if not lines and status != "pass":
+            log = doc["tools"][tool]["log"]
+            lines = [f"  {tool}: {status}: {doc['tools'][tool]['reason']} (see {log})"]
+        for line in lines:
+            _say(line)
+    logs = paths_display(out / "sanitize-<tool>.log")
+    verdict = f"FAILED ({', '.join(failed)})" if failed else "clean"
+    doc_path = paths_display(out / "sanitize.json")
+    _say(f"sanitize: {verdict} in {elapsed_all:.1f} s; {doc_path}, {logs}")
+    return exitcodes.GATE_FAILED if failed else exitcodes.OK
+
+
+def _run_tool(
+    exe: str,
+    tool: str,
+    args,
+    defines: Sequence[str],
+    total: int,
+    out: Path,
+    doc: dict,
+    offered: frozenset[str] | None,
+) -> tuple[ToolReport, str, float]:
+    command = sanitizer_command(exe, tool, args.print_limit, not args.all_kernels, offered or ())
+    log_path = out / f"sanitize-{tool}.log"
+    started = time.monotonic()
+    state = {"calls": 0, "said": started}
+
+    def progress(line: str) -> None:
+        if line.startswith(CASE_MARK):
+            state["calls"] += 1
+        now = time.monotonic()
+        if now - state["said"] >= HEARTBEAT_S:
+            state["said"] = now
+            _say(f"  {tool}: {state['calls']}/{total} calls, {now - started:.0f} s")
+
+    _say(f"  {tool}: running ({shlex.join(command[:3])} ...)")
+    run = run_streaming(
+        command,
+        tool_env(tool, defines),
+        log_path,
+        cwd=paths.REPO_ROOT,
+        timeout_s=args.timeout,
+        on_line=progress,
+    )
+    returncode, text, timed_out = run.returncode, run.text, run.timed_out
+    elapsed = time.monotonic() - started
+    report = parse_sanitizer_output(tool, text)
+    status = tool_status(report, returncode, timed_out)
+    _say(f"  {tool}: {status} in {elapsed:.1f} s ({count_text(report)})")
+    doc["tools"][tool] = {
+        "status": status,
+        "elapsed_s": round(elapsed, 1),
+        "returncode": returncode,
+        "errors": report.errors,
+        "warnings": report.warnings,
+        "calls_started": report.cases_started,
+        "findings": [f.to_json() for f in merge_findings(report.findings)[:PRINT_LIMIT]],
+        "coverage": sanitize_coverage.coverage(tool, offered),
+        "reason": _reason(report, status, returncode, args.timeout, text),
+        "log": paths_display(log_path),
+        "command": shlex.join(command),
+    }
+    return report, status, elapsed
+
+
+def _reason(report: ToolReport, status: str, returncode, timeout: float, text: str) -> str | None:
+    if status == "timeout":
+        return f"stopped after {timeout:.0f} s ({report.cases_started} calls started)"
+    if status == "error":
+        tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-1:] or ["no output"]
+        where = f"after {report.cases_started} calls" if report.cases_started else "before any call"
+        return f"the workload exited {returncode} {where} without a finding: {tail[0][:200]}"
+    if status == "unusable":
+        return report.unusable
+    if status == "fail" and not report.findings:
+        return f"exit {returncode} ({count_text(report)}), but no finding this parser knows"
+    return None
+
+
+def _write(doc: dict, out: Path) -> None:
+    path = out / "sanitize.json"
+    tmp = path.with_name(".sanitize.json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
