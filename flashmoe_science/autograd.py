@@ -21,6 +21,8 @@ from itertools import pairwise
 
 import torch
 
+from ._dispatch import call as _call
+
 DECODE_IS_INFERENCE_ONLY = (
     "flash_attention_decode is inference-only: it has no backward. For gradients, call "
     "flash_attention_forward (causal=True gives the same attention over the cache)."
@@ -56,8 +58,6 @@ def _backward(ctx, grad_out, _grad_lse):
     # saved_tensors raises PyTorch's own error when an input was modified in place after the
     # forward (its version counter moved): "one of the variables needed for gradient computation
     # has been modified by an inplace operation".
-    from .ops import _call  # the C++ checks' error types (ops imports this module)
-
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _call(
         torch.ops.flashmoe_science.attention_backward,
@@ -98,8 +98,6 @@ def _dense_rows(t: torch.Tensor, begin: int, end: int) -> torch.Tensor:
 
 
 def _varlen_backward(ctx, grad_out, _grad_lse):
-    from .ops import _call
-
     q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     # The sequence bounds on the host (one copy); sequences without queries or keys have zero

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _loader
+from ._dispatch import call as _call
 
 _lock = threading.Lock()
 _loaded = False
@@ -74,39 +75,6 @@ def _register_fakes() -> None:
 
 
 load_library()
-
-
-_ERROR_TYPES = {"TypeError: ": TypeError, "ValueError: ": ValueError}
-
-
-def _needs_autograd(args) -> bool:
-    if torch.compiler.is_compiling():
-        return True  # Dynamo traces the registered autograd kernel itself
-    if not torch.is_grad_enabled():
-        return False
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-
-
-def _call(op, *args):
-    """Call an operator, re-raising its input errors with their Python type.
-
-    When no input needs a gradient the call goes straight below the Autograd key, as the autograd
-    kernel torch.library registers (autograd.py) would send it, minus that kernel's Python: about
-    7 us of host time per call on the H100, a third of a decode step's.
-
-    The C++ checks throw c10::Error with the type as a message prefix (see FLASHMOE_CHECK_VALUE in
-    csrc/attention_ops.h for why), and this is where the prefix becomes the exception's type."""
-    try:
-        if _needs_autograd(args):
-            return op(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
-    except RuntimeError as exc:
-        message = str(exc).strip()
-        for prefix, error_type in _ERROR_TYPES.items():
-            if message.startswith(prefix):
-                raise error_type(message[len(prefix) :].splitlines()[0]) from None
-        raise
 
 
 def _check_tensor(name: str, value) -> None:

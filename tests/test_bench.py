@@ -182,7 +182,7 @@ def test_write_refuses_an_invalid_record(tmp_path):
 
 def test_records_import_without_torch():
     code = (
-        "import sys; from flashmoe_science.pipeline import benchrecords, targets; "
+        "import sys; from flashmoe_science.pipeline.bench import records as benchrecords, targets; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     done = subprocess.run(
@@ -867,7 +867,7 @@ def test_base_worktree_comparison_finds_a_planted_slowdown(tmp_path):
     # the base was built in its own build root, and its build.json did not overwrite ours
     label = comparison["base"]["sha"][:12]
     worktrees = repo / "build" / "worktrees"
-    assert (worktrees / label / "flashmoe_science" / "pipeline" / "bench.py").is_file()
+    assert (worktrees / label / "flashmoe_science" / "pipeline" / "bench" / "run.py").is_file()
     assert (worktrees / f"{label}.build").is_dir()
     assert (worktrees / f"{label}.reports" / "build.json").is_file()
     # the change is to Python alone: the base's kernel sources are the head's, and its build

@@ -11,12 +11,12 @@ import torch
 from flashmoe_science.pipeline import cases
 from flashmoe_science.pipeline.bench import matrix as benchmatrix
 from flashmoe_science.pipeline.cases import Case, make_inputs, parse_case_id
-from flashmoe_science.pipeline.gates import forward as gates
+from flashmoe_science.pipeline.gates import matrix
 from flashmoe_science.pipeline.tools import sanitize
 
 EVERY_MATRIX = {
-    "gates-gpu": gates.gate_cases("gpu"),
-    "gates-cpu": gates.gate_cases("cpu"),
+    "gates-gpu": matrix.gate_cases("gpu"),
+    "gates-cpu": matrix.gate_cases("cpu"),
     "bench-gpu": benchmatrix.gpu_matrix(),
     "bench-cpu": benchmatrix.cpu_matrix(),
     # the packed and paged calls carry their gates' own case types (varlen_gates, paged_gates)

@@ -134,7 +134,7 @@ def test_combine_alone(device, dtype, splits):
 PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
-from flashmoe_science.pipeline import gates
+from flashmoe_science.pipeline.gates import forward as gates
 from flashmoe_science.pipeline.cases import parse_case_id
 # 7 splits: the off-by-one drops 6 of 1000 keys, beyond bf16's error floor whatever the seed
 # (with 3 splits, 2 dropped keys stayed under gate 2's bound for some seeds)

@@ -16,6 +16,7 @@ from softmax_model import online_softmax
 
 from flashmoe_science.pipeline.cases import parse_case_id
 from flashmoe_science.pipeline.gates import forward as gates
+from flashmoe_science.pipeline.gates import matrix
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -184,7 +185,7 @@ def test_a_skipped_output_rescale_passes_normal_scores_and_fails_ramped_ones(bac
 SM90A_PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
-from flashmoe_science.pipeline import gates
+from flashmoe_science.pipeline.gates import forward as gates
 from flashmoe_science.pipeline.cases import parse_case_id
 cases = [parse_case_id(case_id) for case_id in sys.argv[2:]]
 print(json.dumps({"planted": ops.planted_bug(),
@@ -208,7 +209,7 @@ SM90A_RAMPED_CASES = (
     "fwd-bf16-d64-h8-b2-s1000-full-cfg6-falling",
     "fwd-fp16-d128-h8-b2-s1000-full-cfg7-falling",
 )
-# Decode of many query rows with cache_seqlens on the wgmma kernels (gates.MANY_ROW_DECODE), which
+# Decode of many query rows with cache_seqlens on the wgmma kernels (matrix.MANY_ROW_DECODE), which
 # copy K and V by cp.async there, as the host uses no TMA with cache lengths. Every sequence ends
 # inside a 128-key (and a 176-key) tile (101, 299 and 300 keys), unmasked.
 SM90A_CP_ASYNC_CASES = (
@@ -256,7 +257,7 @@ def test_the_partial_tile_plant_meets_both_copy_paths():
     holds prefill cases forced onto configurations 5, 6 and 7 (TMA) and a decode gate case forced
     onto each with cache_seqlens (cp.async), whose sequences end inside a key tile."""
     cases = [parse_case_id(case_id) for case_id in SM90A_PLANTS[11][1]]
-    gpu_ids = {c.id for c in gates.gate_cases("gpu")}
+    gpu_ids = {c.id for c in matrix.gate_cases("gpu")}
     for config in (5, 6, 7):
         assert any(c.config == config and c.cache_seqlens is None for c in cases)
         cp_async = [c for c in cases if c.cache_seqlens and c.config == config]
@@ -267,15 +268,15 @@ def test_the_partial_tile_plant_meets_both_copy_paths():
 
 def test_each_sm90a_plant_fails_a_case_of_each_wgmma_configuration():
     """Every wgmma plant (9 to 12) is shown to fail config-5, config-6 and config-7 cases; those of
-    6 and 7 are cases of the GPU gate matrix, at the head dim each gates (gates.gated_head_dims:
+    6 and 7 are cases of the GPU gate matrix, at the head dim each gates (matrix.gated_head_dims:
     D=64 and D=128)."""
-    gpu_ids = {c.id for c in gates.gate_cases("gpu")}
+    gpu_ids = {c.id for c in matrix.gate_cases("gpu")}
     for _, case_ids in SM90A_PLANTS.values():
         cases = [parse_case_id(case_id) for case_id in case_ids]
         assert {c.config for c in cases} == {5, 6, 7}
         for config in (6, 7):
             mine = [c for c in cases if c.config == config]
-            assert all(c.head_dim in gates.gated_head_dims(config) for c in mine)
+            assert all(c.head_dim in matrix.gated_head_dims(config) for c in mine)
             assert {c.id for c in mine} <= gpu_ids
 
 

@@ -13,15 +13,16 @@ import torch
 
 from flashmoe_science.pipeline.cases import Case, make_inputs
 from flashmoe_science.pipeline.gates import forward as gates
+from flashmoe_science.pipeline.gates import matrix
 
-GPU_CASES = gates.gate_cases("gpu")
-CPU_CASES = gates.gate_cases("cpu")
+GPU_CASES = matrix.gate_cases("gpu")
+CPU_CASES = matrix.gate_cases("cpu")
 
 
 def _run(case: Case, device: str, record_gate) -> None:
     result = gates.check_case(case, device)
     op = "decode" if case.kind == "decode" else "fwd"
-    reruns = gates.rerun_fields(case, device)
+    reruns = matrix.rerun_fields(case, device)
     record_gate(case, result, op, reruns, lambda: gates.format_failure(case, result))
 
 
@@ -43,7 +44,7 @@ def test_matrix_covers_the_issue():
     """The GPU matrix holds every sequence length, both head dims, both dtypes, causal and not,
     Sq != Sk both ways, GQA ratios 1/4/8, non-contiguous views and every tile configuration."""
     seqlens = {c.seqlen_q for c in GPU_CASES if c.seqlen_q == c.seqlen_k}
-    assert set(gates.SEQLENS) <= seqlens
+    assert set(matrix.SEQLENS) <= seqlens
     assert {c.head_dim for c in GPU_CASES} == {64, 128}
     assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
     assert {c.causal for c in GPU_CASES} == {False, True}
@@ -54,7 +55,7 @@ def test_matrix_covers_the_issue():
     assert any(c.layout == "bshd" for c in GPU_CASES) and any(c.batch > 1 for c in GPU_CASES)
     from flashmoe_science.ops import CONFIGS
 
-    assert {c.config for c in GPU_CASES} == {0, *CONFIGS} and set(gates.FORCED_CONFIGS) == set(
+    assert {c.config for c in GPU_CASES} == {0, *CONFIGS} and set(matrix.FORCED_CONFIGS) == set(
         CONFIGS
     )
     # each forced configuration is also gated through its split-KV path
@@ -75,11 +76,11 @@ def test_the_wgmma_configurations_meet_the_whole_matrix():
     the shapes and split-KV path every forced configuration gets, at the head dims they gate."""
     from flashmoe_science.ops import SM90A_CONFIGS
 
-    assert set(gates.FULL_MATRIX_CONFIGS) == SM90A_CONFIGS == {5, 6, 7}
+    assert set(matrix.FULL_MATRIX_CONFIGS) == SM90A_CONFIGS == {5, 6, 7}
     forced = _shapes(1)
     for config in SM90A_CONFIGS:
         mine = [c for c in GPU_CASES if c.config == config]
-        head_dims = gates.gated_head_dims(config)
+        head_dims = matrix.gated_head_dims(config)
         assert _shapes(config) == {s for s in _shapes(0) | forced if s[1] in head_dims}
         assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
         assert {c.layout for c in mine} == {"bhsd", "bshd"}
@@ -93,7 +94,7 @@ def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path(config):
     host uses no TMA with cache lengths): both dtypes, the head dims it gates and both masks for
     Sq 65 and 257, caches of a few hundred to 2000 keys holding empty, one-token, partial-tile and
     full sequences, split and not, GQA 1/4/8."""
-    assert config in gates.MANY_ROW_DECODE_CONFIGS
+    assert config in matrix.MANY_ROW_DECODE_CONFIGS
     mine = [
         c
         for c in GPU_CASES
@@ -102,7 +103,7 @@ def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path(config):
     assert {(c.dtype, c.head_dim, c.causal, c.seqlen_q) for c in mine} == {
         (t, d, m, q)
         for t in ("fp16", "bf16")
-        for d in gates.gated_head_dims(config)
+        for d in matrix.gated_head_dims(config)
         for m in (0, 1)
         for q in (65, 257)
     }
@@ -121,11 +122,11 @@ def test_configurations_6_and_7_are_gated_at_their_own_head_dim_only(config, hea
     at 64 configuration 7 does, so the forced cases of each, prefill, ramped and many-row decode,
     are all at the head dim where its kernel is its own; every other configuration is gated at both
     head dims."""
-    assert gates.gated_head_dims(config) == (head_dim,)
+    assert matrix.gated_head_dims(config) == (head_dim,)
     assert {c.head_dim for c in GPU_CASES if c.config == config} == {head_dim}
-    for other in gates.FORCED_CONFIGS:
+    for other in matrix.FORCED_CONFIGS:
         if other not in (6, 7):
-            assert gates.gated_head_dims(other) == (64, 128)
+            assert matrix.gated_head_dims(other) == (64, 128)
             assert {c.head_dim for c in GPU_CASES if c.config == other} == {64, 128}
     mine = [c for c in GPU_CASES if c.config == config]
     assert {c.kind for c in mine} == {"prefill", "decode"}
@@ -158,19 +159,19 @@ def test_rerun_commands_require_the_gpu_and_name_the_cpu_twin():
     cpu_ids = {c.id for c in CPU_CASES}
     twins = [c for c in GPU_CASES if c.id in cpu_ids]
     assert twins, "some CUDA gate cases have a CPU twin"
-    twin = gates.rerun_fields(twins[0], "cuda")
+    twin = matrix.rerun_fields(twins[0], "cuda")
     assert twin == {
         "rerun": f"FLASHMOE_REQUIRE_GPU=1 nox -s test -- -k '{twins[0].id}-cuda'",
         "rerun_cpu": f"nox -s test -- -k '{twins[0].id}-cpu'",
         "rerun_needs": None,
     }
     alone = next(c for c in GPU_CASES if c.id not in cpu_ids and c.config == 0)
-    assert gates.rerun_fields(alone, "cuda")["rerun_cpu"] is None
+    assert matrix.rerun_fields(alone, "cuda")["rerun_cpu"] is None
     sm90 = next(c for c in GPU_CASES if c.config in SM90_ONLY_CONFIGS)
-    assert gates.rerun_fields(sm90, "cuda")["rerun_needs"] == "sm_90"
+    assert matrix.rerun_fields(sm90, "cuda")["rerun_needs"] == "sm_90"
     sm90a = next(c for c in GPU_CASES if c.config in SM90A_CONFIGS)
-    assert gates.rerun_fields(sm90a, "cuda")["rerun_needs"] == "an sm_90a build on a 9.0 GPU"
-    on_cpu = gates.rerun_fields(CPU_CASES[0], "cpu")
+    assert matrix.rerun_fields(sm90a, "cuda")["rerun_needs"] == "an sm_90a build on a 9.0 GPU"
+    on_cpu = matrix.rerun_fields(CPU_CASES[0], "cpu")
     assert on_cpu["rerun"] == f"nox -s test -- -k '{CPU_CASES[0].id}-cpu'"
     assert on_cpu["rerun_cpu"] is None
 

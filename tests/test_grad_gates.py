@@ -9,13 +9,14 @@ import torch
 
 from flashmoe_science.pipeline.cases import Case, make_inputs
 from flashmoe_science.pipeline.gates import backward as grad_gates
+from flashmoe_science.pipeline.gates import matrix
 
-GPU_CASES = list(grad_gates.backward_cases("gpu"))
-CPU_CASES = list(grad_gates.backward_cases("cpu"))
+GPU_CASES = list(matrix.backward_cases("gpu"))
+CPU_CASES = list(matrix.backward_cases("cpu"))
 
 
 def _run(case: Case, device: str, record_gate) -> None:
-    from flashmoe_science.pipeline.gates.forward import rerun_fields
+    from flashmoe_science.pipeline.gates.matrix import rerun_fields
 
     result = grad_gates.check_case(case, device)
     reruns = rerun_fields(case, device)
@@ -40,9 +41,8 @@ def test_matrix_covers_the_issue():
     """Every S of the forward's matrix, Sq != Sk both ways, GQA 1/4/8, causal both, both dtypes
     and head dims, strided views, every backward configuration forced, deterministic calls."""
     from flashmoe_science.ops import BACKWARD_CONFIGS
-    from flashmoe_science.pipeline.gates import forward as gates
 
-    assert set(gates.SEQLENS) <= {c.seqlen_q for c in GPU_CASES if c.seqlen_q == c.seqlen_k}
+    assert set(matrix.SEQLENS) <= {c.seqlen_q for c in GPU_CASES if c.seqlen_q == c.seqlen_k}
     assert {(c.head_dim, c.dtype, c.causal) for c in GPU_CASES} == {
         (d, t, m) for d in (64, 128) for t in ("fp16", "bf16") for m in (False, True)
     }
@@ -124,7 +124,7 @@ def test_unwritten_gradient_element_is_caught(device, request):
 PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
-from flashmoe_science.pipeline import grad_gates
+from flashmoe_science.pipeline.gates import backward as grad_gates
 from flashmoe_science.pipeline.cases import parse_case_id
 results = {}
 for case_id in sys.argv[2:]:

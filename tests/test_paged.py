@@ -354,7 +354,7 @@ def test_cuda_graph_capture_checks_on_the_device():
 PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
-from flashmoe_science.pipeline import paged_gates
+from flashmoe_science.pipeline.gates import paged as paged_gates
 device = sys.argv[1]
 cases = paged_gates.paged_cases("cpu" if device == "cpu" else "gpu")[:4]
 print(json.dumps({"planted": ops.planted_bug(),

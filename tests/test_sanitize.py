@@ -17,7 +17,7 @@ import torch
 
 from flashmoe_science.pipeline import cli, exitcodes
 from flashmoe_science.pipeline.cases import Case
-from flashmoe_science.pipeline.gates import forward as gates
+from flashmoe_science.pipeline.gates import matrix
 from flashmoe_science.pipeline.paths import REPO_ROOT
 from flashmoe_science.pipeline.tools import sanitize, sanitize_coverage
 
@@ -363,7 +363,7 @@ def test_workload_covers_every_code_path():
         (t, d, k)
         for t in ("fp16", "bf16")
         for k in sanitize.workload_configs()
-        for d in gates.gated_head_dims(k)  # 6 at 64 only: at 128 it is 5's kernel
+        for d in matrix.gated_head_dims(k)  # 6 at 64 only: at 128 it is 5's kernel
     }
     for key in instantiations:  # every kernel instantiation, masked and not, on every length
         for causal in (False, True):
@@ -393,7 +393,7 @@ def test_workload_covers_every_code_path():
     if 5 not in sanitize.workload_configs():
         assert not many
         return
-    assert {c.config for c in many} == set(gates.MANY_ROW_DECODE_CONFIGS) == {5, 6, 7}
+    assert {c.config for c in many} == set(matrix.MANY_ROW_DECODE_CONFIGS) == {5, 6, 7}
     many_rows = [c for c in many if c.config == 5]
     assert {(c.dtype, c.head_dim) for c in many_rows} == {
         (t, d) for t in ("fp16", "bf16") for d in (64, 128)

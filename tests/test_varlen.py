@@ -296,7 +296,7 @@ def test_cuda_graph_capture_checks_on_the_device():
 PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
-from flashmoe_science.pipeline import varlen_gates
+from flashmoe_science.pipeline.gates import varlen as varlen_gates
 device = sys.argv[1]
 cases = [c for c in varlen_gates.varlen_cases("cpu" if device == "cpu" else "gpu")][:4]
 print(json.dumps({"planted": ops.planted_bug(),

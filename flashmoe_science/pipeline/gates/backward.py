@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -27,15 +27,10 @@ from ..cases import DTYPES, Case, make_inputs, make_output_grad
 from .forward import (
     GATE2_EPS,
     GATE2_PT_MULTIPLIER,
-    SEQLENS,
-    SEQLENS_CPU,
-    UNEQUAL,
-    UNEQUAL_CPU,
-    _heads,
     _visible_mask,
     poisoned_outputs,
-    rerun_fields,
 )
+from .matrix import rerun_fields
 
 GATE1_REL = 0.1
 DETERMINISM_REPEATS = 10
@@ -280,48 +275,3 @@ def check_case(case: Case, device: str, grad_fn: GradFn | None = None) -> GradRe
     ref = reference_grads(q, k, v, dout, case.causal, scale)
     pt = pytorch_lowp_grads(q, k, v, dout, case.causal, scale)
     return evaluate(case, device, seed, got, ref, pt, repeats)
-
-
-# --------------------------------------------------------------------------------------------------
-# The case matrix
-# --------------------------------------------------------------------------------------------------
-
-# Forced configurations and deterministic calls run over these (Sq, Sk) pairs.
-FORCED_PAIRS = ((1, 1), (65, 65), (257, 257), (1000, 1000), (113, 203), (2048, 2047))
-DETERMINISTIC_PAIRS = ((129, 129), (1000, 1000), (203, 113))
-DETERMINISTIC_PAIRS_CPU = ((129, 129), (203, 113))
-
-
-def backward_cases(tier: str) -> Iterator[Case]:
-    """Backward gate cases. tier "gpu": the forward's sequence-length matrix (every S, Sq != Sk both
-    ways, GQA 1/4/8, causal both, both dtypes and head dims, strided views), every backward
-    configuration forced, and deterministic calls; tier "cpu": a representative subset."""
-    from ...ops import BACKWARD_CONFIGS
-
-    gpu = tier == "gpu"
-    pairs = [(s, s) for s in (SEQLENS if gpu else SEQLENS_CPU)] + list(
-        UNEQUAL if gpu else UNEQUAL_CPU
-    )
-    index = 0
-
-    def case(dtype, head_dim, causal, seqlen_q, seqlen_k, **options) -> Case:
-        nonlocal index
-        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-        if not gpu and max(seqlen_q, seqlen_k) >= 512:
-            batch, hq, hkv = 1, 4, (1, 4, 2)[index % 3]
-        index += 1
-        return Case(
-            "backward", dtype, batch, hq, hkv, seqlen_q, seqlen_k, head_dim, causal, **options
-        )
-
-    for dtype in DTYPES:
-        for head_dim in (64, 128):
-            for causal in (False, True):
-                for seqlen_q, seqlen_k in pairs:
-                    layout = "bshd" if index % 4 == 3 else "bhsd"
-                    yield case(dtype, head_dim, causal, seqlen_q, seqlen_k, layout=layout)
-                for seqlen_q, seqlen_k in DETERMINISTIC_PAIRS if gpu else DETERMINISTIC_PAIRS_CPU:
-                    yield case(dtype, head_dim, causal, seqlen_q, seqlen_k, deterministic=True)
-                for config in BACKWARD_CONFIGS if gpu else ():
-                    for seqlen_q, seqlen_k in FORCED_PAIRS:
-                        yield case(dtype, head_dim, causal, seqlen_q, seqlen_k, config=config)

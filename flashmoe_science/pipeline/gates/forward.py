@@ -1,4 +1,4 @@
-"""Correctness gates: the case matrix, the references, the two gates and the failure report.
+"""Correctness gates: the references, the two gates and the failure report (the cases: matrix.py).
 
 Gate 1 (the user's): max |out - ref| < 0.1.
 Gate 2 (FlashAttention's, stricter): max |out - ref| <= 2 * max |out_pt - ref| + floor, where ref is the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cases import DTYPES, Case, make_inputs
+from .matrix import rerun_fields
 
 GATE1_MAX_DIFF = 0.1
 GATE2_PT_MULTIPLIER = 2.0
@@ -208,19 +208,6 @@ def evaluate(
     return result
 
 
-def rerun_fields(case: Case, device: str) -> dict:
-    """How to run one gate case again: the command, its CPU twin (the same id in the CPU tier, with
-    the same inputs) when there is one, and what hardware the case needs, if more than a GPU."""
-    from ...ops import config_needs
-
-    twin = device == "cuda" and case.id in cpu_tier_ids()
-    return {
-        "rerun": case.rerun_command(device),
-        "rerun_cpu": case.rerun_command("cpu") if twin else None,
-        "rerun_needs": config_needs(case.config, case.kind),
-    }
-
-
 def format_failure(case: Case, result: GateResult) -> str:
     """The multi-line report of a failing case: what, how much, where, how it grows, how to rerun."""
     b, h, row, col = result.worst
@@ -306,262 +293,3 @@ def check_case(case: Case, device: str, attention_fn: AttentionFn | None = None)
     ref, ref_lse = attention_reference(q, k, v, case.causal, scale, seqlens)
     out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, seqlens)
     return evaluate(case, device, seed, out, lse, out_again, lse_again, ref, ref_lse, out_pt)
-
-
-# --------------------------------------------------------------------------------------------------
-# The case matrix
-# --------------------------------------------------------------------------------------------------
-
-SEQLENS = (1, 2, 17, 64, 65, 127, 128, 129, 255, 256, 257, 512, 1000, 1024, 2048, 4096)
-SEQLENS_CPU = (1, 2, 17, 64, 65, 127, 129, 257, 512)
-UNEQUAL = (
-    (1, 4096),
-    (4096, 1),
-    (113, 203),
-    (203, 113),
-    (1024, 1023),
-    (1023, 1024),
-    (1, 1000),
-    (17, 1),
-)
-UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
-GQA_RATIOS = (1, 4, 8)
-# The forward tile configurations the GPU matrix forces: every id of ops.CONFIGS (a test keeps
-# them equal; importing ops here would build the extension at import).
-FORCED_CONFIGS = (1, 2, 3, 4, 5, 6, 7)
-# Those forced through the whole matrix (every length, strided views), as the automatic choice
-# is: the wgmma kernels (ops.SM90A_CONFIGS), which only the H100 runs and nothing else gates.
-FULL_MATRIX_CONFIGS = (5, 6, 7)
-# Head dims gated per forced configuration where not both: at d128 configuration 6 runs
-# configuration 5's kernel, and at d64 configuration 7 does, whose cases would only take the GPU's
-# time a second time.
-GATED_HEAD_DIMS = {6: (64,), 7: (128,)}
-
-
-def gated_head_dims(config: int) -> tuple[int, ...]:
-    """The CUDA head dims whose kernels a configuration's forced gate cases run (GATED_HEAD_DIMS)."""
-    return GATED_HEAD_DIMS.get(config, (64, 128))
-
-
-def _heads(index: int, total_q_rows: int) -> tuple[int, int, int]:
-    """Batch, Hq, Hkv for the index-th case: ratios cycle through 1, 4 and 8, and batch and heads
-    shrink as sequences grow so every case stays small enough for the fp32 reference."""
-    ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
-    heads_q = 8
-    batch = 2 if total_q_rows <= 1024 else 1
-    return batch, heads_q, heads_q // ratio
-
-
-def forward_cases(tier: str) -> Iterator[Case]:
-    """Forward gate cases. tier "gpu": the full matrix, automatic and for FULL_MATRIX_CONFIGS, and
-    every configuration forced on a few shapes; tier "cpu": a representative subset."""
-    gpu = tier == "gpu"
-    head_dims = (64, 128) if gpu else (64, 128, 96)  # any head dim works on the CPU
-    pairs = [(s, s) for s in (SEQLENS if gpu else SEQLENS_CPU)] + list(
-        UNEQUAL if gpu else UNEQUAL_CPU
-    )
-    index = 0
-
-    def matrix(config: int) -> Iterator[Case]:
-        nonlocal index
-        for dtype in DTYPES:
-            for head_dim in head_dims if config == 0 else gated_head_dims(config):
-                for causal in (False, True):
-                    for seqlen_q, seqlen_k in pairs:
-                        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-                        if not gpu and max(seqlen_q, seqlen_k) >= 512:
-                            batch, hq, hkv = 1, 4, (1, 4, 2)[index % 3]
-                        layout = "bshd" if index % 4 == 3 else "bhsd"
-                        yield Case(
-                            "prefill",
-                            dtype,
-                            batch,
-                            hq,
-                            hkv,
-                            seqlen_q,
-                            seqlen_k,
-                            head_dim,
-                            causal,
-                            layout=layout,
-                            config=config,
-                        )
-                        index += 1
-
-    yield from matrix(0)
-    if not gpu:
-        yield from _ramped_cases((0,), (257, 257))
-        return
-    # Every kernel configuration any architecture selects, forced on this card (ids as in
-    # ops.CONFIGS), each also through its split-KV path, then the whole matrix for
-    # FULL_MATRIX_CONFIGS; a card or build that cannot run one skips its cases, saying what they
-    # need (ops.config_unsupported_reason).
-    for config in FORCED_CONFIGS:
-        for dtype in DTYPES:
-            for head_dim in gated_head_dims(config):
-                for causal in (False, True):
-                    for seqlen_q, seqlen_k, splits in (
-                        (1, 1, 0),
-                        (65, 65, 0),
-                        (257, 257, 0),
-                        (1000, 1000, 0),
-                        (113, 203, 0),
-                        (2048, 2047, 0),
-                        (16, 2000, 5),
-                    ):
-                        if config in FULL_MATRIX_CONFIGS and (seqlen_q, seqlen_k) in pairs:
-                            continue  # its full matrix below has the shape
-                        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-                        yield Case(
-                            "prefill",
-                            dtype,
-                            batch,
-                            hq,
-                            hkv,
-                            seqlen_q,
-                            seqlen_k,
-                            head_dim,
-                            causal,
-                            config=config,
-                            num_splits=splits,
-                        )
-                        index += 1
-        if config in FULL_MATRIX_CONFIGS:
-            yield from matrix(config)
-    yield from _ramped_cases((0, *FORCED_CONFIGS), (1000, 1000))
-
-
-def _ramped_cases(configs: tuple[int, ...], shape: tuple[int, int]) -> Iterator[Case]:
-    """Scores that keep growing along the keys, forwards and backwards (cases.SCORES), for each
-    configuration: the only cases in which the running max of the online softmax moves by large
-    factors after the first key block, so a wrong or skipped rescale of the output shows."""
-    variants = itertools.product(configs, DTYPES, (64, 128), (False, True), ("rising", "falling"))
-    for index, (config, dtype, head_dim, causal, scores) in enumerate(variants):
-        if config and head_dim not in gated_head_dims(config):
-            continue
-        batch, hq, hkv = _heads(index, max(shape))
-        case = Case("prefill", dtype, batch, hq, hkv, *shape, head_dim, causal, config=config)
-        yield dataclasses.replace(case, scores=scores)
-
-
-DECODE_SEQLENS_K = (1, 2, 63, 64, 65, 257, 1000, 4096, 32768, 131072)
-DECODE_SEQLENS_K_CPU = (1, 2, 63, 65, 257, 1000)
-DECODE_SEQLENS_Q = (1, 2, 4, 16)
-DECODE_SPLITS = (0, 1, 2, 3, 7, 128)  # 0: automatic
-
-
-def _mixed_lengths(seqlen_k: int, batch: int, index: int) -> tuple[int, ...]:
-    """Per-sequence cache lengths for one batch: empty, one token, lengths that end inside a split,
-    and the full cache."""
-    pool = [
-        0,
-        1,
-        max(0, seqlen_k // 3 + 1),
-        max(0, seqlen_k - 1),
-        seqlen_k,
-        max(0, seqlen_k // 2 + 7),
-    ]
-    return tuple(min(seqlen_k, pool[(index + i) % len(pool)]) for i in range(batch))
-
-
-def decode_cases(tier: str) -> Iterator[Case]:
-    """Split-KV decode gate cases: short queries against caches from 1 to 128k tokens, mixed
-    cache_seqlens in one batch, GQA ratios 1/4/8, both dtypes, forced and automatic split counts;
-    on the GPU tier also many query rows against such caches (many_row_decode_cases)."""
-    gpu = tier == "gpu"
-    index = 0
-    for dtype in DTYPES:
-        for seqlen_k in DECODE_SEQLENS_K if gpu else DECODE_SEQLENS_K_CPU:
-            for seqlen_q in DECODE_SEQLENS_Q:
-                if seqlen_q > seqlen_k:
-                    continue
-                ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
-                head_dim = (64, 128)[index % 2]
-                splits = DECODE_SPLITS[index % len(DECODE_SPLITS)]
-                batch = 1 if seqlen_k >= 32768 else 3
-                heads_q = 8 if seqlen_k < 32768 else 4 * ratio
-                lengths = _mixed_lengths(seqlen_k, batch, index) if index % 3 else None
-                yield Case(
-                    "decode",
-                    dtype,
-                    batch,
-                    heads_q,
-                    heads_q // ratio,
-                    seqlen_q,
-                    seqlen_k,
-                    head_dim,
-                    True,
-                    num_splits=splits,
-                    cache_seqlens=lengths,
-                )
-                index += 1
-    # Scores that keep growing along the cache (see _ramped_cases): the decode kernel's running
-    # max then moves from chunk to chunk and from split to split.
-    for scores in ("rising", "falling"):
-        for dtype in DTYPES:
-            for seqlen_k, splits in ((1000, 0), (4096, 7)) if gpu else ((257, 0), (1000, 3)):
-                yield Case(
-                    "decode",
-                    dtype,
-                    2,
-                    8,
-                    2,
-                    4 if splits else 1,
-                    seqlen_k,
-                    128 if splits else 64,
-                    True,
-                    num_splits=splits,
-                    scores=scores,
-                )
-    if gpu:
-        yield from many_row_decode_cases()
-
-
-# Many query rows against a cache with per-sequence lengths (chunked prefill, speculative
-# decoding), the wgmma kernels forced (configuration 5, 6 at d64 or 7 at d128, which a large enough
-# grid of them takes by itself on an H100): their producer copies K and V with cp.async whenever
-# cache_seqlens is given (TMA would copy a cache's unused rows), a path no prefill case takes.
-# (Sq, Sk, forced splits.)
-MANY_ROW_DECODE = ((65, 300, 0), (65, 2000, 3), (257, 1000, 0), (257, 2000, 3))
-MANY_ROW_DECODE_CONFIGS = (5, 6, 7)
-# Batch and query heads per Sq: 144 tiles (Sq 65: 3 x 48 x 1; Sq 257: 3 x 16 x 3 row tiles), more
-# than an H100's 132 SMs, as the automatic choice would need.
-MANY_ROW_DECODE_HEADS = {65: (3, 48), 257: (3, 16)}
-
-
-def many_row_decode_cases() -> Iterator[Case]:
-    """Decode of 65 and 257 query rows with mixed cache_seqlens (empty, one token, partial and
-    full 128-key tiles), both dtypes, head dims (gated_head_dims) and masks, GQA ratios 1/4/8
-    (none packed), with and without splits, on the wgmma kernels' cp.async path
-    (MANY_ROW_DECODE)."""
-    for config in MANY_ROW_DECODE_CONFIGS:
-        variants = itertools.product(
-            MANY_ROW_DECODE, DTYPES, gated_head_dims(config), (False, True)
-        )
-        for index, ((seqlen_q, seqlen_k, splits), dtype, head_dim, causal) in enumerate(variants):
-            batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
-            yield Case(
-                "decode",
-                dtype,
-                batch,
-                heads_q,
-                heads_q // GQA_RATIOS[index % len(GQA_RATIOS)],
-                seqlen_q,
-                seqlen_k,
-                head_dim,
-                causal,
-                num_splits=splits,
-                cache_seqlens=_mixed_lengths(seqlen_k, batch, index),
-                config=config,
-            )
-
-
-def gate_cases(tier: str) -> list[Case]:
-    return list(forward_cases(tier)) + list(decode_cases(tier))
-
-
-@functools.cache
-def cpu_tier_ids() -> frozenset[str]:
-    """Every CPU-tier gate id, the backward's included (grad_gates builds on this module)."""
-    from .backward import backward_cases
-
-    return frozenset(c.id for c in [*gate_cases("cpu"), *backward_cases("cpu")])

@@ -6,6 +6,8 @@ Finding a tool and running it live in flashmoe_science._toolkit (the build needs
 from __future__ import annotations
 
 import re
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..build.compiler_output import shorten_kernel_name
@@ -35,3 +37,13 @@ def paths_display(path: Path) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+def median_or_none(values: Sequence[float]) -> float | None:
+    """A phase trace's median; None for a phase no block reached."""
+    return statistics.median(values) if values else None
+
+
+def trace_cell(value: float | None) -> str:
+    """A traced time in microseconds for a table cell; '-' where nothing was measured."""
+    return "-" if value is None else f"{value:.3f}"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .phases import _median, _num
+from .cudatools import median_or_none, trace_cell
 
 # csrc/flash_decode_kernel.cuh, namespace decode_trace (a test holds the two together)
 BLOCKS, SLOTS = 1024, 12
@@ -59,7 +59,7 @@ def summarize(stamps: Sequence[int]) -> dict:
         last = max(row[i] for i in range(len(MARKS)))
         if row[TIMER_END] > row[TIMER_START] and last > row[0]:
             rates.append((last - row[0]) / (row[TIMER_END] - row[TIMER_START]))
-    ghz = _median(rates)
+    ghz = median_or_none(rates)
     if not blocks or not ghz:
         return {"blocks": len(blocks), "clock_ghz": ghz, "phases": {}, "timeline": {}}
     t0 = min(row[TIMER_START] for row in blocks)
@@ -86,16 +86,16 @@ def summarize(stamps: Sequence[int]) -> dict:
     timeline = {}
     for mark in TIMELINE:
         times = [t for t in (at(row, mark) for row in blocks) if t is not None]
-        timeline[mark] = {"median_us": _median(times), "latest_us": max(times, default=None)}
+        timeline[mark] = {"median_us": median_or_none(times), "latest_us": max(times, default=None)}
     return {
         "blocks": len(blocks),
         "combining_blocks": sum(1 for row in blocks if row[COMBINER]),
         "sms": len({row[SM] for row in blocks}),
-        "stages_median": _median([row[STAGES] for row in blocks]),
+        "stages_median": median_or_none([row[STAGES] for row in blocks]),
         "clock_ghz": ghz,
         "phases": {
             name: {
-                "median_us": _median(values),
+                "median_us": median_or_none(values),
                 "max_us": max(values, default=None),
                 "n": len(values),
             }
@@ -110,13 +110,15 @@ def format_table(summary: dict) -> list[str]:
     described = {name: what for name, _, _, what in PHASES}
     lines = [f"  {'phase':<12} {'median us':>10} {'max us':>8} {'blocks':>6}  what"]
     for name, fig in summary["phases"].items():
-        cells = f"{_num(fig['median_us']):>10} {_num(fig['max_us']):>8} {fig['n']:>6}"
+        cells = f"{trace_cell(fig['median_us']):>10} {trace_cell(fig['max_us']):>8} {fig['n']:>6}"
         lines.append(f"  {name:<12} {cells}  {described[name]}")
     lines.append(
         f"  {'time line':<12} {'median us':>10} {'latest':>8}  (from the first block's start)"
     )
     for mark, fig in summary["timeline"].items():
-        lines.append(f"  {mark:<12} {_num(fig['median_us']):>10} {_num(fig['latest_us']):>8}")
+        lines.append(
+            f"  {mark:<12} {trace_cell(fig['median_us']):>10} {trace_cell(fig['latest_us']):>8}"
+        )
     return lines
 
 

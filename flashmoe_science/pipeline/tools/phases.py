@@ -45,7 +45,7 @@ from pathlib import Path
 
 from .. import exitcodes, paths
 from ..provenance import provenance
-from .cudatools import paths_display
+from .cudatools import median_or_none, paths_display, trace_cell
 
 SCHEMA = "flashmoe-phases/1"
 DEFINE = "FLASHMOE_PHASE_TRACE=1"
@@ -93,10 +93,6 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 # --------------------------------------------------------------------------------------------------
 # The summary (pure: tests give it synthetic traces)
 # --------------------------------------------------------------------------------------------------
@@ -116,7 +112,7 @@ def summarize(stamps: Sequence[int], spans: Sequence[int]) -> dict:
         t0, c0, t1, c1 = spans[4 * b : 4 * b + 4]
         if t1 > t0 > 0 and c1 > c0:
             rates.append((c1 - c0) / (t1 - t0))  # cycles per ns = GHz
-    ghz = _median(rates)
+    ghz = median_or_none(rates)
     samples: dict[str, list[float]] = {name: [] for name, *_ in PHASES}
     samples |= {"to_next_tile": [], "tile": [], "producer_q_free_wait": [], "producer_q_issue": []}
     key_blocks, warpgroups, blocks_at_limit = [], set(), 0
@@ -157,7 +153,7 @@ def summarize(stamps: Sequence[int], spans: Sequence[int]) -> dict:
 
     phases = {
         name: {
-            "median_us": us(_median(values)),
+            "median_us": us(median_or_none(values)),
             "mean_us": us(sum(values) / len(values)) if values else None,
             "n": len(values),
         }
@@ -167,7 +163,7 @@ def summarize(stamps: Sequence[int], spans: Sequence[int]) -> dict:
         "clock_ghz": ghz,
         "tiles": tiles,
         "warpgroups": len(warpgroups),
-        "key_blocks_median": _median(key_blocks),
+        "key_blocks_median": median_or_none(key_blocks),
         "blocks_at_round_limit": blocks_at_limit,
         "phases": phases,
     }
@@ -194,13 +190,9 @@ def format_table(summary: dict) -> list[str]:
     lines = [f"  {'phase':<22} {'median us':>10} {'mean us':>9} {'n':>6}  what"]
     for name, fig in summary["phases"].items():
         med, mean = fig["median_us"], fig["mean_us"]
-        cells = f"{_num(med):>10} {_num(mean):>9} {fig['n']:>6}"
+        cells = f"{trace_cell(med):>10} {trace_cell(mean):>9} {fig['n']:>6}"
         lines.append(f"  {name:<22} {cells}  {described[name]}")
     return lines
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -411,7 +403,7 @@ def run(case, json_path: Path) -> int:
     _say(f"phases: {case.id} on {doc['gpu']}: {', '.join(raw['kernels'])}")
     _say(
         f"  {tiles} tiles, {summary['warpgroups']} math warpgroups, median key blocks a tile "
-        f"{summary['key_blocks_median']}, clock {_num(summary['clock_ghz'])} GHz"
+        f"{summary['key_blocks_median']}, clock {trace_cell(summary['clock_ghz'])} GHz"
     )
     if summary["blocks_at_round_limit"]:
         _say(
@@ -430,7 +422,7 @@ def run(case, json_path: Path) -> int:
         _say(line)
     _say(
         f"phases: a tile's fixed cost (its time less its key blocks at the loop's rate) "
-        f"{_num(doc['fixed_cost_us'])} us; wrote {paths_display(json_path)} "
+        f"{trace_cell(doc['fixed_cost_us'])} us; wrote {paths_display(json_path)} "
         f"({time.monotonic() - start:.0f} s)"
     )
     return exitcodes.OK
@@ -473,7 +465,7 @@ def run_decode(case, json_path: Path, block_size: int | None) -> int:
     _say(
         f"  {summary['blocks']} blocks on {summary['sms']} SMs, {summary['combining_blocks']} of "
         f"them combined splits, median stages a block {summary['stages_median']}, clock "
-        f"{_num(summary['clock_ghz'])} GHz"
+        f"{trace_cell(summary['clock_ghz'])} GHz"
     )
     sdpa = (
         f"SDPA default {sdpa_ms * 1000:.1f} us ({sdpa_ms / ours_ms:.3f}x; no L2 flush here: "
@@ -485,7 +477,7 @@ def run_decode(case, json_path: Path, block_size: int | None) -> int:
     for line in decode_phases.format_table(summary):
         _say(line)
     _say(
-        f"phases: the latest block's tail (its loop's end to its end) {_num(doc['tail_us'])} us; "
+        f"phases: the latest block's tail (its loop's end to its end) {trace_cell(doc['tail_us'])} us; "
         f"wrote {paths_display(json_path)} ({time.monotonic() - start:.0f} s)"
     )
     return exitcodes.OK

@@ -139,7 +139,7 @@ def workload_cases() -> list:
     decode. Shapes rotate through GQA ratios 1 and 4, batch 1 and 2, both layouts and forced or
     automatic split counts."""
     from ..cases import Case
-    from ..gates.forward import MANY_ROW_DECODE_CONFIGS, MANY_ROW_DECODE_HEADS, gated_head_dims
+    from ..gates.matrix import MANY_ROW_DECODE_CONFIGS, MANY_ROW_DECODE_HEADS, gated_head_dims
 
     configs = workload_configs()
     cases = []
@@ -197,7 +197,7 @@ def workload_cases() -> list:
                     )
                 )
     # Many query rows against a cache with lengths 0, short and full, on the wgmma kernels, whose
-    # producer then copies K and V with cp.async, not TMA (gates.MANY_ROW_DECODE), where the card
+    # producer then copies K and V with cp.async, not TMA (matrix.MANY_ROW_DECODE), where the card
     # runs them. (dtype, head dim, Sq, causal, splits); GQA 4, unpacked.
     many_rows = (
         ("fp16", 64, 65, True, 0),
