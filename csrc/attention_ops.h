@@ -151,8 +151,8 @@ inline void check_seqlens_values(const Tensor& seqlens_cpu, int64_t seqlen_k) {
 }
 
 // Which of k's and v's dimensions hold the heads and the keys: 1 and 2 for [B, Hkv, S, D], 2 and 1
-// for a paged cache's [num_pages, page_size, Hkv, D], read in place (a transposed view costs the
-// host about half a microsecond each, on a path whose host cost is a target).
+// for a paged cache's [num_pages, page_size, Hkv, D], read in place (each transposed view is a
+// dispatcher call, on a path whose host cost is a target: benches/notes/varlen-paged.md, v4.3).
 struct KvDims {
   int heads = 1, keys = 2;
 };

@@ -170,14 +170,11 @@ inline int num_splits_heuristic(int blocks_without_split, int num_units, int num
 // one block per SM: the count that minimises waves x (key blocks of the longest split +
 // kSplitCost), the fewest splits on a tie. The longest split is what the wave waits for, so 256
 // blocks in 16 splits of 16 beat 15 of up to 18 (the wave-efficiency rule's pick); kSplitCost is
-// the epilogue's fixed cost (partials, arrival, combine: about 3 us, two blocks' worth at the copy
+// the epilogue's fixed cost (partials, arrival, combine: about two blocks' worth at the copy
 // rate). Splits keep at least 4 blocks (256 keys): shorter ones lose more to the pipeline's fill
 // and the combine than they gain. A grid that already fills the machine is not split, unless it
-// runs more than two waves of long streams: those take four splits. Forced counts on the H100
-// (benches/NOTES.md v4.0): B=1, Hkv=8, 16k tokens 34.3 us with 15 splits, 33.2 with 16. On the
-// H200 (v4.7), against the read floor: B=16, Hkv=32 (512 tiles), 4k-32k keys 0.87x-0.91x unsplit,
-// 0.92x-0.93x in four splits (1k keys: 0.94x unsplit, 0.89x in four); grids of one wave (128
-// tiles) lose 4-18% to any split.
+// runs more than two waves of long streams: those take four splits. The forced split counts
+// behind these rules: benches/notes/decode.md (v4.0, v4.7).
 inline int decode_num_splits(int tiles, int sm_count, int n_blocks) {
   constexpr int kSplitCost = 2;
   if (tiles > 2 * sm_count && n_blocks >= 64) return 4;

@@ -30,7 +30,8 @@
 namespace flashmoe::cuda {
 
 // Tile configurations. Ids are part of the operator's interface (`config=`), so the configuration
-// another architecture selects can be forced and gated on the card at hand.
+// another architecture selects can be forced and gated on the card at hand. The measurements behind
+// each choice: benches/notes/prefill-sm80.md (1, 2, 4), decode.md (3), prefill-sm90.md (5 to 7).
 //   1: 128 x 64 at d=64, 128 x 32 at d=128, 4 warps (FA2's sm8x non-causal tile at d=128).
 //   2:  64 x 64, 4 warps. 48 KB at d=128, so two blocks fit one sm86/sm89 SM (100 KB); FA2 picks
 //       this square tile on sm86/sm89 ("fastest for causal"). Also used when a head has few rows.
@@ -39,30 +40,25 @@ namespace flashmoe::cuda {
 //       Chosen when a head has at most 16 rows (Sq x the query heads packed per KV head), and
 //       for grids too small to fill the GPU with 64-row tiles.
 //   4: 128 x 64 at d=128, 128 x 128 at d=64, 4 warps (FA2's sm80/sm90 tiles): 255 registers, no
-//      spill on sm_90 since v2 (benches/NOTES.md); ptxas spills them on sm_89, so they are built
-//      for sm_90 and newer only. The sm_90 choice without the sm_90a build: 1.01x SDPA flash
-//      (FA2) on the H100 over the prefill benchmark matrix, where config 1 gave 0.90x (H200).
+//      spill on sm_90; ptxas spills them on sm_89, so they are built for sm_90 and newer only.
+//      The sm_90 choice without the sm_90a build, where it is faster than config 1.
 //   5: 128 x 128 at d=128 (2 math warpgroups), 192 x 128 at d=64 (3), on wgmma, warp-specialized
 //      and persistent (flash_fwd_sm90_kernel.cuh). sm_90a only: built with FLASHMOE_SM90A (the
 //      loader defines it with arch 9.0a, the default on an H100), run on compute capability 9.0
-//      only. The H100's choice (benches/NOTES.md v3.0, v3.1).
+//      only. The H100's choice.
 //   6: the same kernel with 128-row tiles at d=64 too: two math warpgroups in ping-pong, K and V
 //      in three buffers, the output written from registers (at d=128 it is configuration 5's
 //      kernel). sm_90a only, as 5. The H100's choice at d=64 for causal heads of at most 1024
 //      query rows and no more keys than rows: a 192-row tile computes more masked rows x keys
-//      there (at S=512, 9 x 192 x 128 against 10 x 128 x 128 per head). Against 5 on the H100
-//      (benches/NOTES.md v3.8): causal S=512 1.14x-1.15x, S=1000-1024 1.11x-1.12x, 1024 rows x
-//      512 keys 1.06x; more keys than rows 0.91x-0.99x, causal S=2048 0.94x-0.96x, non-causal
-//      0.82x-0.97x. No packed-batch variant.
+//      there (at S=512, 9 x 192 x 128 against 10 x 128 x 128 per head); elsewhere 5 is faster.
+//      No packed-batch variant.
 //   7: configuration 5's kernel with 176-key tiles at d=128 (FlashAttention-3's non-causal
 //      tile): S by a m64n176k16 wgmma, 37% more work per wgmma, barrier round and rescale, K and V
 //      in two buffers (three do not fit: Q 32 KB + 2 x 88 KB = 213 KB), the output written from
-//      registers (at d=64 it is configuration 5's kernel). sm_90a only, as 5. The H200's choice
-//      at d=128 for non-causal heads of at least 4096 keys: against 5 on the H200
-//      (benches/NOTES.md v4.5), non-causal S=4096-16k 1.046x-1.083x (6 rounds); S=2048 1.006x,
-//      S=1024 0.99x, S=512 0.96x, causal S=2048 0.94x-0.95x. No packed-batch variant.
-//   Rejected (benches/NOTES.md): 8 warps x 128 x 64 (one 16-row tile per warp): 206-220
-//   registers, one block per SM, 0.47-0.63x SDPA flash.
+//      registers (at d=64 it is configuration 5's kernel). sm_90a only, as 5. The choice at
+//      d=128 for non-causal heads of at least 4096 keys; slower than 5 on shorter or causal
+//      heads. No packed-batch variant.
+//   Rejected: 8 warps x 128 x 64 (one 16-row tile per warp): one block per SM, slower.
 constexpr int kNumConfigs = 7;
 constexpr int kDecodeConfig = 3;
 constexpr int kDecodeStages = 3;
@@ -116,8 +112,7 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int
     return kDecodeConfig;
   }
   if (rows_per_head <= 64 || heads * ceil_div(rows_per_head, 128) < dev.sm_count) return 2;
-  // The H100 with the sm_90a build: wgmma, 1.21x config 4 over 32 prefill cases
-  // (benches/NOTES.md).
+  // A 9.0 GPU with the sm_90a build: the wgmma kernels, faster than config 4 there.
   if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a) {
     // 128-row tiles at d=64 where the causal mask leaves a 192-row tile the most idle work:
     // short heads with no more keys than query rows. Where the keys outnumber the rows the mask
@@ -251,8 +246,7 @@ void visit_varlen_check(at::ScalarType dtype, int head_dim, F&& f) {
 
 // Opts in to more than the default 48 KB of shared memory; from 47 KB up, since a kernel's static
 // shared memory (the decode kernel's flag) counts against the same limit.
-// Once per kernel and device: the attribute sticks, and setting it again cost about 1 us of host
-// time on every call.
+// Once per kernel and device: the attribute sticks, and setting it on every call costs host time.
 template <typename Kernel>
 void allow_dynamic_smem(Kernel kernel, int smem) {
   if (smem <= 47 * 1024) return;
@@ -333,9 +327,9 @@ inline TileShape tile_shape_of(int config, int head_dim) {
 // anything. FLASHMOE_SM90_TMA=0 turns it off (the producer then copies with cp.async). The maps
 // are encoded on every call (two host calls of a few microseconds), not cached. At d=128 Q goes by
 // TMA as well where K and V do and a tile's rows are one head's consecutive queries (`box_rows_q`
-// = the kernel's row tile): its cp.async took the producer about 3.7 us to issue, on the path from
-// a tile's last S to the next tile's first, and TMA gave 1.01x-1.09x. At d=64, where Q was never
-// late, TMA gave 0.94x-0.96x (benches/NOTES.md v3.8).
+// = the kernel's row tile): its cp.async sat on the producer's path from a tile's last S to the
+// next tile's first. At d=64, where Q was never late, TMA was slower
+// (benches/notes/prefill-sm90.md, v3.8).
 template <typename T>
 void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {
   static const bool allowed = [] {
@@ -519,7 +513,7 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
 
   const TileShape tile = tile_shape_of(int(config), p.head_dim);
   const int m_blocks = ceil_div(rows_per_head, tile.block_m);
-  // Launch order (measured on the H100, benches/NOTES.md v2.5): the row blocks of a head side by
+  // Launch order (benches/notes/prefill-sm80.md, v2.5): the row blocks of a head side by
   // side share its K and V in L2, which pays for short and unmasked sequences; long causal ones
   // (32+ row blocks of 1 to 32+ KV blocks each) gain more from all heads' heavy blocks first.
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
@@ -541,8 +535,8 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   p.n_blocks_per_split = std::max(1, ceil_div(n_blocks, splits));
   // Decode with one row tile per KV head reads each K and V byte once: it streams them through L2
   // evict-first, so they replace each other rather than what earlier kernels left there (nor force
-  // those kernels' dirty lines out to DRAM mid-kernel). Up to 4x the L2 only: on the H100 with an
-  // L2 full of dirty lines, longer streams ran about 3% slower evict-first (benches/NOTES.md v2.6).
+  // those kernels' dirty lines out to DRAM mid-kernel). Up to 4x the L2 only: longer streams ran
+  // slower evict-first (benches/notes/decode.md, v2.6).
   const int64_t kv_bytes =
       2 * int64_t(p.batch) * p.heads_kv * p.seqlen_k * p.head_dim * int64_t(q.element_size());
   p.kv_evict_first =
@@ -771,10 +765,9 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 //      warps per SM to hide latency); 112.5 KB at d=128: sm80 and sm90 (73.5 KB at d=64: all).
 //   3: 128 keys x 128 queries (d=64) or 64 queries (d=128) a step on wgmma, 2 warpgroups
 //      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 to 7.
-// The automatic choice takes 3 on a 9.0 GPU with the sm_90a build (1.50x configuration 2 and
-// 1.25x SDPA flash over 12 bf16 cases on the H100, benches/NOTES.md bwd v4), else 2 where it fits
-// the card's shared memory, else 1. The deterministic dQ pass always runs 64 x 64 tiles with 4
-// warps.
+// The automatic choice takes 3 on a 9.0 GPU with the sm_90a build (faster than 2 there:
+// benches/notes/backward.md, bwd v4), else 2 where it fits the card's shared memory, else 1. The
+// deterministic dQ pass always runs 64 x 64 tiles with 4 warps.
 constexpr int kSm90aBwdConfig = 3;
 template <int D>
 using BwdDqConfig = BwdDqTraits<D, 64, 64, 4>;
@@ -914,8 +907,8 @@ inline std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, co
 
 // The dynamic shared memory each kernel asks for at launch, which ptxas's resource report cannot
 // see: one "<kernel as c++filt names it>\t<bytes>" line per instantiation, for the build report
-// (flashmoe_science/pipeline/build/unit.py). It walks the configurations through visit_kernel and reads
-// the same Traits::kSmemBytes as launch_attention, so the figures are the launches' own.
+// (flashmoe_science/pipeline/build/unit.py). It walks the configurations through visit_kernel and
+// reads the same Traits::kSmemBytes as launch_attention, so the figures are the launches' own.
 template <typename Type>
 std::string demangled_name() {
   int status = 0;

@@ -23,11 +23,11 @@
 namespace flashmoe::cuda {
 
 // The decode's phase trace (`python -m flashmoe_science phases dec-...`, a build with
-// FLASHMOE_PHASE_TRACE=1; flashmoe_science/pipeline/tools/decode_phases.py reads it by these numbers):
-// thread 0 of each block stamps clock64 at each Mark into stamps[block][slot], the block being
-// blockIdx.x + gridDim.x * blockIdx.y (the split); %globaltimer at its start and its end (which
-// put the blocks on one time line and turn cycles into time), its SM, whether it combined the
-// tile's splits, and the stages it read. Blocks past kBlocks are not recorded.
+// FLASHMOE_PHASE_TRACE=1; flashmoe_science/pipeline/tools/decode_phases.py reads it by these
+// numbers): thread 0 of each block stamps clock64 at each Mark into stamps[block][slot], the block
+// being blockIdx.x + gridDim.x * blockIdx.y (the split); %globaltimer at its start and its end
+// (which put the blocks on one time line and turn cycles into time), its SM, whether it combined
+// the tile's splits, and the stages it read. Blocks past kBlocks are not recorded.
 namespace decode_trace {
 constexpr int kBlocks = 1024, kSlots = 12;
 enum Mark { kStart, kFirstStage, kLastStage, kLoopDone, kReduced, kArrived, kCombined };

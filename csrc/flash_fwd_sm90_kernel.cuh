@@ -7,7 +7,7 @@
 // panel layout (swizzle_panels); K and V are in two buffers (three at D=128 with 128-key tiles);
 // S(n) and P(n+1) V(n+1) go out together (FlashAttention-3's intra-warpgroup overlap), though
 // ptxas puts the wait for that P V above the softmax of S(n), which then runs after it (moving
-// the wait below gained nothing at D=128: benches/NOTES.md v4.5).
+// the wait below gained nothing: benches/notes/prefill-sm90.md, v4.5).
 //
 // Warp-specialized: a producer warpgroup issues every copy and signals each buffer through an
 // mbarrier when its copies land; the math warpgroups (two at D=128, three at D=64) wait on those,
@@ -80,9 +80,9 @@ struct Sm90FwdTraits {
   // of the 227 KB, Q + 2 x (K + V) of 176 keys 213 KB).
   static constexpr int kStages = kStages_;
   static constexpr bool kStagedOutput = kStages_ == 2 && kBlockN_ <= 128;
-  // Unstaged output at D=128 leaves in 8-byte stores, one whole 32-byte sector a lane pair (A/B on
-  // the H100: 1.03x-1.08x at S <= 1024). At D=64 (configuration 6) the same stores lost
-  // 0.96x-0.98x, so there each thread stores its own 4 bytes.
+  // Unstaged output at D=128 leaves in 8-byte stores, one whole 32-byte sector a lane pair. At
+  // D=64 (configuration 6) the same stores were slower, so there each thread stores its own 4
+  // bytes (benches/notes/prefill-sm90.md, v3.9).
   static constexpr bool kPairedStores = !kStagedOutput && kHeadDim == 128;
   static constexpr int kBlockM = 64 * kWarpgroups_;
   static constexpr int kMathThreads = 128 * kWarpgroups_;
@@ -102,8 +102,8 @@ struct Sm90FwdTraits {
   static constexpr int kLaunchRegs =
       65536 / kNThreads / 8 * 8 > 255 ? 255 : 65536 / kNThreads / 8 * 8;
   // 48 leaves the producer unspilled; with three math warpgroups (512 threads, 128 registers
-  // each at launch) 32 is what leaves them 160 (the producer then spills 36 bytes; 48 / 152
-  // spills 48 bytes in the math warpgroups instead).
+  // each at launch) 32 is what leaves them 160 (the producer then spills a little; 48 / 152
+  // moves the spills into the math warpgroups).
   static constexpr int kProducerRegs = kWarpgroups_ == 3 ? 32 : 48;
   static constexpr int kMathRegs =
       (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8 > 240
@@ -127,16 +127,13 @@ struct Sm90Rows {
   static constexpr int NT = BN / 8, DT = D / 8;
   static constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the next buffer
   // Lazy rescale (see softmax) where the softmax is in the math warpgroups' critical path: with
-  // three warpgroups (D=64) it gave +7.5% (before they took turns); under ping-pong (two) the
-  // softmax already hides under the other warpgroup's matmuls and the vote cost 1%
-  // (benches/NOTES.md, v3.2).
+  // three warpgroups (D=64). Under ping-pong (two) the softmax already hides under the other
+  // warpgroup's matmuls, and the vote only adds work (benches/notes/prefill-sm90.md, v3.2).
   static constexpr bool kLazy = Traits::kWarpgroups != 2;
   static constexpr float kLazyLog2 = 8.f;  // log2 of the growth the running max may ignore
   // Masked blocks by chunks of columns (softmax_masked) in the two-warpgroup kernels over 128-key
-  // blocks: configuration 6 at d=64 S <= 1024 causal 1.053x-1.057x, d=128 causal 1.004x-1.012x
-  // (H200 A/B, benches/NOTES.md v4.8). In configurations 5 at d=64 (three warpgroups, 160
-  // registers) and 7 (176 keys) the extra code spilled (100 and 148 bytes), so they keep the mask
-  // per element.
+  // blocks. In configurations 5 at d=64 (three warpgroups, 160 registers) and 7 (176 keys) the
+  // extra code spilled, so they keep the mask per element (benches/notes/prefill-sm90.md, v4.9).
   static constexpr bool kMaskByChunks = Traits::kWarpgroups == 2 && BN == 128;
 
   const AttentionParams& p;
@@ -526,7 +523,8 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   constexpr int kMathWarps = Traits::kMathThreads / 32;
   constexpr int kStages = Traits::kStages;
   // Q by TMA where the host encoded its map (p.q_tma), at d=128 only: at d=64 Q was never late and
-  // TMA lost (benches/NOTES.md v3.8), so the d=64 kernels keep only the cp.async copy.
+  // TMA was slower (benches/notes/prefill-sm90.md, v3.8, v4.7), so the d=64 kernels keep only the
+  // cp.async copy.
   constexpr bool kQByTma = D == 128;
   auto stage_of = [](int use) { return use % kStages; };
   auto phase_of = [](int use) { return (use / kStages) & 1; };
@@ -542,10 +540,9 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   // With two math warpgroups the warp index comes through a shuffle from lane 0: the compiler then
   // knows it is the same in every lane, so the role branch and what derives from the warp (the
   // math loop's counters, the wgmma descriptors) live in uniform registers, with no
-  // register-to-uniform moves before each wgmma (the d128 main loop: 744 -> 667 instructions,
-  // 48 R2UR -> 0). Three math warpgroups (configuration 5) already kept them uniform; there the
-  // shuffled index (tried together with 32-bit descriptor steps) lost 2-5% on the H200 and added
-  // producer spills, so they keep tid / 32 (benches/NOTES.md v4.4).
+  // register-to-uniform moves before each wgmma. Three math warpgroups (configuration 5) already
+  // kept them uniform; there the shuffled index was slower and added producer spills, so they keep
+  // tid / 32 (benches/notes/prefill-sm90.md, v4.4).
   const int tid = threadIdx.x, lane = tid % 32;
   const int warp = Traits::kWarpgroups == 2 ? __shfl_sync(0xffffffffu, tid / 32, 0) : tid / 32;
   const int full_count = p.tma ? 1 : 128;
@@ -660,8 +657,8 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   // The math warpgroups take turns issuing their GEMMs, in a cycle (ping-pong with two, round
   // robin with three), so one's softmax runs under the others' matmuls; the last gives the first
   // its first turn. (Every warpgroup issues the same number of batches; the last pass is never
-  // waited for, which the block's exit discards.) With three the turns gave 1.01x-1.07x at d=64
-  // on the H200, medians of 4 rounds (1.01x-1.02x best round against best; benches/NOTES.md v4.6).
+  // waited for, which the block's exit discards.) Three take turns too: faster at d=64
+  // (benches/notes/prefill-sm90.md, v4.6).
   constexpr int kWarpgroups = Traits::kWarpgroups;
   const int wg = warp / 4;
   auto my_turn = [&]() { sm90::wait_turn(wg); };
@@ -669,8 +666,8 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   if (wg == kWarpgroups - 1) sm90::pass_turn<kWarpgroups>(wg);
   // The output's rescale runs while the tensor cores run this warpgroup's S, between its S and its
   // P V (FlashAttention-3's order above head dim 128), not between the P V's end and the next
-  // turn: H200 A/B 1.03x-1.05x at d128 (benches/NOTES.md v4.4); with three warpgroups it lost
-  // 3.5% without the turns and gains about 1% with them (v4.6).
+  // turn; with three warpgroups it pays only together with the turns
+  // (benches/notes/prefill-sm90.md, v4.4, v4.6).
   // Waits until the producer's copies into a buffer landed, then makes them visible to wgmma.
   auto wait_full = [&](uint64_t* full, int use) {
 #if FLASHMOE_PLANT_BUG == 9
@@ -697,9 +694,9 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     // row (a sequence's last row block) has nothing to compute or write. It keeps the block's
     // protocol: the same waits for Q, K and V to land before it gives their buffers back (an
     // arrival before the copy landed would count towards the buffer's previous use), and as many
-    // turns as the others take. H200 A/B: d=64 S=512 full 1.017x-1.022x, elsewhere within noise;
-    // in the two-warpgroup kernels the branch cost 1-2% (benches/NOTES.md v5.0), so they keep
-    // computing such rows. The test goes through __all_sync: a branch on tid / 32 the compiler
+    // turns as the others take. In the two-warpgroup kernels the branch was slower
+    // (benches/notes/prefill-sm90.md, v5.0), so they keep computing such rows.
+    // The test goes through __all_sync: a branch on tid / 32 the compiler
     // cannot prove warp-uniform took the key-block loop's descriptors out of uniform registers.
     if (kWarpgroups == 3 && __all_sync(0xffffffffu, blk.m0 + wg * 64 >= blk.t.rows_total)) {
       if (n_hi > n_lo) {

@@ -26,8 +26,8 @@
 namespace flashmoe::cuda {
 
 #if FLASHMOE_PHASE_TRACE
-// The GPU's nanosecond timer, one for all SMs: the traces' time line (its tick is coarse, 0.256 us
-// on the H100; clock64 times a phase within a block).
+// The GPU's nanosecond timer, one for all SMs: the traces' time line (its tick is coarse;
+// clock64 times a phase within a block).
 __device__ __forceinline__ long long global_timer_ns() {
   long long now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
@@ -399,8 +399,8 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
   if ((1 << p.page_shift) >= kRows) {
     // One page holds the whole tile: its rows are consecutive rows of that page, copied as a
     // contiguous tile's are. A branch of its own (uniform: the page size is a launch parameter),
-    // so this common case does not run the per-row lookups' predicated code too: that had nearly
-    // doubled the main loop's instructions (benches/NOTES.md v4.3).
+    // so this common case does not run the per-row lookups' predicated code too (it had made the
+    // main loop much longer: benches/notes/varlen-paged.md, v4.3).
     const int page = row0 < len ? page_of(row0) : 0;
     const int64_t in_page = row0 & in_page_mask;
     const T* k_rows = k_base + page * p.k_batch_stride + in_page * p.k_row_stride;
@@ -454,8 +454,8 @@ __device__ __forceinline__ void load_cols_cg(const float* src, float (&x)[kCols]
 // (a poisoned one) makes out and lse NaN. The splits are taken
 // kChunk at a time with every load of a chunk issued before any is used, and the running max
 // rescales what came before (online softmax): one L2 round trip per chunk. Loads behind a
-// per-split branch cost one round trip per split: on the H100 that was 5 us of a 20 us decode with
-// 16 splits, on the critical path of every split launch (benches/NOTES.md v2.6). lse_at(s) and
+// per-split branch cost one round trip per split, on the critical path of every split launch
+// (benches/notes/decode.md, v2.6). lse_at(s) and
 // partial_at(s) point at split s's log-sum-exp and at the row's partial output, first column.
 template <int kCols, int kChunk = 16, typename LseAt, typename PartialAt>
 __device__ __forceinline__ float combine_splits(int num_splits, LseAt lse_at, PartialAt partial_at,

@@ -21,8 +21,8 @@ def call(op, *args):
     """Call an operator, re-raising its input errors with their Python type.
 
     When no input needs a gradient the call goes straight below the Autograd key, as the autograd
-    kernel torch.library registers (autograd.py) would send it, minus that kernel's Python: about
-    7 us of host time per call on the H100, a third of a decode step's.
+    kernel torch.library registers (autograd.py) would send it, minus that kernel's Python, whose
+    host time was a large part of a decode step's (benches/notes/varlen-paged.md, v2.8).
 
     The C++ checks throw c10::Error with the type as a message prefix (see FLASHMOE_CHECK_VALUE in
     csrc/attention_ops.h for why), and this is where the prefix becomes the exception's type."""

@@ -235,7 +235,7 @@ def test_the_h100_picks_128_row_tiles_at_d64_for_short_causal_heads(
 ):
     """On a 9.0 GPU with the sm_90a build, the automatic choice takes configuration 6 (128-row
     tiles) at D=64 for causal heads of at most 1024 rows with no more keys than rows, and 5
-    everywhere else (benches/NOTES.md v3.8 measured both sides of each bound)."""
+    everywhere else (benches/notes/prefill-sm90.md, v3.8, measured both sides of each bound)."""
     if not ops.config_supported(6, torch.cuda.get_device_capability()):
         pytest.skip("configuration 6 needs an sm_90a build on a 9.0 GPU")
     heads = 32 if head_dim == 64 else 16

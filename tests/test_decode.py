@@ -25,8 +25,8 @@ def decode_inputs(
     return q, k, v, lens
 
 
-# The CUDA decode's automatic split count on a 132-SM card for grids measured on the H100
-# (benches/NOTES.md v4.0) and the H200 (v4.7): tiles = batch x KV heads, n_blocks = keys / 64.
+# The CUDA decode's automatic split count on a 132-SM card for grids measured on the H100 and the
+# H200 (benches/notes/decode.md, v4.0, v4.7): tiles = batch x KV heads, n_blocks = keys / 64.
 @pytest.mark.parametrize(
     ("tiles", "n_blocks", "splits"),
     [
@@ -40,7 +40,7 @@ def decode_inputs(
         (106, 4096, 1),  # a grid that fills 80% of the machine is not split
         (128, 256, 1),  # B=16, Hkv=8, 16k keys (one wave): unsplit (0.985x of the read floor)
         (264, 512, 1),  # two waves: unsplit
-        # More than two waves of long streams (B=16, Hkv=32, on the H200, benches/NOTES.md v4.7):
+        # More than two waves of long streams (B=16, Hkv=32, on the H200, decode.md v4.7):
         (512, 64, 4),  # 4k keys: 0.906x of the read floor unsplit, 0.927x in four
         (512, 128, 4),  # 8k: 0.88x, 0.93x
         (512, 512, 4),  # 32k: 0.90x, 0.92x

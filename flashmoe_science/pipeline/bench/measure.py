@@ -6,8 +6,8 @@ Ours and the baselines are timed in ROUNDS interleaved rounds, forward then back
 ..., default, default, ..., flash, ours, ours, ...), each with a ROUNDS-th of the budget, and each
 median is over all of its samples: drift of clocks or temperature during a case then hits every
 column alike (a steady drift cancels over each pair of rounds), as --base does for head against
-base. (Timed one after another, the same cuDNN kernel differed by up to 11% between the
-cuDNN and default columns of one H100 run; benches/NOTES.md v3.1.)
+base. (Timed one after another, the same cuDNN kernel differed between the cuDNN and default
+columns of one run by more than the threshold: benches/notes/harness.md, v3.2.)
 
 A case whose timing of ours or of any baseline shows a disturbance (an IQR over
 stats.UNSTABLE_SPREAD of its median) is measured again whole, up to RETAKES times, and keeps its
@@ -121,8 +121,8 @@ def read_floor(
     reads those bytes could reach on this card. They are timed in the same `rounds` interleaved
     rounds as `alongside` ({name: (fn, backend)}: the kernels set against the floor), so drift
     during the case hits both sides alike; returns the floor and alongside's results. (Timed after
-    them instead, the same 64 MB floor read 29.8 to 30.7 us from run to run on the H100: a 3%
-    swing against a 0.90x target; benches/NOTES.md v4.0.)"""
+    them instead, the floor swung from run to run by as much as a target's margin:
+    benches/notes/harness.md, v4.0.)"""
     calls_now = dict(alongside or {})
     floors = floor_calls(x, calls)
     if not isinstance(floors, NotMeasured):

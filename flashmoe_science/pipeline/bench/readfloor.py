@@ -2,13 +2,12 @@
 nothing else, under the benchmark's own timer (L2 flushed by writing, CUDA events, median).
 
 A decode step must read every valid K and V byte, so no decode kernel is expected to run much
-below this floor; SDPA's time over the floor is the most any kernel can gain on SDPA there. On the
-H100 that bound is what limits the short caches: at B=1, Hq=32, Sk=8k (bf16) the floor was 54.0 us
-against SDPA default's 64.8 (1.20x), and our decode 57.3 (benches/NOTES.md v2.7).
+below this floor; SDPA's time over the floor is the most any kernel can gain on SDPA there. That
+bound is what limits the short caches (benches/notes/decode.md, v2.7).
 
 The reader is a Triton kernel (Triton ships with PyTorch's CUDA builds): each program sums a
 contiguous stretch of K and V. The floor is the fastest of CONFIGS, since which is fastest depends
-on the size: on the H100 evict-first won up to 134 MB, the default policy from 268 MB on.
+on the size: evict-first wins on the smaller caches, the default policy on the larger ones.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 
 BLOCK = 8192  # elements per program and step: 16 KB of K and 16 KB of V in flight per program
 NUM_WARPS = 8
-# (programs per SM, L2 eviction policy): the three that won some size in a 16-way sweep on the H100
+# (programs per SM, L2 eviction policy): the three that won some size in a sweep (decode.md, v2.7)
 CONFIGS = ((4, "evict_first"), (8, "evict_first"), (8, ""))
 
 

@@ -24,10 +24,8 @@ DEFAULT_THRESHOLD = 0.05  # 5% in the median, as asked for in the benchmark brie
 # asv uses 0.002; 0.01 suits the ~100 samples a side we take, and the threshold guards the rest.
 DEFAULT_ALPHA = 0.01
 # A timing whose IQR exceeds this fraction of its median was disturbed (another process, a clock
-# change) and is retaken, never judged. Two H100 runs (261 case timings): the largest
-# spread of an undisturbed case was 13% (a 1.2 ms causal prefill), the ~12 us small case's 7%;
-# the one disturbed case read 184% (65 us against 10 us in every other run). Twice the worst normal
-# spread leaves a ~10 us case 2.5 us of jitter.
+# change) and is retaken, never judged: about twice the worst spread of an undisturbed case, which
+# leaves a ~10 us case room for its jitter (benches/notes/harness.md, moved from code comments).
 UNSTABLE_SPREAD = 0.25
 
 

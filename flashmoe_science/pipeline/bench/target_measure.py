@@ -38,9 +38,9 @@ from .timing import TimingConfig, benchmark, first_line, host_cost_us
 
 HOST_LOOPS = 4  # loops a side, ours and SDPA's in turn (measure.in_turn): an even count
 # Shuffled page orders a paged target is timed in (seeds case_seed + 0, 1, ...), in the same rounds;
-# its paged side is the order of median time. On the H100 one order's time moved by up to 1.5%
-# with the seed (B=4 8k page 64: contiguous / paged 0.948x-0.962x over four seeds, benches/NOTES.md
-# v4.3): a verdict from one order is partly the luck of its permutation. An odd count.
+# its paged side is the order of median time. One order's time moves with the seed by as much as a
+# target's margin (benches/notes/varlen-paged.md, v4.3): a verdict from one order is partly the
+# luck of its permutation. An odd count.
 PAGE_ORDERS = 3
 MODEL_RUNS = 3  # timed generations per length (after one untimed), the median kept
 CUDA_ONLY_HOST = (

@@ -53,8 +53,8 @@ GATE_MODULES = (
     "tests/test_paged.py",
 )
 # At most this many selected tests run without pytest-xdist: each worker imports torch and collects
-# before its first test. On 2 shared CPU cores, 4 gate cases took 8.2 s on 2 workers and 4.6 s in one
-# process; 28 cases were no faster on 2 workers (10.0 s against 10.8 s).
+# before its first test, so a small selection is faster in one process on a few cores
+# (benches/notes/harness.md, moved from code comments).
 SERIAL_MAX_TESTS = 32
 # Plugin autoload is off (PYTEST_DISABLE_PLUGIN_AUTOLOAD): the plugins the suite uses, by module.
 # pytest-xdist's workers get the same arguments and environment, so they load it too; its other

@@ -10,8 +10,8 @@ and with splits the partial's store, the arrival and the last split's combine. A
 short-lived (one per SM, one wave), so its phases are stamped once per block, not per tile: thread
 0 stamps clock64 at each mark and %globaltimer at the block's start and end
 (csrc/flash_decode_kernel.cuh, namespace decode_trace; the slot numbers below are its). The timer
-puts the blocks on one time line and turns cycles into microseconds; its tick is coarse (0.256 us
-on the H100), so a block's start is known to a tick and a phase's length to a cycle.
+puts the blocks on one time line and turns cycles into microseconds; its tick is coarse (a fraction
+of a microsecond), so a block's start is known to a tick and a phase's length to a cycle.
 
 The traced call runs after a 256 MiB L2 flush, as the bench times it. With --block-size the same
 cache contents are read through a shuffled block table (the paged decode), as bench's paged
