@@ -542,12 +542,12 @@ def test_requirements_command_fails_on_an_old_driver(capsys):
 
 
 def runner_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## GPU CI on self-hosted GPU runners")
+    text = (ROOT / "docs" / "runners.md").read_text()
+    start = text.index("## Self-hosted runners: trust and set-up")
     return text[start : text.index("\n## ", start + 1)]
 
 
-def test_readme_quotes_the_numbers_of_the_projects_torch():
+def test_runner_docs_quote_the_numbers_of_the_projects_torch():
     setup = (ROOT / "scripts" / "setup_environment.sh").read_text()
     assert f"the CUDA {rr.PROJECT_TORCH_CUDA} build" in setup
     needed = rr.requirements_for(rr.PROJECT_TORCH_CUDA)
@@ -556,7 +556,7 @@ def test_readme_quotes_the_numbers_of_the_projects_torch():
     assert f"nvcc {needed.nvcc_major}.x" in section
 
 
-def test_readme_walks_through_the_kit():
+def test_runner_docs_walk_through_the_kit():
     section = " ".join(runner_section().split())
     for needle in (
         "scripts/runner/SETTINGS.md",

@@ -26,7 +26,7 @@ usage() {
   cat <<EOF
 Usage: scripts/runner/register.sh [--dry-run] COMMAND [OPTIONS]
 
-Commands (the README's "GPU CI on self-hosted GPU runners" walks through them):
+Commands (docs/runners.md, "Self-hosted runners: trust and set-up", walks through them):
   preflight  Check this machine for the GPU job: the driver and nvcc that torch's CUDA needs
              (python -m flashmoe_science.pipeline.ci.runner_requirements) and the environment
              check (python -m flashmoe_science env --require-gpu), with --python's interpreter.
@@ -173,7 +173,7 @@ preflight() {
     return 0
   fi
   [[ -x "$PYTHON" ]] ||
-    die "no interpreter at $PYTHON" "install torch there (see the README) or pass --python PATH"
+    die "no interpreter at $PYTHON" "install torch there (see docs/runners.md) or pass --python PATH"
   [[ -f "$repo_root/flashmoe_science/pipeline/runner_requirements.py" ]] ||
     die "preflight needs the repository's checkout ($repo_root has none)" \
       "run scripts/runner/register.sh from a checkout of the repository"

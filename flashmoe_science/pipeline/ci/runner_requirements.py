@@ -3,7 +3,7 @@
 torch's CUDA build fixes two numbers a runner's owner must install: the NVIDIA driver (at least the
 one released with that CUDA toolkit; an older driver of the same major runs it only through
 minor-version compatibility, and rejects PTX newer than itself) and nvcc of the same major (torch's
-cpp_extension refuses another major). The README's runner section quotes these numbers and
+cpp_extension refuses another major). docs/runners.md quotes these numbers and
 scripts/runner/register.sh checks them before it registers a runner.
 
 Options: ``--cuda X.Y`` (default: the CUDA of the torch this interpreter imports), ``--driver
@@ -40,7 +40,7 @@ MIN_DRIVER = {
     (11, 8): "520.61.05",
 }
 # scripts/setup_environment.sh installs torch==2.14.1, the CUDA 13.0 build, where none is present;
-# the README's numbers are this CUDA's.
+# docs/runners.md's numbers are this CUDA's.
 PROJECT_TORCH_CUDA = "13.0"
 
 
