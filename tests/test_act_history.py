@@ -170,9 +170,10 @@ def test_each_push_adds_a_commit_with_its_bench_json_and_the_trend_grows(tmp_pat
         assert rc == 0, log[-4000:]
         assert not comments
         commits = history_commits(remote)
-        assert len(commits) == 2 * n, "one new commit on bench-history per push and GPU kind"
+        assert len(commits) == len(gpukinds.KINDS) * n, "a commit per push and GPU kind"
         name = trend.point_name(trend.point_of(benchrecords.from_json(doc), sha_of(n)))
-        for commit, kind in zip(commits[:2], ("h100", "l4"), strict=True):  # newest first
+        newest = commits[: len(gpukinds.KINDS)]
+        for commit, kind in zip(newest, reversed(gpukinds.KINDS), strict=True):  # newest first
             added = git(remote, "show", "--name-only", "--format=", commit).split()
             assert sorted(added) == [f"points/{kind}/{name}", f"runs/{kind}/{name}"]
             stored = json.loads(git(remote, "show", f"{commit}:runs/{kind}/{name}"))
@@ -197,7 +198,7 @@ def test_a_case_slowed_outside_its_noise_band_raises_the_alert(tmp_path, remote,
     seed(remote, tmp_path, range(1, 9))  # main's l4 history; the h100 leg has none yet
     before = history_commits(remote)
     rc, log, summary, comments = run_history(tmp_path, remote, 9, bench_doc(9, slow))
-    assert len(history_commits(remote)) == len(before) + 2, "both legs stored, alert or not"
+    assert len(history_commits(remote)) == len(before) + len(gpukinds.KINDS), "every leg stored"
     h100 = summary[summary.index("(h100 leg)") :]
     summary = summary[: summary.index("(h100 leg)")]  # the l4 leg's section
     assert "⚠️" not in h100, "the h100 leg is never set beside the l4 history"
@@ -295,10 +296,11 @@ def test_the_pr_report_shows_mains_trend_from_the_branch(tmp_path, remote):
     assert rc == 0, log[-4000:]
     assert "fetch-points: 7 points of bench-history (l4)" in log
     assert "fetch-points: 0 points of bench-history (h100)" in log
+    assert "fetch-points: 0 points of bench-history (h200)" in log
     comment = (out / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
-    assert comment.startswith("## ✅ flashmoe-science: l4 passed, h100 passed\n")
+    assert comment.startswith("## ✅ flashmoe-science: l4 passed, h100 passed, h200 passed\n")
     l4 = comment[comment.index("<b>l4</b>") : comment.index("<b>h100</b>")]
-    h100 = comment[comment.index("<b>h100</b>") :]
+    h100 = comment[comment.index("<b>h100</b>") : comment.index("<b>h200</b>")]
     section = l4[l4.index("Performance history (main)") :]
     assert "7 stored runs of main" in l4
     assert "xychart-beta" in section and "main, last 7 commits" in section
