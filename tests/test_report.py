@@ -638,6 +638,26 @@ def test_gates_and_tests_are_counted_apart(tmp_path):
     assert "| ✅ | test | 692 of 692 gates passed · 1,008 tests passed |" in text
 
 
+def test_the_gates_section_names_the_gpus_the_test_stage_used(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    worker = {"gpu": "NVIDIA H200", "gates": 6, "tests": 40}
+    workers = [{**worker, "id": f"gw{i}", "cuda_visible_devices": str(i % 2)} for i in (0, 1, 2, 3)]
+    rewrite(reports / "gates.json", workers=workers)
+    _, text = render_dir(reports)
+    assert (
+        "**GPUs used** 2: `0` NVIDIA H200 (2 workers, 12 gates), "
+        "`1` NVIDIA H200 (2 workers, 12 gates)"
+    ) in text
+    lone = [{"id": "main", "cuda_visible_devices": None, "gpu": "NVIDIA L4", "gates": 24}]
+    rewrite(reports / "gates.json", workers=lone)
+    assert "**GPUs used** NVIDIA L4 (one process, 24 gates)" in render_dir(reports)[1]
+    cpu = [{"id": "gw0", "cuda_visible_devices": None, "gpu": None, "gates": 24}]
+    rewrite(reports / "gates.json", workers=cpu)
+    assert "GPUs used" not in render_dir(reports)[1], "a CPU run names no GPU"
+    rewrite(reports / "gates.json", workers=[{"id": "gw0", "gpu": "<img src=x>", "gates": 1}])
+    assert "<img" not in render_dir(reports)[1]
+
+
 def test_a_failed_case_is_never_part_of_a_pass(tmp_path):
     reports = copy_fixture("passing", tmp_path)
     gates = json.loads((reports / "gates.json").read_text())

@@ -27,7 +27,12 @@ that far (the build failed, pytest could not start). Schema "flashmoe-science/ga
                 the largest max |out - ref|, its case id, and the largest error ratio to
                 PyTorch's own error, over the gate cases that ran (null when none ran)
   cases         one row per gate case that ran: gates.GateResult.to_json() plus op, dtype,
-                head_dim and "outcome" (pytest's); failing cases first
+                head_dim, "outcome" (pytest's) and, under pytest-xdist, "worker" (its id);
+                failing cases first
+  workers       one row per process that ran tests, in id order: {"id": pytest-xdist's worker id
+                ("gw0", ...) or "main" (no workers), "cuda_visible_devices": the GPU it was
+                given (devices.py; null: not pinned), "gpu": the device name it saw (null: none),
+                "gates": gate cases it ran, "tests": tests it ran}; [] when none reported
 
 OUTCOMES, and what `python -m flashmoe_science test` exits with for each:
   passed                      gates ran, none failed, no other test failed            0
@@ -47,6 +52,7 @@ OUTCOMES, and what `python -m flashmoe_science test` exits with for each:
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable, Sequence
 
@@ -54,6 +60,7 @@ import pytest
 
 from ..paths import report_dir
 from ..provenance import provenance
+from . import devices
 
 SCHEMA = "flashmoe-science/gates/2"
 RECORD = "gates.json"
@@ -61,6 +68,8 @@ MARKER = "gate"
 # The short training run's losses (tests/test_training.py), {"ours": [first, last], "sdpa":
 # [first, last]}: recorded beside the gates so a run's record and its verdict line carry them.
 TRAINING = "training"
+WORKER_OUTPUT = "flashmoe_worker"  # what a pytest-xdist worker sends back: the GPU it used
+MAIN = "main"  # the id of the one process of a run without workers
 
 PASSED = "passed"
 FAILED = "failed"
@@ -138,10 +147,12 @@ def write_record(
     rows: Iterable[dict] = (),
     reason: str | None = None,
     training: dict | None = None,
+    workers: Iterable[dict] = (),
 ) -> dict:
     """Write gates.json into the report directory (atomically) and return what was written.
     Counts left out are zero: the stage stopped before any test ran. `training`: the training
-    run's losses and outcome where it ran (TRAINING), else null."""
+    run's losses and outcome where it ran (TRAINING), else null. `workers`: the processes that
+    ran tests and the GPU each used."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome={outcome!r}; supported: {', '.join(OUTCOMES)}")
     if gates is None or tests is None:
@@ -166,12 +177,26 @@ def write_record(
         "worst_ratio": max((r.get("ratio") or 0.0) for r in rows) if rows else None,
         "cases": sorted(rows, key=lambda r: (r.get("outcome") == "passed", r.get("case_id", ""))),
         "training": training,
+        "workers": sorted(workers, key=lambda w: _worker_order(str(w.get("id")))),
     }
     path = report_dir() / RECORD
     tmp = path.with_name(f".{RECORD}.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
     return doc
+
+
+def _worker_order(worker_id: str) -> tuple[int, str]:
+    """gw2 before gw10."""
+    digits = worker_id.removeprefix("gw")
+    return (int(digits), "") if digits.isdigit() else (-1, worker_id)
+
+
+def _worker_of(report) -> str:
+    """The id of the worker that ran a test: pytest-xdist's on the controller, else MAIN."""
+    node = getattr(report, "node", None)
+    gateway = getattr(node, "gateway", None)
+    return str(getattr(gateway, "id", None) or MAIN)
 
 
 def _skip_reason(report) -> str | None:
@@ -192,6 +217,35 @@ class GateRecorder:
         self.rows: list[dict] = []
         self.training: dict | None = None
         self.collection_errors = 0
+        # worker id -> {"id", "cuda_visible_devices", "gpu", "gates", "tests"}
+        self.workers: dict[str, dict] = {}
+
+    def _worker(self, worker_id: str) -> dict:
+        return self.workers.setdefault(
+            worker_id,
+            {"id": worker_id, "cuda_visible_devices": None, "gpu": None, "gates": 0, "tests": 0},
+        )
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_setupnodes(self, config: pytest.Config, specs: list) -> None:
+        """Pin each worker to a GPU (devices.py) before it starts."""
+        gpus = devices.visible_devices()
+        for index, spec in enumerate(specs):
+            device = devices.device_of(index, gpus)
+            if device is not None:
+                spec.env[devices.VISIBLE_VAR] = device
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        """A worker's own account of the GPU it used (sent at its end, workeroutput)."""
+        said = (getattr(node, "workeroutput", None) or {}).get(WORKER_OUTPUT)
+        worker = self._worker(str(node.gateway.id))
+        given = node.gateway.spec.env.get(devices.VISIBLE_VAR)
+        if isinstance(said, dict):
+            worker["cuda_visible_devices"] = said.get("cuda_visible_devices")
+            worker["gpu"] = said.get("gpu")
+        else:  # it crashed before its end: what it was given
+            worker["cuda_visible_devices"] = given
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
         if not config.getoption("gates_only"):
@@ -223,9 +277,16 @@ class GateRecorder:
         elif report.when == "call" or previous is None:
             self.outcomes[nodeid] = "passed"
         if report.when == "call":
+            worker_id = _worker_of(report)
+            worker = self._worker(worker_id)
+            worker["tests"] += 1
+            worker["gates"] += self.is_gate[nodeid] and not report.skipped
             for name, value in report.user_properties:
                 if name == MARKER:
-                    self.rows.append({**value, "outcome": report.outcome})
+                    row = {**value, "outcome": report.outcome}
+                    if worker_id != MAIN:
+                        row["worker"] = worker_id
+                    self.rows.append(row)
                 elif name == TRAINING:
                     self.training = {**value, "outcome": report.outcome}
 
@@ -245,8 +306,17 @@ class GateRecorder:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         config = self.config
-        if hasattr(config, "workerinput") or config.option.collectonly:
+        here = {"cuda_visible_devices": os.environ.get(devices.VISIBLE_VAR), "gpu": None}
+        if hasattr(
+            config, "workerinput"
+        ):  # a worker: say which GPU it used, the rest is the controller's
+            here["gpu"] = devices.gpu_name()
+            config.workeroutput[WORKER_OUTPUT] = here
             return
+        if config.option.collectonly:
+            return
+        if MAIN in self.workers:  # this process ran the tests itself
+            self.workers[MAIN].update(here, gpu=devices.gpu_name())
         gates, tests = self.counts()
         outcome = classify(int(exitstatus), gates, tests, self.collection_errors)
         write_record(
@@ -263,6 +333,7 @@ class GateRecorder:
             rows=self.rows,
             reason=self.reason(outcome, int(exitstatus), gates, tests),
             training=self.training,
+            workers=self.workers.values(),
         )
 
     def reason(self, outcome: str, exitstatus: int, gates: dict, tests: dict) -> str | None:

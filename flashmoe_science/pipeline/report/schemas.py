@@ -169,6 +169,18 @@ GATES = _record(
         "worst_ratio": _NUMBER,
         "worst_case": _SHORT,
         "cases": _list(_CASE),
+        "workers": _list(
+            {
+                "type": "object",
+                "properties": {
+                    "id": _SHORT,
+                    "cuda_visible_devices": _SHORT,
+                    "gpu": _SHORT,
+                    "gates": _INT,
+                    "tests": _INT,
+                },
+            }
+        ),
         "training": {
             "type": ["object", "null"],
             "properties": {
