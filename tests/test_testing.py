@@ -219,6 +219,50 @@ def test_gates_only_deselects_every_other_test(tmp_path):
     assert rec["reason"] == "needs a CUDA GPU" and rec["selection"]["keyword"] == "gpu_gate"
 
 
+# ---- the tests marked long: the scheduled run's, never a pull request's ------------------------
+
+LONG_TEST = """
+@pytest.mark.long
+def test_end_to_end():
+    pass
+"""
+LONG_GATE = """
+@pytest.mark.long
+@pytest.mark.gate
+def test_long_gate():
+    pass
+"""
+LONG_PLANT = """
+@pytest.fixture
+def run_planted():
+    return None
+
+@pytest.mark.long
+def test_long_plant(run_planted):
+    pass
+"""
+
+
+def test_a_test_marked_long_runs_only_when_asked(tmp_path):
+    rec = run_suite(tmp_path, extra=LONG_TEST)
+    assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 4, "left out by default"
+    assert rec["selection"]["long"] is False
+    for args, env in ((["--long"], None), ([], {gate_plugin.LONG_VAR: "1"})):
+        rec = run_suite(tmp_path, *args, extra=LONG_TEST, env=env)
+        assert rec["tests"]["selected"] == 5 and rec["selection"]["long"] is True, (args, env)
+    rec = run_suite(tmp_path, "--long", "--gates-only", extra=LONG_TEST)
+    assert rec["tests"]["selected"] == 3, "--gates-only keeps the gates alone"
+
+
+@pytest.mark.parametrize("extra", [LONG_GATE, LONG_PLANT], ids=["gate", "plant"])
+def test_a_gate_or_a_plant_marked_long_is_refused(tmp_path, extra):
+    """Gates and planted bugs prove every pull request: marking one long is a usage error, with
+    or without --long, not a test quietly moved to the scheduled run."""
+    for args in ([], ["--long"]):
+        rec = run_suite(tmp_path, *args, extra=extra)
+        assert (rec["outcome"], rec["pytest_exit"]) == ("error", 4), rec
+
+
 # ---- every GPU of the machine: a worker per GPU --------------------------------------------------
 
 DEVICE_GATES = """

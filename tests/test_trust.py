@@ -74,7 +74,8 @@ def test_no_pull_request_workflow_has_a_self_hosted_job():
 
 def test_gpu_ci_starts_only_from_the_default_branch():
     on = triggers(GPU)
-    assert set(on) == {"push", "pull_request_target", "workflow_dispatch"}
+    # schedule runs only on the default branch, with its files
+    assert set(on) == {"push", "pull_request_target", "workflow_dispatch", "schedule"}
     assert on["push"]["branches"] == ["main"]
     assert set(on["pull_request_target"]["types"]) == {
         "opened",
@@ -280,6 +281,25 @@ def test_a_dispatch_runs_a_pr_only_at_the_reviewed_commit():
 def test_pushes_run_only_on_main():
     assert decide("push", {"ref": "refs/heads/main"}, FakeGitHub())["run"] == "true"
     assert decide("push", {"ref": "refs/heads/other"}, FakeGitHub())["run"] == "false"
+
+
+def test_the_scheduled_run_tests_mains_head_with_the_long_tests():
+    """GitHub starts a scheduled run on the default branch's head: approve runs it there, and
+    that run alone selects the tests marked long; pull requests and pushes leave them out."""
+    out = decide("schedule", {"schedule": "17 3 * * *"}, FakeGitHub())
+    assert (out["run"], out["sha"], out["pr"], out["environment"]) == (
+        "true",
+        "b" * 40,
+        "",
+        "gpu-trusted",
+    )
+    assert "schedule" in triggers(GPU)
+    assert JOBS["gpu"]["env"]["FLASHMOE_LONG_TESTS"] == (
+        "${{ github.event_name == 'schedule' && '1' || '0' }}"
+    )
+    assert "scheduled" in GPU["concurrency"]["group"], "never replaces a push's waiting run"
+    history = load("bench-history.yml")["jobs"]["history"]["if"]
+    assert "github.event.workflow_run.event == 'push'" in history, "only pushes are main's record"
 
 
 def test_the_gate_passes_only_a_tested_head():

@@ -3,7 +3,8 @@ passes, and the history of main's benchmarks. gpu-ci.yml, bench-history.yml and 
 these from the default branch's code (never a pull request's), on GitHub-hosted runners.
 
     approve       decide, from the event, whether the GPU job runs and on which commit:
-                  push to main and workflow_dispatch run (a dispatch naming a PR runs that PR's head
+                  push to main, the scheduled run (main's head) and workflow_dispatch run (a
+                  dispatch naming a PR runs that PR's head
                   only if it is the commit given); a same-repository PR runs on each push; a fork PR
                   runs only on the `safe-to-test` label applied by someone with write access, for
                   the head commit at labelling time. The label is removed as soon as it is read, and
@@ -174,6 +175,8 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
         if ref != "refs/heads/main":
             return {**out, "reason": "a push to a branch other than main"}
         return {**out, "run": "true", "sha": sha, "reason": "a push to main"}
+    if event_name == "schedule":  # GitHub runs it on the default branch's head, with main's files
+        return {**out, "run": "true", "sha": sha, "reason": "the scheduled run of main"}
     if event_name == "workflow_dispatch":
         pr, wanted = str(inputs.get("pr") or "").strip(), str(inputs.get("sha") or "").strip()
         if not pr:

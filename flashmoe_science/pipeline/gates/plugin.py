@@ -6,6 +6,11 @@ backward, varlen, paged); its figures arrive as the `gate` user
 property. `--gates-only` deselects every other test, so a bisect step cannot be failed by a test
 that is not a gate.
 
+A test marked `long` (pyproject's markers) is deselected unless `--long` is given (or
+FLASHMOE_LONG_TESTS=1): pull requests and pushes leave it out, the scheduled GPU CI run selects it.
+No gate and no planted-bug test may be marked `long`: those run on every pull request, and a
+session that collects one is a usage error.
+
 At the end of every session (on the controller under pytest-xdist; never for --collect-only) the
 plugin writes gates.json, and the test stage writes the same record itself when pytest never got
 that far (the build failed, pytest could not start). Schema "flashmoe-science/gates/2":
@@ -17,7 +22,8 @@ that far (the build failed, pytest could not start). Schema "flashmoe-science/ga
   reason        one line on why, for every outcome but "passed"/"failed"; else null
   pytest_exit   pytest's exit status; null when pytest did not run
   selection     {"keyword": the -k expression or null, "markexpr": the -m expression or null,
-                 "gates_only": bool, "args": pytest's arguments}
+                 "gates_only": bool, "long": bool (the tests marked long were selected),
+                 "args": pytest's arguments}
   gates         {"selected", "ran", "passed", "failed", "skipped"} over gate tests only;
                 ran = passed + failed; an error in a gate's setup counts as failed
   tests         {"selected", "passed", "failed", "errors", "skipped"} over every test, gates
@@ -68,6 +74,11 @@ MARKER = "gate"
 # The short training run's losses (tests/test_training.py), {"ours": [first, last], "sdpa":
 # [first, last]}: recorded beside the gates so a run's record and its verdict line carry them.
 TRAINING = "training"
+LONG = "long"  # the marker of a test that runs only in the scheduled GPU CI run
+LONG_VAR = "FLASHMOE_LONG_TESTS"  # "1": select the tests marked long, as --long does
+# The fixture every planted-bug test builds its variant with (tests/conftest.py): such a test is
+# what proves a gate, so it never leaves the pull request's run.
+PLANT_FIXTURE = "run_planted"
 WORKER_OUTPUT = "flashmoe_worker"  # what a pytest-xdist worker sends back: the GPU it used
 MAIN = "main"  # the id of the one process of a run without workers
 
@@ -128,13 +139,33 @@ def classify(pytest_exit: int | None, gates: dict, tests: dict, collection_error
     return PASSED
 
 
-def selection(keyword: str | None, markexpr: str | None, gates_only: bool, args: Sequence[str]):
+def selection(
+    keyword: str | None,
+    markexpr: str | None,
+    gates_only: bool,
+    args: Sequence[str],
+    long: bool = False,
+):
     return {
         "keyword": keyword or None,
         "markexpr": markexpr or None,
         "gates_only": bool(gates_only),
+        "long": bool(long),
         "args": list(args),
     }
+
+
+def long_from_env() -> bool:
+    return os.environ.get(LONG_VAR, "") == "1"
+
+
+def kept_short(item) -> str | None:
+    """Why a test may not be marked long (a gate, a planted bug); None when it may."""
+    if item.get_closest_marker(MARKER):
+        return "a gate"
+    if PLANT_FIXTURE in getattr(item, "fixturenames", ()):
+        return "a planted-bug test"
+    return None
 
 
 def write_record(
@@ -248,13 +279,20 @@ class GateRecorder:
             worker["cuda_visible_devices"] = given
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
-        if not config.getoption("gates_only"):
-            return
-        keep = [item for item in items if item.get_closest_marker(MARKER)]
-        dropped = [item for item in items if not item.get_closest_marker(MARKER)]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = keep
+        long_ones = [item for item in items if item.get_closest_marker(LONG)]
+        for item in long_ones:
+            what = kept_short(item)
+            if what:
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked `{LONG}` but is {what}: gates and planted bugs run "
+                    f"on every pull request. Remove the marker (make the test shorter instead)"
+                )
+        drop = set() if config.getoption("long") else {id(item) for item in long_ones}
+        if config.getoption("gates_only"):
+            drop |= {id(item) for item in items if not item.get_closest_marker(MARKER)}
+        if drop:
+            config.hook.pytest_deselected(items=[item for item in items if id(item) in drop])
+            items[:] = [item for item in items if id(item) not in drop]
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:
@@ -327,6 +365,7 @@ class GateRecorder:
                 config.option.markexpr,
                 config.getoption("gates_only"),
                 config.invocation_params.args,
+                config.getoption("long"),
             ),
             gates=gates,
             tests=tests,
@@ -356,6 +395,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="run only the correctness gates (tests marked `gate`); other tests are deselected",
+    )
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=long_from_env(),
+        help=f"also run the tests marked `{LONG}` (deselected by default; the scheduled GPU CI "
+        f"run selects them; {LONG_VAR}=1 does the same)",
     )
 
 

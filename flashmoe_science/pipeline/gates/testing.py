@@ -176,6 +176,10 @@ class Collected:
     exit: int
     tests: int = 0
     gate_ids: list[str] = field(default_factory=list)
+    long_left_out: int = 0  # tests marked long that the selection leaves out (no --long)
+
+    def pytest_deselected(self, items) -> None:
+        self.long_left_out += sum(1 for item in items if item.get_closest_marker(gate_plugin.LONG))
 
     def pytest_collection_finish(self, session) -> None:
         self.tests = len(session.items)
@@ -232,7 +236,10 @@ def main(argv: list[str]) -> int:
     targets = [*GATE_MODULES, "--gates-only"] if args.gates else ["tests"]
     start = time.monotonic()
     clear_outputs(gate_plugin.RECORD)
-    selected = gate_plugin.selection(args.keyword, None, args.gates, [*targets, *pytest_args])
+    long = "--long" in pytest_args or gate_plugin.long_from_env()
+    selected = gate_plugin.selection(
+        args.keyword, None, args.gates, [*targets, *pytest_args], long=long
+    )
 
     def stopped(code: int, reason: str) -> int:
         gate_plugin.write_record(outcome=ERROR, pytest_exit=None, selected=selected, reason=reason)
@@ -289,6 +296,12 @@ def main(argv: list[str]) -> int:
         why = f" ({devices.placement_text(int(workers), gpus)})"
     cmd = pytest_command(targets, workers, pytest_args)
     print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
+    if collected.long_left_out and not args.gates:
+        print(
+            f"test: {_plural(collected.long_left_out, 'test')} marked `{gate_plugin.LONG}` left "
+            "out: `--long` runs them (the scheduled GPU CI run does)",
+            flush=True,
+        )
     env = isolated_env(dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else ""))
     with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
         try:

@@ -7,7 +7,7 @@ stage writes on every run:
     gates        {"selected", "ran", "passed", "failed", "skipped"}: gate cases only
     tests        {"selected", "passed", "failed", "errors", "skipped"}: every test, gates included
     pytest_exit  pytest's own exit status (null when pytest did not run)
-    selection    {"keyword": -k, "markexpr": -m, "gates_only": --gates, "args"}
+    selection    {"keyword": -k, "markexpr": -m, "gates_only": --gates, "long": --long, "args"}
     workers      the processes that ran tests: each one's GPU (CUDA_VISIBLE_DEVICES entry and
                  device name) and the gates it ran, shown as the GPUs used
     cases        one row per gate case that ran; `rerun` is the command that reruns it,
@@ -125,11 +125,13 @@ def gpus_text(gates: dict) -> str | None:
 
 
 def _selection(gates: dict) -> str | None:
-    """The options that chose the tests ('-k test_api', '--gates -k fwd'), None for all."""
+    """The options that chose the tests ('-k test_api', '--gates -k fwd', '--long': the tests
+    marked long too), None for every test of a pull request's run."""
     selection = gates.get("selection")
     if not isinstance(selection, dict):
         return None
     parts = ["--gates"] if selection.get("gates_only") else []
+    parts += ["--long"] if selection.get("long") is True else []
     parts += [f"-k {selection['keyword']}"] if selection.get("keyword") else []
     parts += [f"-m {selection['markexpr']}"] if selection.get("markexpr") else []
     return " ".join(parts) or None

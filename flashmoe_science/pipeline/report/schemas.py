@@ -163,7 +163,12 @@ GATES = _record(
         "tests": _COUNTS,
         "selection": {
             "type": ["object", "null"],
-            "properties": {"keyword": _SHORT, "markexpr": _SHORT, "gates_only": _SCALAR},
+            "properties": {
+                "keyword": _SHORT,
+                "markexpr": _SHORT,
+                "gates_only": _SCALAR,
+                "long": _SCALAR,
+            },
         },
         "worst_max_diff": _NUMBER,
         "worst_ratio": _NUMBER,
