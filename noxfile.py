@@ -64,6 +64,12 @@ def test(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def select(session: nox.Session) -> None:
+    """GPU CI: the full matrix, or main's recorded verdict when no gate input changed."""
+    flashmoe(session, "select", *session.posargs)
+
+
+@nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """Regression benchmarks against PyTorch SDPA (and `-- --base REF`: head against base, interleaved)."""
     flashmoe(session, "bench", *session.posargs)

@@ -83,7 +83,8 @@ def test_gpu_ci_starts_only_from_the_default_branch():
         "synchronize",
         "labeled",
     }
-    assert set(on["workflow_dispatch"]["inputs"]) == {"pr", "sha"}
+    assert set(on["workflow_dispatch"]["inputs"]) == {"pr", "sha", "full"}
+    assert on["workflow_dispatch"]["inputs"]["full"]["type"] == "boolean"
 
 
 def test_every_self_hosted_job_waits_for_approval():

@@ -247,6 +247,41 @@ def test_gpu_job_uploads_reports_even_when_a_stage_fails():
     )
 
 
+def test_a_leg_that_reuses_mains_verdict_skips_build_test_and_bench():
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    names = [s.get("name") for s in steps(job)]
+    assert names.index("env") < names.index("select") < names.index("build")
+    select = next(s for s in steps(job) if s.get("name") == "select")
+    assert select["id"] == "select" and re.search(r"\bnox -s select\b", select["run"])
+    # only a pull request may reuse, and workflow_dispatch's `full` forces the matrix
+    assert select["env"]["PR"] == "${{ needs.approve.outputs.pr }}"
+    assert select["env"]["FULL"] == "${{ inputs.full }}"
+    assert "--pull-request" in select["run"] and "--full" in select["run"]
+    assert select["env"]["BASE"] == "${{ steps.changes.outputs.base }}"
+    for name in ("build", "test"):
+        step = next(s for s in steps(job) if s.get("name") == name)
+        assert step["if"] == "${{ steps.select.outputs.mode != 'reuse' }}", name
+    bench = next(s for s in steps(job) if s.get("name") == "bench")
+    assert "steps.build.outcome == 'success'" in bench["if"], "no build, no bench"
+
+
+def test_no_run_reads_what_a_pull_requests_run_wrote():
+    """No cache anywhere (a pull request's run could write one another run reads); the only job
+    that writes to the repository (main's verdicts and bench history) runs after main's pushes."""
+    writers = []
+    for name, _, job_id, job in all_jobs():
+        for step in steps(job):
+            assert not str(step.get("uses", "")).startswith("actions/cache"), (name, job_id)
+        if (job.get("permissions") or {}).get("contents") == "write":
+            writers.append((name, job_id))
+    assert writers == [("bench-history.yml", "history")]
+    history = load("bench-history.yml")["jobs"]["history"]
+    assert "github.event.workflow_run.event == 'push'" in history["if"]
+    assert "github.event.workflow_run.conclusion == 'success'" in history["if"]
+    step = next(s for s in steps(history) if "gpuci history" in s.get("run", ""))
+    assert '--run-url "$RUN_URL"' in step["run"], "each verdict links main's run"
+
+
 def test_sanitize_runs_only_when_csrc_changed():
     job = load("gpu-ci.yml")["jobs"]["gpu"]
     sanitize = next(s for s in steps(job) if s.get("run", "").strip() == "nox -s sanitize")

@@ -39,7 +39,7 @@ from .provenance import RUN_ID_VAR, provenance
 
 STAGES_FILE = "stages.json"
 SCHEMA = "flashmoe-science/stages/2"
-ORDER = ("env", "build", "test", "bench", "sanitize", "profile")
+ORDER = ("env", "select", "build", "test", "bench", "sanitize", "profile")
 JOB_START_VAR = "FLASHMOE_JOB_START"
 MAX_JOB_SECONDS = 7 * 24 * 3600  # a start older than this is a leftover variable, not this job
 

@@ -35,6 +35,10 @@ that far (the build failed, pytest could not start). Schema "flashmoe-science/ga
   cases         one row per gate case that ran: gates.GateResult.to_json() plus op, dtype,
                 head_dim, "outcome" (pytest's) and, under pytest-xdist, "worker" (its id);
                 failing cases first
+  reused        only in a record `python -m flashmoe_science select` wrote instead of a test run
+                (ci/selection.py): {"sha", "run_id", "run_url", "key", "timestamp"} of main's
+                run whose verdict this pull request's leg reused; its counts and worst figures
+                are that run's, and no case rows come with them
   workers       one row per process that ran tests, in id order: {"id": pytest-xdist's worker id
                 ("gw0", ...) or "main" (no workers), "cuda_visible_devices": the GPU it was
                 given (devices.py; null: not pinned), "gpu": the device name it saw (null: none),
@@ -61,10 +65,11 @@ import json
 import os
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import pytest
 
-from ..paths import report_dir
+from ..paths import REPO_ROOT, report_dir
 from ..provenance import provenance
 from . import devices
 
@@ -179,11 +184,15 @@ def write_record(
     reason: str | None = None,
     training: dict | None = None,
     workers: Iterable[dict] = (),
+    reused: dict | None = None,
+    worst: dict | None = None,
+    tree: Path = REPO_ROOT,
 ) -> dict:
     """Write gates.json into the report directory (atomically) and return what was written.
     Counts left out are zero: the stage stopped before any test ran. `training`: the training
     run's losses and outcome where it ran (TRAINING), else null. `workers`: the processes that
-    ran tests and the GPU each used."""
+    ran tests and the GPU each used. `reused` and `worst`: main's run whose verdict stands in
+    for a test run, and its worst figures (ci/selection.py). `tree`: the checkout it describes."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome={outcome!r}; supported: {', '.join(OUTCOMES)}")
     if gates is None or tests is None:
@@ -194,7 +203,7 @@ def write_record(
     doc = {
         "schema": SCHEMA,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "provenance": provenance(),
+        "provenance": provenance(tree),
         "outcome": outcome,
         "reason": reason,
         "pytest_exit": None if pytest_exit is None else int(pytest_exit),
@@ -210,6 +219,11 @@ def write_record(
         "training": training,
         "workers": sorted(workers, key=lambda w: _worker_order(str(w.get("id")))),
     }
+    if reused is not None:
+        doc["reused"] = reused
+        doc["total"], doc["failed"] = gates.get("ran", 0), gates.get("failed", 0)
+        for name in ("worst_max_diff", "worst_case", "worst_ratio"):
+            doc[name] = (worst or {}).get(name)
     path = report_dir() / RECORD
     tmp = path.with_name(f".{RECORD}.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")

@@ -253,6 +253,7 @@ def _main_legs(args: argparse.Namespace, output: Path, changed: list[str] | None
         if leg.inputs is not None:
             leg.inputs.tested_sha, leg.inputs.head_sha = args.tested_sha, args.head_sha
             leg.inputs.run_url = url
+            leg.inputs.changed_paths = changed  # each leg's selection is checked against them
     header = Inputs(tested_sha=args.tested_sha, run_url=url, changed_paths=changed)
     if jobs is None:
         notes.append("the run's jobs were not read: each leg is judged by its records alone")

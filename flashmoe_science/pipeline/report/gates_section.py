@@ -8,6 +8,8 @@ stage writes on every run:
     tests        {"selected", "passed", "failed", "errors", "skipped"}: every test, gates included
     pytest_exit  pytest's own exit status (null when pytest did not run)
     selection    {"keyword": -k, "markexpr": -m, "gates_only": --gates, "long": --long, "args"}
+    reused       main's run whose verdict a pull request's leg reused (ci/selection.py): then the
+                 counts are that run's and this run ran no gate
     workers      the processes that ran tests: each one's GPU (CUDA_VISIBLE_DEVICES entry and
                  device name) and the gates it ran, shown as the GPUs used
     cases        one row per gate case that ran; `rerun` is the command that reruns it,
@@ -25,6 +27,7 @@ from typing import Any
 from .. import markdown as md
 from .inputs import Inputs, stage_status
 from .sections import FAIL, OK, WARN, Detail, Section, absent, stale_section, unreadable_section
+from .selection_section import reused_text
 
 MAX_FAILING = 100  # failing cases detailed at most; the rest are counted (all are in gates.json)
 MAX_GPUS = 16  # GPUs named in the facts line; the rest are counted
@@ -165,6 +168,9 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
     selection = _selection(gates)
     worst_case = gates.get("worst_case")
     facts = [f"**{counts}**"]
+    reused = gates.get("reused") if isinstance(gates.get("reused"), dict) else None
+    if reused:
+        facts.append(f"**reused**: the verdict of {reused_text(reused)}; no gate ran in this run")
     if md.num(gates.get("worst_max_diff")) is not None:
         facts.append(
             f"**worst max diff** {md.sig(gates.get('worst_max_diff'))}"
@@ -181,7 +187,7 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
     parts = [" · ".join(facts)]
     problems = []
     if outcome == "passed":
-        summary = counts
+        summary = counts + (" (main's, reused)" if reused else "")
         if stage_status(inputs, "test") not in (None, "ok"):
             # gates.json says passed, the command did not: believe the failure.
             severity, summary = FAIL, f"{counts}; the test stage still failed"

@@ -20,7 +20,7 @@ BUILD_LOG = "build.log"
 MAX_RECORD_BYTES = 64 * 2**20  # a record larger than this is not parsed (the real ones are < 1 MiB)
 MAX_LOG_BYTES = 2**20  # of build.log, only the end is read
 BENCH_SCHEMA = REPO_ROOT / "benches" / "bench.schema.json"
-RECORDS = ("env.json", "build.json", "gates.json", "bench.json", "sanitize.json")
+RECORDS = ("env.json", "build.json", "gates.json", "bench.json", "sanitize.json", "selection.json")
 
 
 @dataclasses.dataclass
@@ -31,6 +31,9 @@ class Inputs:
     gates: dict | None = None
     bench: dict | None = None
     sanitize: dict | None = None
+    selection: dict | None = (
+        None  # GPU CI's choice: the full matrix or main's verdict (ci.selection)
+    )
     stages: dict[str, dict] = dataclasses.field(default_factory=dict)
     base_build: dict | None = None
     base_build_path: str | None = None
@@ -150,6 +153,7 @@ def load_inputs(
     inputs.gates = _read_json(directory / "gates.json", "gates.json", bad, inputs.notes)
     inputs.bench = _read_json(directory / "bench.json", "bench.json", bad)
     inputs.sanitize = _read_json(directory / "sanitize.json", "sanitize.json", bad, inputs.notes)
+    inputs.selection = _read_json(directory / "selection.json", "selection.json", bad, inputs.notes)
     for label in RECORDS:
         doc = getattr(inputs, label.removesuffix(".json"))
         why = (

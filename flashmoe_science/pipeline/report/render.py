@@ -22,6 +22,7 @@ from .inputs import Inputs, stage_failed
 from .sanitize_section import sanitize_section
 from .sanitize_section import shown as sanitize_shown
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN, Detail, Section
+from .selection_section import selection_section
 from .targets_section import targets_section
 from .trusted import history_section, trusted_header
 
@@ -105,6 +106,7 @@ def _extra_stages(inputs: Inputs) -> list[str]:
     """Stages in stages.json without a section of their own (profile; sanitize without a
     sanitize.json)."""
     own = (*SECTION_STAGES, "sanitize") if sanitize_shown(inputs) else SECTION_STAGES
+    own += ("select",) if inputs.selection is not None or "selection.json" in inputs.stale else ()
     return [name for name in inputs.stages if name not in own]
 
 
@@ -181,6 +183,7 @@ def _subject(inputs: Inputs) -> str:
 # judged none): it is left out, not listed as not run.
 SECTIONS: tuple[tuple[str, str, Callable[[Inputs, Detail], Section | None]], ...] = (
     ("env", "Environment", env_section),
+    ("select", "Selection", selection_section),
     ("build", "Build", build_section),
     ("test", "Correctness gates", gates_section),
     ("bench", "Benchmark", bench_section),
