@@ -818,6 +818,72 @@ def test_every_stage_timed_once_by_the_cli_and_the_total_is_the_jobs(tmp_path, m
     assert total and total.group(1) in ("7m 29s", "7m 30s"), text
 
 
+def timed(started: float, seconds: float, status: str = "ok") -> dict:
+    return {"started_at": started, "seconds": seconds, "status": status}
+
+
+def test_the_critical_path_is_where_the_jobs_time_went_in_order():
+    ran = {
+        "env": timed(100.0, 5.0),
+        "select": timed(106.0, 2.0),
+        "build": timed(108.5, 120.0),
+        "test": timed(258.5, 200.0),  # 30 s after the build: another step ran between
+        "profile": timed(268.5, 60.0),  # alongside the test stage, and shorter: off the path
+        "bench": timed(458.5, 50.0, "running"),  # no end yet: not on it
+    }
+    path = stages.critical_path(ran, start=40.0, end=500.0)
+    assert path == [
+        (stages.SETUP, 60.0),
+        ("env", 5.0),
+        (stages.BETWEEN, 1.0),  # a process starting: the report names no gap this short
+        ("select", 2.0),
+        (stages.BETWEEN, 0.5),
+        ("build", 120.0),
+        (stages.BETWEEN, 30.0),
+        ("test", 200.0),
+        (stages.FINISH, 41.5),
+    ]
+    assert sum(seconds for _, seconds in path) == 460.0, "the whole job, start to end"
+    assert stages.critical_path(ran)[0] == ("env", 5.0), "without the job's start: from env"
+    assert stages.critical_path({"env": {"seconds": 3.0, "status": "ok"}}) == []
+
+
+def test_the_report_shows_the_critical_path_and_the_h200_budget(tmp_path, monkeypatch):
+    """In the job, the path runs from the job's first step (FLASHMOE_JOB_START) to the report;
+    stages.json keeps that start, so the trusted re-render shows the setup step too. On an H200,
+    the card the budget was set for, a test stage over 4 minutes is said."""
+    import datetime
+    import time
+
+    from flashmoe_science.pipeline import cli
+
+    reports = copy_fixture("passing", tmp_path)
+    (reports / "stages.json").unlink()
+    env = json.loads((reports / "env.json").read_text())
+    env["gpu"]["name"], env["gpu"]["capability"] = "NVIDIA H200", "9.0"
+    (reports / "env.json").write_text(json.dumps(env))
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(reports))
+    start = time.time() - 90
+    monkeypatch.setenv(stages.JOB_START_VAR, str(start))
+    began = datetime.datetime.fromtimestamp(start + 30, datetime.timezone.utc)
+    stages.record_stage("env", 5.0, "ok", 0, started=began.isoformat())
+    monkeypatch.setattr(cli, "_run", lambda name, rest: 0)
+    assert cli.main(["test"]) == 0
+    _, text = render_dir(reports)
+    line = next(line for line in text.splitlines() if line.startswith("**Critical path**"))
+    assert " → test " in line and line.split(": ", 1)[1].startswith("setup ")
+    assert "within the NVIDIA H200 budget (job 8m 00s, test 4m 00s)" in line
+    assert json.loads((reports / "stages.json").read_text())["job_start"] == float(start)
+    doc = json.loads((reports / "stages.json").read_text())
+    doc["stages"]["test"]["seconds"] = 301.0
+    (reports / "stages.json").write_text(json.dumps(doc))
+    monkeypatch.delenv(stages.JOB_START_VAR)  # the trusted re-render: no job of its own
+    _, text = render_dir(reports)
+    line = next(line for line in text.splitlines() if line.startswith("**Critical path**"))
+    assert line.split(": ", 1)[1].startswith("setup "), "the start stages.json kept"
+    assert "⚠️ over the NVIDIA H200 budget: test 5m 01s > 4m 00s" in line
+
+
 def test_help_is_not_a_stage(tmp_path, monkeypatch):
     from flashmoe_science.pipeline import cli
 

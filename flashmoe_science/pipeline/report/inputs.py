@@ -44,6 +44,7 @@ class Inputs:
     commit: dict | None = None  # the checkout the report describes
     run_id: str | None = None  # FLASHMOE_RUN_ID, when set
     job_seconds: float | None = None  # since FLASHMOE_JOB_START, when set
+    job_start: float | None = None  # FLASHMOE_JOB_START, or the one stages.json recorded
     run_url: str | None = None
     # Set by the privileged job that re-renders a pull request's report from its artifact: the
     # commit it verified the run tested, and the files the pull request changes.
@@ -139,6 +140,7 @@ def load_inputs(
     commit: dict | None = None,
     run_id: str | None = None,
     job_seconds: float | None = None,
+    job_start: float | None = None,
 ) -> Inputs:
     """Read the report folder. `commit` is the checkout's (provenance.commit() when None) and
     `run_id` this run's (FLASHMOE_RUN_ID when None): records from other code or runs are stale."""
@@ -146,6 +148,7 @@ def load_inputs(
         commit=commit if commit is not None else provenance.commit(),
         run_id=run_id if run_id is not None else (os.environ.get(provenance.RUN_ID_VAR) or None),
         job_seconds=job_seconds,
+        job_start=job_start if job_seconds is not None else None,
     )
     bad = inputs.unreadable
     inputs.env = _read_json(directory / "env.json", "env.json", bad, inputs.notes)
@@ -173,9 +176,13 @@ def load_inputs(
         if caveat:
             inputs.notes.append(caveat)
     try:
-        inputs.stages = stages.normalize(
-            _read_json(directory / stages.STAGES_FILE, stages.STAGES_FILE, bad, inputs.notes)
+        stages_doc = _read_json(
+            directory / stages.STAGES_FILE, stages.STAGES_FILE, bad, inputs.notes
         )
+        inputs.stages = stages.normalize(stages_doc)
+        recorded = (stages_doc or {}).get("job_start")
+        if inputs.job_start is None and md.num(recorded) is not None and recorded > 0:
+            inputs.job_start = float(recorded)
     except (TypeError, ValueError, OverflowError) as exc:  # a shape the schema let through
         bad[stages.STAGES_FILE] = md.flat(f"{type(exc).__name__}: {exc}", 200)
         inputs.stages = {}

@@ -209,6 +209,7 @@ GATES = _record(
 
 STAGES = _record(
     {
+        "job_start": _NUMBER,
         "stages": {
             "type": ["object", "null"],
             "maxProperties": 64,
@@ -222,7 +223,7 @@ STAGES = _record(
                     "provenance": _PROVENANCE,
                 },
             },
-        }
+        },
     }
 )
 
