@@ -638,6 +638,12 @@ def test_gates_and_tests_are_counted_apart(tmp_path):
     assert "| ✅ | test | 692 of 692 gates passed · 1,008 tests passed |" in text
 
 
+def test_a_run_with_the_tests_marked_long_says_so(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "gates.json", selection={"keyword": None, "gates_only": False, "long": True})
+    assert "**selection** `--long`" in render_dir(reports)[1]
+
+
 def test_the_gates_section_names_the_gpus_the_test_stage_used(tmp_path):
     reports = copy_fixture("passing", tmp_path)
     worker = {"gpu": "NVIDIA H200", "gates": 6, "tests": 40}
