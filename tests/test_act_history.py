@@ -137,14 +137,31 @@ def leg_doc(doc: dict, kind: str) -> dict:
     return leg
 
 
-def run_history(tmp_path: Path, remote: Path, n: int, doc: dict, **event) -> tuple:
+def run_history(
+    tmp_path: Path, remote: Path, n: int, doc: dict, verdicts: bool = False, **event
+) -> tuple:
     """bench-history.yml under act for main's n-th push with `doc` as each leg's bench.json
-    (leg_doc); (exit status, log, step summary, the API's commit comments)."""
+    (leg_doc) and, with `verdicts`, each leg's selection.json and gates.json of a full run;
+    (exit status, log, step summary, the API's commit comments)."""
     work = tmp_path / f"run-{n}"
     for kind in gpukinds.KINDS:
         reports = work / "artifacts" / gpukinds.artifact_name(kind)
         reports.mkdir(parents=True)
         (reports / "bench.json").write_text(json.dumps(leg_doc(doc, kind)))
+        if verdicts:
+            block = leg_doc(doc, kind)["provenance"]
+            counts = {"selected": 3, "ran": 3, "passed": 3, "failed": 0, "skipped": 0}
+            records = {
+                "selection.json": {"provenance": block, "mode": "full", "key": f"k-{kind}"},
+                "gates.json": {
+                    "provenance": block,
+                    "outcome": "passed",
+                    "gates": counts,
+                    "tests": {**counts, "errors": 0},
+                },
+            }
+            for name, record in records.items():
+                (reports / name).write_text(json.dumps(record))
     api = Api({("POST", f"commits/{sha_of(n)}/comments"): (201, {"id": 1})})
     try:
         rc, log, out = run_job(
@@ -220,6 +237,18 @@ def test_a_case_slowed_outside_its_noise_band_raises_the_alert(tmp_path, remote,
     assert f"1 case left main's noise band: {SLOW_CASE}" in log
     rows = [line for line in summary.splitlines() if line.startswith("| `")]
     assert len(rows) == 10 and sum("⚠️" in line for line in rows) == 1, "only the planted case"
+
+
+def test_each_legs_gate_verdict_is_stored_under_its_key_linking_the_run(tmp_path, remote):
+    """What a pull request that changes no gate input reuses (ci/selection.py): written here,
+    by the job that runs only after main's passing pushes, never by a pull request's run."""
+    rc, log, _, _ = run_history(tmp_path, remote, 1, bench_doc(1), verdicts=True)
+    assert rc == 0, log[-4000:]
+    for kind in gpukinds.KINDS:
+        stored = json.loads(git(remote, "show", f"bench-history:verdicts/{kind}/k-{kind}.json"))
+        assert (stored["sha"], stored["kind"], stored["outcome"]) == (sha_of(1), kind, "passed")
+        assert stored["run_url"] == f"https://github.com/{REPO}/actions/runs/{run_id_of(1)}"
+        assert stored["run_id"] == gpukinds.leg_run_id(f"gpu-{run_id_of(1)}-1", kind)
 
 
 def test_a_bench_json_of_another_commit_or_run_is_not_stored(tmp_path, remote):
