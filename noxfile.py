@@ -64,6 +64,12 @@ def test(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def select(session: nox.Session) -> None:
+    """GPU CI: the full matrix, or main's recorded verdict when no gate input changed."""
+    flashmoe(session, "select", *session.posargs)
+
+
+@nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """Regression benchmarks against PyTorch SDPA (and `-- --base REF`: head against base, interleaved)."""
     flashmoe(session, "bench", *session.posargs)
@@ -77,7 +83,7 @@ def report(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def compile(session: nox.Session) -> None:
-    """CUDA compile-and-link check for the L4 (sm_89) and H100 (sm_90a); needs nvcc, not a GPU.
+    """CUDA compile-and-link check for the L4 (sm_89) and H100/H200 (sm_90a); needs nvcc, not a GPU.
     Fails where ptxas serialized a wgmma pipeline (a kernel correct but several times slower)."""
     flashmoe(
         session, "build", "--backend", "cuda", "--arch", "8.9;9.0a", "--strict", *session.posargs

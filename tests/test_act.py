@@ -234,8 +234,9 @@ def test_gpu_job_help_names_the_legs_and_rejects_an_unknown_kind(tmp_path):
     script = str(ACT / "gpu-job.sh")
     shown = subprocess.run([BASH, script, "--help"], capture_output=True, text=True, env=env)
     assert "The default leg is\nh100" in shown.stdout and "(--kind l4, on an L4)" in shown.stdout
+    assert "on an H200 (--kind h200)" in shown.stdout
     bad = subprocess.run([BASH, script, "--kind", "a100"], capture_output=True, text=True, env=env)
-    assert bad.returncode == 2 and "--kind must be h100 or l4, not 'a100'" in bad.stderr
+    assert bad.returncode == 2 and "--kind must be h200, h100 or l4, not 'a100'" in bad.stderr
     env["ACT_BIN"] = "/nonexistent"
     matrix = subprocess.run(
         [BASH, str(DRIVER), "--matrix", "gpu"], capture_output=True, text=True, env=env

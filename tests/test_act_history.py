@@ -137,14 +137,31 @@ def leg_doc(doc: dict, kind: str) -> dict:
     return leg
 
 
-def run_history(tmp_path: Path, remote: Path, n: int, doc: dict, **event) -> tuple:
+def run_history(
+    tmp_path: Path, remote: Path, n: int, doc: dict, verdicts: bool = False, **event
+) -> tuple:
     """bench-history.yml under act for main's n-th push with `doc` as each leg's bench.json
-    (leg_doc); (exit status, log, step summary, the API's commit comments)."""
+    (leg_doc) and, with `verdicts`, each leg's selection.json and gates.json of a full run;
+    (exit status, log, step summary, the API's commit comments)."""
     work = tmp_path / f"run-{n}"
     for kind in gpukinds.KINDS:
         reports = work / "artifacts" / gpukinds.artifact_name(kind)
         reports.mkdir(parents=True)
         (reports / "bench.json").write_text(json.dumps(leg_doc(doc, kind)))
+        if verdicts:
+            block = leg_doc(doc, kind)["provenance"]
+            counts = {"selected": 3, "ran": 3, "passed": 3, "failed": 0, "skipped": 0}
+            records = {
+                "selection.json": {"provenance": block, "mode": "full", "key": f"k-{kind}"},
+                "gates.json": {
+                    "provenance": block,
+                    "outcome": "passed",
+                    "gates": counts,
+                    "tests": {**counts, "errors": 0},
+                },
+            }
+            for name, record in records.items():
+                (reports / name).write_text(json.dumps(record))
     api = Api({("POST", f"commits/{sha_of(n)}/comments"): (201, {"id": 1})})
     try:
         rc, log, out = run_job(
@@ -170,9 +187,10 @@ def test_each_push_adds_a_commit_with_its_bench_json_and_the_trend_grows(tmp_pat
         assert rc == 0, log[-4000:]
         assert not comments
         commits = history_commits(remote)
-        assert len(commits) == 2 * n, "one new commit on bench-history per push and GPU kind"
+        assert len(commits) == len(gpukinds.KINDS) * n, "a commit per push and GPU kind"
         name = trend.point_name(trend.point_of(benchrecords.from_json(doc), sha_of(n)))
-        for commit, kind in zip(commits[:2], ("h100", "l4"), strict=True):  # newest first
+        newest = commits[: len(gpukinds.KINDS)]
+        for commit, kind in zip(newest, reversed(gpukinds.KINDS), strict=True):  # newest first
             added = git(remote, "show", "--name-only", "--format=", commit).split()
             assert sorted(added) == [f"points/{kind}/{name}", f"runs/{kind}/{name}"]
             stored = json.loads(git(remote, "show", f"{commit}:runs/{kind}/{name}"))
@@ -197,7 +215,7 @@ def test_a_case_slowed_outside_its_noise_band_raises_the_alert(tmp_path, remote,
     seed(remote, tmp_path, range(1, 9))  # main's l4 history; the h100 leg has none yet
     before = history_commits(remote)
     rc, log, summary, comments = run_history(tmp_path, remote, 9, bench_doc(9, slow))
-    assert len(history_commits(remote)) == len(before) + 2, "both legs stored, alert or not"
+    assert len(history_commits(remote)) == len(before) + len(gpukinds.KINDS), "every leg stored"
     h100 = summary[summary.index("(h100 leg)") :]
     summary = summary[: summary.index("(h100 leg)")]  # the l4 leg's section
     assert "⚠️" not in h100, "the h100 leg is never set beside the l4 history"
@@ -219,6 +237,18 @@ def test_a_case_slowed_outside_its_noise_band_raises_the_alert(tmp_path, remote,
     assert f"1 case left main's noise band: {SLOW_CASE}" in log
     rows = [line for line in summary.splitlines() if line.startswith("| `")]
     assert len(rows) == 10 and sum("⚠️" in line for line in rows) == 1, "only the planted case"
+
+
+def test_each_legs_gate_verdict_is_stored_under_its_key_linking_the_run(tmp_path, remote):
+    """What a pull request that changes no gate input reuses (ci/selection.py): written here,
+    by the job that runs only after main's passing pushes, never by a pull request's run."""
+    rc, log, _, _ = run_history(tmp_path, remote, 1, bench_doc(1), verdicts=True)
+    assert rc == 0, log[-4000:]
+    for kind in gpukinds.KINDS:
+        stored = json.loads(git(remote, "show", f"bench-history:verdicts/{kind}/k-{kind}.json"))
+        assert (stored["sha"], stored["kind"], stored["outcome"]) == (sha_of(1), kind, "passed")
+        assert stored["run_url"] == f"https://github.com/{REPO}/actions/runs/{run_id_of(1)}"
+        assert stored["run_id"] == gpukinds.leg_run_id(f"gpu-{run_id_of(1)}-1", kind)
 
 
 def test_a_bench_json_of_another_commit_or_run_is_not_stored(tmp_path, remote):
@@ -295,10 +325,11 @@ def test_the_pr_report_shows_mains_trend_from_the_branch(tmp_path, remote):
     assert rc == 0, log[-4000:]
     assert "fetch-points: 7 points of bench-history (l4)" in log
     assert "fetch-points: 0 points of bench-history (h100)" in log
+    assert "fetch-points: 0 points of bench-history (h200)" in log
     comment = (out / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
-    assert comment.startswith("## ✅ flashmoe-science: l4 passed, h100 passed\n")
+    assert comment.startswith("## ✅ flashmoe-science: l4 passed, h100 passed, h200 passed\n")
     l4 = comment[comment.index("<b>l4</b>") : comment.index("<b>h100</b>")]
-    h100 = comment[comment.index("<b>h100</b>") :]
+    h100 = comment[comment.index("<b>h100</b>") : comment.index("<b>h200</b>")]
     section = l4[l4.index("Performance history (main)") :]
     assert "7 stored runs of main" in l4
     assert "xychart-beta" in section and "main, last 7 commits" in section

@@ -176,7 +176,7 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
     if has_jsonschema.returncode != 0:
         pytest.skip("the offline report job needs python3 with jsonschema")
     artifacts = tmp_path / "artifacts"
-    # The l4 leg uploaded its reports; the h100 leg failed before its upload (no artifact).
+    # The l4 leg uploaded its reports; the h100 and h200 legs failed before their uploads.
     reports = artifacts / "gpu-ci-reports-l4"
     shutil.copytree(ROOT / "tests" / "fixtures" / "report" / "passing", reports)
     (reports / "expected.md").unlink()
@@ -200,6 +200,7 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
         {"name": "Approve the commit to test (trusted)", "conclusion": "success"},
         {"name": "GPU (l4)", "conclusion": "success"},
         {"name": "GPU (h100)", "conclusion": "failure"},
+        {"name": "GPU (h200)", "conclusion": "failure"},
     ]
     api = Api(
         {
@@ -221,7 +222,7 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
     assert api.called("GET", "actions/runs/1/jobs?filter=latest"), "the legs' results, from the API"
     comment = (out / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
     lines = comment.split("\n")
-    assert lines[0] == "## ❌ flashmoe-science: l4 stale, h100 failed"
+    assert lines[0] == "## ❌ flashmoe-science: l4 stale, h100 failed, h200 failed"
     assert lines[1] == MARKER
     assert lines[3].startswith("- 🕰️ **l4** (NVIDIA L4, sm_89): not a verdict on this commit")
     assert "stale: the PR is now at eeeeeeeeeeee, untested" in lines[3]
@@ -326,16 +327,18 @@ def test_both_legs_under_act_make_one_comment_with_a_verdict_line_each(
         api.close()
     assert rc != 0 and "GPU kind l4: every build targets 8.9" in log
     assert "GPU kind h100: every build targets 9.0a" in log
+    assert "GPU kind h200: every build targets 9.0a" in log
     artifacts = out / "artifacts"
     assert sorted(p.name for p in artifacts.iterdir()) == [
         "gpu-ci-approval",
         "gpu-ci-reports-h100",
+        "gpu-ci-reports-h200",
         "gpu-ci-reports-l4",
     ]
     (artifacts / "gpu-ci-approval" / "approval.json").write_text(
         json.dumps({"run": True, "pr": 7, "sha": head_sha})  # as if the push had been PR 7's
     )
-    jobs = [{"name": f"GPU ({kind})", "conclusion": "failure"} for kind in ("l4", "h100")]
+    jobs = [{"name": f"GPU ({kind})", "conclusion": "failure"} for kind in ("l4", "h100", "h200")]
     pull = {"number": 7, "head": {"sha": head_sha}, "base": {"repo": {"full_name": REPO}}}
     api = Api(
         {
@@ -353,8 +356,9 @@ def test_both_legs_under_act_make_one_comment_with_a_verdict_line_each(
     assert rc == 0, log[-4000:]
     comment = (report / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
     lines = comment.split("\n")
-    assert lines[0] == "## ❌ flashmoe-science: l4 failed, h100 failed" and lines[1] == MARKER
-    for line, kind in zip(lines[3:5], ("l4", "h100"), strict=True):
+    assert lines[0] == "## ❌ flashmoe-science: l4 failed, h100 failed, h200 failed"
+    assert lines[1] == MARKER
+    for line, kind in zip(lines[3:6], ("l4", "h100", "h200"), strict=True):
         assert line.startswith(f"- ❌ **{kind}** (")
         assert "its job failed (its records: environment check failed (gpu))" in line
     assert "**run** `gpu-1-1-l4`" in comment and "**run** `gpu-1-1-h100`" in comment

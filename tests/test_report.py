@@ -638,6 +638,32 @@ def test_gates_and_tests_are_counted_apart(tmp_path):
     assert "| ✅ | test | 692 of 692 gates passed · 1,008 tests passed |" in text
 
 
+def test_a_run_with_the_tests_marked_long_says_so(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(reports / "gates.json", selection={"keyword": None, "gates_only": False, "long": True})
+    assert "**selection** `--long`" in render_dir(reports)[1]
+
+
+def test_the_gates_section_names_the_gpus_the_test_stage_used(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    worker = {"gpu": "NVIDIA H200", "gates": 6, "tests": 40}
+    workers = [{**worker, "id": f"gw{i}", "cuda_visible_devices": str(i % 2)} for i in (0, 1, 2, 3)]
+    rewrite(reports / "gates.json", workers=workers)
+    _, text = render_dir(reports)
+    assert (
+        "**GPUs used** 2: `0` NVIDIA H200 (2 workers, 12 gates), "
+        "`1` NVIDIA H200 (2 workers, 12 gates)"
+    ) in text
+    lone = [{"id": "main", "cuda_visible_devices": None, "gpu": "NVIDIA L4", "gates": 24}]
+    rewrite(reports / "gates.json", workers=lone)
+    assert "**GPUs used** NVIDIA L4 (one process, 24 gates)" in render_dir(reports)[1]
+    cpu = [{"id": "gw0", "cuda_visible_devices": None, "gpu": None, "gates": 24}]
+    rewrite(reports / "gates.json", workers=cpu)
+    assert "GPUs used" not in render_dir(reports)[1], "a CPU run names no GPU"
+    rewrite(reports / "gates.json", workers=[{"id": "gw0", "gpu": "<img src=x>", "gates": 1}])
+    assert "<img" not in render_dir(reports)[1]
+
+
 def test_a_failed_case_is_never_part_of_a_pass(tmp_path):
     reports = copy_fixture("passing", tmp_path)
     gates = json.loads((reports / "gates.json").read_text())
@@ -796,6 +822,72 @@ def test_every_stage_timed_once_by_the_cli_and_the_total_is_the_jobs(tmp_path, m
         r"\| \*\*total\*\* \| the job, from its first step \| \*\*(7m \d\ds)\*\* \|", text
     )
     assert total and total.group(1) in ("7m 29s", "7m 30s"), text
+
+
+def timed(started: float, seconds: float, status: str = "ok") -> dict:
+    return {"started_at": started, "seconds": seconds, "status": status}
+
+
+def test_the_critical_path_is_where_the_jobs_time_went_in_order():
+    ran = {
+        "env": timed(100.0, 5.0),
+        "select": timed(106.0, 2.0),
+        "build": timed(108.5, 120.0),
+        "test": timed(258.5, 200.0),  # 30 s after the build: another step ran between
+        "profile": timed(268.5, 60.0),  # alongside the test stage, and shorter: off the path
+        "bench": timed(458.5, 50.0, "running"),  # no end yet: not on it
+    }
+    path = stages.critical_path(ran, start=40.0, end=500.0)
+    assert path == [
+        (stages.SETUP, 60.0),
+        ("env", 5.0),
+        (stages.BETWEEN, 1.0),  # a process starting: the report names no gap this short
+        ("select", 2.0),
+        (stages.BETWEEN, 0.5),
+        ("build", 120.0),
+        (stages.BETWEEN, 30.0),
+        ("test", 200.0),
+        (stages.FINISH, 41.5),
+    ]
+    assert sum(seconds for _, seconds in path) == 460.0, "the whole job, start to end"
+    assert stages.critical_path(ran)[0] == ("env", 5.0), "without the job's start: from env"
+    assert stages.critical_path({"env": {"seconds": 3.0, "status": "ok"}}) == []
+
+
+def test_the_report_shows_the_critical_path_and_the_h200_budget(tmp_path, monkeypatch):
+    """In the job, the path runs from the job's first step (FLASHMOE_JOB_START) to the report;
+    stages.json keeps that start, so the trusted re-render shows the setup step too. On an H200,
+    the card the budget was set for, a test stage over 4 minutes is said."""
+    import datetime
+    import time
+
+    from flashmoe_science.pipeline import cli
+
+    reports = copy_fixture("passing", tmp_path)
+    (reports / "stages.json").unlink()
+    env = json.loads((reports / "env.json").read_text())
+    env["gpu"]["name"], env["gpu"]["capability"] = "NVIDIA H200", "9.0"
+    (reports / "env.json").write_text(json.dumps(env))
+    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(reports))
+    start = time.time() - 90
+    monkeypatch.setenv(stages.JOB_START_VAR, str(start))
+    began = datetime.datetime.fromtimestamp(start + 30, datetime.timezone.utc)
+    stages.record_stage("env", 5.0, "ok", 0, started=began.isoformat())
+    monkeypatch.setattr(cli, "_run", lambda name, rest: 0)
+    assert cli.main(["test"]) == 0
+    _, text = render_dir(reports)
+    line = next(line for line in text.splitlines() if line.startswith("**Critical path**"))
+    assert " → test " in line and line.split(": ", 1)[1].startswith("setup ")
+    assert "within the NVIDIA H200 budget (job 8m 00s, test 4m 00s)" in line
+    assert json.loads((reports / "stages.json").read_text())["job_start"] == float(start)
+    doc = json.loads((reports / "stages.json").read_text())
+    doc["stages"]["test"]["seconds"] = 301.0
+    (reports / "stages.json").write_text(json.dumps(doc))
+    monkeypatch.delenv(stages.JOB_START_VAR)  # the trusted re-render: no job of its own
+    _, text = render_dir(reports)
+    line = next(line for line in text.splitlines() if line.startswith("**Critical path**"))
+    assert line.split(": ", 1)[1].startswith("setup "), "the start stages.json kept"
+    assert "⚠️ over the NVIDIA H200 budget: test 5m 01s > 4m 00s" in line
 
 
 def test_help_is_not_a_stage(tmp_path, monkeypatch):

@@ -27,6 +27,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "report"
 SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # the fixtures' commit
 RUN = "gpu-1-1"
 H100_NAME = "NVIDIA H100 80GB HBM3"
+# The fixtures are an L4's: the Hopper legs' records get their own card's name and capability.
+HOPPER = {"h100": (H100_NAME, "9.0"), "h200": ("NVIDIA H200", "9.0")}
 
 
 def add_leg(
@@ -38,15 +40,15 @@ def add_leg(
     device: str | None = None,
 ) -> Path:
     """`fixture` as the `kind` leg's artifact: its records carry the run id of `run_kind` (the
-    leg's own by default) and, for h100, an H100's device name and compute capability unless
-    `device` names another card (which keeps the fixture's 8.9)."""
+    leg's own by default) and, for a Hopper kind, its card's device name and compute capability
+    unless `device` names another card (which keeps the fixture's 8.9)."""
     leg = root / gpukinds.artifact_name(kind)
     shutil.copytree(FIXTURES / fixture, leg)
     for name in ("expected.md", "base_build.json"):
         (leg / name).unlink(missing_ok=True)
     run_id = gpukinds.leg_run_id(RUN, run_kind or kind)
-    capability = "9.0" if kind == "h100" and device is None else None  # the fixtures are an L4's
-    device = device or (H100_NAME if kind == "h100" else None)
+    capability = HOPPER[kind][1] if kind in HOPPER and device is None else None
+    device = device or (HOPPER[kind][0] if kind in HOPPER else None)
     for path in leg.glob("*.json"):
         doc = json.loads(path.read_text())
         if isinstance(doc.get("provenance"), dict):
@@ -97,17 +99,21 @@ def verdict_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("- ")][:2]
 
 
-def test_two_passing_legs_make_one_comment_with_a_verdict_line_per_kind(root):
+def test_passing_legs_make_one_comment_with_a_verdict_line_per_kind(root):
     add_leg(root, "l4")
     add_leg(root, "h100")
-    code, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
+    add_leg(root, "h200")
+    code, text = comment(
+        root, "--jobs", str(jobs_file(root, l4="success", h100="success", h200="success"))
+    )
     assert code == exitcodes.OK
     lines = text.split("\n")
-    assert lines[0] == "## ✅ flashmoe-science: l4 passed, h100 passed"
+    assert lines[0] == "## ✅ flashmoe-science: l4 passed, h100 passed, h200 passed"
     assert lines[1] == report.MARKER and text.count(report.MARKER) == 1, "one comment, one marker"
-    assert verdict_lines(text) == [
+    assert [line for line in text.splitlines() if line.startswith("- ")][:3] == [
         "- ✅ **l4** (NVIDIA L4, sm_89): passed",
         "- ✅ **h100** (NVIDIA H100, sm_90a): passed",
+        "- ✅ **h200** (NVIDIA H200, sm_90a): passed",
     ]
     assert text.count("**tested** `9c41e07b2d5a`") == 1, "the trusted header once, on top"
     # then each kind's details, collapsed when it passed, in the order of the verdict lines
@@ -122,9 +128,12 @@ def test_two_passing_legs_make_one_comment_with_a_verdict_line_per_kind(root):
 def test_a_failed_leg_fails_the_comment_and_says_which(root):
     add_leg(root, "l4")
     add_leg(root, "h100", "failing_gates")
-    code, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="failure")))
+    add_leg(root, "h200")
+    code, text = comment(
+        root, "--jobs", str(jobs_file(root, l4="success", h100="failure", h200="success"))
+    )
     assert code == exitcodes.OK
-    assert text.startswith("## ❌ flashmoe-science: l4 passed, h100 failed\n")
+    assert text.startswith("## ❌ flashmoe-science: l4 passed, h100 failed, h200 passed\n")
     l4_line, h100_line = verdict_lines(text)
     assert l4_line == "- ✅ **l4** (NVIDIA L4, sm_89): passed"
     assert h100_line.startswith(
@@ -137,8 +146,11 @@ def test_a_failed_leg_fails_the_comment_and_says_which(root):
 def test_a_leg_whose_job_failed_is_a_failure_even_when_its_records_pass(root):
     add_leg(root, "l4")
     add_leg(root, "h100")
-    _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="timed_out")))
-    assert text.startswith("## ❌ flashmoe-science: l4 passed, h100 failed\n")
+    add_leg(root, "h200")
+    _, text = comment(
+        root, "--jobs", str(jobs_file(root, l4="success", h100="timed_out", h200="success"))
+    )
+    assert text.startswith("## ❌ flashmoe-science: l4 passed, h100 failed, h200 passed\n")
     assert verdict_lines(text)[1] == (
         "- ❌ **h100** (NVIDIA H100, sm_90a): its job timed out (its records: passed)"
     )
@@ -158,10 +170,15 @@ def test_a_leg_whose_job_failed_is_a_failure_even_when_its_records_pass(root):
 )
 def test_a_missing_leg_is_named_and_never_a_pass(root, jobs, said):
     add_leg(root, "l4")
-    extra = [] if jobs is None else ["--jobs", str(jobs_file(root, l4="success", **jobs))]
+    add_leg(root, "h200")
+    extra = (
+        []
+        if jobs is None
+        else ["--jobs", str(jobs_file(root, l4="success", h200="success", **jobs))]
+    )
     code, text = comment(root, *extra)
     assert code == exitcodes.OK, "a missing leg is the verdict's business, not an input error"
-    assert text.startswith("## ❌ flashmoe-science: l4 passed, h100 failed\n")
+    assert text.startswith("## ❌ flashmoe-science: l4 passed, h100 failed, h200 passed\n")
     assert verdict_lines(text)[1] == f"- ❌ **h100** (NVIDIA H100, sm_90a): {said}"
     assert "<b>h100</b>" not in text, "no details to show"
     if jobs is None:
@@ -172,16 +189,19 @@ def test_a_missing_leg_is_named_and_never_a_pass(root, jobs, said):
 def test_no_leg_at_all_is_every_kind_missing(tmp_path):
     code, text = comment(tmp_path / "no-artifacts")
     assert code == exitcodes.OK
-    assert text.startswith("## ❌ flashmoe-science: l4 failed, h100 failed\n")
+    assert text.startswith("## ❌ flashmoe-science: l4 failed, h100 failed, h200 failed\n")
     assert all("no report" in line for line in verdict_lines(text))
 
 
 def test_another_legs_records_are_stale_not_a_pass(root):
     add_leg(root, "l4")
     add_leg(root, "h100", run_kind="l4")  # the l4 leg's files in the h100 artifact
-    code, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
+    add_leg(root, "h200")
+    code, text = comment(
+        root, "--jobs", str(jobs_file(root, l4="success", h100="success", h200="success"))
+    )
     assert code == exitcodes.USAGE
-    assert text.startswith("## 🕰️ flashmoe-science: l4 passed, h100 stale\n")
+    assert text.startswith("## 🕰️ flashmoe-science: l4 passed, h100 stale, h200 passed\n")
     assert "not a verdict on this commit" in verdict_lines(text)[1]
     assert "from run gpu-1-1-l4, not this run (gpu-1-1-h100)" in text
 
@@ -189,8 +209,11 @@ def test_another_legs_records_are_stale_not_a_pass(root):
 def test_a_leg_that_ran_on_another_card_is_a_warning(root):
     add_leg(root, "l4")
     add_leg(root, "h100", device="NVIDIA L4")  # a runner labelled h100 with an L4 in it
-    _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
-    assert text.startswith("## ⚠️ flashmoe-science: l4 passed, h100 warned\n")
+    add_leg(root, "h200")
+    _, text = comment(
+        root, "--jobs", str(jobs_file(root, l4="success", h100="success", h200="success"))
+    )
+    assert text.startswith("## ⚠️ flashmoe-science: l4 passed, h100 warned, h200 passed\n")
     assert verdict_lines(text)[1] == (
         "- ⚠️ **h100** (NVIDIA H100, sm_90a): ran on the wrong card: NVIDIA L4 is sm_89, not "
         "sm_90a (its records: passed)"
@@ -200,6 +223,7 @@ def test_a_leg_that_ran_on_another_card_is_a_warning(root):
 def test_each_leg_sees_its_own_kinds_history_and_a_kind_without_one_says_so(root, tmp_path):
     add_leg(root, "l4")
     add_leg(root, "h100")
+    add_leg(root, "h200")
     history = tmp_path / "history"
     (history / "h100").mkdir(parents=True)
     (history / "l4").mkdir()
@@ -218,9 +242,10 @@ def test_each_leg_sees_its_own_kinds_history_and_a_kind_without_one_says_so(root
 def test_the_comment_stays_under_the_budget_and_keeps_every_verdict_line(root):
     add_leg(root, "l4", "failing_gates")
     add_leg(root, "h100", "regressions")
+    add_leg(root, "h200")
     _, text = comment(root, "--max-chars", "9000")
     assert len(text.encode()) <= 9000
-    assert text.startswith("## ❌ flashmoe-science: l4 failed, h100 warned\n")
+    assert text.startswith("## ❌ flashmoe-science: l4 failed, h100 warned, h200 passed\n")
     l4_line, h100_line = verdict_lines(text)
     assert l4_line.startswith("- ❌ **l4** (") and h100_line.startswith("- ⚠️ **h100** (")
 
@@ -228,10 +253,14 @@ def test_the_comment_stays_under_the_budget_and_keeps_every_verdict_line(root):
 def test_a_new_push_marks_the_comment_stale_above_every_kind(root):
     add_leg(root, "l4")
     add_leg(root, "h100", "failing_gates")
+    add_leg(root, "h200")
     _, text = comment(root)
     stale = gpuci.mark_stale(text, "b" * 40).split("\n")
     assert stale[0].startswith(gpuci.STALE_PREFIX) and stale[1] == report.MARKER
-    assert stale[2] == "> last tested commit's verdict: ❌ flashmoe-science: l4 passed, h100 failed"
+    assert (
+        stale[2]
+        == "> last tested commit's verdict: ❌ flashmoe-science: l4 passed, h100 failed, h200 passed"
+    )
 
 
 def test_legs_take_no_single_report_options(root, capsys):
@@ -246,8 +275,11 @@ def test_legs_take_no_single_report_options(root, capsys):
 def test_a_folder_of_no_kind_is_named_and_not_read(root):
     add_leg(root, "l4")
     add_leg(root, "h100")
+    add_leg(root, "h200")
     shutil.copytree(root / "gpu-ci-reports-l4", root / "gpu-ci-reports-a100")
-    _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
+    _, text = comment(
+        root, "--jobs", str(jobs_file(root, l4="success", h100="success", h200="success"))
+    )
     assert "> **Note:** not a GPU kind's artifact, not read: `gpu-ci-reports-a100`" in text
     assert "a100" not in text.split("\n")[0] and "<b>a100</b>" not in text
 
@@ -255,7 +287,10 @@ def test_a_folder_of_no_kind_is_named_and_not_read(root):
 def test_a_legs_claims_reach_the_verdict_line_escaped(root):
     add_leg(root, "l4")
     add_leg(root, "h100", device="<img src=x> [H100](https://evil.example) ::set-env")
-    _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
+    add_leg(root, "h200")
+    _, text = comment(
+        root, "--jobs", str(jobs_file(root, l4="success", h100="success", h200="success"))
+    )
     line = verdict_lines(text)[1]
     # its name says H100, its compute capability (the fixture's 8.9) does not
     assert line.startswith("- ⚠️ **h100** (NVIDIA H100, sm_90a): ran on the wrong card: ")
@@ -272,6 +307,7 @@ def test_a_legs_verdict_is_its_records_not_its_reports_first_line(root, monkeypa
     """Line 1 of a leg's report is written for people: reshaped or lost, the leg still fails."""
     add_leg(root, "l4", "failing_gates")
     add_leg(root, "h100")
+    add_leg(root, "h200")
     rendered = legs.render
 
     def reshaped(inputs, budget, header=True):
@@ -281,8 +317,10 @@ def test_a_legs_verdict_is_its_records_not_its_reports_first_line(root, monkeypa
         return (rest if changed is None else f"{changed}\n{rest}"), truncated
 
     monkeypatch.setattr(legs, "render", reshaped)
-    _, text = comment(root, "--jobs", str(jobs_file(root, l4="success", h100="success")))
-    assert text.startswith("## ❌ flashmoe-science: l4 failed, h100 passed\n")
+    _, text = comment(
+        root, "--jobs", str(jobs_file(root, l4="success", h100="success", h200="success"))
+    )
+    assert text.startswith("## ❌ flashmoe-science: l4 failed, h100 passed, h200 passed\n")
     assert verdict_lines(text)[0] == (
         "- ❌ **l4** (NVIDIA L4, sm_89): 3 gates failed, register spills in 1 kernel; "
         "bench not compared (no base given)"

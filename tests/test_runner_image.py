@@ -130,13 +130,17 @@ def test_scale_set_pods_get_one_gpu_the_image_and_the_hook(path):
     ]
 
 
-def test_l4_and_h100_pools_differ_only_where_the_card_does():
-    l4, h100 = (
-        yaml.safe_load((RUNNER / "arc" / f"values-{k}.yaml").read_text()) for k in ("l4", "h100")
-    )
-    assert l4["scaleSetLabels"] == ["gpu", "l4"] and h100["scaleSetLabels"] == ["gpu", "h100"]
-    assert l4["template"]["spec"]["nodeSelector"] != h100["template"]["spec"]["nodeSelector"]
-    assert (
-        l4["template"]["spec"]["containers"][0]["image"]
-        == h100["template"]["spec"]["containers"][0]["image"]
-    )
+def test_each_gpu_kind_has_a_pool_that_differs_only_where_the_card_does():
+    from flashmoe_science.pipeline import gpukinds
+
+    pools = {
+        kind: yaml.safe_load((RUNNER / "arc" / f"values-{kind}.yaml").read_text())
+        for kind in gpukinds.KINDS
+    }
+    for kind, values in pools.items():
+        assert values["scaleSetLabels"] == ["gpu", kind]
+        assert values["runnerScaleSetName"] == f"flashmoe-{kind}"
+    selectors = [str(v["template"]["spec"]["nodeSelector"]) for v in pools.values()]
+    assert len(set(selectors)) == len(pools), "each kind on its own node pool"
+    images = {v["template"]["spec"]["containers"][0]["image"] for v in pools.values()}
+    assert len(images) == 1, "one runner image for every kind"

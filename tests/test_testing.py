@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from flashmoe_science.pipeline import exitcodes, provenance
+from flashmoe_science.pipeline.gates import devices, testing
 from flashmoe_science.pipeline.gates import plugin as gate_plugin
-from flashmoe_science.pipeline.gates import testing
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 ALL_PASSED = "all gates passed"
@@ -136,7 +136,9 @@ def test_other():
 """
 
 
-def run_suite(tmp_path: Path, *args: str, fail_gate=0, fail_other=False, extra="") -> dict:
+def run_suite(
+    tmp_path: Path, *args: str, fail_gate=0, fail_other=False, extra="", env: dict | None = None
+) -> dict:
     suite = tmp_path / "suite"
     suite.mkdir(exist_ok=True)
     (suite / "conftest.py").write_text(
@@ -150,7 +152,7 @@ def run_suite(tmp_path: Path, *args: str, fail_gate=0, fail_other=False, extra="
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(suite)],
         cwd=suite,
-        env=stage_env(reports, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"),
+        env=stage_env(reports, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **(env or {})),
         capture_output=True,
         timeout=300,
     )
@@ -215,6 +217,114 @@ def test_gates_only_deselects_every_other_test(tmp_path):
     rec = run_suite(tmp_path, "-k", "gpu_gate")
     assert rec["outcome"] == "gates-skipped-need-gpu"
     assert rec["reason"] == "needs a CUDA GPU" and rec["selection"]["keyword"] == "gpu_gate"
+
+
+# ---- the tests marked long: the scheduled run's, never a pull request's ------------------------
+
+LONG_TEST = """
+@pytest.mark.long
+def test_end_to_end():
+    pass
+"""
+LONG_GATE = """
+@pytest.mark.long
+@pytest.mark.gate
+def test_long_gate():
+    pass
+"""
+LONG_PLANT = """
+@pytest.fixture
+def run_planted():
+    return None
+
+@pytest.mark.long
+def test_long_plant(run_planted):
+    pass
+"""
+
+
+def test_a_test_marked_long_runs_only_when_asked(tmp_path):
+    rec = run_suite(tmp_path, extra=LONG_TEST)
+    assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 4, "left out by default"
+    assert rec["selection"]["long"] is False
+    for args, env in ((["--long"], None), ([], {gate_plugin.LONG_VAR: "1"})):
+        rec = run_suite(tmp_path, *args, extra=LONG_TEST, env=env)
+        assert rec["tests"]["selected"] == 5 and rec["selection"]["long"] is True, (args, env)
+    rec = run_suite(tmp_path, "--long", "--gates-only", extra=LONG_TEST)
+    assert rec["tests"]["selected"] == 3, "--gates-only keeps the gates alone"
+
+
+@pytest.mark.parametrize("extra", [LONG_GATE, LONG_PLANT], ids=["gate", "plant"])
+def test_a_gate_or_a_plant_marked_long_is_refused(tmp_path, extra):
+    """Gates and planted bugs prove every pull request: marking one long is a usage error, with
+    or without --long, not a test quietly moved to the scheduled run."""
+    for args in ([], ["--long"]):
+        rec = run_suite(tmp_path, *args, extra=extra)
+        assert (rec["outcome"], rec["pytest_exit"]) == ("error", 4), rec
+
+
+# ---- every GPU of the machine: a worker per GPU --------------------------------------------------
+
+DEVICE_GATES = """
+import os
+
+@pytest.mark.gate
+@pytest.mark.parametrize("n", range(8))
+def test_device_gate(n, record_property):
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    record_property("gate", {"case_id": f"d{n}", "max_diff": 0.0, "ratio": 1.0, "seen": seen})
+"""
+
+
+def test_with_two_faked_gpus_both_workers_receive_gates_each_on_its_own(tmp_path):
+    """Two GPUs (faked: this machine has none), two pytest-xdist workers: each worker is given one
+    GPU as CUDA_VISIBLE_DEVICES before it starts, both run gates, and the one gates.json of the
+    run holds every worker's gates and names the GPU each used."""
+    rec = run_suite(
+        tmp_path,
+        *("-p", "xdist.plugin", "-n", "2"),
+        extra=DEVICE_GATES,
+        env={devices.DEVICES_VAR: "0,1"},
+    )
+    assert rec["outcome"] == "passed" and rec["gates"]["ran"] == 10
+    workers = {w["id"]: w for w in rec["workers"]}
+    assert sorted(workers) == ["gw0", "gw1"]
+    assert {w["cuda_visible_devices"] for w in workers.values()} == {"0", "1"}
+    assert all(w["gates"] > 0 for w in workers.values()), workers
+    assert sum(w["gates"] for w in workers.values()) == 10 and rec["total"] == 10
+    for case in rec["cases"]:
+        given = workers[case["worker"]]["cuda_visible_devices"]
+        if "seen" in case:  # the device the test itself saw is the one its worker was given
+            assert case["seen"] == given, case
+    assert all(w["gpu"] is None for w in workers.values()), "no GPU here to name"
+
+
+def test_without_gpus_the_workers_are_not_pinned_and_a_lone_process_says_so(tmp_path):
+    rec = run_suite(tmp_path, "-p", "xdist.plugin", "-n", "2", extra=DEVICE_GATES)
+    assert {w["cuda_visible_devices"] for w in rec["workers"]} == {""}, "the run's own, unchanged"
+    (tmp_path / "serial").mkdir()
+    rec = run_suite(tmp_path / "serial", extra=DEVICE_GATES)
+    assert [(w["id"], w["gates"], w["tests"]) for w in rec["workers"]] == [("main", 10, 12)]
+    assert all("worker" not in case for case in rec["cases"])
+
+
+def test_the_gpus_of_the_stage_and_each_workers_gpu():
+    env = {"CUDA_VISIBLE_DEVICES": "2,GPU-ab12"}
+    assert devices.visible_devices(env, count=lambda: 8) == ["2", "GPU-ab12"]
+    assert devices.visible_devices({**env, devices.DEVICES_VAR: "0, 1"}) == ["0", "1"]
+    assert devices.visible_devices({"CUDA_VISIBLE_DEVICES": ""}, count=lambda: 8) == []
+    assert devices.visible_devices({}, count=lambda: 3) == ["0", "1", "2"]
+    assert [devices.device_of(i, ["0", "1", "2"]) for i in range(7)] == list("0120120")
+    assert devices.device_of(0, []) is None
+    # every GPU gets a worker, however few the cores; no more than MAX_WORKERS otherwise
+    assert devices.worker_count(2, ["0", "1", "2", "3"]) == 4
+    assert devices.worker_count(64, ["0"]) == devices.MAX_WORKERS
+    assert devices.worker_count(None, []) == 1
+    assert devices.placement_text(8, ["0", "1"]) == (
+        "8 workers over 2 GPUs (CUDA_VISIBLE_DEVICES 0, 1), 4 on each"
+    )
+    assert devices.placement_text(1, ["0", "1"]) == "1 worker over 1 GPU (CUDA_VISIBLE_DEVICES 0)"
+    assert devices.placement_text(3, ["0", "1"]).endswith("GPUs (CUDA_VISIBLE_DEVICES 0, 1)")
 
 
 # ---- the stage, as a user and a bisect run it ---------------------------------------------------

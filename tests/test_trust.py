@@ -74,7 +74,8 @@ def test_no_pull_request_workflow_has_a_self_hosted_job():
 
 def test_gpu_ci_starts_only_from_the_default_branch():
     on = triggers(GPU)
-    assert set(on) == {"push", "pull_request_target", "workflow_dispatch"}
+    # schedule runs only on the default branch, with its files
+    assert set(on) == {"push", "pull_request_target", "workflow_dispatch", "schedule"}
     assert on["push"]["branches"] == ["main"]
     assert set(on["pull_request_target"]["types"]) == {
         "opened",
@@ -82,7 +83,8 @@ def test_gpu_ci_starts_only_from_the_default_branch():
         "synchronize",
         "labeled",
     }
-    assert set(on["workflow_dispatch"]["inputs"]) == {"pr", "sha"}
+    assert set(on["workflow_dispatch"]["inputs"]) == {"pr", "sha", "full"}
+    assert on["workflow_dispatch"]["inputs"]["full"]["type"] == "boolean"
 
 
 def test_every_self_hosted_job_waits_for_approval():
@@ -282,6 +284,25 @@ def test_pushes_run_only_on_main():
     assert decide("push", {"ref": "refs/heads/other"}, FakeGitHub())["run"] == "false"
 
 
+def test_the_scheduled_run_tests_mains_head_with_the_long_tests():
+    """GitHub starts a scheduled run on the default branch's head: approve runs it there, and
+    that run alone selects the tests marked long; pull requests and pushes leave them out."""
+    out = decide("schedule", {"schedule": "17 3 * * *"}, FakeGitHub())
+    assert (out["run"], out["sha"], out["pr"], out["environment"]) == (
+        "true",
+        "b" * 40,
+        "",
+        "gpu-trusted",
+    )
+    assert "schedule" in triggers(GPU)
+    assert JOBS["gpu"]["env"]["FLASHMOE_LONG_TESTS"] == (
+        "${{ github.event_name == 'schedule' && '1' || '0' }}"
+    )
+    assert "scheduled" in GPU["concurrency"]["group"], "never replaces a push's waiting run"
+    history = load("bench-history.yml")["jobs"]["history"]["if"]
+    assert "github.event.workflow_run.event == 'push'" in history, "only pushes are main's record"
+
+
 def test_the_gate_passes_only_a_tested_head():
     gh = FakeGitHub()
     assert gpuci.gate(gh, SHA, SHA, "success", "u") == 0
@@ -325,21 +346,21 @@ def test_the_gpu_matrix_is_fixed_in_the_workflow_and_every_leg_is_the_gated_job(
 
 
 def test_the_gate_needs_every_leg_and_names_the_one_that_did_not_pass():
-    both = FakeGitHub(jobs=jobs_of(l4="success", h100="success"))
+    both = FakeGitHub(jobs=jobs_of(l4="success", h100="success", h200="success"))
     assert gpuci.gate(both, SHA, SHA, "success", "u", "42") == 0
     assert ("run_jobs", "42") in both.calls
     assert both.calls[-1][2]["state"] == "success"
-    assert "l4 success, h100 success" in both.calls[-1][2]["description"]
-    failed = FakeGitHub(jobs=jobs_of(l4="success", h100="failure"))
+    assert "l4 success, h100 success, h200 success" in both.calls[-1][2]["description"]
+    failed = FakeGitHub(jobs=jobs_of(l4="success", h100="failure", h200="success"))
     assert gpuci.gate(failed, SHA, SHA, "failure", "u", "42") == 1
     status = failed.calls[-1][2]
     assert status["state"] == "failure" and status["description"].endswith(
         "not passed: h100 failure"
     )
     # A leg that never ran (a matrix without it) fails the gate, whatever needs.gpu.result says.
-    missing = FakeGitHub(jobs=jobs_of(l4="success"))
+    missing = FakeGitHub(jobs=jobs_of(l4="success", h100="success"))
     assert gpuci.gate(missing, SHA, SHA, "success", "u", "42") == 1
-    assert "not passed: h100 missing" in missing.calls[-1][2]["description"]
+    assert "not passed: h200 missing" in missing.calls[-1][2]["description"]
     # The jobs unreadable: needs.gpu.result, every leg at once, decides alone.
     for result, code in (("success", 0), ("failure", 1)):
         unread = FakeGitHub(jobs=gpuci.ApiError(500, "GET actions/runs/42/jobs"))
@@ -350,7 +371,11 @@ def test_the_jobs_of_a_run_are_read_page_by_page():
     pages = {1: {"jobs": jobs_of(l4="success")}, 2: {"jobs": jobs_of(h100="failure")[1:]}}
     gh = gpuci.GitHub(REPO, token="")
     gh.call = lambda method, path, body=None: pages.get(int(path.rsplit("page=", 1)[1]), {})
-    assert gpuci.leg_results(gh.run_jobs("42")) == {"l4": "success", "h100": "failure"}
+    assert gpuci.leg_results(gh.run_jobs("42")) == {
+        "l4": "success",
+        "h100": "failure",
+        "h200": "missing",
+    }
     with pytest.raises(ValueError, match="is not a number"):
         gh.run_jobs("42/../../x")
 
@@ -631,11 +656,11 @@ def test_each_kind_keeps_its_own_history_and_the_old_points_are_l4s(tmp_path, re
     assert reader.fetch_points(tmp_path / "h100", kind="h100") == 1
     assert [p.gpu for p in trend.load_points(tmp_path / "h100")[0]] == ["NVIDIA H100"]
     assert {p.sha for p in trend.load_points(tmp_path / "l4")[0]} == {point(0).sha, point(1).sha}
-    with pytest.raises(ValueError, match="GPU kind 'a100' is not one of l4, h100"):
+    with pytest.raises(ValueError, match="GPU kind 'a100' is not one of l4, h100, h200"):
         writer.store(point(3), b"{}", "a100")
 
 
-def leg_reports(tmp_path, run: str, kinds=("l4", "h100")):
+def leg_reports(tmp_path, run: str, kinds=tuple(gpukinds.KINDS)):
     """A GPU CI run's artifacts as bench-history.yml downloads them: a folder per leg."""
     reports = tmp_path / "reports"
     for kind in kinds:
@@ -665,6 +690,7 @@ def test_history_stores_each_leg_under_its_kind_never_beside_another(tmp_path, r
     stored = [f for f in stored_files(remote) if f.startswith("runs/")]
     assert sorted(f.split("/")[1] for f in stored) == [
         "h100",
+        "h200",
         "l4",
         "l4",
         "l4",
@@ -681,6 +707,7 @@ def test_history_stores_each_leg_under_its_kind_never_beside_another(tmp_path, r
     assert "The first stored main run of the h100 leg: no earlier runs of this kind" in h100
     l4 = text[text.index(f"## ⚠️ main's benchmark history at {FIXTURE_SHA[:12]} (l4 leg)") :]
     assert "Main's last 7 stored runs on NVIDIA L4" in l4[: l4.index("(h100 leg)")]
+    assert "The first stored main run of the h200 leg" in text, "h200 beside no other kind"
     alerts = [c[2]["body"] for c in gh.calls if c[0] == "POST"]
     assert code == 1 and len(alerts) == 1 and "(l4 leg)" in alerts[0]
 

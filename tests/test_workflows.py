@@ -87,6 +87,20 @@ def steps(job: dict) -> list[dict]:
     return job.get("steps", [])
 
 
+EVENTS = ("pull_request_target", "push", "schedule")
+_BY_EVENT = re.compile(r"^\$\{\{ github\.event_name == '(\w+)' && (\d+) \|\| (\d+) \}\}$")
+
+
+def minutes(limit, event: str) -> int:
+    """A timeout-minutes for one event: a number, or `${{ github.event_name == 'E' && A || B }}`
+    (the one form the workflows use: the scheduled run's longer limits)."""
+    if isinstance(limit, int):
+        return limit
+    match = _BY_EVENT.match(str(limit))
+    assert match, f"timeout-minutes {limit!r} is neither a number nor the one event switch"
+    return int(match[2]) if event == match[1] else int(match[3])
+
+
 def test_the_workflows_exist():
     assert {"gpu-ci.yml", "pr-report.yml", "cpu-ci.yml"} <= set(all_workflows())
 
@@ -101,18 +115,17 @@ def test_pull_request_target_only_where_main_decides_what_runs():
 
 def test_every_job_has_a_timeout_and_explicit_permissions():
     for name, workflow, job_id, job in all_jobs():
-        assert isinstance(job.get("timeout-minutes"), int), (
-            f"{name}:{job_id} has no timeout-minutes"
-        )
+        assert "timeout-minutes" in job, f"{name}:{job_id} has no timeout-minutes"
         assert "permissions" in job or "permissions" in workflow, (
             f"{name}:{job_id} has implicit permissions"
         )
-        for step in steps(job):
-            limit = step.get("timeout-minutes")
-            if limit is not None:
-                assert limit < job["timeout-minutes"], (
-                    f"{name}:{job_id}: step {step.get('name')} as long as its job"
-                )
+        for event in EVENTS:
+            for step in steps(job):
+                limit = step.get("timeout-minutes")
+                if limit is not None:
+                    assert minutes(limit, event) < minutes(job["timeout-minutes"], event), (
+                        f"{name}:{job_id}: step {step.get('name')} as long as its job ({event})"
+                    )
 
 
 def test_long_gpu_steps_have_timeouts_that_leave_room_for_the_upload():
@@ -121,7 +134,28 @@ def test_long_gpu_steps_have_timeouts_that_leave_room_for_the_upload():
         assert "timeout-minutes" in step, (
             f"gpu step {step.get('name') or step.get('uses')} has no timeout"
         )
-    assert sum(step["timeout-minutes"] for step in steps(job)) < job["timeout-minutes"]
+    for event in EVENTS:
+        total = sum(minutes(step["timeout-minutes"], event) for step in steps(job))
+        assert total < minutes(job["timeout-minutes"], event), event
+
+
+def test_the_gpu_stages_limits_fit_the_h200_budget_with_margin():
+    """Each stage may take at most the whole job's budget (stages.BUDGET_S, on an H200) and a
+    half; the test stage, whose budget is its own, between one and a half and three times it:
+    a stage that drifts over its budget is cut off, not waited for. The scheduled run, with the
+    tests marked long, gives its test stage longer."""
+    from flashmoe_science.pipeline import stages
+
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    limits = {s["name"]: s["timeout-minutes"] for s in steps(job) if "name" in s}
+    for name in ("env", "select", "build", "test", "bench", "report"):
+        assert minutes(limits[name], "pull_request_target") * 60 <= 1.5 * stages.BUDGET_S["job"]
+    sanitize = next(n for n in limits if n.startswith("sanitize"))
+    assert minutes(limits[sanitize], "push") * 60 <= 1.5 * stages.BUDGET_S["job"]
+    test = minutes(limits["test"], "pull_request_target") * 60
+    assert 1.5 * stages.BUDGET_S["test"] <= test <= 3 * stages.BUDGET_S["test"]
+    assert minutes(limits["test"], "schedule") >= 30, "the long tests have the time they need"
+    assert minutes(job["timeout-minutes"], "pull_request_target") <= 90
 
 
 def test_workflow_permissions_are_read_only_or_none():
@@ -186,7 +220,7 @@ def test_the_gpu_job_is_a_matrix_of_the_gpu_kinds_each_built_for_its_card():
     assert [(leg["gpu"], leg["arch"]) for leg in legs(job)] == [
         (kind.label, kind.arch) for kind in gpukinds.KINDS.values()
     ]
-    assert [leg["arch"] for leg in legs(job)] == ["8.9", "9.0a"], "l4 sm_89, h100 sm_90a"
+    assert [leg["arch"] for leg in legs(job)] == ["8.9", "9.0a", "9.0a"], "l4, h100 and h200"
     # every build of a leg (build, test, bench's head and base) takes the leg's arch
     assert job["env"]["TORCH_CUDA_ARCH_LIST"] == "${{ matrix.arch }}"
     assert job["env"]["FLASHMOE_GPU_KIND"] == "${{ matrix.gpu }}"
@@ -245,6 +279,41 @@ def test_gpu_job_uploads_reports_even_when_a_stage_fails():
         )
         for stage in ("env", "build", "test", "bench", "report")
     )
+
+
+def test_a_leg_that_reuses_mains_verdict_skips_build_test_and_bench():
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    names = [s.get("name") for s in steps(job)]
+    assert names.index("env") < names.index("select") < names.index("build")
+    select = next(s for s in steps(job) if s.get("name") == "select")
+    assert select["id"] == "select" and re.search(r"\bnox -s select\b", select["run"])
+    # only a pull request may reuse, and workflow_dispatch's `full` forces the matrix
+    assert select["env"]["PR"] == "${{ needs.approve.outputs.pr }}"
+    assert select["env"]["FULL"] == "${{ inputs.full }}"
+    assert "--pull-request" in select["run"] and "--full" in select["run"]
+    assert select["env"]["BASE"] == "${{ steps.changes.outputs.base }}"
+    for name in ("build", "test"):
+        step = next(s for s in steps(job) if s.get("name") == name)
+        assert step["if"] == "${{ steps.select.outputs.mode != 'reuse' }}", name
+    bench = next(s for s in steps(job) if s.get("name") == "bench")
+    assert "steps.build.outcome == 'success'" in bench["if"], "no build, no bench"
+
+
+def test_no_run_reads_what_a_pull_requests_run_wrote():
+    """No cache anywhere (a pull request's run could write one another run reads); the only job
+    that writes to the repository (main's verdicts and bench history) runs after main's pushes."""
+    writers = []
+    for name, _, job_id, job in all_jobs():
+        for step in steps(job):
+            assert not str(step.get("uses", "")).startswith("actions/cache"), (name, job_id)
+        if (job.get("permissions") or {}).get("contents") == "write":
+            writers.append((name, job_id))
+    assert writers == [("bench-history.yml", "history")]
+    history = load("bench-history.yml")["jobs"]["history"]
+    assert "github.event.workflow_run.event == 'push'" in history["if"]
+    assert "github.event.workflow_run.conclusion == 'success'" in history["if"]
+    step = next(s for s in steps(history) if "gpuci history" in s.get("run", ""))
+    assert '--run-url "$RUN_URL"' in step["run"], "each verdict links main's run"
 
 
 def test_sanitize_runs_only_when_csrc_changed():

@@ -17,6 +17,10 @@ COMMANDS = {
         "flashmoe_science.pipeline.env.checks",
         "validate the environment (Python, torch, CUDA, nvcc, GPU, NumPy, ...)",
     ),
+    "select": (
+        "flashmoe_science.pipeline.ci.selection",
+        "GPU CI: the full matrix, or main's verdict when no gate input changed",
+    ),
     "build": (
         "flashmoe_science.pipeline.build.unit",
         "build the extension as one compilation unit",

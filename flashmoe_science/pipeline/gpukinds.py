@@ -5,6 +5,7 @@ reported in its own section of the one PR comment.
 
     l4     NVIDIA L4 (Ada, sm_89): the mma.sync configurations
     h100   NVIDIA H100 (Hopper, sm_90a): the mma.sync configurations forced, and the sm_90a ones
+    h200   NVIDIA H200 (Hopper, sm_90a): the same build and gates as h100, on the card clouds lend
 
 The workflow's matrix, the gate, the history branch and the report all take the kinds from here
 (tests/test_workflows.py checks the matrix, its labels and its architectures against KINDS).
@@ -50,6 +51,7 @@ KINDS: dict[str, GpuKind] = {
     for kind in (
         GpuKind("l4", "8.9", "NVIDIA L4", r"\bL4\b"),
         GpuKind("h100", "9.0a", "NVIDIA H100", r"\bH100\b"),
+        GpuKind("h200", "9.0a", "NVIDIA H200", r"\bH200\b"),
     )
 }
 # The history branch kept one GPU's points at its top level before it kept one folder per kind;

@@ -8,8 +8,9 @@ workflows), the first stage of a new run drops the entries of older runs.
 
     {"schema": "flashmoe-science/stages/2",
      "provenance": <the last writer's provenance()>,
+     "job_start": <FLASHMOE_JOB_START, when set>,
      "stages": {"build": {"status": "ok", "exit_code": 0, "seconds": 189.3,
-                          "started": "2026-11-26T09:30:00+00:00", "provenance": {...}}, ...}}
+                          "started": "2026-11-26T09:30:00.250+00:00", "provenance": {...}}, ...}}
 
 status is derived from the exit code (flashmoe_science.pipeline.exitcodes): "ok" (0), "fail" (1, a
 gate or a check failed; 125, the build failed), "skip" (126, a tool is missing), "error" (2, 255 or
@@ -17,6 +18,10 @@ any other code: wrong arguments or a broken environment), "interrupted" (Ctrl-C)
 
 The job's total is FLASHMOE_JOB_START (epoch seconds, exported by the workflow's first step) to now;
 without it, the sum of this run's stages, labelled as such.
+
+The job's critical path (critical_path) is where its time went, in the order it went: the steps
+before the first stage (checkout, provisioning), each stage, the steps between and after them
+(the report, the uploads). A stage that ran alongside a longer one is off the path.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from .provenance import RUN_ID_VAR, provenance
 
 STAGES_FILE = "stages.json"
 SCHEMA = "flashmoe-science/stages/2"
-ORDER = ("env", "build", "test", "bench", "sanitize", "profile")
+ORDER = ("env", "select", "build", "test", "bench", "sanitize", "profile")
 JOB_START_VAR = "FLASHMOE_JOB_START"
 MAX_JOB_SECONDS = 7 * 24 * 3600  # a start older than this is a leftover variable, not this job
 
@@ -58,7 +63,7 @@ def status_of(exit_code: int) -> str:
 
 
 def _now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _update(folder: Path, name: str, entry: dict) -> Path:
@@ -84,6 +89,8 @@ def _update(folder: Path, name: str, entry: dict) -> Path:
             }
         stages[name] = entry
         doc = {"schema": SCHEMA, "provenance": entry["provenance"], "stages": stages}
+        if job_start() is not None:
+            doc["job_start"] = job_start()
         tmp = path.with_name(f".{STAGES_FILE}.tmp")
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
         tmp.replace(path)
@@ -163,8 +170,20 @@ def _seconds(value: Any) -> float | None:
     return float(value) if value >= 0 else None
 
 
+def _started_at(value: Any) -> float | None:
+    """An entry's "started" as epoch seconds; None when it is not an ISO time with a zone."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return when.timestamp() if when.tzinfo is not None else None
+
+
 def normalize(doc: dict | None) -> dict[str, dict]:
-    """stages.json -> {name: {"seconds", "status", "exit_code", "provenance"}}, in pipeline order.
+    """stages.json -> {name: {"seconds", "status", "exit_code", "started_at", "provenance"}}, in
+    pipeline order ("started_at": the start as epoch seconds, or None).
 
     Only the shape record_stage writes is read; an entry of another shape (an older stages.json)
     keeps its name with no time, status or provenance, so the report shows it as stale."""
@@ -180,6 +199,7 @@ def normalize(doc: dict | None) -> dict[str, dict]:
             "seconds": _seconds(value.get("seconds")),
             "status": status if status in STATUSES else None,
             "exit_code": exit_code if isinstance(exit_code, int) else None,
+            "started_at": _started_at(value.get("started")),
             "provenance": value.get("provenance")
             if isinstance(value.get("provenance"), dict)
             else None,
@@ -204,3 +224,53 @@ def job_seconds(start: float | None, now: float | None = None) -> float | None:
         return None
     elapsed = (time.time() if now is None else now) - start
     return elapsed if 0 <= elapsed <= MAX_JOB_SECONDS else None
+
+
+# --------------------------------------------------------------------------------------------------
+# The critical path
+# --------------------------------------------------------------------------------------------------
+
+# GPU CI's time budget, set on the card of the h200 leg (gpukinds): the whole job and its test
+# stage. The workflow's step limits leave a margin over it (tests/test_workflows.py), and the report
+# of a run on that card says when one went over.
+BUDGET_KIND = "h200"
+BUDGET_S = {"job": 8 * 60, "test": 4 * 60}
+
+SETUP = "setup"  # the job's steps before its first stage: checkout, provisioning
+BETWEEN = "other steps"  # steps between two stages
+FINISH = "report and upload"  # steps after the last stage
+SLACK = 1.0  # seconds: older records give their starts to the second (a stage that ends this
+# little after the path got there ran alongside it)
+
+
+def critical_path(
+    stages: dict[str, dict], start: float | None = None, end: float | None = None
+) -> list[tuple[str, float]]:
+    """[(step, seconds)] in the order the job spent them: SETUP from the job's `start` to its
+    first stage, each stage (the part of it that no earlier stage covered), BETWEEN for a gap
+    between stages, FINISH from the last stage to the job's `end`: the steps add up to the
+    job's time. A stage that ended before
+    the path got there ran alongside a longer one: it is not on the path. Stages without a start
+    or a wall time (an older record, a stage still running) are left out; [] when none has one."""
+    timed = sorted(
+        (stage["started_at"], stage["started_at"] + stage["seconds"], name)
+        for name, stage in stages.items()
+        if stage.get("started_at") is not None
+        and stage.get("seconds") is not None
+        and stage.get("status") != "running"
+    )
+    if not timed:
+        return []
+    path: list[tuple[str, float]] = []
+    cursor = timed[0][0] if start is None else min(start, timed[0][0])
+    for began, ended, name in timed:
+        if ended <= cursor + SLACK and path:
+            continue
+        gap = began - cursor
+        if gap > 0:
+            path.append((BETWEEN if path else SETUP, gap))
+        path.append((name, ended - max(began, cursor)))
+        cursor = max(cursor, ended)
+    if end is not None and end > cursor:
+        path.append((FINISH, end - cursor))
+    return path

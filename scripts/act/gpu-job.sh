@@ -14,9 +14,10 @@ Usage: scripts/act/gpu-job.sh [--kind KIND] [--python PATH] [--event EVENT] [--o
 Runs one leg of .github/workflows/gpu-ci.yml's job `gpu` (env, build, test, bench, report, the PR
 number, the upload) under act in host mode, offline, and prints its step summary:
 scripts/act/run-job.sh --offline --matrix gpu:KIND with the machine's torch. The default leg is
-h100 (builds sm_90a, runs the Hopper kernels and their gates): the GPU machine is an H100. The l4
-leg (sm_89) is what a runner labelled `l4` runs (--kind l4, on an L4). A leg's env stage fails
-on a card of another kind, so the check below refuses that before act starts. Meant for a GPU machine that has no package index and a copy
+h100 (builds sm_90a, runs the Hopper kernels and their gates): the GPU machine is an H100. The h200
+leg builds and gates the same on an H200 (--kind h200), the l4 leg (sm_89) is what a runner
+labelled `l4` runs (--kind l4, on an L4). A leg's env stage fails on a card of another kind, so
+the check below refuses that before act starts. Meant for a GPU machine that has no package index and a copy
 of the tree without git history; first put act and nox (wheels carried in .whl/) on PYTHONPATH:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -34,8 +35,8 @@ checks it as pr-report.yml would read it. A tree without .git gets a throwaway o
 the run (removed at the end): the tests that copy the checkout with `git ls-files` need one.
 
 Options:
-  --kind KIND     The leg: h100 (default) or l4 (flashmoe_science/pipeline/gpukinds.py); this
-                  machine's card must be of that kind.
+  --kind KIND     The leg: h100 (default), h200 or l4 (flashmoe_science/pipeline/gpukinds.py);
+                  this machine's card must be of that kind.
   --python PATH   The interpreter with the CUDA torch (default: $FLASHMOE_RUNNER_PYTHON, else
                   /opt/torch/.venv/bin/python3).
   --event EVENT   push (default: a push to main; the job's approve step then needs no GitHub
@@ -74,9 +75,10 @@ while [[ $# -gt 0 ]]; do
 done
 
 case "$KIND" in
+  h200) CARD="H200" ;;
   h100) CARD="H100" ;;
   l4) CARD="L4" ;;
-  *) echo "error: --kind must be h100 or l4, not '$KIND' (see --help)" >&2; exit 2 ;;
+  *) echo "error: --kind must be h200, h100 or l4, not '$KIND' (see --help)" >&2; exit 2 ;;
 esac
 
 cd "$REPO_ROOT"

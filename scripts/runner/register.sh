@@ -46,7 +46,8 @@ Commands (docs/runners.md, "Self-hosted runners: trust and set-up", walks throug
 
 Options:
   --repo OWNER/REPO  The repository the runners serve (install writes it to $CONF).
-  --kind KIND        The GPU label that workflows ask for (default: l4).
+  --kind KIND        The GPU label that workflows ask for: l4, h100 or h200, a leg of gpu-ci.yml
+                     each (flashmoe_science/pipeline/gpukinds.py; default: l4).
   --gpus LIST        install: the GPUs to serve, "0,1" or "auto" (default: every GPU nvidia-smi lists).
   --gpu N            serve/once: the GPU (its index, as CUDA_VISIBLE_DEVICES takes it).
   --python PATH      The interpreter with the CUDA torch that jobs reuse

@@ -3,7 +3,8 @@ passes, and the history of main's benchmarks. gpu-ci.yml, bench-history.yml and 
 these from the default branch's code (never a pull request's), on GitHub-hosted runners.
 
     approve       decide, from the event, whether the GPU job runs and on which commit:
-                  push to main and workflow_dispatch run (a dispatch naming a PR runs that PR's head
+                  push to main, the scheduled run (main's head) and workflow_dispatch run (a
+                  dispatch naming a PR runs that PR's head
                   only if it is the commit given); a same-repository PR runs on each push; a fork PR
                   runs only on the `safe-to-test` label applied by someone with write access, for
                   the head commit at labelling time. The label is removed as soon as it is read, and
@@ -17,6 +18,8 @@ these from the default branch's code (never a pull request's), on GitHub-hosted 
     history       each leg of main's pushed run against its kind's stored history (pipeline.trend),
                   then stored on the `bench-history` branch under the kind (pipeline.historybranch);
                   an alert (a commit comment, exit 1) when a case left its history's noise band.
+                  Each leg's gate verdict is stored there too, under its selection key, for the
+                  pull requests that change no gate input (ci/selection.py).
     fetch-points  download the newest points of each kind on the `bench-history` branch into
                   OUT/KIND/.
 
@@ -44,7 +47,7 @@ from .. import gpukinds
 from .. import markdown as md
 from ..bench import records as benchrecords
 from ..bench import trend
-from . import historybranch
+from . import historybranch, selection
 
 LABEL = "safe-to-test"
 STATUS_CONTEXT = "flashmoe-science/gpu"
@@ -174,6 +177,8 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
         if ref != "refs/heads/main":
             return {**out, "reason": "a push to a branch other than main"}
         return {**out, "run": "true", "sha": sha, "reason": "a push to main"}
+    if event_name == "schedule":  # GitHub runs it on the default branch's head, with main's files
+        return {**out, "run": "true", "sha": sha, "reason": "the scheduled run of main"}
     if event_name == "workflow_dispatch":
         pr, wanted = str(inputs.get("pr") or "").strip(), str(inputs.get("sha") or "").strip()
         if not pr:
@@ -409,13 +414,17 @@ def history(
     summary: Path | None,
     workdir: Path,
     run_id: str | None = None,
+    run_url: str = "",
 ) -> int:
     """Each leg of main's pushed run (reports/gpu-ci-reports-KIND/bench.json) against its kind's
-    history, then stored under its kind: history_of_leg per kind. 0 when every leg was stored
-    with every case inside its band; 1 when a leg's bench.json is missing or unusable (the
-    other legs are still stored) or a case left its band."""
+    history, then stored under its kind: history_of_leg per kind; and each leg's gate verdict
+    (verdict_of_leg). 0 when every leg was stored with every case inside its band; 1 when a
+    leg's bench.json is missing or unusable (the other legs are still stored), a case left its
+    band, or a verdict could not be pushed."""
     code = 0
     for kind in gpukinds.KINDS:
+        leg_run = gpukinds.leg_run_id(run_id, kind) if run_id else None
+        code = max(code, verdict_of_leg(branch, kind, reports, sha, leg_run, run_url))
         bench = reports / gpukinds.artifact_name(kind) / "bench.json"
         if not bench.is_file():
             print(
@@ -424,7 +433,6 @@ def history(
             )
             code = 1
             continue
-        leg_run = gpukinds.leg_run_id(run_id, kind) if run_id else None
         try:
             found = history_of_leg(gh, branch, kind, bench, sha, summary, workdir, leg_run)
         except (ValueError, benchrecords.InvalidBenchFile) as exc:
@@ -432,6 +440,47 @@ def history(
             found = 1
         code = max(code, found)
     return code
+
+
+def verdict_of_leg(
+    branch: historybranch.Branch,
+    kind: str,
+    reports: Path,
+    sha: str,
+    run_id: str | None,
+    run_url: str,
+) -> int:
+    """Store one leg's gate verdict (selection.verdict_record) under its key. A leg without
+    one to store (no selection.json, a reused verdict, no key) is said and skipped: 0; 1 only
+    when the branch could not be written."""
+    folder = reports / gpukinds.artifact_name(kind)
+    docs = []
+    for name in (selection.RECORD, "gates.json"):
+        try:
+            raw = (folder / name).read_bytes() if (folder / name).is_file() else b""
+            doc = json.loads(raw) if 0 < len(raw) <= 64 << 20 else None
+        except ValueError:
+            doc = None
+        docs.append(doc if isinstance(doc, dict) else None)
+    if None in docs or not run_id:
+        print(
+            f"::warning::verdict ({kind}): no selection.json and gates.json of this run: none stored"
+        )
+        return 0
+    try:
+        record = selection.verdict_record(
+            docs[0], docs[1], sha=sha, run_id=run_id, run_url=run_url, kind=kind
+        )
+    except ValueError as exc:
+        print(f"::warning::verdict ({kind}): {log_safe(exc, 300)}: none stored")
+        return 0
+    try:
+        commit = branch.store_verdict(record, kind)
+    except historybranch.HistoryError as exc:
+        print(f"::error::verdict ({kind}): {log_safe(exc, 400)}")
+        return 1
+    print(f"verdict: {sha[:12]} ({kind}) stored as {log_safe(record['key'], 240)} in {commit[:12]}")
+    return 0
 
 
 def history_of_leg(
@@ -511,6 +560,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     h.add_argument("--sha", required=True)
     h.add_argument("--run-id", default=None, help="the GPU CI run that must have written it")
     h.add_argument("--summary", type=Path, default=None, help="append the section here")
+    h.add_argument("--run-url", default="", help="the GPU CI run's page, kept with each verdict")
     h.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder")
     f = sub.add_parser("fetch-points", help="download the newest trend points of each kind")
     f.add_argument("--out", type=Path, required=True, help="written: OUT/KIND/ for each kind")
@@ -539,7 +589,16 @@ def main(argv: Iterable[str] | None = None) -> int:
                 return 0
             workdir = args.workdir or Path(tmp)
             workdir.mkdir(parents=True, exist_ok=True)
-            return history(gh, branch, args.reports, args.sha, args.summary, workdir, args.run_id)
+            return history(
+                gh,
+                branch,
+                args.reports,
+                args.sha,
+                args.summary,
+                workdir,
+                args.run_id,
+                args.run_url,
+            )
     except (
         ApiError,
         ValueError,

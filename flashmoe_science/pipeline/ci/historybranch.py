@@ -5,6 +5,8 @@ leg of the GPU job each) to the branch, which holds nothing else (it starts with
 
     points/<kind>/<date>-<sha12>.json   the leg's trend point (pipeline.trend: our median per case)
     runs/<kind>/<date>-<sha12>.json     the leg's bench.json as its GPU job wrote it (samples included)
+    verdicts/<kind>/<key>.json          the leg's gate verdict under its selection key, which a pull
+                                        request that changes no gate input reuses (ci/selection.py)
 
 A kind's history is its folder alone: an h100 run is never set beside an l4 one. Points at the
 top level of points/ are from before the kinds (L4 runners only) and count as LEGACY_KIND's. A
@@ -37,6 +39,7 @@ from ..bench import trend
 BRANCH = "bench-history"
 POINTS_DIR = "points"
 RUNS_DIR = "runs"
+VERDICTS_DIR = "verdicts"  # ci/selection.py reads them back by this name
 MAX_RUN_BYTES = 16 << 20  # a bench.json of the full matrix is ~100 KB
 PUSH_ATTEMPTS = 5  # pushes to main land minutes apart: a race is rare, five in a row is a fault
 BOT = ("github-actions[bot]", "41898282+github-actions[bot]@users.noreply.github.com")
@@ -206,11 +209,33 @@ class Branch:
             f"{POINTS_DIR}/{kind}/{name}": (json.dumps(point.to_json(), indent=1) + "\n").encode(),
             f"{RUNS_DIR}/{kind}/{name}": bench_json,
         }
+        return self._push(payload, point.sha[:12], f"bench history ({kind}): {name[:-5]}", on_retry)
+
+    def store_verdict(self, verdict: dict, kind: str, on_retry: Callable | None = None) -> str:
+        """Commit one leg's gate verdict (selection.verdict_record) as verdicts/KIND/KEY.json,
+        replacing an earlier run's of the same key, and push. The stored commit's id."""
+        kind = gpukinds.kind_of(kind).label
+        key = str(verdict.get("key") or "")
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", key):
+            raise HistoryError(f"a verdict's key must name a file, not {key[:80]!r}")
+        payload = {
+            f"{VERDICTS_DIR}/{kind}/{key}.json": (json.dumps(verdict, indent=1) + "\n").encode()
+        }
+        sha = str(verdict.get("sha") or "")[:12]
+        return self._push(payload, None, f"gate verdict ({kind}) of {sha}: {key}", on_retry)
+
+    def _push(
+        self,
+        payload: dict[str, bytes],
+        sha12: str | None,
+        message: str,
+        on_retry: Callable | None,
+    ) -> str:
+        """Commit `payload` on the branch's tip and push; retried on a new tip when another
+        writer got there first."""
         for attempt in range(1, PUSH_ATTEMPTS + 1):
             tip = self.tip()
-            commit = self._commit(
-                tip, payload, point.sha[:12], f"bench history ({kind}): {name[:-5]}"
-            )
+            commit = self._commit(tip, payload, sha12, message)
             if commit == tip:
                 return tip  # this very run is stored already
             pushed = self.git(
@@ -230,9 +255,11 @@ class Branch:
             f"{BRANCH} moved under every one of {PUSH_ATTEMPTS} pushes; rerun the job"
         )
 
-    def _commit(self, tip: str | None, payload: dict[str, bytes], sha12: str, message: str) -> str:
-        """A commit of `tip`'s tree with `payload` in it and the commit's earlier files of the
-        same folders out; `tip` itself when nothing changes."""
+    def _commit(
+        self, tip: str | None, payload: dict[str, bytes], sha12: str | None, message: str
+    ) -> str:
+        """A commit of `tip`'s tree with `payload` in it and, given `sha12`, that commit's earlier
+        files of the same folders out; `tip` itself when nothing changes."""
         index = self.git_dir / "history.index"
         index.unlink(missing_ok=True)
         self.git("read-tree", *([tip] if tip else ["--empty"]), index=index)
@@ -241,7 +268,10 @@ class Branch:
         earlier = [
             p
             for p in listed
-            if p.endswith(f"-{sha12}.json") and p not in payload and p.rsplit("/", 1)[0] in folders
+            if sha12
+            and p.endswith(f"-{sha12}.json")
+            and p not in payload
+            and p.rsplit("/", 1)[0] in folders
         ]
         lines = [f"0 {'0' * 40}\t{path}" for path in earlier]  # mode 0: out of the index
         for path, data in payload.items():

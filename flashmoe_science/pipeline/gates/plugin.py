@@ -6,6 +6,11 @@ backward, varlen, paged); its figures arrive as the `gate` user
 property. `--gates-only` deselects every other test, so a bisect step cannot be failed by a test
 that is not a gate.
 
+A test marked `long` (pyproject's markers) is deselected unless `--long` is given (or
+FLASHMOE_LONG_TESTS=1): pull requests and pushes leave it out, the scheduled GPU CI run selects it.
+No gate and no planted-bug test may be marked `long`: those run on every pull request, and a
+session that collects one is a usage error.
+
 At the end of every session (on the controller under pytest-xdist; never for --collect-only) the
 plugin writes gates.json, and the test stage writes the same record itself when pytest never got
 that far (the build failed, pytest could not start). Schema "flashmoe-science/gates/2":
@@ -17,7 +22,8 @@ that far (the build failed, pytest could not start). Schema "flashmoe-science/ga
   reason        one line on why, for every outcome but "passed"/"failed"; else null
   pytest_exit   pytest's exit status; null when pytest did not run
   selection     {"keyword": the -k expression or null, "markexpr": the -m expression or null,
-                 "gates_only": bool, "args": pytest's arguments}
+                 "gates_only": bool, "long": bool (the tests marked long were selected),
+                 "args": pytest's arguments}
   gates         {"selected", "ran", "passed", "failed", "skipped"} over gate tests only;
                 ran = passed + failed; an error in a gate's setup counts as failed
   tests         {"selected", "passed", "failed", "errors", "skipped"} over every test, gates
@@ -27,7 +33,16 @@ that far (the build failed, pytest could not start). Schema "flashmoe-science/ga
                 the largest max |out - ref|, its case id, and the largest error ratio to
                 PyTorch's own error, over the gate cases that ran (null when none ran)
   cases         one row per gate case that ran: gates.GateResult.to_json() plus op, dtype,
-                head_dim and "outcome" (pytest's); failing cases first
+                head_dim, "outcome" (pytest's) and, under pytest-xdist, "worker" (its id);
+                failing cases first
+  reused        only in a record `python -m flashmoe_science select` wrote instead of a test run
+                (ci/selection.py): {"sha", "run_id", "run_url", "key", "timestamp"} of main's
+                run whose verdict this pull request's leg reused; its counts and worst figures
+                are that run's, and no case rows come with them
+  workers       one row per process that ran tests, in id order: {"id": pytest-xdist's worker id
+                ("gw0", ...) or "main" (no workers), "cuda_visible_devices": the GPU it was
+                given (devices.py; null: not pinned), "gpu": the device name it saw (null: none),
+                "gates": gate cases it ran, "tests": tests it ran}; [] when none reported
 
 OUTCOMES, and what `python -m flashmoe_science test` exits with for each:
   passed                      gates ran, none failed, no other test failed            0
@@ -47,13 +62,16 @@ OUTCOMES, and what `python -m flashmoe_science test` exits with for each:
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import pytest
 
-from ..paths import report_dir
+from ..paths import REPO_ROOT, report_dir
 from ..provenance import provenance
+from . import devices
 
 SCHEMA = "flashmoe-science/gates/2"
 RECORD = "gates.json"
@@ -61,6 +79,13 @@ MARKER = "gate"
 # The short training run's losses (tests/test_training.py), {"ours": [first, last], "sdpa":
 # [first, last]}: recorded beside the gates so a run's record and its verdict line carry them.
 TRAINING = "training"
+LONG = "long"  # the marker of a test that runs only in the scheduled GPU CI run
+LONG_VAR = "FLASHMOE_LONG_TESTS"  # "1": select the tests marked long, as --long does
+# The fixture every planted-bug test builds its variant with (tests/conftest.py): such a test is
+# what proves a gate, so it never leaves the pull request's run.
+PLANT_FIXTURE = "run_planted"
+WORKER_OUTPUT = "flashmoe_worker"  # what a pytest-xdist worker sends back: the GPU it used
+MAIN = "main"  # the id of the one process of a run without workers
 
 PASSED = "passed"
 FAILED = "failed"
@@ -119,13 +144,33 @@ def classify(pytest_exit: int | None, gates: dict, tests: dict, collection_error
     return PASSED
 
 
-def selection(keyword: str | None, markexpr: str | None, gates_only: bool, args: Sequence[str]):
+def selection(
+    keyword: str | None,
+    markexpr: str | None,
+    gates_only: bool,
+    args: Sequence[str],
+    long: bool = False,
+):
     return {
         "keyword": keyword or None,
         "markexpr": markexpr or None,
         "gates_only": bool(gates_only),
+        "long": bool(long),
         "args": list(args),
     }
+
+
+def long_from_env() -> bool:
+    return os.environ.get(LONG_VAR, "") == "1"
+
+
+def kept_short(item) -> str | None:
+    """Why a test may not be marked long (a gate, a planted bug); None when it may."""
+    if item.get_closest_marker(MARKER):
+        return "a gate"
+    if PLANT_FIXTURE in getattr(item, "fixturenames", ()):
+        return "a planted-bug test"
+    return None
 
 
 def write_record(
@@ -138,10 +183,16 @@ def write_record(
     rows: Iterable[dict] = (),
     reason: str | None = None,
     training: dict | None = None,
+    workers: Iterable[dict] = (),
+    reused: dict | None = None,
+    worst: dict | None = None,
+    tree: Path = REPO_ROOT,
 ) -> dict:
     """Write gates.json into the report directory (atomically) and return what was written.
     Counts left out are zero: the stage stopped before any test ran. `training`: the training
-    run's losses and outcome where it ran (TRAINING), else null."""
+    run's losses and outcome where it ran (TRAINING), else null. `workers`: the processes that
+    ran tests and the GPU each used. `reused` and `worst`: main's run whose verdict stands in
+    for a test run, and its worst figures (ci/selection.py). `tree`: the checkout it describes."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome={outcome!r}; supported: {', '.join(OUTCOMES)}")
     if gates is None or tests is None:
@@ -152,7 +203,7 @@ def write_record(
     doc = {
         "schema": SCHEMA,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "provenance": provenance(),
+        "provenance": provenance(tree),
         "outcome": outcome,
         "reason": reason,
         "pytest_exit": None if pytest_exit is None else int(pytest_exit),
@@ -166,12 +217,31 @@ def write_record(
         "worst_ratio": max((r.get("ratio") or 0.0) for r in rows) if rows else None,
         "cases": sorted(rows, key=lambda r: (r.get("outcome") == "passed", r.get("case_id", ""))),
         "training": training,
+        "workers": sorted(workers, key=lambda w: _worker_order(str(w.get("id")))),
     }
+    if reused is not None:
+        doc["reused"] = reused
+        doc["total"], doc["failed"] = gates.get("ran", 0), gates.get("failed", 0)
+        for name in ("worst_max_diff", "worst_case", "worst_ratio"):
+            doc[name] = (worst or {}).get(name)
     path = report_dir() / RECORD
     tmp = path.with_name(f".{RECORD}.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
     return doc
+
+
+def _worker_order(worker_id: str) -> tuple[int, str]:
+    """gw2 before gw10."""
+    digits = worker_id.removeprefix("gw")
+    return (int(digits), "") if digits.isdigit() else (-1, worker_id)
+
+
+def _worker_of(report) -> str:
+    """The id of the worker that ran a test: pytest-xdist's on the controller, else MAIN."""
+    node = getattr(report, "node", None)
+    gateway = getattr(node, "gateway", None)
+    return str(getattr(gateway, "id", None) or MAIN)
 
 
 def _skip_reason(report) -> str | None:
@@ -192,15 +262,51 @@ class GateRecorder:
         self.rows: list[dict] = []
         self.training: dict | None = None
         self.collection_errors = 0
+        # worker id -> {"id", "cuda_visible_devices", "gpu", "gates", "tests"}
+        self.workers: dict[str, dict] = {}
+
+    def _worker(self, worker_id: str) -> dict:
+        return self.workers.setdefault(
+            worker_id,
+            {"id": worker_id, "cuda_visible_devices": None, "gpu": None, "gates": 0, "tests": 0},
+        )
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_setupnodes(self, config: pytest.Config, specs: list) -> None:
+        """Pin each worker to a GPU (devices.py) before it starts."""
+        gpus = devices.visible_devices()
+        for index, spec in enumerate(specs):
+            device = devices.device_of(index, gpus)
+            if device is not None:
+                spec.env[devices.VISIBLE_VAR] = device
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        """A worker's own account of the GPU it used (sent at its end, workeroutput)."""
+        said = (getattr(node, "workeroutput", None) or {}).get(WORKER_OUTPUT)
+        worker = self._worker(str(node.gateway.id))
+        given = node.gateway.spec.env.get(devices.VISIBLE_VAR)
+        if isinstance(said, dict):
+            worker["cuda_visible_devices"] = said.get("cuda_visible_devices")
+            worker["gpu"] = said.get("gpu")
+        else:  # it crashed before its end: what it was given
+            worker["cuda_visible_devices"] = given
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
-        if not config.getoption("gates_only"):
-            return
-        keep = [item for item in items if item.get_closest_marker(MARKER)]
-        dropped = [item for item in items if not item.get_closest_marker(MARKER)]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = keep
+        long_ones = [item for item in items if item.get_closest_marker(LONG)]
+        for item in long_ones:
+            what = kept_short(item)
+            if what:
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked `{LONG}` but is {what}: gates and planted bugs run "
+                    f"on every pull request. Remove the marker (make the test shorter instead)"
+                )
+        drop = set() if config.getoption("long") else {id(item) for item in long_ones}
+        if config.getoption("gates_only"):
+            drop |= {id(item) for item in items if not item.get_closest_marker(MARKER)}
+        if drop:
+            config.hook.pytest_deselected(items=[item for item in items if id(item) in drop])
+            items[:] = [item for item in items if id(item) not in drop]
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:
@@ -223,9 +329,16 @@ class GateRecorder:
         elif report.when == "call" or previous is None:
             self.outcomes[nodeid] = "passed"
         if report.when == "call":
+            worker_id = _worker_of(report)
+            worker = self._worker(worker_id)
+            worker["tests"] += 1
+            worker["gates"] += self.is_gate[nodeid] and not report.skipped
             for name, value in report.user_properties:
                 if name == MARKER:
-                    self.rows.append({**value, "outcome": report.outcome})
+                    row = {**value, "outcome": report.outcome}
+                    if worker_id != MAIN:
+                        row["worker"] = worker_id
+                    self.rows.append(row)
                 elif name == TRAINING:
                     self.training = {**value, "outcome": report.outcome}
 
@@ -245,8 +358,17 @@ class GateRecorder:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         config = self.config
-        if hasattr(config, "workerinput") or config.option.collectonly:
+        here = {"cuda_visible_devices": os.environ.get(devices.VISIBLE_VAR), "gpu": None}
+        if hasattr(
+            config, "workerinput"
+        ):  # a worker: say which GPU it used, the rest is the controller's
+            here["gpu"] = devices.gpu_name()
+            config.workeroutput[WORKER_OUTPUT] = here
             return
+        if config.option.collectonly:
+            return
+        if MAIN in self.workers:  # this process ran the tests itself
+            self.workers[MAIN].update(here, gpu=devices.gpu_name())
         gates, tests = self.counts()
         outcome = classify(int(exitstatus), gates, tests, self.collection_errors)
         write_record(
@@ -257,12 +379,14 @@ class GateRecorder:
                 config.option.markexpr,
                 config.getoption("gates_only"),
                 config.invocation_params.args,
+                config.getoption("long"),
             ),
             gates=gates,
             tests=tests,
             rows=self.rows,
             reason=self.reason(outcome, int(exitstatus), gates, tests),
             training=self.training,
+            workers=self.workers.values(),
         )
 
     def reason(self, outcome: str, exitstatus: int, gates: dict, tests: dict) -> str | None:
@@ -285,6 +409,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="run only the correctness gates (tests marked `gate`); other tests are deselected",
+    )
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=long_from_env(),
+        help=f"also run the tests marked `{LONG}` (deselected by default; the scheduled GPU CI "
+        f"run selects them; {LONG_VAR}=1 does the same)",
     )
 
 

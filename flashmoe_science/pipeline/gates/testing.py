@@ -14,7 +14,8 @@ and passed:
 Selections: `--gates` collects the gate module alone and keeps only the gates, so a test that is
 not a gate cannot mark a bisect step bad; `--list` prints the gate ids (what `-k` selects) and runs
 nothing. A selection of at most SERIAL_MAX_TESTS tests runs in one process: starting pytest-xdist
-workers (each imports torch and collects) costs more than such a run. pytest runs with its plugin
+workers (each imports torch and collects) costs more than such a run. A larger one runs on
+pytest-xdist workers spread over every GPU of the machine, one GPU each (devices.py). pytest runs with its plugin
 autoload off, so plugins installed in a reused interpreter (pytest-benchmark, ...) stay out.
 """
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from .. import exitcodes
 from ..paths import REPO_ROOT, report_dir, require_gpu_from_env
 from ..provenance import clear_outputs
+from . import devices
 from . import plugin as gate_plugin
 from .plugin import (
     ERROR,
@@ -108,8 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workers",
         default=None,
-        help="pytest-xdist workers (default: none for a selection of at most "
-        f"{SERIAL_MAX_TESTS} tests, else one per CPU core, at most 8)",
+        help="pytest-xdist workers, each pinned to one GPU in turn (default: none for a selection "
+        f"of at most {SERIAL_MAX_TESTS} tests, else one per CPU core up to "
+        f"{devices.MAX_WORKERS}, and at least one per GPU; the GPUs: ${devices.DEVICES_VAR}, "
+        f"else ${devices.VISIBLE_VAR}, else every GPU)",
     )
     parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k: select by name")
     parser.add_argument(
@@ -130,10 +134,6 @@ def _parser() -> argparse.ArgumentParser:
         "(default: 255, since it says nothing about correctness)",
     )
     return parser
-
-
-def _all_workers() -> str:
-    return str(max(1, min(8, os.cpu_count() or 1)))
 
 
 def isolated_env(base: dict[str, str]) -> dict[str, str]:
@@ -176,6 +176,10 @@ class Collected:
     exit: int
     tests: int = 0
     gate_ids: list[str] = field(default_factory=list)
+    long_left_out: int = 0  # tests marked long that the selection leaves out (no --long)
+
+    def pytest_deselected(self, items) -> None:
+        self.long_left_out += sum(1 for item in items if item.get_closest_marker(gate_plugin.LONG))
 
     def pytest_collection_finish(self, session) -> None:
         self.tests = len(session.items)
@@ -232,7 +236,10 @@ def main(argv: list[str]) -> int:
     targets = [*GATE_MODULES, "--gates-only"] if args.gates else ["tests"]
     start = time.monotonic()
     clear_outputs(gate_plugin.RECORD)
-    selected = gate_plugin.selection(args.keyword, None, args.gates, [*targets, *pytest_args])
+    long = "--long" in pytest_args or gate_plugin.long_from_env()
+    selected = gate_plugin.selection(
+        args.keyword, None, args.gates, [*targets, *pytest_args], long=long
+    )
 
     def stopped(code: int, reason: str) -> int:
         gate_plugin.write_record(outcome=ERROR, pytest_exit=None, selected=selected, reason=reason)
@@ -278,14 +285,23 @@ def main(argv: list[str]) -> int:
         )
         return verdict(record, time.monotonic() - start, args.no_gates_ok)
     workers = args.workers
+    gpus = devices.visible_devices()
     why = ""
     if workers is None:
         small = collected.exit != 0 or collected.tests <= SERIAL_MAX_TESTS
-        workers = "0" if small else _all_workers()
+        workers = "0" if small else str(devices.worker_count(os.cpu_count(), gpus))
         if small and collected.exit == 0:
             why = f" ({collected.tests} tests: one process, no worker start-up)"
+    if workers.isdigit() and int(workers) > 0 and gpus:
+        why = f" ({devices.placement_text(int(workers), gpus)})"
     cmd = pytest_command(targets, workers, pytest_args)
     print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
+    if collected.long_left_out and not args.gates:
+        print(
+            f"test: {_plural(collected.long_left_out, 'test')} marked `{gate_plugin.LONG}` left "
+            "out: `--long` runs them (the scheduled GPU CI run does)",
+            flush=True,
+        )
     env = isolated_env(dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else ""))
     with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
         try:

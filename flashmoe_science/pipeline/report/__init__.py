@@ -2,15 +2,16 @@
 the job summary.
 
 It reads what the other commands left in the report folder (flashmoe_science.pipeline.paths.report_dir()):
-env.json, build.json (or a build.log tail when the build failed), gates.json, bench.json,
+env.json, selection.json (GPU CI: the full matrix or main's verdict reused), build.json (or a
+build.log tail when the build failed), gates.json, bench.json,
 sanitize.json (each compute-sanitizer tool's result and what it does not check of the Hopper
 features) and stages.json, and writes report.md there. A missing file renders as "not run", never as an error.
 
     line 1   the verdict: `## ✅ flashmoe-science: passed`, `## ❌ flashmoe-science: 3 gates failed`, ...
     line 2   MARKER, a hidden line by which the PR comment is found and updated in place
     then     the commit (and run) the report describes, a summary table (one row per stage, with
-             wall times and the job's total), then one <details> section per stage, failing
-             sections first and open, passing ones closed
+             wall times and the job's total), the job's critical path, then one <details>
+             section per stage, failing sections first and open, passing ones closed
 
 Every record carries its provenance (flashmoe_science.pipeline.provenance). One from another commit,
 from another run (when FLASHMOE_RUN_ID is set), or without provenance is STALE: named with both
@@ -213,6 +214,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         commit=tested if args.tested_sha else None,
         run_id=args.run_id,
         job_seconds=job,
+        job_start=start,
     )
     inputs.tested_sha, inputs.head_sha = args.tested_sha, args.head_sha
     inputs.changed_paths = changed
@@ -253,6 +255,7 @@ def _main_legs(args: argparse.Namespace, output: Path, changed: list[str] | None
         if leg.inputs is not None:
             leg.inputs.tested_sha, leg.inputs.head_sha = args.tested_sha, args.head_sha
             leg.inputs.run_url = url
+            leg.inputs.changed_paths = changed  # each leg's selection is checked against them
     header = Inputs(tested_sha=args.tested_sha, run_url=url, changed_paths=changed)
     if jobs is None:
         notes.append("the run's jobs were not read: each leg is judged by its records alone")

@@ -7,7 +7,11 @@ stage writes on every run:
     gates        {"selected", "ran", "passed", "failed", "skipped"}: gate cases only
     tests        {"selected", "passed", "failed", "errors", "skipped"}: every test, gates included
     pytest_exit  pytest's own exit status (null when pytest did not run)
-    selection    {"keyword": -k, "markexpr": -m, "gates_only": --gates, "args"}
+    selection    {"keyword": -k, "markexpr": -m, "gates_only": --gates, "long": --long, "args"}
+    reused       main's run whose verdict a pull request's leg reused (ci/selection.py): then the
+                 counts are that run's and this run ran no gate
+    workers      the processes that ran tests: each one's GPU (CUDA_VISIBLE_DEVICES entry and
+                 device name) and the gates it ran, shown as the GPUs used
     cases        one row per gate case that ran; `rerun` is the command that reruns it,
                  `rerun_cpu` its CPU twin's, `rerun_needs` the hardware it needs beyond a GPU
 
@@ -23,8 +27,10 @@ from typing import Any
 from .. import markdown as md
 from .inputs import Inputs, stage_status
 from .sections import FAIL, OK, WARN, Detail, Section, absent, stale_section, unreadable_section
+from .selection_section import reused_text
 
 MAX_FAILING = 100  # failing cases detailed at most; the rest are counted (all are in gates.json)
+MAX_GPUS = 16  # GPUs named in the facts line; the rest are counted
 RERUN_ALL_MAX = 20  # one combined `-k 'a or b ...'` command for up to this many failing cases
 GPU_PREFIX = "FLASHMOE_REQUIRE_GPU=1 "  # without a GPU, a CUDA case then exits 255, not "passed"
 # A rerun command from gates.json is shown for copying into a shell: only these characters.
@@ -97,12 +103,38 @@ def counts_text(gates: dict) -> str:
     return f"{gates_text(gates)} · {tests_text(gates)}"
 
 
+def gpus_text(gates: dict) -> str | None:
+    """The GPUs the test stage used, from gates.json's workers: '2: `0` NVIDIA H200 (4 workers,
+    957 gates), `1` NVIDIA H200 (4 workers, 957 gates)'; None for a run that used none."""
+    workers = [w for w in gates.get("workers") or [] if isinstance(w, dict)]
+    groups: dict[tuple, list[int]] = {}
+    for worker in workers:
+        key = (worker.get("cuda_visible_devices"), worker.get("gpu"))
+        group = groups.setdefault(key, [0, 0])
+        group[0] += 1
+        group[1] += _count(worker, "gates")
+    if not any(device is not None or name for device, name in groups):
+        return None  # no process was given or saw a GPU: a CPU run
+    one_process = [str(w.get("id")) for w in workers] == ["main"]
+    parts = []
+    for (device, name), (count, ran) in list(groups.items())[:MAX_GPUS]:
+        where = f"{md.code(device, 80)} " if device is not None else ""
+        card = md.text(name, 80) if name else "no GPU seen"
+        processes = "one process" if one_process else md.plural(count, "worker")
+        parts.append(f"{where}{card} ({processes}, {md.plural(ran, 'gate')})")
+    if len(groups) > MAX_GPUS:
+        parts.append(f"and {len(groups) - MAX_GPUS:,} more")
+    return (f"{len(groups)}: " if len(groups) > 1 else "") + ", ".join(parts)
+
+
 def _selection(gates: dict) -> str | None:
-    """The options that chose the tests ('-k test_api', '--gates -k fwd'), None for all."""
+    """The options that chose the tests ('-k test_api', '--gates -k fwd', '--long': the tests
+    marked long too), None for every test of a pull request's run."""
     selection = gates.get("selection")
     if not isinstance(selection, dict):
         return None
     parts = ["--gates"] if selection.get("gates_only") else []
+    parts += ["--long"] if selection.get("long") is True else []
     parts += [f"-k {selection['keyword']}"] if selection.get("keyword") else []
     parts += [f"-m {selection['markexpr']}"] if selection.get("markexpr") else []
     return " ".join(parts) or None
@@ -136,6 +168,9 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
     selection = _selection(gates)
     worst_case = gates.get("worst_case")
     facts = [f"**{counts}**"]
+    reused = gates.get("reused") if isinstance(gates.get("reused"), dict) else None
+    if reused:
+        facts.append(f"**reused**: the verdict of {reused_text(reused)}; no gate ran in this run")
     if md.num(gates.get("worst_max_diff")) is not None:
         facts.append(
             f"**worst max diff** {md.sig(gates.get('worst_max_diff'))}"
@@ -144,12 +179,15 @@ def gates_section(inputs: Inputs, detail: Detail) -> Section:
     if md.num(gates.get("worst_ratio")) is not None:
         facts.append(f"**worst error ratio** {md.times(gates.get('worst_ratio'))} PyTorch's own")
     facts.append(f"**selection** {md.code(selection) if selection else 'all tests'}")
+    gpus = gpus_text(gates)
+    if gpus:
+        facts.append(f"**GPUs used** {gpus}")
     if exit_code is not None:
         facts.append(f"**pytest exit** {exit_code}")
     parts = [" · ".join(facts)]
     problems = []
     if outcome == "passed":
-        summary = counts
+        summary = counts + (" (main's, reused)" if reused else "")
         if stage_status(inputs, "test") not in (None, "ok"):
             # gates.json says passed, the command did not: believe the failure.
             severity, summary = FAIL, f"{counts}; the test stage still failed"

@@ -20,7 +20,7 @@ BUILD_LOG = "build.log"
 MAX_RECORD_BYTES = 64 * 2**20  # a record larger than this is not parsed (the real ones are < 1 MiB)
 MAX_LOG_BYTES = 2**20  # of build.log, only the end is read
 BENCH_SCHEMA = REPO_ROOT / "benches" / "bench.schema.json"
-RECORDS = ("env.json", "build.json", "gates.json", "bench.json", "sanitize.json")
+RECORDS = ("env.json", "build.json", "gates.json", "bench.json", "sanitize.json", "selection.json")
 
 
 @dataclasses.dataclass
@@ -31,6 +31,9 @@ class Inputs:
     gates: dict | None = None
     bench: dict | None = None
     sanitize: dict | None = None
+    selection: dict | None = (
+        None  # GPU CI's choice: the full matrix or main's verdict (ci.selection)
+    )
     stages: dict[str, dict] = dataclasses.field(default_factory=dict)
     base_build: dict | None = None
     base_build_path: str | None = None
@@ -41,6 +44,7 @@ class Inputs:
     commit: dict | None = None  # the checkout the report describes
     run_id: str | None = None  # FLASHMOE_RUN_ID, when set
     job_seconds: float | None = None  # since FLASHMOE_JOB_START, when set
+    job_start: float | None = None  # FLASHMOE_JOB_START, or the one stages.json recorded
     run_url: str | None = None
     # Set by the privileged job that re-renders a pull request's report from its artifact: the
     # commit it verified the run tested, and the files the pull request changes.
@@ -136,6 +140,7 @@ def load_inputs(
     commit: dict | None = None,
     run_id: str | None = None,
     job_seconds: float | None = None,
+    job_start: float | None = None,
 ) -> Inputs:
     """Read the report folder. `commit` is the checkout's (provenance.commit() when None) and
     `run_id` this run's (FLASHMOE_RUN_ID when None): records from other code or runs are stale."""
@@ -143,6 +148,7 @@ def load_inputs(
         commit=commit if commit is not None else provenance.commit(),
         run_id=run_id if run_id is not None else (os.environ.get(provenance.RUN_ID_VAR) or None),
         job_seconds=job_seconds,
+        job_start=job_start if job_seconds is not None else None,
     )
     bad = inputs.unreadable
     inputs.env = _read_json(directory / "env.json", "env.json", bad, inputs.notes)
@@ -150,6 +156,7 @@ def load_inputs(
     inputs.gates = _read_json(directory / "gates.json", "gates.json", bad, inputs.notes)
     inputs.bench = _read_json(directory / "bench.json", "bench.json", bad)
     inputs.sanitize = _read_json(directory / "sanitize.json", "sanitize.json", bad, inputs.notes)
+    inputs.selection = _read_json(directory / "selection.json", "selection.json", bad, inputs.notes)
     for label in RECORDS:
         doc = getattr(inputs, label.removesuffix(".json"))
         why = (
@@ -169,9 +176,13 @@ def load_inputs(
         if caveat:
             inputs.notes.append(caveat)
     try:
-        inputs.stages = stages.normalize(
-            _read_json(directory / stages.STAGES_FILE, stages.STAGES_FILE, bad, inputs.notes)
+        stages_doc = _read_json(
+            directory / stages.STAGES_FILE, stages.STAGES_FILE, bad, inputs.notes
         )
+        inputs.stages = stages.normalize(stages_doc)
+        recorded = (stages_doc or {}).get("job_start")
+        if inputs.job_start is None and md.num(recorded) is not None and recorded > 0:
+            inputs.job_start = float(recorded)
     except (TypeError, ValueError, OverflowError) as exc:  # a shape the schema let through
         bad[stages.STAGES_FILE] = md.flat(f"{type(exc).__name__}: {exc}", 200)
         inputs.stages = {}

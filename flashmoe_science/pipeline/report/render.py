@@ -1,5 +1,7 @@
 """The report as a whole: the verdict, the stage table with wall times and the job's total, the
-sections in order of severity, and the cuts that keep it under GitHub's comment limit.
+job's critical path under it (where the time went, in order; on an H200, whether the job kept to
+GPU CI's budget), the sections in order of severity, and the cuts that keep it under GitHub's
+comment limit.
 
 Whatever the inputs hold, the first line is the verdict and the second the MARKER: the verdict
 names at most VERDICT_ITEMS problems of each kind, then a count; a section whose renderer fails
@@ -12,8 +14,8 @@ import os
 import re
 from collections.abc import Callable
 
+from .. import gpukinds, provenance, stages
 from .. import markdown as md
-from .. import provenance, stages
 from .bench_section import SDPA_RATIO_LINE, bench_section
 from .build_section import build_section
 from .env_section import env_facts, env_section
@@ -22,6 +24,7 @@ from .inputs import Inputs, stage_failed
 from .sanitize_section import sanitize_section
 from .sanitize_section import shown as sanitize_shown
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN, Detail, Section
+from .selection_section import selection_section
 from .targets_section import targets_section
 from .trusted import history_section, trusted_header
 
@@ -35,6 +38,7 @@ SECTION_STAGES = ("env", "build", "test", "bench")
 UNFINISHED = "unfinished"
 VERDICT_ITEMS = 5  # problems of one kind the verdict names before it counts the rest
 VERDICT_ITEM_CHARS = 160
+MIN_GAP_SHOWN = 10.0  # seconds between two stages that the critical path names
 
 
 def _listed(items: list[str]) -> list[str]:
@@ -105,6 +109,7 @@ def _extra_stages(inputs: Inputs) -> list[str]:
     """Stages in stages.json without a section of their own (profile; sanitize without a
     sanitize.json)."""
     own = (*SECTION_STAGES, "sanitize") if sanitize_shown(inputs) else SECTION_STAGES
+    own += ("select",) if inputs.selection is not None or "selection.json" in inputs.stale else ()
     return [name for name in inputs.stages if name not in own]
 
 
@@ -169,6 +174,52 @@ def summary_table(sections: list[Section], inputs: Inputs) -> str:
     return md.table(["", "stage", "result", "wall time"], rows)
 
 
+def critical_path_line(inputs: Inputs) -> str | None:
+    """'**Critical path** (3m 40s): setup 1m 10s → env 3.1 s → **test 2m 05s** (57%) → ...':
+    where the job's time went, in order (stages.critical_path), its longest step in bold; None
+    when fewer than two steps are known."""
+    timed = {name: s for name, s in inputs.stages.items() if name not in inputs.stale_stages}
+    end = None
+    if inputs.job_start is not None and inputs.job_seconds is not None:
+        end = inputs.job_start + inputs.job_seconds
+    path = stages.critical_path(timed, inputs.job_start, end)
+    total = sum(seconds for _, seconds in path)
+    # a few seconds between two stages (a process starting) are in the total, not listed
+    path = [(n, s) for n, s in path if n != stages.BETWEEN or s >= MIN_GAP_SHOWN]
+    if len(path) < 2:
+        return None
+    longest = max(range(len(path)), key=lambda i: path[i][1])
+    steps = []
+    for i, (name, seconds) in enumerate(path):
+        step = f"{md.text(name, 64)} {md.duration(seconds)}"
+        if i == longest and total > 0:
+            step = f"**{step}** ({100 * seconds / total:.0f}%)"
+        steps.append(step)
+    line = f"**Critical path** ({md.duration(total)}): " + " → ".join(steps)
+    budget = budget_text(inputs)
+    return f"{line} · {budget}" if budget else line
+
+
+def budget_text(inputs: Inputs) -> str | None:
+    """On the card GPU CI's budget was set for (stages.BUDGET_KIND): whether the job and its test
+    stage kept to it; None on any other card."""
+    kind = gpukinds.KINDS[stages.BUDGET_KIND]
+    gpu = (inputs.env or {}).get("gpu") if "env.json" not in inputs.stale else None
+    if not isinstance(gpu, dict) or not kind.matches(gpu.get("name")):
+        return None
+    test = inputs.stages.get("test") if "test" not in inputs.stale_stages else None
+    spent = {"job": inputs.job_seconds, "test": (test or {}).get("seconds")}
+    over = [
+        f"{what} {md.duration(spent[what])} > {md.duration(limit)}"
+        for what, limit in stages.BUDGET_S.items()
+        if spent.get(what) is not None and spent[what] > limit
+    ]
+    if over:
+        return f"⚠️ over the {kind.card} budget: " + ", ".join(over)
+    said = ", ".join(f"{what} {md.duration(limit)}" for what, limit in stages.BUDGET_S.items())
+    return f"within the {kind.card} budget ({said})"
+
+
 def _subject(inputs: Inputs) -> str:
     """The line that names what the report describes."""
     text = f"**commit** {md.code(provenance.describe_commit(inputs.commit))}"
@@ -181,6 +232,7 @@ def _subject(inputs: Inputs) -> str:
 # judged none): it is left out, not listed as not run.
 SECTIONS: tuple[tuple[str, str, Callable[[Inputs, Detail], Section | None]], ...] = (
     ("env", "Environment", env_section),
+    ("select", "Selection", selection_section),
     ("build", "Build", build_section),
     ("test", "Correctness gates", gates_section),
     ("bench", "Benchmark", bench_section),
@@ -237,6 +289,9 @@ def _render(inputs: Inputs, detail: Detail, note: str | None = None) -> str:
     for caveat in inputs.notes:
         lines += [f"> **Note:** {md.text(caveat)}", ""]
     lines += [summary_table(sections, inputs), ""]
+    path = critical_path_line(inputs)
+    if path:
+        lines += [path, ""]
     ran = [s for s in sections if s.severity != NOTRUN]
     if inputs.history is not None:  # after the table: not a stage of this run
         ran.append(_section("trend", "Performance history", history_section, inputs, detail))

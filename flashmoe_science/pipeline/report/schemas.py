@@ -1,5 +1,5 @@
-"""The shapes the report accepts for env.json, build.json, gates.json, sanitize.json and
-stages.json (bench.json has its own schema, benches/bench.schema.json).
+"""The shapes the report accepts for env.json, build.json, gates.json, sanitize.json,
+selection.json and stages.json (bench.json has its own schema, benches/bench.schema.json).
 
 The records may come from a pull request's code, so the report checks each against its schema
 before using it: a record that does not match is named unreadable (exit 2), never half-rendered.
@@ -163,12 +163,39 @@ GATES = _record(
         "tests": _COUNTS,
         "selection": {
             "type": ["object", "null"],
-            "properties": {"keyword": _SHORT, "markexpr": _SHORT, "gates_only": _SCALAR},
+            "properties": {
+                "keyword": _SHORT,
+                "markexpr": _SHORT,
+                "gates_only": _SCALAR,
+                "long": _SCALAR,
+            },
         },
         "worst_max_diff": _NUMBER,
         "worst_ratio": _NUMBER,
         "worst_case": _SHORT,
         "cases": _list(_CASE),
+        "reused": {
+            "type": ["object", "null"],
+            "properties": {
+                "sha": {"type": ["string", "null"], "pattern": "^[0-9a-f]{40}$"},
+                "run_id": _SHORT,
+                "run_url": _SHORT,
+                "key": _SHORT,
+                "timestamp": _SHORT,
+            },
+        },
+        "workers": _list(
+            {
+                "type": "object",
+                "properties": {
+                    "id": _SHORT,
+                    "cuda_visible_devices": _SHORT,
+                    "gpu": _SHORT,
+                    "gates": _INT,
+                    "tests": _INT,
+                },
+            }
+        ),
         "training": {
             "type": ["object", "null"],
             "properties": {
@@ -182,6 +209,7 @@ GATES = _record(
 
 STAGES = _record(
     {
+        "job_start": _NUMBER,
         "stages": {
             "type": ["object", "null"],
             "maxProperties": 64,
@@ -195,7 +223,7 @@ STAGES = _record(
                     "provenance": _PROVENANCE,
                 },
             },
-        }
+        },
     }
 )
 
@@ -227,11 +255,36 @@ SANITIZE = _record(
     }
 )
 
+SELECTION = _record(
+    {
+        "mode": {"enum": ["full", "reuse"]},
+        "reason": _TEXT,
+        "base": _SHORT,
+        "changed": _list(_SHORT),
+        "gate_inputs": _list(_SHORT),
+        "key": _SHORT,
+        "kind": _SHORT,
+        "main": {
+            "type": ["object", "null"],
+            "properties": {
+                "sha": {"type": ["string", "null"], "pattern": "^[0-9a-f]{40}$"},
+                "run_id": _SHORT,
+                "run_url": _SHORT,
+                "key": _SHORT,
+                "gates": _COUNTS,
+                "tests": _COUNTS,
+            },
+        },
+    },
+    required=("mode",),
+)
+
 SCHEMAS = {
     "env.json": ENV,
     "build.json": BUILD,
     "gates.json": GATES,
     "sanitize.json": SANITIZE,
+    "selection.json": SELECTION,
     "stages.json": STAGES,
 }
 

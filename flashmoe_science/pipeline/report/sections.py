@@ -13,6 +13,8 @@ from .inputs import Inputs, stage_status
 # or another run, so it says nothing about this one.
 OK, NOTE, NOTRUN, WARN, STALE, FAIL = 0, 1, 2, 3, 4, 5
 # NOTE is the information sign.
+# The stages a leg that reuses main's verdict does not run (ci/selection.py, gpu-ci.yml).
+REUSE_SKIPS = ("build", "test", "bench")
 ICONS = {OK: "✅", NOTE: "\u2139\ufe0f", NOTRUN: "⏭️", WARN: "⚠️", STALE: "🕰️", FAIL: "❌"}
 
 
@@ -94,4 +96,11 @@ def absent(inputs: Inputs, key: str, title: str, missing: str, problem: str, bod
         )
     if status == "skip":
         return Section(key, title, NOTRUN, "skipped (a tool is missing)", f"no `{missing}`")
+    reused = (inputs.selection or {}).get(
+        "mode"
+    ) == "reuse" and "selection.json" not in inputs.stale
+    if reused and key in REUSE_SKIPS:
+        return Section(
+            key, title, NOTRUN, "not run: main's verdict reused", "main's verdict reused"
+        )
     return not_run(key, title, missing)
