@@ -12,7 +12,7 @@ import pytest
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 # Lowest first. `__main__` is the command line: it dispatches to the pipeline by design.
-LAYERS = ("library", "shared", "env", "build", "gates", "bench", "tools", "report", "ci")
+LAYERS = ("library", "shared", "env", "build", "gates", "bench", "tools", "ci", "report")
 COMMAND_LINE = "flashmoe_science.__main__"
 
 

@@ -5,8 +5,8 @@
     gates/   correctness over the sequence-length x head-dim matrix (reports/gates.json)
     bench/   speed against PyTorch SDPA on the same card (reports/bench.json, bench.md)
     tools/   compute-sanitizer, Nsight Compute and phase traces on one build or case
+    ci/      GPU CI's own steps: approval, change-aware selection, status, bench history
     report/  one markdown report of the run (reports/report.md, the PR comment)
-    ci/      GPU CI's trusted steps, run from main's code (approval, status, bench history)
 
 The modules at this level are what the stages share: cli (the command line), exitcodes, paths,
 provenance, stages (each stage's wall time), cases (case ids and inputs), gpukinds, markdown.
