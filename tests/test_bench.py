@@ -199,7 +199,7 @@ def test_records_import_without_torch():
 def bench_env(report_dir: Path) -> dict:
     # The subprocess checks report plumbing, not speed, so it may run beside other xdist workers.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    return {**env, "FLASHMOE_REPORT_DIR": str(report_dir)}
+    return {**env, "FLASHMOE_REPORTS_DIR": str(report_dir)}
 
 
 def run_bench(
@@ -276,7 +276,7 @@ def test_a_missing_validator_stops_the_run_before_anything_is_built_or_timed(
     """bench.json is validated when it is written, at the end: without jsonschema a whole run's
     measurements were lost there (an H100 run of 281 cases, then a traceback)."""
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # `import jsonschema` raises ImportError
 
     def must_not_run(*args, **kwargs):
@@ -295,7 +295,7 @@ def test_a_run_clears_the_previous_results_before_it_builds(tmp_path, monkeypatc
     """A commit that does not build (exit 125) must not leave an older run's bench.json behind,
     where the report would read it as this commit's."""
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
     for name in bench.OUTPUTS:
         (tmp_path / name).write_text("from an older run")
 

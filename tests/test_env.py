@@ -79,7 +79,7 @@ def isolated(monkeypatch, tmp_path):
     """An empty build root and report dir, and no CI leg (a leg adds its gpu-kind check), so a
     build lying around or a run inside a GPU job does not change the outcome."""
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "build"))
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path / "reports"))
     monkeypatch.delenv(gpukinds.KIND_VAR, raising=False)
     return tmp_path
 

@@ -775,7 +775,7 @@ def test_every_stage_timed_once_by_the_cli_and_the_total_is_the_jobs(tmp_path, m
     from flashmoe_science.pipeline import cli
 
     reports = tmp_path / "reports"
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(reports))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(reports))
     codes = {"env": 0, "build": 0, "test": 1, "bench": 0, "sanitize": exitcodes.TOOL_MISSING}
     for name, code in codes.items():
         module = types.ModuleType(f"fake_{name}")
@@ -801,7 +801,7 @@ def test_every_stage_timed_once_by_the_cli_and_the_total_is_the_jobs(tmp_path, m
 def test_help_is_not_a_stage(tmp_path, monkeypatch):
     from flashmoe_science.pipeline import cli
 
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
     with pytest.raises(SystemExit):
         cli.main(["env", "--help"])
     assert not (tmp_path / "stages.json").exists()

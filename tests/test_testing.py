@@ -33,7 +33,7 @@ def stage_env(reports: Path, **extra: str) -> dict[str, str]:
         if not k.startswith(("FLASHMOE_", "PYTEST_XDIST", "PYTEST_ADDOPTS", "TORCH_CUDA_ARCH"))
     }
     env.update(
-        FLASHMOE_REPORT_DIR=str(reports),
+        FLASHMOE_REPORTS_DIR=str(reports),
         CUDA_VISIBLE_DEVICES="",  # the CUDA gate cases skip, as on a machine without a GPU
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
     )

@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..paths import REPO_ROOT
+from ..paths import BENCH_SCHEMA
 from . import stats
 from .stats import sig
 
 SCHEMA = "flashmoe-science/bench/1"
-SCHEMA_PATH = REPO_ROOT / "benches" / "bench.schema.json"
+SCHEMA_PATH = BENCH_SCHEMA
 SUMMARY_KEYS = ("regression", "improvement", "no change", "missing")
 # The SDPA baselines, in the order of the tables (baselines.BASELINES maps them to backends)
 BASELINE_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-default")
@@ -484,7 +484,7 @@ def schema() -> dict:
     except (OSError, ValueError) as exc:
         raise InvalidBenchFile(
             f"cannot read the bench schema {SCHEMA_PATH}: {exc}; run from a checkout of the "
-            "repository (benches/ holds it)"
+            "repository (benches/ holds it), or reinstall the package"
         ) from exc
 
 

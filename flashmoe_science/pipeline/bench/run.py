@@ -98,6 +98,7 @@ import torch
 from ... import _loader
 from .. import exitcodes, paths, provenance
 from ..cases import Case, make_inputs, parse_case_id
+from ..cli import program
 from . import headbase, history, machine, stats, targets
 from . import records as benchrecords
 from . import summary as benchmd
@@ -223,7 +224,7 @@ def _threshold(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m flashmoe_science bench",
+        prog=f"{program()} bench",
         description="Time our attention kernels against PyTorch SDPA; optionally the head against "
         "a base commit (--base), or one case against a limit for `git bisect run` (--bisect).",
     )

@@ -32,6 +32,7 @@ from typing import Any
 
 from ... import _loader, _toolkit
 from .. import exitcodes, gpukinds
+from ..cli import program
 from ..paths import build_root, report_dir, require_gpu_from_env
 from ..provenance import clear_outputs, provenance
 
@@ -825,7 +826,7 @@ def summary_line(report: Report, json_path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flashmoe_science env",
+        prog=f"{program()} env",
         description="Check that this machine can build and run the flashmoe-science kernels.",
     )
     parser.add_argument(

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import exitcodes
+from ..cli import program
 from ..paths import REPO_ROOT, report_dir, require_gpu_from_env
 from ..provenance import clear_outputs
 from . import plugin as gate_plugin
@@ -90,7 +91,7 @@ LIST_HINT = "`nox -s test -- --list` prints the gate ids"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m flashmoe_science test",
+        prog=f"{program()} test",
         description="Build (incrementally) and run the correctness gates and the other tests. "
         "Unknown options go to pytest, e.g. `-x`. Bisect with the gates alone: "
         "`git bisect run nox -s test -- --gates -k '<gate id>'`.",

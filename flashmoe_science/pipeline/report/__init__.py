@@ -56,6 +56,7 @@ from pathlib import Path
 from .. import exitcodes, stages
 from .. import markdown as md
 from ..bench import trend
+from ..cli import program
 from ..markdown import TIMES
 from ..paths import report_dir
 from .inputs import Inputs, load_inputs
@@ -79,7 +80,7 @@ __all__ = [
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m flashmoe_science report",
+        prog=f"{program()} report",
         description="Render the run's artifacts (env.json, build.json, gates.json, bench.json, stages.json) "
         "into one markdown report, report.md, for the PR comment and the job summary.",
     )
