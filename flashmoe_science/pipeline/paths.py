@@ -20,10 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CSRC_DIR = REPO_ROOT / "csrc"
 # bench.json's schema, in the checkout's benches/; a wheel carries it as flashmoe_science/benches/
 _SCHEMA = Path("benches", "bench.schema.json")
-BENCH_SCHEMA = next(
-    (path for path in (REPO_ROOT / "flashmoe_science" / _SCHEMA, REPO_ROOT / _SCHEMA) if path.is_file()),
-    REPO_ROOT / _SCHEMA,
-)
+_PACKAGED_SCHEMA = REPO_ROOT / "flashmoe_science" / _SCHEMA
+BENCH_SCHEMA = _PACKAGED_SCHEMA if _PACKAGED_SCHEMA.is_file() else REPO_ROOT / _SCHEMA
 REPORTS_VAR = "FLASHMOE_REPORTS_DIR"
 # The variable's earlier name, still read (an older base commit that `bench --base` runs reads it).
 OLD_REPORTS_VAR = "FLASHMOE_REPORT_DIR"
