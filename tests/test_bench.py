@@ -538,8 +538,12 @@ def test_a_cpu_sample_times_enough_calls_to_resolve_a_call_shorter_than_the_cloc
     samples = timer.time(clock.call, 10)
     assert len(samples) == 10
     assert all(abs(ms - 0.020) <= 0.020 * 0.05 for ms in samples), samples
-    calls = timer.calls_per_sample(clock.call)
+    calls, _ = timer.calls_per_sample(clock.call)
     assert calls * 0.020 >= 5.0 and calls * 0.020 <= 5.0 * 1.3  # about the minimum, not far past
+    # a call that lasts the minimum alone is timed once per sample, sizing included
+    slow = CoarseClock(step_ns=100_000, call_ns=6_000_000)
+    samples = timing.CpuTimer(min_sample_ms=5.0, clock=slow.read).time(slow.call, 3)
+    assert samples == [6.0, 6.0, 6.0] and slow.now == 3 * 6_000_000
 
 
 def test_a_cpu_sample_of_a_known_spin_reads_its_length():

@@ -899,6 +899,9 @@ def test_help_is_not_a_stage(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["env", "--help"])
     assert not (tmp_path / "stages.json").exists()
+    # nor is a listing: `test --list` after a run would replace the test stage's time and status
+    assert cli.main(["bench", "--list", "--backend", "cpu", "--quick"]) == exitcodes.OK
+    assert not (tmp_path / "stages.json").exists()
 
 
 def test_a_job_start_that_is_not_this_job_is_ignored():

@@ -108,8 +108,9 @@ class CpuTimer:
             fn()
         return self._clock() - start
 
-    def calls_per_sample(self, fn: Callable[[], object]) -> int:
-        """The fewest calls (grown at most tenfold per try) whose batch lasts min_sample_ms."""
+    def calls_per_sample(self, fn: Callable[[], object]) -> tuple[int, int]:
+        """The fewest calls (grown at most tenfold per try) whose batch lasts min_sample_ms, and
+        the last batch's time in ns (a sample already, when it reached the minimum)."""
         target = self.min_sample_ms * 1e6
         calls = 1
         for _ in range(CALIBRATION_STEPS):
@@ -118,11 +119,15 @@ class CpuTimer:
                 break
             factor = min(10.0, 1.2 * target / elapsed) if elapsed > 0 else 10.0
             calls = min(MAX_CALLS_PER_SAMPLE, max(calls + 1, math.ceil(calls * factor)))
-        return calls
+        return calls, elapsed
 
     def time(self, fn: Callable[[], object], count: int, flush: bool = True) -> list[float]:
-        calls = self.calls_per_sample(fn)
-        return [self._batch_ns(fn, calls) / calls / 1e6 for _ in range(count)]
+        calls, last = self.calls_per_sample(fn)
+        # the batch that reached the minimum is the first sample: a call that alone lasts the
+        # minimum (most CPU cases) is timed no more often than `count` times
+        first = [last] if last >= self.min_sample_ms * 1e6 and count else []
+        rest = [self._batch_ns(fn, calls) for _ in range(count - len(first))]
+        return [ns / calls / 1e6 for ns in first + rest]
 
 
 def make_timer(device: str):

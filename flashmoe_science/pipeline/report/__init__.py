@@ -85,7 +85,11 @@ def _parser() -> argparse.ArgumentParser:
         "into one markdown report, report.md, for the PR comment and the job summary.",
     )
     parser.add_argument(
-        "--dir", type=Path, default=None, help="the report folder to read (default: reports/)"
+        "--dir",
+        type=Path,
+        default=None,
+        help="the report folder to read (default: --reports-dir or $FLASHMOE_REPORTS_DIR, else "
+        "reports/ of the checkout)",
     )
     parser.add_argument(
         "--output", type=Path, default=None, help="where to write (default: DIR/report.md)"
