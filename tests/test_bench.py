@@ -957,7 +957,7 @@ def test_base_worktree_comparison_finds_a_planted_slowdown(tmp_path):
     # the base was built in its own build root, and its build.json did not overwrite ours
     label = comparison["base"]["sha"][:12]
     worktrees = repo / "build" / "worktrees"
-    assert (worktrees / label / "flashmoe_science" / "pipeline" / "bench.py").is_file()
+    assert (worktrees / label / "flashmoe_science" / "pipeline" / "bench" / "run.py").is_file()
     assert (worktrees / f"{label}.build").is_dir()
     assert (worktrees / f"{label}.reports" / "build.json").is_file()
     # the change is to Python alone: the base's kernel sources are the head's, and its build
