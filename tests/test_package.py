@@ -86,7 +86,7 @@ def _checkout(folder: Path) -> Path:
 def test_a_read_only_install_writes_its_reports_where_it_runs(wheel, tmp_path):
     """`env` and `bench --quick` (one case) from a wheel installed into a site-packages made read
     only: the reports land in reports/ of the checkout the command runs in, or in the folder
-    --reports-dir names, and site-packages stays as it was installed. About 20 s on 2 cores (a
+    --reports-dir names, and site-packages stays as it was installed. 20 to 30 s on 2 cores (a
     venv, an install, torch imported four times); this checkout's build serves the installed
     sources, so nothing compiles."""
     python = wheelcheck.make_venv(tmp_path / "venv")
