@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+RERUN = "rerun `nox -s bench` alone on an idle machine for judged numbers"
+
 
 def load_average() -> list[float] | None:
     """The 1-, 5- and 15-minute load averages, or None where the platform has none."""

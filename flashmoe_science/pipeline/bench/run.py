@@ -183,7 +183,7 @@ def run_matrix(
     record.load = MachineLoad(**around)
     busy = load.busy(around) if device == "cpu" else None
     if busy:
-        say(f"bench: {busy}: the cores were shared, so these CPU timings are not judged")
+        say(f"bench: {busy}: busy cores, so these CPU timings are not judged ({load.RERUN})")
     return record
 
 

@@ -116,8 +116,8 @@ def _load_lines(record: BenchRecord) -> list[str]:
 
 def not_judged_line(busy: str) -> str:
     return (
-        f"**Not judged**: {busy}: the cores were shared with other work, so these CPU timings and "
-        "their ratios are not judged; rerun the bench on an idle machine."
+        f"**Not judged**: {busy} (the 1-minute average, so a stage that ended within the minute "
+        f"counts too): CPU timings on busy cores are not judged; {load.RERUN}."
     )
 
 
