@@ -2,6 +2,8 @@
 # /// script
 # dependencies = ["nox>=2025.2.9"]
 # ///
+# The two headers above serve `./noxfile.py`, which uv runs with nox installed from the block;
+# `nox` and `python -m nox` read neither and need no uv.
 """Orchestration only: each session runs `python -m flashmoe_science COMMAND`, where the logic lives.
 
 Sessions run in the interpreter that already holds torch (the one running nox, or FLASHMOE_PYTHON):
@@ -11,10 +13,14 @@ torch was provisioned once. Typical use:
     nox -s build test bench          # locally
     nox -s env build test -- --require-gpu   (GPU runners pass --require-gpu to env and test)
     git bisect run nox -s test -- --gates -k '<gate id>'   # 0 good, 1 bad, 125 skip, 255 stop
+
+A session exits with its command's code (2 for a report input that is stale or unreadable, 125,
+255, ...); nox itself would reduce every failure to 1.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -25,21 +31,25 @@ import nox
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "none"
 nox.options.sessions = ["env", "build", "test"]
+# No session makes a virtual environment, yet nox looks for uv before each one and logs "uv binary
+# not found." where there is none; no nox option skips the lookup, so its line is dropped.
+logging.getLogger("nox").addFilter(lambda record: record.getMessage() != "uv binary not found.")
 
 HERE = Path(__file__).parent
 PYTHON = os.environ.get("FLASHMOE_PYTHON", sys.executable)
-# nox reduces every failing session to exit 1; these codes must reach `git bisect run` unchanged.
-PASS_THROUGH = {125, 126}
 
 
 def flashmoe(session: nox.Session, *args: str) -> None:
     cmd = [PYTHON, "-m", "flashmoe_science", *args]
     session.log(" ".join(cmd))
     rc = subprocess.call(cmd, cwd=HERE)
-    if rc in PASS_THROUGH or rc > 127:
+    if rc < 0:  # killed by a signal: the shell's code for it
+        rc = 128 - rc
+    if rc == 1:  # a failure nox reports as its own: the other sessions still run
+        session.error(f"`{' '.join(cmd[1:])}` exited with 1")
+    if rc:  # any other code reaches the caller (`git bisect run`, CI) unchanged
+        session.log(f"`{' '.join(cmd[1:])}` exited with {rc}: nox exits with it")
         raise SystemExit(rc)
-    if rc:
-        session.error(f"`{' '.join(cmd[1:])}` exited with {rc}")
 
 
 @nox.session

@@ -35,5 +35,29 @@ def call(op, *args):
         message = str(exc).strip()
         for prefix, error_type in _ERROR_TYPES.items():
             if message.startswith(prefix):
-                raise error_type(message[len(prefix) :].splitlines()[0]) from None
+                line = message[len(prefix) :].splitlines()[0]
+                raise error_type(line + _layout_hint(op, line, args)) from None
         raise
+
+
+# The dense operators, whose q, k and v are all [B, H, S, D]
+_DENSE_OPS = ("flashmoe_science::attention", "flashmoe_science::fwd")
+
+
+def _layout_hint(op, message: str, args) -> str:
+    """For the heads check of a dense operator: when dimension 2 of q and k would make valid
+    heads, the tensors are likely [B, S, H, D], and the hint says how to pass them."""
+    q, k = args[0], args[1]
+    if (
+        not message.startswith("heads of q")
+        or getattr(op, "_qualified_op_name", None) not in _DENSE_OPS
+        or q.dim() != 4
+        or k.dim() != 4
+        or k.size(2) == 0
+        or q.size(2) % k.size(2)
+    ):
+        return ""
+    return (
+        f"; q {list(q.shape)} and k {list(k.shape)} look like [B, S, H, D]: pass q.transpose(1, 2), "
+        "k.transpose(1, 2) and v.transpose(1, 2) (the views are used in place, no copy)"
+    )

@@ -6,6 +6,9 @@ set -Eeuo pipefail
 readonly STEPS=6
 readonly DEFAULT_TORCH_CUDA="torch==2.14.1" # the CUDA 13.0 build
 readonly DEFAULT_TORCH_CPU="torch==2.13.0"  # a CPU build on the project's machines (see --torch-index-url)
+# Where Linux CPU builds of torch live (PyPI's Linux torch is the CUDA build); used alone, not beside
+# PyPI, for a CPU build when --torch-index-url is not given.
+readonly CPU_TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 # The .pth file that makes another interpreter's torch visible in the venv. While this variable is
 # set it adds nothing, so pip and the requirement check see only what the venv itself holds.
 readonly REUSE_PTH="_flashmoe_reuse_torch.pth"
@@ -41,9 +44,12 @@ Options:
                          imports torch, the venv reuses that torch and everything installed beside
                          it (packages the venv installs itself come first); it may be a venv's python.
   --torch SPEC           The pip requirement for torch when one must be installed
-                         (default: $DEFAULT_TORCH_CUDA, the CUDA 13.0 build).
-  --cpu                  Install a CPU build of torch instead ($DEFAULT_TORCH_CPU here; about a tenth
-                         of the download). Ignored when torch is reused or given by --torch.
+                         (default: $DEFAULT_TORCH_CUDA, the CUDA 13.0 build; on a machine with
+                         neither an NVIDIA GPU (nvidia-smi) nor nvcc, the CPU build, as --cpu).
+  --cpu                  Install a CPU build of torch instead ($DEFAULT_TORCH_CPU from
+                         $CPU_TORCH_INDEX; about a tenth of the download). Ignored when torch
+                         is reused or given by --torch.
+  --cuda                 Install the CUDA build even on a machine with no NVIDIA GPU and no nvcc.
   --torch-index-url URL  An extra package index to find torch on, e.g.
                          https://download.pytorch.org/whl/cpu for CPU builds where the project's
                          wheel folder is not configured.
@@ -135,6 +141,7 @@ PYTHON_GIVEN=0
 TORCH_SPEC=""
 TORCH_CHOSEN=0
 CPU=0
+CUDA=0
 TORCH_INDEX_URL=""
 REQUIRE_GPU=0
 HOOKS=1
@@ -150,6 +157,7 @@ while [[ $# -gt 0 ]]; do
     --python) need_value "$@"; PYTHON="$2"; PYTHON_GIVEN=1; shift 2 ;;
     --torch) need_value "$@"; TORCH_SPEC="$2"; TORCH_CHOSEN=1; shift 2 ;;
     --cpu) CPU=1; TORCH_CHOSEN=1; shift ;;
+    --cuda) CUDA=1; TORCH_CHOSEN=1; shift ;;
     --torch-index-url) need_value "$@"; TORCH_INDEX_URL="$2"; shift 2 ;;
     --require-gpu) REQUIRE_GPU=1; shift ;;
     --no-hooks) HOOKS=0; shift ;;
@@ -163,14 +171,35 @@ done
 VENV_PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+((!CPU || !CUDA)) || usage_error "--cpu and --cuda exclude each other"
+
+# nvcc on PATH or in CUDA_HOME: a machine that compiles the CUDA unit without a GPU (CI) needs the
+# CUDA torch; one with neither a GPU nor nvcc can only run the CPU build.
+cuda_machine() {
+  command -v nvidia-smi >/dev/null || command -v nvcc >/dev/null ||
+    [[ -n "${CUDA_HOME:-}" && -x "$CUDA_HOME/bin/nvcc" ]]
+}
+
 if [[ -n "$TORCH_SPEC" ]]; then
   TORCH_WHY="given by --torch"
 elif ((CPU)); then
   TORCH_SPEC="$DEFAULT_TORCH_CPU"
   TORCH_WHY="a CPU build, because --cpu was given"
+elif ((!CUDA)) && ! cuda_machine; then
+  CPU=1
+  TORCH_SPEC="$DEFAULT_TORCH_CPU"
+  TORCH_WHY="a CPU build: this machine has no NVIDIA GPU (no nvidia-smi) and no nvcc; --cuda installs the CUDA build instead"
 else
   TORCH_SPEC="$DEFAULT_TORCH_CUDA"
   TORCH_WHY="the CUDA 13.0 build, the default (--cpu picks a smaller CPU build)"
+fi
+# Which index pip takes torch from: --torch-index-url beside the configured ones, or for a CPU
+# build the CPU index alone (the configured find-links still count).
+TORCH_INDEX=()
+if [[ -n "$TORCH_INDEX_URL" ]]; then
+  TORCH_INDEX=(--extra-index-url "$TORCH_INDEX_URL")
+elif ((CPU)); then
+  TORCH_INDEX=(--index-url "$CPU_TORCH_INDEX")
 fi
 
 RUN_START=$(now_ms)
@@ -299,12 +328,12 @@ EOF
     ((!NO_INSTALL)) ||
       die "no torch to reuse, and --no-install ($NO_INSTALL_VAR) forbids installing one" \
         "pass --python PATH to an interpreter that imports torch"
-    info "installing $TORCH_SPEC: $TORCH_WHY"
+    info "installing $TORCH_SPEC${TORCH_INDEX[1]:+ (index ${TORCH_INDEX[1]})}: $TORCH_WHY"
     if ((!CPU)) && ! command -v nvidia-smi >/dev/null; then
       info "(no NVIDIA driver here, no nvidia-smi: --cpu would install a much smaller build)"
     fi
     # Isolated, pip sees only the venv and installs into it alone.
-    env "$ISOLATE_VAR=1" "$VENV_PY" -m pip install ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+    env "$ISOLATE_VAR=1" "$VENV_PY" -m pip install "${TORCH_INDEX[@]}" "$TORCH_SPEC"
     CUDA="$("$VENV_PY" -W ignore -c 'import torch; print(torch.version.cuda or "")')"  # numpy comes in step 4
     if [[ -z "$CUDA" ]]; then
       info "installed torch $(torch_version) (CPU build)"

@@ -40,7 +40,8 @@ def _hermetic_reports(tmp_path_factory, monkeypatch):
     # A test that runs a pipeline command (build, bench, ...) writes and clears reports in a folder
     # of its own, never the report folder of the run that is testing (its build.json, stages.json
     # are that run's record). The gates.json of the run is written after the tests, outside them.
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path_factory.mktemp("reports")))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path_factory.mktemp("reports")))
+    monkeypatch.delenv("FLASHMOE_REPORT_DIR", raising=False)  # the earlier name, read as a fallback
 
 
 @pytest.fixture

@@ -273,7 +273,7 @@ def test_the_gpu_job_runs_only_the_leg_asked_for_with_its_kinds_settings(tmp_pat
     torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
     if torch.returncode != 0:
         pytest.skip("the job's venv reuses this interpreter's torch, which is missing")
-    monkeypatch.delenv("FLASHMOE_REPORT_DIR", raising=False)  # the job's reports/, as on GitHub
+    monkeypatch.delenv("FLASHMOE_REPORTS_DIR", raising=False)  # the job's reports/, as on GitHub
     api = Api({})
     try:
         rc, log, out = run_job(
@@ -315,7 +315,7 @@ def test_both_legs_under_act_make_one_comment_with_a_verdict_line_each(
     jsonschema = subprocess.run(["python3", "-c", "import jsonschema"], capture_output=True)
     if torch.returncode or jsonschema.returncode:
         pytest.skip("needs torch in this interpreter and jsonschema in python3")
-    monkeypatch.delenv("FLASHMOE_REPORT_DIR", raising=False)
+    monkeypatch.delenv("FLASHMOE_REPORTS_DIR", raising=False)
     for step in ("gpu", "report"):
         (tmp_path / step).mkdir()
     api = Api({})

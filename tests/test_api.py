@@ -32,6 +32,25 @@ def one_line_error(exc_info, *needles: str) -> str:
     return first
 
 
+@pytest.mark.parametrize("call", ["forward", "decode"])
+def test_heads_in_the_sequence_dimension_get_the_transpose_hint(call):
+    # [B, S, H, D] tensors of 4 queries and 16 keys over 32 and 8 heads, passed as they are
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4 if call == "forward" else 1, 32, 64, generator=g).half()
+    k = torch.randn(2, 16, 8, 64, generator=g).half()
+    op = flash_attention_forward if call == "forward" else flash_attention_decode
+    with pytest.raises(ValueError) as excinfo:
+        op(q, k, k)
+    first = one_line_error(excinfo, "heads of q", "must be a multiple of heads of k and v")
+    assert "look like [B, S, H, D]: pass q.transpose(1, 2), k.transpose(1, 2)" in first
+    out = op(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))  # the hint works
+    assert out.shape == (2, 32, q.shape[1], 64)
+    # heads that no layout explains get no hint
+    with pytest.raises(ValueError) as excinfo:
+        op(q[:, :, :3].transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+    assert "transpose" not in one_line_error(excinfo, "multiple of heads")
+
+
 BAD_INPUTS = [
     (
         "float32 dtype",

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -156,6 +157,53 @@ def test_report_fixtures_load_as_records(path):
         assert "CPU backend (plumbing numbers, not a performance claim)" in markdown
 
 
+def test_a_cpu_run_under_load_is_not_judged_in_bench_md():
+    record = benchrecords.load(FIXTURES / "cpu_passing" / "bench.json")
+    markdown = benchmd.render_markdown(record)
+    assert (
+        "Load: load average 3.4 → 4.0 on 2 CPUs (1 minute, at the start and the end)." in markdown
+    )
+    assert "**Not judged**: load average 4.0 on 2 CPUs (the 1-minute average" in markdown
+    assert "back-to-back calls lasting at least 5 ms" in markdown
+    record.load = benchrecords.MachineLoad(cpus=2, before=[0.3, 0.2, 0.1], after=[1.9, 0.7, 0.3])
+    markdown = benchmd.render_markdown(record)
+    assert "load average 0.3 → 1.9 on 2 CPUs" in markdown and "Not judged" not in markdown
+
+
+def test_the_run_records_the_load_before_and_after_and_says_when_it_is_not_judged(monkeypatch):
+    readings = iter([(3.5, 2.0, 1.0), (4.25, 2.5, 1.5)])
+    monkeypatch.setattr(os, "getloadavg", lambda: next(readings))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device, timer, config: {})
+    said = []
+    config = timing.TimingConfig.for_device("cpu")
+    record = bench.run_matrix([], "cpu", config, baselines=False, say=said.append)
+    assert record.load == benchrecords.MachineLoad(2, [3.5, 2.0, 1.0], [4.25, 2.5, 1.5])
+    assert record.timing.min_sample_ms == timing.MIN_SAMPLE_MS
+    assert said[-1] == (
+        "bench: load average 4.2 on 2 CPUs: busy cores, so these CPU timings are not judged "
+        "(rerun `nox -s bench` alone on an idle machine for judged numbers)"
+    )
+    assert benchrecords.schema_errors(benchrecords.to_json(record)) == []
+
+
+def test_cuda_only_baselines_refusing_the_cpu_say_not_available(monkeypatch):
+    refusal = "RuntimeError: No viable backend for scaled_dot_product_attention was found."
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setattr(measure, "make_inputs", lambda case, device: None)
+    monkeypatch.setattr(measure, "our_call", lambda case, x: _kernel("ours", 0.010))
+    monkeypatch.setattr(measure, "sdpa_call", lambda case, x: (None, refusal))
+    case = cases.parse_case_id("fwd-fp16-d64-h1-b1-s512-full")
+    config = timing.TimingConfig(
+        warmup_ms=0, rep_ms=1, min_warmup=0, min_reps=8, max_reps=8, estimate_calls=1
+    )
+    timer = DisturbedTimer([1.0])
+    entry = measure.run_case(case, "cpu", timer, config, {}, baselines=True)
+    reasons = {name: result.reason for name, result in entry.baselines.items()}
+    assert reasons["sdpa-cudnn"] == reasons["sdpa-efficient"] == benchrecords.NOT_ON_CPU
+    assert reasons["sdpa-flash"] == refusal  # a refusal of a kernel the CPU has keeps its reason
+
+
 def test_load_names_the_file_and_the_problem(tmp_path):
     path = tmp_path / "bench.json"
     with pytest.raises(benchrecords.InvalidBenchFile, match="cannot read"):
@@ -199,7 +247,7 @@ def test_records_import_without_torch():
 def bench_env(report_dir: Path) -> dict:
     # The subprocess checks report plumbing, not speed, so it may run beside other xdist workers.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    return {**env, "FLASHMOE_REPORT_DIR": str(report_dir)}
+    return {**env, "FLASHMOE_REPORTS_DIR": str(report_dir)}
 
 
 def run_bench(
@@ -276,7 +324,7 @@ def test_a_missing_validator_stops_the_run_before_anything_is_built_or_timed(
     """bench.json is validated when it is written, at the end: without jsonschema a whole run's
     measurements were lost there (an H100 run of 281 cases, then a traceback)."""
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # `import jsonschema` raises ImportError
 
     def must_not_run(*args, **kwargs):
@@ -295,7 +343,7 @@ def test_a_run_clears_the_previous_results_before_it_builds(tmp_path, monkeypatc
     """A commit that does not build (exit 125) must not leave an older run's bench.json behind,
     where the report would read it as this commit's."""
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
     for name in bench.OUTPUTS:
         (tmp_path / name).write_text("from an older run")
 
@@ -468,6 +516,48 @@ def timed(ms):
 
     fn.ms = ms
     return fn
+
+
+class CoarseClock:
+    """A clock that reads in steps of `step_ns`, and a call that takes `call_ns` of its time."""
+
+    def __init__(self, step_ns: int, call_ns: int):
+        self.now, self.step_ns, self.call_ns = 0, step_ns, call_ns
+
+    def read(self) -> int:
+        return self.now // self.step_ns * self.step_ns
+
+    def call(self) -> None:
+        self.now += self.call_ns
+
+
+def test_a_cpu_sample_times_enough_calls_to_resolve_a_call_shorter_than_the_clocks_step():
+    # a 20 us call against a clock that reads in 100 us steps: timed alone it reads 0 or 100 us
+    clock = CoarseClock(step_ns=100_000, call_ns=20_000)
+    timer = timing.CpuTimer(min_sample_ms=5.0, clock=clock.read)
+    samples = timer.time(clock.call, 10)
+    assert len(samples) == 10
+    assert all(abs(ms - 0.020) <= 0.020 * 0.05 for ms in samples), samples
+    calls, _ = timer.calls_per_sample(clock.call)
+    assert calls * 0.020 >= 5.0 and calls * 0.020 <= 5.0 * 1.3  # about the minimum, not far past
+    # a call that lasts the minimum alone is timed once per sample, sizing included
+    slow = CoarseClock(step_ns=100_000, call_ns=6_000_000)
+    samples = timing.CpuTimer(min_sample_ms=5.0, clock=slow.read).time(slow.call, 3)
+    assert samples == [6.0, 6.0, 6.0] and slow.now == 3 * 6_000_000
+
+
+def test_a_cpu_sample_of_a_known_spin_reads_its_length():
+    """A busy wait of 50 us on the real clock: no sample reads less than that, and the least
+    disturbed one is close to it, not a whole scheduler tick (the other samples of a loaded
+    machine may be stretched by a tick, so their bound is left out)."""
+
+    def spin(ns: int = 50_000) -> None:
+        until = time.perf_counter_ns() + ns
+        while time.perf_counter_ns() < until:
+            pass
+
+    samples = timing.CpuTimer(min_sample_ms=2.0).time(spin, 5)
+    assert min(samples) >= 0.050 and min(samples) < 0.050 * 10, samples
 
 
 def test_read_floor_is_the_fastest_read_and_missing_triton_is_a_record(monkeypatch):

@@ -619,7 +619,7 @@ def tiny_unit(tmp_path, monkeypatch):
     (sources / "flashmoe_science.cpp").write_text(TINY_UNIT)
     (sources / "twice.h").write_text("constexpr int kFactor = 2;\n")
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "build"))
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path / "reports"))
     return sources
 
 
@@ -818,7 +818,7 @@ def test_help_lists_the_options():
 
 def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "build"))
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path / "reports"))
     assert (
         build.main(["--backend", "cpu", "--sources-dir", str(tmp_path)]) == exitcodes.BUILD_FAILED
     )

@@ -59,7 +59,7 @@ TORCH_NUMPY_WARNING = (
 H100 = env.Gpu(name="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.1)
 JSON_KEYS = {
     "schema", "timestamp", "require_gpu", "passed", "backend", "gpu", "torch", "cuda", "python",
-    "platform", "elapsed_s", "checks", "provenance",
+    "platform", "elapsed_s", "checks", "provenance", "load",
 }  # fmt: skip
 
 
@@ -79,7 +79,7 @@ def isolated(monkeypatch, tmp_path):
     """An empty build root and report dir, and no CI leg (a leg adds its gpu-kind check), so a
     build lying around or a run inside a GPU job does not change the outcome."""
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "build"))
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path / "reports"))
     monkeypatch.delenv(gpukinds.KIND_VAR, raising=False)
     return tmp_path
 
@@ -491,6 +491,15 @@ def test_json_schema(isolated):
     for check in report["checks"]:
         assert set(check) == {"name", "status", "detail", "fix"}
         assert check["status"] in env.STATUSES
+
+
+def test_the_load_before_and_after_the_checks_is_recorded(isolated, monkeypatch):
+    readings = iter([(0.5, 0.4, 0.3), (3.25, 1.0, 0.5)])
+    monkeypatch.setattr(os, "getloadavg", lambda: next(readings))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    env.main(["--json", str(isolated / "env.json")])
+    recorded = json.loads((isolated / "env.json").read_text())["load"]
+    assert recorded == {"cpus": 2, "before": [0.5, 0.4, 0.3], "after": [3.25, 1.0, 0.5]}
 
 
 def test_default_json_path_is_the_report_dir(isolated):

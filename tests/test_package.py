@@ -1,10 +1,12 @@
 """The package as users get it: the wheel and sdist carry the kernel sources, an installed copy
-builds into the per-user cache and writes nothing into the current directory, the library imports
-no pipeline module, and one CUDA tool lookup serves the loader, env, sanitize and profile."""
+builds into the per-user cache and writes nothing into the current directory, its commands write
+their reports where they run (never into site-packages), the library imports no pipeline module,
+and one CUDA tool lookup serves the loader, env, sanitize and profile."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -15,7 +17,7 @@ import pytest
 
 from flashmoe_science import _loader as loader
 from flashmoe_science import _toolkit
-from flashmoe_science.pipeline import exitcodes
+from flashmoe_science.pipeline import cli, exitcodes, paths
 from flashmoe_science.pipeline.build import wheelcheck
 from flashmoe_science.pipeline.env import checks as env
 from flashmoe_science.pipeline.paths import REPO_ROOT
@@ -37,6 +39,7 @@ def test_wheel_and_sdist_carry_the_kernel_sources(wheel):
         UNITS_AND_HEADERS
     )
     assert not any(n.startswith("csrc/") for n in names)  # inside the package, not beside it
+    assert "flashmoe_science/benches/bench.schema.json" in names  # an installed bench validates
     # every module of the package travels (a subpackage missing from pyproject's list would not)
     modules = sorted(
         p.relative_to(REPO_ROOT).as_posix()
@@ -65,6 +68,128 @@ def test_installed_wheel_works_outside_the_checkout_and_writes_nothing_there(whe
         summary["fwd_err"] <= wheelcheck.TOLERANCE and summary["decode_err"] <= wheelcheck.TOLERANCE
     )
     assert not (tmp_path / "cwd").exists() or not any((tmp_path / "cwd").iterdir())
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in sorted(root.rglob("*"))}
+
+
+def _checkout(folder: Path) -> Path:
+    """A checkout of this project as paths.is_checkout knows one, with a subfolder to run in."""
+    (folder / "notes").mkdir(parents=True)
+    (folder / "noxfile.py").write_text("")
+    (folder / "pyproject.toml").write_text('[project]\nname = "flashmoe-science"\n')
+    return folder / "notes"
+
+
+@pytest.mark.slow
+def test_a_read_only_install_writes_its_reports_where_it_runs(wheel, tmp_path):
+    """`env` and `bench --quick` (one case) from a wheel installed into a site-packages made read
+    only: the reports land in reports/ of the checkout the command runs in, or in the folder
+    --reports-dir names, and site-packages stays as it was installed. 20 to 30 s on 2 cores (a
+    venv, an install, torch imported four times); this checkout's build serves the installed
+    sources, so nothing compiles."""
+    python = wheelcheck.make_venv(tmp_path / "venv")
+    env = wheelcheck.user_env(tmp_path / "cache")
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps"]
+    subprocess.run([*pip, "--no-index", str(wheel)], env=env, check=True, capture_output=True)
+    where = (
+        "import flashmoe_science, pathlib; print(pathlib.Path(flashmoe_science.__file__).parent)"
+    )
+    found = subprocess.check_output([str(python), "-c", where], cwd=tmp_path, env=env, text=True)
+    package = Path(found.strip())
+    config = loader.resolve_config("cpu")
+    loader.ensure_built("cpu")
+    assert loader.reuse_build(config, package / "csrc", tmp_path / "cache")
+    site = package.parent
+    installed = _files(site)
+    for path in [site, *site.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    try:
+        inside = _checkout(tmp_path / "checkout")
+
+        def run(*args: str, cwd: Path, program: str = "-m flashmoe_science") -> str:
+            command = [str(python), *program.split()] if program.startswith("-m") else [program]
+            done = subprocess.run(
+                [*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+            )
+            assert done.returncode == 0, done.stdout + done.stderr
+            return done.stdout
+
+        run("env", cwd=inside)
+        bench = ["bench", "--quick", "--case", "fwd-fp16-d64-h1-b1-s128-full", "--no-baselines"]
+        run(*bench, "--warmup-ms", "1", "--rep-ms", "5", cwd=inside)
+        reports = tmp_path / "checkout" / "reports"
+        assert {"env.json", "bench.json", "bench.md", "stages.json"} <= {
+            p.name for p in reports.iterdir()
+        }
+        elsewhere, named = tmp_path / "elsewhere", tmp_path / "named"
+        elsewhere.mkdir()
+        script = str(python.parent / cli.CONSOLE_SCRIPT)
+        assert run("--help", cwd=elsewhere, program=script).startswith("usage: flashmoe-science ")
+        run("env", "--reports-dir", str(named), cwd=elsewhere, program=script)
+        assert (named / "env.json").is_file() and not any(elsewhere.iterdir())
+        assert _files(site) == installed
+    finally:
+        for path in [site, *site.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+
+
+def test_reports_go_where_the_commands_run_never_into_the_package(tmp_path, monkeypatch):
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.setattr(paths, "REPO_ROOT", site)  # as when installed
+    for variable in (paths.REPORTS_VAR, paths.OLD_REPORTS_VAR):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.chdir(_checkout(tmp_path / "checkout"))
+    assert paths.report_dir() == tmp_path / "checkout" / "reports"
+    other = tmp_path / "other"  # another project's checkout is not this one's
+    _checkout(other)
+    (other / "pyproject.toml").write_text('[project]\nname = "flashmoe-science-notes"\n')
+    monkeypatch.chdir(other / "notes")
+    assert paths.report_dir() == other / "notes" / "reports"
+    monkeypatch.setenv(paths.OLD_REPORTS_VAR, str(tmp_path / "old"))  # the earlier name still works
+    assert paths.report_dir() == tmp_path / "old"
+    monkeypatch.setenv(paths.REPORTS_VAR, str(tmp_path / "new"))
+    assert paths.report_dir() == tmp_path / "new"
+    assert not any(site.iterdir())
+    monkeypatch.setattr(paths, "REPO_ROOT", REPO_ROOT)  # run from this checkout: its own reports/
+    assert paths.checkout_root() == REPO_ROOT
+
+
+def test_the_reports_dir_option_names_the_folder_for_the_command_and_what_it_starts(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv(paths.REPORTS_VAR, str(tmp_path / "default"))  # restored after the test
+    for argv in (
+        ["--reports-dir", str(tmp_path / "before"), "report"],
+        ["report", f"--reports-dir={tmp_path / 'after'}"],
+    ):
+        assert cli.main(argv) == exitcodes.OK
+    assert (tmp_path / "before" / "report.md").is_file()
+    assert (tmp_path / "after" / "report.md").is_file()
+    assert os.environ[paths.REPORTS_VAR] == str(tmp_path / "after")  # inherited by child processes
+    assert not (tmp_path / "default").exists()
+    assert cli.main(["report", "--reports-dir"]) == exitcodes.USAGE
+    assert "--reports-dir needs a folder" in capsys.readouterr().err
+    # options after `--` belong to pytest (the test command), not to us
+    assert cli.take_reports_dir(["test", "--", "--reports-dir", "x"]) == (
+        ["test", "--", "--reports-dir", "x"],
+        None,
+    )
+
+
+def test_help_names_the_command_it_was_called_by(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/flashmoe-science", "--help"])
+    assert cli.main() == exitcodes.OK
+    out = capsys.readouterr().out
+    assert out.startswith("usage: flashmoe-science [--reports-dir DIR] COMMAND")
+    assert "Run `flashmoe-science COMMAND --help`" in out and "python -m" not in out
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--help"])
+    assert capsys.readouterr().out.startswith("usage: flashmoe-science report")
+    monkeypatch.setattr(sys, "argv", ["/x/flashmoe_science/__main__.py"])
+    assert cli.usage().startswith("usage: python -m flashmoe_science ")
 
 
 def test_wheelcheck_fails_a_wheel_without_the_sources(wheel, tmp_path):
@@ -207,7 +332,7 @@ def test_one_lookup_order_for_env_build_sanitize_and_profile(
     assert profile.find_cuda_tool("ncu", profile.NCU_GLOBS) == str(home / "bin" / "ncu")
     # the sanitizer runs the CUDA_HOME one
     monkeypatch.setenv("WHO_RAN", str(tmp_path / "who"))
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path / "reports"))
     monkeypatch.setattr(sanitize, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
     from flashmoe_science.pipeline.build import unit as build
 

@@ -293,7 +293,7 @@ def test_not_permitted_is_recognised(text):
 
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path / "reports"))
     return tmp_path
 
 
@@ -430,7 +430,7 @@ def test_real_profile_of_a_small_case(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "flashmoe_science", "profile", case_id, "--no-ceilings"],
         cwd=REPO_ROOT,
-        env=dict(os.environ, FLASHMOE_REPORT_DIR=str(tmp_path)),
+        env=dict(os.environ, FLASHMOE_REPORTS_DIR=str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=900,

@@ -29,6 +29,7 @@ from flashmoe_science.pipeline import exitcodes, provenance, report, stages
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report"
 REGENERATE = os.environ.get("FLASHMOE_REGEN_GOLDEN") == "1"
+INFO = report.ICONS[report.NOTE]
 SCENARIOS = {
     # fixture folder: (exit status, first line of the report)
     "passing": (exitcodes.OK, "## ✅ flashmoe-science: passed"),
@@ -51,8 +52,16 @@ SCENARIOS = {
     # the CPU backend: a CUDA-only selection (every gate skipped), and a bench without a base
     "cpu": (
         exitcodes.OK,
-        "## ⚠️ flashmoe-science: every selected gate skipped (needs a GPU); "
-        "bench not compared (no base given)",
+        "## ⚠️ flashmoe-science: every selected gate skipped (needs a GPU); on the CPU: CUDA "
+        "kernels not run (1 gate skipped, need a GPU); bench not compared (no base given)",
+    ),
+    # `nox -s env build test bench report` on a loaded 2-core machine without a GPU: the CPU gates
+    # passed, the CUDA ones skipped, the build was up to date, the bench ran under load
+    "cpu_passing": (
+        exitcodes.OK,
+        f"## {INFO} flashmoe-science: passed on the CPU: CUDA kernels not run (1,532 gates "
+        "skipped, need a GPU); bench not judged (load average 4.0 on 2 CPUs); bench not compared "
+        "(no base given)",
     ),
 }
 
@@ -766,6 +775,91 @@ def test_the_cpu_report_does_not_speak_of_a_card(tmp_path):
     assert "plumbing checks of the CPU path" in text
 
 
+# ---- a run on the CPU alone ----
+
+
+def first_line(text: str) -> str:
+    return text.splitlines()[0]
+
+
+def test_a_cpu_only_run_says_in_its_first_line_that_no_cuda_kernel_ran(tmp_path):
+    _, text = run_report(FIXTURES / "cpu_passing", tmp_path / "cpu")
+    assert first_line(text).startswith(
+        f"## {INFO} flashmoe-science: passed on the CPU: CUDA kernels not run (1,532 gates skipped"
+    )
+    # a failure keeps its own words first, and still says where it ran
+    reports = copy_fixture("cpu_passing", tmp_path / "failed")
+    gates = json.loads((reports / "gates.json").read_text())
+    gates["cases"][0].update(outcome="failed", passed=False, failures=["max diff over bound"])
+    gates.update(outcome="failed")
+    gates["gates"].update(passed=381, failed=1)
+    (reports / "gates.json").write_text(json.dumps(gates))
+    _, text = render_dir(reports)
+    assert first_line(text).startswith(
+        "## ❌ flashmoe-science: 1 gate failed; on the CPU: CUDA kernels not run"
+    )
+    # a GPU run's first line does not (the L4 fixture: CUDA gates and a CUDA bench)
+    _, text = run_report(FIXTURES / "passing", tmp_path / "gpu")
+    assert first_line(text) == "## ✅ flashmoe-science: passed"
+    assert "CPU" not in first_line(text)
+
+
+def test_a_cpu_bench_under_load_is_not_judged(tmp_path):
+    reports = copy_fixture("cpu_passing", tmp_path / "busy")
+    _, text = render_dir(reports)
+    row = next(line for line in text.splitlines() if line.startswith(f"| {INFO} | bench |"))
+    assert "not judged (load average 4.0 on 2 CPUs)" in row and "geo-mean" not in row
+    assert "**Not judged**: load average 4.0 on 2 CPUs" in text
+    assert "load average 3.4 → 4.0 on 2 CPUs" in text  # both readings, in the facts
+    # the same run on an idle machine: judged as before, its geomean in the row
+    bench = json.loads((reports / "bench.json").read_text())
+    bench["load"] = {"cpus": 2, "before": [0.3, 0.2, 0.1], "after": [1.9, 0.7, 0.3]}
+    (reports / "bench.json").write_text(json.dumps(bench))
+    _, text = render_dir(reports)
+    row = next(line for line in text.splitlines() if line.startswith(f"| {INFO} | bench |"))
+    assert "not judged" not in row and f"0.32{report.TIMES} SDPA default (geo-mean)" in row
+    assert "bench not judged" not in first_line(text)
+
+
+def test_a_section_that_judged_nothing_is_information_not_a_pass(tmp_path):
+    _, text = run_report(FIXTURES / "cpu_passing", tmp_path)
+    assert f"| {INFO} | speed | 0 met, 0 missed, 3 not judged (CPU backend) | — |" in text
+    assert "✅ <b>Speed targets</b>" not in text
+
+
+def test_cuda_only_baselines_on_the_cpu_say_so_not_the_exception(tmp_path):
+    # the older record keeps SDPA's exception as the reason; the report does not show it
+    _, text = run_report(FIXTURES / "cpu", tmp_path)
+    assert "No viable backend" not in text and "RuntimeError" not in text
+    assert "| not available on the CPU | not available on the CPU |" in text
+
+
+def test_no_chart_when_every_point_is_zero():
+    from flashmoe_science.pipeline.report.bench_section import prefill_chart
+
+    def case(seqlen: int, ours: float, sdpa: float) -> dict:
+        return {
+            "id": f"fwd-fp16-d64-h4-b8-s{seqlen}-full",
+            "group": "prefill",
+            **dict(dtype="fp16", head_dim=64, heads_q=4, heads_kv=4, causal=False),
+            "seqlen_k": seqlen,
+            "ours": {"status": "ok", "median_ms": 1.0, "tflops": ours},
+            "baselines": {"sdpa-default": {"status": "ok", "median_ms": 1.0, "tflops": sdpa}},
+        }
+
+    cpu = [case(128, 0.00137, 0.0021), case(256, 0.0012, 0.0019)]  # TFLOP/s of a CPU: 0.0
+    assert prefill_chart(cpu) == ""
+    gpu = [case(128, 31.0, 29.5), case(256, 60.2, 58.0)]
+    assert "xychart-beta" in prefill_chart(gpu)
+
+
+def test_the_build_has_one_time_the_stages(tmp_path):
+    _, text = run_report(FIXTURES / "cpu_passing", tmp_path)
+    assert "| ✅ | build | cpu, 0 kernels, no spills | 13.9 s |" in text
+    assert "**time** 13.9 s (up to date: nothing compiled)" in text
+    assert "0.0 s" not in text
+
+
 # ---- build and env ----
 
 
@@ -801,7 +895,7 @@ def test_every_stage_timed_once_by_the_cli_and_the_total_is_the_jobs(tmp_path, m
     from flashmoe_science.pipeline import cli
 
     reports = tmp_path / "reports"
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(reports))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(reports))
     codes = {"env": 0, "build": 0, "test": 1, "bench": 0, "sanitize": exitcodes.TOOL_MISSING}
     for name, code in codes.items():
         module = types.ModuleType(f"fake_{name}")
@@ -868,7 +962,7 @@ def test_the_report_shows_the_critical_path_and_the_h200_budget(tmp_path, monkey
     env = json.loads((reports / "env.json").read_text())
     env["gpu"]["name"], env["gpu"]["capability"] = "NVIDIA H200", "9.0"
     (reports / "env.json").write_text(json.dumps(env))
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(reports))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(reports))
     start = time.time() - 90
     monkeypatch.setenv(stages.JOB_START_VAR, str(start))
     began = datetime.datetime.fromtimestamp(start + 30, datetime.timezone.utc)
@@ -893,9 +987,12 @@ def test_the_report_shows_the_critical_path_and_the_h200_budget(tmp_path, monkey
 def test_help_is_not_a_stage(tmp_path, monkeypatch):
     from flashmoe_science.pipeline import cli
 
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
     with pytest.raises(SystemExit):
         cli.main(["env", "--help"])
+    assert not (tmp_path / "stages.json").exists()
+    # nor is a listing: `test --list` after a run would replace the test stage's time and status
+    assert cli.main(["bench", "--list", "--backend", "cpu", "--quick"]) == exitcodes.OK
     assert not (tmp_path / "stages.json").exists()
 
 

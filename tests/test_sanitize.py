@@ -658,7 +658,7 @@ def test_find_cuda_tool_search_order(tmp_path, no_cuda_tools, monkeypatch):
 
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHMOE_REPORT_DIR", str(tmp_path / "reports"))
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path / "reports"))
     monkeypatch.delenv("FLASHMOE_BUILD_DEFINES", raising=False)
     monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING", raising=False)
     return tmp_path
@@ -840,7 +840,7 @@ def test_cli_lists_the_command():
 
 
 def _sanitize(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
-    env = dict(os.environ, FLASHMOE_REPORT_DIR=str(tmp_path))
+    env = dict(os.environ, FLASHMOE_REPORTS_DIR=str(tmp_path))
     env.pop("FLASHMOE_BUILD_DEFINES", None)
     run = subprocess.run(
         [sys.executable, "-m", "flashmoe_science", "sanitize", *args],

@@ -33,7 +33,7 @@ def stage_env(reports: Path, **extra: str) -> dict[str, str]:
         if not k.startswith(("FLASHMOE_", "PYTEST_XDIST", "PYTEST_ADDOPTS", "TORCH_CUDA_ARCH"))
     }
     env.update(
-        FLASHMOE_REPORT_DIR=str(reports),
+        FLASHMOE_REPORTS_DIR=str(reports),
         CUDA_VISIBLE_DEVICES="",  # the CUDA gate cases skip, as on a machine without a GPU
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
     )
@@ -58,7 +58,7 @@ def record(reports: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def gate_ids(tmp_path_factory) -> list[str]:
-    listed = run_stage(tmp_path_factory.mktemp("list"), "--list")
+    listed = run_stage(tmp_path_factory.mktemp("list"), "--list", "--all")
     assert listed.returncode == 0, listed.stderr
     return listed.stdout.split()
 
@@ -393,6 +393,24 @@ def test_listed_ids_are_what_k_selects(tmp_path, gate_ids):
     rec = record(tmp_path)
     assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 1
     assert rec["cases"][0]["case_id"] + "-cpu" == one
+
+
+@pytest.mark.slow
+def test_without_a_gpu_list_shows_the_ids_that_run_here_and_says_how_many_it_hid(tmp_path):
+    """Two stage runs that collect the gate modules (3 to 5 s each: what is hidden is decided on
+    what pytest collects)."""
+    here = run_stage(tmp_path, "--list", "-k", "fwd-fp16-d64")
+    assert here.returncode == 0, here.stderr
+    ids = here.stdout.split()
+    assert ids and all(i.endswith("-cpu") for i in ids)
+    everything = run_stage(tmp_path, "--list", "--all", "-k", "fwd-fp16-d64")
+    cuda = [i for i in everything.stdout.split() if i.endswith("-cuda")]
+    assert cuda and sorted(ids + cuda) == sorted(everything.stdout.split())
+    assert (
+        f"test: {len(cuda):,} of {len(ids) + len(cuda):,} ids not listed: they need a GPU and "
+        "this machine has none (`--list --all` lists them)"
+    ) in here.stderr
+    assert "not listed" not in everything.stderr
 
 
 STRAY_PLUGIN = """

@@ -1,5 +1,9 @@
-"""`python -m flashmoe_science COMMAND ...`: the one entry point that nox sessions, the workflows and
-scripts call. Each command lives in its own module; exit codes follow flashmoe_science.pipeline.exitcodes.
+"""`python -m flashmoe_science COMMAND ...` (or the `flashmoe-science` command): the one entry point
+that nox sessions, the workflows and scripts call. Each command lives in its own module; exit codes
+follow flashmoe_science.pipeline.exitcodes.
+
+`--reports-dir DIR`, before or after the command, names the report folder for that command and the
+processes it starts (it sets paths.REPORTS_VAR); without it, paths.report_dir() decides.
 
 Every stage command is timed here, once, into stages.json (flashmoe_science.pipeline.stages), with a
 status from its exit code. `report` is not: it renders stages.json, and cannot time itself into its
@@ -8,9 +12,14 @@ own output; the job's total covers it."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from pathlib import Path
 
-from . import exitcodes, stages
+from . import exitcodes, paths, stages
+
+CONSOLE_SCRIPT = "flashmoe-science"  # pyproject.toml's [project.scripts]
+REPORTS_OPTION = "--reports-dir"
 
 COMMANDS = {
     "env": (
@@ -52,23 +61,71 @@ COMMANDS = {
 }
 
 
+def program() -> str:
+    """The name the user called us by: the console script's, else `python -m flashmoe_science`."""
+    called = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return CONSOLE_SCRIPT if called == CONSOLE_SCRIPT else "python -m flashmoe_science"
+
+
 def usage() -> str:
-    lines = ["usage: python -m flashmoe_science COMMAND [options]", "", "commands:"]
+    me = program()
+    lines = [f"usage: {me} [{REPORTS_OPTION} DIR] COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run `python -m flashmoe_science COMMAND --help` for a command's options."]
+    lines += [
+        "",
+        "options:",
+        f"  {REPORTS_OPTION} DIR  where the commands write and `report` reads (default: "
+        f"${paths.REPORTS_VAR}, else reports/ of the checkout, else ./reports)",
+        "",
+        f"Run `{me} COMMAND --help` for a command's options.",
+    ]
     return "\n".join(lines)
+
+
+def take_reports_dir(argv: list[str]) -> tuple[list[str], str | None]:
+    """argv without `--reports-dir DIR` (or `--reports-dir=DIR`), and DIR; options after `--`
+    belong to another program and stay. Raises ValueError for the option without a folder."""
+    rest, chosen = [], None
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg == "--":
+            rest += argv[index:]
+            break
+        if arg == REPORTS_OPTION or arg.startswith(REPORTS_OPTION + "="):
+            value = arg.partition("=")[2] if "=" in arg else None
+            if value is None:
+                index += 1
+                value = argv[index] if index < len(argv) else ""
+            if not value or value.startswith("-"):
+                raise ValueError(
+                    f"{REPORTS_OPTION} needs a folder, e.g. {REPORTS_OPTION} ./reports"
+                )
+            chosen = value
+        else:
+            rest.append(arg)
+        index += 1
+    return rest, chosen
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv, reports = take_reports_dir(argv)
+    except ValueError as exc:
+        print(f"{program()}: {exc}", file=sys.stderr)
+        return exitcodes.USAGE
+    if reports is not None:  # the environment carries it to the processes a command starts
+        os.environ[paths.REPORTS_VAR] = str(Path(reports).expanduser().resolve())
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return exitcodes.OK if argv else exitcodes.USAGE
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"flashmoe_science: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        print(f"{program()}: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return exitcodes.USAGE
-    if name not in stages.ORDER or "-h" in rest or "--help" in rest:
+    # help and listings run nothing: no stage row (a listing would replace the run's own)
+    if name not in stages.ORDER or {"-h", "--help", "--list"} & set(rest):
         return _run(name, rest)
     with stages.timed_stage(name) as stage:
         stage.exit_code = _run(name, rest)

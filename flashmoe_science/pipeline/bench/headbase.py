@@ -277,8 +277,8 @@ def side_env(
     env.pop("PYTEST_XDIST_WORKER", None)
     if build_root is not None:
         env["FLASHMOE_BUILD_ROOT"] = str(build_root)
-    if report_dir is not None:
-        env["FLASHMOE_REPORT_DIR"] = str(report_dir)
+    if report_dir is not None:  # both names: a base older than the current name reads the earlier
+        env[paths.REPORTS_VAR] = env[paths.OLD_REPORTS_VAR] = str(report_dir)
     return env
 
 

@@ -30,7 +30,15 @@ import torch
 from ..cases import Case, Inputs, make_inputs
 from . import readfloor, stats
 from .baselines import BASELINES, backend_context, first_call, is_refusal, our_call, sdpa_call
-from .records import CaseRecord, Measured, NotMeasured, ReadFloor, Result
+from .records import (
+    CUDA_ONLY_BASELINES,
+    NOT_ON_CPU,
+    CaseRecord,
+    Measured,
+    NotMeasured,
+    ReadFloor,
+    Result,
+)
 from .stats import sig, summarize
 from .timing import Timing, TimingConfig, benchmark, first_line, peak_memory_bytes
 
@@ -306,6 +314,9 @@ def run_case(
         record.read_floor = floor
     for name in BASELINES if baselines else ():
         result = measured.get(name) or unsupported[name]
+        refused = isinstance(result, NotMeasured) and result.status == "unsupported"
+        if refused and device == "cpu" and name in CUDA_ONLY_BASELINES:
+            result = NotMeasured("unsupported", NOT_ON_CPU)  # not the exception SDPA raised
         if isinstance(result, Measured):
             # raw samples are kept for our kernel only (history, comparison)
             result.samples_ms = None

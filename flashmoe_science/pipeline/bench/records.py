@@ -13,15 +13,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..paths import REPO_ROOT
+from ..paths import BENCH_SCHEMA
 from . import stats
 from .stats import sig
 
 SCHEMA = "flashmoe-science/bench/1"
-SCHEMA_PATH = REPO_ROOT / "benches" / "bench.schema.json"
+SCHEMA_PATH = BENCH_SCHEMA
 SUMMARY_KEYS = ("regression", "improvement", "no change", "missing")
 # The SDPA baselines, in the order of the tables (baselines.BASELINES maps them to backends)
 BASELINE_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-default")
+# SDPA's kernels that exist on CUDA alone: on the CPU backend their refusal reads NOT_ON_CPU
+CUDA_ONLY_BASELINES = ("sdpa-cudnn", "sdpa-efficient")
+NOT_ON_CPU = "not available on the CPU"
 
 
 class InvalidBenchFile(ValueError):
@@ -63,6 +66,18 @@ class TimingSetup:
     # the spread rule (stats.UNSTABLE_SPREAD) and the retakes it allowed (older records: none)
     unstable_spread: float | None = dataclasses.field(default=None, metadata=OPTIONAL)
     retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # CPU: each sample times back-to-back calls lasting at least this long (older records, CUDA: one)
+    min_sample_ms: float | None = dataclasses.field(default=None, metadata=OPTIONAL)
+
+
+@dataclasses.dataclass
+class MachineLoad:
+    """The CPU count and the 1-, 5- and 15-minute load averages at the run's start and end
+    (pipeline.load; None where the platform has no load average)."""
+
+    cpus: int | None
+    before: list[float] | None
+    after: list[float] | None
 
 
 @dataclasses.dataclass
@@ -379,6 +394,8 @@ class BenchRecord:
     # the extra -D defines of the library that was timed (FLASHMOE_BUILD_DEFINES); left out when
     # none: a run of a variant (an experiment's switch, a planted bug) says so
     defines: list[str] | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # the machine's load around the run (older records: none); a CPU run under load is not judged
+    load: MachineLoad | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -470,6 +487,8 @@ def from_json(doc: dict) -> BenchRecord:
         record.comparison = comparison_from_json(doc["comparison"])
     if doc.get("targets") is not None:
         record.targets = [target_from_json(t) for t in doc["targets"]]
+    if doc.get("load") is not None:
+        record.load = _build(MachineLoad, doc["load"])
     return record
 
 
@@ -484,7 +503,7 @@ def schema() -> dict:
     except (OSError, ValueError) as exc:
         raise InvalidBenchFile(
             f"cannot read the bench schema {SCHEMA_PATH}: {exc}; run from a checkout of the "
-            "repository (benches/ holds it)"
+            "repository (benches/ holds it), or reinstall the package"
         ) from exc
 
 

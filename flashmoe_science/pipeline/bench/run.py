@@ -96,15 +96,25 @@ from collections.abc import Sequence
 import torch
 
 from ... import _loader
-from .. import exitcodes, paths, provenance
+from .. import exitcodes, load, paths, provenance
 from ..cases import Case, make_inputs, parse_case_id
+from ..cli import program
 from . import headbase, history, machine, stats, targets
 from . import records as benchrecords
 from . import summary as benchmd
 from .baselines import Abort, build_checkout, first_call, our_call
 from .matrix import select
 from .measure import RETAKES, ROUNDS, run_case
-from .records import BenchRecord, Ceilings, Commit, Gpu, Measured, NotMeasured, TimingSetup
+from .records import (
+    BenchRecord,
+    Ceilings,
+    Commit,
+    Gpu,
+    MachineLoad,
+    Measured,
+    NotMeasured,
+    TimingSetup,
+)
 from .target_cases import Target
 from .target_measure import run_target
 from .timing import TimingConfig, benchmark, first_line, make_timer, measure_ceilings, xdist_problem
@@ -126,6 +136,7 @@ def run_matrix(
 ) -> BenchRecord:
     timer = make_timer(device)
     gpu = machine.gpu_info(device)
+    around = load.start()
     start = time.monotonic()
     where = gpu["name"] if gpu else "the CPU"
     total = len(cases) + len(target_cases)
@@ -148,6 +159,7 @@ def run_matrix(
             rounds=ROUNDS,
             unstable_spread=stats.UNSTABLE_SPREAD,
             retakes=RETAKES,
+            min_sample_ms=getattr(timer, "min_sample_ms", None),
         ),
         ceilings=Ceilings.from_json(ceilings),
         cases=[],
@@ -167,6 +179,11 @@ def run_matrix(
             torch.cuda.empty_cache()
         elapsed = time.monotonic() - start
         say(f"[{index}/{total}] {target.id} ... {_target_text(entry)} ({elapsed:.1f} s elapsed)")
+    around = load.finish(around)
+    record.load = MachineLoad(**around)
+    busy = load.busy(around) if device == "cpu" else None
+    if busy:
+        say(f"bench: {busy}: busy cores, so these CPU timings are not judged ({load.RERUN})")
     return record
 
 
@@ -223,7 +240,7 @@ def _threshold(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m flashmoe_science bench",
+        prog=f"{program()} bench",
         description="Time our attention kernels against PyTorch SDPA; optionally the head against "
         "a base commit (--base), or one case against a limit for `git bisect run` (--bisect).",
     )

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ... import _loader
+from .. import load
 from . import stats, targets
 from .records import (
     BASELINE_NAMES,
@@ -70,6 +73,12 @@ def _header_lines(record: BenchRecord) -> list[str]:
             else "."
         ),
         f"Timing: {timing.method}"
+        + (
+            f", each sample the time per call of back-to-back calls lasting at least "
+            f"{timing.min_sample_ms:g} ms"
+            if timing.min_sample_ms
+            else ""
+        )
         + (f", {flush} MiB L2 flush before every call" if flush else ", no cache flush")
         + "; median ms (IQR)"
         + (
@@ -90,7 +99,26 @@ def _header_lines(record: BenchRecord) -> list[str]:
         f"{matmul.dtype if matmul else '?'} matmul {matmul.n if matmul else '?'}^3 "
         f"{_num(matmul and matmul.tflops, '.3g')} TFLOP/s; "
         "% ceiling is decode against the copy, prefill against the matmul.",
+        *_load_lines(record),
     ]
+
+
+def _load_lines(record: BenchRecord) -> list[str]:
+    """The machine's load, and for a CPU run under load, that its timings are not judged."""
+    block = dataclasses.asdict(record.load) if record.load else None
+    seen = load.describe(block)
+    busy = load.busy(block) if record.backend == "cpu" else None
+    lines = [f"Load: {seen} (1 minute, at the start and the end)."] if seen else []
+    if busy:
+        lines.append(not_judged_line(busy))
+    return lines
+
+
+def not_judged_line(busy: str) -> str:
+    return (
+        f"**Not judged**: {busy} (the 1-minute average, so a stage that ended within the minute "
+        f"counts too): CPU timings on busy cores are not judged; {load.RERUN}."
+    )
 
 
 def _case_row(case: CaseRecord) -> str:

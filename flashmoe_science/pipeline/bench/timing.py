@@ -1,13 +1,15 @@
 """How the benchmark times one call, as triton.testing.do_bench does it (without depending on
 triton): CUDA events around each call; a 256 MB write (`zero_` of an int32 buffer) before every timed
 call, so each starts from a cold L2; a warm-up of ~25 ms (at least 3 calls) without flushing; then up
-to 100 timed calls in a ~100 ms budget. On the CPU backend: time.perf_counter, no flush, fewer calls.
+to 100 timed calls in a ~100 ms budget. On the CPU backend: time.perf_counter_ns around as many
+back-to-back calls as last at least MIN_SAMPLE_MS per sample, no flush, fewer samples.
 Also the card's ceilings (a large copy and a large matmul), timed the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable
@@ -71,23 +73,61 @@ class CudaTimer:
         return [start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
 
 
+# A CPU sample is a batch of back-to-back calls lasting at least this long: a short call timed alone
+# reads the clock's steps and the scheduler's ticks (whole multiples of a tick on a loaded machine),
+# a batch their share of its length.
+MIN_SAMPLE_MS = 5.0
+MAX_CALLS_PER_SAMPLE = 100_000
+CALIBRATION_STEPS = 12  # batches tried while sizing one (each at most 10 times the last)
+
+
 class CpuTimer:
-    """Wall clock per call. No cache flush: writing 256 MB takes ~50 ms, longer than most cases."""
+    """The wall clock (`clock`, time.perf_counter_ns) around a batch of calls that lasts at least
+    min_sample_ms; a sample is the batch's time per call. The batch is sized afresh on each
+    `time`, from batches that double as a warm-up. No cache flush: writing 256 MB takes ~50 ms,
+    longer than most cases."""
 
     method = "perf-counter"
     flush_bytes = 0
+
+    def __init__(
+        self,
+        min_sample_ms: float = MIN_SAMPLE_MS,
+        clock: Callable[[], int] = time.perf_counter_ns,
+    ):
+        self.min_sample_ms = min_sample_ms
+        self._clock = clock
 
     def warm(self, fn: Callable[[], object], count: int) -> None:
         for _ in range(count):
             fn()
 
-    def time(self, fn: Callable[[], object], count: int, flush: bool = True) -> list[float]:
-        samples = []
-        for _ in range(count):
-            start = time.perf_counter()
+    def _batch_ns(self, fn: Callable[[], object], calls: int) -> int:
+        start = self._clock()
+        for _ in range(calls):
             fn()
-            samples.append((time.perf_counter() - start) * 1e3)
-        return samples
+        return self._clock() - start
+
+    def calls_per_sample(self, fn: Callable[[], object]) -> tuple[int, int]:
+        """The fewest calls (grown at most tenfold per try) whose batch lasts min_sample_ms, and
+        the last batch's time in ns (a sample already, when it reached the minimum)."""
+        target = self.min_sample_ms * 1e6
+        calls = 1
+        for _ in range(CALIBRATION_STEPS):
+            elapsed = self._batch_ns(fn, calls)
+            if elapsed >= target or calls >= MAX_CALLS_PER_SAMPLE:
+                break
+            factor = min(10.0, 1.2 * target / elapsed) if elapsed > 0 else 10.0
+            calls = min(MAX_CALLS_PER_SAMPLE, max(calls + 1, math.ceil(calls * factor)))
+        return calls, elapsed
+
+    def time(self, fn: Callable[[], object], count: int, flush: bool = True) -> list[float]:
+        calls, last = self.calls_per_sample(fn)
+        # the batch that reached the minimum is the first sample: a call that alone lasts the
+        # minimum (most CPU cases) is timed no more often than `count` times
+        first = [last] if last >= self.min_sample_ms * 1e6 and count else []
+        rest = [self._batch_ns(fn, calls) for _ in range(count - len(first))]
+        return [ns / calls / 1e6 for ns in first + rest]
 
 
 def make_timer(device: str):

@@ -34,6 +34,7 @@ from ..._loader import (
     resolve_config,
 )
 from .. import exitcodes
+from ..cli import program
 from ..paths import report_dir, require_gpu_from_env
 from ..provenance import clear_outputs, provenance
 from .compiler_output import (
@@ -307,7 +308,7 @@ def _printer(quiet: bool) -> Callable[[str], None]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _loader.parser()
+    parser = _loader.parser(prog=f"{program()} build")
     parser.description = (
         "Build the extension (one compilation unit) for this machine and write build.json to the "
         "report directory; a no-op when up to date."

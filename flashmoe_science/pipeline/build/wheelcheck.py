@@ -42,7 +42,7 @@ PACKAGED_SOURCES = (
     "flashmoe_science/csrc/attention_ops.h",
     "flashmoe_science/csrc/flash_api_cuda.cuh",
 )
-TREE_FILES = ("pyproject.toml", "README.md", "MANIFEST.in", "flashmoe_science", "csrc")
+TREE_FILES = ("pyproject.toml", "README.md", "MANIFEST.in", "flashmoe_science", "csrc", "benches")
 STEP_TIMEOUT_S = 600
 
 # Runs inside the fresh venv, in the empty directory: both public calls on the CPU, checked against

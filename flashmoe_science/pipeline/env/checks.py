@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from ... import _loader, _toolkit
-from .. import exitcodes, gpukinds
+from .. import exitcodes, gpukinds, load
+from ..cli import program
 from ..paths import build_root, report_dir, require_gpu_from_env
 from ..provenance import clear_outputs, provenance
 
@@ -685,6 +686,7 @@ class Report:
     driver_cuda: str | None = None
     driver_version: str | None = None
     elapsed_s: float = 0.0
+    load: dict | None = None  # pipeline.load: CPU count and load average before and after
 
     @property
     def passed(self) -> bool:
@@ -715,6 +717,7 @@ class Report:
             "python": platform.python_version(),
             "platform": platform.platform(),
             "elapsed_s": round(self.elapsed_s, 2),
+            "load": self.load,
             "checks": [asdict(check) for check in self.checks],
         }
 
@@ -722,7 +725,7 @@ class Report:
 def run_checks(require_gpu: bool = False, deadline: Deadline | None = None) -> Report:
     started = time.monotonic()
     deadline = deadline or Deadline()
-    report = Report(require_gpu)
+    report = Report(require_gpu, load=load.start())
     add = report.checks.append
 
     add(check_python())
@@ -799,6 +802,7 @@ def run_checks(require_gpu: bool = False, deadline: Deadline | None = None) -> R
     add(check_gpu_processes(report.gpu is not None, apps_out, os.getpid()))
 
     report.elapsed_s = time.monotonic() - started
+    report.load = load.finish(report.load)
     return report
 
 
@@ -825,7 +829,7 @@ def summary_line(report: Report, json_path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flashmoe_science env",
+        prog=f"{program()} env",
         description="Check that this machine can build and run the flashmoe-science kernels.",
     )
     parser.add_argument(

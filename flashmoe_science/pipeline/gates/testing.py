@@ -13,9 +13,10 @@ and passed:
 
 Selections: `--gates` collects the gate module alone and keeps only the gates, so a test that is
 not a gate cannot mark a bisect step bad; `--list` prints the gate ids (what `-k` selects) and runs
-nothing. A selection of at most SERIAL_MAX_TESTS tests runs in one process: starting pytest-xdist
-workers (each imports torch and collects) costs more than such a run. A larger one runs on
-pytest-xdist workers spread over every GPU of the machine, one GPU each (devices.py). pytest runs with its plugin
+nothing: on a machine without a GPU only those it can run, unless `--all`. A selection of at most
+SERIAL_MAX_TESTS tests runs in one process: starting pytest-xdist workers (each imports torch and
+collects) costs more than such a run. A larger one runs on pytest-xdist workers spread over every
+GPU of the machine, one GPU each (devices.py). pytest runs with its plugin
 autoload off, so plugins installed in a reused interpreter (pytest-benchmark, ...) stay out.
 """
 
@@ -32,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import exitcodes
+from ..cli import program
 from ..paths import REPO_ROOT, report_dir, require_gpu_from_env
 from ..provenance import clear_outputs
 from . import devices
@@ -92,7 +94,7 @@ LIST_HINT = "`nox -s test -- --list` prints the gate ids"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m flashmoe_science test",
+        prog=f"{program()} test",
         description="Build (incrementally) and run the correctness gates and the other tests. "
         "Unknown options go to pytest, e.g. `-x`. Bisect with the gates alone: "
         "`git bisect run nox -s test -- --gates -k '<gate id>'`.",
@@ -125,7 +127,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--list",
         action="store_true",
-        help="print the gate ids (narrowed by -k), one a line, and run nothing",
+        help="print the gate ids (narrowed by -k), one a line, and run nothing; without a GPU, "
+        "only those that run here",
+    )
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="with --list: the ids that need a GPU too, on a machine without one",
     )
     parser.add_argument(
         "--no-gates-ok",
@@ -177,17 +185,20 @@ class Collected:
     tests: int = 0
     gate_ids: list[str] = field(default_factory=list)
     long_left_out: int = 0  # tests marked long that the selection leaves out (no --long)
+    gpu_ids: set[str] = field(default_factory=set)  # the gate ids marked `gpu`
 
     def pytest_deselected(self, items) -> None:
         self.long_left_out += sum(1 for item in items if item.get_closest_marker(gate_plugin.LONG))
 
     def pytest_collection_finish(self, session) -> None:
         self.tests = len(session.items)
-        self.gate_ids = [
-            getattr(getattr(item, "callspec", None), "id", item.name)
-            for item in session.items
-            if item.get_closest_marker(gate_plugin.MARKER)
-        ]
+        gates = [item for item in session.items if item.get_closest_marker(gate_plugin.MARKER)]
+        self.gate_ids = [_gate_id(item) for item in gates]
+        self.gpu_ids = {_gate_id(item) for item in gates if item.get_closest_marker("gpu")}
+
+
+def _gate_id(item) -> str:
+    return getattr(getattr(item, "callspec", None), "id", item.name)
 
 
 def collect(pytest_args: list[str]) -> Collected:
@@ -212,7 +223,9 @@ def collect(pytest_args: list[str]) -> Collected:
     return collected
 
 
-def list_gates(pytest_args: list[str]) -> int:
+def list_gates(pytest_args: list[str], everything: bool = False) -> int:
+    """The gate ids on stdout; without a GPU, those that need one only with `everything`, and
+    how many were left out on stderr."""
     collected = collect([*GATE_MODULES, "--gates-only", *pytest_args])
     if collected.exit not in (0, NO_TESTS_EXIT):
         print(
@@ -221,8 +234,19 @@ def list_gates(pytest_args: list[str]) -> int:
             file=sys.stderr,
         )
         return exitcodes.ENV_BROKEN
-    print("\n".join(collected.gate_ids))
-    if not collected.gate_ids:
+    import torch  # imported already by the collection
+
+    hidden = set() if everything or torch.cuda.is_available() else collected.gpu_ids
+    shown = [gate_id for gate_id in collected.gate_ids if gate_id not in hidden]
+    if shown:
+        print("\n".join(shown))
+    if hidden:
+        print(
+            f"test: {len(hidden):,} of {len(collected.gate_ids):,} ids not listed: they need a GPU "
+            "and this machine has none (`--list --all` lists them)",
+            file=sys.stderr,
+        )
+    elif not collected.gate_ids:
         print("test: no gate matches this selection", file=sys.stderr)
     return exitcodes.OK
 
@@ -231,8 +255,10 @@ def main(argv: list[str]) -> int:
     args, pytest_args = _parser().parse_known_args(argv)
     if args.keyword is not None:
         pytest_args = [*pytest_args, "-k", args.keyword]
+    if args.all and not args.list:
+        _parser().error("--all goes with --list")
     if args.list:
-        return list_gates(pytest_args)
+        return list_gates(pytest_args, args.all)
     targets = [*GATE_MODULES, "--gates-only"] if args.gates else ["tests"]
     start = time.monotonic()
     clear_outputs(gate_plugin.RECORD)

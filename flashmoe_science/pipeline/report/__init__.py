@@ -57,6 +57,7 @@ from pathlib import Path
 from .. import exitcodes, stages
 from .. import markdown as md
 from ..bench import trend
+from ..cli import program
 from ..markdown import TIMES
 from ..paths import report_dir
 from .inputs import Inputs, load_inputs
@@ -80,12 +81,16 @@ __all__ = [
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m flashmoe_science report",
+        prog=f"{program()} report",
         description="Render the run's artifacts (env.json, build.json, gates.json, bench.json, stages.json) "
         "into one markdown report, report.md, for the PR comment and the job summary.",
     )
     parser.add_argument(
-        "--dir", type=Path, default=None, help="the report folder to read (default: reports/)"
+        "--dir",
+        type=Path,
+        default=None,
+        help="the report folder to read (default: --reports-dir or $FLASHMOE_REPORTS_DIR, else "
+        "reports/ of the checkout)",
     )
     parser.add_argument(
         "--output", type=Path, default=None, help="where to write (default: DIR/report.md)"

@@ -12,8 +12,11 @@ import re
 from typing import Any
 
 from ... import _loader
+from .. import load
 from .. import markdown as md
 from ..bench import stats
+from ..bench.records import CUDA_ONLY_BASELINES, NOT_ON_CPU
+from ..bench.summary import not_judged_line
 from ..bench.targets import UNSTABLE_MARK, unstable_note
 from .inputs import Inputs
 from .sections import (
@@ -141,6 +144,8 @@ def prefill_chart(cases: list[dict]) -> str:
     key, name, points = best
     ours = [round(md.num(c["ours"]["tflops"]), 1) for _, c in points]
     theirs = [round(_baseline_tflops(c, name), 1) for _, c in points]
+    if not any(ours + theirs):  # a CPU's TFLOP/s round to 0.0: a chart of zeros says nothing
+        return ""
     y_max = max(10, math.ceil(max(ours + theirs) * 1.1 / 10.0) * 10)
     title = re.sub(r"[^A-Za-z0-9 _.,:+-]", " ", f"prefill {key}").strip()
     chart = "\n".join(
@@ -182,6 +187,9 @@ def _bench_facts(bench: dict) -> list[str]:
     timing = bench.get("timing")
     if isinstance(timing, dict) and timing.get("method"):
         facts.append(f"**timer** {md.text(timing['method'])}")
+    seen = load.describe(bench.get("load"))
+    if seen:
+        facts.append(md.text(seen))
     return facts
 
 
@@ -231,11 +239,16 @@ def _timings(case: dict) -> list:
     return [case.get("ours"), *baselines.values(), case.get("read_floor")]
 
 
-def _measured_cell(result: Any, label: str, speed: float | None, reasons: dict) -> str:
-    """A baseline's or the read floor's cell: ms (its time over ours), or why it has none."""
+def _measured_cell(
+    result: Any, label: str, speed: float | None, reasons: dict, cuda_only: bool = False
+) -> str:
+    """A baseline's or the read floor's cell: ms (its time over ours), or why it has none. A
+    CUDA-only backend refusing a CPU bench says so, not the exception it raised."""
     if result is None:
         return md.DASH
     problem = _not_measured(result)
+    if problem and cuda_only and problem[0] == "unsupported":
+        return NOT_ON_CPU
     if problem:
         reasons.setdefault(f"{label}: {problem[0]}", set()).add(problem[1])
         return problem[0]  # one word per status, the same on every backend
@@ -259,7 +272,11 @@ def _flash_peak(case: dict) -> str:
 
 
 def _bench_row(
-    case: dict, regressed: bool, reasons: dict[str, set[str]], read_floor: bool = False
+    case: dict,
+    regressed: bool,
+    reasons: dict[str, set[str]],
+    read_floor: bool = False,
+    cpu: bool = False,
 ) -> list[str]:
     ours = case.get("ours") or {}
     label = ("⚠️ " if regressed else "") + md.code(case.get("id", "?"), 150)
@@ -284,7 +301,8 @@ def _bench_row(
     ]
     for name in BASELINES:
         base = _result(case.get("baselines"), name)
-        row.append(_measured_cell(base, BASELINE_LABELS[name], _speedup(case, name), reasons))
+        speed, cuda_only = _speedup(case, name), cpu and name in CUDA_ONLY_BASELINES
+        row.append(_measured_cell(base, BASELINE_LABELS[name], speed, reasons, cuda_only))
     if read_floor:
         floor = _result(case, "read_floor")
         row.append(_measured_cell(floor, "read floor", _over_ours(case, floor), reasons))
@@ -337,6 +355,10 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
         parts.append(ceilings)
     speedups = [s for s in (_speedup(c, "sdpa-default") for c in cases) if s]
     geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups)) if speedups else None
+    cpu = bench.get("backend") == "cpu"
+    busy = load.busy(bench.get("load")) if cpu else None
+    if busy:  # the news: above the tables
+        parts.append(not_judged_line(busy))
 
     # Rows kept when truncating: our failures, regressions, then where we trail SDPA the most.
     def priority(i: int) -> tuple:
@@ -359,7 +381,7 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
         in_group = [(i, c) for i, c in enumerate(cases) if _group(c) == group]
         floor = any("read_floor" in c for _, c in in_group)
         rows = [
-            _bench_row(case, case.get("id") in regressed_ids, reasons, floor)
+            _bench_row(case, case.get("id") in regressed_ids, reasons, floor, cpu)
             for index, case in in_group
             if index in keep
         ]
@@ -376,7 +398,12 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
                 if any("read_floor" in c for c in cases)
                 else ""
             )
-            + (f" Geometric mean against SDPA default: **{geo:.2f}{md.TIMES}**." if geo else "")
+            + (
+                f" Geometric mean against SDPA default: **{geo:.2f}{md.TIMES}**"
+                + (" (not judged)." if busy else ".")
+                if geo
+                else ""
+            )
         )
     parts += tables
     if any(_over_copy(c.get("ours") or {}) for c in cases if c.get("kind") == "decode"):
@@ -416,9 +443,14 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
     if broken:
         severity = FAIL
         problems.append((FAIL, f"our kernel failed on {md.plural(len(broken), 'bench case')}"))
-    if regressions:
+    if regressions and busy:  # timings of shared cores: shown, not judged
+        severity = max(severity, NOTE)
+    elif regressions:
         severity = max(severity, WARN)
         problems.append((WARN, md.plural(len(regressions), "regression")))
+    if busy:
+        severity = max(severity, NOTE)
+        problems.append((NOTE, f"bench not judged ({busy})"))
     if not_compared:
         severity = max(severity, NOTE)
         problems.append((NOTE, f"bench not compared ({md.text(not_compared, 120)})"))
@@ -437,7 +469,9 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
         summary += f", {len(broken)} failed"
     if unstable:
         summary += f", {len(unstable)} unstable"
-    if geo:
+    if busy:
+        summary += f", not judged ({busy})"
+    elif geo:
         summary += f", {geo:.2f}{md.TIMES} SDPA default (geo-mean)"
     if not_compared:
         summary += f", not compared ({md.text(not_compared, 120)})"

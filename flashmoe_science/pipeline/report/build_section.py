@@ -43,6 +43,14 @@ def kernel_changes(kernel: dict, base: dict | None) -> tuple[list[str], bool]:
     return changes, new_spill
 
 
+def build_seconds(inputs: Inputs, build: dict) -> float | None:
+    """The build's one time: the stage's wall time, as the stage table shows it (loading torch and
+    checking the build included), else build.json's own (a record without its stage)."""
+    stage = inputs.stages.get("build") if "build" not in inputs.stale_stages else None
+    seconds = (stage or {}).get("seconds")
+    return seconds if seconds is not None else md.num(build.get("elapsed_s"))
+
+
 def build_section(inputs: Inputs, detail: Detail) -> Section:
     title = "Build"
     if "build.json" in inputs.unreadable:
@@ -70,10 +78,14 @@ def build_section(inputs: Inputs, detail: Detail) -> Section:
             facts.append(f"**CUDA** {md.text(build['cuda_version'])}")
         if build.get("nvcc_version"):
             facts.append(f"**nvcc** {md.text(build['nvcc_version'])}")
-        elapsed = build.get("elapsed_s")
+        elapsed = build_seconds(inputs, build)
         if elapsed is not None:
             kind = (
-                "cold" if build.get("cold") else "up to date" if build.get("cold") is False else ""
+                "compiled"
+                if build.get("cold")
+                else "up to date: nothing compiled"
+                if build.get("cold") is False
+                else ""
             )
             facts.append(f"**time** {md.duration(elapsed)}" + (f" ({kind})" if kind else ""))
         if build.get("compiler_warnings"):
@@ -83,8 +95,8 @@ def build_section(inputs: Inputs, detail: Detail) -> Section:
             parts.append(f"Why this backend: {md.text(build['reason'])}")
     if failed:
         summary = "failed"
-        if build and build.get("elapsed_s") is not None:
-            summary += f" after {md.duration(build['elapsed_s'])}"
+        if build and build_seconds(inputs, build) is not None:
+            summary += f" after {md.duration(build_seconds(inputs, build))}"
         error = (build or {}).get("error")
         if error:
             parts.append("**Error**\n\n" + md.fenced(md.tail(str(error), 40)))

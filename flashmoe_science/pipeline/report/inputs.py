@@ -12,14 +12,13 @@ from pathlib import Path
 
 from .. import markdown as md
 from .. import provenance, stages
-from ..paths import REPO_ROOT
+from ..paths import BENCH_SCHEMA
 from . import schemas
 
 BUILD_LOG_TAIL_LINES = 60
 BUILD_LOG = "build.log"
 MAX_RECORD_BYTES = 64 * 2**20  # a record larger than this is not parsed (the real ones are < 1 MiB)
 MAX_LOG_BYTES = 2**20  # of build.log, only the end is read
-BENCH_SCHEMA = REPO_ROOT / "benches" / "bench.schema.json"
 RECORDS = ("env.json", "build.json", "gates.json", "bench.json", "sanitize.json", "selection.json")
 
 

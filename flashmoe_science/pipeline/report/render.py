@@ -89,20 +89,52 @@ def _verdict(sections: list[Section], inputs: Inputs) -> Verdict:
         sev: _listed([text for s, text in problems if s == sev])
         for sev in (FAIL, STALE, WARN, NOTE)
     }
+    cpu = cpu_only_text(inputs)
     notes = ("; " + "; ".join(by[NOTE])) if by[NOTE] else ""  # caveats every verdict repeats
+    on_cpu = f"; on the CPU: {cpu}" if cpu else ""
     if by[FAIL]:
-        return Verdict(FAIL, ", ".join(by[FAIL] + by[STALE] + by[WARN]) + notes)
+        return Verdict(FAIL, ", ".join(by[FAIL] + by[STALE] + by[WARN]) + on_cpu + notes)
     if by[STALE]:
         # A record of other code or another run says nothing about this one: never a pass.
         return Verdict(
             WARN, "not a verdict on this commit: " + ", ".join(by[STALE] + by[WARN]) + notes
         )
     if by[WARN]:
-        return Verdict(WARN, ", ".join(by[WARN]) + notes)
+        return Verdict(WARN, ", ".join(by[WARN]) + on_cpu + notes)
     not_run = [s.key for s in sections if s.severity == NOTRUN]
     if len(not_run) == len(sections):
         return Verdict(WARN, "nothing ran")
-    return Verdict(OK, "passed" + (f" (not run: {', '.join(not_run)})" if not_run else "") + notes)
+    not_run_text = f" (not run: {', '.join(not_run)})" if not_run else ""
+    if cpu:  # a pass of the CPU twins says nothing about the CUDA kernels: information, not ✅
+        return Verdict(NOTE, f"passed on the CPU: {cpu}{not_run_text}{notes}")
+    return Verdict(OK, "passed" + not_run_text + notes)
+
+
+def _usable(inputs: Inputs, label: str, record: dict | None) -> dict:
+    """A record the report may read: present, readable and not stale (else an empty one)."""
+    if not isinstance(record, dict) or label in inputs.stale or label in inputs.unreadable:
+        return {}
+    return record
+
+
+def cpu_only_text(inputs: Inputs) -> str | None:
+    """'CUDA kernels not run (1,532 gates skipped, need a GPU)' when no CUDA kernel ran in this run but
+    something ran on the CPU (the CPU-only build, a CPU bench, or CPU gate cases alone); else None."""
+    build = _usable(inputs, "build.json", inputs.build)
+    bench = _usable(inputs, "bench.json", inputs.bench)
+    gates = _usable(inputs, "gates.json", inputs.gates)
+    rows = [c for c in gates.get("cases") or [] if isinstance(c, dict)]
+    ran = [c for c in rows if c.get("outcome") != "skipped"]
+    if any(c.get("device") == "cuda" for c in ran) or bench.get("backend") == "cuda":
+        return None
+    cpu_gates = bool(ran) and all(c.get("device") == "cpu" for c in ran)
+    if not (cpu_gates or build.get("backend") == "cpu" or bench.get("backend") == "cpu"):
+        return None
+    counts = gates.get("gates") if isinstance(gates.get("gates"), dict) else {}
+    skipped = md.integer(counts.get("skipped")) or 0
+    return "CUDA kernels not run" + (
+        f" ({md.plural(skipped, 'gate')} skipped, need a GPU)" if skipped else ""
+    )
 
 
 def _extra_stages(inputs: Inputs) -> list[str]:

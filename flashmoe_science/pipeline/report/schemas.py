@@ -43,6 +43,14 @@ _PROVENANCE = {
 }
 
 
+# pipeline.load's block: the CPU count, and the load averages before and after
+_LOAD_AVERAGES = {"type": ["array", "null"], "items": _NUMBER, "maxItems": 3}
+_LOAD = {
+    "type": ["object", "null"],
+    "properties": {"cpus": _INT, "before": _LOAD_AVERAGES, "after": _LOAD_AVERAGES},
+}
+
+
 def _list(items: dict) -> dict:
     return {"type": ["array", "null"], "items": items, "maxItems": MAX_ITEMS}
 
@@ -87,6 +95,7 @@ ENV = _record(
                 "properties": {"name": _SHORT, "status": _SHORT, "detail": _TEXT, "fix": _TEXT},
             }
         ),
+        "load": _LOAD,
     }
 )
 

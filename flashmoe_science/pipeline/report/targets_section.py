@@ -259,8 +259,8 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
     failed = [t.id for t in record.targets or [] if _failed(t)]
     problems = []
     severity = OK
-    if count[targets.MISSED]:  # shown in the summary table, kept out of the verdict line
-        severity = NOTE
+    if count[targets.MISSED] or not count[targets.MET]:  # a miss, or nothing judged: not a ✅
+        severity = NOTE  # shown in the summary table, kept out of the verdict line
     if failed:
         severity = FAIL
         problems.append((FAIL, f"our kernel failed on {md.plural(len(failed), 'speed case')}"))

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import exitcodes, paths
+from ..cli import program
 from ..provenance import provenance
 from .cudatools import median_or_none, paths_display, trace_cell
 
@@ -285,7 +286,7 @@ def run_workload(case_id: str, json_path: Path, block_size: int | None = None) -
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m flashmoe_science phases",
+        prog=f"{program()} phases",
         description="Trace the sm_90a forward kernel's phases tile by tile, or the decode's block "
         "by block, on one bench case.",
     )

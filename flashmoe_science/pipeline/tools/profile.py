@@ -59,6 +59,7 @@ from pathlib import Path
 
 from ..._toolkit import find_cuda_tool, run_streaming
 from .. import exitcodes, paths
+from ..cli import program
 from ..provenance import provenance
 from .cudatools import UNUSABLE_PATTERNS, paths_display, short_kernel
 
@@ -538,7 +539,7 @@ def measure_ceilings() -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m flashmoe_science profile",
+        prog=f"{program()} profile",
         description="Profile one benchmark case with Nsight Compute; say what bounds each kernel.",
     )
     p.add_argument(

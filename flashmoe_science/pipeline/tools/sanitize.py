@@ -69,6 +69,7 @@ from typing import Any
 from ... import _loader
 from ..._toolkit import find_cuda_tool, run_streaming
 from .. import exitcodes, paths
+from ..cli import program
 from ..provenance import clear_outputs, provenance
 from . import sanitize_coverage
 from .cudatools import UNUSABLE_PATTERNS, paths_display, short_kernel
@@ -760,7 +761,7 @@ def _tools(values: Sequence[str]) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m flashmoe_science sanitize",
+        prog=f"{program()} sanitize",
         description="Run compute-sanitizer's memcheck, initcheck, synccheck and racecheck over a "
         "small workload that reaches every kernel code path; any finding fails.",
     )
