@@ -90,6 +90,7 @@ def fake_runner(tree: Path) -> dict[str, Path]:
         "own_cache": write(home / ".cache/flashmoe-science/act/x"),
         "nv_cache": write(home / ".nv/ComputeCache/index"),
         "gitconfig": write(home / ".gitconfig", "[core]\n\tfsmonitor = evil\n"),
+        "pip_conf": write(home / ".config/pip/pip.conf", "[global]\nindex-url = http://evil\n"),
         "user_site": write(home / ".local/lib/python3.12/site-packages/sitecustomize.py"),
         # kept
         "actions": write(work / "_actions/actions/checkout/sha/action.yml"),
@@ -99,9 +100,8 @@ def fake_runner(tree: Path) -> dict[str, Path]:
         "outside": write(outside / "keep"),
         "outside_pip": write(outside / "pip" / "pip.conf"),
     }
-    # A job's links out of its folders: removed as links, never followed.
+    # A job's link out of its folders: removed as a link, never followed.
     (work / "escape").symlink_to(outside)
-    (home / ".config").symlink_to(outside)
     # A job may leave read-only folders behind.
     (work / "flashmoe-science/flashmoe-science/build").chmod(0o500)
     return paths
@@ -208,14 +208,12 @@ def test_hook_cleans_the_runner_and_home_and_nothing_else(tree, processes):
     assert run.returncode == 0, run.stdout + run.stderr
     for name in ("git_hook", "worktree", "tool", "triton", "pip", "torch_ext", "own_cache"):
         assert not paths[name].exists(), (name, run.stdout)
-    for name in ("nv_cache", "gitconfig", "user_site"):
+    for name in ("nv_cache", "gitconfig", "pip_conf", "user_site"):
         assert not paths[name].exists(), (name, run.stdout)
     for name in ("actions", "temp", "other_cache", "home_file", "outside", "outside_pip"):
         assert paths[name].exists(), (name, run.stdout)
     assert paths["workspace"].is_dir() and not any(paths["workspace"].iterdir())
     assert not os.path.lexists(paths["work"] / "escape")
-    # ~/.config is a link to a folder outside $HOME: ~/.config/pip is not followed into it.
-    assert "skipped" in run.stdout and "symbolic link" in run.stdout
     deadline = time.time() + 10
     while alive(own) and time.time() < deadline:
         time.sleep(0.1)
@@ -223,6 +221,50 @@ def test_hook_cleans_the_runner_and_home_and_nothing_else(tree, processes):
     assert alive(foreign), run.stdout
     assert f"stopped pid {own}" in run.stdout
     assert f"pid {foreign} of user" in run.stdout and "left alone" in run.stdout
+
+
+@pytest.mark.parametrize("linked", [".config", ".cache", ".local"])
+def test_hook_fails_on_a_linked_folder_in_home_before_git_runs_its_config(tree, linked):
+    """An earlier job replaced ~/.config (or ~/.cache, ~/.local) with a link to a folder of its own
+    holding a git config whose core.fsmonitor runs a command: the hook must fail the job, not skip
+    the path, or the job's first `git status` (provenance, the bench's base worktree) runs it."""
+    paths = fake_runner(tree)
+    home, planted = paths["home"], tree / "planted"
+    marker = tree / "fsmonitor-ran"
+    write(planted / "git" / "config", f'[core]\n\tfsmonitor = "touch {marker}; false"\n')
+    write(planted / "pip" / "http" / "x")
+    write(planted / "lib" / "python3.12" / "site-packages" / "sitecustomize.py")
+    shutil.rmtree(home / linked, ignore_errors=True)
+    (home / linked).symlink_to(planted)
+    repo = tree / "repo"
+    subprocess.run(["git", "init", "--quiet", str(repo)], check=True)
+    git_env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1"}
+
+    run = run_hook(tree, paths)
+    if run.returncode == 0:  # the runner takes the job: its checkout's first `git status`
+        subprocess.run(["git", "status"], cwd=repo, env=git_env, capture_output=True, check=False)
+    assert not marker.exists(), "the hook passed and the planted core.fsmonitor ran"
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"reached through the symbolic link {home / linked}" in run.stderr
+    assert "next:" in run.stderr
+    assert (planted / "git" / "config").exists(), "the link is never followed"
+    # The same home without the link: git runs no planted command.
+    (home / linked).unlink()
+    subprocess.run(["git", "status"], cwd=repo, env=git_env, capture_output=True, check=True)
+    assert not marker.exists()
+
+
+def test_planted_fsmonitor_runs_on_git_status_through_a_linked_config(tree):
+    """What the hook guards against, shown: git follows ~/.config as a link and runs the command."""
+    home, planted, marker = tree / "home", tree / "planted", tree / "fsmonitor-ran"
+    write(planted / "git" / "config", f'[core]\n\tfsmonitor = "touch {marker}; false"\n')
+    home.mkdir()
+    (home / ".config").symlink_to(planted)
+    repo = tree / "repo"
+    subprocess.run(["git", "init", "--quiet", str(repo)], check=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1"}
+    subprocess.run(["git", "status"], cwd=repo, env=env, capture_output=True, check=False)
+    assert marker.exists()
 
 
 def test_hook_fails_the_job_when_another_user_holds_its_gpu(tree, processes):
