@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -258,6 +259,42 @@ def test_a_same_repository_push_runs_its_head():
     assert (out["run"], out["sha"], out["environment"]) == ("true", SHA, "gpu-trusted")
 
 
+@pytest.mark.parametrize(
+    ("author", "sender"),
+    [
+        ({"login": "dependabot[bot]", "type": "Bot"}, {"login": "dependabot[bot]", "type": "Bot"}),
+        ({"login": "dependabot[bot]", "type": "Bot"}, {"login": "maintainer", "type": "User"}),
+        ({"login": "maintainer", "type": "User"}, {"login": "github-actions[bot]", "type": "Bot"}),
+    ],
+)
+def test_a_bots_branch_is_gated_like_a_fork(author, sender):
+    """Dependabot's pull requests come from a branch of this repository, but their commits bring
+    new locked versions from a registry: they wait for a maintainer's label and the `gpu`
+    environment's reviewers, as a fork's do."""
+    payload = event("synchronize", fork=False, sender=sender)
+    payload["pull_request"]["user"] = author
+    out = decide("pull_request_target", payload, FakeGitHub())
+    assert out["run"] == "false" and out["environment"] == "gpu", out
+    assert "labels safe-to-test" in out["reason"]
+    labelled = event("labeled", fork=False, label={"name": "safe-to-test"}, sender={"login": "m"})
+    labelled["pull_request"]["user"] = author
+    out = decide("pull_request_target", labelled, FakeGitHub("maintain"))
+    assert (out["run"], out["environment"]) == (
+        "true",
+        "gpu" if author["type"] == "Bot" else "gpu-trusted",
+    )
+
+
+def test_a_dispatch_of_a_bots_pr_waits_for_the_environments_reviewers():
+    pull = {
+        "user": {"login": "dependabot[bot]", "type": "Bot"},
+        "head": {"sha": SHA, "repo": {"full_name": REPO}},
+        "base": {"ref": "main", "repo": {"full_name": REPO}},
+    }
+    out = decide("workflow_dispatch", {}, FakeGitHub(pull=pull), {"pr": "5", "sha": SHA})
+    assert (out["run"], out["environment"]) == ("true", "gpu")
+
+
 def test_other_labels_run_nothing_and_read_no_permission():
     gh = FakeGitHub()
     out = decide("pull_request_target", event("labeled", label={"name": "docs"}), gh)
@@ -432,6 +469,68 @@ def test_no_install_adds_an_index():
     installer = (ROOT / "scripts" / "runner" / "install-locked.sh").read_text()
     assert "--require-hashes" in installer and "--only-binary :all:" in installer
     assert "PIP_CONFIG_FILE=/dev/null" in installer
+
+
+def pip_shim(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A pip that installs nothing and records what it is asked: `pip`/`pip3` on PATH and a `pip`
+    module for PYTHONPATH (what `python -m pip` finds first). (bin dir, module dir, log)."""
+    log = tmp_path / "pip-calls.jsonl"
+    record = (
+        "import json, sys\n"
+        f"with open({str(log)!r}, 'a') as f:\n"
+        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    bindir, modules = tmp_path / "shim-bin", tmp_path / "shim-modules"
+    (modules / "pip").mkdir(parents=True)
+    bindir.mkdir()
+    for name in ("pip", "pip3"):
+        (bindir / name).write_text(f"#!{sys.executable}\n{record}")
+        (bindir / name).chmod(0o755)
+    (modules / "pip" / "__init__.py").write_text("")
+    (modules / "pip" / "__main__.py").write_text(record)
+    return bindir, modules, log
+
+
+def test_the_gpu_jobs_setup_step_installs_nothing_from_an_index(tmp_path):
+    """gpu-ci.yml's provisioning step, run as the runner runs it (bash -eo pipefail in the checkout,
+    with the runner's interpreter), with a pip shim that records what it is asked to install:
+    nothing may come from a package index. Every GPU job (pushes to main included) would otherwise
+    install whatever the index serves that day on the GPU runner, with no review. Takes ~10 s: the
+    step creates its venv."""
+    has_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    if has_torch.returncode != 0:
+        pytest.skip("the step reuses the runner interpreter's torch; this one has none")
+    step = next(s for s in JOBS["gpu"]["steps"] if "setup_environment.sh" in s.get("run", ""))
+    script = tmp_path / "step.sh"
+    script.write_text(step["run"])
+    bindir, modules, log = pip_shim(tmp_path)
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "PYTHONPATH": str(modules),
+        "HOME": str(tmp_path / "home"),
+        "RUNNER_TEMP": str(tmp_path / "temp"),
+        "GITHUB_PATH": str(tmp_path / "github-path"),
+        "FLASHMOE_RUNNER_PYTHON": sys.executable,  # the runner's .env names its interpreter
+        "FLASHMOE_REPORT_DIR": str(tmp_path / "reports"),
+        "PIP_NO_INDEX": "1",  # should the shim miss a call: never the network from a test
+        **{k: str(v) for k, v in (step.get("env") or {}).items()},
+    }
+    (tmp_path / "temp").mkdir()
+    run = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "[1/6] Checking the Python interpreter" in run.stdout, run.stdout + run.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    installs = [call for call in calls if "install" in call]
+    from_index = [c for c in installs if "--no-index" not in c and "--require-hashes" not in c]
+    assert not from_index, f"asked to install from the index: {from_index}"
+    for call in installs:  # offline, the checkout itself at most
+        assert [a for a in call if not a.startswith("-")] == ["install", str(ROOT)], call
 
 
 def test_dependabot_watches_actions_and_pip_with_a_cooldown():

@@ -6,7 +6,8 @@ these from the default branch's code (never a pull request's), on GitHub-hosted 
                   push to main and workflow_dispatch run (a dispatch naming a PR runs that PR's head
                   only if it is the commit given); a same-repository PR runs on each push; a fork PR
                   runs only on the `safe-to-test` label applied by someone with write access, for
-                  the head commit at labelling time. The label is removed as soon as it is read, and
+                  the head commit at labelling time; so does a pull request a bot opened or pushed
+                  (Dependabot's bring new locked versions to the runner). The label is removed as soon as it is read, and
                   on every new push, so each commit needs its own approval; a new push also marks
                   the PR's report comment stale. Writes run, sha, pr, base_ref, environment and
                   reason to $GITHUB_OUTPUT.
@@ -165,6 +166,13 @@ def mark_stale(body: str, new_sha: str) -> str:
     return "\n".join(head + lines)
 
 
+def is_bot(user: object) -> bool:
+    """A GitHub App's account (dependabot[bot], github-actions[bot], ...), not a person."""
+    if not isinstance(user, dict):
+        return False
+    return user.get("type") == "Bot" or str(user.get("login") or "").endswith("[bot]")
+
+
 def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs: dict) -> dict:
     """What the GPU job does for this event: {"run", "sha", "pr", "base_ref", "environment",
     "reason"}. May remove the label and mark the report stale (see the module's docstring)."""
@@ -191,6 +199,7 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
                 "given: review the new head and dispatch again with its sha",
             }
         fork = (head.get("repo") or {}).get("full_name") != repo
+        fork = fork or is_bot((pull or {}).get("user"))  # a bot's PR waits for reviewers too
         return {
             **out,
             "run": "true",
@@ -209,15 +218,21 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
         return {**out, "reason": "the event names no pull request"}
     head_sha = str((pull.get("head") or {}).get("sha") or "")
     same_repo = ((pull.get("head") or {}).get("repo") or {}).get("full_name") == repo
+    action = event.get("action")
+    # A bot's branch is gated like a fork's: its commits bring what a registry published (new
+    # locked versions), and nobody reviewed them before they would run on the GPU runner.
+    bot = pull.get("user") if is_bot(pull.get("user")) else None
+    if bot is None and action != "labeled" and is_bot(event.get("sender")):
+        bot = event.get("sender")
+    trusted_branch = same_repo and bot is None
     pr_out = {
         **out,
         "pr": str(number),
         "base_ref": str((pull.get("base") or {}).get("ref") or ""),
-        "environment": "gpu-trusted" if same_repo else "gpu",
+        "environment": "gpu-trusted" if trusted_branch else "gpu",
     }
     if not _SHA.match(head_sha):
         return {**pr_out, "reason": "the event's head commit is not a commit id"}
-    action = event.get("action")
     if action == "labeled":
         label = str((event.get("label") or {}).get("name") or "")
         if label != LABEL:
@@ -241,12 +256,18 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
                 f"issues/comments/{int(comment['id'])}",
                 {"body": mark_stale(str(comment.get("body") or ""), head_sha)},
             )
-        if same_repo:
+        if trusted_branch:
             return {
                 **pr_out,
                 "run": "true",
                 "sha": head_sha,
                 "reason": "a branch of this repository",
+            }
+        if same_repo:
+            return {
+                **pr_out,
+                "reason": f"a commit from {log_safe(bot.get('login'), 40)}, a bot: a maintainer "
+                f"reviews it, then labels {LABEL}",
             }
         return {
             **pr_out,
