@@ -688,7 +688,25 @@ def test_settings_all_good(tmp_path):
             "FAIL  3  environment `gpu` has no required reviewers",
         ),
         ("labels/safe-to-test", None, "FAIL  4  label `safe-to-test` does not exist"),
-        ("rules/branches/main", [], "FAIL  8  main does not require the GPU gate"),
+        (
+            "rules/branches/main",
+            [],
+            "FAIL  8  main does not require the commit status `flashmoe-science/gpu`",
+        ),
+        (
+            "rules/branches/main",
+            [
+                {
+                    "type": "required_status_checks",
+                    "parameters": {
+                        "required_status_checks": [
+                            {"context": "flashmoe-science/gpu", "integration_id": 99}
+                        ]
+                    },
+                }
+            ],
+            "FAIL  8  `flashmoe-science/gpu` is required from app [99]",
+        ),
         (
             "rules/branches/bench-history",
             [{"type": "deletion"}, {"type": "pull_request"}],
@@ -711,6 +729,33 @@ def test_settings_flag_a_bad_setting(tmp_path, path, change, message):
     run = check_settings(answers, tmp_path)
     assert run.returncode == 1, run.stdout
     assert message in run.stdout and "fix:" in run.stdout
+
+
+@pytest.mark.parametrize("with_status", [False, True])
+def test_settings_fail_when_main_requires_the_gate_jobs_check(tmp_path, with_status):
+    """Requiring the check `gpu-gate` is spoofable or never satisfiable: pull_request_target
+    attaches the gate job's check run to main's commit, so on a PR's head a check of that name can
+    only come from the PR's own `pull_request` workflow (a fork adds a job named gpu-gate). Only
+    the commit status the gate sets on the head counts."""
+    answers = good_answers()
+    checks = [{"context": "gpu-gate", "integration_id": 15368}]
+    if with_status:
+        checks.append({"context": "flashmoe-science/gpu", "integration_id": 15368})
+    answers[f"repos/{REPO}/rules/branches/main"] = [
+        {"type": "required_status_checks", "parameters": {"required_status_checks": checks}}
+    ]
+    run = check_settings(answers, tmp_path)
+    assert run.returncode == 1, run.stdout
+    assert "FAIL  8  main requires the check `gpu-gate`" in run.stdout
+    assert "add `flashmoe-science/gpu`" in run.stdout and "remove `gpu-gate`" in run.stdout
+    # Branch protection (no ruleset) the same way.
+    answers[f"repos/{REPO}/rules/branches/main"] = []
+    answers[f"repos/{REPO}/branches/main/protection/required_status_checks"] = {
+        "contexts": ["gpu-gate"],
+        "checks": [{"context": "gpu-gate", "app_id": 15368}],
+    }
+    run = check_settings(answers, tmp_path)
+    assert run.returncode == 1 and "FAIL  8  main requires the check `gpu-gate`" in run.stdout
 
 
 def test_settings_unreadable_is_a_skip_not_a_pass(tmp_path):

@@ -230,33 +230,58 @@ def check_sha_pinning(api: Api, repo: str, report: Report) -> None:
         )
 
 
-REQUIRED_CHECKS = ("gpu-gate", "flashmoe-science/gpu")  # the gate job, or the status it sets
+GATE_STATUS = "flashmoe-science/gpu"  # the commit status gpu-gate sets on a PR's head commit
+GATE_JOB = (
+    "gpu-gate"  # the job's own check run: attached to main's commit under pull_request_target
+)
+ACTIONS_APP_ID = 15368  # GitHub Actions, whose token sets the status
 
 
 def check_required_gate(api: Api, repo: str, report: Report) -> None:
-    """main requires the GPU gate: a ruleset's required status checks, else branch protection."""
+    """main requires the commit status GATE_STATUS (a ruleset's required status checks, or branch
+    protection's), and not the check GATE_JOB: on a PR's head that check can only come from the
+    PR's own `pull_request` workflow (a fork names a job `gpu-gate`), or never comes at all."""
     fix = (
-        "Settings -> Rules -> Rulesets (or Branches) for main: require the status check `gpu-gate` "
-        "(a skipped GPU job would otherwise count as passed)"
+        f"Settings -> Rules -> Rulesets for main -> Require status checks to pass: add "
+        f"`{GATE_STATUS}` (source GitHub Actions), and remove `{GATE_JOB}`"
     )
     status, rules = api.get(f"repos/{repo}/rules/branches/main")
-    contexts: set[str] = set()
+    required: list[tuple[str, object]] = []  # (context, the app it is pinned to, or None)
     if status == 200:
         for rule in rules or []:
             if rule.get("type") == "required_status_checks":
                 for check in (rule.get("parameters") or {}).get("required_status_checks") or []:
-                    contexts.add(str(check.get("context")))
+                    required.append((str(check.get("context")), check.get("integration_id")))
     status2, protection = api.get(f"repos/{repo}/branches/main/protection/required_status_checks")
     if status2 == 200:
-        contexts |= {str(c) for c in protection.get("contexts") or []}
-        contexts |= {str(c.get("context")) for c in protection.get("checks") or []}
-    found = sorted(contexts & set(REQUIRED_CHECKS))
-    if found:
-        report.line("ok", 8, f"main requires {', '.join(f'`{c}`' for c in found)}")
-    elif status != 200 and status2 not in (200, 404):
-        report.unreadable(8, "required status checks of main", status2)
+        required += [(str(c), None) for c in protection.get("contexts") or []]
+        required += [
+            (str(c.get("context")), c.get("app_id")) for c in protection.get("checks") or []
+        ]
+    gate = [app for context, app in required if context == GATE_STATUS]
+    if not required and status != 200 and status2 not in (200, 404):
+        return report.unreadable(8, "required status checks of main", status2)
+    if any(context == GATE_JOB for context, _ in required):
+        report.line(
+            "FAIL",
+            8,
+            f"main requires the check `{GATE_JOB}`: under pull_request_target it lands on main's "
+            "commit, so on a PR's head only the PR's own workflow can post it (a fork's job named "
+            f"{GATE_JOB} passes it) or nothing does",
+            fix,
+        )
+    elif not gate:
+        report.line("FAIL", 8, f"main does not require the commit status `{GATE_STATUS}`", fix)
+    elif any(app not in (None, -1, ACTIONS_APP_ID) for app in gate):
+        report.line(
+            "FAIL",
+            8,
+            f"`{GATE_STATUS}` is required from app {gate}, not GitHub Actions ({ACTIONS_APP_ID}), "
+            "whose token gpu-gate sets it with: it would never count",
+            fix,
+        )
     else:
-        report.line("FAIL", 8, "main does not require the GPU gate", fix)
+        report.line("ok", 8, f"main requires the commit status `{GATE_STATUS}`")
 
 
 HISTORY_BRANCH = "bench-history"  # bench-history.yml pushes main's benchmark runs there
