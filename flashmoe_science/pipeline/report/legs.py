@@ -27,6 +27,9 @@ from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN
 from .trusted import trusted_header
 
 MAX_JOBS_BYTES = 1 << 20
+# Written beside the legs' folders by the trusted fetch (pipeline.ci.runartifacts): one line per
+# leg whose artifact it refused (two of a name, over a size cap, a path outside its folder).
+FETCH_NOTES = "fetch-notes.txt"
 # A kind's result in the comment's first line, by the severity of its verdict.
 WORDS = {
     OK: "passed",
@@ -97,7 +100,12 @@ def load_legs(
             inputs.history, skipped = trend.load_points(history / kind.label)
             inputs.notes += [f"history point skipped: {why}" for why in skipped[:3]]
         legs.append(Leg(kind, inputs, job))
-    known = {gpukinds.artifact_name(kind) for kind in gpukinds.KINDS}
+    notes_file = folder / FETCH_NOTES
+    if notes_file.is_file() and not notes_file.is_symlink():
+        with notes_file.open(encoding="utf-8", errors="replace") as handle:
+            lines = handle.read(MAX_JOBS_BYTES).splitlines()
+        notes += [md.text(line, 400) for line in lines if line.strip()][:10]
+    known = {gpukinds.artifact_name(kind) for kind in gpukinds.KINDS} | {FETCH_NOTES}
     others = (
         sorted(p.name for p in folder.iterdir() if p.name not in known) if folder.is_dir() else []
     )
