@@ -659,7 +659,7 @@ def test_settings_all_good(tmp_path):
     run = check_settings(FIXTURES / "settings-good.json", tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert [line.split()[:2] for line in run.stdout.splitlines() if line[:1] in "ow"] == [
-        ["ok", str(n)] for n in (1, 2, 3, 4, 5, 6, 8, 10)
+        ["ok", str(n)] for n in (1, 2, 3, 4, 5, 6, 8, 10, 11, 12)
     ]
 
 
@@ -706,6 +706,38 @@ def test_settings_all_good(tmp_path):
                 }
             ],
             "FAIL  8  `flashmoe-science/gpu` is required from app [99]",
+        ),
+        ("environments/pypi", None, "FAIL  11  environment `pypi` does not exist"),
+        (
+            "environments/pypi",
+            {"name": "pypi", "protection_rules": []},
+            "FAIL  11  environment `pypi` has no required reviewers",
+        ),
+        (
+            "environments/pypi/deployment-branch-policies",
+            {"branch_policies": [{"name": "v*", "type": "tag"}, {"name": "*", "type": "branch"}]},
+            "FAIL  11  environment `pypi` deploys from branch *, not tags v*",
+        ),
+        (
+            "rulesets?includes_parents=true&per_page=100",
+            [{"id": 5, "name": "release tags", "target": "tag", "enforcement": "evaluate"}],
+            "FAIL  12  no active tag ruleset restricts creating, moving and deleting v* tags",
+        ),
+        (
+            "rulesets/5",
+            {
+                "conditions": {"ref_name": {"include": ["refs/tags/release-*"]}},
+                "rules": [{"type": "creation"}, {"type": "update"}, {"type": "deletion"}],
+            },
+            "FAIL  12  no active tag ruleset",
+        ),
+        (
+            "rulesets/5",
+            {
+                "conditions": {"ref_name": {"include": ["~ALL"]}},
+                "rules": [{"type": "deletion"}],
+            },
+            "FAIL  12  no active tag ruleset",
         ),
         (
             "rules/branches/bench-history",
