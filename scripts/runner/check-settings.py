@@ -475,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "      7  the runner machine (credential, interpreter, network): not checked, see the list"
     )
+    print("      13 the ARC pods' token and network policy: not checked here, see the list")
     if report.failed:
         print(f"{report.failed} setting(s) wrong: fix them before the runner takes jobs")
         return 1
