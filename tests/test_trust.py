@@ -829,6 +829,28 @@ def test_the_gpu_jobs_setup_step_installs_nothing_from_an_index(tmp_path):
         assert [a for a in call if not a.startswith("-")] == ["install", str(ROOT)], call
 
 
+CACHE_FREE = ("gpu-ci.yml", "release.yml", "bench-history.yml", "pr-report.yml")
+
+
+def test_no_trusted_workflow_uses_a_cache():
+    """A pull_request_target job runs in main's cache scope: a cache it saves (PR code in the gpu
+    job can reach the runtime token) is what main's runs, the release and the history restore. No
+    workflow that runs from main for a PR, publishes or writes main's history uses one: no
+    actions/cache (save, restore), no setup-* action's `cache:` input."""
+    workflows = all_workflows()
+    for name, workflow in workflows.items():
+        on = triggers(workflow)
+        if name not in CACHE_FREE and not ({"pull_request_target", "workflow_run"} & set(on)):
+            continue
+        for job_id, job in workflow["jobs"].items():
+            for step in job.get("steps", []):
+                uses = str(step.get("uses", ""))
+                assert not uses.startswith("actions/cache"), f"{name}:{job_id}: {uses}"
+                with_ = step.get("with") or {}
+                assert not any(k.startswith("cache") for k in with_), f"{name}:{job_id}: {uses}"
+    assert set(CACHE_FREE) <= set(workflows)
+
+
 def test_dependabot_watches_actions_and_pip_with_a_cooldown():
     config = yaml.safe_load((ROOT / ".github" / "dependabot.yml").read_text())
     ecosystems = {(u["package-ecosystem"], u["directory"]) for u in config["updates"]}
