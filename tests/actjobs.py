@@ -5,12 +5,15 @@ tests/test_act_history.py."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -62,11 +65,13 @@ def skip_unless_act_runs() -> pytest.MarkDecorator:
 
 class Api:
     """A stub of the REST endpoints the jobs call: canned answers by (method, path prefix),
-    every call recorded."""
+    every call recorded with its Authorization header. An answer's body is JSON, or bytes (sent as
+    a zip), or for a 302 the Location (a path of this server, or a URL)."""
 
     def __init__(self, routes: dict[tuple[str, str], tuple[int, object]]):
         self.routes = routes
         self.calls: list[tuple[str, str, object]] = []
+        self.auth: list[tuple[str, str | None]] = []  # (path, its Authorization header)
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -75,14 +80,22 @@ class Api:
                 body = json.loads(self.rfile.read(length)) if length else None
                 path = self.path.removeprefix(f"/repos/{REPO}/")
                 api.calls.append((self.command, path, body))
+                api.auth.append((path, self.headers.get("Authorization")))
                 status, doc = 404, {"message": "Not Found"}
                 for (method, prefix), answer in api.routes.items():
                     if method == self.command and path.startswith(prefix):
                         status, doc = answer
                         break
-                raw = json.dumps(doc).encode()
+                if status in (301, 302, 307) and isinstance(doc, str):
+                    self.send_response(status)
+                    self.send_header("Location", api.url + doc if doc.startswith("/") else doc)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                raw = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                kind = "application/zip" if isinstance(doc, bytes) else "application/json"
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
                 self.wfile.write(raw)
@@ -101,6 +114,55 @@ class Api:
 
     def close(self):
         self.server.shutdown()
+
+
+APPROVE_JOB = "Approve the commit to test (trusted)"
+APPROVED_AT = "2026-12-01T10:00:30Z"  # the approve job's end in artifact_routes' runs
+
+
+def zip_folder(folder: Path) -> bytes:
+    """A folder as upload-artifact zips it: its files, paths relative to it."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                archive.write(path, path.relative_to(folder).as_posix())
+    return buffer.getvalue()
+
+
+def artifact_routes(
+    artifacts: dict[str, bytes | Path],
+    run: int = 1,
+    created: dict[str, str] | None = None,
+    jobs: list[dict] | None = None,
+) -> dict[tuple[str, str], tuple[int, object]]:
+    """The API's view of a run's artifacts (name -> a zip, or a folder to zip): the list with each
+    one's id, size, digest and creation (`created`, else before APPROVED_AT), the zip behind a
+    redirect as on GitHub, and the run's jobs (`jobs` after an approve job that ended at
+    APPROVED_AT)."""
+    listed, routes = [], {}
+    for number, (name, data) in enumerate(artifacts.items(), start=11):
+        blob = data if isinstance(data, bytes) else zip_folder(data)
+        listed.append(
+            {
+                "id": number,
+                "name": name.split("#")[0],  # "name#2": a second artifact of that name
+                "size_in_bytes": len(blob),
+                "expired": False,
+                "created_at": (created or {}).get(name, "2026-12-01T10:00:20Z"),
+                "digest": "sha256:" + hashlib.sha256(blob).hexdigest(),
+            }
+        )
+        routes[("GET", f"actions/artifacts/{number}/zip")] = (302, f"/blob/{number}")
+        routes[("GET", f"/blob/{number}")] = (200, blob)
+    approve = {"name": APPROVE_JOB, "status": "completed", "conclusion": "success"}
+    all_jobs = [{**approve, "completed_at": APPROVED_AT}, *(jobs or [])]
+    routes[("GET", f"actions/runs/{run}/artifacts")] = (
+        200,
+        {"total_count": len(listed), "artifacts": listed},
+    )
+    routes[("GET", f"actions/runs/{run}/jobs")] = (200, {"jobs": all_jobs})
+    return routes
 
 
 FAKE_GH = """#!/usr/bin/env python3

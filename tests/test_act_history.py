@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from actjobs import REPO, ROOT, Api, run_job, skip_unless_act_runs
+from actjobs import REPO, ROOT, Api, artifact_routes, run_job, skip_unless_act_runs
 
 from flashmoe_science.pipeline import gpukinds
 from flashmoe_science.pipeline.bench import records as benchrecords
@@ -296,17 +296,18 @@ def test_the_pr_report_shows_mains_trend_from_the_branch(tmp_path, remote):
             (reports / name).write_text(json.dumps(doc))
     (artifacts / "gpu-ci-approval").mkdir()
     (artifacts / "gpu-ci-approval" / "approval.json").write_text(
-        json.dumps({"run": True, "pr": 7, "sha": tested})
+        json.dumps({"run": True, "pr": 7, "sha": tested, "run_id": "1"})
     )
     jobs = [{"name": gpukinds.job_name(kind), "conclusion": "success"} for kind in gpukinds.KINDS]
+    uploaded = {path.name: path for path in sorted(artifacts.iterdir())}
     api = Api(
         {
+            **artifact_routes(uploaded, run=1, jobs=jobs),  # the report job fetches them itself
             ("GET", "pulls/7/files"): (200, [{"filename": "csrc/flash_fwd.cu"}]),
             ("GET", "pulls/7"): (
                 200,
                 {"number": 7, "head": {"sha": tested}, "base": {"repo": {"full_name": REPO}}},
             ),
-            ("GET", "actions/runs/1/jobs"): (200, {"jobs": jobs}),
         }
     )
     try:
@@ -317,7 +318,6 @@ def test_the_pr_report_shows_mains_trend_from_the_branch(tmp_path, remote):
             "comment",
             "workflow_run",
             None,
-            artifacts,
             env={"FLASHMOE_HISTORY_REMOTE": str(remote)},
         )
     finally:

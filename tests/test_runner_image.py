@@ -6,6 +6,7 @@ characters), and the rest is what GPU CI needs of a pod: one GPU, the image, the
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 
@@ -91,7 +92,17 @@ def test_image_runs_as_a_non_root_user_with_a_read_only_toolchain_and_the_hook()
     assert "COPY scripts/runner/cleanup-hook.sh /opt/flashmoe/bin/cleanup-hook.sh" in DOCKERFILE
     env = (RUNNER / "runner.env").read_text()
     for name in re.findall(r"^([A-Z_]+)=", env, re.M):
-        if name not in ("CUDA_VISIBLE_DEVICES", "LANG", "FLASHMOE_RUNNER_ALLOWED_WORKFLOW"):
+        # Per machine, not per image: a pod has one GPU and a /tmp of its own.
+        per_machine = (
+            "CUDA_VISIBLE_DEVICES",
+            "CUDA_DEVICE_ORDER",
+            "LANG",
+            "FLASHMOE_RUNNER_ALLOWED_WORKFLOW",
+            "TMPDIR",
+            "TORCHINDUCTOR_CACHE_DIR",
+            "TRITON_CACHE_DIR",
+        )
+        if name not in per_machine:
             assert f"{name}=" in DOCKERFILE, f"the image sets no {name} (runner.env does)"
 
 
@@ -144,3 +155,77 @@ def test_each_gpu_kind_has_a_pool_that_differs_only_where_the_card_does():
     assert len(set(selectors)) == len(pools), "each kind on its own node pool"
     images = {v["template"]["spec"]["containers"][0]["image"] for v in pools.values()}
     assert len(images) == 1, "one runner image for every kind"
+
+
+RUNNER_LABEL = {"flashmoe-science/runner": "gpu"}
+POLICY = RUNNER / "arc" / "networkpolicy.yaml"
+
+
+@pytest.mark.parametrize("path", VALUES, ids=lambda p: p.name)
+def test_scale_set_pods_hold_no_service_account_token_and_carry_the_policys_label(path):
+    """A GPU job runs PR code in the pod: it gets no Kubernetes credential (the chart would mount
+    its no-permission account's token), and the label the egress policy selects it by."""
+    template = yaml.safe_load(path.read_text())["template"]
+    assert template["spec"]["automountServiceAccountToken"] is False
+    assert template["metadata"]["labels"] == RUNNER_LABEL
+
+
+def egress_allows(policy: dict, address: str, port: int) -> bool:
+    """Whether an ipBlock egress rule of the policy lets a pod reach address:port (TCP)."""
+    ip = ipaddress.ip_address(address)
+    for rule in policy["spec"]["egress"]:
+        ports = [p["port"] for p in rule.get("ports", []) if p.get("protocol", "TCP") == "TCP"]
+        if rule.get("ports") and port not in ports:
+            continue
+        for peer in rule.get("to", []):
+            block = peer.get("ipBlock")
+            if block is None or ipaddress.ip_network(block["cidr"]).version != ip.version:
+                continue
+            excepted = [
+                ipaddress.ip_network(e)
+                for e in block.get("except", [])
+                if not e.startswith("API_SERVER_IP")
+            ]
+            if ip in ipaddress.ip_network(block["cidr"]) and not any(ip in e for e in excepted):
+                return True
+    return False
+
+
+def test_the_network_policy_fences_the_runner_pods():
+    """Egress of the runner pods: DNS, and HTTPS to public addresses. Never the metadata server
+    (the node's cloud credentials), the cluster's API server (its service address, a private
+    control plane, or the public one the placeholder names), or private networks; no ingress."""
+    policy = yaml.safe_load(POLICY.read_text())
+    assert policy["kind"] == "NetworkPolicy" and policy["apiVersion"] == "networking.k8s.io/v1"
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": RUNNER_LABEL}
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"} and spec["ingress"] == []
+    for blocked in (
+        "169.254.169.254",  # the metadata server (GCE, EC2, Azure)
+        "fd00:ec2::254",  # EC2's IPv6 one
+        "10.96.0.1",  # the `kubernetes` service (kubeadm's default range)
+        "172.16.0.2",  # a private control plane (GKE)
+        "192.168.1.10",
+        "100.64.0.1",
+    ):
+        for port in (443, 6443, 80):
+            assert not egress_allows(policy, blocked, port), (blocked, port)
+    assert egress_allows(policy, "140.82.112.3", 443), "github.com over HTTPS"
+    assert not egress_allows(policy, "140.82.112.3", 22), "HTTPS only"
+    excepts = [
+        e
+        for r in spec["egress"]
+        for p in r.get("to", [])
+        for e in (p.get("ipBlock") or {}).get("except", [])
+    ]
+    assert "API_SERVER_IP/32" in excepts, "the public API server's address is to be filled in"
+    dns = [r for r in spec["egress"] if not any("ipBlock" in p for p in r["to"])]
+    assert dns and all(p["port"] == 53 for r in dns for p in r["ports"])
+
+
+def test_settings_and_the_arc_readme_name_the_policy_and_the_token():
+    settings = (RUNNER / "SETTINGS.md").read_text()
+    readme = (RUNNER / "arc" / "README.md").read_text()
+    for text in (settings, readme):
+        assert "networkpolicy.yaml" in text and "automountServiceAccountToken: false" in text
+        assert "169.254.169.254" in text and "API_SERVER_IP" in text

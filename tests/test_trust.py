@@ -7,18 +7,21 @@ tested against a fake API here, and under act in tests/test_act_trust.py."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
+import actjobs  # the stub API (tests/actjobs.py)
 import pytest
 
 from flashmoe_science.pipeline import gpukinds
 from flashmoe_science.pipeline.bench import records as benchrecords
 from flashmoe_science.pipeline.bench import trend
-from flashmoe_science.pipeline.ci import gpuci, historybranch
+from flashmoe_science.pipeline.ci import gpuci, historybranch, runartifacts
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
@@ -168,12 +171,29 @@ def test_history_is_written_only_after_a_passing_push_to_main():
 # ---- the decisions ----
 
 
+def run_of(pr: int, sha: str, action: str, minutes_ago: float) -> dict:
+    """A GPU CI run as the runs API lists it: its name (gpu-ci.yml's run-name) and start."""
+    when = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=minutes_ago)
+    return {
+        "display_title": f"GPU CI: PR #{pr} at {sha} ({action})",
+        "created_at": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
 class FakeGitHub:
-    def __init__(self, permission="write", comments=(), pull=None, statuses=(), jobs=()):
+    def __init__(self, permission="write", comments=(), pull=None, statuses=(), jobs=(), runs=None):
         self.calls = []
         self._permission, self._comments = permission, list(comments)
         self._pull, self._statuses = pull, list(statuses)
         self._jobs = jobs
+        # By default the labelled head (PR 5 at SHA) was pushed an hour ago.
+        self._runs = [run_of(5, SHA, "synchronize", 60)] if runs is None else runs
+
+    def workflow_runs(self, workflow, event, pages=10):
+        self.calls.append(("workflow_runs", workflow, event))
+        if isinstance(self._runs, Exception):
+            raise self._runs
+        return sorted(self._runs, key=lambda run: run["created_at"], reverse=True)
 
     def run_jobs(self, run_id):
         self.calls.append(("run_jobs", run_id))
@@ -258,6 +278,115 @@ def test_a_forks_push_removes_the_label_and_marks_the_report_stale():
 def test_a_same_repository_push_runs_its_head():
     out = decide("pull_request_target", event("synchronize", fork=False), FakeGitHub())
     assert (out["run"], out["sha"], out["environment"]) == ("true", SHA, "gpu-trusted")
+
+
+def labelled(gh, **extra):
+    payload = event("labeled", label={"name": "safe-to-test"}, sender={"login": "m"}, **extra)
+    return decide("pull_request_target", payload, gh)
+
+
+@pytest.mark.parametrize(
+    ("runs", "why"),
+    [
+        # pushed 2 minutes before the maintainer's click
+        ([run_of(5, SHA, "synchronize", 2), run_of(5, "c" * 40, "opened", 300)], "pushed 2 min"),
+        # reviewed c..., then the head went back to an older commit just before the click
+        (
+            [
+                run_of(5, SHA, "opened", 600),
+                run_of(5, "c" * 40, "synchronize", 120),
+                run_of(5, SHA, "synchronize", 1),
+            ],
+            "pushed 1 min",
+        ),
+        # the push's own run is not listed yet: the newest on record is the head before it
+        ([run_of(5, "c" * 40, "synchronize", 90)], "no GPU CI run records the push"),
+        ([], "no GPU CI run records the push"),
+        (gpuci.ApiError(502, "GET runs"), "the runs that date the head are unreadable"),
+    ],
+)
+def test_a_head_pushed_just_before_the_label_is_refused_and_the_pr_told(runs, why):
+    """The label event carries the head at the moment of the click: a contributor who pushes
+    while the maintainer reviews gets the new commit run. A head pushed less than SETTLE_MINUTES
+    before the label (GitHub's clock: the start of the run its push triggered) does not run."""
+    gh = FakeGitHub("maintain", runs=runs)
+    out = labelled(gh)
+    assert out["run"] == "false" and why in out["reason"], out
+    comments = [c for c in gh.calls if c[:2] == ("POST", "issues/5/comments")]
+    assert len(comments) == 1
+    body = comments[0][2]["body"]
+    assert body.startswith("🕰️ **GPU CI did not start**") and SHA[:12] in body and why in body
+    assert "label again" in body and "Actions tab" in body
+
+
+def test_a_settled_head_runs_and_other_prs_runs_do_not_count():
+    runs = [
+        run_of(6, SHA, "synchronize", 1),  # another PR pushed the same commit just now
+        run_of(5, SHA, "labeled", 0),  # this very run: a label, not a push
+        run_of(5, SHA, "synchronize", 10),
+        run_of(5, "c" * 40, "opened", 60),
+    ]
+    gh = FakeGitHub("maintain", runs=runs)
+    out = labelled(gh)
+    assert (out["run"], out["sha"]) == ("true", SHA), out
+    assert not [c for c in gh.calls if c[0] == "POST"]
+    assert ("workflow_runs", "gpu-ci.yml", "pull_request_target") in gh.calls
+
+
+def test_the_run_name_shows_the_pr_and_head_as_the_approve_job_reads_them():
+    name = " ".join(GPU["run-name"].split())
+    templates = dict(
+        (args.split(",")[-1].strip(), template)
+        for template, args in re.findall(r"format\('([^']*)', ([^)]*)\)", name)
+    )
+    pull = templates["github.event.action"]  # PR, head, action
+    assert (
+        f"format('{pull}', github.event.pull_request.number, github.event.pull_request.head.sha, "
+        "github.event.action)"
+    ) in name
+    shown = pull.format(7, SHA, "synchronize")
+    assert gpuci.RUN_NAME.match(shown).groups() == ("7", SHA, "synchronize")
+    # A dispatch names its PR and commit too, but never reads as a push of one.
+    dispatch = templates["inputs.sha"]
+    assert dispatch.format(7, SHA).startswith("GPU CI: PR #7 at ")
+    assert gpuci.RUN_NAME.match(dispatch.format(f"7 at {SHA} (synchronize)", SHA)) is None
+    assert gpuci.RUN_NAME.match(dispatch.format(7, SHA)) is None
+
+
+@pytest.mark.parametrize(
+    ("author", "sender"),
+    [
+        ({"login": "dependabot[bot]", "type": "Bot"}, {"login": "dependabot[bot]", "type": "Bot"}),
+        ({"login": "dependabot[bot]", "type": "Bot"}, {"login": "maintainer", "type": "User"}),
+        ({"login": "maintainer", "type": "User"}, {"login": "github-actions[bot]", "type": "Bot"}),
+    ],
+)
+def test_a_bots_branch_is_gated_like_a_fork(author, sender):
+    """Dependabot's pull requests come from a branch of this repository, but their commits bring
+    new locked versions from a registry: they wait for a maintainer's label and the `gpu`
+    environment's reviewers, as a fork's do."""
+    payload = event("synchronize", fork=False, sender=sender)
+    payload["pull_request"]["user"] = author
+    out = decide("pull_request_target", payload, FakeGitHub())
+    assert out["run"] == "false" and out["environment"] == "gpu", out
+    assert "labels safe-to-test" in out["reason"]
+    labelled = event("labeled", fork=False, label={"name": "safe-to-test"}, sender={"login": "m"})
+    labelled["pull_request"]["user"] = author
+    out = decide("pull_request_target", labelled, FakeGitHub("maintain"))
+    assert (out["run"], out["environment"]) == (
+        "true",
+        "gpu" if author["type"] == "Bot" else "gpu-trusted",
+    )
+
+
+def test_a_dispatch_of_a_bots_pr_waits_for_the_environments_reviewers():
+    pull = {
+        "user": {"login": "dependabot[bot]", "type": "Bot"},
+        "head": {"sha": SHA, "repo": {"full_name": REPO}},
+        "base": {"ref": "main", "repo": {"full_name": REPO}},
+    }
+    out = decide("workflow_dispatch", {}, FakeGitHub(pull=pull), {"pr": "5", "sha": SHA})
+    assert (out["run"], out["environment"]) == ("true", "gpu")
 
 
 def test_other_labels_run_nothing_and_read_no_permission():
@@ -368,7 +497,8 @@ def test_the_gate_needs_every_leg_and_names_the_one_that_did_not_pass():
 
 
 def test_the_jobs_of_a_run_are_read_page_by_page():
-    pages = {1: {"jobs": jobs_of(l4="success")}, 2: {"jobs": jobs_of(h100="failure")[1:]}}
+    filler = [{"name": f"other {i}", "conclusion": "success"} for i in range(98)]
+    pages = {1: {"jobs": jobs_of(l4="success") + filler}, 2: {"jobs": jobs_of(h100="failure")[1:]}}
     gh = gpuci.GitHub(REPO, token="")
     gh.call = lambda method, path, body=None: pages.get(int(path.rsplit("page=", 1)[1]), {})
     assert gpuci.leg_results(gh.run_jobs("42")) == {
@@ -382,6 +512,209 @@ def test_the_jobs_of_a_run_are_read_page_by_page():
 
 def test_log_lines_never_start_a_workflow_command():
     assert not gpuci.log_safe("\n::set-env name=X::1").lstrip().startswith("::")
+
+
+# ---- what the report job takes from a run (pipeline.ci.runartifacts) ----
+
+RUN = 4242
+
+
+def approval_zip(tmp_path: Path, run=RUN, sha=SHA) -> Path:
+    folder = tmp_path / f"approval-{run}-{sha[:4]}"
+    folder.mkdir()
+    doc = {"run": True, "pr": 5, "sha": sha, "run_id": str(run)}
+    (folder / "approval.json").write_text(json.dumps(doc))
+    return folder
+
+
+def leg_folder(tmp_path: Path, kind: str) -> Path:
+    folder = tmp_path / f"leg-{kind}"
+    folder.mkdir()
+    (folder / "env.json").write_text('{"passed": true}')
+    (folder / "pr.json").write_text('{"number": 999}')
+    return folder
+
+
+def fetch(api, tmp_path: Path, monkeypatch) -> tuple[int, Path]:
+    monkeypatch.setenv("GITHUB_REPOSITORY", actjobs.REPO)
+    monkeypatch.setenv("FLASHMOE_GITHUB_API", api.url)
+    monkeypatch.setenv("GH_TOKEN", "run-token")
+    out = tmp_path / "out"
+    return gpuci.main(["fetch-run", "--run-id", str(RUN), "--out", str(out)]), out
+
+
+@pytest.fixture
+def stub_api():
+    started = []
+
+    def start(routes):
+        started.append(actjobs.Api(routes))
+        return started[-1]
+
+    yield start
+    for api in started:
+        api.close()
+
+
+def test_the_report_takes_the_approval_and_each_leg_by_exact_name(tmp_path, stub_api, monkeypatch):
+    artifacts = {
+        "gpu-ci-approval": approval_zip(tmp_path),
+        "gpu-ci-reports-l4": leg_folder(tmp_path, "l4"),
+        "gpu-ci-reports-h100": leg_folder(tmp_path, "h100"),
+        "gpu-ci-reports-extra": leg_folder(tmp_path, "extra"),  # no kind of that name: left alone
+    }
+    api = stub_api(actjobs.artifact_routes(artifacts, run=RUN))
+    code, out = fetch(api, tmp_path, monkeypatch)
+    assert code == 0
+    approval = json.loads((out / "gpu-ci-approval" / "approval.json").read_text())
+    assert approval["sha"] == SHA and approval["run_id"] == str(RUN)
+    assert sorted(p.name for p in (out / "legs").iterdir()) == [
+        "fetch-notes.txt",
+        "gpu-ci-reports-h100",
+        "gpu-ci-reports-l4",
+    ]
+    assert (out / "legs" / "gpu-ci-reports-h100" / "env.json").read_text() == '{"passed": true}'
+    assert (out / "legs" / "fetch-notes.txt").read_text() == ""
+    # The API saw the token; the storage the zips are redirected to never did.
+    assert all(auth == "Bearer run-token" for path, auth in api.auth if not path.startswith("/"))
+    blobs = [auth for path, auth in api.auth if path.startswith("/blob/")]
+    assert len(blobs) == 3 and not any(blobs)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ("second", "has 2 artifacts named gpu-ci-approval, not one"),
+        ("late", "after the approve job ended"),
+        ("deleted", "has 0 artifacts named gpu-ci-approval"),
+        ("other run", "names run 7, not this run 4242"),
+    ],
+)
+def test_an_approval_replaced_by_pr_code_is_refused(
+    tmp_path, stub_api, monkeypatch, capsys, change, why
+):
+    """PR code runs in the gpu job, after the approve job, and can reach the runtime token that
+    uploads artifacts: it can upload a second gpu-ci-approval, or delete the approval and upload
+    its own (upload-artifact's `overwrite`), naming another PR or commit. download-artifact would
+    take the newest of a name; the report job takes none of them and posts nothing."""
+    forged = approval_zip(tmp_path, sha="f" * 40)
+    artifacts = {"gpu-ci-approval": approval_zip(tmp_path)}
+    created = {}
+    if change == "second":
+        artifacts["gpu-ci-approval#2"] = forged
+        created["gpu-ci-approval#2"] = "2026-12-01T10:09:00Z"
+    elif change == "late":  # overwritten: one approval, created while the gpu job ran
+        artifacts["gpu-ci-approval"] = forged
+        created["gpu-ci-approval"] = "2026-12-01T10:09:00Z"
+    elif change == "deleted":
+        del artifacts["gpu-ci-approval"]
+    else:
+        artifacts["gpu-ci-approval"] = approval_zip(tmp_path, run=7)
+    artifacts["gpu-ci-reports-l4"] = leg_folder(tmp_path, "l4")
+    api = stub_api(actjobs.artifact_routes(artifacts, run=RUN, created=created))
+    code, out = fetch(api, tmp_path, monkeypatch)
+    said = capsys.readouterr().out
+    assert code == 1 and why in said and "::error::" in said
+    assert not (out / "legs").exists(), "no leg is read from a run whose approval is refused"
+
+
+def zip_of(entries: dict[str, bytes], links: dict[str, str] = ()) -> bytes:
+    import io
+    import stat
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+        for name, target in dict(links).items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFLNK | 0o777) << 16
+            archive.writestr(info, target)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("h100", "why"),
+    [
+        ("big-listed", "bytes as listed, over the cap of"),
+        ("bomb", "unpacks to more than"),
+        ("escape", "an entry outside its folder (../../evil.sh)"),
+        ("link", "a symbolic link (env.json)"),
+        ("twice", "2 artifacts of that name"),
+        ("digest", "does not have the digest the API lists"),
+    ],
+)
+def test_a_leg_over_the_caps_or_unsafe_is_refused_before_it_is_read(
+    tmp_path, stub_api, monkeypatch, h100, why
+):
+    """Each leg's artifact is written by PR code: its listed size is capped before the download,
+    what it unpacks to while unpacking, and no entry lands outside its folder or as a link. The
+    refused leg is named in the comment; the other leg is read as usual."""
+    monkeypatch.setattr(runartifacts, "MAX_ZIP_BYTES", 200_000)
+    monkeypatch.setattr(runartifacts, "MAX_TREE_BYTES", 1_000_000)
+    artifacts = {
+        "gpu-ci-approval": approval_zip(tmp_path),
+        "gpu-ci-reports-l4": leg_folder(tmp_path, "l4"),
+    }
+    name = "gpu-ci-reports-h100"
+    if h100 == "big-listed":
+        artifacts[name] = os.urandom(300_000)
+    elif h100 == "bomb":
+        artifacts[name] = zip_of({"env.json": b"0" * 5_000_000})  # a few KiB zipped
+    elif h100 == "escape":
+        artifacts[name] = zip_of({"env.json": b"{}", "../../evil.sh": b"x"})
+    elif h100 == "link":
+        artifacts[name] = zip_of({}, links={"env.json": "/etc/passwd"})
+    elif h100 == "twice":
+        artifacts[name] = leg_folder(tmp_path, "h100")
+        artifacts[name + "#2"] = leg_folder(tmp_path, "h100-again")
+    routes = actjobs.artifact_routes(artifacts, run=RUN)
+    if h100 == "digest":
+        artifacts[name] = leg_folder(tmp_path, "h100")
+        routes = actjobs.artifact_routes(artifacts, run=RUN)
+        blob = next(
+            k for k, v in routes.items() if k[1].startswith("/blob/") and k[1].endswith("13")
+        )
+        routes[blob] = (200, zip_of({"env.json": b'{"passed": true, "forged": 1}'}))
+    api = stub_api(routes)
+    code, out = fetch(api, tmp_path, monkeypatch)
+    assert code == 0
+    legs = out / "legs"
+    assert sorted(p.name for p in legs.iterdir()) == ["fetch-notes.txt", "gpu-ci-reports-l4"]
+    notes = (legs / "fetch-notes.txt").read_text()
+    assert notes.startswith(f"{name} refused, not read: ") and why in notes, notes
+    assert not (tmp_path / "evil.sh").exists() and not (out / "evil.sh").exists()
+    if h100 == "big-listed":
+        assert "/blob/13" not in [path for path, _ in api.auth], "never downloaded"
+    found, said = gpuci_report_legs(legs)
+    assert found["h100"] is None and found["l4"] is not None
+    assert any("gpu-ci-reports-h100 refused, not read" in note for note in said)
+
+
+def gpuci_report_legs(folder: Path):
+    from flashmoe_science.pipeline.report.legs import load_legs
+
+    legs, notes = load_legs(folder, tested_sha=SHA, run_id=None, jobs=None, history=None)
+    return {leg.kind.label: leg.inputs for leg in legs}, notes
+
+
+def test_the_approve_job_is_named_as_the_report_job_finds_it():
+    assert JOBS["approve"]["name"] == runartifacts.APPROVE_JOB == actjobs.APPROVE_JOB
+
+
+def test_the_approval_names_its_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("GITHUB_EVENT_NAME", "push")
+    event_file = tmp_path / "event.json"
+    event_file.write_text(json.dumps({"ref": "refs/heads/main"}))
+    monkeypatch.setenv("GITHUB_EVENT_PATH", str(event_file))
+    monkeypatch.setenv("GITHUB_REPOSITORY", REPO)
+    monkeypatch.setenv("GITHUB_SHA", SHA)
+    monkeypatch.setenv("GITHUB_RUN_ID", "4242")
+    monkeypatch.delenv("GITHUB_OUTPUT", raising=False)
+    record = tmp_path / "approval" / "approval.json"
+    assert gpuci.main(["approve", "--record", str(record)]) == 0
+    assert json.loads(record.read_text()) == {"run": True, "pr": None, "sha": SHA, "run_id": "4242"}
 
 
 # ---- the history ----
@@ -457,6 +790,90 @@ def test_no_install_adds_an_index():
     installer = (ROOT / "scripts" / "runner" / "install-locked.sh").read_text()
     assert "--require-hashes" in installer and "--only-binary :all:" in installer
     assert "PIP_CONFIG_FILE=/dev/null" in installer
+
+
+def pip_shim(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A pip that installs nothing and records what it is asked: `pip`/`pip3` on PATH and a `pip`
+    module for PYTHONPATH (what `python -m pip` finds first). (bin dir, module dir, log)."""
+    log = tmp_path / "pip-calls.jsonl"
+    record = (
+        "import json, sys\n"
+        f"with open({str(log)!r}, 'a') as f:\n"
+        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    bindir, modules = tmp_path / "shim-bin", tmp_path / "shim-modules"
+    (modules / "pip").mkdir(parents=True)
+    bindir.mkdir()
+    for name in ("pip", "pip3"):
+        (bindir / name).write_text(f"#!{sys.executable}\n{record}")
+        (bindir / name).chmod(0o755)
+    (modules / "pip" / "__init__.py").write_text("")
+    (modules / "pip" / "__main__.py").write_text(record)
+    return bindir, modules, log
+
+
+def test_the_gpu_jobs_setup_step_installs_nothing_from_an_index(tmp_path):
+    """gpu-ci.yml's provisioning step, run as the runner runs it (bash -eo pipefail in the checkout,
+    with the runner's interpreter), with a pip shim that records what it is asked to install:
+    nothing may come from a package index. Every GPU job (pushes to main included) would otherwise
+    install whatever the index serves that day on the GPU runner, with no review. Takes ~10 s: the
+    step creates its venv."""
+    has_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    if has_torch.returncode != 0:
+        pytest.skip("the step reuses the runner interpreter's torch; this one has none")
+    step = next(s for s in JOBS["gpu"]["steps"] if "setup_environment.sh" in s.get("run", ""))
+    script = tmp_path / "step.sh"
+    script.write_text(step["run"])
+    bindir, modules, log = pip_shim(tmp_path)
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "PYTHONPATH": str(modules),
+        "HOME": str(tmp_path / "home"),
+        "RUNNER_TEMP": str(tmp_path / "temp"),
+        "GITHUB_PATH": str(tmp_path / "github-path"),
+        "FLASHMOE_RUNNER_PYTHON": sys.executable,  # the runner's .env names its interpreter
+        "FLASHMOE_REPORT_DIR": str(tmp_path / "reports"),
+        "PIP_NO_INDEX": "1",  # should the shim miss a call: never the network from a test
+        **{k: str(v) for k, v in (step.get("env") or {}).items()},
+    }
+    (tmp_path / "temp").mkdir()
+    run = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "[1/6] Checking the Python interpreter" in run.stdout, run.stdout + run.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    installs = [call for call in calls if "install" in call]
+    from_index = [c for c in installs if "--no-index" not in c and "--require-hashes" not in c]
+    assert not from_index, f"asked to install from the index: {from_index}"
+    for call in installs:  # offline, the checkout itself at most
+        assert [a for a in call if not a.startswith("-")] == ["install", str(ROOT)], call
+
+
+CACHE_FREE = ("gpu-ci.yml", "release.yml", "bench-history.yml", "pr-report.yml")
+
+
+def test_no_trusted_workflow_uses_a_cache():
+    """A pull_request_target job runs in main's cache scope: a cache it saves (PR code in the gpu
+    job can reach the runtime token) is what main's runs, the release and the history restore. No
+    workflow that runs from main for a PR, publishes or writes main's history uses one: no
+    actions/cache (save, restore), no setup-* action's `cache:` input."""
+    workflows = all_workflows()
+    for name, workflow in workflows.items():
+        on = triggers(workflow)
+        if name not in CACHE_FREE and not ({"pull_request_target", "workflow_run"} & set(on)):
+            continue
+        for job_id, job in workflow["jobs"].items():
+            for step in job.get("steps", []):
+                uses = str(step.get("uses", ""))
+                assert not uses.startswith("actions/cache"), f"{name}:{job_id}: {uses}"
+                with_ = step.get("with") or {}
+                assert not any(k.startswith("cache") for k in with_), f"{name}:{job_id}: {uses}"
+    assert set(CACHE_FREE) <= set(workflows)
 
 
 def test_dependabot_watches_actions_and_pip_with_a_cooldown():

@@ -368,18 +368,18 @@ def test_report_job_reads_the_gpu_artifact_and_updates_one_comment():
         if s.get("uses", "").startswith("actions/upload-artifact@")
     }
     job = report["jobs"]["comment"]
-    downloads = [
-        s for s in steps(job) if s.get("uses", "").startswith("actions/download-artifact@")
-    ]
-    # the approval by name; every leg's reports by pattern, each into a folder of its name
-    assert {d["with"].get("name") for d in downloads} == {None, "gpu-ci-approval"}
-    pattern = next(d["with"]["pattern"] for d in downloads if "pattern" in d["with"])
-    assert pattern == gpukinds.ARTIFACT_PREFIX + "*"
-    assert "merge-multiple" not in next(d["with"] for d in downloads if "pattern" in d["with"])
+    # No download-artifact: by name or pattern it takes the newest artifact of a name, which PR
+    # code can upload. The trusted fetch takes the one of each exact name, checked first.
+    assert not [s for s in steps(job) if s.get("uses", "").startswith("actions/download-artifact@")]
+    fetch = next(s for s in steps(job) if s.get("id") == "fetch")
+    assert fetch["run"].startswith("python3 -m flashmoe_science.pipeline.ci.gpuci fetch-run")
+    assert '--run-id "$RUN"' in fetch["run"] and '--out "$RUNNER_TEMP/gpu-ci"' in fetch["run"]
+    assert fetch["env"] == {
+        "GH_TOKEN": "${{ github.token }}",
+        "RUN": "${{ github.event.workflow_run.id }}",
+    }
+    assert "continue-on-error" not in fetch, "a refused approval stops the job: nothing is posted"
     assert set(uploads) >= {"gpu-ci-reports-${{ matrix.gpu }}", "gpu-ci-approval"}
-    for download in downloads:
-        assert download["with"]["run-id"] == "${{ github.event.workflow_run.id }}"
-        assert download["with"]["github-token"] == "${{ github.token }}"
     sticky = next(
         s
         for s in steps(job)
@@ -388,11 +388,17 @@ def test_report_job_reads_the_gpu_artifact_and_updates_one_comment():
     assert sticky["with"]["header"] == "flashmoe-science-report"
     assert sticky["with"]["number"] == "${{ steps.pr.outputs.number }}"
     # the PR number comes from the trusted approval, and the PR is checked against the API
-    resolve = next(s for s in steps(job) if s.get("id") == "pr")["run"]
+    resolve_step = next(s for s in steps(job) if s.get("id") == "pr")
+    assert (
+        resolve_step["env"]["APPROVAL"] == "${{ runner.temp }}/gpu-ci/gpu-ci-approval/approval.json"
+    )
+    resolve = resolve_step["run"]
     code = "\n".join(line for line in resolve.splitlines() if not line.strip().startswith("#"))
     assert '"$APPROVAL"' in code and "pr.json" not in code
     assert "pulls/$claimed" in resolve
-    render = next(s for s in steps(job) if s.get("id") == "body")["run"]
+    render_step = next(s for s in steps(job) if s.get("id") == "body")
+    assert render_step["env"]["ARTIFACTS"] == "${{ runner.temp }}/gpu-ci/legs"
+    render = render_step["run"]
     assert "python3 -m flashmoe_science report --legs" in render and "--tested-sha" in render
     assert "--dir" not in render, "one comment over every leg, not one leg's report"
     jobs = next(s for s in steps(job) if s.get("id") == "jobs")

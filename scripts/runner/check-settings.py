@@ -15,6 +15,7 @@ Standard library only: it runs with any python3.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -110,29 +111,118 @@ def check_workflow_token(api: Api, repo: str, report: Report) -> None:
     )
 
 
-def check_environment(api: Api, repo: str, report: Report) -> None:
-    status, body = api.get(f"repos/{repo}/environments/gpu")
-    fix = "Settings -> Environments -> `gpu`: add the maintainers as required reviewers"
+def check_reviewers(
+    api: Api, repo: str, name: str, item: int, report: Report, say_ok: bool = True
+) -> dict | None:
+    """The environment `name` exists and waits for required reviewers; its body, or None (said)."""
+    status, body = api.get(f"repos/{repo}/environments/{name}")
+    fix = f"Settings -> Environments -> `{name}`: add the maintainers as required reviewers"
     if status == 404:
         report.line(
-            "FAIL", 3, "environment `gpu` does not exist (GitHub would create it unprotected)", fix
+            "FAIL",
+            item,
+            f"environment `{name}` does not exist (GitHub would create it unprotected)",
+            fix,
         )
-        return
+        return None
     if status != 200:
-        return report.unreadable(3, "environment `gpu`", status)
+        report.unreadable(item, f"environment `{name}`", status)
+        return None
     rules = [r for r in body.get("protection_rules") or [] if r.get("type") == "required_reviewers"]
     reviewers = [r for rule in rules for r in rule.get("reviewers") or []]
     if not reviewers:
-        report.line("FAIL", 3, "environment `gpu` has no required reviewers", fix)
-    elif not all(rule.get("prevent_self_review") for rule in rules):
+        report.line("FAIL", item, f"environment `{name}` has no required reviewers", fix)
+        return None
+    if not all(rule.get("prevent_self_review") for rule in rules):
         report.line(
             "warn",
-            3,
-            f"environment `gpu`: {len(reviewers)} required reviewer(s), but self-review is allowed",
-            "tick 'Prevent self-review' on the `gpu` environment",
+            item,
+            f"environment `{name}`: {len(reviewers)} required reviewer(s), but self-review is "
+            "allowed",
+            f"tick 'Prevent self-review' on the `{name}` environment",
+        )
+        return body
+    if say_ok:
+        report.line("ok", item, f"environment `{name}`: {len(reviewers)} required reviewer(s)")
+    return body
+
+
+def check_environment(api: Api, repo: str, report: Report) -> None:
+    check_reviewers(api, repo, "gpu", 3, report)
+
+
+RELEASE_TAGS = "v*"  # release.yml runs on these tags and publishes from the `pypi` environment
+
+
+def check_pypi_environment(api: Api, repo: str, report: Report) -> None:
+    """`pypi` waits for reviewers and deploys from v* tags only (item 11)."""
+    body = check_reviewers(api, repo, "pypi", 11, report, say_ok=False)
+    if body is None:
+        return
+    fix = (
+        "Settings -> Environments -> `pypi` -> Deployment branches and tags: 'Selected branches "
+        f"and tags', one rule: tag `{RELEASE_TAGS}`"
+    )
+    policy = body.get("deployment_branch_policy") or {}
+    if not policy.get("custom_branch_policies"):
+        report.line("FAIL", 11, "environment `pypi` deploys from any branch or tag", fix)
+        return
+    status, listed = api.get(f"repos/{repo}/environments/pypi/deployment-branch-policies")
+    if status != 200:
+        return report.unreadable(11, "deployment policies of `pypi`", status)
+    policies = [
+        (p.get("type", "branch"), p.get("name")) for p in listed.get("branch_policies") or []
+    ]
+    others = [f"{kind} {name}" for kind, name in policies if (kind, name) != ("tag", RELEASE_TAGS)]
+    if others or not policies:
+        shown = ", ".join(others) or "nothing"
+        report.line(
+            "FAIL", 11, f"environment `pypi` deploys from {shown}, not tags {RELEASE_TAGS}", fix
         )
     else:
-        report.line("ok", 3, f"environment `gpu`: {len(reviewers)} required reviewer(s)")
+        report.line(
+            "ok",
+            11,
+            f"environment `pypi`: required reviewers, deploys from tags {RELEASE_TAGS} only",
+        )
+
+
+TAG_RULES = {"creation", "update", "deletion"}
+
+
+def check_tag_ruleset(api: Api, repo: str, report: Report) -> None:
+    """An active ruleset restricts creating, moving and deleting v* tags (item 12): who can push a
+    release tag starts release.yml."""
+    fix = (
+        "Settings -> Rules -> Rulesets -> New tag ruleset: active, target tags matching "
+        f"`{RELEASE_TAGS}`, restrict creations, updates and deletions; bypass: the maintainers"
+    )
+    status, rulesets = api.get(f"repos/{repo}/rulesets?includes_parents=true&per_page=100")
+    if status != 200:
+        return report.unreadable(12, "rulesets", status)
+    probe = "refs/tags/v1.0.0"
+    for summary in rulesets or []:
+        if summary.get("target") != "tag" or summary.get("enforcement") != "active":
+            continue
+        status, ruleset = api.get(f"repos/{repo}/rulesets/{int(summary.get('id'))}")
+        if status != 200:
+            report.unreadable(12, f"ruleset {summary.get('name')!r}", status)
+            continue
+        refs = (ruleset.get("conditions") or {}).get("ref_name") or {}
+        covered = any(
+            pattern == "~ALL" or fnmatch.fnmatchcase(probe, pattern)
+            for pattern in refs.get("include") or []
+        ) and not any(fnmatch.fnmatchcase(probe, p) for p in refs.get("exclude") or [])
+        rules = {str(rule.get("type")) for rule in ruleset.get("rules") or []}
+        if covered and rules >= TAG_RULES:
+            report.line("ok", 12, f"ruleset {summary.get('name')!r} restricts {RELEASE_TAGS} tags")
+            return
+    report.line(
+        "FAIL",
+        12,
+        f"no active tag ruleset restricts creating, moving and deleting {RELEASE_TAGS} tags",
+        fix,
+    )
 
 
 def check_label(api: Api, repo: str, report: Report) -> None:
@@ -230,33 +320,58 @@ def check_sha_pinning(api: Api, repo: str, report: Report) -> None:
         )
 
 
-REQUIRED_CHECKS = ("gpu-gate", "flashmoe-science/gpu")  # the gate job, or the status it sets
+GATE_STATUS = "flashmoe-science/gpu"  # the commit status gpu-gate sets on a PR's head commit
+GATE_JOB = (
+    "gpu-gate"  # the job's own check run: attached to main's commit under pull_request_target
+)
+ACTIONS_APP_ID = 15368  # GitHub Actions, whose token sets the status
 
 
 def check_required_gate(api: Api, repo: str, report: Report) -> None:
-    """main requires the GPU gate: a ruleset's required status checks, else branch protection."""
+    """main requires the commit status GATE_STATUS (a ruleset's required status checks, or branch
+    protection's), and not the check GATE_JOB: on a PR's head that check can only come from the
+    PR's own `pull_request` workflow (a fork names a job `gpu-gate`), or never comes at all."""
     fix = (
-        "Settings -> Rules -> Rulesets (or Branches) for main: require the status check `gpu-gate` "
-        "(a skipped GPU job would otherwise count as passed)"
+        f"Settings -> Rules -> Rulesets for main -> Require status checks to pass: add "
+        f"`{GATE_STATUS}` (source GitHub Actions), and remove `{GATE_JOB}`"
     )
     status, rules = api.get(f"repos/{repo}/rules/branches/main")
-    contexts: set[str] = set()
+    required: list[tuple[str, object]] = []  # (context, the app it is pinned to, or None)
     if status == 200:
         for rule in rules or []:
             if rule.get("type") == "required_status_checks":
                 for check in (rule.get("parameters") or {}).get("required_status_checks") or []:
-                    contexts.add(str(check.get("context")))
+                    required.append((str(check.get("context")), check.get("integration_id")))
     status2, protection = api.get(f"repos/{repo}/branches/main/protection/required_status_checks")
     if status2 == 200:
-        contexts |= {str(c) for c in protection.get("contexts") or []}
-        contexts |= {str(c.get("context")) for c in protection.get("checks") or []}
-    found = sorted(contexts & set(REQUIRED_CHECKS))
-    if found:
-        report.line("ok", 8, f"main requires {', '.join(f'`{c}`' for c in found)}")
-    elif status != 200 and status2 not in (200, 404):
-        report.unreadable(8, "required status checks of main", status2)
+        required += [(str(c), None) for c in protection.get("contexts") or []]
+        required += [
+            (str(c.get("context")), c.get("app_id")) for c in protection.get("checks") or []
+        ]
+    gate = [app for context, app in required if context == GATE_STATUS]
+    if not required and status != 200 and status2 not in (200, 404):
+        return report.unreadable(8, "required status checks of main", status2)
+    if any(context == GATE_JOB for context, _ in required):
+        report.line(
+            "FAIL",
+            8,
+            f"main requires the check `{GATE_JOB}`: under pull_request_target it lands on main's "
+            "commit, so on a PR's head only the PR's own workflow can post it (a fork's job named "
+            f"{GATE_JOB} passes it) or nothing does",
+            fix,
+        )
+    elif not gate:
+        report.line("FAIL", 8, f"main does not require the commit status `{GATE_STATUS}`", fix)
+    elif any(app not in (None, -1, ACTIONS_APP_ID) for app in gate):
+        report.line(
+            "FAIL",
+            8,
+            f"`{GATE_STATUS}` is required from app {gate}, not GitHub Actions ({ACTIONS_APP_ID}), "
+            "whose token gpu-gate sets it with: it would never count",
+            fix,
+        )
     else:
-        report.line("FAIL", 8, "main does not require the GPU gate", fix)
+        report.line("ok", 8, f"main requires the commit status `{GATE_STATUS}`")
 
 
 HISTORY_BRANCH = "bench-history"  # bench-history.yml pushes main's benchmark runs there
@@ -345,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         lambda: check_sha_pinning(api, args.repo, report),
         lambda: check_required_gate(api, args.repo, report),
         lambda: check_history_branch(api, args.repo, report),
+        lambda: check_pypi_environment(api, args.repo, report),
+        lambda: check_tag_ruleset(api, args.repo, report),
     ]
     for check in checks:
         try:
@@ -358,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "      7  the runner machine (credential, interpreter, network): not checked, see the list"
     )
+    print("      13 the ARC pods' token and network policy: not checked here, see the list")
     if report.failed:
         print(f"{report.failed} setting(s) wrong: fix them before the runner takes jobs")
         return 1

@@ -33,7 +33,10 @@ removes what an earlier job could leave for the next one:
              runner group restricted to the workflow is not available (personal repositories).
 
 It never follows a symbolic link out of the directory it cleans, and deletes nothing outside the
-work directory and the paths above. Each action is printed.
+work directory and the paths above. A symbolic link among the folders on the way to a path above
+(~/.config, ~/.cache, ~/.local linked elsewhere) fails the hook: an earlier job left it so that later
+jobs read its configuration (a git config whose core.fsmonitor runs on `git status`). Each action
+is printed.
 
 Options:
   --dry-run      Print what would be removed or stopped; change nothing.
@@ -42,7 +45,7 @@ Options:
   --allow-root   Run as root (refused otherwise: the runner's user is never root).
   -h, --help     Show this help.
 Exit status: 0 done; 1 the job must not run (another user's GPU process, a writable interpreter,
-an unsafe work directory, a workflow not allowed); 2 a wrong option.
+an unsafe work directory, a workflow not allowed, a linked folder in $HOME); 2 a wrong option.
 EOF
 }
 
@@ -94,15 +97,42 @@ if [[ -n "$ALLOWED" ]]; then
   fi
 fi
 
+# linked_on_the_way ROOT PATH: print the first symbolic link among the folders between ROOT and
+# PATH (ROOT and PATH themselves left out); fails when there is none.
+linked_on_the_way() {
+  local here="$1" rest part parts=()
+  rest="$(dirname -- "${2#"$1"/}")"
+  [[ "$rest" != . ]] || return 1
+  IFS=/ read -r -a parts <<<"$rest"
+  for part in "${parts[@]}"; do
+    here="$here/$part"
+    if [[ -L "$here" ]]; then
+      echo "$here"
+      return 0
+    fi
+    [[ -d "$here" ]] || return 1 # nothing further down exists
+  done
+  return 1
+}
+
 # remove ROOT PATH: delete PATH (a file, a directory or a link) if it lies inside ROOT with no
-# symbolic link on the way there. A link itself is removed, never followed.
+# symbolic link on the way there. A link itself is removed, never followed. A linked folder on the
+# way fails the hook, whether PATH exists or not: an earlier job put it there to redirect what later
+# jobs read (~/.config -> a folder whose git/config sets core.fsmonitor runs code in the next job's
+# `git status`), and skipping it would leave exactly that.
 REMOVED=0
 remove() {
-  local root="$1" path="$2" parent
+  local root="$1" path="$2" parent link
+  if link="$(linked_on_the_way "$root" "$path")"; then
+    problem "$(printf '%q' "$path") is reached through the symbolic link $(printf '%q' "$link") (-> $(printf '%q' "$(readlink -- "$link")")): a job left it to redirect what later jobs read" \
+      "do not run jobs here until the runner user's home is recreated (register.sh does it before each job): as root, rm -rf $(printf '%q' "$link") and rerun"
+    return 0
+  fi
   [[ -e "$path" || -L "$path" ]] || return 0
   parent="$(realpath -e -- "$(dirname -- "$path")" 2>/dev/null)" || return 0
   if [[ "$parent" != "$(dirname -- "$path")" || ("$parent" != "$root" && "$parent" != "$root"/*) ]]; then
-    say "skipped $path: reached through a symbolic link (resolves to $parent)"
+    problem "$(printf '%q' "$path") resolves outside $root (to $(printf '%q' "$parent")): a symbolic link on the way" \
+      "as root, remove the link on the way to $(printf '%q' "$path") and rerun"
     return 0
   fi
   if ((DRY)); then

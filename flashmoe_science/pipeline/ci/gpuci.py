@@ -7,7 +7,9 @@ these from the default branch's code (never a pull request's), on GitHub-hosted 
                   dispatch naming a PR runs that PR's head
                   only if it is the commit given); a same-repository PR runs on each push; a fork PR
                   runs only on the `safe-to-test` label applied by someone with write access, for
-                  the head commit at labelling time. The label is removed as soon as it is read, and
+                  the head commit at labelling time, and only when that head was pushed at least
+                  SETTLE_MINUTES before the label (else it says so on the PR); so does a pull
+                  request a bot opened or pushed (Dependabot's bring new locked versions). The label is removed as soon as it is read, and
                   on every new push, so each commit needs its own approval; a new push also marks
                   the PR's report comment stale. Writes run, sha, pr, base_ref, environment and
                   reason to $GITHUB_OUTPUT.
@@ -22,6 +24,9 @@ these from the default branch's code (never a pull request's), on GitHub-hosted 
                   pull requests that change no gate input (ci/selection.py).
     fetch-points  download the newest points of each kind on the `bench-history` branch into
                   OUT/KIND/.
+    fetch-run     a run's approval and each leg's reports for the report job, by exact name and
+                  checked first (pipeline.ci.runartifacts): one approval, uploaded before the
+                  approve job ended, naming this run; legs under the size caps.
 
 The GitHub API is $FLASHMOE_GITHUB_API, else $GITHUB_API_URL, else https://api.github.com, with
 the token in $GH_TOKEN. Nothing taken from the event is printed unescaped: a workflow log line that
@@ -31,6 +36,7 @@ starts with `::` is a command to the runner.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import re
@@ -47,7 +53,7 @@ from .. import gpukinds
 from .. import markdown as md
 from ..bench import records as benchrecords
 from ..bench import trend
-from . import historybranch, selection
+from . import historybranch, runartifacts, selection
 
 LABEL = "safe-to-test"
 STATUS_CONTEXT = "flashmoe-science/gpu"
@@ -55,6 +61,16 @@ WRITE_ROLES = ("admin", "maintain", "write")
 BOT = "github-actions[bot]"
 REPORT_MARKER = "<!-- flashmoe-science-report -->"
 STALE_PREFIX = "## 🕰️ flashmoe-science: stale:"
+# A head pushed less than this before its label is refused: the maintainer reviewed the page as it
+# was, and a push just before the click would run unreviewed (the dispatch path is SHA-exact).
+SETTLE_MINUTES = 5
+# gpu-ci.yml's run-name for pull_request_target: the PR, its head and the action, which the approve
+# job of a labelled run reads back from the runs a change of the head started.
+RUN_NAME = re.compile(
+    r"^GPU CI: PR #([1-9][0-9]{0,9}) at ([0-9a-f]{40}) \((opened|reopened|synchronize|labeled)\)$"
+)
+HEAD_CHANGES = ("opened", "reopened", "synchronize")
+WORKFLOW = "gpu-ci.yml"
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _NUMBER = re.compile(r"^[1-9][0-9]{0,9}$")
 
@@ -68,6 +84,18 @@ class ApiError(RuntimeError):
 def log_safe(value: object, limit: int = 200) -> str:
     """A value for the workflow log: one line, and no `::` a runner would read as a command."""
     return md.flat(value, limit).replace("::", ": :")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):  # the caller follows it, without the token
+        return None
+
+
+def _read_at_most(response, limit: int) -> bytes:
+    data = response.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"more than {limit} bytes: not read")
+    return data
 
 
 class GitHub:
@@ -100,6 +128,63 @@ class GitHub:
             raise ApiError(exc.code, f"{method} {path}") from None
         return json.loads(raw) if raw.strip() else None
 
+    def download(self, path: str, limit: int) -> bytes:
+        """The bytes at an API path that answers with a redirect (an artifact's zip): at most
+        `limit` of them, else ValueError. The redirect goes to a signed URL on another host, which
+        gets no token."""
+        request = urllib.request.Request(f"{self.api}/repos/{self.repo}/{path}")
+        request.add_header("Accept", "application/vnd.github+json")
+        request.add_header("X-GitHub-Api-Version", "2022-11-28")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.build_opener(_NoRedirect).open(request, timeout=60) as response:
+                return _read_at_most(response, limit)
+        except urllib.error.HTTPError as exc:
+            location = exc.headers.get("Location") if exc.code in (301, 302, 303, 307) else None
+            if not location:
+                raise ApiError(exc.code, f"GET {path}") from None
+        scheme = urllib.parse.urlsplit(self.api).scheme
+        if urllib.parse.urlsplit(location).scheme not in ("https", scheme):
+            raise ApiError(0, f"GET {path}: a redirect to {log_safe(location, 60)}")
+        try:
+            with urllib.request.urlopen(urllib.request.Request(location), timeout=120) as response:
+                return _read_at_most(response, limit)
+        except urllib.error.HTTPError as exc:
+            raise ApiError(exc.code, f"GET {path} (its redirect)") from None
+
+    def workflow_runs(self, workflow: str, event: str, pages: int = 10) -> list[dict]:
+        """A workflow's runs of one event, newest first ({display_title, created_at, ...})."""
+        runs: list[dict] = []
+        for page in range(1, pages + 1):
+            doc = self.call(
+                "GET",
+                f"actions/workflows/{urllib.parse.quote(workflow, safe='')}/runs"
+                f"?event={event}&per_page=100&page={page}",
+            )
+            listed = (doc or {}).get("workflow_runs") if isinstance(doc, dict) else None
+            if not isinstance(listed, list) or not listed:
+                break
+            runs += [run for run in listed if isinstance(run, dict)]
+            if len(listed) < 100:
+                break
+        return runs
+
+    def run_artifacts(self, run_id: str) -> list[dict]:
+        """A workflow run's artifacts ({id, name, size_in_bytes, created_at, digest, ...})."""
+        if not re.fullmatch(r"[0-9]{1,20}", run_id or ""):
+            raise ValueError(f"run id {log_safe(run_id, 40)!r} is not a number")
+        artifacts: list[dict] = []
+        for page in range(1, 11):
+            doc = self.call("GET", f"actions/runs/{run_id}/artifacts?per_page=100&page={page}")
+            listed = (doc or {}).get("artifacts") if isinstance(doc, dict) else None
+            if not isinstance(listed, list) or not listed:
+                break
+            artifacts += [a for a in listed if isinstance(a, dict)]
+            if len(listed) < 100:  # the last page
+                break
+        return artifacts
+
     def permission(self, user: str) -> str:
         quoted = urllib.parse.quote(user, safe="")
         doc = self.call("GET", f"collaborators/{quoted}/permission")
@@ -127,6 +212,8 @@ class GitHub:
             if not isinstance(listed, list) or not listed:
                 break
             jobs += [job for job in listed if isinstance(job, dict)]
+            if len(listed) < 100:  # the last page
+                break
         return jobs
 
     def report_comment(self, number: int) -> dict | None:
@@ -168,9 +255,66 @@ def mark_stale(body: str, new_sha: str) -> str:
     return "\n".join(head + lines)
 
 
-def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs: dict) -> dict:
+def head_pushed(gh: GitHub, number: int) -> tuple[str, dt.datetime] | None:
+    """(head, when) of the newest GPU CI run that a change of PR `number`'s head started (opened,
+    reopened, synchronize), read from the runs' names (RUN_NAME): GitHub's own clock, which a
+    commit's dates are not. None when no such run is listed."""
+    found = []
+    for run in gh.workflow_runs(WORKFLOW, "pull_request_target"):
+        match = RUN_NAME.match(str(run.get("display_title") or ""))
+        when = runartifacts.parse_time(run.get("created_at"))
+        if match and int(match[1]) == number and match[3] in HEAD_CHANGES and when:
+            found.append((when, match[2]))
+    if not found:
+        return None
+    when, head = max(found)
+    return head, when
+
+
+def unsettled(gh: GitHub, number: int, head_sha: str, labelled: dt.datetime) -> str | None:
+    """Why the labelled head is too fresh to run (pushed less than SETTLE_MINUTES before the
+    label, or its push not on record yet); None when it may run."""
+    try:
+        pushed = head_pushed(gh, number)
+    except (ApiError, ValueError) as exc:
+        return f"the runs that date the head are unreadable ({log_safe(exc, 80)})"
+    if pushed is None or pushed[0] != head_sha:
+        return f"no GPU CI run records the push of {head_sha[:12]} yet (it was pushed just now)"
+    minutes = (labelled - pushed[1]).total_seconds() / 60
+    if minutes < SETTLE_MINUTES:
+        return f"{head_sha[:12]} was pushed {max(minutes, 0):.0f} min before the label"
+    return None
+
+
+def refused_comment(head_sha: str, why: str) -> str:
+    return (
+        f"🕰️ **GPU CI did not start**: {why}. A head must be at least {SETTLE_MINUTES} minutes "
+        f"old when `{LABEL}` is applied, so that the commit reviewed is the commit that runs. "
+        f"Check that `{head_sha[:12]}` is the commit you reviewed, then label again (or run GPU CI "
+        "from the Actions tab with this PR's number and that commit's SHA)."
+    )
+
+
+def is_bot(user: object) -> bool:
+    """A GitHub App's account (dependabot[bot], github-actions[bot], ...), not a person."""
+    if not isinstance(user, dict):
+        return False
+    return user.get("type") == "Bot" or str(user.get("login") or "").endswith("[bot]")
+
+
+def decide(
+    event_name: str,
+    event: dict,
+    repo: str,
+    sha: str,
+    gh: GitHub,
+    inputs: dict,
+    labelled: dt.datetime | None = None,
+) -> dict:
     """What the GPU job does for this event: {"run", "sha", "pr", "base_ref", "environment",
-    "reason"}. May remove the label and mark the report stale (see the module's docstring)."""
+    "reason"}. May remove the label, mark the report stale and say on the PR why a label started
+    nothing (see the module's docstring). `labelled`: when the label was applied (this run's
+    start), default now."""
     out = {"run": "false", "sha": "", "pr": "", "base_ref": "", "environment": "gpu-trusted"}
     if event_name == "push":
         ref = str(event.get("ref") or "")
@@ -196,6 +340,7 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
                 "given: review the new head and dispatch again with its sha",
             }
         fork = (head.get("repo") or {}).get("full_name") != repo
+        fork = fork or is_bot((pull or {}).get("user"))  # a bot's PR waits for reviewers too
         return {
             **out,
             "run": "true",
@@ -214,15 +359,21 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
         return {**out, "reason": "the event names no pull request"}
     head_sha = str((pull.get("head") or {}).get("sha") or "")
     same_repo = ((pull.get("head") or {}).get("repo") or {}).get("full_name") == repo
+    action = event.get("action")
+    # A bot's branch is gated like a fork's: its commits bring what a registry published (new
+    # locked versions), and nobody reviewed them before they would run on the GPU runner.
+    bot = pull.get("user") if is_bot(pull.get("user")) else None
+    if bot is None and action != "labeled" and is_bot(event.get("sender")):
+        bot = event.get("sender")
+    trusted_branch = same_repo and bot is None
     pr_out = {
         **out,
         "pr": str(number),
         "base_ref": str((pull.get("base") or {}).get("ref") or ""),
-        "environment": "gpu-trusted" if same_repo else "gpu",
+        "environment": "gpu-trusted" if trusted_branch else "gpu",
     }
     if not _SHA.match(head_sha):
         return {**pr_out, "reason": "the event's head commit is not a commit id"}
-    action = event.get("action")
     if action == "labeled":
         label = str((event.get("label") or {}).get("name") or "")
         if label != LABEL:
@@ -236,6 +387,10 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
                 "reason": f"{log_safe(sender, 40)} has {log_safe(role, 20)} access; only "
                 "write, maintain or admin may start a GPU run",
             }
+        why = unsettled(gh, number, head_sha, labelled or dt.datetime.now(dt.timezone.utc))
+        if why is not None:
+            gh.call("POST", f"issues/{number}/comments", {"body": refused_comment(head_sha, why)})
+            return {**pr_out, "reason": f"{why}: the head must be {SETTLE_MINUTES} min old"}
         return {**pr_out, "run": "true", "sha": head_sha, "reason": f"labelled {LABEL}"}
     if action in ("opened", "reopened", "synchronize"):
         gh.remove_label(number)  # a new commit needs a new review
@@ -246,12 +401,18 @@ def decide(event_name: str, event: dict, repo: str, sha: str, gh: GitHub, inputs
                 f"issues/comments/{int(comment['id'])}",
                 {"body": mark_stale(str(comment.get("body") or ""), head_sha)},
             )
-        if same_repo:
+        if trusted_branch:
             return {
                 **pr_out,
                 "run": "true",
                 "sha": head_sha,
                 "reason": "a branch of this repository",
+            }
+        if same_repo:
+            return {
+                **pr_out,
+                "reason": f"a commit from {log_safe(bot.get('login'), 40)}, a bot: a maintainer "
+                f"reviews it, then labels {LABEL}",
             }
         return {
             **pr_out,
@@ -284,12 +445,23 @@ def approve(record: Path | None = None) -> int:
     name, event = _event()
     repo = os.environ.get("GITHUB_REPOSITORY", "")
     inputs = {"pr": os.environ.get("INPUT_PR", ""), "sha": os.environ.get("INPUT_SHA", "")}
-    result = decide(name, event, repo, os.environ.get("GITHUB_SHA", ""), GitHub(repo), inputs)
+    gh = GitHub(repo)
+    labelled = None
+    run_id = os.environ.get("GITHUB_RUN_ID", "")
+    if name == "pull_request_target" and event.get("action") == "labeled" and run_id.isdigit():
+        try:  # this run started when the label was applied: GitHub's clock, not the runner's
+            labelled = runartifacts.parse_time(
+                (gh.call("GET", f"actions/runs/{run_id}") or {}).get("created_at")
+            )
+        except ApiError as exc:
+            print(f"approve: this run's start is unreadable ({log_safe(exc)}): using now")
+    result = decide(name, event, repo, os.environ.get("GITHUB_SHA", ""), gh, inputs, labelled)
     _write_outputs(result)
     if record is not None:  # the approval the report job trusts (uploaded before PR code runs)
         record.parent.mkdir(parents=True, exist_ok=True)
         doc = {"run": result["run"] == "true", "pr": int(result["pr"]) if result["pr"] else None}
         doc["sha"] = result["sha"] or None
+        doc["run_id"] = os.environ.get("GITHUB_RUN_ID") or None  # the report checks it is its run
         record.write_text(json.dumps(doc) + "\n", encoding="utf-8")
     return 0
 
@@ -537,6 +709,25 @@ def history_of_leg(
     return 1
 
 
+def fetch_run(gh: GitHub, run_id: str, out: Path) -> int:
+    """runartifacts.fetch_run, said in the log: 0 when the approval was taken (a leg refused is a
+    note of the comment), 1 when it was not (nothing is to be posted from that run)."""
+    try:
+        fetched = runartifacts.fetch_run(gh, run_id, out)
+    except runartifacts.Refused as exc:
+        print(
+            f"::error::the approval of run {log_safe(run_id, 20)} is not taken: {log_safe(exc, 400)}"
+        )
+        print("gpuci: next: nothing is posted from this run; run GPU CI again for the PR")
+        return 1
+    print(
+        f"fetch-run: the approval of run {run_id} taken; legs: {', '.join(fetched.legs) or 'none'}"
+    )
+    for note in fetched.notes:
+        print(f"::warning::{log_safe(note, 400)}")
+    return 0
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flashmoe_science.pipeline.ci.gpuci", description=__doc__.split("\n\n")[0]
@@ -562,6 +753,11 @@ def main(argv: Iterable[str] | None = None) -> int:
     h.add_argument("--summary", type=Path, default=None, help="append the section here")
     h.add_argument("--run-url", default="", help="the GPU CI run's page, kept with each verdict")
     h.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder")
+    r = sub.add_parser(
+        "fetch-run", help="a run's approval and legs, by exact name, checked (runartifacts)"
+    )
+    r.add_argument("--run-id", required=True, help="the GPU CI run")
+    r.add_argument("--out", type=Path, required=True, help="OUT/gpu-ci-approval/, OUT/legs/")
     f = sub.add_parser("fetch-points", help="download the newest trend points of each kind")
     f.add_argument("--out", type=Path, required=True, help="written: OUT/KIND/ for each kind")
     f.add_argument("--keep", type=int, default=trend.KEEP)
@@ -572,6 +768,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         if args.command == "approve":
             return approve(args.record)
         gh = GitHub(os.environ.get("GITHUB_REPOSITORY", ""))
+        if args.command == "fetch-run":
+            return fetch_run(gh, args.run_id, args.out)
         if args.command == "gate":
             return gate(
                 gh, args.head_sha, args.tested_sha, args.gpu_result, args.run_url, args.run_id

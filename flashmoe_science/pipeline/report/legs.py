@@ -21,6 +21,7 @@ from pathlib import Path
 from .. import gpukinds
 from .. import markdown as md
 from ..bench import trend
+from ..ci.runartifacts import FETCH_NOTES
 from .inputs import Inputs, load_inputs
 from .render import MARKER, hard_cut, render, verdict
 from .sections import FAIL, ICONS, NOTE, NOTRUN, OK, STALE, WARN
@@ -97,7 +98,12 @@ def load_legs(
             inputs.history, skipped = trend.load_points(history / kind.label)
             inputs.notes += [f"history point skipped: {why}" for why in skipped[:3]]
         legs.append(Leg(kind, inputs, job))
-    known = {gpukinds.artifact_name(kind) for kind in gpukinds.KINDS}
+    notes_file = folder / FETCH_NOTES
+    if notes_file.is_file() and not notes_file.is_symlink():
+        with notes_file.open(encoding="utf-8", errors="replace") as handle:
+            lines = handle.read(MAX_JOBS_BYTES).splitlines()
+        notes += [md.text(line, 400) for line in lines if line.strip()][:10]
+    known = {gpukinds.artifact_name(kind) for kind in gpukinds.KINDS} | {FETCH_NOTES}
     others = (
         sorted(p.name for p in folder.iterdir() if p.name not in known) if folder.is_dir() else []
     )

@@ -17,8 +17,7 @@ SENSITIVE = (
     "scripts/runner/",
     "flashmoe_science/pipeline/report/",
     "flashmoe_science/pipeline/markdown.py",
-    "flashmoe_science/pipeline/ci/gpuci.py",
-    "flashmoe_science/pipeline/ci/selection.py",
+    "flashmoe_science/pipeline/ci/",
     "flashmoe_science/pipeline/bench/trend.py",
     "noxfile.py",
 )
