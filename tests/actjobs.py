@@ -1,7 +1,7 @@
 """Running a workflow job under nektos/act for a test: act itself (found, never installed), a stub of
 the GitHub REST API on 127.0.0.1 that records every call, a fake `gh` that forwards to it, and the
-driver scripts/act/run-job.sh (host mode, offline). Used by tests/test_act_trust.py and
-tests/test_act_history.py."""
+driver scripts/act/run-job.sh (host mode, offline). Used by tests/ci/test_act_trust.py and
+tests/ci/test_act_history.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ reported in its own section of the one PR comment.
     h200   NVIDIA H200 (Hopper, sm_90a): the same build and gates as h100, on the card clouds lend
 
 The workflow's matrix, the gate, the history branch and the report all take the kinds from here
-(tests/test_workflows.py checks the matrix, its labels and its architectures against KINDS).
+(tests/ci/test_workflows.py checks the matrix, its labels and its architectures against KINDS).
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def job_seconds(start: float | None, now: float | None = None) -> float | None:
 # --------------------------------------------------------------------------------------------------
 
 # GPU CI's time budget, set on the card of the h200 leg (gpukinds): the whole job and its test
-# stage. The workflow's step limits leave a margin over it (tests/test_workflows.py), and the report
+# stage. The workflow's step limits leave a margin over it (tests/ci/test_workflows.py), and the report
 # of a run on that card says when one went over.
 BUDGET_KIND = "h200"
 BUDGET_S = {"job": 8 * 60, "test": 4 * 60}

@@ -42,7 +42,7 @@ Options:
   --event EVENT   push (default: a push to main; the job's approve step then needs no GitHub
                   API), workflow_dispatch, or pull_request_target (a fake PR #1: approve calls
                   the API, so pass -- --env FLASHMOE_GITHUB_API=URL of a stub, as
-                  tests/test_act_trust.py runs one).
+                  tests/ci/test_act_trust.py runs one).
   --out DIR       Where logs, artifacts and the summary go (default: $OUT/gpu-ci-gpu when $OUT
                   is set, as on the device machine, so a run cut short still returns its log;
                   else build/act/gpu-ci-gpu). The log and the summary are written as they come.

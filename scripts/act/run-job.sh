@@ -50,9 +50,9 @@ Options:
   --artifacts-from DIR  Artifacts an earlier run uploaded (DIR/NAME/...), for the download stand-in
                   (pr-report.yml reads GPU CI's).
   GitHub API calls of the trusted jobs (flashmoe_science.pipeline.ci.gpuci) go to \$FLASHMOE_GITHUB_API
-  when it is set here (a local stub server: tests/test_act_trust.py starts one); passed to the job.
+  when it is set here (a local stub server: tests/ci/test_act_trust.py starts one); passed to the job.
   The bench-history branch is read from and pushed to \$FLASHMOE_HISTORY_REMOTE when it is set (a
-  local bare repository: tests/test_act_history.py makes one); passed to the job.
+  local bare repository: tests/ci/test_act_history.py makes one); passed to the job.
   --dry-run       Check the workflow (act --validate --strict), the job and the stand-ins, print
                   the act command, run nothing. (Not act -n: in host mode act 0.2.89 still runs
                   the \`run:\` steps under -n.)

@@ -380,8 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    if xdist_problem():
-        raise Abort(exitcodes.ENV_BROKEN, xdist_problem())
+    if not args.list and (problem := xdist_problem()):  # listing times nothing
+        raise Abort(exitcodes.ENV_BROKEN, problem)
     device = choose_device(args.backend, bool(args.bisect))
     config = TimingConfig.for_device(device, args.warmup_ms, args.rep_ms)
     if args.worker:

@@ -76,7 +76,7 @@ from . import devices
 SCHEMA = "flashmoe-science/gates/2"
 RECORD = "gates.json"
 MARKER = "gate"
-# The short training run's losses (tests/test_training.py), {"ours": [first, last], "sdpa":
+# The short training run's losses (tests/library/test_training.py), {"ours": [first, last], "sdpa":
 # [first, last]}: recorded beside the gates so a run's record and its verdict line carry them.
 TRAINING = "training"
 LONG = "long"  # the marker of a test that runs only in the scheduled GPU CI run

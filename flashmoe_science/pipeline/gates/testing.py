@@ -51,10 +51,10 @@ from .plugin import (
 
 # The gate matrix lives here; `--gates` collects nothing else.
 GATE_MODULES = (
-    "tests/test_gates.py",
-    "tests/test_grad_gates.py",
-    "tests/test_varlen.py",
-    "tests/test_paged.py",
+    "tests/gates/test_gates.py",
+    "tests/gates/test_grad_gates.py",
+    "tests/gates/test_varlen.py",
+    "tests/gates/test_paged.py",
 )
 # At most this many selected tests run without pytest-xdist: each worker imports torch and collects
 # before its first test, so a small selection is faster in one process on a few cores

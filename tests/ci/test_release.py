@@ -1,6 +1,6 @@
 """The release workflow (.github/workflows/release.yml), read as data: it cannot run here (it
 publishes to PyPI), so its structure is what is checked. The rules every workflow follows (pins,
-timeouts, read-only defaults) are checked for it too, by tests/test_workflows.py."""
+timeouts, read-only defaults) are checked for it too, by tests/ci/test_workflows.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
 PUBLISH_ACTION = "pypa/gh-action-pypi-publish@"
 WHEELCHECK = "python -m flashmoe_science.pipeline.build.wheelcheck"

@@ -27,7 +27,7 @@ RUN_URL = "https://github.com/o/flashmoe-science/actions/runs/41"
 FILES = {
     "csrc/flash_fwd.cu": "// the forward kernel\nint tile = 64;\n",
     "flashmoe_science/pipeline/report/render.py": "TITLE = 'report'\n",
-    "tests/test_gates.py": "def test_gate():\n    pass\n",
+    "tests/gates/test_gates.py": "def test_gate():\n    pass\n",
     "README.md": "# flashmoe-science\n",
 }
 
@@ -119,13 +119,13 @@ def reports_dir() -> Path:
         ("flashmoe_science/pipeline/gates/forward.py", True),
         ("flashmoe_science/pipeline/ci/selection.py", True),  # the decision itself
         ("flashmoe_science/ops.py", True),
-        ("tests/test_gates.py", True),
+        ("tests/gates/test_gates.py", True),
         ("tests/conftest.py", True),
         ("pyproject.toml", True),
         ("a_folder_nobody_listed/x.py", True),  # unknown: the full matrix, never a guess
         ("flashmoe_science/pipeline/report/render.py", False),
         ("flashmoe_science/pipeline/ci/gpuci.py", False),
-        ("tests/test_report.py", False),
+        ("tests/report/test_report.py", False),
         ("tests/fixtures/report/passing/gates.json", False),
         (".github/workflows/gpu-ci.yml", False),
         ("README.md", False),
@@ -136,7 +136,7 @@ def test_a_gate_input_is_anything_but_the_report_ci_and_docs(path, gate_input):
 
 
 def test_the_decision_from_the_changed_paths_alone():
-    report_only = ["flashmoe_science/pipeline/report/render.py", "tests/test_report.py"]
+    report_only = ["flashmoe_science/pipeline/report/render.py", "tests/report/test_report.py"]
     assert selection.decide(report_only).mode == selection.REUSE
     with_kernel = [*report_only, "csrc/flash_fwd.cu"]
     decision = selection.decide(with_kernel)

@@ -14,7 +14,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
 ACT = ROOT / "scripts" / "act"
 DRIVER = ACT / "run-job.sh"

@@ -611,7 +611,7 @@ def write_reports(tmp_path, mutate) -> tuple[int, str]:
 
 @pytest.fixture
 def fixture_checkout(monkeypatch):
-    """The report's fixtures describe this commit and run (as tests/test_report.py pins them)."""
+    """The report's fixtures describe this commit and run (as tests/report/test_report.py pins them)."""
     for name in ("GITHUB_STEP_SUMMARY", "GITHUB_RUN_ID", stages.JOB_START_VAR):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(provenance.RUN_ID_VAR, "fixture-run")

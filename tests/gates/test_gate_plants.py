@@ -286,7 +286,7 @@ def test_each_sm90a_plant_fails_a_case_of_each_wgmma_configuration():
 def _plant_scripts() -> dict[str, str]:
     """Every module-level `*PLANT_SCRIPT` string of the test modules, by `module.NAME`."""
     scripts = {}
-    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+    for path in sorted(Path(__file__).parents[1].rglob("test_*.py")):
         for node in ast.parse(path.read_text()).body:
             if (
                 isinstance(node, ast.Assign)

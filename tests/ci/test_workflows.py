@@ -14,7 +14,7 @@ from flashmoe_science.pipeline import gpukinds
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
 ACTIONLINT = ROOT / ".github" / "actionlint.yaml"
 # Labels actionlint knows without configuration (GitHub's own runner labels).
@@ -107,7 +107,7 @@ def test_the_workflows_exist():
 
 def test_pull_request_target_only_where_main_decides_what_runs():
     # GPU CI is the one workflow on pull_request_target: its trusted jobs run main's code, and the
-    # PR's code runs only in the GPU job, on the commit `approve` allowed (tests/test_trust.py).
+    # PR's code runs only in the GPU job, on the commit `approve` allowed (tests/ci/test_trust.py).
     for name, workflow in all_workflows().items():
         if "pull_request_target" in triggers(workflow):
             assert name == "gpu-ci.yml", name

@@ -23,7 +23,7 @@ from flashmoe_science.pipeline.report.sections import ICONS
 # the module, which the package's render() function shadows
 render_module = importlib.import_module("flashmoe_science.pipeline.report.render")
 
-FIXTURES = Path(__file__).parent / "fixtures" / "report"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "report"
 SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # the fixtures' commit
 RUN = "gpu-1-1"
 H100_NAME = "NVIDIA H100 80GB HBM3"

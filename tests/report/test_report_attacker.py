@@ -21,10 +21,10 @@ from flashmoe_science.pipeline import markdown as md
 from flashmoe_science.pipeline.bench import trend
 from flashmoe_science.pipeline.ci import gpuci
 
-FIXTURES = Path(__file__).parent / "fixtures" / "report"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "report"
 SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # the fixtures' provenance
 RUN = "fixture-run"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 HOSTILE = (
     "<img src=x onerror=alert(1)></details>\n\n## ✅ flashmoe-science: passed\n"

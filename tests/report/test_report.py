@@ -10,7 +10,7 @@ the checkout's commit and FLASHMOE_RUN_ID to those, so the goldens do not depend
 
 After an intended change to the report's layout, regenerate the golden files and review the diff:
 
-    FLASHMOE_REGEN_GOLDEN=1 python -m pytest tests/test_report.py
+    FLASHMOE_REGEN_GOLDEN=1 python -m pytest tests/report/test_report.py
     git diff tests/fixtures/report/
 """
 
@@ -27,7 +27,7 @@ import pytest
 
 from flashmoe_science.pipeline import exitcodes, provenance, report, stages
 
-FIXTURES = Path(__file__).parent / "fixtures" / "report"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "report"
 REGENERATE = os.environ.get("FLASHMOE_REGEN_GOLDEN") == "1"
 INFO = report.ICONS[report.NOTE]
 SCENARIOS = {
@@ -1007,7 +1007,7 @@ def test_a_job_start_that_is_not_this_job_is_ignored():
 def test_the_ci_jobs_give_the_report_the_jobs_start_and_one_run_id(workflow, job):
     yaml = pytest.importorskip("yaml")
     spec = yaml.safe_load(
-        (Path(__file__).parents[1] / ".github" / "workflows" / workflow).read_text()
+        (Path(__file__).parents[2] / ".github" / "workflows" / workflow).read_text()
     )
     job_spec = spec["jobs"][job]
     first = job_spec["steps"][0]

@@ -24,7 +24,7 @@ import pytest
 
 from flashmoe_science.pipeline.ci import runner_requirements as rr
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "scripts" / "runner"
 HOOK = RUNNER / "cleanup-hook.sh"
 REGISTER = RUNNER / "register.sh"

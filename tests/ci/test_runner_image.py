@@ -14,7 +14,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "scripts" / "runner"
 DOCKERFILE = (RUNNER / "Dockerfile").read_text()
 VALUES = sorted((RUNNER / "arc").glob("values-*.yaml"))

@@ -3,7 +3,7 @@ start (no `pull_request` workflow reaches a self-hosted runner; the GPU job runs
 main's `approve` job allowed), the read-only checkout, the label made one-shot and checked against
 the labeller's permission, the required gate, the history, and the supply chain (hash-locked tools,
 one index per install, Dependabot). The decisions themselves (flashmoe_science.pipeline.ci.gpuci) are
-tested against a fake API here, and under act in tests/test_act_trust.py."""
+tested against a fake API here, and under act in tests/ci/test_act_trust.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from flashmoe_science.pipeline.ci import gpuci, historybranch, runartifacts
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with pre-commit (the dev dependency group)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
 REPO = "owner/flashmoe-science"
 SHA = "a" * 40
@@ -289,10 +289,13 @@ def labelled(gh, **extra):
     ("runs", "why"),
     [
         # pushed 2 minutes before the maintainer's click
-        ([run_of(5, SHA, "synchronize", 2), run_of(5, "c" * 40, "opened", 300)], "pushed 2 min"),
+        (
+            lambda: [run_of(5, SHA, "synchronize", 2), run_of(5, "c" * 40, "opened", 300)],
+            "pushed 2 min",
+        ),
         # reviewed c..., then the head went back to an older commit just before the click
         (
-            [
+            lambda: [
                 run_of(5, SHA, "opened", 600),
                 run_of(5, "c" * 40, "synchronize", 120),
                 run_of(5, SHA, "synchronize", 1),
@@ -300,7 +303,7 @@ def labelled(gh, **extra):
             "pushed 1 min",
         ),
         # the push's own run is not listed yet: the newest on record is the head before it
-        ([run_of(5, "c" * 40, "synchronize", 90)], "no GPU CI run records the push"),
+        (lambda: [run_of(5, "c" * 40, "synchronize", 90)], "no GPU CI run records the push"),
         ([], "no GPU CI run records the push"),
         (gpuci.ApiError(502, "GET runs"), "the runs that date the head are unreadable"),
     ],
@@ -308,8 +311,9 @@ def labelled(gh, **extra):
 def test_a_head_pushed_just_before_the_label_is_refused_and_the_pr_told(runs, why):
     """The label event carries the head at the moment of the click: a contributor who pushes
     while the maintainer reviews gets the new commit run. A head pushed less than SETTLE_MINUTES
-    before the label (GitHub's clock: the start of the run its push triggered) does not run."""
-    gh = FakeGitHub("maintain", runs=runs)
+    before the label (GitHub's clock: the start of the run its push triggered) does not run. The
+    runs are dated when the test runs, not when it is collected (a long session ages them)."""
+    gh = FakeGitHub("maintain", runs=runs() if callable(runs) else runs)
     out = labelled(gh)
     assert out["run"] == "false" and why in out["reason"], out
     comments = [c for c in gh.calls if c[:2] == ("POST", "issues/5/comments")]

@@ -892,7 +892,7 @@ SLOWER_FORWARD = """
 _unplanted_forward = flash_attention_forward
 
 
-def flash_attention_forward(*args, **kwargs):  # planted by tests/test_bench.py: 200 ms slower
+def flash_attention_forward(*args, **kwargs):  # planted by tests/bench/test_bench.py: 200 ms slower
     __import__("time").sleep(0.2)
     return _unplanted_forward(*args, **kwargs)
 """
