@@ -891,11 +891,17 @@ def test_runner_docs_walk_through_the_kit():
         "/etc/flashmoe-runner/github-token",
         "CUDA_VISIBLE_DEVICES=N",
         "ACTIONS_RUNNER_HOOK_JOB_STARTED",
-        "FLASHMOE_SETUP_NO_INSTALL=1",
+        "--no-install",
         "scripts/act/gpu-job.sh --check",
-        "--unattended --ephemeral",
+        "generate-jitconfig",
+        "flashmoe-science/gpu",
+        "HOST-gpuN-TIME",
     ):
         assert needle in section, needle
+    # what register.sh and gpu-ci.yml no longer do: a registration token, a job that installs
+    # from a package index, gpu-gate's own check run as the required one
+    for stale in ("--unattended --ephemeral", "PIP_INDEX_URL", "`gpu-gate` as the required check"):
+        assert stale not in section, stale
 
 
 # ---- the runner's interpreter: one place decides it ----
