@@ -113,7 +113,9 @@ def record_gate(record_property):
 def planted_process_env(bug: int, device: str) -> dict[str, str]:
     """The environment of a planted-bug process: its build carries bug `bug`, and the CPU device
     hides the GPU. Its working directory is the repository root."""
-    env = dict(os.environ, FLASHMOE_BUILD_DEFINES=f"FLASHMOE_PLANT_BUG={bug}")
+    env = dict(os.environ)
+    if bug:  # bug 0 is the unplanted build: the one the checkout has already (no second compile)
+        env["FLASHMOE_BUILD_DEFINES"] = f"FLASHMOE_PLANT_BUG={bug}"
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env

@@ -36,7 +36,11 @@ def edit(repo: Path, path: str, old: str, new: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_git_bisect_run_names_the_breaking_commit(tmp_path):
+    """Long (80-100 s on 2 cores: a copied project, nox, and a CPU rebuild per bisect step), so it
+    runs in the scheduled run (`--long`); the exit-code contract of a single step, which the recipe
+    rests on, is tested on every pull request (tests/gates/test_testing.py)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     copy_project(REPO_ROOT, repo)

@@ -41,6 +41,9 @@ def stage_env(reports: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+THIS_FILE = "tests/gates/test_testing.py"
+
+
 def run_stage(reports: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "flashmoe_science", "test", *args],
@@ -344,16 +347,18 @@ def test_a_cuda_selection_without_a_gpu_stops_a_bisect(tmp_path, gate_ids):
 
 @pytest.mark.slow
 def test_a_selection_without_gates_is_no_verdict(tmp_path):
-    # A test of this very module: fast, and never a gate.
+    # A test of this very module, collected alone (a path under tests/ narrows the collection):
+    # fast, and never a gate.
     only = "test_outcome_of_a_session and no-gates-selected"
-    run = run_stage(tmp_path, "-k", only)
+    run = run_stage(tmp_path, THIS_FILE, "-k", only)
     assert run.returncode == exitcodes.ENV_BROKEN, run.stdout + run.stderr
     assert ALL_PASSED not in run.stdout + run.stderr
     assert "1 test passed; no gate selected" in run.stderr and "--no-gates-ok" in run.stderr
     rec = record(tmp_path)
     assert rec["outcome"] == "no-gates-selected" and rec["tests"]["passed"] == 1
     assert rec["selection"]["keyword"] == only
-    run = run_stage(tmp_path, "-k", only, "--no-gates-ok")
+    assert THIS_FILE in rec["selection"]["args"] and "tests" not in rec["selection"]["args"]
+    run = run_stage(tmp_path, THIS_FILE, "-k", only, "--no-gates-ok")
     assert run.returncode == exitcodes.OK, run.stdout + run.stderr
     assert ALL_PASSED not in run.stdout
 
@@ -361,7 +366,7 @@ def test_a_selection_without_gates_is_no_verdict(tmp_path):
 @pytest.mark.slow
 def test_a_selection_that_matches_nothing_is_no_tests_collected(tmp_path):
     (tmp_path / gate_plugin.RECORD).write_text('{"outcome": "passed"}')  # an older run's record
-    run = run_stage(tmp_path, "-k", "no_such_test_anywhere")
+    run = run_stage(tmp_path, THIS_FILE, "-k", "no_such_test_anywhere")
     assert run.returncode == exitcodes.ENV_BROKEN, run.stdout + run.stderr
     assert "no tests collected: -k 'no_such_test_anywhere' matched nothing" in run.stderr
     assert "--list" in run.stderr
@@ -547,3 +552,11 @@ def test_the_stage_runs_pytest_with_the_report_plugins():
         "pytest_instafail",
     ]
     assert cmd[-7:] == ["-n", "4", "-q", "--durations=20", "--durations-min=5", "-k", "x"]
+
+
+def test_gates_take_no_paths(capsys):
+    """`--gates` collects the gate modules itself: a path beside it would be dropped silently."""
+    with pytest.raises(SystemExit) as stop:
+        testing.main(["--gates", "tests/bench/", "-k", "x"])
+    assert stop.value.code == 2
+    assert "leave out tests/bench/" in capsys.readouterr().err

@@ -10,7 +10,7 @@ base. (Timed one after another, the same cuDNN kernel differed between the cuDNN
 columns of one run by more than the threshold: benches/notes/harness.md, v3.2.)
 
 A case whose timing of ours or of any baseline shows a disturbance (an IQR over
-stats.UNSTABLE_SPREAD of its median) is measured again whole, up to RETAKES times, and keeps its
+stats.UNSTABLE_SPREAD of its median) is measured again whole, up to TimingConfig.retakes times, and keeps its
 least disturbed attempt; the record says how often, and which columns stayed unstable (their
 ratios are then not judged: pipeline.targets).
 
@@ -43,10 +43,6 @@ from .stats import sig, summarize
 from .timing import Timing, TimingConfig, benchmark, first_line, peak_memory_bytes
 
 ROUNDS = 4
-# A case whose spread shows a disturbance is timed again at most this often: a disturbance (another
-# process, a clock change) lasts a moment, so one retake usually clears it; the second covers one
-# that spans a retake, and a third would add only time to a case that stays disturbed.
-RETAKES = 2
 
 
 def figures(case: Case, timing: Timing, ceilings: dict, peak: int | None) -> Measured:
@@ -217,14 +213,13 @@ def measure_interleaved(
     config: TimingConfig,
     ceilings: dict,
     rounds: int,
-    retakes: int = RETAKES,
     say=None,
 ) -> dict[str, Result]:
     """Time each of calls {name: (fn, backend)} in `rounds` interleaved rounds (`_timed_rounds`);
     the results in the order of calls. A refusal or a failure becomes that name's record.
 
     While any result's spread shows a disturbance (stats.unstable), all of them are timed again,
-    up to `retakes` times, and the least disturbed attempt is kept whole: every ratio stays between
+    up to config.retakes times, and the least disturbed attempt is kept whole: every ratio stays between
     columns of one attempt, and a disturbance that comes back on a retake does not replace a clean
     attempt. Each measured result records the retakes taken."""
     results: dict[str, Result] = {}
@@ -240,7 +235,7 @@ def measure_interleaved(
             except RuntimeError as exc:
                 results[name] = NotMeasured("error", first_line(exc))
     kept = _timed_rounds(live, case, timer, config, ceilings, rounds)
-    taken = 0
+    taken, retakes = 0, config.retakes
     while taken < retakes and unstable_names(kept):
         taken += 1
         if say:

@@ -104,7 +104,7 @@ from . import records as benchrecords
 from . import summary as benchmd
 from .baselines import Abort, build_checkout, first_call, our_call
 from .matrix import select
-from .measure import RETAKES, ROUNDS, run_case
+from .measure import ROUNDS, run_case
 from .records import (
     BenchRecord,
     Ceilings,
@@ -158,7 +158,6 @@ def run_matrix(
             **dataclasses.asdict(config),
             rounds=ROUNDS,
             unstable_spread=stats.UNSTABLE_SPREAD,
-            retakes=RETAKES,
             min_sample_ms=getattr(timer, "min_sample_ms", None),
         ),
         ceilings=Ceilings.from_json(ceilings),
@@ -238,6 +237,12 @@ def _threshold(text: str) -> float:
     return value
 
 
+def _retakes(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"the retakes are a whole number >= 0, got {text!r}")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"{program()} bench",
@@ -273,6 +278,12 @@ def parser() -> argparse.ArgumentParser:
         "--rep-ms",
         type=float,
         help="timed-call budget per measurement (default 100 on CUDA, 150 on CPU)",
+    )
+    p.add_argument(
+        "--retakes",
+        type=_retakes,
+        help="times a disturbed case is timed again, all columns (default 2; 0 for a run that "
+        "checks the plumbing, not the figures)",
     )
     g = p.add_argument_group("head against base")
     g.add_argument(
@@ -383,7 +394,7 @@ def run(args) -> int:
     if not args.list and (problem := xdist_problem()):  # listing times nothing
         raise Abort(exitcodes.ENV_BROKEN, problem)
     device = choose_device(args.backend, bool(args.bisect))
-    config = TimingConfig.for_device(device, args.warmup_ms, args.rep_ms)
+    config = TimingConfig.for_device(device, args.warmup_ms, args.rep_ms, args.retakes)
     if args.worker:
         return headbase.worker_main(device, config)
     try:

@@ -88,8 +88,12 @@ def _header_lines(record: BenchRecord) -> list[str]:
         )
         + (
             f"; a case with a timing whose IQR exceeds {100 * timing.unstable_spread:.0f}% of its "
-            f"median is measured again, up to {timing.retakes} times "
-            f"({targets.UNSTABLE_MARK}: still over it)"
+            + (
+                f"median is measured again, up to {timing.retakes} times "
+                if timing.retakes
+                else "median is marked, not measured again (--retakes 0) "
+            )
+            + f"({targets.UNSTABLE_MARK}: still over it)"
             if timing.unstable_spread is not None
             else ""
         )

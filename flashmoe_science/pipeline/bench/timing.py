@@ -31,9 +31,20 @@ class TimingConfig:
     min_reps: int
     max_reps: int
     estimate_calls: int  # calls that estimate the runtime to size the budgets
+    # A case whose spread shows a disturbance is timed again at most this often: a disturbance
+    # (another process, a clock change) lasts a moment, so one retake usually clears it; the
+    # second covers one that spans a retake, and a third would add only time to a case that stays
+    # disturbed. 0 for a run that checks the plumbing, not the figures.
+    retakes: int = 2
 
     @classmethod
-    def for_device(cls, device: str, warmup_ms: float | None = None, rep_ms: float | None = None):
+    def for_device(
+        cls,
+        device: str,
+        warmup_ms: float | None = None,
+        rep_ms: float | None = None,
+        retakes: int | None = None,
+    ):
         if device == "cuda":  # do_bench's defaults (25 ms, 100 ms), with the repeats capped
             base = cls(
                 warmup_ms=25, rep_ms=100, min_warmup=3, min_reps=10, max_reps=100, estimate_calls=5
@@ -42,7 +53,7 @@ class TimingConfig:
             base = cls(
                 warmup_ms=10, rep_ms=150, min_warmup=1, min_reps=5, max_reps=30, estimate_calls=1
             )
-        changes = {"warmup_ms": warmup_ms, "rep_ms": rep_ms}
+        changes = {"warmup_ms": warmup_ms, "rep_ms": rep_ms, "retakes": retakes}
         return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
 
 

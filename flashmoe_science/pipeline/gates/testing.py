@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Build (incrementally) and run the correctness gates and the other tests. "
         "Unknown options go to pytest, e.g. `-x`. Bisect with the gates alone: "
         "`git bisect run nox -s test -- --gates -k '<gate id>'`.",
-        epilog="Exit: 0 gates ran and passed; 1 a gate or another test failed; 125 no build; "
+        epilog="Paths under tests/ (tests/bench/, tests/gates/test_testing.py) collect those "
+        "alone. Exit: 0 gates ran and passed; 1 a gate or another test failed; 125 no build; "
         "255 no verdict (no gate selected, every gate skipped for want of a GPU, nothing "
         "collected, pytest unusable). The outcome and counts land in reports/gates.json.",
         allow_abbrev=False,
@@ -259,7 +260,11 @@ def main(argv: list[str]) -> int:
         _parser().error("--all goes with --list")
     if args.list:
         return list_gates(pytest_args, args.all)
-    targets = [*GATE_MODULES, "--gates-only"] if args.gates else ["tests"]
+    paths = [a for a in pytest_args if a == "tests" or a.startswith("tests/")]
+    pytest_args = [a for a in pytest_args if a not in paths]
+    if paths and args.gates:
+        _parser().error(f"--gates collects the gate modules itself; leave out {' '.join(paths)}")
+    targets = [*GATE_MODULES, "--gates-only"] if args.gates else (paths or ["tests"])
     start = time.monotonic()
     clear_outputs(gate_plugin.RECORD)
     long = "--long" in pytest_args or gate_plugin.long_from_env()
