@@ -4,6 +4,7 @@ is the pipeline's."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,11 +18,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["build"] and _loader.installed():
-        return _loader.main(argv[1:])
-    from .pipeline.cli import main as pipeline_main
+    try:
+        if argv[:1] == ["build"] and _loader.installed():
+            return _loader.main(argv[1:])
+        from .pipeline.cli import main as pipeline_main
 
-    return pipeline_main(argv)
+        return pipeline_main(argv)
+    except BrokenPipeError:
+        # The reader left (`... --list | head`): what it did not read is not an error of ours.
+        # stdout goes to /dev/null so that the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as the shell reports a reader that closed early
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
     report/  one markdown report of the run (reports/report.md, the PR comment)
 
 The modules at this level are what the stages share: cli (the command line), exitcodes, paths,
-provenance, stages (each stage's wall time), cases (case ids and inputs), gpukinds, markdown.
+provenance, stages (each stage's wall time), cases (case ids and inputs), gpukinds, load (the
+machine's load around a stage), markdown.
 Every command runs as `python -m flashmoe_science COMMAND`. Imports point down: a stage imports
 the shared modules and the stages listed above it, everything may import the library
 (`flashmoe_science.ops`, `_loader`), and the library never imports the pipeline

@@ -77,7 +77,7 @@ Options:
 
 The credential: $TOKEN_FILE, owned by root, mode 0600, holding a fine-grained personal access
 token limited to this one repository with the permission "Administration: Read and write"
-(what the registration-token endpoint needs), or a GitHub App installation token with the same.
+(what the generate-jitconfig endpoint needs), or a GitHub App installation token with the same.
 Only the service (root) reads it; the runner's users cannot, and a runner's .env holds no secret.
 Each runner's just-in-time configuration (its own credential, good for that one runner) reaches
 run.sh in its environment (ACTIONS_RUNNER_INPUT_JITCONFIG), never on a command line.
