@@ -108,3 +108,49 @@ def test_the_notes_index_names_files_that_exist_and_every_file_is_indexed():
 def test_relative_links_lead_somewhere(page):
     broken = broken_links(page)
     assert not broken, f"{page.relative_to(ROOT)} links to files that do not exist: {broken}"
+
+
+# Where a named path is run or read, not only described: a path that moved breaks these.
+EXECUTED = (".ci/run", "noxfile.py", "pyproject.toml", "MANIFEST.in")
+EXECUTED_DIRS = ("scripts", ".github")
+# A path of the repository: its top folder, then the rest.
+REPO_PATH = re.compile(
+    r"(?<![\w.-])((?:flashmoe_science|tests|scripts|csrc|docs|benches|requirements|\.github|\.ci)"
+    r"/[A-Za-z0-9_./-]*[A-Za-z0-9_])"
+)
+# Placeholders (requirements/NAME.txt, actions/OWNER/REPO) and what only the wheel lays out
+# (the package-dir mapping of csrc/ and benches/ into flashmoe_science/).
+NOT_IN_THE_TREE = re.compile(r"\b(NAME|OWNER|REPO|KIND)\b|^flashmoe_science/(csrc|benches)\b")
+
+
+def missing_paths(text: str, root: Path = ROOT) -> list[str]:
+    named = set()
+    for match in REPO_PATH.finditer(text):
+        token = re.split(r"[\s'\"(]", text[: match.start()])[-1]
+        if "://" not in token:  # a URL's path is another site's
+            named.add(match.group(1).rstrip("."))
+    return sorted(p for p in named if not NOT_IN_THE_TREE.search(p) and not (root / p).exists())
+
+
+def executed_files() -> list[Path]:
+    files = [ROOT / name for name in EXECUTED]
+    for folder in EXECUTED_DIRS:
+        files += [p for p in sorted((ROOT / folder).rglob("*")) if p.is_file()]
+    return files
+
+
+@pytest.mark.parametrize("path", executed_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_a_script_or_workflow_names_exists(path):
+    """A module or script that moved leaves no runner script, workflow or session pointing at
+    its old place (register.sh's preflight once tested a path the move had emptied)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        pytest.skip("not text")
+    assert missing_paths(text) == []
+
+
+def test_a_moved_path_is_caught():
+    text = 'test -f "$root/flashmoe_science/pipeline/runner_requirements.py" || die'
+    assert missing_paths(text) == ["flashmoe_science/pipeline/runner_requirements.py"]
+    assert missing_paths("requirements/NAME.txt flashmoe_science/csrc/attention_ops.h") == []

@@ -193,7 +193,7 @@ preflight() {
   fi
   [[ -x "$PYTHON" ]] ||
     die "no interpreter at $PYTHON" "install torch there (see docs/runners.md) or pass --python PATH"
-  [[ -f "$repo_root/flashmoe_science/pipeline/runner_requirements.py" ]] ||
+  [[ -f "$repo_root/flashmoe_science/pipeline/ci/runner_requirements.py" ]] ||
     die "preflight needs the repository's checkout ($repo_root has none)" \
       "run scripts/runner/register.sh from a checkout of the repository"
   PYTHONPATH="$repo_root" "$PYTHON" -m flashmoe_science.pipeline.ci.runner_requirements ||

@@ -178,6 +178,11 @@ def test_a_report_only_change_reuses_mains_verdict_and_the_report_says_so(
     assert doc["changed"] == ["flashmoe_science/pipeline/report/render.py"]
     gates = json.loads((reports_dir() / gate_plugin.RECORD).read_text())
     assert gates["outcome"] == "passed" and gates["gates"]["ran"] == 1914
+    assert (gates["worst_max_diff"], gates["worst_case"], gates["worst_ratio"]) == (
+        0.0039,
+        "fwd-bf16-d128-s512-causal",
+        1.4,
+    ), "main's worst figures travel with its verdict"
     assert gates["reused"] == {
         "sha": base,
         "run_id": RUN,

@@ -199,7 +199,7 @@ def write_record(
         gates, tests = empty_counts()
     rows = list(rows)
     failed_rows = [r for r in rows if r.get("outcome") != "passed"]
-    worst = max(rows, key=lambda r: r.get("max_diff") or 0.0) if rows else {}
+    worst_row = max(rows, key=lambda r: r.get("max_diff") or 0.0) if rows else {}
     doc = {
         "schema": SCHEMA,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -212,8 +212,8 @@ def write_record(
         "tests": tests,
         "total": len(rows),
         "failed": len(failed_rows),
-        "worst_max_diff": worst.get("max_diff"),
-        "worst_case": worst.get("case_id"),
+        "worst_max_diff": worst_row.get("max_diff"),
+        "worst_case": worst_row.get("case_id"),
         "worst_ratio": max((r.get("ratio") or 0.0) for r in rows) if rows else None,
         "cases": sorted(rows, key=lambda r: (r.get("outcome") == "passed", r.get("case_id", ""))),
         "training": training,
