@@ -141,7 +141,7 @@ PYTHON_GIVEN=0
 TORCH_SPEC=""
 TORCH_CHOSEN=0
 CPU=0
-CUDA=0
+WANT_CUDA=0
 TORCH_INDEX_URL=""
 REQUIRE_GPU=0
 HOOKS=1
@@ -157,7 +157,7 @@ while [[ $# -gt 0 ]]; do
     --python) need_value "$@"; PYTHON="$2"; PYTHON_GIVEN=1; shift 2 ;;
     --torch) need_value "$@"; TORCH_SPEC="$2"; TORCH_CHOSEN=1; shift 2 ;;
     --cpu) CPU=1; TORCH_CHOSEN=1; shift ;;
-    --cuda) CUDA=1; TORCH_CHOSEN=1; shift ;;
+    --cuda) WANT_CUDA=1; TORCH_CHOSEN=1; shift ;;
     --torch-index-url) need_value "$@"; TORCH_INDEX_URL="$2"; shift 2 ;;
     --require-gpu) REQUIRE_GPU=1; shift ;;
     --no-hooks) HOOKS=0; shift ;;
@@ -171,7 +171,7 @@ done
 VENV_PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-((!CPU || !CUDA)) || usage_error "--cpu and --cuda exclude each other"
+((!CPU || !WANT_CUDA)) || usage_error "--cpu and --cuda exclude each other"
 
 # nvcc on PATH or in CUDA_HOME: a machine that compiles the CUDA unit without a GPU (CI) needs the
 # CUDA torch; one with neither a GPU nor nvcc can only run the CPU build.
@@ -185,7 +185,7 @@ if [[ -n "$TORCH_SPEC" ]]; then
 elif ((CPU)); then
   TORCH_SPEC="$DEFAULT_TORCH_CPU"
   TORCH_WHY="a CPU build, because --cpu was given"
-elif ((!CUDA)) && ! cuda_machine; then
+elif ((!WANT_CUDA)) && ! cuda_machine; then
   CPU=1
   TORCH_SPEC="$DEFAULT_TORCH_CPU"
   TORCH_WHY="a CPU build: this machine has no NVIDIA GPU (no nvidia-smi) and no nvcc; --cuda installs the CUDA build instead"
@@ -334,11 +334,11 @@ EOF
     fi
     # Isolated, pip sees only the venv and installs into it alone.
     env "$ISOLATE_VAR=1" "$VENV_PY" -m pip install "${TORCH_INDEX[@]}" "$TORCH_SPEC"
-    CUDA="$("$VENV_PY" -W ignore -c 'import torch; print(torch.version.cuda or "")')"  # numpy comes in step 4
-    if [[ -z "$CUDA" ]]; then
+    TORCH_CUDA="$("$VENV_PY" -W ignore -c 'import torch; print(torch.version.cuda or "")')"  # numpy comes in step 4
+    if [[ -z "$TORCH_CUDA" ]]; then
       info "installed torch $(torch_version) (CPU build)"
     else
-      info "installed torch $(torch_version) (CUDA $CUDA)"
+      info "installed torch $(torch_version) (CUDA $TORCH_CUDA)"
       ((!CPU)) || info "warning: --cpu was given but pip chose a CUDA build: try --torch-index-url https://download.pytorch.org/whl/cpu"
     fi
   fi

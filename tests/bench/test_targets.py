@@ -1,4 +1,4 @@
-"""The benchmark's speed-target cases (pipeline.targetcases, targetmeasure, targets): their ids and
+"""The benchmark's speed-target cases (pipeline.bench.target_cases, targetmeasure, targets): their ids and
 selection, their records and schema, the verdicts computed from records, bench.md and the report
 section, and the calls they time, run on the CPU (the CUDA timings run on the GPU machine)."""
 

@@ -18,6 +18,7 @@ from gitrepo import commit, git
 from flashmoe_science.pipeline import exitcodes, report
 from flashmoe_science.pipeline.ci import gpuci, historybranch, selection
 from flashmoe_science.pipeline.gates import plugin as gate_plugin
+from flashmoe_science.pipeline.paths import REPO_ROOT
 from flashmoe_science.pipeline.report.sections import ICONS, NOTE
 
 BUILD = ("torch2.14.1-cu13.0-sm90a", "13.0")  # the kernel build's key and nvcc, as a runner makes
@@ -162,6 +163,16 @@ def test_a_one_line_csrc_change_runs_the_full_matrix(repo, tmp_path):
     assert "gate inputs changed: csrc/flash_fwd.cu" in doc["reason"]
     assert doc["key"] != mains_key(repo), "the key follows the kernel's bytes"
     assert not (reports_dir() / gate_plugin.RECORD).exists(), "the test stage writes the gates"
+
+
+def test_a_kernel_moved_into_docs_is_a_change_to_csrc(repo):
+    """git reads a move as a rename; the path it left counts as changed, not only the new one."""
+    (repo / "docs").mkdir()
+    git(repo, "mv", "csrc/flash_fwd.cu", "docs/flash_fwd.cu")
+    commit(repo, "move the forward kernel out of the unit")
+    changed = selection.changed_paths("origin/main", repo)
+    assert changed == ["csrc/flash_fwd.cu", "docs/flash_fwd.cu"]
+    assert selection.decide(changed).mode == selection.FULL
 
 
 def test_a_report_only_change_reuses_mains_verdict_and_the_report_says_so(
@@ -333,3 +344,23 @@ def test_the_command_writes_its_decision_for_the_workflow(repo, tmp_path, monkey
     assert selection.main(args) == exitcodes.OK
     assert output.read_text() == "mode=full\n"  # no origin/bench-history here
     assert selection.main(["--kind", "a100"]) == exitcodes.USAGE
+
+
+def test_no_code_that_makes_the_decision_is_neutral():
+    """The `select` step runs the pull request's own code: were a module it imports (or a package
+    above one) neutral, a pull request could change how it decides and still be offered main's
+    verdict."""
+    from importgraph import import_graph, imported_by
+
+    graph = import_graph(REPO_ROOT)
+    run = set()
+    for start in ("flashmoe_science.__main__", "flashmoe_science.pipeline.cli", selection.__name__):
+        run |= imported_by(graph, start)
+    run |= {".".join(m.split(".")[:i]) for m in run for i in range(1, m.count(".") + 1)}
+    paths = []
+    for module in sorted(run):
+        as_path = REPO_ROOT / Path(*module.split("."))
+        path = as_path / "__init__.py" if as_path.is_dir() else as_path.with_suffix(".py")
+        paths.append(path.relative_to(REPO_ROOT).as_posix())
+    assert "flashmoe_science/pipeline/ci/__init__.py" in paths  # the closure reaches the packages
+    assert [p for p in paths if not selection.is_gate_input(p)] == []

@@ -323,6 +323,16 @@ def test_a_head_pushed_just_before_the_label_is_refused_and_the_pr_told(runs, wh
     assert "label again" in body and "Actions tab" in body
 
 
+def test_a_label_on_a_branch_of_this_repository_reruns_without_waiting():
+    """A same-repository branch runs on each push already: a fresh head is no reason to refuse
+    its label (nor to comment on the pull request)."""
+    gh = FakeGitHub("maintain", runs=[run_of(5, SHA, "synchronize", 1)])
+    payload = event("labeled", fork=False, label={"name": "safe-to-test"}, sender={"login": "m"})
+    out = decide("pull_request_target", payload, gh)
+    assert (out["run"], out["sha"], out["environment"]) == ("true", SHA, "gpu-trusted")
+    assert not [c for c in gh.calls if c[:2] == ("POST", "issues/5/comments")]
+
+
 def test_a_settled_head_runs_and_other_prs_runs_do_not_count():
     runs = [
         run_of(6, SHA, "synchronize", 1),  # another PR pushed the same commit just now

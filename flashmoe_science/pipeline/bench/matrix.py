@@ -1,6 +1,6 @@
 """The benchmark's case matrix: prefill over the FA2 benchmark's 16k-token sweep, decode over cache
 lengths, batches and GQA ratios, small shapes, and the backward (alone, and with the forward as a
-training step) over the prefill sweep; then the speed-target cases (targetcases: varlen, paged
+training step) over the prefill sweep; then the speed-target cases (target_cases: varlen, paged
 decode, host cost, the small model); scaled down on the CPU backend."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ columns of one run by more than the threshold: benches/notes/harness.md, v3.2.)
 A case whose timing of ours or of any baseline shows a disturbance (an IQR over
 stats.UNSTABLE_SPREAD of its median) is measured again whole, up to TimingConfig.retakes times, and keeps its
 least disturbed attempt; the record says how often, and which columns stayed unstable (their
-ratios are then not judged: pipeline.targets).
+ratios are then not judged: pipeline.bench.targets).
 
 Read floor ("read_floor"): the fastest of a few Triton kernels that only read the case's K and V
 (flashmoe_science.pipeline.bench.readfloor), timed in the same interleaved rounds as ours and the

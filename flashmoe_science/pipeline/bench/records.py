@@ -389,7 +389,7 @@ class BenchRecord:
     ceilings: Ceilings
     cases: list[CaseRecord]
     comparison: Comparison | None = None
-    # the speed-target cases (pipeline.targetcases); left out when none ran
+    # the speed-target cases (pipeline.bench.target_cases); left out when none ran
     targets: list[TargetRecord] | None = dataclasses.field(default=None, metadata=OPTIONAL)
     # the extra -D defines of the library that was timed (FLASHMOE_BUILD_DEFINES); left out when
     # none: a run of a variant (an experiment's switch, a planted bug) says so

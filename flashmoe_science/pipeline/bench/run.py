@@ -27,13 +27,13 @@ the case's K and V, timed in the same interleaved rounds as ours and the baselin
 to beat it by much, so SDPA's time over it bounds what any kernel can gain on SDPA there; its
 "ratio" is its time / ours (1 would be a decode as fast as a bare read).
 
-Speed targets (pipeline.targetcases; after the matrix, selected by `--case` like it): varlen
+Speed targets (pipeline.bench.target_cases; after the matrix, selected by `--case` like it): varlen
 (`varlen-*`: a packed batch of mixed lengths against our dense kernel run once per distinct length,
 in one timing window), paged decode (`paged-*`: a shuffled block table against the same contents
 contiguous, both with the read floor), host cost (`host-*`: the time per call of 2,000 back-to-back
 calls without a synchronisation, CUDA events around the loop, beside SDPA's equivalent call) and the
 small Llama-style model (`model-*`: prefill and greedy decoding with our attention and with SDPA's).
-Their records go to bench.json's "targets"; pipeline.targets judges each ratio against its target
+Their records go to bench.json's "targets"; pipeline.bench.targets judges each ratio against its target
 (and the read floor of every matrix decode case of at least 64 MiB), for bench.md and the report.
 On the CPU backend the host-cost and model cases are "unsupported" records, and nothing is judged.
 Only our kernel failing on a speed case fails the run; a missed target does not.
@@ -73,15 +73,15 @@ kernel failed on a case; 2 usage; 125 this checkout does not build; 255 environm
 torch, no GPU for --backend cuda or --bisect, running under pytest-xdist).
 
 Output: <report dir>/bench.json (schema "flashmoe-science/bench/1", benches/bench.schema.json,
-validated when written; benchrecords.load reads it back) and <report dir>/bench.md, both removed
+validated when written; records.load reads it back) and <report dir>/bench.md, both removed
 before a run starts. Worker requests have no timeout: the CI job's timeout bounds a hung worker.
 
-Where the parts live (all in flashmoe_science.pipeline): cases (Case, ids, inputs), benchmatrix (the
-matrix), timing (timers, benchmark, ceilings), baselines (our call, SDPA), measure (one case into a
-record), machine, headbase (worktree, workers, verdicts), history (stored runs), benchrecords
-(bench.json), benchmd (bench.md), targetcases and targetmeasure (the speed-target cases and their
-measurement), targets (their verdicts), smallmodel (the model case's model). This module is the
-command line and the order of the steps.
+Where the parts live (flashmoe_science.pipeline.cases, and beside this module in bench/): cases
+(Case, ids, inputs), matrix (the matrix), timing (timers, benchmark, ceilings), baselines (our
+call, SDPA), measure (one case into a record), machine, headbase (worktree, workers, verdicts),
+history (stored runs), records (bench.json), summary (bench.md), target_cases and target_measure
+(the speed-target cases and their measurement), targets (their verdicts), smallmodel (the model
+case's model). This module is the command line and the order of the steps.
 """
 
 from __future__ import annotations

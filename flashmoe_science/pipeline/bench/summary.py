@@ -1,5 +1,5 @@
 """bench.md: the benchmark record as a markdown table, the speed targets' tables and verdicts
-(pipeline.targets), and the head-against-base section."""
+(pipeline.bench.targets), and the head-against-base section."""
 
 from __future__ import annotations
 

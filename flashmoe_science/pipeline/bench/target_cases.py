@@ -172,7 +172,7 @@ class HostTarget:
 
 @dataclasses.dataclass(frozen=True)
 class ModelTarget:
-    """The small Llama-style model (pipeline.smallmodel): prefill of `batch` x `prompt` tokens, and
+    """The small Llama-style model (pipeline.bench.smallmodel): prefill of `batch` x `prompt` tokens, and
     greedy generation of `new_tokens` with the KV cache; our attention against SDPA."""
 
     dtype: str = "bf16"

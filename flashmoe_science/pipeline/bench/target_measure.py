@@ -1,4 +1,4 @@
-"""The speed-target cases (targetcases), measured into records (benchrecords): the two sides of a
+"""The speed-target cases (target_cases), measured into records (records): the two sides of a
 ratio timed together as the matrix's columns are (measure.measure_interleaved: CUDA events,
 warm-up, L2 flush, interleaved rounds, median, retakes), the host cost by timing.host_cost_us with
 the sides' loops in turn, and the small model by timing.benchmark (prefill) and the wall clock

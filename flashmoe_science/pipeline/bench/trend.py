@@ -4,7 +4,7 @@ and where a run stands against it.
 A *point* is what a push to main keeps of one leg's bench.json: per case, our kernel's median time,
 with the commit, the date and the GPU. The trusted `history` job (bench-history.yml) stores one file
 per point on the `bench-history` branch (points/<kind>/<date>-<sha>.json beside the whole
-bench.json: pipeline.historybranch, one folder per GPU kind; nothing else writes there). From the
+bench.json: pipeline.ci.historybranch, one folder per GPU kind; nothing else writes there). From the
 last KEEP points of the same kind and GPU:
 
     band(case)   the history's median ± max(NOISE_K robust standard deviations, MIN_BAND of it):

@@ -17,8 +17,8 @@ these from the default branch's code (never a pull request's), on GitHub-hosted 
                   pipeline.gpukinds) ran and passed on the PR's head commit (in this run, or an
                   earlier one that set the commit status); names the legs that did not; sets the
                   commit status STATUS_CONTEXT on that commit either way.
-    history       each leg of main's pushed run against its kind's stored history (pipeline.trend),
-                  then stored on the `bench-history` branch under the kind (pipeline.historybranch);
+    history       each leg of main's pushed run against its kind's stored history (pipeline.bench.trend),
+                  then stored on the `bench-history` branch under the kind (pipeline.ci.historybranch);
                   an alert (a commit comment, exit 1) when a case left its history's noise band.
                   Each leg's gate verdict is stored there too, under its selection key, for the
                   pull requests that change no gate input (ci/selection.py).
@@ -387,7 +387,10 @@ def decide(
                 "reason": f"{log_safe(sender, 40)} has {log_safe(role, 20)} access; only "
                 "write, maintain or admin may start a GPU run",
             }
-        why = unsettled(gh, number, head_sha, labelled or dt.datetime.now(dt.timezone.utc))
+        # A branch of this repository already runs on each push: its label is a rerun, not a
+        # review of someone else's commit, so there is nothing to let settle.
+        now = labelled or dt.datetime.now(dt.timezone.utc)
+        why = None if trusted_branch else unsettled(gh, number, head_sha, now)
         if why is not None:
             gh.call("POST", f"issues/{number}/comments", {"body": refused_comment(head_sha, why)})
             return {**pr_out, "reason": f"{why}: the head must be {SETTLE_MINUTES} min old"}
@@ -556,7 +559,7 @@ def gate(
 
 
 # --------------------------------------------------------------------------------------------------
-# main's benchmark history (the bench-history branch: pipeline.historybranch)
+# main's benchmark history (the bench-history branch: pipeline.ci.historybranch)
 # --------------------------------------------------------------------------------------------------
 
 

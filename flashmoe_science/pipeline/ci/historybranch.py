@@ -3,7 +3,7 @@
 Each push to main whose GPU CI run passed adds one commit per GPU kind (pipeline.gpukinds: one
 leg of the GPU job each) to the branch, which holds nothing else (it starts without a parent):
 
-    points/<kind>/<date>-<sha12>.json   the leg's trend point (pipeline.trend: our median per case)
+    points/<kind>/<date>-<sha12>.json   the leg's trend point (pipeline.bench.trend: our median per case)
     runs/<kind>/<date>-<sha12>.json     the leg's bench.json as its GPU job wrote it (samples included)
     verdicts/<kind>/<key>.json          the leg's gate verdict under its selection key, which a pull
                                         request that changes no gate input reuses (ci/selection.py)

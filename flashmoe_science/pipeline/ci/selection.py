@@ -21,7 +21,9 @@ Where main's verdicts live: the bench-history branch, verdicts/KIND/KEY.json
 (historybranch.Branch.store_verdict), written only by bench-history.yml after a push to main whose
 GPU CI run passed, from that run's selection.json and gates.json (verdict_record). A pull
 request's run only reads the branch (the checkout's origin/bench-history): no run ever reads what
-a pull request's run wrote.
+a pull request's run wrote. The branch has no protection (bench-history.yml pushes to it), so
+whoever can push to the repository can write a verdict there too (scripts/runner/SETTINGS.md,
+item 10).
 
 `python -m flashmoe_science select` writes reports/selection.json ("flashmoe-science/selection/1":
 mode, reason, base, changed and gate_inputs (the changed paths, the gate inputs among them), key,
@@ -64,10 +66,7 @@ MAX_VERDICT_BYTES = 1 << 20
 NEUTRAL = (
     # the report and the trusted CI steps: they render and judge the records, no gate runs them
     "flashmoe_science/pipeline/report/",
-    "flashmoe_science/pipeline/markdown.py",
-    "flashmoe_science/pipeline/ci/__init__.py",
     "flashmoe_science/pipeline/ci/gpuci.py",
-    "flashmoe_science/pipeline/ci/historybranch.py",
     "flashmoe_science/pipeline/ci/runner_requirements.py",
     "requirements/report.txt",
     # their tests (tests/ci/ holds the trusted steps' and the workflows', tests/report/ the report's)
@@ -127,7 +126,8 @@ def changed_paths(base: str | None, tree: Path = REPO_ROOT) -> list[str] | None:
     """The paths HEAD changes since its merge base with `base`; None without a usable base."""
     if not base or _git(tree, "rev-parse", "--quiet", "--verify", f"{base}^{{commit}}").returncode:
         return None
-    diff = _git(tree, "diff", "--name-only", "-z", f"{base}...HEAD")
+    # --no-renames: a file moved out of csrc/ is a change to csrc/, not only to where it landed
+    diff = _git(tree, "diff", "--no-renames", "--name-only", "-z", f"{base}...HEAD")
     if diff.returncode:
         return None
     return sorted(name for name in diff.stdout.decode(errors="replace").split("\0") if name)

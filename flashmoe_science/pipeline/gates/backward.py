@@ -11,7 +11,7 @@ Gate 2 (FlashAttention's rule for gradients, tests/test_flash_attn.py): max |g -
 the input precision and floor = 2 * max |(g_ref + 0.3 - 0.3) - g_ref| in the input dtype.
 
 Every case also checks: no NaN or Inf, every gradient element written (the call's fresh tensors
-come filled with NaN: gates.poisoned_outputs), and for deterministic=True cases, bit-identical
+come filled with NaN: forward.poisoned_outputs), and for deterministic=True cases, bit-identical
 gradients over 10 calls.
 """
 

@@ -31,7 +31,7 @@ The privileged job that comments on pull requests (pr-report.yml) renders with t
 branch's code from the run's artifact: --tested-sha (the commit it verified the run tested; the
 records must describe it), --run-id, --run-url, --head-sha (the PR's head now: a newer one makes
 the verdict stale), --changed-files (the PR's changed paths: a warning when they include the CI or
-the report code) and --history (main's stored benchmark points, pipeline.trend). With --legs
+the report code) and --history (main's stored benchmark points, pipeline.bench.trend). With --legs
 (a folder of the run's artifacts, one gpu-ci-reports-KIND/ per GPU kind) and --jobs (the run's
 jobs and their results), it renders the one comment over every leg instead (report.legs): a
 verdict line per GPU kind, then each kind's report; --history then holds one folder per kind.
@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="DIR",
-        help="main's stored benchmark points (pipeline.trend): add the performance history",
+        help="main's stored benchmark points (pipeline.bench.trend): add the performance history",
     )
     parser.add_argument(
         "--legs",

@@ -50,7 +50,7 @@ class Inputs:
     tested_sha: str | None = None
     changed_paths: list[str] | None = None
     head_sha: str | None = None  # the PR's head now, when it has moved on since the run
-    history: list[dict] | None = None  # main's stored benchmark records (pipeline.trend)
+    history: list[dict] | None = None  # main's stored benchmark records (pipeline.bench.trend)
     gpu_kind: str | None = None  # the GPU CI leg the records come from (pipeline.gpukinds)
     artifact: str = "reports/"  # the artifact that holds the records, for the footer
 

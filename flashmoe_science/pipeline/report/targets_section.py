@@ -1,4 +1,4 @@
-"""The speed-targets section, from bench.json: the verdicts of pipeline.targets (varlen against our
+"""The speed-targets section, from bench.json: the verdicts of pipeline.bench.targets (varlen against our
 dense kernel, paged against contiguous decode, decode against the read floor, host cost against
 SDPA) and the small model's figures beside SDPA's.
 
