@@ -74,6 +74,18 @@ def this_run_started_now() -> tuple[int, dict]:
     return 200, {"created_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
+def approve_a_label(tmp_path, api, head_sha: str, sender: str) -> tuple[int, str]:
+    """gpu-ci.yml's approve job under act, on `sender` labelling the fork's head safe-to-test."""
+    payload = pr_event(
+        "labeled", head_sha, fork=True, label={"name": "safe-to-test"}, sender={"login": sender}
+    )
+    try:
+        rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "approve", "pull_request_target", payload)
+    finally:
+        api.close()
+    return rc, log
+
+
 def test_a_labelled_fork_commit_is_approved_by_a_writer_and_the_label_removed(tmp_path, head_sha):
     api = Api(
         {
@@ -83,17 +95,7 @@ def test_a_labelled_fork_commit_is_approved_by_a_writer_and_the_label_removed(tm
             ("GET", "actions/runs/1"): this_run_started_now(),
         }
     )
-    payload = pr_event(
-        "labeled",
-        head_sha,
-        fork=True,
-        label={"name": "safe-to-test"},
-        sender={"login": "maintainer"},
-    )
-    try:
-        rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "approve", "pull_request_target", payload)
-    finally:
-        api.close()
+    rc, log = approve_a_label(tmp_path, api, head_sha, "maintainer")
     assert rc == 0, log[-3000:]
     assert api.called("DELETE", "issues/7/labels/safe-to-test") == [None]
     assert api.called("GET", "collaborators/maintainer/permission")
@@ -115,17 +117,7 @@ def test_a_head_pushed_just_before_the_label_does_not_run(tmp_path, head_sha):
             ("POST", "issues/7/comments"): (201, {}),
         }
     )
-    payload = pr_event(
-        "labeled",
-        head_sha,
-        fork=True,
-        label={"name": "safe-to-test"},
-        sender={"login": "maintainer"},
-    )
-    try:
-        rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "approve", "pull_request_target", payload)
-    finally:
-        api.close()
+    rc, log = approve_a_label(tmp_path, api, head_sha, "maintainer")
     assert rc == 0, log[-3000:]
     assert "approve: run=false" in log and "pushed 1 min before the label" in log
     (comment,) = api.called("POST", "issues/7/comments")
@@ -139,13 +131,7 @@ def test_a_triage_labeller_starts_nothing(tmp_path, head_sha):
             ("DELETE", "issues/7/labels/"): (200, []),
         }
     )
-    payload = pr_event(
-        "labeled", head_sha, fork=True, label={"name": "safe-to-test"}, sender={"login": "triager"}
-    )
-    try:
-        rc, log, _ = run_job(tmp_path, api, "gpu-ci.yml", "approve", "pull_request_target", payload)
-    finally:
-        api.close()
+    rc, log = approve_a_label(tmp_path, api, head_sha, "triager")
     assert rc == 0, log[-3000:]
     assert "approve: run=false" in log and "has triage access" in log
     assert api.called("DELETE", "issues/7/labels/safe-to-test")  # removed all the same
