@@ -5,5 +5,6 @@ time ours and the baselines (baselines.py) in interleaved rounds, readfloor.py t
 the KV cache, target_cases.py and target_measure.py time the speed targets that targets.py judges,
 headbase.py compares two commits, stats.py holds the statistics. records.py types bench.json;
 summary.py writes bench.md; history.py and trend.py keep the runs over time.
-Reads: the built unit. Writes: reports/bench.json, reports/bench.md, benches/history/.
+Reads: the built unit. Writes: reports/bench.json, reports/bench.md, and the run's samples to
+<build root>/bench-history/ (history.py; --history DIR moves it).
 """
