@@ -153,37 +153,32 @@ class GitHub:
         except urllib.error.HTTPError as exc:
             raise ApiError(exc.code, f"GET {path} (its redirect)") from None
 
-    def workflow_runs(self, workflow: str, event: str, pages: int = 10) -> list[dict]:
-        """A workflow's runs of one event, newest first ({display_title, created_at, ...})."""
-        runs: list[dict] = []
+    def _listed(self, path: str, key: str, pages: int = 10) -> list[dict]:
+        """The `key` list of a paged listing, page by page (100 a page) until a short page."""
+        items: list[dict] = []
+        joiner = "&" if "?" in path else "?"
         for page in range(1, pages + 1):
-            doc = self.call(
-                "GET",
-                f"actions/workflows/{urllib.parse.quote(workflow, safe='')}/runs"
-                f"?event={event}&per_page=100&page={page}",
-            )
-            listed = (doc or {}).get("workflow_runs") if isinstance(doc, dict) else None
+            doc = self.call("GET", f"{path}{joiner}per_page=100&page={page}")
+            listed = (doc or {}).get(key) if isinstance(doc, dict) else None
             if not isinstance(listed, list) or not listed:
                 break
-            runs += [run for run in listed if isinstance(run, dict)]
-            if len(listed) < 100:
+            items += [item for item in listed if isinstance(item, dict)]
+            if len(listed) < 100:  # the last page
                 break
-        return runs
+        return items
+
+    def workflow_runs(self, workflow: str, event: str, pages: int = 10) -> list[dict]:
+        """A workflow's runs of one event, newest first ({display_title, created_at, ...})."""
+        quoted = urllib.parse.quote(workflow, safe="")
+        return self._listed(
+            f"actions/workflows/{quoted}/runs?event={event}", "workflow_runs", pages
+        )
 
     def run_artifacts(self, run_id: str) -> list[dict]:
         """A workflow run's artifacts ({id, name, size_in_bytes, created_at, digest, ...})."""
         if not re.fullmatch(r"[0-9]{1,20}", run_id or ""):
             raise ValueError(f"run id {log_safe(run_id, 40)!r} is not a number")
-        artifacts: list[dict] = []
-        for page in range(1, 11):
-            doc = self.call("GET", f"actions/runs/{run_id}/artifacts?per_page=100&page={page}")
-            listed = (doc or {}).get("artifacts") if isinstance(doc, dict) else None
-            if not isinstance(listed, list) or not listed:
-                break
-            artifacts += [a for a in listed if isinstance(a, dict)]
-            if len(listed) < 100:  # the last page
-                break
-        return artifacts
+        return self._listed(f"actions/runs/{run_id}/artifacts", "artifacts")
 
     def permission(self, user: str) -> str:
         quoted = urllib.parse.quote(user, safe="")
@@ -203,18 +198,7 @@ class GitHub:
         """The jobs of a workflow run's latest attempt ({name, status, conclusion, ...})."""
         if not re.fullmatch(r"[0-9]{1,20}", run_id or ""):
             raise ValueError(f"run id {log_safe(run_id, 40)!r} is not a number")
-        jobs: list[dict] = []
-        for page in range(1, 11):
-            doc = self.call(
-                "GET", f"actions/runs/{run_id}/jobs?filter=latest&per_page=100&page={page}"
-            )
-            listed = (doc or {}).get("jobs") if isinstance(doc, dict) else None
-            if not isinstance(listed, list) or not listed:
-                break
-            jobs += [job for job in listed if isinstance(job, dict)]
-            if len(listed) < 100:  # the last page
-                break
-        return jobs
+        return self._listed(f"actions/runs/{run_id}/jobs?filter=latest", "jobs")
 
     def report_comment(self, number: int) -> dict | None:
         """The PR's report comment: the bot's own comment holding the marker (a comment anyone

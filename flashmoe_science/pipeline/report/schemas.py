@@ -162,6 +162,14 @@ _CASE = {
     },
 }
 _COUNTS = {"type": ["object", "null"], "additionalProperties": _INT}
+# The run of main whose gate verdict a pull request's leg reused (gates.json) or looked up
+# (selection.json): which run, of which commit, under which key.
+_MAINS_RUN = {
+    "sha": {"type": ["string", "null"], "pattern": "^[0-9a-f]{40}$"},
+    "run_id": _SHORT,
+    "run_url": _SHORT,
+    "key": _SHORT,
+}
 
 GATES = _record(
     {
@@ -185,13 +193,7 @@ GATES = _record(
         "cases": _list(_CASE),
         "reused": {
             "type": ["object", "null"],
-            "properties": {
-                "sha": {"type": ["string", "null"], "pattern": "^[0-9a-f]{40}$"},
-                "run_id": _SHORT,
-                "run_url": _SHORT,
-                "key": _SHORT,
-                "timestamp": _SHORT,
-            },
+            "properties": {**_MAINS_RUN, "timestamp": _SHORT},
         },
         "workers": _list(
             {
@@ -275,14 +277,7 @@ SELECTION = _record(
         "kind": _SHORT,
         "main": {
             "type": ["object", "null"],
-            "properties": {
-                "sha": {"type": ["string", "null"], "pattern": "^[0-9a-f]{40}$"},
-                "run_id": _SHORT,
-                "run_url": _SHORT,
-                "key": _SHORT,
-                "gates": _COUNTS,
-                "tests": _COUNTS,
-            },
+            "properties": {**_MAINS_RUN, "gates": _COUNTS, "tests": _COUNTS},
         },
     },
     required=("mode",),
