@@ -140,8 +140,8 @@ inline void attention_forward(const AttentionParams& p, const float* q, const fl
       const int64_t k_offset = kv_head * p.seqlen_k * d;
       int64_t v_offset = kv_head * p.seqlen_k * dv;
 #if FLASHMOE_PLANT_BUG == 13
-      // planted: V's head found at K's offset (the Q/K width), kept inside V
-      v_offset = std::min(k_offset, (int64_t(p.batch) * p.heads_kv - 1) * p.seqlen_k * dv);
+      // planted: V's head found at K's offset (the Q/K width), wrapped to stay inside V
+      v_offset = k_offset % ((int64_t(p.batch) * p.heads_kv - 1) * p.seqlen_k * dv + 1);
 #endif
       int begin, end;
       split_key_range(p, b, i, split, &begin, &end);

@@ -311,6 +311,8 @@ inline std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q, const Tensor& k
 inline void check_backward_inputs(const Tensor& dout, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse) {
   check_attention_inputs(q, k, v, std::nullopt, 0);
+  FLASHMOE_CHECK_VALUE(v.size(3) < (1 << 15),
+                       "v's head_dim must be below 32768 for the backward, got ", v.size(3));
   const std::vector<int64_t> out_shape = {q.size(0), q.size(1), q.size(2), v.size(3)};
   FLASHMOE_CHECK_VALUE(dout.sizes() == c10::IntArrayRef(out_shape),
                        "grad_output must have the output's shape ", to_text(out_shape), ", got ",
@@ -366,7 +368,7 @@ inline BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tens
   p.seqlen_q = int(q.size(2));
   p.seqlen_k = int(k.size(2));
   p.head_dim = int(q.size(3));
-  p.head_dim_v = int(v.size(3));
+  p.head_dim_v = int16_t(v.size(3));
   p.heads_ratio = p.heads_q / p.heads_kv;
   p.causal = causal;
   p.softmax_scale = float(softmax_scale);

@@ -36,7 +36,7 @@ namespace flashmoe {
 //       that keep growing along the keys, the gates' -rising / -falling cases, show it)
 // and the bug of v's head dim differing from q's and k's (Dv != Dqk):
 //   13: the CPU forward finds each KV head's V rows at K's offset (the Q/K width, Dqk), as one
-//       offset shared by K and V would (clamped inside V)
+//       offset shared by K and V would (wrapped to stay inside V)
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif
@@ -144,12 +144,12 @@ struct BwdParams {
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
   int heads_ratio;  // heads_q / heads_kv: dK and dV sum over the query heads of a group
   bool causal;      // bottom-right aligned, as in the forward
+  // v's, o's, dout's and dv's last dimension (Dv; head_dim is q's, k's, dq's and dk's), in the
+  // padding after `causal`: the struct keeps its size and offsets, and so do the parameters some
+  // kernels take after it. Below 2^15 (check_backward_inputs).
+  int16_t head_dim_v;
   float softmax_scale;
   float scale_log2;  // softmax_scale * log2(e)
-
-  // v's, o's, dout's and dv's last dimension (Dv; head_dim is q's, k's, dq's and dk's). Last, as
-  // in AttentionParams.
-  int head_dim_v;
 };
 
 FLASHMOE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }

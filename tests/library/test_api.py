@@ -409,6 +409,29 @@ def test_backward_checks_grad_output_against_v_head_dim():
     )
 
 
+def test_backward_refuses_a_head_dim_of_v_past_its_params_field():
+    """The backward's parameters hold v's head dim in 16 bits (where the struct had padding), so a
+    wider v is a one-line error, not a wrapped dimension."""
+    q = torch.randn(1, 1, 2, 8, dtype=torch.bfloat16)
+    v = torch.randn(1, 1, 2, 1 << 15, dtype=torch.bfloat16)
+    out, lse = torch.ops.flashmoe_science.attention(q, q, v, False, 0.1, 0, 0, False, 0)
+    with pytest.raises(ValueError) as info:
+        call(
+            torch.ops.flashmoe_science.attention_backward,
+            out,
+            q,
+            q,
+            v,
+            out,
+            lse,
+            False,
+            0.1,
+            False,
+            0,
+        )
+    one_line_error(info, "v's head_dim must be below 32768", "got 32768")
+
+
 @pytest.mark.parametrize("head_dims", CUDA_REFUSED_HEAD_DIMS, ids=str)
 def test_head_dims_cuda_does_not_take_yet_say_what_it_does(head_dims):
     """What the CUDA operators raise before any launch, in one line: the head dims given, those
