@@ -34,6 +34,9 @@ namespace flashmoe {
 //   11: the last, partial key tile never copied
 //   12: the output never rescaled when the online softmax's running max moves (only scores
 //       that keep growing along the keys, the gates' -rising / -falling cases, show it)
+// -DFLASHMOE_PLANT_BUG=-1 compiles every plant of the CPU implementation (1, 2, 4-8) in and
+// picks one when the library loads, from $FLASHMOE_PLANT_BUG: one CPU build serves all of the CPU
+// plant tests. The CUDA kernels of such a build carry none.
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif
