@@ -792,7 +792,7 @@ def test_a_case_that_stays_disturbed_keeps_its_least_disturbed_attempt_and_is_no
     for key in ("retakes", "unstable"):
         del doc[key]
     for result in (doc["ours"], *doc["baselines"].values()):
-        del result["retakes"]
+        result.pop("retakes", None)  # the peers, not installed here, have none
     assert list(definition_validator("case").iter_errors(doc)) == []
     old = benchrecords.case_from_json(doc)
     assert old.retakes is None and old.unstable is None and old.ours.retakes is None
