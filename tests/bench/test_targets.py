@@ -739,6 +739,38 @@ def test_bench_md_and_the_report_list_the_page_orders(tmp_path, fixture_checkout
     assert "page orders" not in report_text
 
 
+def test_the_report_shows_the_peers_and_our_deterministic_backward(tmp_path, fixture_checkout):
+    not_installed = "not installed: ModuleNotFoundError: No module named 'flash_attn'"
+
+    def with_peers(doc):
+        prefill = [c for c in doc["cases"] if c["group"] == "prefill"]
+        for case in prefill:
+            ours = {k: v for k, v in case["ours"].items() if k != "samples_ms"}
+            case["baselines"]["fa3"] = {**ours, "median_ms": ours["median_ms"] * 1.1, "ratio": 1.1}
+            case["baselines"]["fa4"] = {"status": "unsupported", "reason": not_installed}
+        backward = copy.deepcopy(prefill[0])
+        backward.update(id="bwd" + backward["id"][3:], kind="backward", group="backward")
+        ours = {k: v for k, v in backward["ours"].items() if k != "samples_ms"}
+        backward["ours_deterministic"] = {
+            **ours,
+            "median_ms": ours["median_ms"] * 1.2,
+            "ratio": 1.2,
+        }
+        doc["cases"].append(backward)
+
+    _, text = write_reports(tmp_path, with_peers)
+    times = report.TIMES
+    prefill = text.split("**prefill**")[1].split("**")[0]
+    assert f"| FlashAttention-3 ms ({times}) | FlashAttention-4 ms ({times}) |" in prefill
+    assert f"(1.10{times}) | not installed |" in prefill
+    assert f"- FlashAttention-4: {not_installed}\n" in text
+    backward = text.split("**backward**")[1].split("**")[0]
+    assert f"| ours deterministic ms ({times}) |" in backward and f"(1.20{times}) |" in backward
+    assert "**FlashAttention-3 and -4 beside ours** (reported, no target)" in text
+    assert f"| FlashAttention-3 | prefill | 7 of 7 | 1.10{times} | — |" in text
+    assert f"| FlashAttention-4 | prefill | 0 of 7 | — | {not_installed} |" in text
+
+
 def write_reports(tmp_path, mutate) -> tuple[int, str]:
     reports = tmp_path / "reports"
     shutil.copytree(FIXTURES / "passing", reports, ignore=shutil.ignore_patterns("expected.md"))
@@ -1023,7 +1055,7 @@ def test_the_training_step_is_two_models_from_one_initialisation_on_random_token
     from flashmoe_science.integrations.transformers import NAME
 
     target = benchmatrix.cpu_targets()[-1]
-    assert target.kind == "step" and target.layers == 4
+    assert target.kind == "step" and target.layers == 1
     ours, sdpa, ids = targetmeasure.step_models(target, "cpu")
     assert ours.config._attn_implementation == NAME and sdpa.config._attn_implementation == "sdpa"
     assert ours.training and sdpa.training

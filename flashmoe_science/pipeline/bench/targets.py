@@ -533,9 +533,9 @@ def peer_geomeans(record: BenchRecord) -> list[PeerGeomean]:
                 continue
             ratios = [_baseline_ratio(c, peer) for c in cases]
             missing = [
-                c.baselines[peer] for c in cases if not isinstance(c.baselines[peer], Measured)
+                c.baselines[peer] for c in cases if isinstance(c.baselines[peer], NotMeasured)
             ]
-            reason = "" if any(ratios) else _why_not((peer, missing[0])) if missing else "no ratio"
+            reason = "" if any(ratios) else missing[0].reason if missing else "no ratio"
             measured = sum(r is not None for r in ratios)
             found.append(PeerGeomean(peer, group, measured, len(cases), _geomean(ratios), reason))
     return found

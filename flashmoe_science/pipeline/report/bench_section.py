@@ -257,7 +257,7 @@ def _measured_cell(
     if problem and cuda_only and problem[0] == "unsupported":
         return NOT_ON_CPU
     if problem and problem[1].startswith(NOT_INSTALLED):  # a peer: why, once, under the tables
-        reasons.setdefault(f"{label}: {NOT_INSTALLED}", set()).add(problem[1])
+        reasons.setdefault(label, set()).add(problem[1])
         return NOT_INSTALLED
     if problem:
         reasons.setdefault(f"{label}: {problem[0]}", set()).add(problem[1])
