@@ -273,7 +273,7 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(
-        r"^\[1/9\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
+        r"^\[1/10\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
     ), done.stdout
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert schema_errors(doc) == []
@@ -282,7 +282,11 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     assert {c["group"] for c in doc["cases"]} == {"prefill", "decode", "small", "backward"}
     for case in doc["cases"]:
         assert case["ours"]["status"] == "ok", case["ours"]
-        assert set(case["baselines"]) == set(baselines.BASELINES)
+        peers = {"fa3", "fa4"} if case["kind"] != "decode" else set()
+        assert set(case["baselines"]) == set(baselines.BASELINES) | peers
+        # FlashAttention-3 and -4 need an sm_90 card: a column that says why, not a crash
+        assert all(case["baselines"][p]["status"] == "unsupported" for p in peers)
+        assert ("ours_deterministic" in case) == (case["kind"] == "backward")
         assert case["baselines"]["sdpa-default"]["status"] == "ok"
         # CUDA-only SDPA backends refuse CPU tensors: recorded with the reason, not a crash
         assert case["baselines"]["sdpa-cudnn"]["status"] == "unsupported"
@@ -290,7 +294,7 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     # the speed-target cases: varlen and paged measured, host cost and the model unsupported here
     targets = {t["id"]: t for t in doc["targets"]}
     assert list(targets) == list(benchmatrix.QUICK_TARGET_IDS["cpu"])
-    assert re.search(r"^\[6/9\] varlen-\S+ \.\.\. varlen / dense [0-9.]+x", done.stdout, re.M)
+    assert re.search(r"^\[6/10\] varlen-\S+ \.\.\. varlen / dense [0-9.]+x", done.stdout, re.M)
     for kind, sides in (("varlen", ("ours", "dense")), ("paged", ("ours", "contiguous"))):
         (record,) = [t for t in doc["targets"] if t["kind"] == kind]
         assert all(record[side]["status"] == "ok" for side in sides), record
@@ -299,7 +303,11 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
         (record,) = [t for t in doc["targets"] if t["kind"] == kind]
         assert record["ours"]["status"] == record["sdpa"]["status"] == "unsupported"
         assert "CUDA" in record["ours"]["reason"]
-    assert "speed targets: 0 met, 0 missed, 4 not judged" in done.stdout
+    (step,) = [t for t in doc["targets"] if t["kind"] == "step"]  # the training step runs
+    assert step["ours"]["status"] == step["sdpa"]["status"] == "ok" and step["ratio"] > 0
+    assert step["ours_tokens_per_s"] > 0
+    # varlen, paged, host, the step; the backward's and the deterministic backward's geomeans
+    assert "speed targets: 0 met, 0 missed, 6 not judged" in done.stdout
     assert "retaking" not in done.stdout and doc["timing"]["retakes"] == 0
     markdown = (tmp_path / "bench.md").read_text()
     assert "not measured again (--retakes 0)" in markdown

@@ -181,7 +181,9 @@ CARD_TARGETS = {
                 PREFILL_GEOMEAN_TARGET,
                 PREFILL_CASE_TARGET,
             ),
-            MatrixTarget("small", "sdpa-default", "SDPA default", SMALL_VS_DEFAULT, None, 1.0),
+            MatrixTarget(
+                "small", "sdpa-default", "SDPA default", SMALL_VS_DEFAULT, None, SMALL_TARGET
+            ),
             MatrixTarget(
                 "backward",
                 "sdpa-flash",
