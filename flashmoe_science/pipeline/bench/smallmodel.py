@@ -1,6 +1,7 @@
-"""The small Llama-style model that the transformers tests and the benchmark's model case build, and
-the wider one whose training step the benchmark times: random weights from a config, no downloads. transformers is imported on first use; without it the
-builders raise the integration's one-line install hint."""
+"""The small Llama-style model that the transformers tests and the benchmark's model case build,
+and the wider one whose training step the benchmark times: random weights from a config, no
+downloads. transformers is imported on first use; without it the builders raise the
+integration's one-line install hint."""
 
 from __future__ import annotations
 
