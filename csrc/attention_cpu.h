@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -18,6 +19,23 @@ constexpr int kBlockN = 64;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// The planted bug of this build (see FLASHMOE_PLANT_BUG in attention_params.h): a constant, so an
+// unplanted build compiles the planted branches away, except in the CPU plant build (-1), which
+// reads its bug once from the environment.
+inline int planted_bug() {
+#if FLASHMOE_PLANT_BUG < 0
+  static const int chosen = [] {
+    const char* value = std::getenv("FLASHMOE_PLANT_BUG");
+    return value ? std::atoi(value) : 0;
+  }();
+  return chosen;
+#else
+  return FLASHMOE_PLANT_BUG;
+#endif
+}
+
+inline bool planted(int bug) { return planted_bug() == bug; }
+
 // Keys [begin, end) of the KV cache that query row `i` of batch `b` attends to within split
 // `split`.
 inline void split_key_range(const AttentionParams& p, int b, int i, int split, int* begin,
@@ -29,9 +47,7 @@ inline void split_key_range(const AttentionParams& p, int b, int i, int split, i
   const int keys_per_split = p.n_blocks_per_split * kBlockN;
   *begin = split * keys_per_split;
   *end = std::min(visible, (split + 1) * keys_per_split);
-#if FLASHMOE_PLANT_BUG == 1
-  if (split > 0) *begin += 1;
-#endif
+  if (planted(1) && split > 0) *begin += 1;
 }
 
 // One query row over keys [begin, end): writes the normalised output (Dv floats) and the
@@ -109,11 +125,11 @@ inline void split_kv_combine(const float* o_accum, const float* lse_accum, int n
         for (int c = 0; c < d; ++c)
           o[c] += w * os[c];
       }
-#if FLASHMOE_PLANT_BUG == 2
-      const float w0 = std::exp(lse_accum[r] - lse_row);
-      for (int c = 0; c < d; ++c)
-        o[c] += w0 * o_accum[r * d + c];
-#endif
+      if (planted(2)) {
+        const float w0 = std::exp(lse_accum[r] - lse_row);
+        for (int c = 0; c < d; ++c)
+          o[c] += w0 * o_accum[r * d + c];
+      }
     }
   });
 }
@@ -139,10 +155,8 @@ inline void attention_forward(const AttentionParams& p, const float* q, const fl
       const int64_t kv_head = int64_t(b) * p.heads_kv + hkv;
       const int64_t k_offset = kv_head * p.seqlen_k * d;
       int64_t v_offset = kv_head * p.seqlen_k * dv;
-#if FLASHMOE_PLANT_BUG == 13
-      // planted: V's head found at K's offset (the Q/K width), wrapped to stay inside V
-      v_offset = k_offset % ((int64_t(p.batch) * p.heads_kv - 1) * p.seqlen_k * dv + 1);
-#endif
+      if (planted(13))  // planted: V's head found at K's offset (the Q/K width), kept inside V
+        v_offset = k_offset % ((int64_t(p.batch) * p.heads_kv - 1) * p.seqlen_k * dv + 1);
       int begin, end;
       split_key_range(p, b, i, split, &begin, &end);
       float* out = p.num_splits == 1 ? static_cast<float*>(p.o) + row * dv
@@ -172,10 +186,8 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
       float* dv_head = dv + v_offset;
       std::fill(dk_head, dk_head + int64_t(p.seqlen_k) * d, 0.f);
       std::fill(dv_head, dv_head + int64_t(p.seqlen_k) * d_v, 0.f);
-      int group = p.heads_ratio;
-#if FLASHMOE_PLANT_BUG == 5
-      group = 1;  // planted: only the group's first query head reaches dK and dV
-#endif
+      // planted bug 5: only the group's first query head reaches dK and dV
+      const int group = planted(5) ? 1 : p.heads_ratio;
       for (int g = 0; g < p.heads_ratio; ++g) {
         const int h = hkv * p.heads_ratio + g;
         for (int i = 0; i < p.seqlen_q; ++i) {
@@ -194,9 +206,8 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
           for (int c = 0; c < d_v; ++c)
             delta += do_row[c] * o_row[c];
           int dq_end = visible;
-#if FLASHMOE_PLANT_BUG == 6
-          dq_end = visible > 0 ? (visible - 1) / kBlockN * kBlockN : 0;  // planted: last block lost
-#endif
+          if (planted(6))  // planted: the last key block lost
+            dq_end = visible > 0 ? (visible - 1) / kBlockN * kBlockN : 0;
           for (int j = 0; j < visible; ++j) {
             const float* k_row = k + k_offset + int64_t(j) * d;
             const float* v_row = v + v_offset + int64_t(j) * d_v;
@@ -207,9 +218,7 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
               dp += do_row[c] * v_row[c];
             const float prob = std::exp(s * p.softmax_scale - lse);
             float ds = prob * (dp - delta);
-#if FLASHMOE_PLANT_BUG != 4
-            ds *= p.softmax_scale;  // planted bug 4 leaves the scale out
-#endif
+            if (!planted(4)) ds *= p.softmax_scale;  // planted bug 4 leaves the scale out
             if (g >= group) {  // planted bug 5: this head's share of dK and dV is dropped
               if (j < dq_end) {
                 for (int c = 0; c < d; ++c)

@@ -495,9 +495,7 @@ inline std::tuple<Tensor, Tensor> varlen_fwd_cpu(const Tensor& q, const Tensor& 
   for (int64_t b = 0; b + 1 < cu_q.numel(); ++b) {
     if (cq[b + 1] == cq[b]) continue;
     int64_t k_end = ck[b + 1];
-#if FLASHMOE_PLANT_BUG == 7
-    k_end = std::min<int64_t>(k_end + 1, k.size(0));  // planted: one key past the sequence
-#endif
+    if (cpu::planted(7)) k_end = std::min<int64_t>(k_end + 1, k.size(0));  // one key too many
     auto [o, l] =
         attention_fwd_cpu(as_dense(q, cq[b], cq[b + 1]), as_dense(k, ck[b], k_end),
                           as_dense(v, ck[b], k_end), std::nullopt, causal, softmax_scale, 1, 0);
@@ -614,12 +612,11 @@ inline std::tuple<Tensor, Tensor> paged_fwd_cpu(const Tensor& q, const Tensor& k
   // Gather each sequence's pages into a contiguous [B, Hkv, capacity, D] cache. Entries no
   // sequence reads may hold anything: clamped so the gather stays inside the cache.
   Tensor pages = table.to(at::kLong).clamp(0, num_pages - 1);
-#if FLASHMOE_PLANT_BUG == 8
-  // planted: logical page i read from physical page i, the table ignored
-  pages = at::arange(table.size(1), table.options().dtype(at::kLong))
-              .clamp(0, num_pages - 1)
-              .expand(table.sizes());
-#endif
+  if (cpu::planted(8)) {  // planted: logical page i read from physical page i, the table ignored
+    pages = at::arange(table.size(1), table.options().dtype(at::kLong))
+                .clamp(0, num_pages - 1)
+                .expand(table.sizes());
+  }
   auto gather = [&](const Tensor& cache) {
     return cache.index_select(0, pages.reshape({-1}))
         .view({q.size(0), capacity, cache.size(2), cache.size(3)})
@@ -629,7 +626,7 @@ inline std::tuple<Tensor, Tensor> paged_fwd_cpu(const Tensor& q, const Tensor& k
                            num_splits, 0);
 }
 
-inline int64_t planted_bug() { return FLASHMOE_PLANT_BUG; }
+inline int64_t planted_bug() { return cpu::planted_bug(); }
 
 // The head dims the CUDA kernels are built for, q's and k's, with v's equal to them; the CPU
 // implementation takes any, and a v head_dim of its own.

@@ -37,6 +37,9 @@ namespace flashmoe {
 // and the bug of v's head dim differing from q's and k's (Dv != Dqk):
 //   13: the CPU forward finds each KV head's V rows at K's offset (the Q/K width, Dqk), as one
 //       offset shared by K and V would (wrapped to stay inside V)
+// -DFLASHMOE_PLANT_BUG=-1 compiles every plant of the CPU implementation (1, 2, 4-8, 13) in and
+// picks one when the library loads, from $FLASHMOE_PLANT_BUG: one CPU build serves all of the CPU
+// plant tests. The CUDA kernels of such a build carry none.
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from flashmoe_science import _loader as loader
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 pytest_plugins = ("flashmoe_science.pipeline.gates.plugin",)
@@ -119,12 +120,24 @@ def record_gate(record_property):
 
 def planted_process_env(bug: int, device: str) -> dict[str, str]:
     """The environment of a planted-bug process: its build carries bug `bug`, and the CPU device
-    hides the GPU. Its working directory is the repository root."""
+    hides the GPU. Its working directory is the repository root.
+
+    On the CPU device every plant runs on the one CPU plant build (all CPU plants compiled in, the
+    bug picked at load time from FLASHMOE_PLANT_BUG), built for the CPU even where a job's
+    TORCH_CUDA_ARCH_LIST asks every build for CUDA: one compile of the small unit serves them all.
+    """
     env = dict(os.environ)
-    if bug:  # bug 0 is the unplanted build: the one the checkout has already (no second compile)
-        env["FLASHMOE_BUILD_DEFINES"] = f"FLASHMOE_PLANT_BUG={bug}"
+    env.pop("FLASHMOE_PLANT_BUG", None)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if not bug:  # bug 0: the unplanted build the checkout has already (no second compile)
+        return env
+    if device == "cpu":
+        env.pop("TORCH_CUDA_ARCH_LIST", None)
+        env["FLASHMOE_BUILD_DEFINES"] = loader.CPU_PLANT_DEFINE
+        env["FLASHMOE_PLANT_BUG"] = str(bug)
+    else:
+        env["FLASHMOE_BUILD_DEFINES"] = f"FLASHMOE_PLANT_BUG={bug}"
     return env
 
 

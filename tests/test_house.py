@@ -154,3 +154,18 @@ def test_a_moved_path_is_caught():
     text = 'test -f "$root/flashmoe_science/pipeline/runner_requirements.py" || die'
     assert missing_paths(text) == ["flashmoe_science/pipeline/runner_requirements.py"]
     assert missing_paths("requirements/NAME.txt flashmoe_science/csrc/attention_ops.h") == []
+
+
+def test_every_test_folder_is_collected(pytestconfig):
+    """pytest skips folders matching norecursedirs, whose default holds "build": with it,
+    tests/build/ (the build stage's tests) silently ran in no stage."""
+    from _pytest.pathlib import fnmatch_ex
+
+    skipped = pytestconfig.getini("norecursedirs")
+    folders = {p.parent.relative_to(ROOT) for p in (ROOT / "tests").rglob("test_*.py")}
+    hidden = sorted(
+        str(folder)
+        for folder in folders
+        if any(fnmatch_ex(pattern, part) for pattern in skipped for part in folder.parts)
+    )
+    assert not hidden, f"never collected (norecursedirs {skipped}): {hidden}"

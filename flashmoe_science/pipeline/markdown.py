@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 TIMES = "\u00d7"  # the multiplication sign, as in "1.25 times faster"
@@ -144,9 +145,10 @@ def sm(capability: Any) -> str | None:
     return "sm_" + value if re.fullmatch(r"[0-9]{2,3}[a-z]?", value) else None
 
 
-def first(items: list[str], count: int = 5, sep: str = ", ") -> str:
-    """The first `count` items joined, then 'and N more': a list from a record stays short."""
-    shown = sep.join(items[:count])
+def first(items: list, count: int = 5, sep: str = ", ", show: Callable[[Any], str] = str) -> str:
+    """The first `count` items, each through `show`, joined, then 'and N more': a list from a
+    record stays short, and only what is shown is formatted."""
+    shown = sep.join(show(item) for item in items[:count])
     return shown + (f"{sep}and {len(items) - count:,} more" if len(items) > count else "")
 
 

@@ -8,8 +8,8 @@ readonly REPO_ROOT
 
 usage() {
   cat <<'EOF'
-Usage: scripts/act/gpu-job.sh [--kind KIND] [--python PATH] [--event EVENT] [--out DIR] [--check]
-                              [-- RUN-JOB-OPTIONS]
+Usage: scripts/act/gpu-job.sh [--kind KIND] [--python PATH] [--event EVENT] [--out DIR]
+                              [--wheels DIR] [--check] [-- RUN-JOB-OPTIONS]
 
 Runs one leg of .github/workflows/gpu-ci.yml's job `gpu` (env, build, test, bench, report, the PR
 number, the upload) under act in host mode, offline, and prints its step summary:
@@ -46,7 +46,15 @@ Options:
   --out DIR       Where logs, artifacts and the summary go (default: $OUT/gpu-ci-gpu when $OUT
                   is set, as on the device machine, so a run cut short still returns its log;
                   else build/act/gpu-ci-gpu). The log and the summary are written as they come.
-  --check         Only check the machine (a few seconds), run nothing.
+  --wheels DIR    First install DIR's wheels (*.whl) with the torch interpreter's pip into
+                  /tmp/site and put that on PYTHONPATH, as the install line above does: how the
+                  bench's optional peers travel (FlashAttention-4: flash-attn-4 and its
+                  dependencies; FlashAttention-3: a wheel built from hopper/ of
+                  Dao-AILab/flash-attention for this torch). A wheel over the transfer limit goes
+                  in parts (`split -b 60M NAME.whl NAME.whl.part-` here), carried over two calls
+                  of a warm machine into DIR: NAME.whl.part-aa, -ab, ... are joined first.
+  --check         Only check the machine (a few seconds), run nothing; it lists whether the
+                  bench will time FlashAttention-3 and -4, or why not.
   -h, --help      Show this help.
   -- ...          What follows goes to scripts/act/run-job.sh (e.g. -- --env NAME=VALUE).
 A check of the machine comes first (GPU, torch, the tools, act): it stops before act if a tool is
@@ -60,6 +68,7 @@ EVENT=push
 OUT_ARGS=()
 [[ -z "${OUT:-}" ]] || OUT_ARGS=(--out "$OUT/gpu-ci-gpu")
 CHECK_ONLY=0
+WHEELS=""
 PASS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -67,6 +76,7 @@ while [[ $# -gt 0 ]]; do
     --python) PY="${2:?--python needs a value}"; shift 2 ;;
     --event) EVENT="${2:?--event needs a value}"; shift 2 ;;
     --out) OUT_ARGS=(--out "${2:?--out needs a value}"); shift 2 ;;
+    --wheels) WHEELS="${2:?--wheels needs a directory}"; shift 2 ;;
     --check) CHECK_ONLY=1; shift ;;
     -h | --help) usage; exit 0 ;;
     --) shift; PASS=("$@"); break ;;
@@ -82,6 +92,19 @@ case "$KIND" in
 esac
 
 cd "$REPO_ROOT"
+if [[ -n "$WHEELS" ]]; then
+  [[ -d "$WHEELS" ]] || { echo "error: --wheels $WHEELS is not a directory" >&2; exit 2; }
+  for first in "$WHEELS"/*.whl.part-aa; do
+    [[ -e "$first" ]] || continue
+    whole="${first%.part-aa}"
+    cat "$whole".part-* >"$whole" # the glob sorts aa, ab, ... as split named them
+    echo "== joined $(basename "$whole") from its parts"
+  done
+  echo "== installing $WHEELS/*.whl into /tmp/site"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHEELS"/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+fi
 echo "== GPU job under act, the $KIND leg: checking this machine"
 problems=0
 check() { # check OK|FAIL|WARN WHAT DETAIL
@@ -125,6 +148,12 @@ for module, what in (("nox.sessions", "nox"), ("pytest", "pytest"), ("xdist", "p
     print(f"ok|{what}|{version} ({origin})")
 EOF
   )
+fi
+if [[ -x "$PY" ]]; then
+  # The bench's optional peers (WARN when absent: their columns then say why).
+  while IFS='|' read -r status what detail; do
+    check "$status" "$what" "$detail"
+  done < <("$PY" -m flashmoe_science.pipeline.bench.peers 2>/dev/null | grep -E '^(ok|WARN)[|]' || true)
 fi
 ninja="$(dirname "$PY")/ninja"
 if [[ -x "$ninja" ]]; then

@@ -273,7 +273,7 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(
-        r"^\[1/9\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
+        r"^\[1/10\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
     ), done.stdout
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert schema_errors(doc) == []
@@ -282,7 +282,11 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     assert {c["group"] for c in doc["cases"]} == {"prefill", "decode", "small", "backward"}
     for case in doc["cases"]:
         assert case["ours"]["status"] == "ok", case["ours"]
-        assert set(case["baselines"]) == set(baselines.BASELINES)
+        peers = {"fa3", "fa4"} if case["kind"] != "decode" else set()
+        assert set(case["baselines"]) == set(baselines.BASELINES) | peers
+        # FlashAttention-3 and -4 need an sm_90 card: a column that says why, not a crash
+        assert all(case["baselines"][p]["status"] == "unsupported" for p in peers)
+        assert ("ours_deterministic" in case) == (case["kind"] == "backward")
         assert case["baselines"]["sdpa-default"]["status"] == "ok"
         # CUDA-only SDPA backends refuse CPU tensors: recorded with the reason, not a crash
         assert case["baselines"]["sdpa-cudnn"]["status"] == "unsupported"
@@ -290,7 +294,7 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     # the speed-target cases: varlen and paged measured, host cost and the model unsupported here
     targets = {t["id"]: t for t in doc["targets"]}
     assert list(targets) == list(benchmatrix.QUICK_TARGET_IDS["cpu"])
-    assert re.search(r"^\[6/9\] varlen-\S+ \.\.\. varlen / dense [0-9.]+x", done.stdout, re.M)
+    assert re.search(r"^\[6/10\] varlen-\S+ \.\.\. varlen / dense [0-9.]+x", done.stdout, re.M)
     for kind, sides in (("varlen", ("ours", "dense")), ("paged", ("ours", "contiguous"))):
         (record,) = [t for t in doc["targets"] if t["kind"] == kind]
         assert all(record[side]["status"] == "ok" for side in sides), record
@@ -299,7 +303,11 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
         (record,) = [t for t in doc["targets"] if t["kind"] == kind]
         assert record["ours"]["status"] == record["sdpa"]["status"] == "unsupported"
         assert "CUDA" in record["ours"]["reason"]
-    assert "speed targets: 0 met, 0 missed, 4 not judged" in done.stdout
+    (step,) = [t for t in doc["targets"] if t["kind"] == "step"]  # the training step runs
+    assert step["ours"]["status"] == step["sdpa"]["status"] == "ok" and step["ratio"] > 0
+    assert step["ours_tokens_per_s"] > 0
+    # varlen, paged, host, the step; the backward's and the deterministic backward's geomeans
+    assert "speed targets: 0 met, 0 missed, 6 not judged" in done.stdout
     assert "retaking" not in done.stdout and doc["timing"]["retakes"] == 0
     markdown = (tmp_path / "bench.md").read_text()
     assert "not measured again (--retakes 0)" in markdown
@@ -711,6 +719,81 @@ def test_a_call_that_fails_in_a_later_round_becomes_its_record(monkeypatch):
     assert got["fails"] == benchrecords.NotMeasured("error", "RuntimeError: CUDA out of memory")
 
 
+def deterministic_kernels(monkeypatch):
+    """Fake kernels: ours 10 us, ours with deterministic=True 12 us, SDPA 11 us; no peers."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setattr(measure, "make_inputs", lambda case, device: None)
+    monkeypatch.setattr(
+        measure,
+        "our_call",
+        lambda case, x: _kernel("det", 0.012) if case.deterministic else _kernel("ours", 0.010),
+    )
+    monkeypatch.setattr(measure, "sdpa_call", lambda case, x: (_kernel("sdpa", 0.011), None))
+    monkeypatch.setattr(measure.peers, "availability", lambda device: {})
+
+
+@pytest.mark.parametrize(
+    ("case_id", "timed"),
+    [
+        ("bwd-bf16-d128-h16-b4-s4096-causal", True),
+        ("bwd-bf16-d128-h16-b4-s4096-causal-det", False),  # deterministic already
+        ("bwd-bf16-d128-h16-b4-s4096-causal-cfg1", False),  # a forced configuration
+        ("fwdbwd-bf16-d128-h16-b4-s4096-causal", False),
+        ("fwd-bf16-d128-h16-b4-s4096-causal", False),
+    ],
+)
+def test_an_automatic_backward_case_times_our_deterministic_kernel_in_its_rounds(
+    monkeypatch, case_id, timed
+):
+    deterministic_kernels(monkeypatch)
+    config = timing.TimingConfig(
+        warmup_ms=0, rep_ms=1, min_warmup=0, min_reps=8, max_reps=8, estimate_calls=1, retakes=0
+    )
+    timer = DriftingTimer(drift=0.0)
+    entry = measure.run_case(cases.parse_case_id(case_id), "cpu", timer, config, {}, True)
+    if not timed:
+        ours = [name for name in timer.order if name in ("ours", "det")]
+        assert len(ours) == measure.ROUNDS and entry.ours_deterministic is None  # ours alone
+        assert "ours_deterministic" not in benchrecords.to_json(entry)
+        return
+    # in every round, beside ours: the first round forward, the next backward
+    per_round = len(timer.order) // measure.ROUNDS
+    rounds = [timer.order[i : i + per_round] for i in range(0, len(timer.order), per_round)]
+    assert rounds[0][:2] == ["ours", "det"] and rounds[1][-2:] == ["det", "ours"]
+    assert all(r.count("det") == 1 for r in rounds)
+    det = entry.ours_deterministic
+    assert det.median_ms == 0.012 and det.ratio == 1.2 and det.samples_ms is None
+    doc = json.loads(json.dumps(benchrecords.to_json(entry)))
+    assert list(definition_validator("case").iter_errors(doc)) == []
+    assert benchrecords.case_from_json(doc) == entry
+    record = benchrecords.load(FIXTURES / "passing" / "bench.json")
+    record.cases = [entry]
+    text = benchmd.render_markdown(record)
+    assert "| vs default | vs deterministic | vs read floor |" in text
+    assert "| 1.10x | 1.20x | - |" in text
+
+
+def test_our_deterministic_kernel_failing_fails_the_run(monkeypatch, capsys):
+    deterministic_kernels(monkeypatch)
+
+    def broken():
+        raise RuntimeError("illegal memory access")
+
+    monkeypatch.setattr(
+        measure, "our_call", lambda case, x: broken if case.deterministic else _kernel("ours", 1)
+    )
+    config = timing.TimingConfig.for_device("cpu", retakes=0)
+    case = cases.parse_case_id("bwd-bf16-d128-h16-b4-s4096-causal")
+    entry = measure.run_case(case, "cpu", DriftingTimer(drift=0.0), config, {}, True)
+    assert entry.ours_deterministic.status == "error" and isinstance(
+        entry.ours, benchrecords.Measured
+    )
+    record = benchrecords.load(FIXTURES / "passing" / "bench.json")
+    record.cases, record.targets, record.comparison = [entry], None, None
+    assert bench.verdict_exit_code(record, False) == exitcodes.GATE_FAILED
+    assert case.id in capsys.readouterr().err
+
+
 class DisturbedTimer:
     """Every other sample of the kernel named `victim` is `factors[i]` times slower during attempt
     i of a case (CALLS_PER_ATTEMPT calls to time() each): a disturbance that may or may not pass."""
@@ -792,7 +875,7 @@ def test_a_case_that_stays_disturbed_keeps_its_least_disturbed_attempt_and_is_no
     for key in ("retakes", "unstable"):
         del doc[key]
     for result in (doc["ours"], *doc["baselines"].values()):
-        del result["retakes"]
+        result.pop("retakes", None)  # the peers, not installed here, have none
     assert list(definition_validator("case").iter_errors(doc)) == []
     old = benchrecords.case_from_json(doc)
     assert old.retakes is None and old.unstable is None and old.ours.retakes is None

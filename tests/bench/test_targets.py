@@ -30,6 +30,7 @@ from flashmoe_science.pipeline.bench.records import (
     NotMeasured,
     PagedRecord,
     ReadFloor,
+    StepRecord,
     VarlenRecord,
 )
 from flashmoe_science.pipeline.bench.target_cases import (
@@ -37,6 +38,7 @@ from flashmoe_science.pipeline.bench.target_cases import (
     HostTarget,
     ModelTarget,
     PagedTarget,
+    StepTarget,
     VarlenTarget,
     mixed_lengths,
 )
@@ -73,6 +75,11 @@ def test_gpu_targets_cover_the_speed_section():
     )
     assert host.calls == 2000 and host.dtype == "bf16"
     assert [t.kind for t in found].count("model") == 1
+    steps = [t for t in found if t.kind == "step"]
+    assert {(t.head_dim, t.batch, t.seqlen) for t in steps} == {
+        (d, b, s) for d in (64, 128) for b, s in ((8, 2048), (2, 8192))
+    }
+    assert all(t.layers == 4 and t.heads_q * t.head_dim == 1024 for t in steps)
     for device in ("cuda", "cpu"):
         ids = [t.id for t in benchmatrix.default_targets(device)]
         assert len(set(ids)) == len(ids), "target ids must be unique"
@@ -196,6 +203,8 @@ def test_target_records_round_trip_and_the_schema_rejects_bad_ones():
         host_record(1.25),
         host_record(None, NotMeasured("unsupported", "CUDA only")),
         model_record(),
+        step_record(1.1),
+        step_record(None, NotMeasured("error", "RuntimeError: boom")),
     ]
     validator = target_validator()
     for record in records:
@@ -384,17 +393,144 @@ def test_matrix_targets_judge_prefill_small_and_backward_on_an_h100():
     assert tflops.ratio == pytest.approx(590 / 600)
 
 
-@pytest.mark.parametrize("card", ["NVIDIA L4", "NVIDIA H200", None])
-def test_matrix_targets_elsewhere_are_their_geomeans_not_judged(card):
-    record = bench_record("cpu" if card is None else "cuda", cases=MATRIX)
+def deterministic_twin(case, ratio: float):
+    """`case` with our deterministic backward timed beside it at `ratio` times our time."""
+    case.ours_deterministic = dataclasses.replace(measured(ratio), ratio=ratio)
+    return case
+
+
+CUDNN_AND_FLASH = ("sdpa-cudnn", "sdpa-flash")
+CARD_MATRIX = [
+    matrix_case(
+        "fwd-bf16-d128-h16-b4-s4096-full", {"sdpa-cudnn": 1.1, "sdpa-flash": 1.3}, tflops=610.0
+    ),
+    matrix_case("fwd-bf16-d64-h32-b32-s512-causal", {"sdpa-cudnn": 0.8, "sdpa-flash": 1.2}),
+    matrix_case("fwd-fp16-d64-h8-b1-s512-full", {"sdpa-default": 0.96}, group="small"),
+    deterministic_twin(
+        matrix_case("bwd-bf16-d64-h32-b8-s2048-full", {"sdpa-cudnn": 0.9, "sdpa-flash": 1.4}),
+        1.05,
+    ),
+    deterministic_twin(
+        matrix_case("bwd-bf16-d128-h16-b8-s2048-causal", {"sdpa-cudnn": 1.2, "sdpa-flash": 1.6}),
+        1.25,
+    ),
+    matrix_case("fwdbwd-bf16-d128-h16-b8-s2048-causal", {"sdpa-cudnn": 1.05, "sdpa-flash": 1.5}),
+]
+H200 = "NVIDIA H200"
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def step_record(ratio: float | None, ours=None) -> StepRecord:
+    target = StepTarget(128, 8, 2, 8, 2048)
+    ours = ours or measured(100.0)
+    sdpa = measured(100.0 * (ratio or 1.0))
+    return StepRecord(
+        target.id, "step", "bf16", 4, 8, 2, 128, 8, 2048, target.flops, ours, sdpa,
+        163840.0, 163840.0 / (ratio or 1.0), ratio,
+    )  # fmt: skip
+
+
+def judged(record) -> dict[tuple[str, str], tuple[str, float]]:
+    return {(v.id, v.what): (v.status, round(v.target, 4)) for v in targets.verdicts(record)}
+
+
+def assert_judged_by_the_h200_targets(found: dict) -> None:
+    """The H200's targets on CARD_MATRIX and a training step of 1.02x: cuDNN throughout, geomeans
+    of 1.0, every prefill and backward case >= 0.85, deterministic at most 1.15x the default's
+    time in every backward case, the step >= 1.0x; no TFLOP/s, small-case or FA2 verdicts."""
+    slowdown = round(1 / 1.15, 4)
+    assert found == {
+        ("prefill: 2 of 2 cases", "geomean cuDNN / ours"): (targets.MISSED, 1.0),
+        ("backward: 2 of 2 cases", "geomean cuDNN / ours"): (targets.MET, 1.0),
+        ("forward+backward: 1 of 1 cases", "geomean cuDNN / ours"): (targets.MET, 1.0),
+        ("deterministic: 2 of 2 cases", "geomean ours / deterministic"): (targets.MET, slowdown),
+        ("fwd-bf16-d128-h16-b4-s4096-full", "cuDNN / ours"): (targets.MET, 0.85),
+        ("fwd-bf16-d64-h32-b32-s512-causal", "cuDNN / ours"): (targets.MISSED, 0.85),
+        ("bwd-bf16-d64-h32-b8-s2048-full", "cuDNN / ours"): (targets.MET, 0.85),
+        ("bwd-bf16-d128-h16-b8-s2048-causal", "cuDNN / ours"): (targets.MET, 0.85),
+        ("bwd-bf16-d64-h32-b8-s2048-full", "ours / deterministic"): (targets.MET, slowdown),
+        ("bwd-bf16-d128-h16-b8-s2048-causal", "ours / deterministic"): (targets.MISSED, slowdown),
+        (step_record(1.02).id, targets.STEP_VS_SDPA): (targets.MET, 1.0),
+    }
+
+
+def test_an_h200_record_is_judged_by_the_h200_targets():
+    record = on_card(bench_record(cases=CARD_MATRIX, found=[step_record(1.02)]), H200)
+    assert_judged_by_the_h200_targets(judged(record))
+    found = {(v.id, v.what): v for v in targets.verdicts(record)}
+    deterministic = found["deterministic: 2 of 2 cases", "geomean ours / deterministic"]
+    assert deterministic.ratio == pytest.approx(1 / (1.05 * 1.25) ** 0.5)
+    # a slower step misses; a name alone does not make a card (an H200 is sm_90)
+    record = on_card(bench_record(found=[step_record(0.97)]), H200)
+    assert judged(record)[step_record(0.97).id, targets.STEP_VS_SDPA][0] == targets.MISSED
+    wrong = dataclasses.replace(record, gpu=dataclasses.replace(record.gpu, capability="8.9"))
+    assert targets.card_kind(wrong.gpu) is None
+
+
+def test_an_h100_record_is_judged_by_the_h100_targets():
+    record = on_card(bench_record(cases=CARD_MATRIX, found=[step_record(1.02)]), H100)
+    assert judged(record) == {
+        ("prefill: 2 of 2 cases", "geomean cuDNN / ours"): (targets.MISSED, 1.05),
+        ("backward: 2 of 2 cases", "geomean SDPA flash / ours"): (targets.MET, 1.0),
+        ("fwd-bf16-d128-h16-b4-s4096-full", "cuDNN / ours"): (targets.MET, 0.9),
+        ("fwd-bf16-d128-h16-b4-s4096-full", "TFLOP/s / 600"): (targets.MET, 1.0),
+        ("fwd-bf16-d64-h32-b32-s512-causal", "cuDNN / ours"): (targets.MISSED, 0.9),
+        ("fwd-fp16-d64-h8-b1-s512-full", "SDPA default / ours"): (targets.MISSED, 1.0),
+        ("bwd-bf16-d64-h32-b8-s2048-full", "SDPA flash / ours"): (targets.MET, 0.85),
+        ("bwd-bf16-d128-h16-b8-s2048-causal", "SDPA flash / ours"): (targets.MET, 0.85),
+        (step_record(1.02).id, targets.STEP_VS_SDPA): (targets.NOT_JUDGED, 1.0),
+    }
+    (step,) = [v for v in targets.verdicts(record) if v.what == targets.STEP_VS_SDPA]
+    assert step.reason == f"set for the NVIDIA H200; this card is {H100}"
+
+
+def test_a_wrong_card_key_fails_the_h200_check(monkeypatch):
+    """The check above is real: with the cards' keys swapped, an H200 run judged by the H100's
+    targets fails it."""
+    swapped = {"h200": targets.CARD_TARGETS["h100"], "h100": targets.CARD_TARGETS["h200"]}
+    monkeypatch.setattr(targets, "CARD_TARGETS", swapped)
+    record = on_card(bench_record(cases=CARD_MATRIX, found=[step_record(1.02)]), H200)
+    with pytest.raises(AssertionError):
+        assert_judged_by_the_h200_targets(judged(record))
+
+
+def test_bench_md_and_the_report_name_the_card_whose_targets_judge(tmp_path, fixture_checkout):
+    record = on_card(bench_record(cases=CARD_MATRIX, found=[step_record(1.02)]), H200)
+    text = "\n".join(benchmd.render_targets(record))
+    assert "The matrix's targets, set for the H200 (prefill S >= 512, the backward and" in text
+    assert "| bwd-bf16-d128-h16-b8-s2048-causal | ours / deterministic | 0.80x |" in text
+    assert (
+        f"| {step_record(1.02).id} | 100 | 102 | 1.638e+05 | 1.606e+05 | 1.02x met (>= 1.00x) |"
+        in text
+    )
+
+    def on_h200(doc):
+        doc["gpu"]["name"], doc["gpu"]["capability"] = H200, "9.0"
+        doc["targets"].append(benchrecords.to_json(step_record(0.9)))
+
+    _, text = write_reports(tmp_path, on_h200)
+    assert "**The matrix's targets**, set for the H200: prefill S &gt;= 512" in text
+    assert f"| `{step_record(0.9).id}` | 100 / 90 | 163,840 / 182,044 |" in text
+    assert f"0.90{report.TIMES} ⚠️ **missed** (< 1.00{report.TIMES})" in text
+
+
+@pytest.mark.parametrize("card", ["NVIDIA L4", "NVIDIA A100-SXM4-80GB", None])
+def test_matrix_targets_elsewhere_are_the_h200s_geomeans_not_judged(card):
+    record = bench_record("cpu" if card is None else "cuda", cases=CARD_MATRIX)
     if card:
         record = on_card(record, card)
     found = targets.matrix_verdicts(record)
-    assert [(v.id, v.status) for v in found] == [
-        ("prefill: 3 of 4 cases", targets.NOT_JUDGED),
-        ("backward: 2 of 2 cases", targets.NOT_JUDGED),
+    assert [(v.id, v.what, v.status) for v in found] == [
+        ("prefill: 2 of 2 cases", targets.PREFILL_GEOMEAN, targets.NOT_JUDGED),
+        ("backward: 2 of 2 cases", targets.PREFILL_GEOMEAN, targets.NOT_JUDGED),
+        ("forward+backward: 1 of 1 cases", targets.PREFILL_GEOMEAN, targets.NOT_JUDGED),
+        ("deterministic: 2 of 2 cases", "geomean ours / deterministic", targets.NOT_JUDGED),
     ]
-    reason = targets.CPU_REASON if card is None else f"set for the NVIDIA H100; this card is {card}"
+    reason = (
+        targets.CPU_REASON
+        if card is None
+        else f"set for the NVIDIA H200 and the NVIDIA H100; this card is {card}"
+    )
     assert all(v.reason == reason and v.ratio for v in found)
 
 
@@ -413,7 +549,11 @@ def test_bench_md_and_the_report_show_the_matrix_targets(tmp_path, fixture_check
     # on the fixture's L4: shown beside other verdicts, never a section of their own
     elsewhere = bench_record(cases=MATRIX, found=[varlen_record(1.0)])
     text = "\n".join(benchmd.render_targets(elsewhere))
-    assert "| 0.88x | not judged (set for the NVIDIA H100; this card is NVIDIA L4) |" in text
+    assert (
+        "| 0.88x | not judged (set for the NVIDIA H200 and the NVIDIA H100; this card is NVIDIA L4) |"
+        in text
+    )
+    assert "The matrix's targets, set for the H200 (prefill S >= 512, the backward" in text
     assert benchmd.render_targets(bench_record(cases=MATRIX)) == []
 
     def on_h100(doc):
@@ -597,6 +737,38 @@ def test_bench_md_and_the_report_list_the_page_orders(tmp_path, fixture_checkout
     assert "paged: the median of its shuffled page orders" in report_text
     _, report_text = write_reports(tmp_path / "old", lambda doc: None)
     assert "page orders" not in report_text
+
+
+def test_the_report_shows_the_peers_and_our_deterministic_backward(tmp_path, fixture_checkout):
+    not_installed = "not installed: ModuleNotFoundError: No module named 'flash_attn'"
+
+    def with_peers(doc):
+        prefill = [c for c in doc["cases"] if c["group"] == "prefill"]
+        for case in prefill:
+            ours = {k: v for k, v in case["ours"].items() if k != "samples_ms"}
+            case["baselines"]["fa3"] = {**ours, "median_ms": ours["median_ms"] * 1.1, "ratio": 1.1}
+            case["baselines"]["fa4"] = {"status": "unsupported", "reason": not_installed}
+        backward = copy.deepcopy(prefill[0])
+        backward.update(id="bwd" + backward["id"][3:], kind="backward", group="backward")
+        ours = {k: v for k, v in backward["ours"].items() if k != "samples_ms"}
+        backward["ours_deterministic"] = {
+            **ours,
+            "median_ms": ours["median_ms"] * 1.2,
+            "ratio": 1.2,
+        }
+        doc["cases"].append(backward)
+
+    _, text = write_reports(tmp_path, with_peers)
+    times = report.TIMES
+    prefill = text.split("**prefill**")[1].split("**")[0]
+    assert f"| FlashAttention-3 ms ({times}) | FlashAttention-4 ms ({times}) |" in prefill
+    assert f"(1.10{times}) | not installed |" in prefill
+    assert f"- FlashAttention-4: {not_installed}\n" in text
+    backward = text.split("**backward**")[1].split("**")[0]
+    assert f"| ours deterministic ms ({times}) |" in backward and f"(1.20{times}) |" in backward
+    assert "**FlashAttention-3 and -4 beside ours** (reported, no target)" in text
+    assert f"| FlashAttention-3 | prefill | 7 of 7 | 1.10{times} | — |" in text
+    assert f"| FlashAttention-4 | prefill | 0 of 7 | — | {not_installed} |" in text
 
 
 def write_reports(tmp_path, mutate) -> tuple[int, str]:
@@ -875,6 +1047,81 @@ def test_host_and_model_cases_are_unsupported_on_the_cpu_with_the_reason(monkeyp
     monkeypatch.setitem(sys.modules, "transformers", None)
     ours, sdpa = targetmeasure._time_models(ModelTarget(), "cpu", None, None)
     assert ours.status == sdpa.status == "unsupported" and "pip install transformers" in ours.reason
+
+
+def test_the_training_step_is_two_models_from_one_initialisation_on_random_tokens():
+    """(A few seconds: it imports transformers and builds the CPU bench's model twice.)"""
+    pytest.importorskip("transformers")
+    from flashmoe_science.integrations.transformers import NAME
+
+    target = benchmatrix.cpu_targets()[-1]
+    assert target.kind == "step" and target.layers == 1
+    ours, sdpa, ids = targetmeasure.step_models(target, "cpu")
+    assert ours.config._attn_implementation == NAME and sdpa.config._attn_implementation == "sdpa"
+    assert ours.training and sdpa.training
+    assert ours.dtype == sdpa.dtype == torch.bfloat16
+    weights = list(sdpa.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), weights, strict=True))
+    assert all(w.abs().sum() > 0 for w in weights), "never time on zeros"
+    assert ids.shape == (target.batch, target.seqlen) and ids.unique().numel() > target.seqlen
+    before = ours.lm_head.weight.clone()
+    losses = [float(targetmeasure.training_step(model, ids)()) for model in (ours, sdpa)]
+    assert losses[0] == pytest.approx(losses[1], rel=0.02)  # one model, one batch
+    assert not torch.equal(ours.lm_head.weight, before), "the optimizer stepped"
+
+
+class StepTimer:
+    """Times nothing: the first callable it sees (ours: round 0 goes in calls' order) takes 10 ms
+    a call, the second 12 ms."""
+
+    method, flush_bytes = "fake", 0
+
+    def __init__(self):
+        self.seen = []
+
+    def warm(self, fn, count):
+        pass
+
+    def time(self, fn, count, flush=True):
+        if fn not in self.seen:
+            self.seen.append(fn)
+        return [10.0 + 2.0 * self.seen.index(fn)] * count
+
+
+def test_the_training_steps_are_timed_in_the_same_rounds_into_tokens_per_second(monkeypatch):
+    """Both models' steps go through measure.measure_interleaved (one timer, interleaved rounds,
+    retakes); the record's tokens/s and ratio come from their medians."""
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    seen = []
+    interleaved = targetmeasure.measure.measure_interleaved
+
+    def spy(calls, case, device, timer, config, ceilings, rounds, say=None):
+        seen.append((list(calls), rounds))
+        return interleaved(calls, case, device, timer, config, ceilings, rounds, say)
+
+    monkeypatch.setattr(targetmeasure.measure, "measure_interleaved", spy)
+    target = benchmatrix.cpu_targets()[-1]
+    config = timing.TimingConfig.for_device("cpu")
+    timer = StepTimer()
+    record = targetmeasure.run_target(target, "cpu", timer, config, {})
+    assert seen == [(["ours", "sdpa"], targetmeasure.measure.ROUNDS)] and len(timer.seen) == 2
+    assert isinstance(record, StepRecord) and record.id == target.id
+    assert (record.ours.median_ms, record.sdpa.median_ms) == (10.0, 12.0)
+    tokens = target.batch * target.seqlen
+    assert (record.ours_tokens_per_s, record.sdpa_tokens_per_s) == (tokens * 100, 5333)  # 4 figures
+    assert record.ratio == 1.2 and record.ours.tflops == pytest.approx(target.flops / 1e10, 1e-3)
+    assert record.ours.gbps is None and record.ours.samples_ms is None
+    assert list(target_validator().iter_errors(benchrecords.to_json(record))) == []
+    (verdict,) = targets.target_verdicts(record, cpu=True)
+    assert verdict.status == targets.NOT_JUDGED and verdict.reason == targets.CPU_REASON
+
+
+def test_without_transformers_the_training_step_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    record = targetmeasure.run_step(benchmatrix.cpu_targets()[-1], "cpu", None, None, {})
+    assert record.ours.status == record.sdpa.status == "unsupported"
+    assert "pip install transformers" in record.ours.reason and record.ratio is None
 
 
 def test_host_cost_times_whole_loops_after_the_warm_up(monkeypatch):

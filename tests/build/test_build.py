@@ -364,6 +364,21 @@ def test_auto_with_arch_list_builds_cuda(cuda_machine, monkeypatch):
     )
 
 
+def test_the_cpu_plant_build_is_refused_for_cuda_and_built_for_the_cpu(cuda_machine, monkeypatch):
+    """Every CPU plant in one build, picked at load time: a CUDA build of it would run unplanted
+    kernels under a planted_bug() that says otherwise, so it is refused in one line."""
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    with pytest.raises(loader.ConfigError) as refused:
+        build.resolve_config("auto", defines=[loader.CPU_PLANT_DEFINE])
+    assert str(refused.value).startswith(
+        "-DFLASHMOE_PLANT_BUG=-1 plants the CPU implementation only, and this build is CUDA "
+        "(TORCH_CUDA_ARCH_LIST=9.0a): build it with backend=cpu"
+    )
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    config = build.resolve_config("auto", defines=[loader.CPU_PLANT_DEFINE])
+    assert config.backend == "cpu" and config.defines == ("FLASHMOE_PLANT_BUG=-1",)
+
+
 def test_visible_gpu_gives_the_targets(cuda_machine, monkeypatch):
     monkeypatch.setattr(loader, "visible_gpu_archs", lambda: ["8.9"])
     config = build.resolve_config("auto")
@@ -487,7 +502,9 @@ def test_nox_compile_builds_every_gpu_kind():
     noxfile = (REPO_ROOT / "noxfile.py").read_text()
     session = noxfile[noxfile.index("def compile(") :].split("\n\n\n")[0]
     (archs,) = re.findall(r'"--arch", "([^"]+)"', session)
-    assert loader.parse_arch_list(archs) == tuple(k.arch for k in gpukinds.KINDS.values())
+    assert loader.parse_arch_list(archs) == tuple(
+        dict.fromkeys(k.arch for k in gpukinds.KINDS.values())
+    )
     assert loader.parse_arch_list(archs) == ("8.9", "9.0a")
 
 

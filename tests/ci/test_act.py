@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,65 @@ def test_gpu_job_runs_the_h100_leg_by_default_and_takes_any_kind():
     assert re.findall(r"^\s+(\w+)\)", cases, re.MULTILINE) == list(reversed(gpukinds.KINDS))
     legs = workflows()["gpu-ci.yml"]["jobs"]["gpu"]["strategy"]["matrix"]["include"]
     assert "h100" in [leg["gpu"] for leg in legs]
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_gpu_job_joins_a_wheel_carried_in_parts_and_installs_the_wheels(tmp_path):
+    """--wheels DIR: parts of a wheel over the transfer limit are joined in order, then every
+    wheel goes to /tmp/site through the torch interpreter's pip (stubbed here), and the check
+    lists the bench's peers. (A few seconds: the peers' check imports torch.)"""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    whole = os.urandom(3000)
+    for i, suffix in enumerate(("aa", "ab", "ac")):
+        (wheels / f"flash_attn_3-3.0.0-cp312-linux_x86_64.whl.part-{suffix}").write_bytes(
+            whole[i * 1000 : (i + 1) * 1000]
+        )
+    (wheels / "flash_attn_4-4.0.0-py3-none-any.whl").write_bytes(b"small")
+    log = tmp_path / "pip.log"
+    python = tmp_path / "python"
+    python.write_text(  # pip and the torch check stubbed; the rest is this interpreter
+        "#!/bin/bash\n"
+        f'if [[ "$1 $2" == "-m pip" ]]; then echo "$@" >{log}; exit 0; fi\n'
+        'if [[ "$1" == - ]]; then cat >/dev/null; echo "ok|torch|stub"; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [
+            BASH,
+            str(ACT / "gpu-job.sh"),
+            "--python",
+            str(python),
+            "--wheels",
+            str(wheels),
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    joined = wheels / "flash_attn_3-3.0.0-cp312-linux_x86_64.whl"
+    assert joined.read_bytes() == whole, proc.stdout + proc.stderr
+    assert f"== joined {joined.name} from its parts" in proc.stdout
+    args = log.read_text().split()
+    assert args[:3] == ["-m", "pip", "install"] and "--no-index" in args
+    assert args[args.index("--target") + 1] == "/tmp/site"
+    assert sorted(Path(a).name for a in args if a.endswith(".whl")) == [
+        joined.name,
+        "flash_attn_4-4.0.0-py3-none-any.whl",
+    ]
+    assert re.search(r"^  (ok|WARN) +fa3 ", proc.stdout, re.MULTILINE), proc.stdout
+    assert re.search(r"^  (ok|WARN) +fa4 ", proc.stdout, re.MULTILINE)
+    missing = subprocess.run(
+        [BASH, str(ACT / "gpu-job.sh"), "--wheels", str(tmp_path / "none"), "--check"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
 
 
 @pytest.mark.skipif(BASH is None, reason="needs bash")

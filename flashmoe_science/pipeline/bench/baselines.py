@@ -74,15 +74,19 @@ def build_checkout(device: str) -> None:
 
 
 def gradient_call(
-    case: Case, x: Inputs, forward: Callable[..., torch.Tensor]
+    case: Case,
+    x: Inputs,
+    forward: Callable[..., torch.Tensor],
+    grad: torch.Tensor | None = None,
 ) -> Callable[[], object]:
     """What a backward or train case times, given the forward (q, k, v) -> out. backward: the
     gradients of q, k and v alone; the forward runs once, on the first call, which measure() makes
     untimed and inside the backend's context (SDPA picks its backward kernel in the forward), and
-    its saved tensors are then outside what peak memory counts. train: forward and backward."""
+    its saved tensors are then outside what peak memory counts. train: forward and backward.
+    `grad` is the output's gradient (default: cases.make_output_grad's, [B, H, S, D])."""
     device = x.q.device.type
     q, k, v = (t.detach().requires_grad_() for t in (x.q, x.k, x.v))
-    grad = make_output_grad(case, device)
+    grad = make_output_grad(case, device) if grad is None else grad
     if case.kind == "train":
         return lambda: torch.autograd.grad(forward(q, k, v), (q, k, v), grad)
     saved: list[torch.Tensor] = []

@@ -1,7 +1,7 @@
 """The benchmark's case matrix: prefill over the FA2 benchmark's 16k-token sweep, decode over cache
 lengths, batches and GQA ratios, small shapes, and the backward (alone, and with the forward as a
 training step) over the prefill sweep; then the speed-target cases (target_cases: varlen, paged
-decode, host cost, the small model); scaled down on the CPU backend."""
+decode, host cost, the small model, its training step); scaled down on the CPU backend."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import fnmatch
 from collections.abc import Sequence
 
 from ..cases import Case, parse_case_id
-from .target_cases import HOST_CALLS, HostTarget, ModelTarget, PagedTarget, Target, VarlenTarget
+from .target_cases import (
+    HOST_CALLS,
+    HostTarget,
+    ModelTarget,
+    PagedTarget,
+    StepTarget,
+    Target,
+    VarlenTarget,
+)
 
 KV_CACHE_LIMIT_BYTES = 8 * 1024**3  # decode cases whose K+V exceed this are left out of the matrix
 
@@ -137,32 +145,42 @@ def gpu_targets() -> list[Target]:
         *paged_targets(((1, 32768), (4, 8192), (16, 8192)), (16, 64, 128, 256), 32, 8),
         *(HostTarget(call) for call in HOST_CALLS),
         ModelTarget(),
+        # the training step at 16k tokens a step, Hq:Hkv 4:1, hidden size 1024
+        *(
+            StepTarget(d, heads, heads // 4, batch, seqlen)
+            for d, heads in ((64, 16), (128, 8))
+            for batch, seqlen in ((8, 2048), (2, 8192))
+        ),
     ]
 
 
 def cpu_targets() -> list[Target]:
-    """The host-cost and model cases stay in: on the CPU they become "unsupported" records."""
+    """The host-cost and model cases stay in: on the CPU they become "unsupported" records. The
+    training step runs, on one layer and a batch small enough for a second or two of CPU time."""
     return [
         *varlen_targets(1024, 16, 256, {64: 4}, ("bf16",)),
         *paged_targets(((4, 1024),), (16, 64, 128, 256), 8, 2),
         *(HostTarget(call) for call in HOST_CALLS),
         ModelTarget(),
+        StepTarget(64, 1, 1, 2, 32, layers=1, vocab=128),
     ]
 
 
-TARGET_PREFIXES = ("varlen-", "paged-", "host-", "model-")
+TARGET_PREFIXES = ("varlen-", "paged-", "host-", "model-", "step-")
 QUICK_TARGET_IDS = {
     "cuda": (
         "varlen-bf16-d128-h16-t16384-len128_4096-causal",
         "paged-bf16-d128-h32kv8-b4-k8192-page64",
         "host-bf16-d128-h32kv8-b1-k1024-decode-lens",
         "model-llama-bf16-b8-s512-new32",
+        "step-llama-bf16-l4-d128-h8kv2-b8-s2048",
     ),
     "cpu": (
         "varlen-bf16-d64-h4-t1024-len16_256-causal",
         "paged-bf16-d128-h8kv2-b4-k1024-page64",
         "host-bf16-d128-h32kv8-b1-k1024-decode-lens",
         "model-llama-bf16-b8-s512-new32",
+        "step-llama-bf16-l1-d64-h1-b2-s32-v128",
     ),
 }
 

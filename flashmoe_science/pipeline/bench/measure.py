@@ -1,6 +1,7 @@
-"""One case of the benchmark matrix, measured: our kernel, the read floor (decode on CUDA) and the
-SDPA baselines, each timed as timing.benchmark does and turned into a record; a refusal or a failure
-becomes a record too, never a raise.
+"""One case of the benchmark matrix, measured: our kernel, the read floor (decode on CUDA), the
+SDPA baselines, FlashAttention-3 and -4 where installed (peers: prefill and backward kinds), and
+for an automatic backward case our kernel with deterministic=True, each timed as timing.benchmark
+does and turned into a record; a refusal or a failure becomes a record too, never a raise.
 
 Ours and the baselines are timed in ROUNDS interleaved rounds, forward then backward (ours, flash,
 ..., default, default, ..., flash, ours, ours, ...), each with a ROUNDS-th of the budget, and each
@@ -28,7 +29,7 @@ import math
 import torch
 
 from ..cases import Case, Inputs, make_inputs
-from . import readfloor, stats
+from . import peers, readfloor, stats
 from .baselines import BASELINES, backend_context, first_call, is_refusal, our_call, sdpa_call
 from .records import (
     CUDA_ONLY_BASELINES,
@@ -43,12 +44,14 @@ from .stats import sig, summarize
 from .timing import Timing, TimingConfig, benchmark, first_line, peak_memory_bytes
 
 ROUNDS = 4
+# Our kernel with deterministic=True, among a backward case's calls (CaseRecord.ours_deterministic)
+DETERMINISTIC = "ours, deterministic"
 
 
 def figures(case: Case, timing: Timing, ceilings: dict, peak: int | None) -> Measured:
     seconds = timing.median_ms * 1e-3
     tflops = case.flops / seconds / 1e12 if seconds > 0 else None
-    gbps = case.bytes_moved / seconds / 1e9 if seconds > 0 else None
+    gbps = case.bytes_moved / seconds / 1e9 if seconds > 0 and case.bytes_moved else None
     peak_tflops = ceilings.get("matmul", {}).get("tflops")
     peak_gbps = ceilings.get("copy", {}).get("gbps")
     s = timing.summary
@@ -254,6 +257,22 @@ def measure_interleaved(
     return {name: results[name] for name in calls}
 
 
+def times_deterministic(case: Case) -> bool:
+    """Whether a case also times our kernel with deterministic=True beside ours: an automatic
+    backward case that is not deterministic itself."""
+    return case.kind == "backward" and not case.deterministic and not case.config
+
+
+def _beside_ours(result: Result, ours: Measured | None) -> Result:
+    """A column other than ours: without raw samples (kept for our kernel only, for the history
+    and the comparison), with its time over ours as its ratio."""
+    if isinstance(result, Measured):
+        result.samples_ms = None
+        if ours:
+            result.ratio = sig(result.median_ms / ours.median_ms, 4)
+    return result
+
+
 def run_case(
     case: Case,
     device: str,
@@ -266,6 +285,9 @@ def run_case(
 ) -> CaseRecord:
     x = make_inputs(case, device)
     calls = {"ours": (our_call(case, x), None)}
+    if times_deterministic(case):
+        deterministic = dataclasses.replace(case, deterministic=True)
+        calls[DETERMINISTIC] = (our_call(deterministic, x), None)
     unsupported = {}
     for name, backend in BASELINES.items() if baselines else ():
         fn, reason = sdpa_call(case, x)
@@ -273,6 +295,14 @@ def run_case(
             calls[name] = (fn, backend)
         else:
             unsupported[name] = NotMeasured("unsupported", reason)
+    compared = list(BASELINES) if baselines else []
+    if baselines and case.kind in peers.KINDS:
+        for name, (fn, reason) in peers.availability(device).items():
+            compared.append(name)
+            if fn:
+                calls[name] = (peers.peer_call(fn, case, x), None)
+            else:
+                unsupported[name] = NotMeasured("unsupported", reason)
     if case.kind == "decode" and device == "cuda":  # the floor is timed among the case's calls
         floor, measured = read_floor(
             case,
@@ -307,17 +337,14 @@ def run_case(
         if isinstance(floor, ReadFloor) and ours:
             floor.ratio = sig(floor.median_ms / ours.median_ms, 4)
         record.read_floor = floor
-    for name in BASELINES if baselines else ():
+    if DETERMINISTIC in measured:
+        record.ours_deterministic = _beside_ours(measured.pop(DETERMINISTIC), ours)
+    for name in compared:
         result = measured.get(name) or unsupported[name]
         refused = isinstance(result, NotMeasured) and result.status == "unsupported"
         if refused and device == "cpu" and name in CUDA_ONLY_BASELINES:
             result = NotMeasured("unsupported", NOT_ON_CPU)  # not the exception SDPA raised
-        if isinstance(result, Measured):
-            # raw samples are kept for our kernel only (history, comparison)
-            result.samples_ms = None
-            if ours:
-                result.ratio = sig(result.median_ms / ours.median_ms, 4)
-        record.baselines[name] = result
+        record.baselines[name] = _beside_ours(result, ours)
     del x
     if device == "cuda":
         torch.cuda.empty_cache()  # the next case may need what this one's SDPA workspaces held

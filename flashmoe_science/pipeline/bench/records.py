@@ -25,6 +25,11 @@ BASELINE_NAMES = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-default")
 # SDPA's kernels that exist on CUDA alone: on the CPU backend their refusal reads NOT_ON_CPU
 CUDA_ONLY_BASELINES = ("sdpa-cudnn", "sdpa-efficient")
 NOT_ON_CPU = "not available on the CPU"
+# FlashAttention-3 and -4 (pipeline.bench.peers), timed beside the SDPA baselines where importable
+PEER_NAMES = ("fa3", "fa4")
+PEER_LABELS = {"fa3": "FlashAttention-3", "fa4": "FlashAttention-4"}
+# The reason of a peer that cannot be imported here starts with this (cells show it alone)
+NOT_INSTALLED = "not installed"
 
 
 class InvalidBenchFile(ValueError):
@@ -201,6 +206,9 @@ class CaseRecord:
     retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     # the columns ("ours", baseline names) whose spread stayed over stats.UNSTABLE_SPREAD
     unstable: list[str] | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # backward cases: our kernel with deterministic=True, timed in the same rounds as ours; its
+    # ratio is its time over ours (older records: none)
+    ours_deterministic: Result | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass
@@ -310,7 +318,29 @@ class ModelRecord:
     decode_ratio: float | None  # our decode tokens/s / SDPA's
 
 
-TargetRecord = VarlenRecord | PagedRecord | HostRecord | ModelRecord
+@dataclasses.dataclass
+class StepRecord:
+    """A training step (forward, backward, AdamW) of the small Llama-style model, our attention
+    against SDPA's, from the same initialisation, both timed in the same interleaved rounds."""
+
+    id: str
+    kind: str  # "step"
+    dtype: str
+    layers: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    batch: int
+    seqlen: int
+    flops: int  # per step: 6 per parameter and token, plus the attention's forward and backward
+    ours: Result
+    sdpa: Result
+    ours_tokens_per_s: float | None
+    sdpa_tokens_per_s: float | None
+    ratio: float | None  # our tokens/s over SDPA's (SDPA's time per step over ours)
+
+
+TargetRecord = VarlenRecord | PagedRecord | HostRecord | ModelRecord | StepRecord
 
 
 @dataclasses.dataclass
@@ -431,6 +461,8 @@ def case_from_json(data: dict) -> CaseRecord:
     record.ours = result_from_json(data["ours"])
     record.baselines = {name: result_from_json(r) for name, r in data["baselines"].items()}
     record.read_floor = _floor_from_json(data.get("read_floor"))
+    if data.get("ours_deterministic") is not None:
+        record.ours_deterministic = result_from_json(data["ours_deterministic"])
     return record
 
 
@@ -445,6 +477,7 @@ TARGET_RECORDS = {
     "paged": PagedRecord,
     "host": HostRecord,
     "model": ModelRecord,
+    "step": StepRecord,
 }
 # What each target kind's two timed sides are made of, when measured
 TARGET_RESULTS = {
@@ -452,6 +485,7 @@ TARGET_RESULTS = {
     "paged": (("ours", Measured), ("contiguous", Measured)),
     "host": (("ours", HostCost), ("sdpa", HostCost)),
     "model": (("ours", ModelTiming), ("sdpa", ModelTiming)),
+    "step": (("ours", Measured), ("sdpa", Measured)),
 }
 
 

@@ -19,7 +19,10 @@ torch.nn.attention.sdpa_kernel (FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTE
 own choice ("sdpa-default"). Ours and the baselines are timed in turn over interleaved rounds
 (flashmoe_science.pipeline.bench.measure.ROUNDS, every other round in reverse), so drift during a case
 hits every column alike. A backend that refuses a case is recorded as "unsupported" with its
-reason. "ratio" is SDPA's time / ours: above 1, ours is faster.
+reason. "ratio" is SDPA's time / ours: above 1, ours is faster. FlashAttention-3 and -4
+(pipeline.bench.peers, columns "fa3" and "fa4") join the prefill and backward kinds' rounds where
+they import and the card runs them, else each case says why not ("not installed: ..."); an
+automatic backward case also times our kernel with deterministic=True ("ours_deterministic").
 
 Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton kernels that only read
 the case's K and V, timed in the same interleaved rounds as ours and the baselines
@@ -32,11 +35,14 @@ Speed targets (pipeline.bench.target_cases; after the matrix, selected by `--cas
 in one timing window), paged decode (`paged-*`: a shuffled block table against the same contents
 contiguous, both with the read floor), host cost (`host-*`: the time per call of 2,000 back-to-back
 calls without a synchronisation, CUDA events around the loop, beside SDPA's equivalent call) and the
-small Llama-style model (`model-*`: prefill and greedy decoding with our attention and with SDPA's).
+small Llama-style model (`model-*`: prefill and greedy decoding with our attention and with SDPA's)
+and a 4-layer one's training step (`step-*`: forward, backward and AdamW, our attention against
+SDPA's from the same initialisation, in the same interleaved rounds; tokens/s).
 Their records go to bench.json's "targets"; pipeline.bench.targets judges each ratio against its target
-(and the read floor of every matrix decode case of at least 64 MiB), for bench.md and the report.
-On the CPU backend the host-cost and model cases are "unsupported" records, and nothing is judged.
-Only our kernel failing on a speed case fails the run; a missed target does not.
+(and the read floor of every matrix decode case of at least 64 MiB, and the targets of the card the
+run is on), for bench.md and the report. On the CPU backend the host-cost and model cases are
+"unsupported" records, the training step runs on a tiny model, and nothing is judged. Only our
+kernel failing on a speed case fails the run; a missed target does not.
 
 Head against base (`--base REF`): REF is checked out as a git worktree in
 <build root>/worktrees/<sha12> and built by its own `python -m flashmoe_science build` into its own
@@ -445,6 +451,13 @@ def _target_failed(target) -> bool:
     return any(isinstance(r, NotMeasured) and r.status == "error" for r in ours)
 
 
+def _case_failed(case) -> bool:
+    """Our kernel failed on a matrix case: its default call, or its deterministic one."""
+    deterministic = case.ours_deterministic
+    failed = isinstance(deterministic, NotMeasured) and deterministic.status == "error"
+    return failed or not isinstance(case.ours, Measured)
+
+
 def verdict_exit_code(record: BenchRecord, fail_on_regression: bool) -> int:
     if record.targets:
         found = targets.counts(targets.verdicts(record))
@@ -452,7 +465,7 @@ def verdict_exit_code(record: BenchRecord, fail_on_regression: bool) -> int:
             f"bench: speed targets: {found[targets.MET]} met, {found[targets.MISSED]} missed, "
             f"{found[targets.NOT_JUDGED]} not judged (bench.md lists them)"
         )
-    failed = [c.id for c in record.cases if not isinstance(c.ours, Measured)]
+    failed = [c.id for c in record.cases if _case_failed(c)]
     failed += [t.id for t in record.targets or [] if _target_failed(t)]
     if failed:
         print(

@@ -1,6 +1,7 @@
-"""The small Llama-style model that the transformers tests and the benchmark's model case build:
-random weights from a config, no downloads. transformers is imported on first use; without it the
-builders raise the integration's one-line install hint."""
+"""The small Llama-style model that the transformers tests and the benchmark's model case build,
+and the wider one whose training step the benchmark times: random weights from a config, no
+downloads. transformers is imported on first use; without it the builders raise the
+integration's one-line install hint."""
 
 from __future__ import annotations
 
@@ -54,3 +55,41 @@ def llama_model(
     if state is not None:
         m.load_state_dict(state)
     return m.eval().to(device=device, dtype=dtype)
+
+
+def swiglu_width(hidden: int) -> int:
+    """Llama's MLP width: 8/3 of the hidden size, rounded up to a multiple of 64."""
+    return -(-8 * hidden // 3 // 64) * 64
+
+
+def training_config(
+    layers: int, heads: int, heads_kv: int, head_dim: int, seqlen: int, vocab_size: int = 4096
+):
+    """A Llama-style config for the training-step case: hidden size heads * head_dim, Llama's
+    SwiGLU width (8/3 of it, rounded up to 64), GQA heads:heads_kv. The vocabulary is small, so
+    the step is the decoder layers' work rather than the output projection's."""
+    hidden = heads * head_dim
+    return _transformers().LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=swiglu_width(hidden),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads_kv,
+        head_dim=head_dim,
+        max_position_embeddings=seqlen,
+        pad_token_id=0,
+        attention_dropout=0.0,
+    )
+
+
+def training_model(config, implementation: str, state=None, dtype=torch.bfloat16, device="cpu"):
+    """The model of `config` with attention `implementation`, in train mode; seeded, so two calls
+    give the same weights (or `state`'s, when given)."""
+    torch.manual_seed(0)
+    m = _transformers().LlamaForCausalLM._from_config(
+        copy.deepcopy(config), attn_implementation=implementation
+    )
+    if state is not None:
+        m.load_state_dict(state)
+    return m.train().to(device=device, dtype=dtype)

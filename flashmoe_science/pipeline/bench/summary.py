@@ -1,5 +1,6 @@
-"""bench.md: the benchmark record as a markdown table, the speed targets' tables and verdicts
-(pipeline.bench.targets), and the head-against-base section."""
+"""bench.md: the benchmark record as a markdown table (ours, SDPA's backends, FlashAttention-3 and -4
+where the record has their columns, our deterministic backward), the speed targets' tables and
+verdicts (pipeline.bench.targets), and the head-against-base section."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from .. import load
 from . import stats, targets
 from .records import (
     BASELINE_NAMES,
+    NOT_INSTALLED,
+    PEER_LABELS,
+    PEER_NAMES,
     BenchRecord,
     CaseRecord,
     Comparison,
@@ -37,7 +41,17 @@ def _ratio(result) -> str:
         return "-"
     if getattr(result, "ratio", None):
         return f"{result.ratio:.2f}x{_mark(result)}"
+    if isinstance(result, NotMeasured) and result.reason.startswith(NOT_INSTALLED):
+        return NOT_INSTALLED
     return result.status
+
+
+def columns_of(record: BenchRecord) -> tuple[list[str], bool]:
+    """The baselines' columns of the case table (the peers only where the record has them) and
+    whether it has the deterministic column."""
+    peers = [n for n in PEER_NAMES if any(n in c.baselines for c in record.cases)]
+    deterministic = any(c.ours_deterministic is not None for c in record.cases)
+    return [*BASELINE_NAMES, *peers], deterministic
 
 
 def _mib(value: int | None) -> str:
@@ -125,7 +139,7 @@ def not_judged_line(busy: str) -> str:
     )
 
 
-def _case_row(case: CaseRecord) -> str:
+def _case_row(case: CaseRecord, names: list[str], deterministic: bool) -> str:
     ours = case.ours
     measured = isinstance(ours, Measured)
     pct = None
@@ -139,7 +153,8 @@ def _case_row(case: CaseRecord) -> str:
         _num(ours.tflops if measured else None, ".3g"),
         _num(ours.gbps if measured else None, ".3g"),
         _num(pct, ".2g"),
-        *(_ratio(case.baselines.get(name)) for name in BASELINE_NAMES),
+        *(_ratio(case.baselines.get(name)) for name in names),
+        *([_ratio(case.ours_deterministic)] if deterministic else []),
         _ratio(case.read_floor),
         f"{_mib(ours.peak_mem_bytes if measured else None)} / {_mib(sdpa_mem)}",
     ]
@@ -147,7 +162,9 @@ def _case_row(case: CaseRecord) -> str:
 
 
 def render_markdown(record: BenchRecord) -> str:
-    vs = [f"vs {name.removeprefix('sdpa-')}" for name in BASELINE_NAMES]
+    names, deterministic = columns_of(record)
+    vs = [f"vs {name.removeprefix('sdpa-')}" for name in names]
+    vs += ["vs deterministic"] if deterministic else []
     columns = ["case", "ours ms (IQR)", "TFLOP/s", "GB/s", "% ceiling", *vs, "vs read floor"]
     columns.append("peak MiB ours / sdpa")
     lines = [
@@ -156,11 +173,15 @@ def render_markdown(record: BenchRecord) -> str:
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),
     ]
-    lines += [_case_row(case) for case in record.cases]
+    lines += [_case_row(case, names, deterministic) for case in record.cases]
+    if any(name in PEER_NAMES for name in names) or deterministic:
+        lines += ["", _columns_note(names, deterministic)]
     reasons: dict[str, set[str]] = {}
     for case in record.cases:
         results = [("ours", case.ours), *case.baselines.items()]
         results += [("read floor", case.read_floor)] if case.read_floor is not None else []
+        if case.ours_deterministic is not None:
+            results.append(("ours deterministic", case.ours_deterministic))
         for name, result in results:
             if not isinstance(result, (Measured, ReadFloor)):
                 reasons.setdefault(f"{name} {result.status}", set()).add(result.reason[:200])
@@ -172,6 +193,14 @@ def render_markdown(record: BenchRecord) -> str:
     if record.comparison:
         lines += ["", *render_comparison(record.comparison)]
     return "\n".join(lines) + "\n"
+
+
+def _columns_note(names: list[str], deterministic: bool) -> str:
+    peers = [f"{name} is {PEER_LABELS[name]}" for name in names if name in PEER_NAMES]
+    parts = [", ".join(peers) + " (prefill and backward kinds)"] if peers else []
+    if deterministic:
+        parts.append("deterministic is ours with deterministic=True (automatic backward cases)")
+    return "Columns: " + "; ".join(parts) + "; each timed in the same rounds as ours."
 
 
 def _row(cells) -> str:
@@ -241,6 +270,7 @@ def render_targets(record: BenchRecord) -> list[str]:
             ),
         ]
     matrix = [v for v in found if v.what in targets.MATRIX_LABELS]
+    card, card_targets = targets.shown_targets(record.gpu, record.backend == "cpu")
     if matrix:
         rows = [
             [
@@ -253,13 +283,29 @@ def render_targets(record: BenchRecord) -> list[str]:
         ]
         lines += [
             "",
-            "The matrix's targets, set for the H100 (prefill S >= "
-            f"{targets.PREFILL_MIN_SEQLEN} against cuDNN, a geomean and each case; D=128 at S >= "
-            f"{targets.TFLOPS_MIN_SEQLEN} non-causal against {targets.TFLOPS_TARGET:.0f} TFLOP/s; "
-            "the small cases against SDPA default; the backward against SDPA flash, a geomean and "
-            "each case):",
+            f"The matrix's targets, set for the {card.removeprefix('NVIDIA ')} "
+            f"({card_targets.summary}):",
             "",
             *_table(["case", "ratio", "value", "verdict"], rows),
+        ]
+    peer_rows = targets.peer_geomeans(record)
+    if peer_rows:
+        rows = [
+            [
+                PEER_LABELS[p.peer],
+                p.group,
+                f"{p.measured} of {p.total}",
+                _x(p.ratio),
+                p.reason[:200] or "-",
+            ]
+            for p in peer_rows
+        ]
+        lines += [
+            "",
+            "FlashAttention-3 and -4 beside ours (reported, no target): their time over ours, a "
+            "geomean over the matrix's automatic cases of each group:",
+            "",
+            *_table(["peer", "cases", "measured", "theirs / ours", "why none"], rows),
         ]
     kinds = {}
     for t in record.targets or []:
@@ -357,6 +403,36 @@ def render_targets(record: BenchRecord) -> list[str]:
             f"(target: SDPA's time over ours >= {targets.HOST_TARGET:.2f}x):",
             "",
             *_table(["case", "ours us/call", "SDPA us/call", "SDPA / ours", "verdict"], rows),
+        ]
+    if "step" in kinds:
+        rows = [
+            [
+                t.id,
+                _side_ms(t.ours),
+                _side_ms(t.sdpa),
+                _num(t.ours_tokens_per_s, ".4g"),
+                _num(t.sdpa_tokens_per_s, ".4g"),
+                _judged(t.ratio, by.get((t.id, targets.STEP_VS_SDPA))),
+            ]
+            for t in kinds["step"]
+        ]
+        lines += [
+            "",
+            "The training step: forward, backward and AdamW of a Llama-style model, our attention "
+            "against SDPA's, from the same initialisation, timed in the same rounds (target: our "
+            f"tokens/s >= {targets.STEP_TARGET:.2f}x SDPA's, on the {targets.step_cards()}):",
+            "",
+            *_table(
+                [
+                    "case",
+                    "ours ms/step",
+                    "SDPA ms/step",
+                    "ours tokens/s",
+                    "SDPA tokens/s",
+                    "ours / SDPA",
+                ],
+                rows,
+            ),
         ]
     if "model" in kinds:
         rows = [

@@ -12,6 +12,9 @@ like the matrix's:
                                                     (decode, decode-lens, paged64 or varlen)
     model-llama-bf16-b8-s512-new32                  the small Llama-style model: prefill and
                                                     greedy decoding, our attention against SDPA
+    step-llama-bf16-l4-d128-h8kv2-b8-s2048          a training step (forward, backward, AdamW)
+                                                    of a 4-layer Llama-style model, our attention
+                                                    against SDPA from the same initialisation
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from ..cases import ELEMENT_BYTES, Case
+from ..cases import ELEMENT_BYTES, FLOP_FACTORS, Case
+from .smallmodel import swiglu_width
 
 HOST_CALLS = ("decode", "decode-lens", "paged64", "varlen")
 # The packed batch of the varlen host-cost case: small, so the loop measures the host, not the GPU.
@@ -186,4 +190,58 @@ class ModelTarget:
         return f"model-llama-{self.dtype}-b{self.batch}-s{self.prompt}-new{self.new_tokens}"
 
 
-Target = VarlenTarget | PagedTarget | HostTarget | ModelTarget
+STEP_VOCAB = 4096  # smallmodel.training_config's default vocabulary
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTarget:
+    """A training step of a `layers`-layer Llama-style model (smallmodel.training_config: hidden
+    size heads_q * head_dim) on `batch` x `seqlen` random tokens: forward, backward (a causal-LM
+    loss) and an AdamW step, through our transformers backend against the same model on SDPA,
+    both from the same initialisation."""
+
+    head_dim: int
+    heads_q: int
+    heads_kv: int
+    batch: int
+    seqlen: int
+    layers: int = 4
+    dtype: str = "bf16"
+    vocab: int = STEP_VOCAB
+    kind: str = "step"
+
+    @property
+    def id(self) -> str:
+        vocab = f"-v{self.vocab}" if self.vocab != STEP_VOCAB else ""
+        return (
+            f"step-llama-{self.dtype}-l{self.layers}-d{self.head_dim}"
+            f"-{_heads(self.heads_q, self.heads_kv)}-b{self.batch}-s{self.seqlen}{vocab}"
+        )
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seqlen
+
+    @property
+    def matmul_params(self) -> int:
+        """The weights every token multiplies: the layers' projections and the output head (the
+        embedding is a lookup)."""
+        hidden = self.heads_q * self.head_dim
+        kv = self.heads_kv * self.head_dim
+        layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * swiglu_width(hidden)
+        return self.layers * layer + self.vocab * hidden
+
+    @property
+    def flops(self) -> int:
+        """6 per weight and token (forward and backward), plus each layer's causal attention as
+        the matrix counts a training step's (cases.FLOP_FACTORS["train"] times its forward)."""
+        attention = 4 * self.batch * self.heads_q * self.seqlen**2 * self.head_dim // 2
+        per_layer = int(attention * FLOP_FACTORS["train"])
+        return 6 * self.matmul_params * self.tokens + self.layers * per_layer
+
+    @property
+    def bytes_moved(self) -> int:
+        return 0  # no bandwidth figure: a step is many kernels
+
+
+Target = VarlenTarget | PagedTarget | HostTarget | ModelTarget | StepTarget

@@ -1,8 +1,8 @@
 """The speed-target cases (target_cases), measured into records (records): the two sides of a
 ratio timed together as the matrix's columns are (measure.measure_interleaved: CUDA events,
-warm-up, L2 flush, interleaved rounds, median, retakes), the host cost by timing.host_cost_us with
-the sides' loops in turn, and the small model by timing.benchmark (prefill) and the wall clock
-around whole generations (decode). A side that refuses or fails becomes a NotMeasured record, never
+warm-up, L2 flush, interleaved rounds, median, retakes; the training step's two models too), the
+host cost by timing.host_cost_us with the sides' loops in turn, and the small model by
+timing.benchmark (prefill) and the wall clock around whole generations (decode). A side that refuses or fails becomes a NotMeasured record, never
 a raise.
 """
 
@@ -29,11 +29,19 @@ from .records import (
     NotMeasured,
     PagedRecord,
     ReadFloor,
+    StepRecord,
     TargetRecord,
     VarlenRecord,
 )
 from .stats import sig
-from .target_cases import HOST_VARLEN_LENGTHS, HostTarget, ModelTarget, PagedTarget, VarlenTarget
+from .target_cases import (
+    HOST_VARLEN_LENGTHS,
+    HostTarget,
+    ModelTarget,
+    PagedTarget,
+    StepTarget,
+    VarlenTarget,
+)
 from .timing import TimingConfig, benchmark, first_line, host_cost_us
 
 HOST_LOOPS = 4  # loops a side, ours and SDPA's in turn (measure.in_turn): an even count
@@ -464,6 +472,79 @@ def _time_models(target: ModelTarget, device: str, timer, config):
 
 
 # --------------------------------------------------------------------------------------------------
+# The training step
+# --------------------------------------------------------------------------------------------------
+
+STEP_LR = 1e-4  # small enough that the weights stay sane over the hundreds of timed steps
+
+
+def training_step(model, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One optimizer step of `model` on `ids`, a causal-LM loss on the tokens themselves:
+    gradients cleared, forward, backward, AdamW. Each call returns its loss, detached."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=STEP_LR)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def step_models(target: StepTarget, device: str) -> tuple:
+    """(our model, SDPA's model, the tokens): the target's model on our attention and on SDPA's,
+    the first loading the second's weights (one initialisation), and random tokens from the
+    target's seed. ImportError (with the install hint) without transformers."""
+    from ...integrations.transformers import register
+    from . import smallmodel
+
+    name = register()
+    config = smallmodel.training_config(
+        target.layers, target.heads_q, target.heads_kv, target.head_dim, target.seqlen, target.vocab
+    )
+    dtype = DTYPES[target.dtype]
+    sdpa = smallmodel.training_model(config, "sdpa", None, dtype, device)
+    ours = smallmodel.training_model(config, name, sdpa.state_dict(), dtype, device)
+    generator = torch.Generator().manual_seed(case_seed(target.id))
+    ids = torch.randint(1, target.vocab, (target.batch, target.seqlen), generator=generator)
+    return ours, sdpa, ids.to(device)
+
+
+def _tokens_per_s(target: StepTarget, result) -> float | None:
+    if isinstance(result, Measured) and result.median_ms:
+        return sig(target.tokens / (result.median_ms * 1e-3), 4)
+    return None
+
+
+def run_step(target: StepTarget, device: str, timer, config, ceilings, say=None) -> StepRecord:
+    """Our model's training step and SDPA's model's, timed in the same interleaved rounds."""
+    try:
+        ours_model, sdpa_model, ids = step_models(target, device)
+    except ImportError as exc:  # no transformers: the install hint
+        ours = sdpa = NotMeasured("unsupported", str(exc))
+    except Exception as exc:  # out of memory, a config transformers rejects: a record
+        ours = sdpa = NotMeasured("error", f"building the models: {first_line(exc)}")
+    else:
+        calls = {
+            "ours": training_step(ours_model, ids),
+            "sdpa": training_step(sdpa_model, ids),
+        }
+        ours, sdpa = _side_by_side(calls, target, device, timer, config, ceilings, say).values()
+        del calls, ours_model, sdpa_model
+    return _record(
+        StepRecord,
+        target,
+        ours=_without_samples(ours),
+        sdpa=_without_samples(sdpa),
+        ours_tokens_per_s=_tokens_per_s(target, ours),
+        sdpa_tokens_per_s=_tokens_per_s(target, sdpa),
+        ratio=_time_ratio(sdpa, ours),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 def _without_samples(result):
@@ -489,4 +570,6 @@ def run_target(
         return run_paged(target, device, timer, config, ceilings, say)
     if isinstance(target, HostTarget):
         return run_host(target, device)
+    if isinstance(target, StepTarget):
+        return run_step(target, device, timer, config, ceilings, say)
     return run_model(target, device, timer, config)

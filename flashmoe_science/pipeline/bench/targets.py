@@ -8,14 +8,20 @@ Every ratio is a speed over another speed, so above the target is good:
 - decode against the read floor: the floor's time over the decode's, >= 0.90 for every decode case
   whose K+V is at least 64 MiB, contiguous (the matrix's decode cases and each paged case's
   contiguous twin) and paged;
-- host cost: SDPA's time per call over ours in the back-to-back loop, >= 1.0;
-and on an H100, where they were set, the matrix's (automatic configuration):
-- prefill, S 512 to 16k: cuDNN's time over ours, >= 1.05 as a geomean and >= 0.90 in every case;
-  D=128, S >= 4096, non-causal: at least 600 TFLOP/s;
-- the small cases: SDPA default's time over ours, >= 1.0 (latency at most SDPA's);
-- backward: SDPA flash's (FlashAttention-2's) time over ours, >= 1.0 as a geomean and >= 0.85 in
-  every case.
-On another card or the CPU these show as their geomeans, not judged.
+- host cost: SDPA's time per call over ours in the back-to-back loop, >= 1.0.
+
+The matrix's own targets (automatic configuration) and the training step's are set per card
+(CARD_TARGETS, keyed by gpukinds label) and judged only on a card of that kind, identified by the
+record's GPU name and compute capability (gpukinds.GpuKind.device_problem):
+- H200, the card of record: prefill S 512 to 16k, backward and forward+backward against cuDNN,
+  each >= 1.0 as a geomean; prefill and backward >= 0.85 in every case; deterministic=True at most
+  1.15x the default's time in every backward case (ours / deterministic >= 1/1.15); the training
+  step's tokens/s >= 1.0x SDPA's;
+- H100, where they were first set: prefill against cuDNN >= 1.05 geomean and >= 0.90 each; D=128,
+  S >= 4096, non-causal at least 600 TFLOP/s; the small cases' latency at most SDPA default's;
+  the backward against SDPA flash (FlashAttention-2) >= 1.0 geomean and >= 0.85 each.
+On another card or the CPU the card of record's geomeans show, not judged.
+FlashAttention-3's and -4's time over ours (peer_geomeans) is reported beside them, never judged.
 The small model's prefill and decode ratios have no target: they are shown beside the verdicts.
 
 Timings of the CPU backend check the plumbing only: their verdicts are "not judged". So is a
@@ -32,14 +38,17 @@ import math
 from .. import gpukinds
 from . import stats
 from .records import (
+    PEER_NAMES,
     BenchRecord,
     CaseRecord,
+    Gpu,
     HostCost,
     HostRecord,
     Measured,
     NotMeasured,
     PagedRecord,
     ReadFloor,
+    StepRecord,
     VarlenRecord,
 )
 
@@ -49,16 +58,20 @@ PAGED_MIN_BLOCK = 64
 READ_FLOOR_TARGET = 0.90
 READ_FLOOR_MIN_BYTES = 64 * 2**20
 HOST_TARGET = 1.0
-# The matrix's targets, set for this card
-MATRIX_CARD = gpukinds.kind_of("h100")
 PREFILL_MIN_SEQLEN = 512
+TFLOPS_MIN_SEQLEN = 4096  # D=128, S >= this, non-causal: the TFLOP/s target's cases
+# The H100's targets
 PREFILL_GEOMEAN_TARGET = 1.05
 PREFILL_CASE_TARGET = 0.90
-TFLOPS_TARGET = 600.0  # D=128, S >= TFLOPS_MIN_SEQLEN, non-causal
-TFLOPS_MIN_SEQLEN = 4096
+TFLOPS_TARGET = 600.0
 SMALL_TARGET = 1.0
 BACKWARD_GEOMEAN_TARGET = 1.0
 BACKWARD_CASE_TARGET = 0.85
+# The H200's
+H200_GEOMEAN_TARGET = 1.0
+H200_CASE_TARGET = 0.85
+DETERMINISTIC_MAX_SLOWDOWN = 1.15  # deterministic=True's time over the default's, at most
+STEP_TARGET = 1.0
 
 MET, MISSED, NOT_JUDGED = "met", "missed", "not judged"
 CPU_REASON = "CPU backend: plumbing numbers, not a card's speed"
@@ -76,8 +89,130 @@ TFLOPS_VS_TARGET = "TFLOP/s / 600"
 SMALL_VS_DEFAULT = "SDPA default / ours"
 BACKWARD_GEOMEAN = "geomean SDPA flash / ours"
 BACKWARD_VS_FLASH = "SDPA flash / ours"
-MATRIX_CASE_LABELS = (PREFILL_VS_CUDNN, TFLOPS_VS_TARGET, SMALL_VS_DEFAULT, BACKWARD_VS_FLASH)
-MATRIX_LABELS = (PREFILL_GEOMEAN, BACKWARD_GEOMEAN, *MATRIX_CASE_LABELS)
+DETERMINISTIC_VS_OURS = "ours / deterministic"
+STEP_VS_SDPA = "tokens/s ours / SDPA"
+# The matrix's groups of automatic cases a target covers (matrix_members)
+MATRIX_GROUPS = ("prefill", "small", "backward", "forward+backward", "deterministic")
+# The column of CaseRecord.ours_deterministic among a target's columns (the others: baselines)
+DETERMINISTIC = "deterministic"
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixTarget:
+    """One of a card's targets over a group of the matrix's automatic cases: each case's ratio of
+    `column` (a baseline: its time over ours; DETERMINISTIC: our time over the deterministic
+    one's), >= `geomean` as a geomean over the group and >= `each` in every case (None: no such
+    verdict)."""
+
+    group: str  # one of MATRIX_GROUPS
+    column: str
+    shown: str  # the column as a verdict's reason names it
+    label: str  # the ratio as the tables name it
+    geomean: float | None
+    each: float | None
+
+    @property
+    def geomean_label(self) -> str:
+        return f"geomean {self.label}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CardTargets:
+    """The targets set for one GPU kind (its CARD_TARGETS key, a gpukinds.KINDS label), judged on
+    a card of that kind alone: the matrix's, the TFLOP/s of long non-causal D=128 prefill, the
+    training step's."""
+
+    matrix: tuple[MatrixTarget, ...]
+    summary: str  # what they are, for the tables' headings
+    tflops: float | None = None
+    step: float | None = None
+
+
+CARD_TARGETS = {
+    "h200": CardTargets(
+        (
+            MatrixTarget(
+                "prefill",
+                "sdpa-cudnn",
+                "cuDNN",
+                PREFILL_VS_CUDNN,
+                H200_GEOMEAN_TARGET,
+                H200_CASE_TARGET,
+            ),
+            MatrixTarget(
+                "backward",
+                "sdpa-cudnn",
+                "cuDNN",
+                PREFILL_VS_CUDNN,
+                H200_GEOMEAN_TARGET,
+                H200_CASE_TARGET,
+            ),
+            MatrixTarget(
+                "forward+backward",
+                "sdpa-cudnn",
+                "cuDNN",
+                PREFILL_VS_CUDNN,
+                H200_GEOMEAN_TARGET,
+                None,
+            ),
+            MatrixTarget(
+                "deterministic",
+                DETERMINISTIC,
+                "deterministic",
+                DETERMINISTIC_VS_OURS,
+                1 / DETERMINISTIC_MAX_SLOWDOWN,
+                1 / DETERMINISTIC_MAX_SLOWDOWN,
+            ),
+        ),
+        f"prefill S >= {PREFILL_MIN_SEQLEN}, the backward and forward+backward against cuDNN, "
+        f"a geomean of at least {H200_GEOMEAN_TARGET:.2f}x each, prefill and backward at least "
+        f"{H200_CASE_TARGET:.2f}x in every case; deterministic=True at most "
+        f"{DETERMINISTIC_MAX_SLOWDOWN:.2f}x the default's time in every backward case; the "
+        f"training step at least {STEP_TARGET:.2f}x SDPA's tokens/s",
+        step=STEP_TARGET,
+    ),
+    "h100": CardTargets(
+        (
+            MatrixTarget(
+                "prefill",
+                "sdpa-cudnn",
+                "cuDNN",
+                PREFILL_VS_CUDNN,
+                PREFILL_GEOMEAN_TARGET,
+                PREFILL_CASE_TARGET,
+            ),
+            MatrixTarget(
+                "small", "sdpa-default", "SDPA default", SMALL_VS_DEFAULT, None, SMALL_TARGET
+            ),
+            MatrixTarget(
+                "backward",
+                "sdpa-flash",
+                "SDPA flash",
+                BACKWARD_VS_FLASH,
+                BACKWARD_GEOMEAN_TARGET,
+                BACKWARD_CASE_TARGET,
+            ),
+        ),
+        f"prefill S >= {PREFILL_MIN_SEQLEN} against cuDNN, a geomean and each case; D=128 at S "
+        f">= {TFLOPS_MIN_SEQLEN} non-causal against {TFLOPS_TARGET:.0f} TFLOP/s; the small cases "
+        "against SDPA default; the backward against SDPA flash, a geomean and each case",
+        tflops=TFLOPS_TARGET,
+    ),
+}
+# The card of record: elsewhere (another card, the CPU) its geomeans are shown, not judged
+RECORD_CARD = "h200"
+MATRIX_CASE_LABELS = tuple(
+    dict.fromkeys(
+        [t.label for card in CARD_TARGETS.values() for t in card.matrix if t.each is not None]
+        + [TFLOPS_VS_TARGET]
+    )
+)
+MATRIX_LABELS = tuple(
+    dict.fromkeys(
+        [t.geomean_label for card in CARD_TARGETS.values() for t in card.matrix if t.geomean]
+        + list(MATRIX_CASE_LABELS)
+    )
+)
 UNSTABLE_MARK = "‡"  # beside a timing whose spread stayed over stats.UNSTABLE_SPREAD
 TIMINGS = (Measured, ReadFloor, HostCost)  # what can be unstable: each has spread(), is_unstable()
 
@@ -104,7 +239,12 @@ def unstable_note(unstable: int, total: int, retaken: int) -> str:
 def timings(record) -> list:
     """The timings a matrix case's or a target record's ratios are taken from."""
     if isinstance(record, CaseRecord):
-        return [record.ours, *record.baselines.values(), record.read_floor]
+        return [
+            record.ours,
+            *record.baselines.values(),
+            record.read_floor,
+            record.ours_deterministic,
+        ]
     names = ("ours", "dense", "contiguous", "sdpa", "read_floor")
     return [getattr(record, name, None) for name in names]
 
@@ -245,36 +385,103 @@ def _tflops_case(case: CaseRecord) -> bool:
     return case.head_dim == 128 and case.seqlen_q >= TFLOPS_MIN_SEQLEN and not case.causal
 
 
+def card_kind(gpu: Gpu | None, cpu: bool = False) -> str | None:
+    """The key of CARD_TARGETS whose kind this record's card is (its name and compute capability:
+    gpukinds.GpuKind.device_problem); None on the CPU or on a card without targets."""
+    if cpu or gpu is None:
+        return None
+    for kind in CARD_TARGETS:
+        if gpukinds.kind_of(kind).device_problem(gpu.name, gpu.capability) is None:
+            return kind
+    return None
+
+
+def card_targets(gpu: Gpu | None, cpu: bool = False) -> CardTargets | None:
+    """The targets set for this record's card; None where none are (card_kind)."""
+    kind = card_kind(gpu, cpu)
+    return CARD_TARGETS[kind] if kind else None
+
+
+def shown_targets(gpu: Gpu | None, cpu: bool = False) -> tuple[str, CardTargets]:
+    """(the card, its targets) that a run's tables show: its own card's, else the card of
+    record's (shown, not judged)."""
+    kind = card_kind(gpu, cpu) or RECORD_CARD
+    return gpukinds.kind_of(kind).card, CARD_TARGETS[kind]
+
+
+def _cards(kinds) -> str:
+    return " and the ".join(gpukinds.kind_of(kind).card for kind in kinds)
+
+
+def step_cards() -> str:
+    """The cards whose targets judge the training step."""
+    return _cards(kind for kind, card in CARD_TARGETS.items() if card.step)
+
+
+def _elsewhere(gpu: Gpu | None, cards: str) -> str:
+    """Why a card's target is not judged here."""
+    return f"set for the {cards}; this card is {gpu.name if gpu else 'the CPU'}"
+
+
+def matrix_members(group: str, cases: list[CaseRecord]) -> list[CaseRecord]:
+    """The automatic cases of one of MATRIX_GROUPS, in the matrix's order."""
+    auto = [c for c in cases if not c.config]
+    if group == "prefill":
+        return [c for c in auto if c.group == "prefill" and c.seqlen_q >= PREFILL_MIN_SEQLEN]
+    if group == "small":
+        return [c for c in auto if c.group == "small"]
+    if group in ("backward", "deterministic"):
+        return [c for c in auto if c.kind == "backward" and not c.deterministic]
+    return [c for c in auto if c.kind == "train"]
+
+
+def column_result(case: CaseRecord, column: str):
+    if column == DETERMINISTIC:
+        return case.ours_deterministic
+    return case.baselines.get(column)
+
+
+def column_ratio(case: CaseRecord, column: str) -> float | None:
+    """A target's ratio in one case: the baseline's time over ours, or (DETERMINISTIC) our time
+    over the deterministic one's."""
+    result = column_result(case, column)
+    if not isinstance(result, Measured) or not result.ratio:
+        return None
+    return 1 / result.ratio if column == DETERMINISTIC else result.ratio
+
+
 def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
-    """The prefill, small and backward targets over the matrix's automatic cases: a geomean and
-    a verdict per case on an H100; elsewhere only the geomeans, not judged (set for that card)."""
+    """The matrix's targets over its automatic cases: on a card with targets, a geomean and a
+    verdict per case as that card's targets say; elsewhere only the card of record's geomeans,
+    not judged."""
     cpu = record.backend == "cpu"
-    gpu_name = record.gpu.name if record.gpu else None
-    on_card = not cpu and MATRIX_CARD.matches(gpu_name)
-    auto = [c for c in record.cases if not c.config]
-    prefill = [c for c in auto if c.group == "prefill" and c.seqlen_q >= PREFILL_MIN_SEQLEN]
-    backward = [c for c in auto if c.kind == "backward"]
+    here = card_targets(record.gpu, cpu)
+    card = here or CARD_TARGETS[RECORD_CARD]
     found = []
-    for cases, baseline, label, target, what in (
-        (prefill, "sdpa-cudnn", PREFILL_GEOMEAN, PREFILL_GEOMEAN_TARGET, "prefill"),
-        (backward, "sdpa-flash", BACKWARD_GEOMEAN, BACKWARD_GEOMEAN_TARGET, "backward"),
-    ):
-        if not cases:
+    for target in card.matrix:
+        cases = matrix_members(target.group, record.cases)
+        if target.geomean is None or not cases:
             continue
-        ratios = [_baseline_ratio(c, baseline) for c in cases]
+        ratios = [column_ratio(c, target.column) for c in cases]
         measured = sum(r is not None for r in ratios)
         unstable = sum(
-            bool(unstable_reason(("ours", c.ours), (baseline, c.baselines.get(baseline))))
+            bool(
+                unstable_reason(("ours", c.ours), (target.column, column_result(c, target.column)))
+            )
             for c in cases
         )
         verdict = judge(
-            f"{what}: {measured} of {len(cases)} cases", label, _geomean(ratios), target, cpu
+            f"{target.group}: {measured} of {len(cases)} cases",
+            target.geomean_label,
+            _geomean(ratios),
+            target.geomean,
+            cpu,
         )
         why_not = ""
-        if not on_card:
-            why_not = f"set for the {MATRIX_CARD.card}; this card is {gpu_name or 'the CPU'}"
+        if here is None:
+            why_not = _elsewhere(record.gpu, _cards(CARD_TARGETS))
         elif measured < len(cases):  # a geomean without its hardest cases could pass
-            why_not = f"{len(cases) - measured} of {len(cases)} cases have no {baseline} ratio"
+            why_not = f"{len(cases) - measured} of {len(cases)} cases have no {target.column} ratio"
         elif unstable:  # a disturbed ratio moves the geomean as much as a missing one
             why_not = (
                 f"{unstable} of {len(cases)} cases unstable (IQR over "
@@ -283,28 +490,76 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
         if why_not and verdict.status != NOT_JUDGED:
             verdict = dataclasses.replace(verdict, status=NOT_JUDGED, reason=why_not)
         found.append(verdict)
-    if not on_card:
+    if here is None:
         return found
-    small = [c for c in auto if c.group == "small"]
-    for cases, baseline, shown, label, target in (
-        (prefill, "sdpa-cudnn", "cuDNN", PREFILL_VS_CUDNN, PREFILL_CASE_TARGET),
-        (small, "sdpa-default", "SDPA default", SMALL_VS_DEFAULT, SMALL_TARGET),
-        (backward, "sdpa-flash", "SDPA flash", BACKWARD_VS_FLASH, BACKWARD_CASE_TARGET),
-    ):
-        for case in cases:
-            sides = (("ours", case.ours), (shown, case.baselines.get(baseline)))
-            ratio = _baseline_ratio(case, baseline)
-            found.append(judge(case.id, label, ratio, target, cpu, sides))
-            if cases is prefill and _tflops_case(case):  # after its cuDNN verdict
+    for target in card.matrix:
+        if target.each is None:
+            continue
+        for case in matrix_members(target.group, record.cases):
+            result = column_result(case, target.column)
+            sides = (("ours", case.ours), (target.shown, result))
+            ratio = column_ratio(case, target.column)
+            found.append(judge(case.id, target.label, ratio, target.each, cpu, sides))
+            if target.group == "prefill" and card.tflops and _tflops_case(case):
                 tflops = case.ours.tflops if isinstance(case.ours, Measured) else None
-                ratio = tflops / TFLOPS_TARGET if tflops else None
+                ratio = tflops / card.tflops if tflops else None
                 sides = (("ours", case.ours),)
                 found.append(judge(case.id, TFLOPS_VS_TARGET, ratio, 1.0, cpu, sides))
     return found
 
 
-def target_verdicts(target, cpu: bool) -> list[Verdict]:
-    """The verdicts of one target record (none for the model, which has no target)."""
+@dataclasses.dataclass(frozen=True)
+class PeerGeomean:
+    """A peer's (FlashAttention-3 or -4) time over ours, a geomean over one group of the matrix's
+    automatic cases: reported beside the targets, never judged."""
+
+    peer: str  # records.PEER_NAMES
+    group: str  # PEER_GROUPS
+    measured: int
+    total: int
+    ratio: float | None
+    reason: str = ""  # why there is no ratio (the first case's): not installed, another card
+
+
+PEER_GROUPS = ("prefill", "backward", "forward+backward")
+
+
+def peer_geomeans(record: BenchRecord) -> list[PeerGeomean]:
+    """Each peer's geomean over each of PEER_GROUPS whose cases have its column (none for a
+    record from before the peers)."""
+    found = []
+    for peer in PEER_NAMES:
+        for group in PEER_GROUPS:
+            cases = [c for c in matrix_members(group, record.cases) if peer in c.baselines]
+            if not cases:
+                continue
+            ratios = [_baseline_ratio(c, peer) for c in cases]
+            missing = [
+                c.baselines[peer] for c in cases if isinstance(c.baselines[peer], NotMeasured)
+            ]
+            reason = "" if any(ratios) else missing[0].reason if missing else "no ratio"
+            measured = sum(r is not None for r in ratios)
+            found.append(PeerGeomean(peer, group, measured, len(cases), _geomean(ratios), reason))
+    return found
+
+
+def step_verdict(target: StepRecord, cpu: bool, gpu: Gpu | None) -> Verdict:
+    """The training step's tokens/s over SDPA's, judged on a card whose targets set one."""
+    card = card_targets(gpu, cpu)
+    sides = (("ours", target.ours), ("SDPA", target.sdpa))
+    goal = (card and card.step) or STEP_TARGET  # off the cards that set one: shown beside it
+    verdict = judge(target.id, STEP_VS_SDPA, target.ratio, goal, cpu, sides)
+    if (card is None or card.step is None) and verdict.status != NOT_JUDGED:
+        reason = _elsewhere(gpu, step_cards())
+        verdict = dataclasses.replace(verdict, status=NOT_JUDGED, reason=reason)
+    return verdict
+
+
+def target_verdicts(target, cpu: bool, gpu: Gpu | None = None) -> list[Verdict]:
+    """The verdicts of one target record (none for the model, which has no target); `gpu` is the
+    run's card (the training step's target is set per card)."""
+    if isinstance(target, StepRecord):
+        return [step_verdict(target, cpu, gpu)]
     if isinstance(target, VarlenRecord):
         sides = (("varlen", target.ours), ("dense", target.dense))
         return [judge(target.id, VARLEN_VS_DENSE, target.ratio, VARLEN_TARGET, cpu, sides)]
@@ -348,13 +603,13 @@ def verdicts(record: BenchRecord) -> list[Verdict]:
     cpu = record.backend == "cpu"
     found = decode_floor_verdicts(record) + matrix_verdicts(record)
     for target in record.targets or []:
-        found += target_verdicts(target, cpu)
+        found += target_verdicts(target, cpu, record.gpu)
     return found
 
 
 def judged_here(verdict: Verdict) -> bool:
-    """Whether a verdict is about this run's card: all but the matrix's geomeans off the H100
-    (shown where there is a section for other verdicts, never a section of their own)."""
+    """Whether a verdict is about this run's card: all but the matrix's geomeans off a card with
+    targets (shown where there is a section for other verdicts, never a section of their own)."""
     return not (verdict.what in MATRIX_LABELS and verdict.status == NOT_JUDGED)
 
 

@@ -189,12 +189,14 @@ def _package_dir(name: str) -> str:
 
 
 def user_env(cache: Path) -> dict[str, str]:
-    """The environment of a user outside the checkout: no PYTHONPATH, no pipeline variables, the
-    build cache where the check can look, and no GPU (the CPU backend)."""
+    """The environment of a user outside the checkout: no PYTHONPATH, no pipeline or test-runner
+    variables (a pytest-xdist worker's would make the bench refuse to time), the build cache where
+    the check can look, and no GPU (the CPU backend)."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("PYTHONPATH", "TORCH_CUDA_ARCH_LIST") and not k.startswith("FLASHMOE_")
+        if k not in ("PYTHONPATH", "TORCH_CUDA_ARCH_LIST")
+        and not k.startswith(("FLASHMOE_", "PYTEST_"))
     }
     env["FLASHMOE_CACHE_DIR"] = str(cache)
     env["CUDA_VISIBLE_DEVICES"] = ""

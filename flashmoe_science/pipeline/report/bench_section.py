@@ -15,7 +15,7 @@ from ... import _loader
 from .. import load
 from .. import markdown as md
 from ..bench import stats
-from ..bench.records import CUDA_ONLY_BASELINES, NOT_ON_CPU
+from ..bench.records import CUDA_ONLY_BASELINES, NOT_INSTALLED, NOT_ON_CPU, PEER_LABELS, PEER_NAMES
 from ..bench.summary import not_judged_line
 from ..bench.targets import UNSTABLE_MARK, unstable_note
 from .inputs import Inputs
@@ -37,7 +37,9 @@ BASELINE_LABELS = {
     "sdpa-flash": "SDPA flash",
     "sdpa-cudnn": "SDPA cuDNN",
     "sdpa-efficient": "SDPA efficient",
+    **PEER_LABELS,
 }
+DETERMINISTIC_LABEL = "ours deterministic"
 GROUPS = ("prefill", "decode", "small", "backward", "train")
 OVER_COPY = "†"  # marks a bandwidth above the measured copy ceiling
 SDPA_RATIO_LINE = (
@@ -236,7 +238,12 @@ def _mark(result: Any) -> str:
 
 def _timings(case: dict) -> list:
     baselines = case.get("baselines") if isinstance(case.get("baselines"), dict) else {}
-    return [case.get("ours"), *baselines.values(), case.get("read_floor")]
+    return [
+        case.get("ours"),
+        *baselines.values(),
+        case.get("read_floor"),
+        case.get("ours_deterministic"),
+    ]
 
 
 def _measured_cell(
@@ -249,6 +256,9 @@ def _measured_cell(
     problem = _not_measured(result)
     if problem and cuda_only and problem[0] == "unsupported":
         return NOT_ON_CPU
+    if problem and problem[1].startswith(NOT_INSTALLED):  # a peer: why, once, under the tables
+        reasons.setdefault(label, set()).add(problem[1])
+        return NOT_INSTALLED
     if problem:
         reasons.setdefault(f"{label}: {problem[0]}", set()).add(problem[1])
         return problem[0]  # one word per status, the same on every backend
@@ -277,13 +287,17 @@ def _bench_row(
     reasons: dict[str, set[str]],
     read_floor: bool = False,
     cpu: bool = False,
+    peers: list[str] = (),
+    deterministic: bool = False,
 ) -> list[str]:
+    """A case's row: ours, then BASELINES, the `peers` columns, our deterministic backward
+    (`deterministic`) and the read floor, as the group's table has them."""
     ours = case.get("ours") or {}
     label = ("⚠️ " if regressed else "") + md.code(case.get("id", "?"), 150)
     problem = _not_measured(ours)
     if problem:
         reasons.setdefault(f"ours: {problem[0]}", set()).add(problem[1])
-        dashes = len(BASELINES) + read_floor
+        dashes = len(BASELINES) + len(peers) + deterministic + read_floor
         return [f"❌ {label}", f"**{md.text(problem[0])}**", md.DASH, md.DASH, md.DASH] + [
             md.DASH
         ] * dashes
@@ -299,10 +313,13 @@ def _bench_row(
         md.sig(ours.get("gbps")) + (_pct(ours.get("pct_copy_ceiling"), mark) if decode else ""),
         md.nbytes(ours.get("peak_mem_bytes")) + _flash_peak(case),
     ]
-    for name in BASELINES:
+    for name in [*BASELINES, *peers]:
         base = _result(case.get("baselines"), name)
         speed, cuda_only = _speedup(case, name), cpu and name in CUDA_ONLY_BASELINES
         row.append(_measured_cell(base, BASELINE_LABELS[name], speed, reasons, cuda_only))
+    if deterministic:
+        same = _result(case, "ours_deterministic")
+        row.append(_measured_cell(same, DETERMINISTIC_LABEL, _over_ours(case, same), reasons))
     if read_floor:
         floor = _result(case, "read_floor")
         row.append(_measured_cell(floor, "read floor", _over_ours(case, floor), reasons))
@@ -380,13 +397,19 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
     for group in groups:
         in_group = [(i, c) for i, c in enumerate(cases) if _group(c) == group]
         floor = any("read_floor" in c for _, c in in_group)
+        peers = [p for p in PEER_NAMES if any(_result(c.get("baselines"), p) for _, c in in_group)]
+        deterministic = any("ours_deterministic" in c for _, c in in_group)
         rows = [
-            _bench_row(case, case.get("id") in regressed_ids, reasons, floor, cpu)
+            _bench_row(
+                case, case.get("id") in regressed_ids, reasons, floor, cpu, peers, deterministic
+            )
             for index, case in in_group
             if index in keep
         ]
         if rows:
-            columns = header + ([f"read floor ms ({md.TIMES})"] if floor else [])
+            columns = header + [f"{BASELINE_LABELS[p]} ms ({md.TIMES})" for p in peers]
+            columns += [f"{DETERMINISTIC_LABEL} ms ({md.TIMES})"] if deterministic else []
+            columns += [f"read floor ms ({md.TIMES})"] if floor else []
             tables.append(f"**{md.text(group)}**\n\n" + md.table(columns, rows))
     if cases:
         parts.append(
@@ -396,6 +419,13 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
                 f" The read floor is a bare read of the case's K and V, timed alike; its ({md.TIMES}) "
                 f"is its time over ours, so 1.00{md.TIMES} would be a decode as fast as reading the cache."
                 if any("read_floor" in c for c in cases)
+                else ""
+            )
+            + (
+                f" FlashAttention-3 and -4 are timed alike where installed; {DETERMINISTIC_LABEL} is "
+                f"ours with deterministic=True, its ({md.TIMES}) its time over ours."
+                if any(_result(c, "ours_deterministic") for c in cases)
+                or any(_result(c.get("baselines"), p) for c in cases for p in PEER_NAMES)
                 else ""
             )
             + (

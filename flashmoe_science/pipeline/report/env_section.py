@@ -79,14 +79,16 @@ def env_section(inputs: Inputs, detail: Detail) -> Section:
         f"{len(v)} {k}" for k, v in sorted(by_status.items(), key=lambda kv: _status_rank(kv[0]))
     )
     if failed:
-        summary = "failed: " + md.first([md.text(c.get("name"), 80) for c in failed], 5)
+        summary = "failed: " + md.first(
+            [c.get("name") for c in failed], 5, show=lambda name: md.text(name, 80)
+        )
     elif passed_flag is False:
         summary = "failed"
     else:
         summary = f"{counts or 'no checks'}"
     problems = []
     if severity == FAIL:
-        names = md.first([md.text(c.get("name"), 60) for c in failed], 3)
+        names = md.first([c.get("name") for c in failed], 3, show=lambda name: md.text(name, 60))
         problems.append((FAIL, "environment check failed" + (f" ({names})" if names else "")))
     elif warned:
         problems.append((WARN, md.plural(len(warned), "environment warning")))

@@ -1,6 +1,7 @@
 """The speed-targets section, from bench.json: the verdicts of pipeline.bench.targets (varlen against our
 dense kernel, paged against contiguous decode, decode against the read floor, host cost against
-SDPA) and the small model's figures beside SDPA's.
+SDPA, the matrix's and the training step's targets of the card the run is on), FlashAttention-3's
+and -4's geomeans beside ours, and the small model's figures beside SDPA's.
 
 The section is left out when bench.json is missing, unusable (the benchmark section says why) or
 judges nothing. A missed target marks the section (a note in the summary table) but stays out of the
@@ -13,7 +14,7 @@ from __future__ import annotations
 from .. import markdown as md
 from ..bench import records as benchrecords
 from ..bench import targets
-from ..bench.records import HostCost, Measured, ModelTiming, NotMeasured, ReadFloor
+from ..bench.records import PEER_LABELS, HostCost, Measured, ModelTiming, NotMeasured, ReadFloor
 from .inputs import Inputs
 from .sections import FAIL, NOTE, OK, Detail, Section
 
@@ -119,11 +120,30 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
             )
             for v in matrix
         ]
+        card, card_targets = targets.shown_targets(record.gpu, record.backend == "cpu")
         parts.append(
-            "**The matrix's targets**, set for the H100: prefill against cuDNN (a geomean and each "
-            f"case), D=128 long non-causal against {targets.TFLOPS_TARGET:.0f} TFLOP/s, the small "
-            "cases against SDPA default, the backward against SDPA flash\n\n"
+            f"**The matrix's targets**, set for the {md.text(card.removeprefix('NVIDIA '))}: "
+            f"{md.text(card_targets.summary, 600)}\n\n"
             + md.table(["case", "ratio", "verdict"], _kept(rows, detail, "matrix target"))
+        )
+    peer_rows = targets.peer_geomeans(record)
+    if peer_rows:
+        rows = [
+            [
+                md.text(PEER_LABELS[p.peer]),
+                md.text(p.group),
+                f"{p.measured} of {p.total}",
+                _x(p.ratio),
+                md.text(p.reason, 200) if p.reason else md.DASH,
+            ]
+            for p in peer_rows
+        ]
+        parts.append(
+            "**FlashAttention-3 and -4 beside ours** (reported, no target): their time over ours, "
+            "a geomean over the matrix's automatic cases of each group\n\n"
+            + md.table(
+                ["peer", "cases", "measured", f"theirs / ours ({md.TIMES})", "why none"], rows
+            )
         )
     kinds: dict[str, list] = {}
     for target in record.targets or []:
@@ -213,6 +233,32 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
             f"**Host cost**: time per call of {calls:,} back-to-back calls, no synchronisation "
             "in the loop\n\n"
             + md.table(["case", "ours µs/call", "SDPA µs/call", f"SDPA / ours ({md.TIMES})"], rows)
+        )
+    if "step" in kinds:
+        rows = [
+            (
+                t.id in flagged,
+                [
+                    md.code(t.id, 150),
+                    f"{_ms(t.ours)} / {_ms(t.sdpa)}",
+                    f"{md.sig(t.ours_tokens_per_s)} / {md.sig(t.sdpa_tokens_per_s)}",
+                    _judged(t.ratio, by.get((t.id, targets.STEP_VS_SDPA))),
+                ],
+            )
+            for t in kinds["step"]
+        ]
+        parts.append(
+            "**The training step**: forward, backward and AdamW of a Llama-style model, our "
+            "attention against SDPA's from the same initialisation, timed in the same rounds\n\n"
+            + md.table(
+                [
+                    "case",
+                    "ms/step ours / SDPA",
+                    "tokens/s ours / SDPA",
+                    f"ours / SDPA tokens/s ({md.TIMES})",
+                ],
+                _kept(rows, detail, "training step"),
+            )
         )
     if "model" in kinds:
         rows = [
