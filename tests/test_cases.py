@@ -86,6 +86,7 @@ def test_a_head_dim_of_v_of_its_own_reads_in_the_id_and_shapes_v():
     assert parse_case_id(case.id) == case and "D=192 Dv=128" in case.describe()
     assert Case.from_dict(json.loads(json.dumps(case.to_dict()))) == case
     same = dataclasses.replace(case, head_dim=128)
+    assert "head_dim_v" not in same.to_dict()  # the worker protocol's dict, as it always was
     assert same.head_dim_v == 0 and same.id == "bwd-bf16-d128-h4kv2-b2-q16-k24-causal-bshd"
     q, k, v, _ = make_inputs(case, "cpu")
     assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (192, 192, 128) and v.stride(-1) == 1

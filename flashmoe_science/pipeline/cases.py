@@ -194,6 +194,8 @@ class Case:
         data = dataclasses.asdict(self)
         if self.cache_seqlens is not None:
             data["cache_seqlens"] = list(self.cache_seqlens)
+        if not self.head_dim_v:  # where v's head dim is q's, the dict is what it always was
+            del data["head_dim_v"]
         return data
 
     @classmethod

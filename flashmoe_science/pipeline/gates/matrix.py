@@ -28,8 +28,8 @@ UNEQUAL = (
 UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
 GQA_RATIOS = (1, 4, 8)
 # The head dims (q's and k's, v's) of the models people run: GPT-2 and most others 64 or 128, Phi-3
-# 96, Gemma 256, DeepSeek's multi-head latent attention (prefill) 192 with v 128; 80 and 192 stand
-# for the other multiples of 8, which run padded onto a larger tile.
+# 96, Gemma 256, DeepSeek's multi-head latent attention (prefill) 192 with v 128; 80 stands for the
+# other multiples of 8, which run padded onto the next larger tile.
 HEAD_DIMS = ((64, 64), (128, 128), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128))
 # Those past 64 and 128, the first the kernels took: gated in blocks of their own after the
 # earlier cases, whose ids stay as they were. A CUDA case of head dims its kernels do not take
