@@ -5,8 +5,11 @@ as the loader's Restriction does, and the CPU-only unit does not depend on them.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -239,3 +242,104 @@ def test_the_unit_refuses_a_misspelt_restriction_define(tmp_path):
         done.stderr
     )
     assert _compile_built_checks(tmp_path, ("FLASHMOE_ONLY_OPS=fwd+fwd_sm90a",), "").returncode == 0
+
+
+# ---- a restricted build on the GPU --------------------------------------------------------------
+
+ON_GPU_ONLY = "op=fwd,combine head_dim=64 config=2 dtype=fp16"
+ON_GPU_SCRIPT = """
+import dataclasses, json, torch
+from flashmoe_science import ops
+from flashmoe_science.pipeline.gates import paged as paged_gates, varlen as varlen_gates
+
+def attempt(call):
+    try:
+        call()
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+def qkv(dtype, head_dim, seqlen_q=129, grad=False):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 4, seqlen_q, head_dim), (1, 4, 129, head_dim), (1, 4, 129, head_dim)]
+    return [torch.randn(s, generator=g).to("cuda", dtype).requires_grad_(grad) for s in shapes]
+
+q, k, v = qkv(torch.float16, 64)
+out = ops.flash_attention_forward(q, k, v, True, num_splits=3, config=2)
+ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+varlen = dataclasses.replace(varlen_gates.varlen_cases("gpu")[0], config=2)
+paged = paged_gates.paged_cases("gpu")[0]
+print(json.dumps({
+    "max_diff": float((out.float() - ref).abs().max()),
+    "dtype": attempt(lambda: ops.flash_attention_forward(*qkv(torch.bfloat16, 64), config=2)),
+    "head_dim": attempt(lambda: ops.flash_attention_forward(*qkv(torch.float16, 128), config=2)),
+    "config": attempt(lambda: ops.flash_attention_forward(*qkv(torch.float16, 64), config=1)),
+    "decode": attempt(lambda: ops.flash_attention_decode(*qkv(torch.float16, 64, 1), config=3)),
+    "backward": attempt(lambda: ops.flash_attention_forward(
+        *qkv(torch.float16, 64, grad=True), config=2).sum().backward()),
+    "varlen": attempt(lambda: varlen_gates.call_varlen(
+        varlen, *varlen_gates.make_varlen_inputs(varlen, "cuda", 0), 0.125)),
+    "paged": attempt(lambda: paged_gates.call_paged(
+        paged, *paged_gates.make_paged_inputs(paged, "cuda", 0), 0.125)),
+}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_restricted_build_holds_its_kernels_and_refuses_the_others(tmp_path):
+    """Builds the unit restricted to one forward kernel and its combine (slow: even a unit of two
+    kernels compiles torch's headers in both nvcc passes), checks the build holds exactly those
+    kernels, that they run, and that every call needing another kernel (another dtype, head dim,
+    configuration, the decode, backward, varlen and paged families) raises one line that names
+    the restriction and says to rebuild without it, before anything is launched."""
+    env = {**os.environ, loader.ONLY_VAR: ON_GPU_ONLY}
+    env.pop("FLASHMOE_BUILD_DEFINES", None)
+    built = subprocess.run(
+        [sys.executable, "-m", "flashmoe_science", "build", "--backend", "cuda", "--quiet"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    record = json.loads((Path(os.environ["FLASHMOE_REPORTS_DIR"]) / build.REPORT_NAME).read_text())
+    assert record["defines"] == list(loader.Restriction.parse(ON_GPU_ONLY).defines())
+    assert {k["kernel"] for k in record["kernels"]} == {
+        "flash_fwd_kernel<FwdTraits<64, 64, 64, 4, false>, __half>",
+        "split_kv_combine_kernel<__half, 64>",
+    }
+    assert all(k["dynamic_smem"] is not None for k in record["kernels"])
+    ran = subprocess.run(
+        [sys.executable, "-c", ON_GPU_SCRIPT],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    results = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert results.pop("max_diff") < 1e-2
+    defines = " ".join(f"-D{d}" for d in loader.Restriction.parse(ON_GPU_ONLY).defines())
+    missing = {
+        "dtype": "fwd kernel for bf16, head_dim 64, config 2",
+        "head_dim": "fwd kernel for fp16, head_dim 128, config 2",
+        "config": "fwd kernel for fp16, head_dim 64, config 1",
+        "decode": "decode kernel for fp16, head_dim 64, config 3",
+        "backward": "bwd",
+        "varlen": "varlen kernel for fp16, head_dim 64, config 2",
+        "paged": "paged kernel for fp16, head_dim 64, config 3",
+    }
+    for call, message in results.items():
+        assert message.startswith("ValueError: this build holds only the kernels of " + defines)
+        assert f"not the {missing[call]}" in message, (call, message)
+        assert (
+            message.endswith(
+                "rebuild without the restriction (unset FLASHMOE_BUILD_ONLY, or "
+                "build without --only)"
+            )
+            and "\n" not in message
+        )
