@@ -50,13 +50,13 @@ inline void split_key_range(const AttentionParams& p, int b, int i, int split, i
   if (planted(1) && split > 0) *begin += 1;
 }
 
-// One query row over keys [begin, end): writes the normalised output (D floats) and the
-// log-sum-exp. q, k, v are fp32 and contiguous ([B, H, S, D]).
+// One query row over keys [begin, end): writes the normalised output (Dv floats) and the
+// log-sum-exp. q, k, v are fp32 and contiguous ([B, H, S, D], v's rows Dv wide).
 inline void attend_row(const AttentionParams& p, const float* q_row, const float* k_head,
                        const float* v_head, int begin, int end, float* out, float* lse,
                        std::vector<float>& scores) {
-  const int d = p.head_dim;
-  std::fill(out, out + d, 0.f);
+  const int d = p.head_dim, dv = p.head_dim_v;
+  std::fill(out, out + dv, 0.f);
   float row_max = kNegInf, row_sum = 0.f;
   for (int n0 = begin; n0 < end; n0 += kBlockN) {
     const int n1 = std::min(end, n0 + kBlockN);
@@ -74,24 +74,24 @@ inline void attend_row(const AttentionParams& p, const float* q_row, const float
     const float max_scaled = new_max == kNegInf ? 0.f : new_max * p.scale_log2;
     const float rescale = std::exp2(row_max * p.scale_log2 - max_scaled);
     row_sum *= rescale;
-    for (int c = 0; c < d; ++c)
+    for (int c = 0; c < dv; ++c)
       out[c] *= rescale;
     for (int j = n0; j < n1; ++j) {
       const float prob = std::exp2(scores[j - n0] * p.scale_log2 - max_scaled);
       row_sum += prob;
-      const float* v_row = v_head + int64_t(j) * d;
-      for (int c = 0; c < d; ++c)
+      const float* v_row = v_head + int64_t(j) * dv;
+      for (int c = 0; c < dv; ++c)
         out[c] += prob * v_row[c];
     }
     row_max = new_max;
   }
   if (row_sum == 0.f) {  // no visible key: output 0, log-sum-exp -inf
-    std::fill(out, out + d, 0.f);
+    std::fill(out, out + dv, 0.f);
     *lse = kNegInf;
     return;
   }
   const float inv = 1.f / row_sum;
-  for (int c = 0; c < d; ++c)
+  for (int c = 0; c < dv; ++c)
     out[c] *= inv;
   *lse = row_max * p.softmax_scale + std::log(row_sum);
 }
@@ -134,12 +134,13 @@ inline void split_kv_combine(const float* o_accum, const float* lse_accum, int n
   });
 }
 
-// Attention over fp32 contiguous q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]. With one split it writes
-// p.o (fp32 [B, Hq, Sq, D]) and p.lse directly; with more, p.o_accum / p.lse_accum, which the
-// caller combines. Rows are (b, hq, i); GQA maps query head hq to KV head hq / heads_ratio.
+// Attention over fp32 contiguous q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv]. With
+// one split it writes p.o (fp32 [B, Hq, Sq, Dv]) and p.lse directly; with more, p.o_accum /
+// p.lse_accum, which the caller combines. Rows are (b, hq, i); GQA maps query head hq to KV head
+// hq / heads_ratio.
 inline void attention_forward(const AttentionParams& p, const float* q, const float* k,
                               const float* v) {
-  const int d = p.head_dim;
+  const int d = p.head_dim, dv = p.head_dim_v;
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t work = rows * p.num_splits;
   at::parallel_for(0, work, 16, [&](int64_t w0, int64_t w1) {
@@ -151,34 +152,40 @@ inline void attention_forward(const AttentionParams& p, const float* q, const fl
       const int h = int((row / p.seqlen_q) % p.heads_q);
       const int b = int(row / (int64_t(p.seqlen_q) * p.heads_q));
       const int hkv = h / p.heads_ratio;
-      const int64_t kv_offset = (int64_t(b) * p.heads_kv + hkv) * p.seqlen_k * d;
+      const int64_t kv_head = int64_t(b) * p.heads_kv + hkv;
+      const int64_t k_offset = kv_head * p.seqlen_k * d;
+      int64_t v_offset = kv_head * p.seqlen_k * dv;
+      if (planted(13))  // planted: V's head found at K's offset (the Q/K width), kept inside V
+        v_offset = k_offset % ((int64_t(p.batch) * p.heads_kv - 1) * p.seqlen_k * dv + 1);
       int begin, end;
       split_key_range(p, b, i, split, &begin, &end);
-      float* out = p.num_splits == 1 ? static_cast<float*>(p.o) + row * d
-                                     : p.o_accum + (int64_t(split) * rows + row) * d;
+      float* out = p.num_splits == 1 ? static_cast<float*>(p.o) + row * dv
+                                     : p.o_accum + (int64_t(split) * rows + row) * dv;
       float* lse = p.num_splits == 1 ? p.lse + row : p.lse_accum + int64_t(split) * rows + row;
-      attend_row(p, q + row * d, k + kv_offset, v + kv_offset, begin, end, out, lse, scores);
+      attend_row(p, q + row * d, k + k_offset, v + v_offset, begin, end, out, lse, scores);
     }
   });
 }
 
 // Gradients of one (batch, KV head): the query heads of its group and all their rows, so dK and dV
-// of a group are summed here without races. fp32 contiguous tensors; p.lse is the forward's
+// of a group are summed here without races. fp32 contiguous tensors (q, k, dq, dk D wide; v, o,
+// dout, dv Dv wide); p.lse is the forward's
 // log-sum-exp. dq, dk and dv are written whole (every element, zero where nothing flows back).
 // P is recomputed from the log-sum-exp: P_ij = exp(s_ij * scale - lse_i); with
 // delta_i = rowsum(dout_i * o_i): dV_j += P_ij dout_i, dS_ij = P_ij (dout_i . v_j - delta_i),
 // dQ_i += scale dS_ij k_j, dK_j += scale dS_ij q_i.
 inline void attention_backward(const BwdParams& p, const float* q, const float* k, const float* v,
                                const float* o, const float* dout, float* dq, float* dk, float* dv) {
-  const int d = p.head_dim;
+  const int d = p.head_dim, d_v = p.head_dim_v;
   at::parallel_for(0, int64_t(p.batch) * p.heads_kv, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       const int b = int(w / p.heads_kv), hkv = int(w % p.heads_kv);
-      const int64_t kv_offset = (int64_t(b) * p.heads_kv + hkv) * p.seqlen_k * d;
-      float* dk_head = dk + kv_offset;
-      float* dv_head = dv + kv_offset;
+      const int64_t k_offset = (int64_t(b) * p.heads_kv + hkv) * p.seqlen_k * d;
+      const int64_t v_offset = (int64_t(b) * p.heads_kv + hkv) * p.seqlen_k * d_v;
+      float* dk_head = dk + k_offset;
+      float* dv_head = dv + v_offset;
       std::fill(dk_head, dk_head + int64_t(p.seqlen_k) * d, 0.f);
-      std::fill(dv_head, dv_head + int64_t(p.seqlen_k) * d, 0.f);
+      std::fill(dv_head, dv_head + int64_t(p.seqlen_k) * d_v, 0.f);
       // planted bug 5: only the group's first query head reaches dK and dV
       const int group = planted(5) ? 1 : p.heads_ratio;
       for (int g = 0; g < p.heads_ratio; ++g) {
@@ -193,22 +200,22 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
           int visible = p.seqlen_k;
           if (p.causal) visible = std::min(visible, i + p.seqlen_k - p.seqlen_q + 1);
           const float* q_row = q + row * d;
-          const float* do_row = dout + row * d;
-          const float* o_row = o + row * d;
+          const float* do_row = dout + row * d_v;
+          const float* o_row = o + row * d_v;
           float delta = 0.f;
-          for (int c = 0; c < d; ++c)
+          for (int c = 0; c < d_v; ++c)
             delta += do_row[c] * o_row[c];
           int dq_end = visible;
           if (planted(6))  // planted: the last key block lost
             dq_end = visible > 0 ? (visible - 1) / kBlockN * kBlockN : 0;
           for (int j = 0; j < visible; ++j) {
-            const float* k_row = k + kv_offset + int64_t(j) * d;
-            const float* v_row = v + kv_offset + int64_t(j) * d;
+            const float* k_row = k + k_offset + int64_t(j) * d;
+            const float* v_row = v + v_offset + int64_t(j) * d_v;
             float s = 0.f, dp = 0.f;
-            for (int c = 0; c < d; ++c) {
+            for (int c = 0; c < d; ++c)
               s += q_row[c] * k_row[c];
+            for (int c = 0; c < d_v; ++c)
               dp += do_row[c] * v_row[c];
-            }
             const float prob = std::exp(s * p.softmax_scale - lse);
             float ds = prob * (dp - delta);
             if (!planted(4)) ds *= p.softmax_scale;  // planted bug 4 leaves the scale out
@@ -220,11 +227,11 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
               continue;
             }
             float* dk_row = dk_head + int64_t(j) * d;
-            float* dv_row = dv_head + int64_t(j) * d;
-            for (int c = 0; c < d; ++c) {
+            float* dv_row = dv_head + int64_t(j) * d_v;
+            for (int c = 0; c < d_v; ++c)
               dv_row[c] += prob * do_row[c];
+            for (int c = 0; c < d; ++c)
               dk_row[c] += ds * q_row[c];
-            }
             if (j < dq_end) {
               for (int c = 0; c < d; ++c)
                 dq_row[c] += ds * k_row[c];

@@ -85,9 +85,10 @@ inline bool is_half_type(at::ScalarType t) {
 
 // The checks of q, k and v that the dense and the packed layouts share: each tensor's rank
 // (`layout` names its dimensions), dtype, device and unit-stride last dimension; one dtype, one
-// batch (dense only: `batched`), one head_dim (the last dimension), k and v of one shape, and
-// heads (dimension 1) of q a multiple of those of k and v. Every message names the argument,
-// what was given and what is supported, in one line.
+// batch (dense only: `batched`), one head_dim for q and k (the last dimension; v's, the output's,
+// may differ), k and v of one shape but for it, and heads (dimension 1) of q a multiple of those
+// of k and v. Every message names the argument, what was given and what is supported, in one
+// line.
 inline void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t rank,
                       const char* layout, bool batched) {
   const Tensor* named[] = {&q, &k, &v};
@@ -112,10 +113,11 @@ inline void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t
     FLASHMOE_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0), "batch sizes differ: q ",
                          shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
   }
-  FLASHMOE_CHECK_VALUE(k.size(last) == q.size(last) && v.size(last) == q.size(last),
-                       "head_dim differs: q ", shape_str(q), ", k ", shape_str(k), ", v ",
-                       shape_str(v));
-  FLASHMOE_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got k ",
+  FLASHMOE_CHECK_VALUE(k.size(last) == q.size(last), "head_dim differs: q ", shape_str(q), ", k ",
+                       shape_str(k), "; k's last dimension must be q's (v's may differ)");
+  FLASHMOE_CHECK_VALUE(k.sizes().slice(0, last) == v.sizes().slice(0, last),
+                       "k and v must have the same shape but for the last dimension (v's head_dim "
+                       "may differ), got k ",
                        shape_str(k), ", v ", shape_str(v));
   FLASHMOE_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "heads of q (", q.size(1),
                        ") must be a multiple of heads of k and v (", k.size(1),
@@ -174,6 +176,7 @@ inline AttentionParams make_params(const Tensor& q, const Tensor& k, const Tenso
   p.seqlen_q = int(q.size(2));
   p.seqlen_k = int(k.size(kv.keys));
   p.head_dim = int(q.size(3));
+  p.head_dim_v = int(v.size(3));
   p.heads_ratio = p.heads_q / p.heads_kv;
   p.causal = causal;
   p.softmax_scale = float(softmax_scale);
@@ -183,11 +186,14 @@ inline AttentionParams make_params(const Tensor& q, const Tensor& k, const Tenso
 }
 
 // Outputs for inputs with nothing to compute: B, Hq or Sq is 0 (empty results), or there are no
-// keys (output 0, log-sum-exp -inf, the limit of an empty softmax).
-inline std::optional<std::tuple<Tensor, Tensor>> empty_result(const Tensor& q, int64_t keys) {
+// keys (output 0, log-sum-exp -inf, the limit of an empty softmax). The output is [B, Hq, Sq,
+// head_dim_v], v's last dimension.
+inline std::optional<std::tuple<Tensor, Tensor>> empty_result(const Tensor& q, int64_t keys,
+                                                              int64_t head_dim_v) {
   const bool no_rows = q.numel() == 0 && (q.size(0) == 0 || q.size(1) == 0 || q.size(2) == 0);
   if (!no_rows && keys != 0) return std::nullopt;
-  auto out = at::zeros(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::zeros({q.size(0), q.size(1), q.size(2), head_dim_v},
+                       q.options().memory_format(at::MemoryFormat::Contiguous));
   auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<float>::infinity(),
                       q.options().dtype(at::kFloat));
   return std::make_tuple(out, lse);
@@ -247,7 +253,7 @@ inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tenso
       " selects a CUDA tile configuration, but the inputs are CPU tensors; use config=0 "
       "(automatic) on the CPU");
   if (seqlens_k.has_value()) check_seqlens_values(*seqlens_k, k.size(2));
-  if (auto empty = empty_result(q, k.size(2))) return *empty;
+  if (auto empty = empty_result(q, k.size(2), v.size(3))) return *empty;
 
   auto qf = q.to(at::kFloat).contiguous();
   auto kf = k.to(at::kFloat).contiguous();
@@ -268,7 +274,7 @@ inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tenso
   p.num_splits = splits;
   p.n_blocks_per_split = ceil_div(n_blocks, splits);
 
-  auto out = at::empty(qf.sizes(), qf.options());
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, qf.options());
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, qf.options());
   if (splits == 1) {
     p.o = out.data_ptr();
@@ -276,7 +282,7 @@ inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tenso
     cpu::attention_forward(p, qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>());
     return {out.to(q.scalar_type()), lse};
   }
-  auto o_accum = at::empty({splits, q.size(0), q.size(1), q.size(2), q.size(3)}, qf.options());
+  auto o_accum = at::empty({splits, q.size(0), q.size(1), q.size(2), v.size(3)}, qf.options());
   auto lse_accum = at::empty({splits, q.size(0), q.size(1), q.size(2)}, qf.options());
   p.o_accum = o_accum.data_ptr<float>();
   p.lse_accum = lse_accum.data_ptr<float>();
@@ -301,20 +307,24 @@ inline std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q, const Tensor& k
 }
 
 // Checks of the backward's extra inputs: the gradient of the output, and the forward's output and
-// log-sum-exp. q, k and v are checked as in the forward.
+// log-sum-exp. q, k and v are checked as in the forward; the output is [B, Hq, Sq, Dv].
 inline void check_backward_inputs(const Tensor& dout, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& out, const Tensor& lse) {
   check_attention_inputs(q, k, v, std::nullopt, 0);
-  FLASHMOE_CHECK_VALUE(dout.sizes() == q.sizes(), "grad_output must have the output's shape ",
-                       shape_str(q), ", got ", shape_str(dout));
+  FLASHMOE_CHECK_VALUE(v.size(3) < (1 << 15),
+                       "v's head_dim must be below 32768 for the backward, got ", v.size(3));
+  const std::vector<int64_t> out_shape = {q.size(0), q.size(1), q.size(2), v.size(3)};
+  FLASHMOE_CHECK_VALUE(dout.sizes() == c10::IntArrayRef(out_shape),
+                       "grad_output must have the output's shape ", to_text(out_shape), ", got ",
+                       shape_str(dout));
   FLASHMOE_CHECK_TYPE(dout.scalar_type() == q.scalar_type(), "grad_output has dtype ",
                       dtype_name(dout.scalar_type()), "; it must match the output's dtype ",
                       dtype_name(q.scalar_type()));
   FLASHMOE_CHECK_VALUE(dout.device() == q.device(), "grad_output is on ", dout.device(),
                        " but the inputs are on ", q.device());
-  FLASHMOE_CHECK_VALUE(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() &&
-                           out.device() == q.device(),
-                       "out must be the forward's output, ", shape_str(q), " ",
+  FLASHMOE_CHECK_VALUE(out.sizes() == c10::IntArrayRef(out_shape) &&
+                           out.scalar_type() == q.scalar_type() && out.device() == q.device(),
+                       "out must be the forward's output, ", to_text(out_shape), " ",
                        dtype_name(q.scalar_type()), ", got ", shape_str(out), " ",
                        dtype_name(out.scalar_type()));
   FLASHMOE_CHECK_VALUE(
@@ -358,6 +368,7 @@ inline BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tens
   p.seqlen_q = int(q.size(2));
   p.seqlen_k = int(k.size(2));
   p.head_dim = int(q.size(3));
+  p.head_dim_v = int16_t(v.size(3));
   p.heads_ratio = p.heads_q / p.heads_kv;
   p.causal = causal;
   p.softmax_scale = float(softmax_scale);
@@ -392,8 +403,8 @@ inline std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
 // Variable-length (packed) batches and paged KV caches: checks and the CPU implementation
 // ------------------------------------------------------------------------------------------------
 
-// Shapes, dtypes and devices of a packed batch: q [total_q, Hq, D], k and v [total_k, Hkv, D],
-// cu_seqlens_q and cu_seqlens_k int32 [B + 1].
+// Shapes, dtypes and devices of a packed batch: q [total_q, Hq, D], k [total_k, Hkv, D], v
+// [total_k, Hkv, Dv], cu_seqlens_q and cu_seqlens_k int32 [B + 1].
 inline void check_varlen_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                 int64_t max_seqlen_q, int64_t max_seqlen_k) {
@@ -450,10 +461,11 @@ inline void check_varlen_values(const Tensor& q, const Tensor& k, const Tensor& 
                           "max_seqlen_k", "k");
 }
 
-// Outputs of a packed batch with nothing to compute: out [total_q, Hq, D] zeros and lse
+// Outputs of a packed batch with nothing to compute: out [total_q, Hq, head_dim_v] zeros and lse
 // [Hq, total_q] -inf (no queries, or no keys at all).
-inline std::tuple<Tensor, Tensor> empty_varlen_result(const Tensor& q) {
-  auto out = at::zeros(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+inline std::tuple<Tensor, Tensor> empty_varlen_result(const Tensor& q, int64_t head_dim_v) {
+  auto out = at::zeros({q.size(0), q.size(1), head_dim_v},
+                       q.options().memory_format(at::MemoryFormat::Contiguous));
   auto lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<float>::infinity(),
                       q.options().dtype(at::kFloat));
   return {out, lse};
@@ -473,7 +485,7 @@ inline std::tuple<Tensor, Tensor> varlen_fwd_cpu(const Tensor& q, const Tensor& 
       " selects a CUDA tile configuration, but the inputs are CPU tensors; use config=0 "
       "(automatic) on the CPU");
   check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  auto [out, lse] = empty_varlen_result(q);
+  auto [out, lse] = empty_varlen_result(q, v.size(2));
   const Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
   const int* cq = cu_q.data_ptr<int>();
   const int* ck = cu_k.data_ptr<int>();
@@ -493,8 +505,9 @@ inline std::tuple<Tensor, Tensor> varlen_fwd_cpu(const Tensor& q, const Tensor& 
   return {out, lse};
 }
 
-// Shapes of a decode against a paged cache: q [B, Hq, Sq, D], k_cache and v_cache [num_pages,
-// page_size, Hkv, D], block_table int32 [B, max_pages_per_seq], page_size a power of two >= 16.
+// Shapes of a decode against a paged cache: q [B, Hq, Sq, D], k_cache [num_pages, page_size, Hkv,
+// D] and v_cache the same but for its last dimension (Dv), block_table int32 [B,
+// max_pages_per_seq], page_size a power of two >= 16.
 inline void check_paged_inputs(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                const Tensor& block_table, const std::optional<Tensor>& seqlens_k,
                                int64_t num_splits) {
@@ -520,9 +533,10 @@ inline void check_paged_inputs(const Tensor& q, const Tensor& k_cache, const Ten
       k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
       "q, k_cache and v_cache must share one dtype, got ", dtype_name(q.scalar_type()), ", ",
       dtype_name(k_cache.scalar_type()), ", ", dtype_name(v_cache.scalar_type()));
-  FLASHMOE_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(),
-                       "k_cache and v_cache must have the same shape, got ", shape_str(k_cache),
-                       " and ", shape_str(v_cache));
+  FLASHMOE_CHECK_VALUE(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3),
+                       "k_cache and v_cache must have the same shape but for the last dimension "
+                       "(v's head_dim may differ), got ",
+                       shape_str(k_cache), " and ", shape_str(v_cache));
   FLASHMOE_CHECK_VALUE(k_cache.size(3) == q.size(3), "head_dim differs: q ", shape_str(q),
                        ", k_cache ", shape_str(k_cache));
   FLASHMOE_CHECK_VALUE(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "heads of q (",
@@ -614,6 +628,30 @@ inline std::tuple<Tensor, Tensor> paged_fwd_cpu(const Tensor& q, const Tensor& k
 
 inline int64_t planted_bug() { return cpu::planted_bug(); }
 
+// The head dims the CUDA kernels are built for, q's and k's, with v's equal to them; the CPU
+// implementation takes any, and a v head_dim of its own.
+constexpr int64_t kCudaHeadDims[] = {64, 128};
+
+// Why the CUDA operators cannot take q's and k's `head_dim` with v's `head_dim_v`, in the one line
+// they raise before any launch (ops.head_dims_unsupported_reason returns it); empty when they can.
+inline std::string cuda_head_dims_problem(int64_t head_dim, int64_t head_dim_v) {
+  std::string supported;
+  bool built = false;
+  for (const int64_t d : kCudaHeadDims) {
+    supported += (supported.empty() ? "" : ", ") + std::to_string(d);
+    built = built || d == head_dim;
+  }
+  if (built && head_dim_v == head_dim) return "";
+  if (head_dim_v == head_dim) {
+    return error_text("head_dim=", head_dim, " is not supported on CUDA; supported: ", supported,
+                      " (the CPU implementation takes any head_dim)");
+  }
+  return error_text("head_dim=", head_dim, " with v's head_dim=", head_dim_v,
+                    " is not supported on CUDA; supported: ", supported,
+                    ", with v's head_dim equal to q's and k's (the CPU implementation takes any "
+                    "head_dim, and v's may differ)");
+}
+
 // decode_num_splits (attention_params.h) as an operator, for tests and tools.
 inline int64_t decode_num_splits_op(int64_t tiles, int64_t sm_count, int64_t n_blocks) {
   FLASHMOE_CHECK_VALUE(tiles >= 1 && tiles < (1 << 30), "tiles must be in [1, 2^30), got ", tiles);
@@ -639,6 +677,8 @@ inline int64_t decode_num_splits_op(int64_t tiles, int64_t sm_count, int64_t n_b
 //   varlen_fwd: attention over a packed batch (FlashAttention's varlen layout; see
 //     AttentionParams), lse [Hq, total_q]; config: 0 = automatic, else 1, 2, 4 or 5 (as fwd's).
 //   paged_fwd: fwd against a paged KV cache through a block table (decode kernel on CUDA).
+//   Every operator takes v (v_cache) with a last dimension of its own, the output's.
+//   cuda_head_dims_problem: why CUDA cannot take these head dims ("" when it can), for ops.py.
 TORCH_LIBRARY(flashmoe_science, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? seqlens_k, bool causal, float softmax_scale, "
@@ -661,6 +701,8 @@ TORCH_LIBRARY(flashmoe_science, m) {
       "paged_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor? seqlens_k, "
       "bool causal, float softmax_scale, int num_splits) -> (Tensor, Tensor)");
   m.def("planted_bug() -> int", &flashmoe::planted_bug);
+  m.def("cuda_head_dims_problem(int head_dim, int head_dim_v) -> str",
+        &flashmoe::cuda_head_dims_problem);
   m.def("decode_num_splits(int tiles, int sm_count, int n_blocks) -> int",
         &flashmoe::decode_num_splits_op);
 }

@@ -34,7 +34,10 @@ namespace flashmoe {
 //   11: the last, partial key tile never copied
 //   12: the output never rescaled when the online softmax's running max moves (only scores
 //       that keep growing along the keys, the gates' -rising / -falling cases, show it)
-// -DFLASHMOE_PLANT_BUG=-1 compiles every plant of the CPU implementation (1, 2, 4-8) in and
+// and the bug of v's head dim differing from q's and k's (Dv != Dqk):
+//   13: the CPU forward finds each KV head's V rows at K's offset (the Q/K width, Dqk), as one
+//       offset shared by K and V would (wrapped to stay inside V)
+// -DFLASHMOE_PLANT_BUG=-1 compiles every plant of the CPU implementation (1, 2, 4-8, 13) in and
 // picks one when the library loads, from $FLASHMOE_PLANT_BUG: one CPU build serves all of the CPU
 // plant tests. The CUDA kernels of such a build carry none.
 #ifndef FLASHMOE_PLANT_BUG
@@ -46,11 +49,12 @@ constexpr int kMaxSplits = 128;
 constexpr int kNumBwdConfigs = 3;
 
 struct AttentionParams {
-  // q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk(max), D]; only the last dimension must be contiguous.
+  // q, k: [B, Hq or Hkv, Sq or Sk(max), D]; v: [B, Hkv, Sk(max), Dv]; only the last dimension must
+  // be contiguous.
   const void* q;
   const void* k;
   const void* v;
-  void* o;     // [B, Hq, Sq, D], written in the input dtype (unsplit path)
+  void* o;     // [B, Hq, Sq, Dv], written in the input dtype (unsplit path)
   float* lse;  // [B, Hq, Sq], contiguous
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
@@ -78,7 +82,7 @@ struct AttentionParams {
   // output and its log-sum-exp; split_kv_combine reduces them. num_splits == 1 writes o directly.
   int num_splits;
   int n_blocks_per_split;
-  float* o_accum;    // [num_splits, B, Hq, Sq, D] contiguous
+  float* o_accum;    // [num_splits, B, Hq, Sq, Dv] contiguous
   float* lse_accum;  // [num_splits, B, Hq, Sq] contiguous
   // Decode kernel only: one arrival counter per row tile, zero between launches; the last split of
   // a tile to arrive combines the partials and resets its counter.
@@ -111,6 +115,10 @@ struct AttentionParams {
   bool tma;
   alignas(64) unsigned char tma_q[128];  // after `tma`: the d=64 kernels' parameter offsets stay
   bool q_tma;
+
+  // v's last dimension, the output's (Dv; head_dim is q's and k's, Dqk). Last, so the fields the
+  // kernels read keep their offsets; the CUDA operators take Dv == Dqk only, the CPU any.
+  int head_dim_v;
 };
 
 // The backward pass: gradients of out = softmax(q k^T * scale) v with respect to q, k and v, given
@@ -121,14 +129,14 @@ struct BwdParams {
   const void* k;
   const void* v;
   const void* o;     // the forward's output
-  const void* dout;  // [B, Hq, Sq, D]
+  const void* dout;  // [B, Hq, Sq, Dv]
   const float* lse;  // [B, Hq, Sq] at lse_*_stride: the forward's log-sum-exp (-inf: saw no key)
   float* delta;      // [B, Hq, Sq] contiguous: rowsum(dout * o), written by the CUDA pre-pass
   float* lse2;       // [B, Hq, Sq] contiguous: the pre-pass's copy of lse in base 2 (+inf: no key)
   float* dq_accum;   // [B, Hq, Sq, D] contiguous fp32: dS K summed over key blocks, unscaled
   void* dq;          // [B, Hq, Sq, D] contiguous, the input dtype
   void* dk;          // [B, Hkv, Sk, D] contiguous
-  void* dv;          // [B, Hkv, Sk, D] contiguous
+  void* dv;          // [B, Hkv, Sk, Dv] contiguous
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;
@@ -139,6 +147,10 @@ struct BwdParams {
   int batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
   int heads_ratio;  // heads_q / heads_kv: dK and dV sum over the query heads of a group
   bool causal;      // bottom-right aligned, as in the forward
+  // v's, o's, dout's and dv's last dimension (Dv; head_dim is q's, k's, dq's and dk's), in the
+  // padding after `causal`: the struct keeps its size and offsets, and so do the parameters some
+  // kernels take after it. Below 2^15 (check_backward_inputs).
+  int16_t head_dim_v;
   float softmax_scale;
   float scale_log2;  // softmax_scale * log2(e)
 };

@@ -354,7 +354,7 @@ void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {
   p.tma = encode_kv_map(p.tma_k, p.k, fp16, rows, p.heads_kv, batch, p.k_row_stride,
                         p.k_head_stride, p.k_batch_stride, p.head_dim, box_rows_kv) &&
           encode_kv_map(p.tma_v, p.v, fp16, rows, p.heads_kv, batch, p.v_row_stride,
-                        p.v_head_stride, p.v_batch_stride, p.head_dim, box_rows_kv);
+                        p.v_head_stride, p.v_batch_stride, p.head_dim_v, box_rows_kv);
   p.q_tma = p.tma && p.head_dim == 128 && !packed && !p.pack_gqa &&
             encode_kv_map(p.tma_q, p.q, fp16, p.seqlen_q, p.heads_q, p.batch, p.q_row_stride,
                           p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q);
@@ -480,10 +480,11 @@ inline bool host_checks_requested() {
   return flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0;
 }
 
-inline void check_head_dim_cuda(int64_t head_dim) {
-  FLASHMOE_CHECK_VALUE(
-      head_dim == 64 || head_dim == 128, "head_dim=", head_dim,
-      " is not supported on CUDA; supported: 64, 128 (the CPU implementation takes any)");
+// q's and k's head_dim and v's (the output's): what the kernels are built for
+// (cuda_head_dims_problem), checked before any launch.
+inline void check_head_dims_cuda(int64_t head_dim, int64_t head_dim_v) {
+  const std::string problem = cuda_head_dims_problem(head_dim, head_dim_v);
+  FLASHMOE_CHECK_VALUE(problem.empty(), problem);
 }
 
 // cp.async moves 16-byte chunks: base pointers and row/head/batch strides must be multiples of
@@ -499,7 +500,7 @@ inline std::tuple<at::Tensor, at::Tensor> split_kv_combine_cuda(const at::Tensor
                                                                 const at::Tensor& lse_partial,
                                                                 at::ScalarType dtype) {
   check_combine_inputs(out_partial, lse_partial, dtype);
-  check_head_dim_cuda(out_partial.size(4));
+  check_head_dims_cuda(out_partial.size(4), out_partial.size(4));
   c10::cuda::CUDAGuard guard(out_partial.device());
   auto o_acc = out_partial.contiguous();
   auto l_acc = lse_partial.contiguous();
@@ -510,7 +511,7 @@ inline std::tuple<at::Tensor, at::Tensor> split_kv_combine_cuda(const at::Tensor
 }
 
 // The launch shared by the dense and the paged entry points: GQA packing, the configuration, the
-// split count, the outputs ([B, Hq, Sq, D] and [B, Hq, Sq]) and the kernel.
+// split count, the outputs ([B, Hq, Sq, Dv] and [B, Hq, Sq]) and the kernel.
 inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, AttentionParams p,
                                                       int64_t config, int64_t num_splits,
                                                       const DeviceInfo& dev, cudaStream_t stream,
@@ -550,12 +551,13 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   // evict-first, so they replace each other rather than what earlier kernels left there (nor force
   // those kernels' dirty lines out to DRAM mid-kernel). Up to 4x the L2 only: longer streams ran
   // slower evict-first (benches/notes/decode.md, v2.6).
-  const int64_t kv_bytes =
-      2 * int64_t(p.batch) * p.heads_kv * p.seqlen_k * p.head_dim * int64_t(q.element_size());
+  const int64_t kv_bytes = int64_t(p.batch) * p.heads_kv * p.seqlen_k *
+                           (p.head_dim + p.head_dim_v) * int64_t(q.element_size());
   p.kv_evict_first =
       config == kDecodeConfig && m_blocks == 1 && kv_bytes <= 4 * int64_t(dev.l2_bytes);
 
-  auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), p.head_dim_v},
+                       q.options().memory_format(at::MemoryFormat::Contiguous));
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   p.o = out.data_ptr();
   p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
@@ -568,13 +570,13 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   }
   if (splits > 1) {
     // One allocation for the partials and their log-sum-exps (an allocation is host time).
-    const int64_t rows = lse.numel(), partial = splits * rows * p.head_dim;
+    const int64_t rows = lse.numel(), partial = splits * rows * p.head_dim_v;
     accum = at::empty({partial + splits * rows}, lse.options());
     p.o_accum = accum.data_ptr<float>();
     p.lse_accum = p.o_accum + partial;
     if (!fused_combine) {
-      o_accum =
-          accum.narrow(0, 0, partial).view({splits, q.size(0), q.size(1), q.size(2), q.size(3)});
+      o_accum = accum.narrow(0, 0, partial)
+                    .view({splits, q.size(0), q.size(1), q.size(2), int64_t(p.head_dim_v)});
       lse_accum =
           accum.narrow(0, partial, splits * rows).view({splits, q.size(0), q.size(1), q.size(2)});
     }
@@ -595,7 +597,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   check_attention_inputs(q_in, k_in, v_in, seqlens_k, num_splits);
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
-  check_head_dim_cuda(q_in.size(3));
+  check_head_dims_cuda(q_in.size(3), v_in.size(3));
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs, "config must be in [0, ", kNumConfigs,
                        "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -612,7 +614,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   if (seqlens_k.has_value() && capture == cudaStreamCaptureStatusNone && host_checks_requested()) {
     check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
   }
-  if (auto empty = empty_result(q_in, k_in.size(2))) return *empty;
+  if (auto empty = empty_result(q_in, k_in.size(2), v_in.size(3))) return *empty;
 
   const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
                    v = aligned_for_cp_async(v_in);
@@ -659,7 +661,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   check_varlen_inputs(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
-  check_head_dim_cuda(q_in.size(2));
+  check_head_dims_cuda(q_in.size(2), v_in.size(2));
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs && has_packed_variant(config),
                        "config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got ",
                        config);
@@ -675,7 +677,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   if (batch == 0 || q_in.size(0) == 0 || q_in.size(1) == 0 || max_seqlen_q == 0 ||
       k_in.size(0) == 0) {
-    return empty_varlen_result(q_in);
+    return empty_varlen_result(q_in, v_in.size(2));
   }
   const at::Tensor q = rows_aligned_for_cp_async(q_in), k = rows_aligned_for_cp_async(k_in),
                    v = rows_aligned_for_cp_async(v_in);
@@ -709,7 +711,8 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
 
   // Contiguous: with offsets that do not partition the batch, the kernel's blocks fill all of out
   // and lse with NaN, which takes them to be dense.
-  auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty({q.size(0), q.size(1), v.size(2)},
+                       q.options().memory_format(at::MemoryFormat::Contiguous));
   auto lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   p.o = out.data_ptr();
   p.o_batch_stride = 0, p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(0);
@@ -734,7 +737,7 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
   check_paged_inputs(q_in, k_cache, v_cache, block_table, seqlens_k, num_splits);
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
-  check_head_dim_cuda(q_in.size(3));
+  check_head_dims_cuda(q_in.size(3), v_cache.size(3));
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
   check_cuda_device(q_in, dev);
@@ -749,7 +752,7 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
     if (lens_cpu) check_seqlens_values(*lens_cpu, capacity);
     check_block_table_values(block_table.cpu().contiguous(), lens_cpu, page_size, k_cache.size(0));
   }
-  if (auto empty = empty_result(q_in, capacity)) return *empty;
+  if (auto empty = empty_result(q_in, capacity, v_cache.size(3))) return *empty;
 
   const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_cache),
                    v = aligned_for_cp_async(v_cache);
@@ -858,7 +861,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   check_backward_inputs(dout_in, q_in, k_in, v_in, out_in, lse_in);
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
-  check_head_dim_cuda(q_in.size(3));
+  check_head_dims_cuda(q_in.size(3), v_in.size(3));
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumBwdConfigs, "backward_config must be in [0, ",
                        kNumBwdConfigs, "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());

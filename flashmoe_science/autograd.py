@@ -38,7 +38,7 @@ def _fake_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic
 
 
 def _fake_attention(q, k, v, causal, softmax_scale, num_splits, config, deterministic, bwd_config):
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # v's head dim, the output's
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     return out, lse
 

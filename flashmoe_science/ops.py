@@ -49,21 +49,22 @@ def load_library() -> None:
 
 
 def _register_fakes() -> None:
+    # The output takes v's last dimension (Dv), which may differ from q's and k's.
     @torch.library.register_fake("flashmoe_science::fwd")
     def _fwd_fake(q, k, v, seqlens_k, causal, softmax_scale, num_splits, config):
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return out, lse
 
     @torch.library.register_fake("flashmoe_science::varlen_fwd")
     def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, config):
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         return out, lse
 
     @torch.library.register_fake("flashmoe_science::paged_fwd")
     def _paged_fake(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale, splits):
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return out, lse
 
@@ -200,6 +201,22 @@ def config_supported(
     return config_unsupported_reason(config, capability, arch_list) is None
 
 
+def head_dims_unsupported_reason(head_dim: int, head_dim_v: int | None = None) -> str | None:
+    """Why the CUDA operators cannot take q's and k's `head_dim` with v's `head_dim_v` (default:
+    the same), in the one line they raise before any kernel launch; None when they can. The CPU
+    implementation takes any head dims, v's differing from q's and k's included."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    for name, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        _check_int(name, value, 1, 1 << 20, "a head dim")
+    reason = torch.ops.flashmoe_science.cuda_head_dims_problem(head_dim, head_dim_v)
+    return reason or None
+
+
+def head_dims_supported(head_dim: int, head_dim_v: int | None = None) -> bool:
+    """Whether the CUDA operators take these head dims (the CPU implementation takes any)."""
+    return head_dims_unsupported_reason(head_dim, head_dim_v) is None
+
+
 def config_needs(config: int, kind: str = "prefill") -> str | None:
     """What a forced configuration of a case of this kind needs beyond a GPU, in a few words (a
     gate's rerun_needs); backward cases force backward configurations."""
@@ -227,9 +244,12 @@ def flash_attention_forward(
 ):
     """Attention softmax(q k^T * scale) v, computed FlashAttention-style; differentiable in q, k, v.
 
-    q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq a multiple of Hkv (grouped-query and multi-query
-    attention). fp16 or bf16; head dims 64 and 128 on CUDA, any on the CPU. Only the last dimension
-    must be contiguous: a [B, H, S, D] view of a [B, S, H, D] tensor is used in place.
+    q: [B, Hq, Sq, D]; k: [B, Hkv, Sk, D]; v: [B, Hkv, Sk, Dv], with Hq a multiple of Hkv
+    (grouped-query and multi-query attention) and Dv, the output's head dim, free to differ from D
+    (DeepSeek's multi-head latent attention: D 192, Dv 128). fp16 or bf16. Head dims: on CUDA, D = Dv
+    = 64 or 128 (anything else raises a one-line error before any launch:
+    head_dims_unsupported_reason); on the CPU, any D and Dv. Only the last dimension must be
+    contiguous: a [B, H, S, D] view of a [B, S, H, D] tensor is used in place.
 
     causal: query i sees keys j <= i + Sk - Sq, i.e. the mask is aligned to the bottom-right corner
     as in FlashAttention-2 (with Sq == Sk this is the usual lower triangle; with Sq < Sk the queries
@@ -241,11 +261,11 @@ def flash_attention_forward(
 
     Backward (autograd, flashmoe_science.autograd): FlashAttention-2's, from the saved output and
     log-sum-exp (on wgmma on an H100 with the sm_90a build); gradients come back contiguous, in
-    the inputs' dtype. deterministic=True gives bit-identical gradients over repeated calls (dQ
+    the inputs' dtype, dq and dk D wide, dv Dv wide. deterministic=True gives bit-identical gradients over repeated calls (dQ
     summed in a fixed order, without atomics; a little slower). backward_config: 0 picks the
     backward tile configuration, 1 to len(BACKWARD_CONFIGS) force one.
 
-    Returns the output [B, Hq, Sq, D] in the input dtype, and with return_lse=True also the
+    Returns the output [B, Hq, Sq, Dv] in the input dtype, and with return_lse=True also the
     log-sum-exp of each row as fp32 [B, Hq, Sq].
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -293,7 +313,8 @@ def flash_attention_decode(
 ):
     """Decoding attention of a few new queries against a KV cache, split along the cache (flash-decoding).
 
-    q: [B, Hq, Sq, D] with small Sq (1 to 16 typically); k_cache, v_cache: [B, Hkv, Smax, D];
+    q: [B, Hq, Sq, D] with small Sq (1 to 16 typically); k_cache: [B, Hkv, Smax, D], v_cache:
+    [B, Hkv, Smax, Dv] (the output's head dim; head dims as flash_attention_forward);
     cache_seqlens: int32 [B], the valid length of each sequence's cache (all of Smax when None).
     The Sq queries are the last Sq positions of each sequence, so with causal=True query i of batch b
     sees keys j <= i + cache_seqlens[b] - Sq. Grouped-query heads that share a KV head are folded
@@ -301,9 +322,9 @@ def flash_attention_decode(
     the work; 1 gives results bit-identical to the unsplit path; at most 128.
 
     Paged cache (FlashAttention's layout): with block_table int32 [B, max_blocks_per_seq],
-    k_cache and v_cache are [num_blocks, block_size, Hkv, D] and sequence b's keys j lie in block
-    block_table[b, j // block_size] at row j % block_size; Smax is then max_blocks_per_seq x
-    block_size. Block sizes: powers of two from 16. Only the entries covering a sequence's
+    k_cache and v_cache are [num_blocks, block_size, Hkv, D] and [..., Dv], and sequence b's keys j
+    lie in block block_table[b, j // block_size] at row j % block_size; Smax is then
+    max_blocks_per_seq x block_size. Block sizes: powers of two from 16. Only the entries covering a sequence's
     cache_seqlens are read (the rest may hold anything).
 
     No host synchronisation, and CUDA graphs can capture the call: on CUDA the values of
@@ -376,9 +397,10 @@ def flash_attention_varlen_forward(
 ):
     """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen API).
 
-    q: [total_q, Hq, D]; k, v: [total_k, Hkv, D], the rows of all sequences one after another, no
-    padding; cu_seqlens_q, cu_seqlens_k: int32 [B + 1], from 0, so sequence b owns rows
-    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v.
+    q: [total_q, Hq, D]; k: [total_k, Hkv, D]; v: [total_k, Hkv, Dv]: the rows of all sequences one
+    after another, no padding; cu_seqlens_q, cu_seqlens_k: int32 [B + 1], from 0, so sequence b
+    owns rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k
+    and v.
     max_seqlen_q, max_seqlen_k: the longest sequence (they size the launch grid). Sequences of
     length 0 are allowed. causal: bottom-right aligned per sequence (query i of a sequence with
     sq queries and sk keys sees keys j <= i + sk - sq), as in FlashAttention 2.1+; a query that
@@ -395,7 +417,7 @@ def flash_attention_varlen_forward(
     Differentiable in q, k and v: the backward runs flash_attention_forward's backward on each
     sequence (one launch sequence per sequence; gradients contiguous, in the inputs' dtype).
 
-    Returns the output [total_q, Hq, D] in the input dtype, and with return_lse=True also the
+    Returns the output [total_q, Hq, Dv] in the input dtype, and with return_lse=True also the
     log-sum-exp as fp32 [Hq, total_q] (FlashAttention's varlen layout).
     """
     for name, t in (

@@ -68,9 +68,13 @@ def require_cuda_build(has_cuda_kernels):
     """What a CUDA gate calls first: a GPU is visible (the `gpu` marker skips the test where none
     is), so a loaded build without CUDA kernels fails the gate rather than pass without running
     it; a forced tile configuration (forward or backward) this GPU or build cannot run skips,
-    saying what it needs (ops.config_unsupported_reason, ops.backward_config_unsupported_reason)."""
+    saying what it needs (ops.config_unsupported_reason, ops.backward_config_unsupported_reason),
+    and so do head dims the CUDA kernels do not take (ops.head_dims_unsupported_reason: q's and
+    k's `head_dim`, v's `head_dim_v`, 0 for the same)."""
 
-    def require(config: int = 0, backward_config: int = 0) -> None:
+    def require(
+        config: int = 0, backward_config: int = 0, head_dim: int = 64, head_dim_v: int = 0
+    ) -> None:
         if not has_cuda_kernels:
             pytest.fail(
                 "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
@@ -79,11 +83,14 @@ def require_cuda_build(has_cuda_kernels):
         from flashmoe_science.ops import (
             backward_config_unsupported_reason,
             config_unsupported_reason,
+            head_dims_unsupported_reason,
         )
 
         capability = torch.cuda.get_device_capability()
-        reason = config_unsupported_reason(config, capability) or (
-            backward_config_unsupported_reason(backward_config, capability)
+        reason = (
+            head_dims_unsupported_reason(head_dim, head_dim_v or head_dim)
+            or config_unsupported_reason(config, capability)
+            or backward_config_unsupported_reason(backward_config, capability)
         )
         if reason:
             pytest.skip(reason)
@@ -94,15 +101,15 @@ def require_cuda_build(has_cuda_kernels):
 @pytest.fixture
 def record_gate(record_property):
     """A gate's result as its row of reports/gates.json (the result's figures, then op, dtype,
-    head dim and the rerun fields), and the test failed with `failure()`'s report when the gate
-    failed."""
+    head dim, "192v128" where v's differs, and the rerun fields), and the test failed with
+    `failure()`'s report when the gate failed."""
 
     def record(case, result, op: str, reruns: dict, failure: Callable[[], str]) -> None:
         row = {
             **result.to_json(),
             "op": op,
             "dtype": case.dtype,
-            "head_dim": case.head_dim,
+            "head_dim": f"{case.head_dim}v{case.head_dim_v}" if case.head_dim_v else case.head_dim,
             **reruns,
         }
         record_property("gate", row)

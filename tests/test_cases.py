@@ -78,6 +78,25 @@ def test_gate_fields_become_suffixes():
     assert "scores=falling" in ramped.describe()
 
 
+def test_a_head_dim_of_v_of_its_own_reads_in_the_id_and_shapes_v():
+    """v's head dim, where it differs from q's and k's, follows d in the id (d192v128); equal to
+    q's it is the plain case. v, the output gradient, FLOPs and bytes take it."""
+    case = Case("backward", "bf16", 2, 4, 2, 16, 24, 192, True, layout="bshd", head_dim_v=128)
+    assert case.id == "bwd-bf16-d192v128-h4kv2-b2-q16-k24-causal-bshd"
+    assert parse_case_id(case.id) == case and "D=192 Dv=128" in case.describe()
+    assert Case.from_dict(json.loads(json.dumps(case.to_dict()))) == case
+    same = dataclasses.replace(case, head_dim=128)
+    assert "head_dim_v" not in same.to_dict()  # the worker protocol's dict, as it always was
+    assert same.head_dim_v == 0 and same.id == "bwd-bf16-d128-h4kv2-b2-q16-k24-causal-bshd"
+    q, k, v, _ = make_inputs(case, "cpu")
+    assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (192, 192, 128) and v.stride(-1) == 1
+    assert cases.make_output_grad(case, "cpu").shape == (2, 4, 16, 128)
+    plain = dataclasses.replace(case, head_dim_v=0)
+    assert case.flops == plain.flops * (192 + 128) // (2 * 192)
+    assert case.kv_bytes == 2 * 2 * 24 * (192 + 128) * cases.ELEMENT_BYTES
+    assert same.kv_bytes == 2 * 2 * 2 * 24 * 128 * cases.ELEMENT_BYTES
+
+
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_ramped_scores_spread_sixteenfold_along_the_keys_in_the_layout_asked(layout):
     normal = parse_case_id(f"fwd-fp16-d64-h4kv2-b2-s1000-full-{layout}".replace("-bhsd", ""))

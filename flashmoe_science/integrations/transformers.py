@@ -10,7 +10,9 @@ sees the padding. That mask function hands the attention the 2-D padding mask [B
 real token), or None when nothing is padded and every key is filled. The name holds no "flash":
 transformers treats such names as FlashAttention requests and looks for a Hub kernel.
 
-Per call (query [B, Hq, Sq, D], key and value [B, Hkv, Sk, D], not expanded for GQA):
+Per call (query and key [B, Hq or Hkv, Sq or Sk, D], value [B, Hkv, Sk, Dv], not expanded for
+GQA; the output takes value's head dim, so a model whose value is narrower than its query and key,
+DeepSeek-V3's multi-head latent attention with 192 and 128, passes it as it is):
 - no mask: the dense kernel (flash_attention_forward), causal aligned bottom-right, which is
   what a KV cache needs (the Sq new queries are the last Sq positions);
 - a padding mask: the real tokens are packed (the queries are the last Sq positions of the
@@ -24,7 +26,8 @@ FlashAttention backends do) and comes back in fp32. KV caches: the dynamic (defa
 fixed-size ones (StaticCache, cache_implementation="static"), whose keys past the filled length
 padding_mask masks out. Not supported: sliding windows, logit soft-capping or attention dropout
 (they raise). All three paths train (flash_attention_varlen_forward's backward runs the dense
-backward per sequence).
+backward per sequence). Head dims: any on the CPU; on CUDA what the kernels take
+(ops.head_dims_unsupported_reason says, in the one-line error a call raises otherwise).
 """
 
 from __future__ import annotations
@@ -182,11 +185,12 @@ def _compute_packing(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> _Packi
 
 
 def _padded_attention(q, k, v, mask: torch.Tensor, causal: bool, scale):
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] and a 2-D padding mask: the real tokens of each
-    sequence packed into one varlen call, scattered back into zeros."""
+    """q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] and a 2-D padding mask: the real
+    tokens of each sequence packed into one varlen call, scattered back into zeros."""
     from ..ops import flash_attention_varlen_forward
 
     batch, seqlen_q, heads_q, head_dim = q.shape
+    head_dim_v = v.shape[-1]
     seqlen_k = k.shape[1]
     pack = _packing(mask, seqlen_q, seqlen_k)
     out = flash_attention_varlen_forward(
@@ -200,9 +204,9 @@ def _padded_attention(q, k, v, mask: torch.Tensor, causal: bool, scale):
         causal,
         scale,
     )
-    full = out.new_zeros(batch * seqlen_q, heads_q, head_dim)
+    full = out.new_zeros(batch * seqlen_q, heads_q, head_dim_v)
     full.index_copy_(0, pack.q_index, out)
-    return full.view(batch, seqlen_q, heads_q, head_dim)
+    return full.view(batch, seqlen_q, heads_q, head_dim_v)
 
 
 def attention_forward(
@@ -216,7 +220,8 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ):
-    """transformers' attention-function contract: returns (output [B, Sq, Hq, D], None)."""
+    """transformers' attention-function contract: returns (output [B, Sq, Hq, Dv], None), Dv being
+    value's head dim."""
     from ..ops import flash_attention_forward, flash_attention_varlen_forward
 
     _check_supported(module, dropout, kwargs)
@@ -241,14 +246,14 @@ def attention_forward(
         out = flash_attention_varlen_forward(
             q.transpose(1, 2).reshape(-1, heads_q, head_dim),
             k.transpose(1, 2).reshape(-1, *k.shape[1:2], head_dim),
-            v.transpose(1, 2).reshape(-1, *v.shape[1:2], head_dim),
+            v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1]),
             cu_q.to(torch.int32),
             cu_k.to(torch.int32),
             int(kwargs["max_length_q"]),
             int(kwargs["max_length_k"]),
             causal,
             scaling,
-        ).view(batch, seqlen_q, heads_q, head_dim)
+        ).view(batch, seqlen_q, heads_q, v.shape[-1])
     else:
         out = flash_attention_forward(q, k, v, causal, scaling).transpose(1, 2)
     return out.to(dtype), None

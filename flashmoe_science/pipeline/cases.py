@@ -4,6 +4,7 @@ A case id reads left to right as the call it stands for:
 
     fwd-bf16-d128-h16-b4-s4096-causal        prefill, Hq = Hkv = 16, Sq = Sk = 4096, causal
     fwd-fp16-d64-h8kv2-b2-q113-k203-full     GQA 8:2, Sq != Sk, no mask
+    fwd-bf16-d192v128-h16-b1-s4096-causal    q and k of head dim 192, v (and the output) 128
     dec-bf16-d128-h32kv8-b4-q1-k8192         decode (always causal unless it ends in -full)
     bwd-bf16-d128-h16-b4-s4096-causal        the backward of that prefill alone (gradients of q,
                                              k and v from the saved forward)
@@ -52,7 +53,8 @@ SEED_VAR = "FLASHMOE_SEED"
 DRAW_ON_CPU_MAX_BYTES = 64 * 2**20
 
 _ID_RE = re.compile(
-    r"^(?P<kind>fwdbwd|fwd|dec|bwd)-(?P<dtype>[a-z0-9]+)-d(?P<d>\d+)-h(?P<hq>\d+)(?:kv(?P<hkv>\d+))?"
+    r"^(?P<kind>fwdbwd|fwd|dec|bwd)-(?P<dtype>[a-z0-9]+)-d(?P<d>\d+)(?:v(?P<dv>\d+))?"
+    r"-h(?P<hq>\d+)(?:kv(?P<hkv>\d+))?"
     r"-b(?P<b>\d+)-(?:s(?P<s>\d+)|q(?P<sq>\d+)-k(?P<sk>\d+))(?:-(?P<mask>causal|full))?"
     r"(?:-(?P<layout>bshd))?(?:-cfg(?P<cfg>\d+))?(?:-splits(?P<splits>\d+))?"
     r"(?:-lens(?P<lens>\d+(?:_\d+)*))?(?:-(?P<scores>rising|falling))?(?P<det>-det)?$"
@@ -83,6 +85,7 @@ class Case:
     cache_seqlens: tuple[int, ...] | None = None  # decode: valid cache length per sequence
     deterministic: bool = False  # backward kinds: deterministic=True (bit-identical gradients)
     scores: str = "normal"  # one of SCORES: how make_inputs spreads the scores along the keys
+    head_dim_v: int = 0  # v's and the output's head dim where it differs from head_dim (q's, k's)
 
     def __post_init__(self):
         for name, allowed in (
@@ -95,6 +98,8 @@ class Case:
                 raise ValueError(
                     f"Case {name}={getattr(self, name)!r} is not supported: use one of {allowed}"
                 )
+        if self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", 0)  # one case, one id
         if not self.group:
             object.__setattr__(self, "group", self.kind)
         if self.group not in GROUPS:
@@ -111,7 +116,8 @@ class Case:
     @property
     def id(self) -> str:
         heads = f"h{self.heads_q}" + (f"kv{self.heads_kv}" if self.heads_kv != self.heads_q else "")
-        parts = [PREFIXES[self.kind], self.dtype, f"d{self.head_dim}", heads, f"b{self.batch}"]
+        dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else "")
+        parts = [PREFIXES[self.kind], self.dtype, dims, heads, f"b{self.batch}"]
         if self.kind != "decode" and self.seqlen_q == self.seqlen_k:
             parts.append(f"s{self.seqlen_q}")
         else:
@@ -137,7 +143,9 @@ class Case:
     def describe(self) -> str:
         return (
             f"{self.kind} B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Sq={self.seqlen_q} "
-            f"Sk={self.seqlen_k} D={self.head_dim} dtype={self.dtype} causal={self.causal} "
+            f"Sk={self.seqlen_k} D={self.head_dim}"
+            + (f" Dv={self.head_dim_v}" if self.head_dim_v else "")
+            + f" dtype={self.dtype} causal={self.causal} "
             f"layout={self.layout} config={self.config} num_splits={self.num_splits or 'auto'}"
             + (f" cache_seqlens={list(self.cache_seqlens)}" if self.cache_seqlens else "")
             + (" deterministic=True" if self.deterministic else "")
@@ -156,27 +164,38 @@ class Case:
         return f"FLASHMOE_REQUIRE_GPU=1 {select}" if device == "cuda" else select
 
     @property
+    def value_head_dim(self) -> int:
+        """v's and the output's head dim (Dv): head_dim_v where set, else head_dim."""
+        return self.head_dim_v or self.head_dim
+
+    @property
     def flops(self) -> int:
-        """4*B*H*Sq*Sk*D (FA2 paper accounting), halved for causal only when Sq == Sk; the backward
-        counts 2.5 times that and a training step (forward and backward) 3.5 times."""
-        flops = 4 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+        """2*B*H*Sq*Sk*(D + Dv), i.e. 4*B*H*Sq*Sk*D (FA2 paper accounting) when Dv = D, halved
+        for causal only when Sq == Sk; the backward counts 2.5 times that and a training step
+        (forward and backward) 3.5 times."""
+        rows_keys = self.batch * self.heads_q * self.seqlen_q * self.seqlen_k
+        flops = 2 * rows_keys * (self.head_dim + self.value_head_dim)
         flops = flops // 2 if self.causal and self.seqlen_q == self.seqlen_k else flops
         return int(flops * FLOP_FACTORS[self.kind])
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.batch * self.heads_kv * self.seqlen_k * self.head_dim * ELEMENT_BYTES
+        dims = self.head_dim + self.value_head_dim
+        return self.batch * self.heads_kv * self.seqlen_k * dims * ELEMENT_BYTES
 
     @property
     def bytes_moved(self) -> int:
         """Bytes that must cross HBM at least once: K and V, plus q read and out written."""
-        q_and_out = 2 * self.batch * self.heads_q * self.seqlen_q * self.head_dim * ELEMENT_BYTES
+        dims = self.head_dim + self.value_head_dim
+        q_and_out = self.batch * self.heads_q * self.seqlen_q * dims * ELEMENT_BYTES
         return self.kv_bytes + q_and_out
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         if self.cache_seqlens is not None:
             data["cache_seqlens"] = list(self.cache_seqlens)
+        if not self.head_dim_v:  # where v's head dim is q's, the dict is what it always was
+            del data["head_dim_v"]
         return data
 
     @classmethod
@@ -223,6 +242,7 @@ def parse_case_id(case_id: str) -> Case:
             seqlen_q=int(g["s"] or g["sq"]),
             seqlen_k=int(g["s"] or g["sk"]),
             head_dim=int(g["d"]),
+            head_dim_v=int(g["dv"] or 0),
             causal=g["mask"] != "full",
             layout=g["layout"] or "bhsd",
             config=int(g["cfg"] or 0),
@@ -249,17 +269,18 @@ def input_bytes(case: Case) -> int:
 
 def make_inputs(case: Case, device: str, seed: int | None = None) -> Inputs:
     """Fresh random (never zero) q, k, v for `case` from its own seed, as [B, H, S, D] tensors (views
-    of [B, S, H, D] ones for layout "bshd"), and for decode its cache_seqlens (int32), if any."""
+    of [B, S, H, D] ones for layout "bshd"; v's D is case.value_head_dim), and for decode its
+    cache_seqlens (int32), if any."""
     seed = case.seed() if seed is None else seed
     dtype = DTYPES[case.dtype]
     on_cpu = input_bytes(case) <= DRAW_ON_CPU_MAX_BYTES
     generator = torch.Generator(device="cpu" if on_cpu else device).manual_seed(seed)
 
-    def randn(heads: int, seqlen: int) -> torch.Tensor:
+    def randn(heads: int, seqlen: int, head_dim: int = case.head_dim) -> torch.Tensor:
         if case.layout == "bshd":
-            shape = (case.batch, seqlen, heads, case.head_dim)
+            shape = (case.batch, seqlen, heads, head_dim)
         else:
-            shape = (case.batch, heads, seqlen, case.head_dim)
+            shape = (case.batch, heads, seqlen, head_dim)
         if on_cpu:
             t = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
         else:
@@ -270,7 +291,7 @@ def make_inputs(case: Case, device: str, seed: int | None = None) -> Inputs:
     k = randn(case.heads_kv, case.seqlen_k)
     if case.scores != "normal":
         k = ramp_keys(k, case.scores)
-    v = randn(case.heads_kv, case.seqlen_k)
+    v = randn(case.heads_kv, case.seqlen_k, case.value_head_dim)
     lengths = None
     if case.cache_seqlens is not None:
         lengths = torch.tensor(case.cache_seqlens, dtype=torch.int32, device=device)
@@ -288,9 +309,9 @@ def ramp_keys(k: torch.Tensor, scores: str) -> torch.Tensor:
 
 def make_output_grad(case: Case, device: str) -> torch.Tensor:
     """The gradient of the output that a backward case feeds back: random (never zero), [B, Hq, Sq,
-    D] contiguous, from a seed of its own (the case's, shifted), drawn where make_inputs draws."""
+    Dv] contiguous, from a seed of its own (the case's, shifted), drawn where make_inputs draws."""
     dtype = DTYPES[case.dtype]
-    shape = (case.batch, case.heads_q, case.seqlen_q, case.head_dim)
+    shape = (case.batch, case.heads_q, case.seqlen_q, case.value_head_dim)
     on_cpu = input_bytes(case) <= DRAW_ON_CPU_MAX_BYTES
     generator = torch.Generator(device="cpu" if on_cpu else device)
     generator.manual_seed((case.seed() + 1) % (2**31))

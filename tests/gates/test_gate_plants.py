@@ -180,6 +180,43 @@ def test_a_skipped_output_rescale_passes_normal_scores_and_fails_ramped_ones(bac
         assert any(f.startswith("gate 1") for f in result.failures), case.id
 
 
+# ---- v's head dim differing from q's and k's, planted into the CPU implementation ------------
+
+DV_PLANT_SCRIPT = """
+import json, sys
+from flashmoe_science import ops
+from flashmoe_science.pipeline.gates import forward as gates, matrix, paged, varlen
+device = sys.argv[1]
+results = {}
+for c in [*matrix.gate_cases("cpu"), *varlen.varlen_cases("cpu"), *paged.paged_cases("cpu")]:
+    if c.head_dim != 192:
+        continue
+    if isinstance(c, varlen.VarlenCase):
+        results[c.id] = varlen.check_varlen_case(c, device).failures
+    elif isinstance(c, paged.PagedCase):
+        results[c.id] = paged.check_paged_case(c, device).failures
+    else:
+        results[c.id] = gates.check_case(c, device).failures
+print(json.dumps({"planted": ops.planted_bug(), "results": results}))
+"""
+
+
+@pytest.mark.slow
+def test_planted_v_read_at_the_qk_width_fails_the_dv_gates_and_only_them(run_planted):
+    """Build the unit with -DFLASHMOE_PLANT_BUG=13 (each KV head's V found at K's offset, the Q/K
+    width, as one offset shared by K and V would) and run the CPU tier's cases of q and k of head
+    dim 192: every case with v of 128 (prefill, split-KV, decode, varlen, paged) fails a gate,
+    every case with v of 192 passes (the bug needs Dv != Dqk)."""
+    results = run_planted(13, DV_PLANT_SCRIPT, "cpu")["results"]
+    split = {case_id: f for case_id, f in results.items() if "-d192v128-" in case_id}
+    same = {case_id: f for case_id, f in results.items() if "-d192-" in case_id}
+    assert len(split) == len(same) >= 8 and len(split) + len(same) == len(results)
+    assert {case_id.split("-")[0] for case_id in split} == {"fwd", "dec", "varlen", "paged"}
+    for case_id, failures in split.items():
+        assert any("gate 1" in f or "gate 2" in f for f in failures), (case_id, failures)
+    assert not any(same.values()), {k: f for k, f in same.items() if f}
+
+
 # ---- the sm_90a (wgmma) kernel's own failure modes, planted into its build ---------------------
 
 SM90A_PLANT_SCRIPT = """

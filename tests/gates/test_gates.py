@@ -36,7 +36,7 @@ def test_gate_cpu(case, record_gate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_gate_cuda(case, record_gate, require_cuda_build):
-    require_cuda_build(case.config)
+    require_cuda_build(case.config, head_dim=case.head_dim, head_dim_v=case.head_dim_v)
     _run(case, "cuda", record_gate)
 
 
@@ -45,7 +45,7 @@ def test_matrix_covers_the_issue():
     Sq != Sk both ways, GQA ratios 1/4/8, non-contiguous views and every tile configuration."""
     seqlens = {c.seqlen_q for c in GPU_CASES if c.seqlen_q == c.seqlen_k}
     assert set(matrix.SEQLENS) <= seqlens
-    assert {c.head_dim for c in GPU_CASES} == {64, 128}
+    assert {(c.head_dim, c.value_head_dim) for c in GPU_CASES} == set(matrix.HEAD_DIMS)
     assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
     assert {c.causal for c in GPU_CASES} == {False, True}
     assert any(c.seqlen_q < c.seqlen_k for c in GPU_CASES) and any(
@@ -60,6 +60,59 @@ def test_matrix_covers_the_issue():
     )
     # each forced configuration is also gated through its split-KV path
     assert {c.config for c in GPU_CASES if c.num_splits > 1 and c.config} == set(CONFIGS)
+
+
+def test_the_issues_head_dims_are_gated():
+    """Head dims 64, 96, 128, 192 and 256, q and k of 192 with v of 128 (DeepSeek's multi-head
+    latent attention), and 80 for the multiples of 8 that run padded onto a larger tile."""
+    assert set(matrix.HEAD_DIMS) == {
+        (64, 64),
+        (96, 96),
+        (128, 128),
+        (192, 192),
+        (256, 256),
+        (192, 128),
+        (80, 80),
+    }
+    assert set(matrix.NEW_HEAD_DIMS) == set(matrix.HEAD_DIMS) - {(64, 64), (128, 128)}
+
+
+@pytest.mark.parametrize("head_dims", matrix.HEAD_DIMS, ids=str)
+def test_every_head_dim_meets_the_whole_sequence_matrix_on_cuda(head_dims):
+    """Each head dims pair goes through every (Sq, Sk) of the prefill matrix, both dtypes and
+    masks, GQA 1/4/8 and strided views, as the automatic choice (config 0), and through every
+    cache length of the decode matrix, split and not, mixed cache_seqlens included."""
+    mine = [c for c in GPU_CASES if (c.head_dim, c.value_head_dim) == head_dims and not c.config]
+    prefill = [c for c in mine if c.kind == "prefill" and c.scores == "normal"]
+    expected = [(s, s) for s in matrix.SEQLENS] + list(matrix.UNEQUAL)
+    for dtype in ("fp16", "bf16"):
+        for causal in (False, True):
+            shapes = {
+                (c.seqlen_q, c.seqlen_k) for c in prefill if (c.dtype, c.causal) == (dtype, causal)
+            }
+            assert shapes == set(expected)
+    assert {c.heads_q // c.heads_kv for c in prefill} == {1, 4, 8}
+    assert {c.layout for c in prefill} == {"bhsd", "bshd"}
+    assert {"rising", "falling"} <= {c.scores for c in mine}
+    decode = [c for c in mine if c.kind == "decode" and c.seqlen_q <= 16]
+    assert {c.seqlen_k for c in decode} == set(matrix.DECODE_SEQLENS_K)
+    assert any(c.num_splits > 1 for c in decode) and any(c.cache_seqlens for c in decode)
+
+
+@pytest.mark.parametrize("head_dims", matrix.NEW_HEAD_DIMS_CPU, ids=str)
+def test_the_cpu_tier_runs_a_few_cases_of_each_new_head_dim(head_dims):
+    """The CPU tier (CI) runs each new head dims pair through prefill past a 64-key block, Sq < Sk
+    on a strided view, Sq > Sk (rows that see no key), split-KV, and decode with mixed cache
+    lengths; 96 runs through its whole forward matrix."""
+    mine = [c for c in CPU_CASES if (c.head_dim, c.value_head_dim) == head_dims]
+    prefill = [c for c in mine if c.kind == "prefill"]
+    assert any(c.seqlen_q > 64 and c.seqlen_q == c.seqlen_k for c in prefill)
+    assert any(c.seqlen_q < c.seqlen_k and c.layout == "bshd" for c in prefill)
+    assert any(c.seqlen_q > c.seqlen_k and c.causal for c in prefill)
+    assert any(c.num_splits > 1 for c in prefill)
+    assert any(c.kind == "decode" and c.num_splits > 1 and c.cache_seqlens for c in mine)
+    assert len(mine) <= 6  # the CPU test stage's time
+    assert {c.seqlen_q for c in CPU_CASES if c.head_dim == 96} >= set(matrix.SEQLENS_CPU)
 
 
 def _shapes(config: int) -> set[tuple]:
@@ -133,6 +186,23 @@ def test_configurations_6_and_7_are_gated_at_their_own_head_dim_only(config, hea
     assert {"rising", "falling"} <= {c.scores for c in mine}
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_reference_takes_a_head_dim_of_v_of_its_own(causal):
+    """The fp64 reference of a case whose v is narrower than q and k (192 and 128) is PyTorch's
+    own attention in fp64 (grouped-query heads repeated), output [B, Hq, Sq, Dv]."""
+    case = Case("prefill", "bf16", 2, 4, 2, 33, 33, 192, causal, head_dim_v=128)
+    q, k, v, _ = make_inputs(case, "cpu")
+    ref, lse = gates.attention_reference(q, k, v, causal, 0.1)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().repeat_interleave(4 // t.shape[1], dim=1) for t in (q, k, v)),
+        is_causal=causal,
+        scale=0.1,
+    )
+    assert ref.shape == (2, 4, 33, 128) and lse.shape == (2, 4, 33)
+    torch.testing.assert_close(ref, expected)
+    assert gates.attention_pytorch_lowp(q, k, v, causal, 0.1).shape == (2, 4, 33, 128)
+
+
 def test_bshd_view_is_used_in_place():
     """A [B, H, S, D] view of a [B, S, H, D] tensor is a non-contiguous input the gates really exercise."""
     case = next(c for c in CPU_CASES if c.layout == "bshd" and c.seqlen_q > 1 and c.heads_q > 1)
@@ -202,6 +272,24 @@ def test_a_failing_cuda_case_reports_the_rerun_its_twin_and_sm90():
     twin = next(c for c in GPU_CASES if c.id in cpu_ids)
     report = gates.format_failure(twin, failing(twin))
     assert f"rerun on the CPU (same inputs): nox -s test -- -k '{twin.id}-cpu'" in report
+
+
+@pytest.mark.parametrize("has_cuda_kernels", [True])  # as on a GPU machine with the CUDA build
+@pytest.mark.parametrize("head_dims", [(96, 96), (192, 128), (128, 64)], ids=str)
+def test_head_dims_the_cuda_kernels_do_not_take_skip_saying_why(
+    require_cuda_build, monkeypatch, head_dims
+):
+    """A CUDA gate case of head dims the kernels do not take skips (a skip is never counted as a
+    pass) with the line the operators raise, which names them and what CUDA takes."""
+    from flashmoe_science import ops
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        require_cuda_build(head_dim=head_dims[0], head_dim_v=head_dims[1])
+    assert str(skipped.value) == ops.head_dims_unsupported_reason(*head_dims)
+    assert "supported: 64, 128" in str(skipped.value)
+    require_cuda_build(head_dim=128, head_dim_v=128)
+    require_cuda_build(head_dim=64)
 
 
 @pytest.mark.parametrize("has_cuda_kernels", [True])  # as on a GPU machine with the CUDA build

@@ -33,19 +33,29 @@ def test_grad_gate_cpu(case, record_gate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_grad_gate_cuda(case, record_gate, require_cuda_build):
-    require_cuda_build(backward_config=case.config)
+    require_cuda_build(
+        backward_config=case.config, head_dim=case.head_dim, head_dim_v=case.head_dim_v
+    )
     _run(case, "cuda", record_gate)
 
 
 def test_matrix_covers_the_issue():
-    """Every S of the forward's matrix, Sq != Sk both ways, GQA 1/4/8, causal both, both dtypes
-    and head dims, strided views, every backward configuration forced, deterministic calls."""
+    """Every S of the forward's matrix, Sq != Sk both ways, GQA 1/4/8, causal both, both dtypes,
+    every head dims pair (v's differing included), strided views, every backward configuration
+    forced, deterministic calls."""
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     assert set(matrix.SEQLENS) <= {c.seqlen_q for c in GPU_CASES if c.seqlen_q == c.seqlen_k}
-    assert {(c.head_dim, c.dtype, c.causal) for c in GPU_CASES} == {
-        (d, t, m) for d in (64, 128) for t in ("fp16", "bf16") for m in (False, True)
+    assert {(c.head_dim, c.value_head_dim, c.dtype, c.causal) for c in GPU_CASES} == {
+        (*d, t, m) for d in matrix.HEAD_DIMS for t in ("fp16", "bf16") for m in (False, True)
     }
+    expected = {(s, s) for s in matrix.SEQLENS} | set(matrix.UNEQUAL)
+    for head_dims in matrix.HEAD_DIMS:  # the whole sequence matrix, and deterministic calls
+        mine = [c for c in GPU_CASES if (c.head_dim, c.value_head_dim) == head_dims]
+        assert {(c.seqlen_q, c.seqlen_k) for c in mine if not c.deterministic} >= expected
+        assert any(c.deterministic for c in mine)
+    for head_dims in matrix.NEW_HEAD_DIMS_CPU:  # and a few of each on the CPU
+        assert 2 <= sum((c.head_dim, c.value_head_dim) == head_dims for c in CPU_CASES) <= 4
     assert any(c.seqlen_q < c.seqlen_k for c in GPU_CASES)
     assert any(c.seqlen_q > c.seqlen_k for c in GPU_CASES)
     assert {c.heads_q // c.heads_kv for c in GPU_CASES} == {1, 4, 8}
@@ -55,14 +65,16 @@ def test_matrix_covers_the_issue():
     assert len({c.id for c in GPU_CASES}) == len(GPU_CASES)
 
 
-def test_reference_is_autograd_of_the_attention():
+@pytest.mark.parametrize("head_dim_v", [16, 24], ids=["Dv=D", "Dv!=D"])
+def test_reference_is_autograd_of_the_attention(head_dim_v):
     """The closed-form reference equals PyTorch's autograd through the fp64 attention (rows that
-    see no key included: Sq > Sk with a causal mask)."""
+    see no key included: Sq > Sk with a causal mask), v's head dim differing from q's and k's
+    too."""
     from flashmoe_science.pipeline.gates.forward import attention_reference
 
-    case = Case("backward", "bf16", 2, 4, 2, 23, 11, 16, True)
+    case = Case("backward", "bf16", 2, 4, 2, 23, 11, 16, True, head_dim_v=head_dim_v)
     q, k, v, _ = make_inputs(case, "cpu")
-    dout = torch.randn(q.shape, dtype=torch.float64)
+    dout = torch.randn((*q.shape[:-1], head_dim_v), dtype=torch.float64)
     qq, kk, vv = (t.double().requires_grad_() for t in (q, k, v))
     out, _ = attention_reference(qq, kk, vv, True, 0.25, compute_dtype=torch.float64)
     expected = torch.autograd.grad(out, (qq, kk, vv), dout)

@@ -14,6 +14,7 @@ from softmax_model import online_softmax
 from flashmoe_science import flash_attention_decode
 from flashmoe_science.pipeline.gates import paged as paged_gates
 from flashmoe_science.pipeline.gates import ragged
+from flashmoe_science.pipeline.gates.matrix import HEAD_DIMS, NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU
 
 GPU_CASES = paged_gates.paged_cases("gpu")
 CPU_CASES = paged_gates.paged_cases("cpu")
@@ -36,21 +37,28 @@ def test_gate_paged_cpu(case, record_gate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_gate_paged_cuda(case, record_gate, require_cuda_build):
-    require_cuda_build()
+    require_cuda_build(head_dim=case.head_dim, head_dim_v=case.head_dim_v)
     _run(case, "cuda", record_gate)
 
 
 def test_matrix_covers_the_issue():
     """Block sizes 16 to 1024 (the API takes any power of two from 16: those above 256 are gated
     too, on the CPU as well), lengths ending inside a page and a tile, empty and one-token caches,
-    GQA 1/4/8, both dtypes and head dims, split-KV automatic/off/forced, causal and not."""
+    GQA 1/4/8, both dtypes, every head dims pair (v_cache's differing included), split-KV
+    automatic/off/forced, causal and not."""
     assert {c.page_size for c in GPU_CASES} == {16, 32, 64, 128, 256, 512, 1024}
     assert {16, 256, 1024} <= {c.page_size for c in CPU_CASES}
     lengths = {n for c in GPU_CASES for n in c.lengths}
     assert {0, 1, 63, 65, 1000, 4096, 32768} <= lengths
     assert {c.heads_q // c.heads_kv for c in GPU_CASES} >= {1, 4, 8}
     assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
-    assert {c.head_dim for c in GPU_CASES} == {64, 128}
+    assert {(c.head_dim, c.head_dim_v or c.head_dim) for c in GPU_CASES} == set(HEAD_DIMS)
+    for head_dims in NEW_HEAD_DIMS:  # every block size, both dtypes
+        mine = [c for c in GPU_CASES if (c.head_dim, c.head_dim_v or c.head_dim) == head_dims]
+        assert {(c.page_size, c.dtype) for c in mine} == {
+            (p, t) for p in paged_gates.PAGE_SIZES for t in ("fp16", "bf16")
+        }
+    assert {(c.head_dim, c.head_dim_v or c.head_dim) for c in CPU_CASES} >= set(NEW_HEAD_DIMS_CPU)
     assert {c.num_splits for c in GPU_CASES} == {0, 1, 7}
     assert {c.causal for c in GPU_CASES} == {False, True}
     assert len({c.id for c in GPU_CASES + CPU_CASES}) == len(GPU_CASES) + len(CPU_CASES)

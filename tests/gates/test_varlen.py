@@ -12,6 +12,7 @@ import torch
 from flashmoe_science import flash_attention_forward, flash_attention_varlen_forward
 from flashmoe_science.pipeline.gates import ragged
 from flashmoe_science.pipeline.gates import varlen as varlen_gates
+from flashmoe_science.pipeline.gates.matrix import HEAD_DIMS, NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU
 
 GPU_CASES = varlen_gates.varlen_cases("gpu")
 CPU_CASES = varlen_gates.varlen_cases("cpu")
@@ -34,13 +35,14 @@ def test_gate_varlen_cpu(case, record_gate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_gate_varlen_cuda(case, record_gate, require_cuda_build):
-    require_cuda_build(case.config)
+    require_cuda_build(case.config, head_dim=case.head_dim, head_dim_v=case.head_dim_v)
     _run(case, "cuda", record_gate)
 
 
 def test_matrix_covers_the_issue():
     """Lengths 0, 1, 17, 128, 1000, 4096 mixed in one batch, Sq != Sk both ways, GQA 1/4/8, both
-    dtypes, causal and not, both head dims and every forward tile configuration."""
+    dtypes, causal and not, every head dims pair (v's differing included) and every forward tile
+    configuration."""
     lengths = {n for c in GPU_CASES for n in c.lengths_q + c.lengths_k}
     assert {0, 1, 17, 128, 1000, 4096} <= lengths
     assert any(len(set(c.lengths_q)) >= 5 for c in GPU_CASES)
@@ -49,7 +51,16 @@ def test_matrix_covers_the_issue():
     assert {c.heads_q // c.heads_kv for c in GPU_CASES} == {1, 4, 8}
     assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
     assert {c.causal for c in GPU_CASES} == {False, True}
-    assert {c.head_dim for c in GPU_CASES} == {64, 128}
+    assert {(c.head_dim, c.head_dim_v or c.head_dim) for c in GPU_CASES} == set(HEAD_DIMS)
+    for head_dims in NEW_HEAD_DIMS:  # every batch of the matrix, both dtypes and masks
+        mine = [c for c in GPU_CASES if (c.head_dim, c.head_dim_v or c.head_dim) == head_dims]
+        assert {(c.lengths_q, c.lengths_k, c.dtype, c.causal) for c in mine} == {
+            (*batch, t, m)
+            for batch in varlen_gates.BATCHES
+            for t in ("fp16", "bf16")
+            for m in (False, True)
+        }
+    assert {(c.head_dim, c.head_dim_v or c.head_dim) for c in CPU_CASES} >= set(NEW_HEAD_DIMS_CPU)
     # every forward configuration but those without a packed variant: the decode kernel (3), 6 and 7
     from flashmoe_science.ops import CONFIGS, NO_PACKED_CONFIGS
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashmoe_science import flash_attention_decode, flash_attention_forward, ops
+from flashmoe_science._dispatch import call
 from flashmoe_science.pipeline.gates import forward as gates
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -275,17 +276,226 @@ def test_mismatched_devices():
     one_line_error(info, "same device")
 
 
-@pytest.mark.gpu
-def test_unsupported_head_dim_on_cuda():
-    q, k, v = qkv("cuda", d=96)
-    with pytest.raises(ValueError) as info:
-        flash_attention_forward(q, k, v)
-    one_line_error(info, "head_dim=96", "64, 128")
-
-
 def test_any_head_dim_on_cpu():
     q, k, v = qkv(d=40)
     assert flash_attention_forward(q, k, v).shape == q.shape
+
+
+# ---- head dims: v's (Dv) may differ from q's and k's (D); the output takes v's ------------------
+
+# (D, Dv) pairs the CUDA kernels do not take yet, each refused on CUDA before any launch.
+CUDA_REFUSED_HEAD_DIMS = [(96, 96), (256, 256), (80, 80), (192, 192), (192, 128), (128, 64)]
+
+
+def split_qkv(device="cpu", d=192, dv=128, b=2, hq=4, hkv=2, sq=16, sk=64):
+    """q and k of head dim d, v of head dim dv (DeepSeek's multi-head latent attention: 192, 128)."""
+    q, k, _ = qkv(device, b, hq, hkv, sq, sk, d, torch.bfloat16)
+    v = torch.randn(b, hkv, sk, dv, generator=torch.Generator().manual_seed(1))
+    return q, k, v.to(device, torch.bfloat16)
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] -> the varlen layout [B * S, H, D]."""
+    return t.transpose(1, 2).reshape(-1, *t.shape[1:2], t.shape[-1])
+
+
+def test_every_operator_takes_a_head_dim_of_v_of_its_own():
+    """On the CPU, v with a head dim other than q's and k's gives an output of v's head dim, the
+    fp64 reference's, through the forward (split and not), decode with cache lengths and split-KV,
+    a paged cache and a packed batch; softmax_scale defaults to 1/sqrt(q's head dim)."""
+    from flashmoe_science import flash_attention_varlen_forward
+
+    q, k, v = split_qkv(sq=16, sk=64)
+    scale = 1 / math.sqrt(192)
+    ref, ref_lse = gates.attention_reference(q, k, v, True, scale)
+    for splits in (1, 3):
+        out, lse = flash_attention_forward(q, k, v, True, return_lse=True, num_splits=splits)
+        assert out.shape == (2, 4, 16, 128)
+        assert (out.double() - ref).abs().max() < 2e-2
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-3)
+    lengths = torch.tensor([64, 37], dtype=torch.int32)
+    ref_decode, _ = gates.attention_reference(q[:, :, -1:], k, v, True, scale, lengths)
+    decoded = flash_attention_decode(q[:, :, -1:], k, v, lengths, num_splits=3)
+    assert decoded.shape == (2, 4, 1, 128)
+    assert (decoded.double() - ref_decode).abs().max() < 2e-2
+    # pages of 16 keys, sequence b's in pages 4b to 4b + 3
+    k_pages, v_pages = (t.transpose(1, 2).reshape(-1, 16, 2, t.shape[-1]) for t in (k, v))
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    paged = flash_attention_decode(q[:, :, -1:], k_pages, v_pages, lengths, block_table=table)
+    assert torch.equal(paged, flash_attention_decode(q[:, :, -1:], k, v, lengths, num_splits=1))
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32), torch.tensor([0, 64, 128], dtype=torch.int32)
+    packed = flash_attention_varlen_forward(_packed(q), _packed(k), _packed(v), *cu, 16, 64, True)
+    assert packed.shape == (32, 4, 128)
+    assert (packed.double() - _packed(ref)).abs().max() < 2e-2
+
+
+def test_gradients_take_the_head_dims_of_their_inputs():
+    """dq and dk come back in q's and k's head dim, dv in v's, each the fp64 reference's; a packed
+    batch's gradients are the dense ones."""
+    from flashmoe_science import flash_attention_varlen_forward
+    from flashmoe_science.pipeline.gates.backward import reference_grads
+
+    q, k, v = (t.requires_grad_() for t in split_qkv(sq=16, sk=24))
+    dout = torch.randn(2, 4, 16, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    grads = torch.autograd.grad(flash_attention_forward(q, k, v, True), (q, k, v), dout)
+    expected = reference_grads(q.detach(), k.detach(), v.detach(), dout, True, 1 / math.sqrt(192))
+    for got, ref, shape in zip(grads, expected, (q.shape, k.shape, v.shape), strict=True):
+        assert got.shape == shape and (got.double() - ref).abs().max() < 5e-2
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32), torch.tensor([0, 24, 48], dtype=torch.int32)
+    packed_inputs = [_packed(t.detach()).requires_grad_() for t in (q, k, v)]
+    out = flash_attention_varlen_forward(*packed_inputs, *cu, 16, 24, True)
+    packed_grads = torch.autograd.grad(out, packed_inputs, _packed(dout))
+    for got, dense in zip(packed_grads, grads, strict=True):
+        torch.testing.assert_close(got, _packed(dense), atol=2e-2, rtol=2e-2)
+
+
+def test_opcheck_with_a_head_dim_of_v_of_its_own():
+    """The fake kernels give the output v's head dim, as the CPU kernels do (opcheck compares
+    them), for every operator, the backward's included."""
+    q, k, v = split_qkv(sq=8, sk=32)
+    lib = torch.ops.flashmoe_science
+    out, lse = lib.attention(q, k, v, True, 0.1, 0, 0, False, 0)
+    lengths = torch.tensor([32, 5], dtype=torch.int32)
+    k_pages, v_pages = (t.transpose(1, 2).reshape(-1, 16, 2, t.shape[-1]) for t in (k, v))
+    table = torch.arange(4, dtype=torch.int32).view(2, 2)
+    cu_q, cu_k = (
+        torch.tensor([0, 8, 16], dtype=torch.int32),
+        torch.tensor([0, 32, 64], dtype=torch.int32),
+    )
+    for op, args in (
+        (lib.fwd.default, (q, k, v, None, True, 0.1, 2, 0)),
+        (lib.attention.default, (q, k, v, True, 0.1, 0, 0, False, 0)),
+        (lib.attention_backward.default, (out, q, k, v, out, lse, True, 0.1, False, 0)),
+        (lib.paged_fwd.default, (q[:, :, :1], k_pages, v_pages, table, lengths, True, 0.1, 0)),
+        (lib.varlen_fwd.default, (*map(_packed, (q, k, v)), cu_q, cu_k, 8, 32, True, 0.1, 0)),
+    ):
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize(
+    "mutate, needles",
+    [
+        (lambda q, k, v: (q, k[..., :64], v), ("head_dim differs", "k's last dimension")),
+        (lambda q, k, v: (q, k, v[:, :, :5]), ("k and v", "but for the last dimension")),
+    ],
+    ids=["k's head dim", "v's keys"],
+)
+def test_k_keeps_q_head_dim_and_v_k_shape(mutate, needles):
+    q, k, v = split_qkv()
+    with pytest.raises(ValueError) as info:
+        flash_attention_forward(*mutate(q, k, v))
+    one_line_error(info, *needles)
+
+
+def test_backward_checks_grad_output_against_v_head_dim():
+    q, k, v = split_qkv(sq=8, sk=8)
+    out, lse = torch.ops.flashmoe_science.attention(q, k, v, False, 0.1, 0, 0, False, 0)
+    with pytest.raises(ValueError) as info:
+        call(
+            torch.ops.flashmoe_science.attention_backward,
+            q,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            False,
+            0.1,
+            False,
+            0,
+        )
+    one_line_error(
+        info, "grad_output must have the output's shape [2, 4, 8, 128]", "got [2, 4, 8, 192]"
+    )
+
+
+def test_backward_refuses_a_head_dim_of_v_past_its_params_field():
+    """The backward's parameters hold v's head dim in 16 bits (where the struct had padding), so a
+    wider v is a one-line error, not a wrapped dimension."""
+    q = torch.randn(1, 1, 2, 8, dtype=torch.bfloat16)
+    v = torch.randn(1, 1, 2, 1 << 15, dtype=torch.bfloat16)
+    out, lse = torch.ops.flashmoe_science.attention(q, q, v, False, 0.1, 0, 0, False, 0)
+    with pytest.raises(ValueError) as info:
+        call(
+            torch.ops.flashmoe_science.attention_backward,
+            out,
+            q,
+            q,
+            v,
+            out,
+            lse,
+            False,
+            0.1,
+            False,
+            0,
+        )
+    one_line_error(info, "v's head_dim must be below 32768", "got 32768")
+
+
+@pytest.mark.parametrize("head_dims", CUDA_REFUSED_HEAD_DIMS, ids=str)
+def test_head_dims_cuda_does_not_take_yet_say_what_it_does(head_dims):
+    """What the CUDA operators raise before any launch, in one line: the head dims given, those
+    CUDA takes, and that the CPU implementation takes any (v's differing included)."""
+    head_dim, head_dim_v = head_dims
+    reason = ops.head_dims_unsupported_reason(head_dim, head_dim_v)
+    assert not ops.head_dims_supported(head_dim, head_dim_v)
+    assert "\n" not in reason and reason.startswith(f"head_dim={head_dim} ")
+    assert "is not supported on CUDA; supported: 64, 128" in reason
+    assert "the CPU implementation takes any head_dim" in reason
+    if head_dim_v != head_dim:
+        assert f"with v's head_dim={head_dim_v}" in reason and "equal to q's and k's" in reason
+
+
+def test_head_dims_cuda_takes():
+    for head_dim in (64, 128):
+        assert ops.head_dims_unsupported_reason(head_dim) is None
+        assert ops.head_dims_supported(head_dim, head_dim)
+    with pytest.raises(ValueError, match="head_dim_v must be an int"):
+        ops.head_dims_unsupported_reason(64, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dims", CUDA_REFUSED_HEAD_DIMS, ids=str)
+@pytest.mark.parametrize("case", ["forward", "backward", "decode", "paged", "varlen"])
+def test_unsupported_head_dims_on_cuda(head_dims, case):
+    """Every CUDA operator refuses head dims its kernels do not take, before any launch, with
+    ops.head_dims_unsupported_reason's line (the same inputs run on the CPU)."""
+    from flashmoe_science import flash_attention_varlen_forward
+
+    q, k, v = split_qkv("cuda", *head_dims, sq=16, sk=64)
+    lengths = torch.tensor([64, 37], dtype=torch.int32, device="cuda")
+    k_pages, v_pages = (t.transpose(1, 2).reshape(-1, 16, 2, t.shape[-1]) for t in (k, v))
+    table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
+    cu_q = torch.tensor([0, 16, 32], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 64, 128], dtype=torch.int32, device="cuda")
+    out = torch.zeros(2, 4, 16, head_dims[1], device="cuda", dtype=q.dtype)
+    lse = torch.zeros(2, 4, 16, device="cuda")
+    calls = {
+        "forward": lambda: flash_attention_forward(q, k, v),
+        "backward": lambda: call(
+            torch.ops.flashmoe_science.attention_backward,
+            out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            False,
+            0.1,
+            False,
+            0,
+        ),
+        "decode": lambda: flash_attention_decode(q[:, :, :1], k, v, lengths),
+        "paged": lambda: flash_attention_decode(
+            q[:, :, :1], k_pages, v_pages, lengths, block_table=table
+        ),
+        "varlen": lambda: flash_attention_varlen_forward(
+            _packed(q), _packed(k), _packed(v), cu_q, cu_k, 16, 64
+        ),
+    }
+    with pytest.raises(ValueError) as info:
+        calls[case]()
+    assert one_line_error(info) == ops.head_dims_unsupported_reason(*head_dims)
 
 
 DECODE_BAD = [

@@ -138,13 +138,13 @@ def test_attention_without_its_mask_function_misses_the_padding(name):
     assert bad > 10 * good, (bad, good)
 
 
-def generate(m, ids, mask, **options):
+def generate(m, ids, mask, new_tokens=NEW_TOKENS, **options):
     with torch.no_grad():
         return m.generate(
             input_ids=ids,
             attention_mask=mask,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
             **options,
@@ -154,7 +154,8 @@ def generate(m, ids, mask, **options):
 def assert_greedy_under_reference(ref, sdpa, tokens, mask):
     """Every generated token is the reference's argmax given the generated prefix, up to twice
     the logit error SDPA makes in bf16 on the same prefix (an exact argmax would fail on ties)."""
-    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], NEW_TOKENS)], dim=1)
+    new_tokens = tokens.shape[1] - mask.shape[1]
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], new_tokens)], dim=1)
     with torch.no_grad():
         expected = ref(input_ids=tokens, attention_mask=full_mask).logits.float()
         lowp = sdpa(input_ids=tokens, attention_mask=full_mask).logits.float()
@@ -259,6 +260,124 @@ def test_packed_batch_without_padding(name, device):
         ).logits[0]
         alone = torch.cat([ours(input_ids=s[None]).logits[0] for s in sequences])
     torch.testing.assert_close(packed.float(), alone.float(), atol=2e-2, rtol=2e-2)
+
+
+# ---- head dims: Phi-3's 96, Gemma's 256, 80 (a multiple of 8 run padded), DeepSeek-V3's 192/128 -
+
+
+def deepseek_v3_model(implementation: str, state=None, dtype=torch.float32, device="cpu"):
+    """A two-layer DeepSeek-V3 with random weights (no downloads): multi-head latent attention
+    whose queries and keys have head dim 192 (128 without position, 64 rotary) and values 128,
+    a dense layer and a mixture-of-experts one."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_mtp_layers=0,
+        pad_token_id=0,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    m = transformers.DeepseekV3ForCausalLM._from_config(config, attn_implementation=implementation)
+    if state is not None:
+        m.load_state_dict(state)
+    return m.eval().to(device=device, dtype=dtype)
+
+
+MODELS = {
+    **{
+        f"llama-d{head_dim}": lambda *a, head_dim=head_dim: model(*a, head_dim=head_dim)
+        for head_dim in (80, 96, 256)
+    },
+    "deepseek-v3": deepseek_v3_model,
+}
+# The head dims (q's and k's, v's) each model's attention calls receive.
+MODEL_HEAD_DIMS = {"llama-d80": (80, 80), "llama-d96": (96, 96), "llama-d256": (256, 256)}
+MODEL_HEAD_DIMS["deepseek-v3"] = (192, 128)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "kind, side",
+    [
+        ("llama-d80", "left"),
+        ("llama-d96", "none"),
+        ("llama-d256", "left"),
+        ("deepseek-v3", "left"),
+        ("deepseek-v3", "none"),
+    ],
+)
+def test_models_of_other_head_dims_match_eager(name, device, side, kind, monkeypatch):
+    """Llama-style models with head dims 80, 96 and 256, and DeepSeek-V3 (q and k of 192, v of
+    128, passed unpadded), on a left-padded batch (the varlen path) or an unpadded one (the dense
+    path): bf16 logits as close to the fp32 eager model's as SDPA's. On CUDA, head dims the kernels
+    do not take raise the operators' one-line error (ops.head_dims_unsupported_reason)."""
+    from flashmoe_science import ops
+
+    build = MODELS[kind]
+    seen = []
+    attention = integration.attention_forward
+
+    def spy(module, query, key, value, *args, **kwargs):
+        seen.append((query.shape[-1], key.shape[-1], value.shape[-1]))
+        return attention(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "attention_forward", spy)
+    integration.register()  # the spy, under our name
+    ref = build("eager", None, torch.float32, device)
+    state = ref.state_dict()
+    ours = build(name, state, torch.bfloat16, device)
+    ids, mask = batch(device, "left")
+    if side == "none":
+        mask = torch.ones_like(mask)
+    head_dim, head_dim_v = MODEL_HEAD_DIMS[kind]
+    reason = ops.head_dims_unsupported_reason(head_dim, head_dim_v)
+    if device == "cuda" and reason:
+        with torch.no_grad(), pytest.raises(ValueError) as info:
+            ours(input_ids=ids, attention_mask=mask)
+        assert str(info.value).splitlines()[0] == reason
+        return
+    sdpa = build("sdpa", state, torch.bfloat16, device)
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits.float()
+        err_sdpa = relative_error(sdpa(input_ids=ids, attention_mask=mask).logits, expected, mask)
+        err_ours = relative_error(ours(input_ids=ids, attention_mask=mask).logits, expected, mask)
+    assert set(seen) == {(head_dim, head_dim, head_dim_v)}
+    assert err_ours <= ERROR_RATIO * err_sdpa + 1e-6, (err_ours, err_sdpa)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deepseek_v3_generates_with_the_kv_cache(name, device):
+    """Greedy generation of 8 tokens with DeepSeek-V3's cache (the latents cached, keys and values
+    of 192 and 128 expanded at every step): prefill through the varlen path, then one decode step
+    per token, each token under the fp32 reference."""
+    from flashmoe_science import ops
+
+    if device == "cuda" and not ops.head_dims_supported(192, 128):
+        pytest.skip(ops.head_dims_unsupported_reason(192, 128))
+    ref = deepseek_v3_model("eager", device=device)
+    state = ref.state_dict()
+    sdpa = deepseek_v3_model("sdpa", state, torch.bfloat16, device)
+    ours = deepseek_v3_model(name, state, torch.bfloat16, device)
+    ids, mask = batch(device, "left")
+    tokens = generate(ours, ids, mask, new_tokens=8)
+    assert tokens.shape == (ids.shape[0], ids.shape[1] + 8)
+    assert_greedy_under_reference(ref, sdpa, tokens, mask)
 
 
 def test_unsupported_options_raise(name):

@@ -202,6 +202,8 @@ class CaseRecord:
     cache_seqlens: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
     deterministic: bool | None = dataclasses.field(default=None, metadata=OPTIONAL)
     scores: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # v's and the output's head dim where it differs from head_dim (cases.Case.head_dim_v)
+    head_dim_v: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     # the interleaved measurement retaken this often for a disturbed spread (older records: none)
     retakes: int | None = dataclasses.field(default=None, metadata=OPTIONAL)
     # the columns ("ours", baseline names) whose spread stayed over stats.UNSTABLE_SPREAD

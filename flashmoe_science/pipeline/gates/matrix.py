@@ -27,6 +27,26 @@ UNEQUAL = (
 )
 UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
 GQA_RATIOS = (1, 4, 8)
+# The head dims (q's and k's, v's) of the models people run: GPT-2 and most others 64 or 128, Phi-3
+# 96, Gemma 256, DeepSeek's multi-head latent attention (prefill) 192 with v 128; 80 stands for the
+# other multiples of 8, which run padded onto the next larger tile.
+HEAD_DIMS = ((64, 64), (128, 128), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128))
+# Those past 64 and 128, the first the kernels took: gated in blocks of their own after the
+# earlier cases, whose ids stay as they were. A CUDA case of head dims its kernels do not take
+# skips, saying so (ops.head_dims_unsupported_reason).
+NEW_HEAD_DIMS = HEAD_DIMS[2:]
+# The CPU tier's: 96 runs through its whole forward matrix already, and the CPU implementation is
+# the same code at every head dim, so a few cases of each of the others (NEW_HEAD_DIM_SHAPES_CPU).
+NEW_HEAD_DIMS_CPU = tuple(dims for dims in NEW_HEAD_DIMS if dims != (96, 96))
+# (Sq, Sk, causal, layout, forced split count) of the CPU tier's cases of a new head dim: rows
+# and keys past a 64-key block, Sq < Sk and Sq > Sk (rows that see no key), a strided view and
+# split-KV.
+NEW_HEAD_DIM_SHAPES_CPU = (
+    (65, 65, True, "bhsd", 0),
+    (17, 129, False, "bshd", 0),
+    (129, 17, True, "bhsd", 0),
+    (16, 300, True, "bhsd", 3),
+)
 # The forward tile configurations the GPU matrix forces: every id of ops.CONFIGS (a test keeps
 # them equal; importing ops here would build the extension at import).
 FORCED_CONFIGS = (1, 2, 3, 4, 5, 6, 7)
@@ -91,6 +111,7 @@ def forward_cases(tier: str) -> Iterator[Case]:
     yield from matrix(0)
     if not gpu:
         yield from _ramped_cases((0,), (257, 257))
+        yield from _new_head_dim_cases_cpu("prefill")
         return
     # Every kernel configuration any architecture selects, forced on this card (ids as in
     # ops.CONFIGS), each also through its split-KV path, then the whole matrix for
@@ -129,18 +150,81 @@ def forward_cases(tier: str) -> Iterator[Case]:
         if config in FULL_MATRIX_CONFIGS:
             yield from matrix(config)
     yield from _ramped_cases((0, *FORCED_CONFIGS), (1000, 1000))
+    yield from _new_head_dim_matrix("prefill", pairs)
+    yield from _ramped_cases((0,), (1000, 1000), NEW_HEAD_DIMS)
 
 
-def _ramped_cases(configs: tuple[int, ...], shape: tuple[int, int]) -> Iterator[Case]:
+def _new_head_dim_matrix(kind: str, pairs: list[tuple[int, int]]) -> Iterator[Case]:
+    """The GPU tier's cases of NEW_HEAD_DIMS: every (Sq, Sk) of `pairs` for each head dims, dtype
+    and mask, GQA ratios 1/4/8, strided views, as 64 and 128 get them."""
+    variants = itertools.product(NEW_HEAD_DIMS, DTYPES, (False, True), pairs)
+    for index, ((head_dim, head_dim_v), dtype, causal, (seqlen_q, seqlen_k)) in enumerate(variants):
+        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+        layout = "bshd" if index % 4 == 3 else "bhsd"
+        yield Case(
+            kind,
+            dtype,
+            batch,
+            hq,
+            hkv,
+            seqlen_q,
+            seqlen_k,
+            head_dim,
+            causal,
+            layout=layout,
+            head_dim_v=head_dim_v,
+        )
+
+
+def _new_head_dim_cases_cpu(kind: str) -> Iterator[Case]:
+    """The CPU tier's cases of NEW_HEAD_DIMS_CPU: the shapes of NEW_HEAD_DIM_SHAPES_CPU (split-KV
+    for prefill only), dtypes and GQA ratios in turn."""
+    shapes = [s for s in NEW_HEAD_DIM_SHAPES_CPU if kind == "prefill" or not s[4]]
+    for index, ((head_dim, head_dim_v), shape) in enumerate(
+        itertools.product(NEW_HEAD_DIMS_CPU, shapes)
+    ):
+        seqlen_q, seqlen_k, causal, layout, splits = shape
+        yield Case(
+            kind,
+            tuple(DTYPES)[index % len(DTYPES)],
+            2,
+            4,
+            4 // (1, 4, 2)[index % 3],
+            seqlen_q,
+            seqlen_k,
+            head_dim,
+            causal,
+            layout=layout,
+            num_splits=splits,
+            head_dim_v=head_dim_v,
+        )
+
+
+def _ramped_cases(
+    configs: tuple[int, ...],
+    shape: tuple[int, int],
+    head_dims: tuple[tuple[int, int], ...] = HEAD_DIMS[:2],
+) -> Iterator[Case]:
     """Scores that keep growing along the keys, forwards and backwards (cases.SCORES), for each
     configuration: the only cases in which the running max of the online softmax moves by large
     factors after the first key block, so a wrong or skipped rescale of the output shows."""
-    variants = itertools.product(configs, DTYPES, (64, 128), (False, True), ("rising", "falling"))
-    for index, (config, dtype, head_dim, causal, scores) in enumerate(variants):
+    variants = itertools.product(configs, DTYPES, head_dims, (False, True), ("rising", "falling"))
+    for index, (config, dtype, (head_dim, head_dim_v), causal, scores) in enumerate(variants):
         if config and head_dim not in gated_head_dims(config):
             continue
         batch, hq, hkv = _heads(index, max(shape))
-        case = Case("prefill", dtype, batch, hq, hkv, *shape, head_dim, causal, config=config)
+        case = Case(
+            "prefill",
+            dtype,
+            batch,
+            hq,
+            hkv,
+            *shape,
+            head_dim,
+            causal,
+            config=config,
+            head_dim_v=head_dim_v,
+        )
         yield dataclasses.replace(case, scores=scores)
 
 
@@ -166,35 +250,12 @@ def _mixed_lengths(seqlen_k: int, batch: int, index: int) -> tuple[int, ...]:
 
 def decode_cases(tier: str) -> Iterator[Case]:
     """Split-KV decode gate cases: short queries against caches from 1 to 128k tokens, mixed
-    cache_seqlens in one batch, GQA ratios 1/4/8, both dtypes, forced and automatic split counts;
-    on the GPU tier also many query rows against such caches (many_row_decode_cases)."""
+    cache_seqlens in one batch, GQA ratios 1/4/8, both dtypes, forced and automatic split counts,
+    head dims 64 and 128 in turn, then on the GPU tier the same for each of NEW_HEAD_DIMS (on the
+    CPU tier two cases of each); on the GPU tier also many query rows against such caches
+    (many_row_decode_cases)."""
     gpu = tier == "gpu"
-    index = 0
-    for dtype in DTYPES:
-        for seqlen_k in DECODE_SEQLENS_K if gpu else DECODE_SEQLENS_K_CPU:
-            for seqlen_q in DECODE_SEQLENS_Q:
-                if seqlen_q > seqlen_k:
-                    continue
-                ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
-                head_dim = (64, 128)[index % 2]
-                splits = DECODE_SPLITS[index % len(DECODE_SPLITS)]
-                batch = 1 if seqlen_k >= 32768 else 3
-                heads_q = 8 if seqlen_k < 32768 else 4 * ratio
-                lengths = _mixed_lengths(seqlen_k, batch, index) if index % 3 else None
-                yield Case(
-                    "decode",
-                    dtype,
-                    batch,
-                    heads_q,
-                    heads_q // ratio,
-                    seqlen_q,
-                    seqlen_k,
-                    head_dim,
-                    True,
-                    num_splits=splits,
-                    cache_seqlens=lengths,
-                )
-                index += 1
+    yield from _decode_sweep(gpu, HEAD_DIMS[:2])
     # Scores that keep growing along the cache (see _ramped_cases): the decode kernel's running
     # max then moves from chunk to chunk and from split to split.
     for scores in ("rising", "falling"):
@@ -214,7 +275,59 @@ def decode_cases(tier: str) -> Iterator[Case]:
                     scores=scores,
                 )
     if gpu:
+        for head_dims in NEW_HEAD_DIMS:
+            yield from _decode_sweep(gpu, (head_dims,))
         yield from many_row_decode_cases()
+        return
+    for index, (head_dim, head_dim_v) in enumerate(NEW_HEAD_DIMS_CPU):
+        dtype = tuple(DTYPES)[index % len(DTYPES)]
+        for seqlen_q, seqlen_k, splits, lengths in ((4, 257, 3, (257, 0, 100)), (1, 300, 0, None)):
+            yield Case(
+                "decode",
+                dtype,
+                3 if lengths else 1,
+                8,
+                2,
+                seqlen_q,
+                seqlen_k,
+                head_dim,
+                True,
+                num_splits=splits,
+                cache_seqlens=lengths,
+                head_dim_v=head_dim_v,
+            )
+
+
+def _decode_sweep(gpu: bool, head_dims: tuple[tuple[int, int], ...]) -> Iterator[Case]:
+    """Short queries against every cache length of the tier, both dtypes, GQA ratios, split counts,
+    mixed cache_seqlens and `head_dims` in turn."""
+    index = 0
+    for dtype in DTYPES:
+        for seqlen_k in DECODE_SEQLENS_K if gpu else DECODE_SEQLENS_K_CPU:
+            for seqlen_q in DECODE_SEQLENS_Q:
+                if seqlen_q > seqlen_k:
+                    continue
+                ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+                head_dim, head_dim_v = head_dims[index % len(head_dims)]
+                splits = DECODE_SPLITS[index % len(DECODE_SPLITS)]
+                batch = 1 if seqlen_k >= 32768 else 3
+                heads_q = 8 if seqlen_k < 32768 else 4 * ratio
+                lengths = _mixed_lengths(seqlen_k, batch, index) if index % 3 else None
+                yield Case(
+                    "decode",
+                    dtype,
+                    batch,
+                    heads_q,
+                    heads_q // ratio,
+                    seqlen_q,
+                    seqlen_k,
+                    head_dim,
+                    True,
+                    num_splits=splits,
+                    cache_seqlens=lengths,
+                    head_dim_v=head_dim_v,
+                )
+                index += 1
 
 
 # Many query rows against a cache with per-sequence lengths (chunked prefill, speculative
@@ -274,8 +387,9 @@ DETERMINISTIC_PAIRS_CPU = ((129, 129), (203, 113))
 
 def backward_cases(tier: str) -> Iterator[Case]:
     """Backward gate cases. tier "gpu": the forward's sequence-length matrix (every S, Sq != Sk both
-    ways, GQA 1/4/8, causal both, both dtypes and head dims, strided views), every backward
-    configuration forced, and deterministic calls; tier "cpu": a representative subset."""
+    ways, GQA 1/4/8, causal both, both dtypes, every head dims of HEAD_DIMS, strided views), every
+    backward configuration forced (64 and 128), and deterministic calls; tier "cpu": a
+    representative subset."""
     from ...ops import BACKWARD_CONFIGS
 
     gpu = tier == "gpu"
@@ -305,6 +419,15 @@ def backward_cases(tier: str) -> Iterator[Case]:
                 for config in BACKWARD_CONFIGS if gpu else ():
                     for seqlen_q, seqlen_k in FORCED_PAIRS:
                         yield case(dtype, head_dim, causal, seqlen_q, seqlen_k, config=config)
+    if not gpu:
+        yield from _new_head_dim_cases_cpu("backward")
+        return
+    yield from _new_head_dim_matrix("backward", pairs)
+    variants = itertools.product(NEW_HEAD_DIMS, DTYPES, (False, True), DETERMINISTIC_PAIRS)
+    for (head_dim, head_dim_v), dtype, causal, (seqlen_q, seqlen_k) in variants:
+        yield case(
+            dtype, head_dim, causal, seqlen_q, seqlen_k, deterministic=True, head_dim_v=head_dim_v
+        )
 
 
 def rerun_fields(case: Case, device: str) -> dict:

@@ -7,13 +7,15 @@ FlashAttention's tests build it), judged against
 - the reference of each sequence (both gates, the log-sum-exp, determinism; see ragged.py).
 
 The case matrix: block sizes 16 to 256, cache lengths that are empty, one token, end inside a page
-and inside a 64-key tile, GQA 1/4/8, both dtypes, head dims 64 and 128, split-KV automatic, off and
-forced, causal and not; and caches whose keys ramp along each sequence (cases.SCORES), so the online
+and inside a 64-key tile, GQA 1/4/8, both dtypes, head dims 64 and 128 and those of
+matrix.NEW_HEAD_DIMS (v_cache's differing included), split-KV automatic, off and forced, causal and
+not; and caches whose keys ramp along each sequence (cases.SCORES), so the online
 softmax's running max moves block after block and the splits' maxima differ.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ import torch
 
 from ..cases import DTYPES, SCORES, ramp_keys
 from .forward import attention_pytorch_lowp, attention_reference, poisoned_outputs
+from .matrix import NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU
 from .ragged import RaggedResult, case_seed
 
 
@@ -37,8 +40,11 @@ class PagedCase:
     num_splits: int = 0  # 0: automatic
     causal: bool = True
     scores: str = "normal"  # cases.SCORES, along each sequence's cache positions
+    head_dim_v: int = 0  # v_cache's and the output's head dim where it differs from head_dim
 
     def __post_init__(self):
+        if self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", 0)  # one case, one id
         if self.scores not in SCORES:
             raise ValueError(
                 f"PagedCase scores={self.scores!r} is not supported: use one of {SCORES}"
@@ -47,7 +53,8 @@ class PagedCase:
     @property
     def id(self) -> str:
         heads = f"h{self.heads_q}" + (f"kv{self.heads_kv}" if self.heads_kv != self.heads_q else "")
-        parts = ["paged", self.dtype, f"d{self.head_dim}", heads, f"q{self.seqlen_q}"]
+        dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else "")
+        parts = ["paged", self.dtype, dims, heads, f"q{self.seqlen_q}"]
         parts.append(f"page{self.page_size}")
         if self.num_splits:
             parts.append(f"splits{self.num_splits}")
@@ -61,7 +68,9 @@ class PagedCase:
     def describe(self) -> str:
         return (
             f"paged decode B={len(self.lengths)} Hq={self.heads_q} Hkv={self.heads_kv} "
-            f"Sq={self.seqlen_q} D={self.head_dim} dtype={self.dtype} causal={self.causal} "
+            f"Sq={self.seqlen_q} D={self.head_dim}"
+            + (f" Dv={self.head_dim_v}" if self.head_dim_v else "")
+            + f" dtype={self.dtype} causal={self.causal} "
             f"block_size={self.page_size} num_splits={self.num_splits or 'auto'} "
             f"cache_seqlens={list(self.lengths)}"
             + (f" scores={self.scores}" if self.scores != "normal" else "")
@@ -135,11 +144,34 @@ def _cases(tier: str) -> Iterator[PagedCase]:
                 scores=scores,
             )
             index += 1
+    # The head dims past 64 and 128: on the GPU every block size, both dtypes, split-KV in turn;
+    # on the CPU one case each.
+    variants = itertools.product(
+        NEW_HEAD_DIMS if gpu else NEW_HEAD_DIMS_CPU,
+        PAGE_SIZES if gpu else (32,),
+        DTYPES if gpu else ("fp16",),
+    )
+    for (head_dim, head_dim_v), page_size, dtype in variants:
+        ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+        yield PagedCase(
+            dtype,
+            head_dim,
+            HEADS_Q,
+            HEADS_Q // ratio,
+            seqlen_q=(1, 2)[index % 2],
+            lengths=LENGTHS if gpu else LENGTHS_CPU,
+            page_size=page_size,
+            num_splits=SPLITS[index % len(SPLITS)] if gpu else 7,
+            causal=index % 5 != 4,
+            head_dim_v=head_dim_v,
+        )
+        index += 1
 
 
 def make_paged_inputs(case: PagedCase, device: str, seed: int):
-    """q [B, Hq, Sq, D], a paged cache [num_pages, page_size, Hkv, D] of three times the pages the
-    table needs, a shuffled block table (int32) and the cache lengths (int32)."""
+    """q [B, Hq, Sq, D], a paged cache [num_pages, page_size, Hkv, D] (v_cache's last dimension
+    Dv) of three times the pages the table needs, a shuffled block table (int32) and the cache
+    lengths (int32)."""
     generator = torch.Generator().manual_seed(seed)
     dtype = DTYPES[case.dtype]
     batch = len(case.lengths)
@@ -151,7 +183,7 @@ def make_paged_inputs(case: PagedCase, device: str, seed: int):
 
     q = randn(batch, case.heads_q, case.seqlen_q, case.head_dim)
     k_cache = randn(num_pages, case.page_size, case.heads_kv, case.head_dim)
-    v_cache = randn(num_pages, case.page_size, case.heads_kv, case.head_dim)
+    v_cache = randn(num_pages, case.page_size, case.heads_kv, case.head_dim_v or case.head_dim)
     table = torch.randperm(num_pages, generator=generator)[: batch * per_seq].view(batch, per_seq)
     table = table.to(torch.int32).to(device)
     if case.scores != "normal":  # each sequence's keys ramp from its first position to its last

@@ -5,11 +5,13 @@ alone (both gates, its log-sum-exp, determinism; see ragged.py) and against our 
 
 The case matrix: per-sequence lengths 0, 1, 17, 128, 1000 and 4096 (the CPU tier shorter), with
 Sq == Sk and Sq != Sk both ways per sequence, GQA 1/4/8, both dtypes, causal and not, head dims 64
-and 128, and on CUDA each forward tile configuration forced.
+and 128 and those of matrix.NEW_HEAD_DIMS (v's differing included), and on CUDA each forward tile
+configuration forced.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ import torch
 
 from ..cases import DTYPES, SCORES, ramp_keys
 from .forward import attention_pytorch_lowp, attention_reference, poisoned_outputs
+from .matrix import NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU
 from .ragged import RaggedResult, case_seed
 
 
@@ -32,8 +35,11 @@ class VarlenCase:
     causal: bool
     config: int = 0  # forced tile configuration (0: automatic)
     scores: str = "normal"  # cases.SCORES, along each sequence's keys
+    head_dim_v: int = 0  # v's and the output's head dim where it differs from head_dim
 
     def __post_init__(self):
+        if self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", 0)  # one case, one id
         if self.scores not in SCORES:
             raise ValueError(
                 f"VarlenCase scores={self.scores!r} is not supported: use one of {SCORES}"
@@ -50,7 +56,7 @@ class VarlenCase:
         parts = [
             "varlen",
             self.dtype,
-            f"d{self.head_dim}",
+            f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else ""),
             heads,
             "q" + "_".join(map(str, self.lengths_q)),
             "k" + "_".join(map(str, self.lengths_k)),
@@ -65,7 +71,9 @@ class VarlenCase:
     def describe(self) -> str:
         return (
             f"varlen B={len(self.lengths_q)} Hq={self.heads_q} Hkv={self.heads_kv} "
-            f"D={self.head_dim} dtype={self.dtype} causal={self.causal} config={self.config} "
+            f"D={self.head_dim}"
+            + (f" Dv={self.head_dim_v}" if self.head_dim_v else "")
+            + f" dtype={self.dtype} causal={self.causal} config={self.config} "
             f"lengths_q={list(self.lengths_q)} lengths_k={list(self.lengths_k)}"
             + (f" scores={self.scores}" if self.scores != "normal" else "")
         )
@@ -132,6 +140,28 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
                 yield VarlenCase(
                     "bf16", head_dim, HEADS_Q, 2, lengths_q, lengths_k, causal, scores=scores
                 )
+    # The head dims past 64 and 128: on the GPU every batch of the matrix, on the CPU one batch
+    # (Sq != Sk both ways) each, causal.
+    variants = itertools.product(
+        NEW_HEAD_DIMS if gpu else NEW_HEAD_DIMS_CPU,
+        DTYPES if gpu else ("bf16",),
+        (False, True) if gpu else (True,),
+        BATCHES if gpu else BATCHES_CPU[1:],
+    )
+    for index, ((head_dim, head_dim_v), dtype, causal, (lengths_q, lengths_k)) in enumerate(
+        variants
+    ):
+        ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+        yield VarlenCase(
+            dtype,
+            head_dim,
+            HEADS_Q,
+            HEADS_Q // ratio,
+            lengths_q,
+            lengths_k,
+            causal,
+            head_dim_v=head_dim_v,
+        )
 
 
 def _cumulative(lengths: tuple[int, ...], device: str) -> torch.Tensor:
@@ -142,17 +172,18 @@ def _cumulative(lengths: tuple[int, ...], device: str) -> torch.Tensor:
 
 
 def make_varlen_inputs(case: VarlenCase, device: str, seed: int):
-    """Random packed q [total_q, Hq, D], k and v [total_k, Hkv, D] and cu_seqlens_q/k (int32)."""
+    """Random packed q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv] and
+    cu_seqlens_q/k (int32)."""
     generator = torch.Generator().manual_seed(seed)
     dtype = DTYPES[case.dtype]
 
-    def randn(rows: int, heads: int) -> torch.Tensor:
-        t = torch.randn((rows, heads, case.head_dim), generator=generator)
+    def randn(rows: int, heads: int, head_dim: int = case.head_dim) -> torch.Tensor:
+        t = torch.randn((rows, heads, head_dim), generator=generator)
         return t.to(device=device, dtype=dtype)
 
     q = randn(sum(case.lengths_q), case.heads_q)
     k = randn(sum(case.lengths_k), case.heads_kv)
-    v = randn(sum(case.lengths_k), case.heads_kv)
+    v = randn(sum(case.lengths_k), case.heads_kv, case.head_dim_v or case.head_dim)
     if case.scores != "normal":  # each sequence's keys ramp from its first to its last
         start = 0
         for length in case.lengths_k:
