@@ -343,3 +343,14 @@ def test_a_restricted_build_holds_its_kernels_and_refuses_the_others(tmp_path):
             )
             and "\n" not in message
         )
+
+
+def test_the_restrictable_head_dims_are_those_the_cuda_operators_take():
+    """`--only head_dim=` accepts the head dims the unit instantiates: the loader's list and the
+    operators' (kCudaHeadDims, which their one-line refusal names) must move together when a head
+    dim gains kernels."""
+    import re
+
+    source = (REPO_ROOT / "csrc" / "attention_ops.h").read_text()
+    (listed,) = re.findall(r"constexpr int64_t kCudaHeadDims\[\] = \{([^}]*)\};", source)
+    assert tuple(int(d) for d in listed.split(",")) == loader.CUDA_HEAD_DIMS
