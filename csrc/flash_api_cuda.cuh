@@ -21,6 +21,7 @@
 #include <typeinfo>
 
 #include "attention_ops.h"
+#include "build_only.cuh"
 #include "flash_bwd_kernel.cuh"
 #include "flash_bwd_sm90_kernel.cuh"
 #include "flash_decode_kernel.cuh"
@@ -178,32 +179,38 @@ void visit_config(int config, F&& f) {
                 !has_packed_variant(kSm90aN176Config));
   if (config == 1) {
     using Traits = FwdTraits<D, 128, D == 128 ? 32 : 64, 4>;
-    f(fwd_kernel<Traits, T, kVarlen>(), Traits{});
+    FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd, T, D, 1, f, Traits,
+                   fwd_kernel<Traits, T, kVarlen>());
   } else if (config == 2) {
     using Traits = FwdTraits<D, 64, 64, 4>;
-    f(fwd_kernel<Traits, T, kVarlen>(), Traits{});
+    FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd, T, D, 2, f, Traits,
+                   fwd_kernel<Traits, T, kVarlen>());
   } else if (config == kDecodeConfig && !kVarlen) {
     using Traits = DecodeTraits<D, kDecodeStages>;
-    f(&flash_decode_kernel<Traits, T>, Traits{});
+    FLASHMOE_VISIT(only::decode, T, D, kDecodeConfig, f, Traits, &flash_decode_kernel<Traits, T>);
   } else if (config == kSm90aConfig) {
     // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
     // in three buffers), three at d64 (192-row tiles in turns, two buffers).
     using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>;
-    f(fwd_sm90_kernel<Traits, T, kVarlen>(), Traits{});
+    FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
+                   fwd_sm90_kernel<Traits, T, kVarlen>());
   } else if (config == kSm90aM128Config && !kVarlen) {
     // Two math warpgroups at both head dims (at d=128 the same type, so the same kernel, as 5).
     // The dense kernel even in the packed-batch visit, which never comes here: no packed variant
     // is compiled.
     using Traits = Sm90FwdTraits<D, 128, 2, 3>;
-    f(&flash_fwd_sm90_kernel<Traits, T>, Traits{});
+    FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aM128Config, f, Traits,
+                   &flash_fwd_sm90_kernel<Traits, T>);
   } else if (config == kSm90aN176Config && !kVarlen) {
     // 176-key tiles at d=128, two K/V buffers; at d=64 configuration 5's type, so its kernel. No
     // packed variant, as 6.
     using Traits = Sm90FwdTraits<D, D == 128 ? 176 : 128, D == 64 ? 3 : 2, 2>;
-    f(&flash_fwd_sm90_kernel<Traits, T>, Traits{});
+    FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aN176Config, f, Traits,
+                   &flash_fwd_sm90_kernel<Traits, T>);
   } else {
     using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
-    f(fwd_kernel<Traits, T, kVarlen>(), Traits{});
+    FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd, T, D, kSm90Config, f, Traits,
+                   fwd_kernel<Traits, T, kVarlen>());
   }
 }
 
@@ -221,10 +228,12 @@ template <typename T, typename F>
 void visit_paged_decode(int head_dim, F&& f) {
   if (head_dim == 64) {
     using Traits = DecodeTraits<64, kDecodeStages>;
-    f(&flash_decode_paged_kernel<Traits, T>, Traits{});
+    FLASHMOE_VISIT(only::paged, T, 64, kDecodeConfig, f, Traits,
+                   &flash_decode_paged_kernel<Traits, T>);
   } else {
     using Traits = DecodeTraits<128, kDecodeStages>;
-    f(&flash_decode_paged_kernel<Traits, T>, Traits{});
+    FLASHMOE_VISIT(only::paged, T, 128, kDecodeConfig, f, Traits,
+                   &flash_decode_paged_kernel<Traits, T>);
   }
 }
 
@@ -234,13 +243,15 @@ template <typename F>
 void visit_varlen_check(at::ScalarType dtype, int head_dim, F&& f) {
   const bool fp16 = dtype == at::kHalf;
   if (fp16 && head_dim == 64) {
-    f(&varlen_offsets_check_kernel<__half, 64>);
+    FLASHMOE_KERNEL(only::varlen, __half, 64, 0, f(&varlen_offsets_check_kernel<__half, 64>));
   } else if (fp16) {
-    f(&varlen_offsets_check_kernel<__half, 128>);
+    FLASHMOE_KERNEL(only::varlen, __half, 128, 0, f(&varlen_offsets_check_kernel<__half, 128>));
   } else if (head_dim == 64) {
-    f(&varlen_offsets_check_kernel<__nv_bfloat16, 64>);
+    FLASHMOE_KERNEL(only::varlen, __nv_bfloat16, 64, 0,
+                    f(&varlen_offsets_check_kernel<__nv_bfloat16, 64>));
   } else {
-    f(&varlen_offsets_check_kernel<__nv_bfloat16, 128>);
+    FLASHMOE_KERNEL(only::varlen, __nv_bfloat16, 128, 0,
+                    f(&varlen_offsets_check_kernel<__nv_bfloat16, 128>));
   }
 }
 
@@ -309,10 +320,10 @@ struct TileShape {
 };
 inline TileShape tile_shape_of(int config, int head_dim) {
   TileShape shape{};
-  auto read = [&](auto, auto traits) {
+  auto read = FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
     using Traits = decltype(traits);
     shape = {Traits::kBlockM, Traits::kBlockN};
-  };
+  });
   if (head_dim == 64) {
     visit_config<__half, 64>(config, read);
   } else {
@@ -436,9 +447,11 @@ void launch_combine(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::
                     at::Tensor& lse, cudaStream_t stream) {
   const int64_t rows = lse.numel();
   const int blocks = int((rows + 3) / 4);
-  split_kv_combine_kernel<T, D><<<blocks, 128, 0, stream>>>(
-      o_accum.data_ptr<float>(), lse_accum.data_ptr<float>(), reinterpret_cast<T*>(out.data_ptr()),
-      lse.data_ptr<float>(), int(o_accum.size(0)), rows);
+  FLASHMOE_KERNEL(
+      only::combine, T, D, 0,
+      split_kv_combine_kernel<T, D><<<blocks, 128, 0, stream>>>(
+          o_accum.data_ptr<float>(), lse_accum.data_ptr<float>(),
+          reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(), int(o_accum.size(0)), rows));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -798,19 +811,20 @@ template <typename T, int D, bool kAtomicDq, typename F>
 void visit_bwd_config(int config, F&& f) {
   if (config == 1) {
     using Traits = BwdTraits<D, 64, 64, 4>;
-    f(&flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>, Traits{});
+    FLASHMOE_VISIT(only::bwd, T, D, 1, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
   } else if (config == kSm90aBwdConfig) {
     using Traits = Sm90BwdTraits<D>;
-    f(&flash_bwd_sm90_kernel<Traits, T, kAtomicDq>, Traits{});
+    FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                   &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
   } else {
     using Traits = BwdTraits<D, 64, 128, 8>;
-    f(&flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>, Traits{});
+    FLASHMOE_VISIT(only::bwd, T, D, 2, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
   }
 }
 
 inline int bwd_smem_bytes(int config, int head_dim) {
   int bytes = 0;
-  auto get = [&](auto, auto traits) { bytes = decltype(traits)::kSmemBytes; };
+  auto get = FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { bytes = decltype(traits)::kSmemBytes; });
   if (head_dim == 64) {
     visit_bwd_config<__half, 64, true>(config, get);
   } else {
@@ -914,14 +928,19 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   const bool fp16 = q.scalar_type() == at::kHalf;
+  // (the pre-pass, the dQ pass and the dQ conversion serve both backward families)
   if (fp16 && p.head_dim == 64)
-    launch_backward<__half, 64>(p, int(config), deterministic, stream);
+    FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, __half, 64, 0,
+                    launch_backward<__half, 64>(p, int(config), deterministic, stream));
   else if (fp16)
-    launch_backward<__half, 128>(p, int(config), deterministic, stream);
+    FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, __half, 128, 0,
+                    launch_backward<__half, 128>(p, int(config), deterministic, stream));
   else if (p.head_dim == 64)
-    launch_backward<__nv_bfloat16, 64>(p, int(config), deterministic, stream);
+    FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, __nv_bfloat16, 64, 0,
+                    launch_backward<__nv_bfloat16, 64>(p, int(config), deterministic, stream));
   else
-    launch_backward<__nv_bfloat16, 128>(p, int(config), deterministic, stream);
+    FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, __nv_bfloat16, 128, 0,
+                    launch_backward<__nv_bfloat16, 128>(p, int(config), deterministic, stream));
   return {dq, dk, dv, dsinks};
 }
 
@@ -973,25 +992,28 @@ void append_kernel_launches(std::string& out) {
   const std::string dtype = demangled_name<T>();
   for (int head_dim : {64, 128}) {
     for (int config = 1; config <= kNumConfigs; ++config) {
-      visit_kernel<T>(head_dim, config, [&](auto, auto traits) {
-        using Traits = decltype(traits);
-        out += std::string(forward_kernel_name<Traits>(false)) + "<" + demangled_name<Traits>() +
-               ", " + dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
-      });
+      visit_kernel<T>(head_dim, config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
+                        using Traits = decltype(traits);
+                        out += std::string(forward_kernel_name<Traits>(false)) + "<" +
+                               demangled_name<Traits>() + ", " + dtype + ">\t" +
+                               std::to_string(Traits::kSmemBytes) + "\n";
+                      }));
     }
     // The packed-batch forward (configurations 1, 2, 4, 5) and the paged decode kernel.
     for (int config : {1, 2, kSm90Config, kSm90aConfig}) {
-      visit_kernel<T, /*kVarlen=*/true>(head_dim, config, [&](auto, auto traits) {
-        using Traits = decltype(traits);
-        out += std::string(forward_kernel_name<Traits>(true)) + "<" + demangled_name<Traits>() +
-               ", " + dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
-      });
+      visit_kernel<T, /*kVarlen=*/true>(
+          head_dim, config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
+            using Traits = decltype(traits);
+            out += std::string(forward_kernel_name<Traits>(true)) + "<" + demangled_name<Traits>() +
+                   ", " + dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
+          }));
     }
-    visit_paged_decode<T>(head_dim, [&](auto, auto traits) {
-      using Traits = decltype(traits);
-      out += "flashmoe::cuda::flash_decode_paged_kernel<" + demangled_name<Traits>() + ", " +
-             dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
-    });
+    visit_paged_decode<T>(head_dim, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
+                            using Traits = decltype(traits);
+                            out += "flashmoe::cuda::flash_decode_paged_kernel<" +
+                                   demangled_name<Traits>() + ", " + dtype + ">\t" +
+                                   std::to_string(Traits::kSmemBytes) + "\n";
+                          }));
     // launch_combine and the packed batch's offset check pass no dynamic shared memory
     out += "flashmoe::cuda::split_kv_combine_kernel<" + dtype + ", " + std::to_string(head_dim) +
            ">\t0\n";
@@ -1009,11 +1031,15 @@ void append_kernel_launches(std::string& out) {
     };
     for (int config = 1; config <= kNumBwdConfigs; ++config) {
       if (head_dim == 64) {
-        visit_bwd_config<T, 64, true>(config, [&](auto, auto traits) { dkdv(traits, "true"); });
-        visit_bwd_config<T, 64, false>(config, [&](auto, auto traits) { dkdv(traits, "false"); });
+        visit_bwd_config<T, 64, true>(
+            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
+        visit_bwd_config<T, 64, false>(
+            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
       } else {
-        visit_bwd_config<T, 128, true>(config, [&](auto, auto traits) { dkdv(traits, "true"); });
-        visit_bwd_config<T, 128, false>(config, [&](auto, auto traits) { dkdv(traits, "false"); });
+        visit_bwd_config<T, 128, true>(
+            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
+        visit_bwd_config<T, 128, false>(
+            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
       }
     }
     const std::string dq_traits =

@@ -228,12 +228,16 @@ def resolve_config(
     defines: Sequence[str] = (),
     sources_dir: Path | None = None,
     name: str = LIBRARY_NAME,
+    only: str | None = None,
 ) -> BuildConfig:
-    """Pick the unit and targets. auto builds CUDA when torch, nvcc and a target agree, else says why not."""
+    """Pick the unit and targets. auto builds CUDA when torch, nvcc and a target agree, else says why not.
+
+    `only` restricts a CUDA build to some kernels (Restriction; None: FLASHMOE_BUILD_ONLY's); the
+    CPU-only unit has no kernels to leave out, and its build ignores it."""
     if backend not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"unknown backend {backend!r}: use auto, cuda or cpu", USAGE)
     torch_version, torch_cuda = torch_versions()
-    defines = normalize_defines(defines)
+    defines = restricted_defines(normalize_defines(defines), only)
     # FLASHMOE_SM90A follows the targets (compile_flags adds it): given by hand it would promise
     # wgmma kernels to a host whose device code has none, so it only says sm_90a was meant.
     wants_sm90a = any(d.split("=", 1)[0] == SM90A_DEFINE for d in defines)
@@ -245,8 +249,9 @@ def resolve_config(
         sources_dir=Path(sources_dir) if sources_dir else default_sources_dir(),
         name=name,
     )
+    cpu_common = {**common, "defines": tuple(d for d in defines if not is_only_define(d))}
     if backend == "cpu":
-        return BuildConfig("cpu", "backend=cpu requested", (), toolkit=CudaToolkit(), **common)
+        return BuildConfig("cpu", "backend=cpu requested", (), toolkit=CudaToolkit(), **cpu_common)
 
     toolkit = find_cuda_toolkit() if torch_cuda else CudaToolkit()
     problem = _cuda_problem(torch_version, torch_cuda, toolkit)
@@ -271,7 +276,7 @@ def resolve_config(
     if backend == "cuda":
         raise ConfigError(f"backend=cuda is impossible: {problem}. {_cuda_fix(problem)}")
     return BuildConfig(
-        "cpu", f"{problem}: building the CPU-only unit", (), toolkit=toolkit, **common
+        "cpu", f"{problem}: building the CPU-only unit", (), toolkit=toolkit, **cpu_common
     )
 
 
@@ -394,6 +399,178 @@ def normalize_defines(defines: Sequence[str]) -> tuple[str, ...]:
             raise ConfigError(f"bad define {define!r}: write NAME or NAME=VALUE", USAGE)
         seen[define] = None
     return tuple(seen)
+
+
+# --------------------------------------------------------------------------------------------------
+# Restricted builds: only the kernels a test needs (csrc/build_only.cuh)
+# --------------------------------------------------------------------------------------------------
+
+ONLY_VAR = "FLASHMOE_BUILD_ONLY"
+# The kernel families a build can be restricted to, each with the option that picks among its tile
+# configurations and the ones it has (csrc/flash_api_cuda.cuh; combine has one kernel per dtype and
+# head dim).
+ONLY_OPS = {
+    "fwd": ("config", (1, 2, 4)),
+    "fwd_sm90a": ("config", (5, 6, 7)),
+    "decode": ("config", (3,)),
+    "combine": (None, ()),
+    "varlen": ("config", (1, 2, 4, 5)),
+    "paged": ("config", (3,)),
+    "bwd": ("backward_config", (1, 2)),
+    "bwd_sm90a": ("backward_config", (3,)),
+}
+CUDA_HEAD_DIMS = (64, 128)  # the head dims the CUDA kernels are instantiated for
+# key of the FLASHMOE_BUILD_ONLY text -> (define, the values it takes)
+ONLY_KEYS = {
+    "op": ("FLASHMOE_ONLY_OPS", tuple(ONLY_OPS)),
+    "head_dim": ("FLASHMOE_ONLY_HEAD_DIMS", CUDA_HEAD_DIMS),
+    "config": ("FLASHMOE_ONLY_CONFIGS", (1, 2, 3, 4, 5, 6, 7)),
+    "backward_config": ("FLASHMOE_ONLY_BACKWARD_CONFIGS", (1, 2, 3)),
+    "dtype": ("FLASHMOE_ONLY_DTYPES", ("fp16", "bf16")),
+}
+ONLY_EXAMPLE = "op=fwd_sm90a,combine head_dim=128 config=5,6"
+
+
+@dataclasses.dataclass(frozen=True)
+class Restriction:
+    """The kernels a restricted build holds: per dimension (the keys of ONLY_KEYS) the values it
+    keeps, or None where it keeps every one. Written `op=fwd,combine head_dim=128 dtype=bf16`
+    (FLASHMOE_BUILD_ONLY, `build --only`); the unit reads it as -DFLASHMOE_ONLY_OPS=fwd+combine
+    and the like. The empty restriction is the full build."""
+
+    op: tuple[str, ...] | None = None
+    head_dim: tuple[int, ...] | None = None
+    config: tuple[int, ...] | None = None
+    backward_config: tuple[int, ...] | None = None
+    dtype: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        # one spelling per restriction (and one build key): values in ONLY_KEYS' order, and a
+        # dimension that keeps every value is not restricted
+        for key, (_, allowed) in ONLY_KEYS.items():
+            values = getattr(self, key)
+            if values is not None:
+                ordered = tuple(v for v in allowed if v in values)
+                ordered += tuple(sorted(set(values) - set(allowed)))
+                full = set(allowed) <= set(ordered)
+                object.__setattr__(self, key, None if full else ordered)
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, key) is not None for key in ONLY_KEYS)
+
+    @classmethod
+    def parse(cls, text: str, source: str = ONLY_VAR) -> Restriction:
+        """'op=fwd,combine head_dim=128' (whitespace between keys; a key given twice keeps the
+        values of both) -> Restriction; ConfigError naming the bad item and what is supported."""
+        values: dict[str, set] = {}
+        for item in text.split():
+            key, sep, listed = item.partition("=")
+            if not sep or key not in ONLY_KEYS:
+                raise ConfigError(
+                    f"bad {source} item {item!r}: write KEY=V1,V2 with KEY one of "
+                    f"{', '.join(ONLY_KEYS)}, e.g. '{ONLY_EXAMPLE}'",
+                    USAGE,
+                )
+            values.setdefault(key, set()).update(_only_values(key, listed, source))
+        return cls(**{key: tuple(chosen) for key, chosen in values.items()})._checked(source)
+
+    @classmethod
+    def from_defines(cls, defines: Sequence[str]) -> Restriction:
+        """The restriction -DFLASHMOE_ONLY_* defines (as normalize_defines leaves them) spell."""
+        by_define = {define: key for key, (define, _) in ONLY_KEYS.items()}
+        values: dict[str, set] = {}
+        for define in defines:
+            name, _, value = define.partition("=")
+            if name not in by_define:
+                continue
+            key = by_define[name]
+            values.setdefault(key, set()).update(_only_values(key, value, f"-D{name}", sep="+"))
+        return cls(**{key: tuple(chosen) for key, chosen in values.items()})._checked(
+            "-DFLASHMOE_ONLY_*"
+        )
+
+    def defines(self) -> tuple[str, ...]:
+        return tuple(
+            f"{define}={'+'.join(map(str, getattr(self, key)))}"
+            for key, (define, _) in ONLY_KEYS.items()
+            if getattr(self, key) is not None
+        )
+
+    def text(self) -> str:
+        """The FLASHMOE_BUILD_ONLY spelling ('' for the full build)."""
+        return " ".join(
+            f"{key}={','.join(map(str, getattr(self, key)))}"
+            for key in ONLY_KEYS
+            if getattr(self, key) is not None
+        )
+
+    def holds(self, op: str, dtype: str, head_dim: int, config: int | None = 0) -> bool:
+        """Whether the build holds family `op`'s kernel for this dtype, head dim and tile
+        configuration (its option's: config or backward_config; 0 where one kernel serves all,
+        None for 'whichever the automatic choice takes', held only where that option is not
+        restricted). The unit's own test is csrc/build_only.cuh's `built`."""
+        option = ONLY_OPS[op][0]
+        picked = getattr(self, option) if option else None
+        return (
+            (self.op is None or op in self.op)
+            and (self.dtype is None or dtype in self.dtype)
+            and (self.head_dim is None or head_dim in self.head_dim)
+            and (picked is None or config == 0 or config in picked)
+        )
+
+    def _checked(self, source: str) -> Restriction:
+        for op in self.op or ():
+            option, configs = ONLY_OPS[op]
+            picked = getattr(self, option) if option else None
+            if picked is not None and not set(configs) & set(picked):
+                raise ConfigError(
+                    f"{source}: op={op} with {option}={','.join(map(str, picked))} selects no "
+                    f"kernel: {op}'s are {option} {', '.join(map(str, configs))}",
+                    USAGE,
+                )
+        return self
+
+
+def _only_values(key: str, text: str, source: str, sep: str = ",") -> set:
+    allowed = ONLY_KEYS[key][1]
+    values = set()
+    for word in text.split(sep):
+        value: str | int = word
+        if isinstance(allowed[0], int) and word.isdigit():
+            value = int(word)
+        if value not in allowed:
+            raise ConfigError(
+                f"bad {source} value {key}={word!r}: {key} is one of "
+                f"{', '.join(map(str, allowed))}",
+                USAGE,
+            )
+        values.add(value)
+    return values
+
+
+def is_only_define(define: str) -> bool:
+    return define.split("=", 1)[0].startswith("FLASHMOE_ONLY_")
+
+
+def env_restriction() -> Restriction:
+    """The restriction FLASHMOE_BUILD_ONLY names (empty: the full build)."""
+    return Restriction.parse(os.environ.get(ONLY_VAR, ""))
+
+
+def restricted_defines(defines: Sequence[str], only: str | None) -> tuple[str, ...]:
+    """`defines` with the restriction's: `only` (a FLASHMOE_BUILD_ONLY text; None: the
+    variable's), or FLASHMOE_ONLY_* defines given by hand, checked and spelt one way; given both
+    ways, a ConfigError."""
+    restriction = Restriction.parse(only, "--only") if only is not None else env_restriction()
+    by_hand = Restriction.from_defines(defines)
+    if restriction and by_hand:
+        raise ConfigError(
+            f"the build restriction is given twice (-D{' -D'.join(by_hand.defines())} and "
+            f"{restriction.text()!r}): give it once, as {ONLY_VAR} or --only",
+            USAGE,
+        )
+    plain = tuple(d for d in defines if not is_only_define(d))
+    return (*plain, *(restriction or by_hand).defines())
 
 
 def build_key(
@@ -1067,9 +1244,21 @@ def parser(prog: str = "python -m flashmoe_science build") -> argparse.ArgumentP
         default=[],
         help="extra -D define, repeatable",
     )
+    parser.add_argument(
+        "--only",
+        metavar="SPEC",
+        action="append",
+        help=f"build only these kernels, e.g. '{ONLY_EXAMPLE}' (keys: {', '.join(ONLY_KEYS)}); "
+        f"repeatable (default: ${ONLY_VAR}; CUDA builds only)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     parser.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     return parser
+
+
+def only_arg(values: Sequence[str] | None) -> str | None:
+    """--only given several times is one restriction (None: not given)."""
+    return " ".join(values) if values is not None else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1081,7 +1270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        config = resolve_config(args.backend, args.arch, args.define)
+        config = resolve_config(args.backend, args.arch, args.define, only=only_arg(args.only))
         say(describe(config))
         if config.backend == "cpu" and args.backend == "auto":
             say(f"  {config.reason}")

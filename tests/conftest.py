@@ -8,12 +8,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 
 from flashmoe_science import _loader as loader
+from flashmoe_science.pipeline.gates import kernels
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 pytest_plugins = ("flashmoe_science.pipeline.gates.plugin",)
@@ -131,16 +132,20 @@ def record_gate(record_property):
     return record
 
 
-def planted_process_env(bug: int, device: str) -> dict[str, str]:
+def planted_process_env(bug: int, device: str, case_ids: Sequence[str] = ()) -> dict[str, str]:
     """The environment of a planted-bug process: its build carries bug `bug`, and the CPU device
     hides the GPU. Its working directory is the repository root.
 
     On the CPU device every plant runs on the one CPU plant build (all CPU plants compiled in, the
     bug picked at load time from FLASHMOE_PLANT_BUG), built for the CPU even where a job's
     TORCH_CUDA_ARCH_LIST asks every build for CUDA: one compile of the small unit serves them all.
+    On the cuda device the build holds only the kernels the gates of `case_ids` run
+    (FLASHMOE_BUILD_ONLY, gates.kernels.restriction_for_cases): a few kernels instead of the unit's
+    every one.
     """
     env = dict(os.environ)
     env.pop("FLASHMOE_PLANT_BUG", None)
+    env.pop(loader.ONLY_VAR, None)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     if not bug:  # bug 0: the unplanted build the checkout has already (no second compile)
@@ -151,21 +156,24 @@ def planted_process_env(bug: int, device: str) -> dict[str, str]:
         env["FLASHMOE_PLANT_BUG"] = str(bug)
     else:
         env["FLASHMOE_BUILD_DEFINES"] = f"FLASHMOE_PLANT_BUG={bug}"
+        if case_ids:
+            cases = [kernels.gate_case(case_id) for case_id in case_ids]
+            env[loader.ONLY_VAR] = kernels.restriction_for_cases(cases).text()
     return env
 
 
 @pytest.fixture
 def run_planted():
-    """Runs a gate script (`python -c SCRIPT DEVICE ARGS...`) in a process whose build carries
-    planted bug `bug` (-DFLASHMOE_PLANT_BUG; one process holds one build), with the GPU hidden for
-    the CPU device, and returns the JSON its last line prints, after checking the bug is in the
-    build."""
+    """Runs a gate script (`python -c SCRIPT DEVICE CASE_ID...`) in a process whose build carries
+    planted bug `bug` (-DFLASHMOE_PLANT_BUG; one process holds one build) and, on the cuda device,
+    only the kernels those cases run (planted_process_env), with the GPU hidden for the CPU device,
+    and returns the JSON its last line prints, after checking the bug is in the build."""
 
-    def run(bug: int, script: str, device: str, *args: str) -> dict:
+    def run(bug: int, script: str, device: str, *case_ids: str) -> dict:
         done = subprocess.run(
-            [sys.executable, "-c", script, device, *args],
+            [sys.executable, "-c", script, device, *case_ids],
             cwd=REPO_ROOT,
-            env=planted_process_env(bug, device),
+            env=planted_process_env(bug, device, case_ids),
             capture_output=True,
             text=True,
             timeout=900,

@@ -1115,7 +1115,7 @@ def test_build_builds_the_library_the_other_commands_load(monkeypatch):
     still wins."""
     seen = []
 
-    def fake_resolve(backend, arch, defines, sources_dir=None):
+    def fake_resolve(backend, arch, defines, sources_dir=None, only=None):
         seen.append(tuple(defines))
         raise loader.ConfigError("stop here", 2)
 

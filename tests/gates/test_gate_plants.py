@@ -170,7 +170,7 @@ def test_a_skipped_output_rescale_passes_normal_scores_and_fails_ramped_ones(bac
 
         return fn
 
-    normal = parse_case_id("fwd-fp16-d64-h4kv2-b1-s1000-full")
+    normal = parse_case_id("fwd-fp16-d64-h4kv2-b1-s320-full")
     ramped = dataclasses.replace(normal, scores="falling" if backwards else "rising")
     for case in (normal, ramped, dataclasses.replace(ramped, causal=True)):
         assert gates.check_case(case, "cpu", attention(True)).passed, case.id

@@ -363,10 +363,10 @@ PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
 from flashmoe_science.pipeline.gates import paged as paged_gates
-device = sys.argv[1]
-cases = paged_gates.paged_cases("cpu" if device == "cpu" else "gpu")[:4]
-print(json.dumps({"planted": ops.planted_bug(),
-                  "failures": [paged_gates.check_paged_case(c, device).failures for c in cases]}))
+from flashmoe_science.pipeline.gates.kernels import gate_case
+cases = [gate_case(case_id) for case_id in sys.argv[2:]]
+print(json.dumps({"planted": ops.planted_bug(), "failures": [
+    paged_gates.check_paged_case(c, sys.argv[1]).failures for c in cases]}))
 """
 
 
@@ -375,5 +375,6 @@ print(json.dumps({"planted": ops.planted_bug(),
 def test_planted_wrong_page_fails_a_gate(device, run_planted):
     """Build the unit with -DFLASHMOE_PLANT_BUG=8 (logical page i read from physical page i, the
     table ignored) and show the paged gates catch it."""
-    for failures in run_planted(8, PLANT_SCRIPT, device)["failures"]:
+    cases = paged_gates.paged_cases("cpu" if device == "cpu" else "gpu")[:4]
+    for failures in run_planted(8, PLANT_SCRIPT, device, *(c.id for c in cases))["failures"]:
         assert any(("gate 1" in f or "gate 2" in f) for f in failures), failures

@@ -310,10 +310,10 @@ PLANT_SCRIPT = """
 import json, sys
 from flashmoe_science import ops
 from flashmoe_science.pipeline.gates import varlen as varlen_gates
-device = sys.argv[1]
-cases = [c for c in varlen_gates.varlen_cases("cpu" if device == "cpu" else "gpu")][:4]
-print(json.dumps({"planted": ops.planted_bug(),
-                  "failures": [varlen_gates.check_varlen_case(c, device).failures for c in cases]}))
+from flashmoe_science.pipeline.gates.kernels import gate_case
+cases = [gate_case(case_id) for case_id in sys.argv[2:]]
+print(json.dumps({"planted": ops.planted_bug(), "failures": [
+    varlen_gates.check_varlen_case(c, sys.argv[1]).failures for c in cases]}))
 """
 
 
@@ -322,5 +322,6 @@ print(json.dumps({"planted": ops.planted_bug(),
 def test_planted_one_key_past_the_end_fails_a_gate(device, run_planted):
     """Build the unit with -DFLASHMOE_PLANT_BUG=7 (each sequence reads one key past its end) and
     show the varlen gates catch it."""
-    for failures in run_planted(7, PLANT_SCRIPT, device)["failures"]:
+    cases = varlen_gates.varlen_cases("cpu" if device == "cpu" else "gpu")[:4]
+    for failures in run_planted(7, PLANT_SCRIPT, device, *(c.id for c in cases))["failures"]:
         assert any(("gate 1" in f or "gate 2" in f) for f in failures), failures

@@ -136,16 +136,18 @@ import json, sys
 from flashmoe_science import ops
 from flashmoe_science.pipeline.gates import forward as gates
 from flashmoe_science.pipeline.cases import parse_case_id
+cases = [parse_case_id(case_id) for case_id in sys.argv[2:]]
+print(json.dumps({"planted": ops.planted_bug(),
+                  "failures": [gates.check_case(c, sys.argv[1]).failures for c in cases]}))
+"""
 # 7 splits: the off-by-one drops 6 of 1000 keys, beyond bf16's error floor whatever the seed
 # (with 3 splits, 2 dropped keys stayed under gate 2's bound for some seeds)
-cases = [parse_case_id("dec-bf16-d64-h8kv2-b2-q1-k1000-splits7-lens1000_333"),
-         parse_case_id("dec-fp16-d128-h8-b1-q4-k4096-splits7")]
-device = sys.argv[1]
-if device == "cuda":  # the decode kernel runs the cases above; the forward kernel's split path too
-    cases.append(parse_case_id("fwd-bf16-d128-h4-b1-q16-k2000-causal-cfg2-splits5"))
-print(json.dumps({"planted": ops.planted_bug(),
-                  "failures": [gates.check_case(c, device).failures for c in cases]}))
-"""
+SPLIT_PLANT_CASES = (
+    "dec-bf16-d64-h8kv2-b2-q1-k1000-splits7-lens1000_333",
+    "dec-fp16-d128-h8-b1-q4-k4096-splits7",
+)
+# the decode kernel runs the cases above; on CUDA the forward kernel's split path too
+CUDA_SPLIT_PLANT_CASES = ("fwd-bf16-d128-h4-b1-q16-k2000-causal-cfg2-splits5",)
 
 
 @pytest.mark.slow
@@ -153,7 +155,8 @@ print(json.dumps({"planted": ops.planted_bug(),
 @pytest.mark.parametrize("bug", [1, 2], ids=["split-boundary-off-by-one", "combine-double-counts"])
 def test_planted_split_bug_fails_a_gate(device, bug, run_planted):
     """Build the unit with a planted split bug (-DFLASHMOE_PLANT_BUG=N) and show the gates catch it."""
-    for failures in run_planted(bug, PLANT_SCRIPT, device)["failures"]:
+    case_ids = SPLIT_PLANT_CASES + (CUDA_SPLIT_PLANT_CASES if device == "cuda" else ())
+    for failures in run_planted(bug, PLANT_SCRIPT, device, *case_ids)["failures"]:
         assert any(f.startswith(("gate 1", "gate 2")) for f in failures), failures
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashmoe_science import _loader
 from flashmoe_science.pipeline import cli, exitcodes
 from flashmoe_science.pipeline.cases import Case
-from flashmoe_science.pipeline.gates import matrix
+from flashmoe_science.pipeline.gates import kernels, matrix
 from flashmoe_science.pipeline.paths import REPO_ROOT
 from flashmoe_science.pipeline.tools import sanitize, sanitize_coverage
 
@@ -541,6 +542,28 @@ def test_workload_launches_every_instrumented_kernel(cpu_workload):
     assert not missing, f"the workload never calls the operators of {missing}"
 
 
+def test_a_restricted_build_runs_the_workload_calls_it_holds(monkeypatch):
+    """On a restricted build (the planted out-of-bounds read's holds the first call's kernels) the
+    workload is its calls whose kernels that build holds, in the workload's order; the restriction
+    comes from FLASHMOE_BUILD_ONLY or from -DFLASHMOE_ONLY_* defines."""
+    full = sanitize.workload_cases(_loader.Restriction())
+    only = kernels.restriction_for(sanitize.case_needs(full[0]))
+    assert only.text() == "op=fwd,combine head_dim=64 config=1 dtype=fp16"
+    held = sanitize.workload_cases(only)
+    assert held[0] == full[0] and 1 < len(held) < len(full)
+    assert held == [case for case in full if case in held]  # the workload's order
+    assert {(c.kind, c.dtype, c.head_dim, c.config) for c in held} == {("prefill", "fp16", 64, 1)}
+    monkeypatch.delenv("FLASHMOE_BUILD_DEFINES", raising=False)
+    assert sanitize.workload_cases() == full
+    monkeypatch.setenv(_loader.ONLY_VAR, only.text())
+    assert sanitize.workload_cases() == held
+    monkeypatch.delenv(_loader.ONLY_VAR)
+    monkeypatch.setenv(
+        "FLASHMOE_BUILD_DEFINES", ",".join(("FLASHMOE_PLANT_BUG=3", *only.defines()))
+    )
+    assert sanitize.workload_cases() == held
+
+
 def test_sanitizer_command_and_environment():
     memcheck = sanitize.sanitizer_command("/cuda/bin/compute-sanitizer", "memcheck")
     assert memcheck[:5] == [
@@ -845,9 +868,14 @@ def test_cli_lists_the_command():
 # --------------------------------------------------------------------------------------------------
 
 
-def _sanitize(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+def _sanitize(
+    tmp_path: Path, *args: str, only: str = ""
+) -> tuple[subprocess.CompletedProcess, dict | None]:
     env = dict(os.environ, FLASHMOE_REPORTS_DIR=str(tmp_path))
     env.pop("FLASHMOE_BUILD_DEFINES", None)
+    env.pop(_loader.ONLY_VAR, None)
+    if only:
+        env[_loader.ONLY_VAR] = only
     run = subprocess.run(
         [sys.executable, "-m", "flashmoe_science", "sanitize", *args],
         cwd=REPO_ROOT,
@@ -866,8 +894,15 @@ def _sanitize(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, 
 @pytest.mark.slow
 def test_planted_out_of_bounds_read_fails_memcheck(tmp_path):
     """FLASHMOE_PLANT_BUG=3 reads the KV rows past the sequence end, far out of bounds, instead of
-    zero-filling them: memcheck reports it and the command exits 1."""
-    run, doc = _sanitize(tmp_path, "--tool", "memcheck", "--define", "FLASHMOE_PLANT_BUG=3")
+    zero-filling them: memcheck reports it and the command exits 1. memcheck stops at the first
+    faulty call, the workload's first; the build holds only that call's kernels, and the workload
+    runs the calls this build holds, in the same order, that one first."""
+    first = sanitize.workload_cases(_loader.Restriction())[0]
+    only = kernels.restriction_for(sanitize.case_needs(first))
+    assert sanitize.workload_cases(only)[0] == first
+    run, doc = _sanitize(
+        tmp_path, "--tool", "memcheck", "--define", "FLASHMOE_PLANT_BUG=3", only=only.text()
+    )
     assert run.returncode == exitcodes.GATE_FAILED, run.stdout[-3000:] + run.stderr[-3000:]
     assert doc is not None and doc["tools"]["memcheck"]["status"] == "fail"
     findings = doc["tools"]["memcheck"]["findings"]

@@ -346,7 +346,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # --define, else FLASHMOE_BUILD_DEFINES: the library the other commands will load
         defines = args.define or _loader.env_defines()
-        config = resolve_config(args.backend, args.arch, defines, sources_dir=args.sources_dir)
+        config = resolve_config(
+            args.backend,
+            args.arch,
+            defines,
+            sources_dir=args.sources_dir,
+            only=_loader.only_arg(args.only),
+        )
     except ConfigError as exc:
         print(f"build: {exc}", file=sys.stderr)
         return exc.exit_code

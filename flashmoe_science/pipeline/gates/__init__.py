@@ -2,7 +2,8 @@
 
 forward.py (prefill and decode), backward.py, varlen.py and paged.py name the cases and compare each
 against a float32 reference with PyTorch's own low-precision error as the bound; ragged.py holds
-what varlen and paged share. plugin.py is the pytest plugin that records every gate; testing.py is
-`python -m flashmoe_science test`, the bisect-safe command around pytest.
+what varlen and paged share; kernels.py says which kernels a case's gate runs (what the restricted
+build of a planted-bug test holds). plugin.py is the pytest plugin that records every gate;
+testing.py is `python -m flashmoe_science test`, the bisect-safe command around pytest.
 Reads: the built unit, tests/. Writes: reports/gates.json.
 """

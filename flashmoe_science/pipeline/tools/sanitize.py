@@ -134,11 +134,40 @@ def workload_backward_configs() -> list[int]:
     return [c for c in BACKWARD_CONFIGS if backward_config_supported(c, capability, archs)]
 
 
-def workload_cases() -> list:
+def workload_cases(restriction: _loader.Restriction | None = None) -> list:
     """Every forward kernel instantiation (dtype x head dim x tile configuration) with and without
     the causal mask over odd lengths, then the decode paths, the backward, packed batches and paged
     decode. Shapes rotate through GQA ratios 1 and 4, batch 1 and 2, both layouts and forced or
-    automatic split counts."""
+    automatic split counts. On a restricted build (`restriction`; None: this process's,
+    build_restriction), the cases whose kernels it holds, in the same order."""
+    from ..gates import kernels
+
+    restriction = build_restriction(_loader.env_defines()) if restriction is None else restriction
+    cases = _all_workload_cases()
+    if restriction:
+        cases = [case for case in cases if kernels.holds(restriction, case_needs(case))]
+    return cases
+
+
+def build_restriction(defines: Sequence[str]) -> _loader.Restriction:
+    """The restriction of the build the workload runs on: FLASHMOE_BUILD_ONLY's, or that of the
+    FLASHMOE_ONLY_* defines among `defines`."""
+    return _loader.env_restriction() or _loader.Restriction.from_defines(defines)
+
+
+def case_needs(case) -> set:
+    """The kernels a workload call may run (gates.kernels.needs; a packed batch's gradients:
+    the packed forward and the backward of each sequence)."""
+    from ..gates import kernels
+
+    if isinstance(case, VarlenBackward):
+        forward = case.forward
+        packed = {("varlen", forward.dtype, forward.head_dim, forward.config or None)}
+        return packed | kernels.backward_needs(forward.dtype, forward.head_dim, 0)
+    return kernels.needs(case)
+
+
+def _all_workload_cases() -> list:
     from ..cases import Case
     from ..gates.matrix import MANY_ROW_DECODE_CONFIGS, MANY_ROW_DECODE_HEADS, gated_head_dims
 
@@ -893,8 +922,11 @@ def run(args, tools: list[str]) -> int:
     if isinstance(library, int):
         return library
 
-    total = len(workload_cases())
+    restriction = build_restriction(defines)
+    total = len(workload_cases(restriction))
     with_defines = f" with -D{' -D'.join(defines)}" if defines else ""
+    if restriction:  # the calls are the workload's cases this build holds
+        with_defines += f", the kernels of {restriction.text()!r} only"
     _say(
         f"sanitize: {', '.join(tools)} over {total} calls on {gpu}{with_defines} "
         f"({version or exe}); build {paths_display(library.parent)}"
