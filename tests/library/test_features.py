@@ -128,10 +128,10 @@ def _seconds(fn, repeats=3) -> float:
 
 
 def test_a_windows_work_grows_with_the_window_not_the_sequence():
-    """A 32-key window over 2048 keys reads 1/32 of the causal keys, and takes a small share of the
+    """A 32-key window over 1024 keys reads 1/16 of the causal keys, and takes a small share of the
     causal time, forward and backward (a window applied as a mask over every key would take as
     long as causal). Timed, so the margin is wide: at most a quarter."""
-    q, k, v = (t.requires_grad_() for t in qkv(b=1, hq=2, hkv=2, sq=2048, sk=2048))
+    q, k, v = (t.requires_grad_() for t in qkv(b=1, hq=2, hkv=2, sq=1024, sk=1024))
 
     def run(window):
         out = flash_attention_forward(q, k, v, causal=True, window_size=window)
