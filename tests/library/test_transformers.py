@@ -501,7 +501,8 @@ def test_models_with_windows_softcap_and_sinks_match_eager(name, kind, side, dev
 def test_models_with_windows_softcap_and_sinks_generate_with_the_kv_cache(name, kind):
     """Greedy generation past the window with the dynamic cache (a local layer's cache keeps the
     window's last tokens): prefill through the varlen path, then one decode step per token, each
-    token under the fp32 eager reference."""
+    token under the fp32 eager reference; with a fixed-size cache (a local layer's of the window's
+    size), the same tokens."""
     ref = feature_model(kind, "eager")
     state = ref.state_dict()
     lowp = feature_model(kind, "eager", state, torch.bfloat16)
@@ -510,6 +511,10 @@ def test_models_with_windows_softcap_and_sinks_generate_with_the_kv_cache(name, 
     tokens = generate(ours, ids, mask, new_tokens=12)
     assert tokens.shape == (ids.shape[0], ids.shape[1] + 12)
     assert_greedy_under_reference(ref, lowp, tokens, mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the static cache's remarks on a tiny model
+        static = generate(ours, ids, mask, new_tokens=12, cache_implementation="static")
+    assert torch.equal(static, tokens)
 
 
 @pytest.mark.parametrize("kind", FEATURE_MODELS)
