@@ -36,48 +36,89 @@ inline int planted_bug() {
 
 inline bool planted(int bug) { return planted_bug() == bug; }
 
+// Keys [*lo, *hi) of the len_k a query row `i` of seqlen_q sees through the window (bottom-right
+// aligned: the row sits at p = i + len_k - seqlen_q and sees p - left <= j <= p + right, -1
+// unbounded); empty (lo == hi) when it sees none. The backward walks the same range, so work
+// grows with the window, not with the sequence.
+inline void window_keys(int i, int seqlen_q, int len_k, int left, int right, int* lo, int* hi) {
+  const int64_t pos = int64_t(i) + len_k - seqlen_q;
+  int64_t begin = 0, end = len_k;
+  if (left >= 0) begin = pos - left + (planted(20) ? 1 : 0);  // planted bug 20: one key short
+  if (right >= 0) end = pos + right + 1;
+  begin = std::clamp<int64_t>(begin, 0, len_k);
+  *lo = int(begin);
+  *hi = int(std::clamp<int64_t>(end, begin, len_k));
+}
+
 // Keys [begin, end) of the KV cache that query row `i` of batch `b` attends to within split
 // `split`.
 inline void split_key_range(const AttentionParams& p, int b, int i, int split, int* begin,
                             int* end) {
   const int len_k = p.seqlens_k ? p.seqlens_k[b] : p.seqlen_k;
-  int visible = len_k;
-  if (p.causal) visible = std::min(len_k, i + len_k - p.seqlen_q + 1);
-  visible = std::max(visible, 0);
+  int lo, hi;
+  window_keys(i, p.seqlen_q, len_k, p.window_left, p.window_right, &lo, &hi);
   const int keys_per_split = p.n_blocks_per_split * kBlockN;
-  *begin = split * keys_per_split;
-  *end = std::min(visible, (split + 1) * keys_per_split);
-  if (planted(1) && split > 0) *begin += 1;
+  int first = split * keys_per_split;
+  if (planted(1) && split > 0) first += 1;
+  *begin = std::max(lo, first);
+  *end = std::min(hi, (split + 1) * keys_per_split);
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// log(exp(lse) + exp(sink)): a row's log-sum-exp with its sink's logit added to the denominator.
+inline float add_sink(float lse, float sink) {
+  const float m = std::max(lse, sink);
+  if (m == kNegInf) return kNegInf;
+  return m + std::log(std::exp(lse - m) + std::exp(sink - m));
+}
+
+// A row's score in base-2 logits: q.k * scale, soft-capped (softcap * tanh(. / softcap)) when
+// softcap > 0, times log2(e), so exp(logit) == exp2(score).
+inline float score_log2(const AttentionParams& p, float dot) {
+  if (p.softcap > 0.f) return p.softcap * std::tanh(dot * p.softmax_scale / p.softcap) * kLog2e;
+  return dot * p.scale_log2;
 }
 
 // One query row over keys [begin, end): writes the normalised output (Dv floats) and the
-// log-sum-exp. q, k, v are fp32 and contiguous ([B, H, S, D], v's rows Dv wide).
+// log-sum-exp. q, k, v are fp32 and contiguous ([B, H, S, D], v's rows Dv wide). Keys outside
+// [mask_lo, mask_hi) are masked (-inf; only planted bug 21 walks over such keys). With `sink`,
+// the row's denominator gains exp(*sink): the output shrinks by exp(lse - lse with the sink),
+// and the log-sum-exp includes it (a row that sees no key then keeps output 0 and lse = *sink).
 inline void attend_row(const AttentionParams& p, const float* q_row, const float* k_head,
                        const float* v_head, int begin, int end, float* out, float* lse,
-                       std::vector<float>& scores) {
+                       std::vector<float>& scores, const float* sink = nullptr, int mask_lo = 0,
+                       int mask_hi = std::numeric_limits<int>::max()) {
   const int d = p.head_dim, dv = p.head_dim_v;
   std::fill(out, out + dv, 0.f);
-  float row_max = kNegInf, row_sum = 0.f;
+  float row_max = kNegInf, row_sum = 0.f;  // row_max in base-2 logits
   for (int n0 = begin; n0 < end; n0 += kBlockN) {
     const int n1 = std::min(end, n0 + kBlockN);
     float block_max = kNegInf;
     for (int j = n0; j < n1; ++j) {
-      const float* k_row = k_head + int64_t(j) * d;
-      float s = 0.f;
-      for (int c = 0; c < d; ++c)
-        s += q_row[c] * k_row[c];
-      scores[j - n0] = s;
-      block_max = std::max(block_max, s);
+      float score = kNegInf;
+      if (j >= mask_lo && j < mask_hi) {
+        const float* k_row = k_head + int64_t(j) * d;
+        float s = 0.f;
+        for (int c = 0; c < d; ++c)
+          s += q_row[c] * k_row[c];
+        score = score_log2(p, s);
+      } else if (p.softcap > 0.f) {
+        score = -p.softcap * kLog2e;  // planted bug 21: softcap * tanh(-inf / softcap), masked
+      }
+      scores[j - n0] = score;
+      block_max = std::max(block_max, score);
     }
     const float new_max = std::max(row_max, block_max);
     // A row that has seen only masked keys keeps max = -inf; use 0 so exp2(-inf - 0) = 0, not NaN.
-    const float max_scaled = new_max == kNegInf ? 0.f : new_max * p.scale_log2;
-    const float rescale = std::exp2(row_max * p.scale_log2 - max_scaled);
+    const float max_used = new_max == kNegInf ? 0.f : new_max;
+    const float rescale = std::exp2(row_max - max_used);
     row_sum *= rescale;
     for (int c = 0; c < dv; ++c)
       out[c] *= rescale;
     for (int j = n0; j < n1; ++j) {
-      const float prob = std::exp2(scores[j - n0] * p.scale_log2 - max_scaled);
+      const float prob = std::exp2(scores[j - n0] - max_used);
       row_sum += prob;
       const float* v_row = v_head + int64_t(j) * dv;
       for (int c = 0; c < dv; ++c)
@@ -85,36 +126,52 @@ inline void attend_row(const AttentionParams& p, const float* q_row, const float
     }
     row_max = new_max;
   }
+  float row_lse = kNegInf;
   if (row_sum == 0.f) {  // no visible key: output 0, log-sum-exp -inf
     std::fill(out, out + dv, 0.f);
-    *lse = kNegInf;
-    return;
+  } else {
+    const float inv = 1.f / row_sum;
+    for (int c = 0; c < dv; ++c)
+      out[c] *= inv;
+    row_lse = row_max * kLn2 + std::log(row_sum);
   }
-  const float inv = 1.f / row_sum;
-  for (int c = 0; c < dv; ++c)
-    out[c] *= inv;
-  *lse = row_max * p.softmax_scale + std::log(row_sum);
+  if (sink != nullptr) {
+    const float with_sink = add_sink(row_lse, *sink);
+    if (row_lse != kNegInf) {
+      const float w = std::exp(row_lse - with_sink);
+      for (int c = 0; c < dv; ++c)
+        out[c] *= w;
+    }
+    row_lse = with_sink;
+  }
+  *lse = row_lse;
 }
 
 // Reduce per-split partial outputs: lse = log sum_s exp(lse_s); out = sum_s exp(lse_s - lse) *
 // out_s. o_accum: [splits, rows, D], lse_accum: [splits, rows]; out: [rows, D]; lse: [rows].
+// With sinks (fp32 [heads]; row r's head is (r / rows_per_head) % heads), each row's sum gains
+// its head's exp(sink) once, here, never once per split: the splits' partials hold keys only.
 inline void split_kv_combine(const float* o_accum, const float* lse_accum, int num_splits,
-                             int64_t rows, int d, float* out, float* lse) {
+                             int64_t rows, int d, float* out, float* lse,
+                             const float* sinks = nullptr, int64_t rows_per_head = 1,
+                             int heads = 1) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
+      const float* sink = sinks ? sinks + (r / rows_per_head) % heads : nullptr;
       float lse_max = kNegInf;
       for (int s = 0; s < num_splits; ++s)
         lse_max = std::max(lse_max, lse_accum[s * rows + r]);
       float* o = out + r * d;
       std::fill(o, o + d, 0.f);
       if (lse_max == kNegInf) {  // every split was empty
-        lse[r] = kNegInf;
+        lse[r] = sink ? *sink : kNegInf;
         continue;
       }
       float sum = 0.f;
       for (int s = 0; s < num_splits; ++s)
         sum += std::exp(lse_accum[s * rows + r] - lse_max);
-      const float lse_row = lse_max + std::log(sum);
+      float lse_row = lse_max + std::log(sum);
+      if (sink) lse_row = add_sink(lse_row, *sink);
       lse[r] = lse_row;
       for (int s = 0; s < num_splits; ++s) {
         // An empty split weighs 0; skip it rather than multiply, so whatever it holds cannot leak
@@ -159,21 +216,39 @@ inline void attention_forward(const AttentionParams& p, const float* q, const fl
         v_offset = k_offset % ((int64_t(p.batch) * p.heads_kv - 1) * p.seqlen_k * dv + 1);
       int begin, end;
       split_key_range(p, b, i, split, &begin, &end);
+      int mask_lo = begin, mask_hi = end;
+      if (planted(21) && p.softcap > 0.f) {
+        // planted: the key blocks the window touches are walked whole, and their masked keys
+        // soft-capped after the mask (-inf becomes -softcap)
+        const int len_k = p.seqlens_k ? p.seqlens_k[b] : p.seqlen_k;
+        const int split_begin = split * p.n_blocks_per_split * kBlockN;
+        const int split_end = std::min(len_k, split_begin + p.n_blocks_per_split * kBlockN);
+        if (begin < end) {
+          begin = std::max(split_begin, begin / kBlockN * kBlockN);
+          end = std::min(split_end, ceil_div(end, kBlockN) * kBlockN);
+        }
+      }
       float* out = p.num_splits == 1 ? static_cast<float*>(p.o) + row * dv
                                      : p.o_accum + (int64_t(split) * rows + row) * dv;
       float* lse = p.num_splits == 1 ? p.lse + row : p.lse_accum + int64_t(split) * rows + row;
-      attend_row(p, q + row * d, k + k_offset, v + v_offset, begin, end, out, lse, scores);
+      // Split partials hold keys only: split_kv_combine adds the sink, once.
+      const float* sink = p.sinks != nullptr && p.num_splits == 1 ? p.sinks + h : nullptr;
+      attend_row(p, q + row * d, k + k_offset, v + v_offset, begin, end, out, lse, scores, sink,
+                 mask_lo, mask_hi);
     }
   });
 }
 
 // Gradients of one (batch, KV head): the query heads of its group and all their rows, so dK and dV
 // of a group are summed here without races. fp32 contiguous tensors (q, k, dq, dk D wide; v, o,
-// dout, dv Dv wide); p.lse is the forward's
-// log-sum-exp. dq, dk and dv are written whole (every element, zero where nothing flows back).
-// P is recomputed from the log-sum-exp: P_ij = exp(s_ij * scale - lse_i); with
-// delta_i = rowsum(dout_i * o_i): dV_j += P_ij dout_i, dS_ij = P_ij (dout_i . v_j - delta_i),
-// dQ_i += scale dS_ij k_j, dK_j += scale dS_ij q_i.
+// dout, dv Dv wide); p.lse is the forward's log-sum-exp (its sink included). dq, dk and dv are
+// written whole (every element, zero where nothing flows back). Each row walks the keys of its
+// window only. P is recomputed from the log-sum-exp: P_ij = exp(t_ij - lse_i), t_ij the scaled
+// (and soft-capped) score; with delta_i = rowsum(dout_i * o_i): dV_j += P_ij dout_i,
+// dT_ij = P_ij (dout_i . v_j - delta_i) (a sink has no value, so it adds no term), dS_ij = dT_ij
+// (1 - tanh^2) under softcap, dQ_i += scale dS_ij k_j, dK_j += scale dS_ij q_i. A sink's gradient:
+// o_i = sum_j P_ij v_j moves by -P_sink o_i as its logit grows (P_sink = exp(sink - lse_i)), so
+// dsink = -sum_i P_sink delta_i, one sum per (batch, head) in p.dsinks.
 inline void attention_backward(const BwdParams& p, const float* q, const float* k, const float* v,
                                const float* o, const float* dout, float* dq, float* dk, float* dv) {
   const int d = p.head_dim, d_v = p.head_dim_v;
@@ -190,6 +265,7 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
       const int group = planted(5) ? 1 : p.heads_ratio;
       for (int g = 0; g < p.heads_ratio; ++g) {
         const int h = hkv * p.heads_ratio + g;
+        float dsink = 0.f;
         for (int i = 0; i < p.seqlen_q; ++i) {
           const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
           float* dq_row = dq + row * d;
@@ -197,18 +273,19 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
           const float lse =
               p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
           if (lse == kNegInf) continue;  // the row saw no key: nothing flows back through it
-          int visible = p.seqlen_k;
-          if (p.causal) visible = std::min(visible, i + p.seqlen_k - p.seqlen_q + 1);
+          int lo, hi;
+          window_keys(i, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, &lo, &hi);
           const float* q_row = q + row * d;
           const float* do_row = dout + row * d_v;
           const float* o_row = o + row * d_v;
           float delta = 0.f;
           for (int c = 0; c < d_v; ++c)
             delta += do_row[c] * o_row[c];
-          int dq_end = visible;
+          if (p.sinks != nullptr) dsink -= std::exp(p.sinks[h] - lse) * delta;
+          int dq_end = hi;
           if (planted(6))  // planted: the last key block lost
-            dq_end = visible > 0 ? (visible - 1) / kBlockN * kBlockN : 0;
-          for (int j = 0; j < visible; ++j) {
+            dq_end = hi > 0 ? (hi - 1) / kBlockN * kBlockN : 0;
+          for (int j = lo; j < hi; ++j) {
             const float* k_row = k + k_offset + int64_t(j) * d;
             const float* v_row = v + v_offset + int64_t(j) * d_v;
             float s = 0.f, dp = 0.f;
@@ -216,8 +293,14 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
               s += q_row[c] * k_row[c];
             for (int c = 0; c < d_v; ++c)
               dp += do_row[c] * v_row[c];
-            const float prob = std::exp(s * p.softmax_scale - lse);
-            float ds = prob * (dp - delta);
+            float score = s * p.softmax_scale, capped_slope = 1.f;
+            if (p.softcap > 0.f) {
+              const float t = std::tanh(score / p.softcap);
+              score = p.softcap * t;
+              capped_slope = 1.f - t * t;  // d(softcap tanh(x / softcap)) / dx
+            }
+            const float prob = std::exp(score - lse);
+            float ds = prob * (dp - delta) * capped_slope;
             if (!planted(4)) ds *= p.softmax_scale;  // planted bug 4 leaves the scale out
             if (g >= group) {  // planted bug 5: this head's share of dK and dV is dropped
               if (j < dq_end) {
@@ -238,6 +321,8 @@ inline void attention_backward(const BwdParams& p, const float* q, const float* 
             }
           }
         }
+        // planted bug 22: the sink's gradient never accumulated
+        if (p.dsinks != nullptr) p.dsinks[int64_t(b) * p.heads_q + h] = planted(22) ? 0.f : dsink;
       }
     }
   });

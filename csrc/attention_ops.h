@@ -9,6 +9,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <cstdio>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -38,6 +39,11 @@ inline std::string to_text(const char* s) { return s; }
 template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
 std::string to_text(T value) {
   return std::to_string(value);
+}
+inline std::string to_text(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", value);
+  return text;
 }
 inline std::string to_text(c10::IntArrayRef values) {
   std::string out = "[";
@@ -152,6 +158,60 @@ inline void check_seqlens_values(const Tensor& seqlens_cpu, int64_t seqlen_k) {
   }
 }
 
+// The window, softcap and sinks every operator takes (schema defaults: none of them): a window
+// side is -1 (unbounded) or a count of keys, softcap 0 (off) or finite and positive, sinks fp32
+// [Hq] on q's device (q's heads are its dimension 1 in the dense and the packed layouts).
+inline void check_features(const Tensor& q, int64_t window_left, int64_t window_right,
+                           double softcap, const std::optional<Tensor>& sinks) {
+  constexpr int64_t kMaxWindow = std::numeric_limits<int>::max();
+  FLASHMOE_CHECK_VALUE(
+      window_left >= -1 && window_left <= kMaxWindow && window_right >= -1 &&
+          window_right <= kMaxWindow,
+      "window_size=(", window_left, ", ", window_right,
+      ") is not supported: each side must be -1 (unbounded) or a number of keys in [0, 2^31 - 1]");
+  FLASHMOE_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap=", softcap,
+                       " is not supported: it must be 0 (off) or a finite number > 0");
+  if (!sinks.has_value()) return;
+  const Tensor& t = *sinks;
+  FLASHMOE_CHECK_TYPE(t.scalar_type() == at::kFloat, "sinks has dtype ",
+                      dtype_name(t.scalar_type()),
+                      "; supported: torch.float32 (one sink logit per query head)");
+  FLASHMOE_CHECK_VALUE(t.dim() == 1 && t.size(0) == q.size(1),
+                       "sinks must have shape [heads_q] = [", q.size(1), "], got ", shape_str(t));
+  FLASHMOE_CHECK_VALUE(t.device() == q.device(), "sinks is on ", t.device(), " but q is on ",
+                       q.device(), "; all inputs must be on the same device");
+}
+
+// Sets the window (resolved against causal, as FlashAttention does), the softcap and the sinks
+// (fp32, contiguous: the caller keeps the tensor alive) of a call.
+template <typename Params>
+void set_features(Params& p, const Window& window, double softcap, const Tensor* sinks) {
+  p.causal = window.causal;
+  p.window_left = window.left;
+  p.window_right = window.right;
+  p.softcap = float(softcap);
+  p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
+}
+
+// Why the CUDA operators cannot take this window, softcap or sinks yet, in the one line they raise
+// before any launch (ops.features_unsupported_reason returns it); empty when they can.
+inline std::string cuda_features_problem(int64_t window_left, int64_t window_right, bool causal,
+                                         double softcap, bool sinks) {
+  const Window window = resolve_window(causal, window_left, window_right);
+  std::vector<std::string> given;
+  if (window.local())
+    given.push_back(error_text("window_size=(", window_left, ", ", window_right, ")"));
+  if (softcap != 0) given.push_back(error_text("softcap=", softcap));
+  if (sinks) given.push_back("sinks");
+  if (given.empty()) return "";
+  std::string text = given[0];
+  for (size_t i = 1; i < given.size(); ++i)
+    text += (i + 1 == given.size() ? " and " : ", ") + given[i];
+  return text + (given.size() == 1 ? " is" : " are") +
+         " not yet on CUDA: its kernels take window_size=(-1, -1) (causal=True for (-1, 0)), "
+         "softcap=0 and sinks=None; the CPU implementation takes them (pass CPU tensors)";
+}
+
 // Which of k's and v's dimensions hold the heads and the keys: 1 and 2 for [B, Hkv, S, D], 2 and 1
 // for a paged cache's [num_pages, page_size, Hkv, D], read in place (each transposed view is a
 // dispatcher call, on a path whose host cost is a target: benches/notes/varlen-paged.md, v4.3).
@@ -178,10 +238,10 @@ inline AttentionParams make_params(const Tensor& q, const Tensor& k, const Tenso
   p.head_dim = int(q.size(3));
   p.head_dim_v = int(v.size(3));
   p.heads_ratio = p.heads_q / p.heads_kv;
-  p.causal = causal;
   p.softmax_scale = float(softmax_scale);
   p.scale_log2 = float(softmax_scale * 1.4426950408889634);
   p.num_splits = 1;
+  set_features(p, resolve_window(causal, -1, -1), 0, nullptr);
   return p;
 }
 
@@ -223,10 +283,11 @@ inline void check_combine_inputs(const Tensor& out_partial, const Tensor& lse_pa
                        lse_partial.device(), " but out_partial is on ", out_partial.device());
 }
 
-inline std::tuple<Tensor, Tensor> split_kv_combine_cpu(const Tensor& out_partial,
-                                                       const Tensor& lse_partial,
-                                                       at::ScalarType dtype) {
-  check_combine_inputs(out_partial, lse_partial, dtype);
+// The reduction of split_kv_combine_cpu; with sinks (fp32 [H]), each row's sum gains its head's
+// sink once.
+inline std::tuple<Tensor, Tensor> combine_cpu(const Tensor& out_partial, const Tensor& lse_partial,
+                                              at::ScalarType dtype,
+                                              const std::optional<Tensor>& sinks = std::nullopt) {
   auto o_acc = out_partial.contiguous();
   auto l_acc = lse_partial.contiguous();
   const int64_t rows = l_acc.numel() / l_acc.size(0);
@@ -235,17 +296,31 @@ inline std::tuple<Tensor, Tensor> split_kv_combine_cpu(const Tensor& out_partial
   auto lse = at::empty(l_acc.sizes().slice(1), l_acc.options());
   if (rows > 0) {
     cpu::split_kv_combine(o_acc.data_ptr<float>(), l_acc.data_ptr<float>(), int(o_acc.size(0)),
-                          rows, d, out.data_ptr<float>(), lse.data_ptr<float>());
+                          rows, d, out.data_ptr<float>(), lse.data_ptr<float>(),
+                          sinks ? sinks->data_ptr<float>() : nullptr, l_acc.size(3),
+                          int(l_acc.size(2)));
   }
   return {out.to(dtype), lse};
 }
 
-inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tensor& k,
-                                                    const Tensor& v,
-                                                    const std::optional<Tensor>& seqlens_k,
-                                                    bool causal, double softmax_scale,
-                                                    int64_t num_splits, int64_t config) {
+inline std::tuple<Tensor, Tensor> split_kv_combine_cpu(const Tensor& out_partial,
+                                                       const Tensor& lse_partial,
+                                                       at::ScalarType dtype) {
+  check_combine_inputs(out_partial, lse_partial, dtype);
+  return combine_cpu(out_partial, lse_partial, dtype);
+}
+
+// The forward of every CPU operator: dense q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D or Dv], with
+// cache_seqlens for decode. `decode`: called for flash_attention_decode (planted bug 23 loses the
+// window there).
+inline std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const std::optional<Tensor>& seqlens_k, bool causal,
+                                              double softmax_scale, int64_t num_splits,
+                                              int64_t config, int64_t window_left,
+                                              int64_t window_right, double softcap,
+                                              const std::optional<Tensor>& sinks, bool decode) {
   check_attention_inputs(q, k, v, seqlens_k, num_splits);
+  check_features(q, window_left, window_right, softcap, sinks);
   FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(),
                        "; this is the CPU implementation");
   FLASHMOE_CHECK_VALUE(
@@ -253,12 +328,21 @@ inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tenso
       " selects a CUDA tile configuration, but the inputs are CPU tensors; use config=0 "
       "(automatic) on the CPU");
   if (seqlens_k.has_value()) check_seqlens_values(*seqlens_k, k.size(2));
-  if (auto empty = empty_result(q, k.size(2), v.size(3))) return *empty;
+  std::optional<Tensor> sinks_c;
+  if (sinks.has_value()) sinks_c = sinks->contiguous();
+  if (auto empty = empty_result(q, k.size(2), v.size(3))) {
+    // no key at all: each row's log-sum-exp is its sink's logit alone
+    if (sinks_c && q.numel() > 0) std::get<1>(*empty).copy_(sinks_c->view({1, -1, 1}));
+    return *empty;
+  }
 
   auto qf = q.to(at::kFloat).contiguous();
   auto kf = k.to(at::kFloat).contiguous();
   auto vf = v.to(at::kFloat).contiguous();
   AttentionParams p = make_params(qf, kf, vf, causal, softmax_scale);
+  set_features(p, resolve_window(causal, window_left, window_right), softcap,
+               sinks_c ? &*sinks_c : nullptr);
+  if (decode && cpu::planted(23)) p.window_left = -1;  // planted: decode forgets the window
   std::optional<Tensor> seqlens_c;
   if (seqlens_k.has_value()) {
     seqlens_c = seqlens_k->contiguous();
@@ -287,7 +371,16 @@ inline std::tuple<Tensor, Tensor> attention_fwd_cpu(const Tensor& q, const Tenso
   p.o_accum = o_accum.data_ptr<float>();
   p.lse_accum = lse_accum.data_ptr<float>();
   cpu::attention_forward(p, qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>());
-  return split_kv_combine_cpu(o_accum, lse_accum, q.scalar_type());
+  return combine_cpu(o_accum, lse_accum, q.scalar_type(), sinks_c);
+}
+
+// `fwd`, flash_attention_decode's operator (and the inference path of a dense cache).
+inline std::tuple<Tensor, Tensor> attention_fwd_cpu(
+    const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& seqlens_k,
+    bool causal, double softmax_scale, int64_t num_splits, int64_t config, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<Tensor>& sinks) {
+  return forward_cpu(q, k, v, seqlens_k, causal, softmax_scale, num_splits, config, window_left,
+                     window_right, softcap, sinks, /*decode=*/true);
 }
 
 // The differentiable forward (flash_attention_forward): the prefill path of `fwd`, with the
@@ -298,12 +391,13 @@ inline void check_backward_options(int64_t bwd_config) {
                        bwd_config);
 }
 
-inline std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                bool causal, double softmax_scale,
-                                                int64_t num_splits, int64_t config,
-                                                bool /*deterministic*/, int64_t bwd_config) {
+inline std::tuple<Tensor, Tensor> attention_cpu(
+    const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double softmax_scale,
+    int64_t num_splits, int64_t config, bool /*deterministic*/, int64_t bwd_config,
+    int64_t window_left, int64_t window_right, double softcap, const std::optional<Tensor>& sinks) {
   check_backward_options(bwd_config);
-  return attention_fwd_cpu(q, k, v, std::nullopt, causal, softmax_scale, num_splits, config);
+  return forward_cpu(q, k, v, std::nullopt, causal, softmax_scale, num_splits, config, window_left,
+                     window_right, softcap, sinks, /*decode=*/false);
 }
 
 // Checks of the backward's extra inputs: the gradient of the output, and the forward's output and
@@ -370,33 +464,65 @@ inline BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tens
   p.head_dim = int(q.size(3));
   p.head_dim_v = int16_t(v.size(3));
   p.heads_ratio = p.heads_q / p.heads_kv;
-  p.causal = causal;
   p.softmax_scale = float(softmax_scale);
   p.scale_log2 = float(softmax_scale * 1.4426950408889634);
+  set_features(p, resolve_window(causal, -1, -1), 0, nullptr);
   return p;
 }
 
-// Returns (dq, dk, dv), contiguous, in the inputs' dtype.
-inline std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
+// The sinks' gradient of a call with `sinks` (fp32 [Hq], zero where nothing flows back); an empty
+// fp32 tensor without (the fourth output of attention_backward is a tensor either way).
+inline Tensor zero_dsinks(const Tensor& q, const std::optional<Tensor>& sinks) {
+  return at::zeros({sinks ? q.size(1) : 0}, q.options().dtype(at::kFloat));
+}
+
+// Returns (dq, dk, dv, dsinks): dq, dk and dv contiguous, in the inputs' dtype; dsinks fp32 [Hq]
+// with sinks, else empty.
+inline std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cpu(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, bool causal, double softmax_scale, bool /*deterministic*/, int64_t config) {
+    const Tensor& lse, bool causal, double softmax_scale, bool /*deterministic*/, int64_t config,
+    int64_t window_left, int64_t window_right, double softcap, const std::optional<Tensor>& sinks) {
   check_backward_inputs(dout, q, k, v, out, lse);
+  check_features(q, window_left, window_right, softcap, sinks);
   FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(),
                        "; this is the CPU implementation");
   FLASHMOE_CHECK_VALUE(config == 0, "backward_config=", config,
                        " selects a CUDA tile configuration, but the inputs are CPU tensors; use 0 "
                        "(automatic) on the CPU");
-  if (auto empty = empty_gradients(q, k, v)) return *empty;
+  Tensor dsinks = zero_dsinks(q, sinks);
+  if (auto empty = empty_gradients(q, k, v)) {
+    auto [dq, dk, dv] = *empty;
+    return {dq, dk, dv, dsinks};
+  }
   auto f32 = [](const Tensor& t) { return t.to(at::kFloat).contiguous(); };
   auto qf = f32(q), kf = f32(k), vf = f32(v), of = f32(out), dof = f32(dout);
+  std::optional<Tensor> sinks_c;
+  if (sinks.has_value()) sinks_c = sinks->contiguous();
   BwdParams p = make_bwd_params(dof, qf, kf, vf, of, lse, causal, softmax_scale);
+  set_features(p, resolve_window(causal, window_left, window_right), softcap,
+               sinks_c ? &*sinks_c : nullptr);
+  // Each (batch, head)'s share of the sinks' gradient, summed over the batch in order below, so
+  // the result does not depend on the threads.
+  Tensor dsinks_per_batch;
+  if (sinks_c) {
+    dsinks_per_batch = at::zeros({q.size(0), q.size(1)}, qf.options());
+    p.dsinks = dsinks_per_batch.data_ptr<float>();
+  }
   auto dq = at::empty(qf.sizes(), qf.options());
   auto dk = at::empty(kf.sizes(), kf.options());
   auto dv = at::empty(vf.sizes(), vf.options());
   cpu::attention_backward(p, qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(),
                           of.data_ptr<float>(), dof.data_ptr<float>(), dq.data_ptr<float>(),
                           dk.data_ptr<float>(), dv.data_ptr<float>());
-  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+  if (sinks_c) {
+    float* total = dsinks.data_ptr<float>();
+    const float* shares = dsinks_per_batch.data_ptr<float>();
+    for (int64_t b = 0; b < q.size(0); ++b) {
+      for (int64_t h = 0; h < q.size(1); ++h)
+        total[h] += shares[b * q.size(1) + h];
+    }
+  }
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), dsinks};
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -472,12 +598,13 @@ inline std::tuple<Tensor, Tensor> empty_varlen_result(const Tensor& q, int64_t h
 }
 
 // Each sequence through the dense CPU path, on [1, H, S, D] views of its rows.
-inline std::tuple<Tensor, Tensor> varlen_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                 const Tensor& cu_seqlens_q,
-                                                 const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                                 int64_t max_seqlen_k, bool causal,
-                                                 double softmax_scale, int64_t config) {
+inline std::tuple<Tensor, Tensor> varlen_fwd_cpu(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+    const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+    double softmax_scale, int64_t config, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<Tensor>& sinks) {
   check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_features(q, window_left, window_right, softcap, sinks);
   FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(),
                        "; this is the CPU implementation");
   FLASHMOE_CHECK_VALUE(
@@ -496,9 +623,9 @@ inline std::tuple<Tensor, Tensor> varlen_fwd_cpu(const Tensor& q, const Tensor& 
     if (cq[b + 1] == cq[b]) continue;
     int64_t k_end = ck[b + 1];
     if (cpu::planted(7)) k_end = std::min<int64_t>(k_end + 1, k.size(0));  // one key too many
-    auto [o, l] =
-        attention_fwd_cpu(as_dense(q, cq[b], cq[b + 1]), as_dense(k, ck[b], k_end),
-                          as_dense(v, ck[b], k_end), std::nullopt, causal, softmax_scale, 1, 0);
+    auto [o, l] = forward_cpu(as_dense(q, cq[b], cq[b + 1]), as_dense(k, ck[b], k_end),
+                              as_dense(v, ck[b], k_end), std::nullopt, causal, softmax_scale, 1, 0,
+                              window_left, window_right, softcap, sinks, /*decode=*/false);
     out.slice(0, cq[b], cq[b + 1]).copy_(o[0].permute({1, 0, 2}));
     lse.slice(1, cq[b], cq[b + 1]).copy_(l[0]);
   }
@@ -593,11 +720,12 @@ inline void check_block_table_values(const Tensor& table_cpu,
   }
 }
 
-inline std::tuple<Tensor, Tensor> paged_fwd_cpu(const Tensor& q, const Tensor& k_cache,
-                                                const Tensor& v_cache, const Tensor& block_table,
-                                                const std::optional<Tensor>& seqlens_k, bool causal,
-                                                double softmax_scale, int64_t num_splits) {
+inline std::tuple<Tensor, Tensor> paged_fwd_cpu(
+    const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_table,
+    const std::optional<Tensor>& seqlens_k, bool causal, double softmax_scale, int64_t num_splits,
+    int64_t window_left, int64_t window_right, double softcap, const std::optional<Tensor>& sinks) {
   check_paged_inputs(q, k_cache, v_cache, block_table, seqlens_k, num_splits);
+  check_features(q, window_left, window_right, softcap, sinks);
   FLASHMOE_CHECK_VALUE(q.device().is_cpu(), "q is on ", q.device(),
                        "; this is the CPU implementation");
   const int64_t page_size = k_cache.size(1), num_pages = k_cache.size(0);
@@ -622,8 +750,8 @@ inline std::tuple<Tensor, Tensor> paged_fwd_cpu(const Tensor& q, const Tensor& k
         .view({q.size(0), capacity, cache.size(2), cache.size(3)})
         .permute({0, 2, 1, 3});
   };
-  return attention_fwd_cpu(q, gather(k_cache), gather(v_cache), lens, causal, softmax_scale,
-                           num_splits, 0);
+  return forward_cpu(q, gather(k_cache), gather(v_cache), lens, causal, softmax_scale, num_splits,
+                     0, window_left, window_right, softcap, sinks, /*decode=*/true);
 }
 
 inline int64_t planted_bug() { return cpu::planted_bug(); }
@@ -677,32 +805,42 @@ inline int64_t decode_num_splits_op(int64_t tiles, int64_t sm_count, int64_t n_b
 //   varlen_fwd: attention over a packed batch (FlashAttention's varlen layout; see
 //     AttentionParams), lse [Hq, total_q]; config: 0 = automatic, else 1, 2, 4 or 5 (as fwd's).
 //   paged_fwd: fwd against a paged KV cache through a block table (decode kernel on CUDA).
-//   Every operator takes v (v_cache) with a last dimension of its own, the output's.
+//   Every operator takes v (v_cache) with a last dimension of its own, the output's, and the
+//   window, softcap and sinks last (FLASHMOE_FEATURES, defaults: none of them; see
+//   AttentionParams); attention_backward returns the sinks' gradient fourth (empty without).
+//   cuda_features_problem: why CUDA cannot take these yet ("" when it can), for ops.py.
 //   cuda_head_dims_problem: why CUDA cannot take these head dims ("" when it can), for ops.py.
+#define FLASHMOE_FEATURES \
+  "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? sinks=None"
 TORCH_LIBRARY(flashmoe_science, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? seqlens_k, bool causal, float softmax_scale, "
-      "int num_splits, int config) -> (Tensor, Tensor)");
+      "int num_splits, int config, " FLASHMOE_FEATURES ") -> (Tensor, Tensor)");
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, int num_splits, "
-      "int config, bool deterministic, int bwd_config) -> (Tensor, Tensor)");
+      "int config, bool deterministic, int bwd_config, " FLASHMOE_FEATURES ") -> (Tensor, Tensor)");
   m.def(
       "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "bool causal, float softmax_scale, bool deterministic, int config) -> (Tensor, Tensor, "
-      "Tensor)");
+      "bool causal, float softmax_scale, bool deterministic, int config, " FLASHMOE_FEATURES
+      ") -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "split_kv_combine(Tensor out_partial, Tensor lse_partial, ScalarType dtype) -> (Tensor, "
       "Tensor)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, bool causal, float softmax_scale, int config) -> "
-      "(Tensor, Tensor)");
+      "int max_seqlen_q, int max_seqlen_k, bool causal, float softmax_scale, int "
+      "config, " FLASHMOE_FEATURES ") -> (Tensor, Tensor)");
   m.def(
       "paged_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor? seqlens_k, "
-      "bool causal, float softmax_scale, int num_splits) -> (Tensor, Tensor)");
+      "bool causal, float softmax_scale, int num_splits, " FLASHMOE_FEATURES
+      ") -> (Tensor, Tensor)");
   m.def("planted_bug() -> int", &flashmoe::planted_bug);
   m.def("cuda_head_dims_problem(int head_dim, int head_dim_v) -> str",
         &flashmoe::cuda_head_dims_problem);
+  m.def(
+      "cuda_features_problem(int window_left, int window_right, bool causal, float softcap, "
+      "bool sinks) -> str",
+      &flashmoe::cuda_features_problem);
   m.def("decode_num_splits(int tiles, int sm_count, int n_blocks) -> int",
         &flashmoe::decode_num_splits_op);
 }

@@ -37,9 +37,15 @@ namespace flashmoe {
 // and the bug of v's head dim differing from q's and k's (Dv != Dqk):
 //   13: the CPU forward finds each KV head's V rows at K's offset (the Q/K width, Dqk), as one
 //       offset shared by K and V would (wrapped to stay inside V)
-// -DFLASHMOE_PLANT_BUG=-1 compiles every plant of the CPU implementation (1, 2, 4-8, 13) in and
-// picks one when the library loads, from $FLASHMOE_PLANT_BUG: one CPU build serves all of the CPU
-// plant tests. The CUDA kernels of such a build carry none.
+// and the bugs of local attention, soft-capping and sinks (the CPU implementation's, for now):
+//   20: the window's left edge off by one (a query sees one key too few: j > p - window_left)
+//   21: softcap applied after the mask, so a masked key's -inf score becomes -softcap and the key
+//       is attended to (forward)
+//   22: the sinks' gradient never accumulated (dsinks comes back 0)
+//   23: decode (flash_attention_decode, paged or not) forgets the window
+// -DFLASHMOE_PLANT_BUG=-1 compiles every plant of the CPU implementation (1, 2, 4-8, 13, 20-23) in
+// and picks one when the library loads, from $FLASHMOE_PLANT_BUG: one CPU build serves all of the
+// CPU plant tests. The CUDA kernels of such a build carry none.
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif
@@ -119,6 +125,17 @@ struct AttentionParams {
   // v's last dimension, the output's (Dv; head_dim is q's and k's, Dqk). Last, so the fields the
   // kernels read keep their offsets; the CUDA operators take Dv == Dqk only, the CPU any.
   int head_dim_v;
+
+  // Local attention, soft-capping and sinks, FlashAttention's conventions (resolve_window): query
+  // i of a sequence of len_k keys sits at p = i + len_k - seqlen_q and sees keys j with
+  // p - window_left <= j <= p + window_right, -1 unbounded on that side; causal is
+  // window_right = 0 and sets `causal` too. softcap > 0 turns each scaled score s into
+  // softcap * tanh(s / softcap) before the mask and the softmax. sinks (fp32 [Hq], or null) adds
+  // exp(sinks[h]) to every row's softmax denominator, with no value. After every field the
+  // kernels read: the CUDA operators take none of them yet (cuda_features_problem).
+  int window_left, window_right;
+  float softcap;
+  const float* sinks;
 };
 
 // The backward pass: gradients of out = softmax(q k^T * scale) v with respect to q, k and v, given
@@ -153,9 +170,31 @@ struct BwdParams {
   int16_t head_dim_v;
   float softmax_scale;
   float scale_log2;  // softmax_scale * log2(e)
+
+  // The forward's window, softcap and sinks (AttentionParams); dsinks: fp32 [B, Hq], each
+  // sequence's share of the sinks' gradient, -sum over its rows i of exp(sinks[h] - lse_i) *
+  // delta_i (null without sinks). After every field the kernels read.
+  int window_left, window_right;
+  float softcap;
+  const float* sinks;
+  float* dsinks;
 };
 
 FLASHMOE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// A call's mask, FlashAttention's way: causal sets the window's right side to 0, and a right side
+// of 0 is the causal mask whatever `causal` said. `local` when the window bounds a side beyond
+// what causal does (a left edge, or keys to the right of the query's position).
+struct Window {
+  bool causal;
+  int left, right;  // -1: unbounded
+  bool local() const { return left >= 0 || right > 0; }
+};
+
+inline Window resolve_window(bool causal, int64_t left, int64_t right) {
+  if (causal) right = 0;
+  return {right == 0, int(left), int(right)};
+}
 
 // FlashAttention's wave-efficiency rule: split only when the grid does not fill the machine, and
 // then take the smallest split count whose last wave is at least 85% as full as the best one.

@@ -487,6 +487,19 @@ inline void check_head_dims_cuda(int64_t head_dim, int64_t head_dim_v) {
   FLASHMOE_CHECK_VALUE(problem.empty(), problem);
 }
 
+// The window, softcap and sinks: checked as on the CPU, then refused before any launch where the
+// kernels do not take them yet (cuda_features_problem). Returns the call's causal flag, which a
+// window of (-1, 0) sets.
+inline bool check_features_cuda(const at::Tensor& q, bool causal, int64_t window_left,
+                                int64_t window_right, double softcap,
+                                const std::optional<at::Tensor>& sinks) {
+  check_features(q, window_left, window_right, softcap, sinks);
+  const std::string problem =
+      cuda_features_problem(window_left, window_right, causal, softcap, sinks.has_value());
+  FLASHMOE_CHECK_VALUE(problem.empty(), problem);
+  return resolve_window(causal, window_left, window_right).causal;
+}
+
 // cp.async moves 16-byte chunks: base pointers and row/head/batch strides must be multiples of
 // 16 bytes. Anything else (an odd storage offset, say) is copied once rather than rejected.
 inline at::Tensor aligned_for_cp_async(const at::Tensor& t) {
@@ -593,11 +606,13 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
 inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const std::optional<at::Tensor>& seqlens_k, bool causal, double softmax_scale,
-    int64_t num_splits, int64_t config) {
+    int64_t num_splits, int64_t config, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& sinks) {
   check_attention_inputs(q_in, k_in, v_in, seqlens_k, num_splits);
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(3), v_in.size(3));
+  causal = check_features_cuda(q_in, causal, window_left, window_right, softcap, sinks);
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs, "config must be in [0, ", kNumConfigs,
                        "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -657,11 +672,13 @@ inline at::Tensor rows_aligned_for_cp_async(const at::Tensor& t) {
 inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, bool causal, double softmax_scale, int64_t config) {
+    int64_t max_seqlen_k, bool causal, double softmax_scale, int64_t config, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
   check_varlen_inputs(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(2), v_in.size(2));
+  causal = check_features_cuda(q_in, causal, window_left, window_right, softcap, sinks);
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs && has_packed_variant(config),
                        "config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got ",
                        config);
@@ -733,11 +750,13 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
 inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_table, const std::optional<at::Tensor>& seqlens_k, bool causal,
-    double softmax_scale, int64_t num_splits) {
+    double softmax_scale, int64_t num_splits, int64_t window_left, int64_t window_right,
+    double softcap, const std::optional<at::Tensor>& sinks) {
   check_paged_inputs(q_in, k_cache, v_cache, block_table, seqlens_k, num_splits);
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(3), v_cache.size(3));
+  causal = check_features_cuda(q_in, causal, window_left, window_right, softcap, sinks);
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
   check_cuda_device(q_in, dev);
@@ -852,16 +871,20 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
   }
 }
 
-// Gradients come back contiguous, in the inputs' dtype. grad_output may have any strides (an
-// expanded tensor from .sum(), say): it is made contiguous in its last dimension first.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+// Gradients come back contiguous, in the inputs' dtype, and an empty dsinks (no sinks on CUDA
+// yet). grad_output may have any strides (an expanded tensor from .sum(), say): it is made
+// contiguous in its last dimension first.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in, bool causal,
-    double softmax_scale, bool deterministic, int64_t config) {
+    double softmax_scale, bool deterministic, int64_t config, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
   check_backward_inputs(dout_in, q_in, k_in, v_in, out_in, lse_in);
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(3), v_in.size(3));
+  causal = check_features_cuda(q_in, causal, window_left, window_right, softcap, sinks);
+  const at::Tensor dsinks = zero_dsinks(q_in, sinks);
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumBwdConfigs, "backward_config must be in [0, ",
                        kNumBwdConfigs, "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -882,7 +905,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
                        bwd_smem_bytes(int(config), int(q_in.size(3))),
                        " bytes of shared memory per block at head_dim ", q_in.size(3),
                        "; this GPU allows ", smem_limit, ": use backward_config=1 (or 0)");
-  if (auto empty = empty_gradients(q_in, k_in, v_in)) return *empty;
+  if (auto empty = empty_gradients(q_in, k_in, v_in)) {
+    auto [dq, dk, dv] = *empty;
+    return {dq, dk, dv, dsinks};
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
   const at::Tensor dout_c = dout_in.stride(3) == 1 ? dout_in : dout_in.contiguous();
   const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
@@ -915,16 +941,19 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   else
     FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, __nv_bfloat16, 128, 0,
                     launch_backward<__nv_bfloat16, 128>(p, int(config), deterministic, stream));
-  return {dq, dk, dv};
+  return {dq, dk, dv, dsinks};
 }
 
 inline std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k,
                                                          const at::Tensor& v, bool causal,
                                                          double softmax_scale, int64_t num_splits,
                                                          int64_t config, bool /*deterministic*/,
-                                                         int64_t bwd_config) {
+                                                         int64_t bwd_config, int64_t window_left,
+                                                         int64_t window_right, double softcap,
+                                                         const std::optional<at::Tensor>& sinks) {
   check_backward_options(bwd_config);
-  return attention_fwd_cuda(q, k, v, std::nullopt, causal, softmax_scale, num_splits, config);
+  return attention_fwd_cuda(q, k, v, std::nullopt, causal, softmax_scale, num_splits, config,
+                            window_left, window_right, softcap, sinks);
 }
 
 // The dynamic shared memory each kernel asks for at launch, which ptxas's resource report cannot

@@ -5,7 +5,8 @@ The forward is `torch.ops.flashmoe_science.attention`; its backward is the opera
 `attention_backward` (csrc/flash_bwd_kernel.cuh on CUDA, csrc/attention_cpu.h on the CPU), so
 `torch.compile(fullgraph=True)` traces forward and backward alike and `torch.library.opcheck`
 checks the registration. The context saves q, k, v, the output and the forward's log-sum-exp (never
-a recomputed one). Gradients come back contiguous, in the inputs' dtype.
+a recomputed one), and the sinks where given. Gradients come back contiguous, in the inputs'
+dtype, the sinks' (attention_backward's fourth output) in fp32.
 
 `varlen_fwd` (flash_attention_varlen_forward) trains too: its backward runs `attention_backward`
 on each sequence of the packed batch (dense views of its rows, the saved log-sum-exp sliced from
@@ -29,28 +30,54 @@ DECODE_IS_INFERENCE_ONLY = (
 )
 
 
-def _fake_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, config):
+def _fake_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal,
+    softmax_scale,
+    deterministic,
+    config,
+    window_left=-1,
+    window_right=-1,
+    softcap=0.0,
+    sinks=None,
+):
     return (
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
         torch.empty(k.shape, dtype=k.dtype, device=k.device),
         torch.empty(v.shape, dtype=v.dtype, device=v.device),
+        torch.empty((0 if sinks is None else q.shape[1],), dtype=torch.float32, device=q.device),
     )
 
 
-def _fake_attention(q, k, v, causal, softmax_scale, num_splits, config, deterministic, bwd_config):
+def _fake_attention(
+    q, k, v, causal, softmax_scale, num_splits, config, deterministic, bwd_config, *features
+):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # v's head dim, the output's
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     return out, lse
 
 
+# The operators' last four inputs (window_left, window_right, softcap, sinks): the backward's too.
+FEATURES = 4
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, _num_splits, _config, deterministic, bwd_config = inputs
+    q, k, v, causal, softmax_scale, _num_splits, _config, deterministic, bwd_config = inputs[
+        :-FEATURES
+    ]
+    *window_and_softcap, sinks = inputs[-FEATURES:]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.deterministic = deterministic
     ctx.bwd_config = bwd_config
+    ctx.window_and_softcap = window_and_softcap
     ctx.mark_non_differentiable(lse)
 
 
@@ -58,8 +85,8 @@ def _backward(ctx, grad_out, _grad_lse):
     # saved_tensors raises PyTorch's own error when an input was modified in place after the
     # forward (its version counter moved): "one of the variables needed for gradient computation
     # has been modified by an inplace operation".
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _call(
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _call(
         torch.ops.flashmoe_science.attention_backward,
         grad_out,
         q,
@@ -71,8 +98,11 @@ def _backward(ctx, grad_out, _grad_lse):
         ctx.softmax_scale,
         ctx.deterministic,
         ctx.bwd_config,
+        *ctx.window_and_softcap,
+        sinks,
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    dsinks = dsinks if ctx.needs_input_grad[-1] else None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
 
 
 def _setup_decode(ctx, inputs, output):
@@ -84,11 +114,15 @@ def _refuse_backward(ctx, *grads):
 
 
 def _setup_varlen(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, _max_q, _max_k, causal, softmax_scale, _config = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, _max_q, _max_k, causal, softmax_scale, _config = inputs[
+        :-FEATURES
+    ]
+    *window_and_softcap, sinks = inputs[-FEATURES:]
     out, lse = output
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, sinks)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
+    ctx.window_and_softcap = window_and_softcap
     ctx.mark_non_differentiable(lse)
 
 
@@ -98,15 +132,16 @@ def _dense_rows(t: torch.Tensor, begin: int, end: int) -> torch.Tensor:
 
 
 def _varlen_backward(ctx, grad_out, _grad_lse):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = ctx.saved_tensors
+    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, sinks = ctx.saved_tensors
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsinks = None if sinks is None else torch.zeros_like(sinks)
     # The sequence bounds on the host (one copy); sequences without queries or keys have zero
     # gradients, which the zeros above already hold.
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for (q0, q1), (k0, k1) in zip(pairwise(bounds_q), pairwise(bounds_k), strict=True):
         if q1 == q0 or k1 == k0:
             continue
-        dq_b, dk_b, dv_b = _call(
+        dq_b, dk_b, dv_b, dsinks_b = _call(
             torch.ops.flashmoe_science.attention_backward,
             _dense_rows(grad_out, q0, q1),
             _dense_rows(q, q0, q1),
@@ -118,11 +153,17 @@ def _varlen_backward(ctx, grad_out, _grad_lse):
             ctx.softmax_scale,
             False,
             0,
+            *ctx.window_and_softcap,
+            sinks,
         )
         dq[q0:q1] = dq_b[0].transpose(0, 1)
         dk[k0:k1] = dk_b[0].transpose(0, 1)
         dv[k0:k1] = dv_b[0].transpose(0, 1)
-    return dq, dk, dv, None, None, None, None, None, None, None
+        if dsinks is not None:
+            dsinks += dsinks_b  # the sequences in order: the same sum every call
+    if not ctx.needs_input_grad[-1]:
+        dsinks = None
+    return dq, dk, dv, *(None,) * 10, dsinks
 
 
 def register() -> None:

@@ -49,21 +49,24 @@ def load_library() -> None:
 
 
 def _register_fakes() -> None:
-    # The output takes v's last dimension (Dv), which may differ from q's and k's.
+    # The output takes v's last dimension (Dv), which may differ from q's and k's. Every operator
+    # ends with the window, softcap and sinks (defaults: none), which leave the shapes alone.
     @torch.library.register_fake("flashmoe_science::fwd")
-    def _fwd_fake(q, k, v, seqlens_k, causal, softmax_scale, num_splits, config):
+    def _fwd_fake(q, k, v, seqlens_k, causal, softmax_scale, num_splits, config, *features):
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return out, lse
 
     @torch.library.register_fake("flashmoe_science::varlen_fwd")
-    def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, config):
+    def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, config, *features):
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         return out, lse
 
     @torch.library.register_fake("flashmoe_science::paged_fwd")
-    def _paged_fake(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale, splits):
+    def _paged_fake(
+        q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale, splits, *features
+    ):
         out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return out, lse
@@ -103,6 +106,33 @@ def _check_bool(name: str, value) -> None:
 def _check_int(name: str, value, low: int, high: int, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an int in [{low}, {high}] ({meaning}), got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _features(window_size, softcap, sinks) -> tuple[int, int, float, torch.Tensor | None]:
+    """window_size, softcap and sinks as the operators take them (window_left, window_right,
+    softcap, sinks). Their types are checked here; their values (a window side below -1, a
+    negative softcap, sinks of the wrong shape, dtype or device) by the operators, in C++."""
+    if (
+        not isinstance(window_size, tuple | list)
+        or len(window_size) != 2
+        or not all(_is_int(side) for side in window_size)
+    ):
+        raise TypeError(
+            "window_size must be a pair of ints (left, right), -1 for unbounded, got "
+            f"{window_size!r}"
+        )
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+        raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}")
+    if sinks is not None:
+        _check_tensor("sinks", sinks)
+    left, right = (
+        max(-(2**62), min(2**62, side)) for side in window_size
+    )  # the C++ check names it
+    return left, right, float(softcap), sinks
 
 
 # CUDA kernel configurations that `config=` forces (ids as in csrc/flash_api_cuda.cuh).
@@ -217,6 +247,22 @@ def head_dims_supported(head_dim: int, head_dim_v: int | None = None) -> bool:
     return head_dims_unsupported_reason(head_dim, head_dim_v) is None
 
 
+def features_unsupported_reason(
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: bool = False,
+    causal: bool = False,
+) -> str | None:
+    """Why the CUDA operators cannot take this window, softcap or sinks (whether any are passed)
+    yet, in the one line they raise before any kernel launch; None when they can (no window but
+    causal's, softcap 0, no sinks). The CPU implementation takes them all."""
+    left, right, softcap, _ = _features(window_size, softcap, None)
+    _check_bool("sinks", sinks)
+    _check_bool("causal", causal)
+    reason = torch.ops.flashmoe_science.cuda_features_problem(left, right, causal, softcap, sinks)
+    return reason or None
+
+
 def config_needs(config: int, kind: str = "prefill") -> str | None:
     """What a forced configuration of a case of this kind needs beyond a GPU, in a few words (a
     gate's rerun_needs); backward cases force backward configurations."""
@@ -241,8 +287,12 @@ def flash_attention_forward(
     config: int = 0,
     deterministic: bool = False,
     backward_config: int = 0,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
-    """Attention softmax(q k^T * scale) v, computed FlashAttention-style; differentiable in q, k, v.
+    """Attention softmax(q k^T * scale) v, computed FlashAttention-style; differentiable in q, k, v
+    (and sinks).
 
     q: [B, Hq, Sq, D]; k: [B, Hkv, Sk, D]; v: [B, Hkv, Sk, Dv], with Hq a multiple of Hkv
     (grouped-query and multi-query attention) and Dv, the output's head dim, free to differ from D
@@ -259,11 +309,27 @@ def flash_attention_forward(
     1 to 7 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
     architecture selects is gated on one card.
 
+    Local attention, soft-capping and sinks (FlashAttention's conventions; on the CPU for now, on
+    CUDA they raise a one-line error before any launch: features_unsupported_reason):
+    - window_size=(left, right): query i, at position p = i + Sk - Sq (the bottom-right alignment
+      of causal), sees keys j with p - left <= j <= p + right; -1 leaves that side unbounded.
+      causal=True sets right to 0 (as FlashAttention does), and (-1, 0) is causal. Mistral's and
+      Gemma's sliding window W (a query sees itself and W - 1 keys before it) is (W - 1, 0). Key
+      blocks wholly outside the window are skipped: the work grows with the window, not with Sk.
+    - softcap: when > 0, each scaled score s = q.k * scale becomes softcap * tanh(s / softcap)
+      before the mask and the softmax (Gemma 2's attn_logit_softcapping); the backward applies its
+      derivative.
+    - sinks: fp32 [Hq], learnable sink logits (gpt-oss): every row's softmax denominator gains
+      exp(sinks[h]) (the sink has no value), the log-sum-exp includes it, and the backward returns
+      a gradient for sinks.
+    A query that sees no key gets output 0 and log-sum-exp -inf, or sinks[h] with a sink.
+
     Backward (autograd, flashmoe_science.autograd): FlashAttention-2's, from the saved output and
     log-sum-exp (on wgmma on an H100 with the sm_90a build); gradients come back contiguous, in
-    the inputs' dtype, dq and dk D wide, dv Dv wide. deterministic=True gives bit-identical gradients over repeated calls (dQ
-    summed in a fixed order, without atomics; a little slower). backward_config: 0 picks the
-    backward tile configuration, 1 to len(BACKWARD_CONFIGS) force one.
+    the inputs' dtype, dq and dk D wide, dv Dv wide (the sinks' fp32). deterministic=True gives
+    bit-identical gradients over repeated calls (dQ summed in a fixed order, without atomics; a
+    little slower). backward_config: 0 picks the backward tile configuration, 1 to
+    len(BACKWARD_CONFIGS) force one.
 
     Returns the output [B, Hq, Sq, Dv] in the input dtype, and with return_lse=True also the
     log-sum-exp of each row as fp32 [B, Hq, Sq].
@@ -282,6 +348,7 @@ def flash_attention_forward(
         len(BACKWARD_CONFIGS),
         "0 = automatic, " + _BACKWARD_CONFIG_TEXT,
     )
+    features = _features(window_size, softcap, sinks)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     out, lse = _call(
         torch.ops.flashmoe_science.attention,
@@ -294,6 +361,7 @@ def flash_attention_forward(
         config,
         deterministic,
         backward_config,
+        *features,
     )
     return (out, lse) if return_lse else out
 
@@ -310,6 +378,9 @@ def flash_attention_decode(
     return_lse: bool = False,
     block_table: torch.Tensor | None = None,
     config: int = 0,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """Decoding attention of a few new queries against a KV cache, split along the cache (flash-decoding).
 
@@ -337,6 +408,11 @@ def flash_attention_decode(
     config: 0 picks the CUDA tile configuration (the decode kernel for a few queries; many query
     rows, chunked prefill say, may take a prefill configuration), 1 to len(CONFIGS) force one as
     flash_attention_forward's config does. A paged cache has one kernel: config must be 0 there.
+
+    window_size, softcap and sinks as flash_attention_forward's, each query's position counted
+    from its own sequence's cache length (query i sits at i + cache_seqlens[b] - Sq): a sliding
+    window W reads only the last W keys of each cache. Split-KV adds each row's sink once, in the
+    combine.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(name, t)
@@ -347,6 +423,7 @@ def flash_attention_decode(
     if num_splits is not None:
         _check_int("num_splits", num_splits, 1, 128, "None = automatic")
     _check_int("config", config, 0, len(CONFIGS), "0 = automatic, " + _CONFIG_TEXT)
+    features = _features(window_size, softcap, sinks)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     if block_table is not None:
         _check_tensor("block_table", block_table)
@@ -365,6 +442,7 @@ def flash_attention_decode(
             causal,
             scale,
             num_splits or 0,
+            *features,
         )
         return (out, lse) if return_lse else out
     out, lse = _call(
@@ -377,6 +455,7 @@ def flash_attention_decode(
         scale,
         num_splits or 0,
         config,
+        *features,
     )
     return (out, lse) if return_lse else out
 
@@ -394,6 +473,9 @@ def flash_attention_varlen_forward(
     *,
     return_lse: bool = False,
     config: int = 0,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen API).
 
@@ -414,8 +496,10 @@ def flash_attention_varlen_forward(
     sequence longer than max_seqlen) make the whole output and log-sum-exp NaN. Set
     FLASHMOE_CHECK_INPUTS=1 to have them checked on the host as well (one copy and sync per call),
     which raises a one-line error naming the value. The CPU implementation always checks them.
-    Differentiable in q, k and v: the backward runs flash_attention_forward's backward on each
-    sequence (one launch sequence per sequence; gradients contiguous, in the inputs' dtype).
+    Differentiable in q, k and v (and sinks): the backward runs flash_attention_forward's backward
+    on each sequence (one launch sequence per sequence; gradients contiguous, in the inputs'
+    dtype). window_size, softcap and sinks as flash_attention_forward's, the window aligned per
+    sequence as causal is.
 
     Returns the output [total_q, Hq, Dv] in the input dtype, and with return_lse=True also the
     log-sum-exp as fp32 [Hq, total_q] (FlashAttention's varlen layout).
@@ -437,6 +521,7 @@ def flash_attention_varlen_forward(
             f"config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got {config!r}"
         )
     _check_int("config", config, 0, len(CONFIGS), "0 = automatic, " + _CONFIG_TEXT)
+    features = _features(window_size, softcap, sinks)
     scale = _resolve_scale(softmax_scale, q.shape[-1] if q.dim() else 0)
     out, lse = _call(
         torch.ops.flashmoe_science.varlen_fwd,
@@ -450,6 +535,7 @@ def flash_attention_varlen_forward(
         causal,
         scale,
         config,
+        *features,
     )
     return (out, lse) if return_lse else out
 

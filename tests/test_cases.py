@@ -189,3 +189,25 @@ def test_large_inputs_are_drawn_on_the_device(monkeypatch):
     monkeypatch.setattr(cases, "DRAW_ON_CPU_MAX_BYTES", 100)
     make_inputs(case, "cpu")
     assert where == ["cpu-then-moved"] * 3 + ["cpu"] * 3
+
+
+def test_window_softcap_and_sinks_read_in_the_id_and_leave_older_dicts_alone():
+    case = Case(
+        "decode", "bf16", 2, 8, 2, 1, 300, 64, True, window=(63, 5), softcap=2.5, sinks=True
+    )
+    assert case.window == (63, 0)  # causal's right side
+    assert case.id == "dec-bf16-d64-h8kv2-b2-q1-k300-win63_0-cap2.5-sinks"
+    assert "window_size=(63, 0) softcap=2.5 sinks" in case.describe()
+    assert parse_case_id(case.id) == case
+    assert Case.from_dict(json.loads(json.dumps(case.to_dict()))) == case
+    plain = dataclasses.replace(case, window=(-1, -1), softcap=0.0, sinks=False)
+    assert not {"window", "softcap", "sinks"} & set(plain.to_dict())  # the worker protocol's dict
+    full = dataclasses.replace(case, causal=False, window=(-1, 7))
+    assert full.id.endswith("-full-wininf_7-cap2.5-sinks") and parse_case_id(full.id) == full
+    assert dataclasses.replace(case, window=(-1, 4)).window == (-1, -1)  # causal itself
+    with pytest.raises(ValueError, match="window=\\(-2, 0\\) is not supported"):
+        dataclasses.replace(case, window=(-2, 0))
+    sinks = cases.make_sinks(case, "cpu")
+    assert sinks.dtype == torch.float32 and sinks.shape == (8,)
+    assert torch.equal(sinks, cases.make_sinks(case, "cpu"))
+    assert cases.make_sinks(plain, "cpu") is None

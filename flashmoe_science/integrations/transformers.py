@@ -24,10 +24,19 @@ DeepSeek-V3's multi-head latent attention with 192 and 128, passes it as it is):
 fp16 and bf16 run as they are; an fp32 model's attention runs in bf16 (as transformers' own
 FlashAttention backends do) and comes back in fp32. KV caches: the dynamic (default) one, and
 fixed-size ones (StaticCache, cache_implementation="static"), whose keys past the filled length
-padding_mask masks out. Not supported: sliding windows, logit soft-capping or attention dropout
-(they raise). All three paths train (flash_attention_varlen_forward's backward runs the dense
-backward per sequence). Head dims: any on the CPU; on CUDA what the kernels take
+padding_mask masks out. All three paths train (flash_attention_varlen_forward's backward runs the
+dense backward per sequence). Head dims: any on the CPU; on CUDA what the kernels take
 (ops.head_dims_unsupported_reason says, in the one-line error a call raises otherwise).
+
+What models pass per layer (_features), on every path: a `sliding_window` W (Mistral, Gemma 2
+and 3's local layers, gpt-oss's sliding layers: a query sees itself and the W - 1 tokens before
+it, or W - 1 on each side without the causal mask) becomes window_size=(W - 1, 0), or
+(W - 1, W - 1); `softcap` (Gemma 2's attn_logit_softcapping) is passed as it is; `s_aux`
+(gpt-oss's learnable sinks, one logit per query head) becomes sinks, in fp32, and trains. A
+sliding layer's cache holds the window's last tokens, bottom-right aligned like the queries, so
+the KV-cache path needs nothing more. On CUDA these raise the operators' "not yet on CUDA" line
+(ops.features_unsupported_reason) until the kernels take them. Not supported: attention dropout
+while training (it raises).
 """
 
 from __future__ import annotations
@@ -111,16 +120,23 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16
 
 
+def _features(kwargs: dict, causal: bool) -> dict:
+    """The window_size, softcap and sinks of one layer's call, from what transformers passes
+    (sliding_window, softcap, s_aux); {} for a layer with none."""
+    options = {}
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{NAME} attention takes sliding_window >= 1, got {window!r}")
+        options["window_size"] = (window - 1, 0 if causal else window - 1)
+    if kwargs.get("softcap"):
+        options["softcap"] = float(kwargs["softcap"])
+    if kwargs.get("s_aux") is not None:
+        options["sinks"] = kwargs["s_aux"].float()  # a model's dtype; the cast keeps the gradient
+    return options
+
+
 def _check_supported(module, dropout: float, kwargs: dict) -> None:
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError(
-            f"{NAME} attention has no sliding window (sliding_window={kwargs['sliding_window']}); "
-            'use attn_implementation="sdpa" for this model'
-        )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(
-            f'{NAME} attention has no logit soft-capping; use attn_implementation="sdpa"'
-        )
     if dropout and getattr(module, "training", False):
         raise NotImplementedError(
             f"{NAME} attention has no dropout (got {dropout}); call model.eval() or set the "
@@ -184,7 +200,7 @@ def _compute_packing(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> _Packi
     )
 
 
-def _padded_attention(q, k, v, mask: torch.Tensor, causal: bool, scale):
+def _padded_attention(q, k, v, mask: torch.Tensor, causal: bool, scale, options: dict):
     """q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] and a 2-D padding mask: the real
     tokens of each sequence packed into one varlen call, scattered back into zeros."""
     from ..ops import flash_attention_varlen_forward
@@ -203,6 +219,7 @@ def _padded_attention(q, k, v, mask: torch.Tensor, causal: bool, scale):
         pack.max_seqlen_k,
         causal,
         scale,
+        **options,
     )
     full = out.new_zeros(batch * seqlen_q, heads_q, head_dim_v)
     full.index_copy_(0, pack.q_index, out)
@@ -226,6 +243,7 @@ def attention_forward(
 
     _check_supported(module, dropout, kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    options = _features(kwargs, causal)
     dtype = query.dtype
     compute = _compute_dtype(dtype)
     q, k, v = (t.to(compute) for t in (query, key, value))
@@ -239,7 +257,13 @@ def attention_forward(
                 f"attn_implementation=register() so the matching mask function is used"
             )
         out = _padded_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, causal, scaling
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attention_mask,
+            causal,
+            scaling,
+            options,
         )
     elif cu_q is not None and cu_k is not None:
         # Padding-free packing: the batch is flattened and cu_seq_lens mark the sequences.
@@ -253,7 +277,8 @@ def attention_forward(
             int(kwargs["max_length_k"]),
             causal,
             scaling,
+            **options,
         ).view(batch, seqlen_q, heads_q, v.shape[-1])
     else:
-        out = flash_attention_forward(q, k, v, causal, scaling).transpose(1, 2)
+        out = flash_attention_forward(q, k, v, causal, scaling, **options).transpose(1, 2)
     return out.to(dtype), None

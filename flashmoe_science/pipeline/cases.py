@@ -14,13 +14,16 @@ then, only where they differ from the default, the gates' extra fields: `-bshd` 
 [B, H, S, D] views of [B, S, H, D] tensors), `-cfg2` (a forced tile configuration: ops.CONFIGS for
 prefill and decode, ops.BACKWARD_CONFIGS for the backward kinds), `-splits3` (a forced split
 count), `-lens5_0_257` (per-sequence cache lengths), `-rising` or `-falling` (scores whose spread
-grows sixteenfold along the keys, or shrinks: see SCORES) and `-det` (deterministic=True).
+grows sixteenfold along the keys, or shrinks: see SCORES), `-det` (deterministic=True), and the
+features of local attention: `-win16_0` (window_size=(16, 0); `inf` for -1), `-cap30` (softcap=30)
+and `-sinks` (learnable sink logits, drawn with the inputs: make_sinks).
 `parse_case_id` reads every id `Case.id` writes, including those stored by earlier benchmark runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import zlib
@@ -57,7 +60,8 @@ _ID_RE = re.compile(
     r"-h(?P<hq>\d+)(?:kv(?P<hkv>\d+))?"
     r"-b(?P<b>\d+)-(?:s(?P<s>\d+)|q(?P<sq>\d+)-k(?P<sk>\d+))(?:-(?P<mask>causal|full))?"
     r"(?:-(?P<layout>bshd))?(?:-cfg(?P<cfg>\d+))?(?:-splits(?P<splits>\d+))?"
-    r"(?:-lens(?P<lens>\d+(?:_\d+)*))?(?:-(?P<scores>rising|falling))?(?P<det>-det)?$"
+    r"(?:-lens(?P<lens>\d+(?:_\d+)*))?(?:-(?P<scores>rising|falling))?(?P<det>-det)?"
+    r"(?:-win(?P<wl>\d+|inf)_(?P<wr>\d+|inf))?(?:-cap(?P<cap>\d+(?:\.\d+)?))?(?P<sinks>-sinks)?$"
 )
 ID_EXAMPLES = "fwd-bf16-d128-h16-b4-s4096-causal or dec-bf16-d128-h32kv8-b4-q1-k8192"
 
@@ -86,6 +90,11 @@ class Case:
     deterministic: bool = False  # backward kinds: deterministic=True (bit-identical gradients)
     scores: str = "normal"  # one of SCORES: how make_inputs spreads the scores along the keys
     head_dim_v: int = 0  # v's and the output's head dim where it differs from head_dim (q's, k's)
+    # window_size=(left, right) ((-1, -1): none; a causal case's right side is 0), softcap (0: off)
+    # and learnable sinks (their values: make_sinks), as the API takes them
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
 
     def __post_init__(self):
         for name, allowed in (
@@ -112,6 +121,9 @@ class Case:
                     "give one length per sequence"
                 )
             object.__setattr__(self, "cache_seqlens", lengths)
+        object.__setattr__(self, "window", normal_window(self.window, self.causal))
+        if not (isinstance(self.softcap, int | float) and 0 <= self.softcap < float("inf")):
+            raise ValueError(f"Case softcap={self.softcap!r} is not supported: use 0 (off) or > 0")
 
     @property
     def id(self) -> str:
@@ -138,7 +150,7 @@ class Case:
             parts.append(self.scores)
         if self.deterministic:
             parts.append("det")
-        return "-".join(parts)
+        return "-".join(parts) + feature_suffix(self.window, self.softcap, self.sinks)
 
     def describe(self) -> str:
         return (
@@ -150,6 +162,7 @@ class Case:
             + (f" cache_seqlens={list(self.cache_seqlens)}" if self.cache_seqlens else "")
             + (" deterministic=True" if self.deterministic else "")
             + (f" scores={self.scores}" if self.scores != "normal" else "")
+            + describe_features(self.window, self.softcap, self.sinks)
         )
 
     def seed(self) -> int:
@@ -196,6 +209,12 @@ class Case:
             data["cache_seqlens"] = list(self.cache_seqlens)
         if not self.head_dim_v:  # where v's head dim is q's, the dict is what it always was
             del data["head_dim_v"]
+        # likewise without a window, softcap or sinks
+        for name, default in (("window", (-1, -1)), ("softcap", 0.0), ("sinks", False)):
+            if data[name] == default:
+                del data[name]
+            elif name == "window":
+                data[name] = list(self.window)
         return data
 
     @classmethod
@@ -220,8 +239,8 @@ def parse_case_id(case_id: str) -> Case:
     if not match:
         raise ValueError(
             f"bad case id {case_id!r}: expected e.g. {ID_EXAMPLES}, optionally followed by "
-            "-bshd, -cfgN, -splitsN, -lensA_B, -rising or -falling, -det (`bench --list` prints "
-            "the benchmark matrix)"
+            "-bshd, -cfgN, -splitsN, -lensA_B, -rising or -falling, -det, -winL_R, -capC, -sinks "
+            "(`bench --list` prints the benchmark matrix)"
         )
     g = match.groupdict()
     kind = {prefix: kind for kind, prefix in PREFIXES.items()}[g["kind"]]
@@ -250,9 +269,78 @@ def parse_case_id(case_id: str) -> Case:
             cache_seqlens=tuple(map(int, g["lens"].split("_"))) if g["lens"] else None,
             deterministic=bool(g["det"]),
             scores=g["scores"] or "normal",
+            window=parse_window(g["wl"], g["wr"]),
+            softcap=float(g["cap"] or 0),
+            sinks=bool(g["sinks"]),
         )
     except ValueError as exc:
         raise ValueError(f"bad case id {case_id!r}: {exc}") from None
+
+
+def normal_window(window, causal: bool) -> tuple[int, int]:
+    """A case's window_size as one value per mask: (left, right) ints >= -1, the right side 0
+    under causal (as the API reads it), and (-1, -1) for causal's own (-1, 0)."""
+    if (
+        not isinstance(window, tuple | list)
+        or len(window) != 2
+        or not all(isinstance(side, int) and not isinstance(side, bool) for side in window)
+        or min(window) < -1
+    ):
+        raise ValueError(
+            f"window={window!r} is not supported: use (left, right), each -1 (unbounded) or >= 0"
+        )
+    left, right = window
+    if causal:
+        right = 0
+    return (-1, -1) if causal and left == -1 else (left, right)
+
+
+def _side(value: int) -> str:
+    return "inf" if value < 0 else str(value)
+
+
+def feature_suffix(window: tuple[int, int], softcap: float, sinks: bool) -> str:
+    """The id suffix of a window, softcap and sinks ("" for none): -win16_0, -cap30, -sinks."""
+    parts = []
+    if window != (-1, -1):
+        parts.append(f"win{_side(window[0])}_{_side(window[1])}")
+    if softcap:
+        parts.append(f"cap{softcap:g}")
+    if sinks:
+        parts.append("sinks")
+    return "".join(f"-{part}" for part in parts)
+
+
+def parse_window(left: str | None, right: str | None) -> tuple[int, int]:
+    if left is None:
+        return (-1, -1)
+    return tuple(-1 if side == "inf" else int(side) for side in (left, right))
+
+
+def describe_features(window: tuple[int, int], softcap: float, sinks: bool) -> str:
+    return (
+        (f" window_size={tuple(window)}" if window != (-1, -1) else "")
+        + (f" softcap={softcap:g}" if softcap else "")
+        + (" sinks" if sinks else "")
+    )
+
+
+def draw_sinks(heads_q: int, keys: int, seed: int, device: str) -> torch.Tensor:
+    """fp32 [heads_q] sink logits from `seed`, around log(keys): with `keys` the keys a row sees,
+    the sink then takes a share of each row's softmax comparable to its keys'."""
+    generator = torch.Generator().manual_seed(seed % (2**31))
+    sinks = torch.randn(heads_q, generator=generator) * 1.5 + math.log(max(keys, 2))
+    return sinks.to(device)
+
+
+def make_sinks(case: Case, device: str) -> torch.Tensor | None:
+    """A case's sink logits (None without sinks), from its seed (shifted, so the inputs are those
+    of the same case without sinks)."""
+    if not case.sinks:
+        return None
+    left = case.window[0]
+    keys = case.seqlen_k if left < 0 else min(case.seqlen_k, left + 1)
+    return draw_sinks(case.heads_q, keys, case.seed() + 2, device)
 
 
 class Inputs(NamedTuple):

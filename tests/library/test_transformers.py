@@ -1,7 +1,8 @@
 """Our attention inside a Hugging Face transformers model (flashmoe_science.integrations.transformers):
 a small Llama-style model with random weights, built from a config (no downloads), run in fp32 as
 the reference and in bf16 with SDPA and with ours, on right- and left-padded batches, through
-greedy generation with the KV cache, and on a packed (padding-free) batch."""
+greedy generation with the KV cache, and on a packed (padding-free) batch; models of other head
+dims; and Gemma 2, Gemma 3, Mistral and gpt-oss (sliding windows, soft-capping, sinks)."""
 
 from __future__ import annotations
 
@@ -381,15 +382,187 @@ def test_deepseek_v3_generates_with_the_kv_cache(name, device):
 
 
 def test_unsupported_options_raise(name):
+    """Attention dropout while training is what stays unsupported; sliding windows, soft-capping
+    and sinks run (test_models_with_windows_softcap_and_sinks_match_eager)."""
     q = torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16)
     kv = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="no sliding window"):
-        integration.attention_forward(module, q, kv, kv, None, sliding_window=4)
-    with pytest.raises(NotImplementedError, match="no logit soft-capping"):
-        integration.attention_forward(module, q, kv, kv, None, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="no dropout"):
+        integration.attention_forward(module, q, kv, kv, None, dropout=0.1)
+    module.eval()
+    integration.attention_forward(module, q, kv, kv, None, dropout=0.1)  # no dropout in eval
+    out, _ = integration.attention_forward(
+        module, q, kv, kv, None, sliding_window=2, softcap=30.0, s_aux=torch.zeros(4)
+    )
+    assert out.shape == (1, 3, 4, 64)
+    with pytest.raises(ValueError, match="sliding_window >= 1, got 0"):
+        integration.attention_forward(module, q, kv, kv, None, sliding_window=0)
     with pytest.raises(ValueError, match="2-D padding mask"):
         integration.attention_forward(module, q, kv, kv, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+
+
+# ---- sliding windows, logit soft-capping and sinks: Gemma 2, Gemma 3, Mistral, gpt-oss ----------
+
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "pad_token_id": 0,
+    "initializer_range": 0.2,
+    "max_position_embeddings": 128,
+}
+# A window of 4 tokens, shorter than the batches' 12, and a soft-cap of 1, below the scores'
+# spread: with either left out, the logits part from eager's by tens of percent.
+WINDOW = 4
+LOCAL_AND_GLOBAL = ["sliding_attention", "full_attention"]
+
+
+def feature_model(kind: str, implementation: str, state=None, dtype=torch.float32, device="cpu"):
+    """A two-layer model with random weights (no downloads): Gemma 2 (a local layer and a global
+    one, attn_logit_softcapping), Gemma 3 (local and global layers), Mistral (every layer
+    local) or gpt-oss (local and global layers, learnable sinks, a mixture of experts)."""
+    torch.manual_seed(0)
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(
+            **TINY,
+            sliding_window=WINDOW,
+            layer_types=LOCAL_AND_GLOBAL,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=16,
+        )
+        cls = transformers.Gemma2ForCausalLM
+    elif kind == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            **TINY, sliding_window=WINDOW, layer_types=LOCAL_AND_GLOBAL, query_pre_attn_scalar=16
+        )
+        cls = transformers.Gemma3ForCausalLM
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**TINY, sliding_window=WINDOW)
+        cls = transformers.MistralForCausalLM
+    else:
+        config = transformers.GptOssConfig(
+            **{**TINY, "intermediate_size": 64},
+            sliding_window=WINDOW,
+            layer_types=LOCAL_AND_GLOBAL,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+        cls = transformers.GptOssForCausalLM
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gpt-oss's rope scaling remark on a tiny context
+        m = cls._from_config(config, attn_implementation=implementation)
+    if state is not None:
+        m.load_state_dict(state)
+    elif kind == "gpt-oss":
+        with torch.no_grad():  # sinks that take a real share of each row (init: about 0)
+            for layer in m.model.layers:
+                layer.self_attn.sinks.normal_(2.0, 1.0)
+    return m.eval().to(device=device, dtype=dtype)
+
+
+FEATURE_MODELS = ("gemma2", "gemma3", "mistral", "gpt-oss")
+
+
+def _feature_logits(m, ids, mask, **kwargs):
+    with torch.no_grad():
+        return m(input_ids=ids, attention_mask=mask, **kwargs).logits.float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("side", ["left", "none"])
+@pytest.mark.parametrize("kind", FEATURE_MODELS)
+def test_models_with_windows_softcap_and_sinks_match_eager(name, kind, side, device):
+    """Each model on a left-padded batch (the varlen path) and an unpadded one (the dense path):
+    bf16 logits as close to the fp32 eager model's as eager's own in bf16 (SDPA has no softcap).
+    On CUDA, the one-line "not yet on CUDA" error until the kernels take the features."""
+    ref = feature_model(kind, "eager", device=device)
+    state = ref.state_dict()
+    ours = feature_model(kind, name, state, torch.bfloat16, device)
+    ids, mask = batch(device, side if side == "left" else "right")
+    if side == "none":
+        mask = torch.ones_like(mask)
+    if device == "cuda":
+        with torch.no_grad(), pytest.raises(ValueError, match="not yet on CUDA"):
+            ours(input_ids=ids, attention_mask=mask)
+        return
+    lowp = feature_model(kind, "eager", state, torch.bfloat16, device)
+    expected = _feature_logits(ref, ids, mask)
+    err_lowp = relative_error(_feature_logits(lowp, ids, mask), expected, mask)
+    err_ours = relative_error(_feature_logits(ours, ids, mask), expected, mask)
+    assert err_ours <= ERROR_RATIO * err_lowp + 1e-6, (err_ours, err_lowp)
+
+
+@pytest.mark.parametrize("kind", FEATURE_MODELS)
+def test_models_with_windows_softcap_and_sinks_generate_with_the_kv_cache(name, kind):
+    """Greedy generation past the window with the dynamic cache (a local layer's cache keeps the
+    window's last tokens): prefill through the varlen path, then one decode step per token, each
+    token under the fp32 eager reference; with a fixed-size cache (a local layer's of the window's
+    size), the same tokens."""
+    ref = feature_model(kind, "eager")
+    state = ref.state_dict()
+    lowp = feature_model(kind, "eager", state, torch.bfloat16)
+    ours = feature_model(kind, name, state, torch.bfloat16)
+    ids, mask = batch("cpu", "left")
+    tokens = generate(ours, ids, mask, new_tokens=12)
+    assert tokens.shape == (ids.shape[0], ids.shape[1] + 12)
+    assert_greedy_under_reference(ref, lowp, tokens, mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the static cache's remarks on a tiny model
+        static = generate(ours, ids, mask, new_tokens=12, cache_implementation="static")
+    assert torch.equal(static, tokens)
+
+
+@pytest.mark.parametrize("kind", FEATURE_MODELS)
+def test_models_with_windows_softcap_and_sinks_on_a_packed_batch(name, kind):
+    """transformers' padding-free packing: each sequence's window and sinks stay its own."""
+    ours = feature_model(kind, name, dtype=torch.bfloat16)
+    torch.manual_seed(2)
+    sequences = [torch.randint(1, 256, (n,)) for n in (5, 9, 1)]
+    lengths = torch.tensor([len(seq) for seq in sequences])
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    positions = torch.cat([torch.arange(len(seq)) for seq in sequences])
+    with torch.no_grad():
+        packed = ours(
+            input_ids=torch.cat(sequences)[None],
+            position_ids=positions[None],
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=int(lengths.max()),
+            max_length_k=int(lengths.max()),
+        ).logits[0]
+        alone = torch.cat([ours(input_ids=seq[None]).logits[0] for seq in sequences])
+    torch.testing.assert_close(packed.float(), alone.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gpt_oss_sinks_train(name):
+    """A loss over a left-padded batch reaches gpt-oss's sinks (s_aux, a parameter in the model's
+    dtype) through our backward: their gradients as close to the fp32 eager model's as eager's own
+    in bf16."""
+    ids, mask = batch("cpu", "left")
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[torch.arange(len(ids)), mask.float().argmax(dim=1)] = -100
+    grads = {}
+    state = feature_model("gpt-oss", "eager").state_dict()
+    for label, implementation, dtype in (
+        ("ref", "eager", torch.float32),
+        ("lowp", "eager", torch.bfloat16),
+        ("ours", name, torch.bfloat16),
+    ):
+        m = feature_model("gpt-oss", implementation, state, dtype)
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads[label] = torch.cat([layer.self_attn.sinks.grad.float() for layer in m.model.layers])
+    expected = grads["ref"]
+    assert float(expected.abs().max()) > 1e-3
+
+    def error(got: torch.Tensor) -> float:
+        return float((got - expected).norm() / expected.norm())
+
+    assert error(grads["ours"]) <= 2 * error(grads["lowp"]) + 0.01, (grads, expected)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -3,7 +3,12 @@
 The reference is the attention's backward in closed form, computed in fp32 (fp64 on the CPU) from
 the same inputs and grad_output: P = softmax(q k^T * scale) (rows that see no key: 0),
 dV = P^T dO, dP = dO V^T, delta = rowsum(dO * O), dS = P * (dP - delta), dQ = scale * dS K,
-dK = scale * dS^T Q, dK and dV summed over the query heads of a GQA group. For each of dq, dk, dv:
+dK = scale * dS^T Q, dK and dV summed over the query heads of a GQA group. With softcap, the scores
+t = softcap * tanh(s / softcap) of the scaled scores s give dS = P * (dP - delta) * (1 - (t /
+softcap)^2); with a window, masked scores have P = 0; with sinks, P's row includes the sink's
+column (no value, so delta and dS are unchanged) and d sinks[h] = -sum over the rows of head h of
+P_sink * delta (tests/gates/test_grad_gates.py checks this closed form against torch.autograd on
+the fp64 forward). For each of dq, dk, dv (and dsinks):
 
 Gate 1: max |g - g_ref| < 0.1 * max(1, max |g_ref|).
 Gate 2 (FlashAttention's rule for gradients, tests/test_flash_attn.py): max |g - g_ref| <=
@@ -23,20 +28,21 @@ from collections.abc import Callable
 
 import torch
 
-from ..cases import DTYPES, Case, make_inputs, make_output_grad
+from ..cases import DTYPES, Case, make_inputs, make_output_grad, make_sinks
 from .forward import (
     GATE2_EPS,
     GATE2_PT_MULTIPLIER,
     _visible_mask,
+    features,
     poisoned_outputs,
 )
 from .matrix import rerun_fields
 
 GATE1_REL = 0.1
 DETERMINISM_REPEATS = 10
-GRADS = ("dq", "dk", "dv")
+GRADS = ("dq", "dk", "dv", "dsinks")  # dsinks: cases with sinks
 
-Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Grads = tuple[torch.Tensor, ...]  # dq, dk, dv (and dsinks)
 GradFn = Callable[[Case, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], Grads]
 
 
@@ -45,8 +51,21 @@ GradFn = Callable[[Case, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 # --------------------------------------------------------------------------------------------------
 
 
-def reference_grads(q, k, v, dout, causal: bool, scale: float, compute_dtype=None) -> Grads:
-    """The backward in closed form, in `compute_dtype` (fp32 on CUDA, fp64 on the CPU)."""
+def reference_grads(
+    q,
+    k,
+    v,
+    dout,
+    causal: bool,
+    scale: float,
+    compute_dtype=None,
+    *,
+    window=(-1, -1),
+    softcap: float = 0.0,
+    sinks=None,
+) -> Grads:
+    """The backward in closed form, in `compute_dtype` (fp32 on CUDA, fp64 on the CPU): dq, dk, dv,
+    and dsinks (fp32 [Hq] in compute_dtype) when sinks are given."""
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.device.type == "cpu" else torch.float32
     batch, heads_q, seqlen_q, _ = q.shape
@@ -56,9 +75,15 @@ def reference_grads(q, k, v, dout, causal: bool, scale: float, compute_dtype=Non
     kc = k.to(compute_dtype).repeat_interleave(ratio, dim=1)
     vc = v.to(compute_dtype).repeat_interleave(ratio, dim=1)
     scores = (qc @ kc.transpose(-1, -2)) * scale
-    visible = _visible_mask((seqlen_q, seqlen_k, causal), None, batch, q.device)
+    if softcap:
+        capped = torch.tanh(scores / softcap)
+        scores, slope = softcap * capped, 1 - capped * capped
+    visible = _visible_mask((seqlen_q, seqlen_k, causal), None, batch, q.device, window)
     scores = scores.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.to(compute_dtype).view(1, -1, 1, 1)
+        lse = torch.logaddexp(lse, sink.expand_as(lse))
     empty = torch.isinf(lse)
     probs = torch.where(empty, torch.zeros_like(scores), torch.exp(scores - lse.nan_to_num(0)))
     out = probs @ vc
@@ -66,30 +91,49 @@ def reference_grads(q, k, v, dout, causal: bool, scale: float, compute_dtype=Non
     dprobs = doc @ vc.transpose(-1, -2)
     delta = (doc * out).sum(dim=-1, keepdim=True)
     dscores = probs * (dprobs - delta)
+    if softcap:
+        dscores = dscores * slope
     dq = (dscores @ kc) * scale
     dk = (dscores.transpose(-1, -2) @ qc) * scale
 
     def group_sum(g: torch.Tensor) -> torch.Tensor:
         return g.view(batch, heads_kv, ratio, seqlen_k, -1).sum(dim=2)
 
-    return dq, group_sum(dk), group_sum(dv)
+    grads = (dq, group_sum(dk), group_sum(dv))
+    if sinks is None:
+        return grads
+    sink_probs = torch.where(empty, torch.zeros_like(lse), torch.exp(sink - lse.nan_to_num(0)))
+    return (*grads, -(sink_probs * delta).sum(dim=(0, 2, 3)))
 
 
-def pytorch_lowp_grads(q, k, v, dout, causal: bool, scale: float) -> Grads:
+def pytorch_lowp_grads(
+    q, k, v, dout, causal: bool, scale: float, *, window=(-1, -1), softcap=0.0, sinks=None
+) -> Grads:
     """PyTorch's autograd through the same attention at the input precision (the scale on k, as
-    gates.attention_pytorch_lowp does): the error that precision alone causes. Rows that see no key
-    are zeroed by a mask, not by nan_to_num, so no NaN reaches their gradients."""
+    gates.attention_pytorch_lowp does; sinks fp32): the error that precision alone causes. Rows
+    that see no key are zeroed by a mask, not by nan_to_num, so no NaN reaches their gradients."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    inputs = (q, k, v)
     ratio = q.shape[1] // k.shape[1]
     kr = k.repeat_interleave(ratio, dim=1)
     vr = v.repeat_interleave(ratio, dim=1)
     scores = q @ (kr * scale).transpose(-1, -2)
-    visible = _visible_mask((q.shape[2], k.shape[2], causal), None, q.shape[0], q.device)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = _visible_mask((q.shape[2], k.shape[2], causal), None, q.shape[0], q.device, window)
     has_key = visible.any(dim=-1, keepdim=True)
     scores = torch.where(has_key, scores.masked_fill(~visible, -math.inf), torch.zeros_like(scores))
-    probs = (torch.softmax(scores.float(), dim=-1) * has_key).to(q.dtype)
+    scores = scores.float()
+    if sinks is not None:
+        sinks = sinks.detach().float().requires_grad_()
+        inputs = (*inputs, sinks)
+        column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = (probs * has_key).to(q.dtype)
     out = probs @ vr
-    return torch.autograd.grad(out, (q, k, v), dout)
+    return torch.autograd.grad(out, inputs, dout)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,6 +204,11 @@ def _finite(value):
     return value
 
 
+def _as_4d(grad: torch.Tensor) -> torch.Tensor:
+    """dsinks [Hq] as [1, Hq, 1, 1], so its worst element reads (batch, head, row, column)."""
+    return grad.view(1, -1, 1, 1) if grad.dim() == 1 else grad
+
+
 def evaluate_grad(got: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, dtype) -> GradGate:
     nonfinite = int((~torch.isfinite(got)).sum())
     err = torch.nan_to_num((got.to(ref.dtype) - ref).abs(), nan=math.inf)
@@ -189,8 +238,8 @@ def evaluate(
     """Apply every gate to one backward's gradients against the references."""
     dtype = DTYPES[case.dtype]
     grads = {
-        name: evaluate_grad(g, r, p, dtype)
-        for name, g, r, p in zip(GRADS, got, ref, pt, strict=True)
+        name: evaluate_grad(_as_4d(g), _as_4d(r), _as_4d(p), dtype)
+        for name, g, r, p in zip(GRADS[: len(got)], got, ref, pt, strict=True)
     }
     deterministic = None
     if repeats:
@@ -243,10 +292,18 @@ def format_failure(case: Case, result: GradResult) -> str:
 
 
 def call_api(case: Case, q, k, v, dout, softmax_scale: float) -> Grads:
-    """The gradients as a user gets them: autograd through flash_attention_forward."""
+    """The gradients as a user gets them: autograd through flash_attention_forward (and the sinks'
+    with sinks)."""
     from ... import ops
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    inputs = (q, k, v)
+    options = {}
+    if case.window != (-1, -1) or case.softcap or case.sinks:
+        sinks = make_sinks(case, q.device.type)
+        if sinks is not None:
+            inputs = (*inputs, sinks.requires_grad_())
+        options = {"window_size": case.window, "softcap": case.softcap, "sinks": sinks}
     out = ops.flash_attention_forward(
         q,
         k,
@@ -255,8 +312,9 @@ def call_api(case: Case, q, k, v, dout, softmax_scale: float) -> Grads:
         softmax_scale,
         backward_config=case.config,
         deterministic=case.deterministic,
+        **options,
     )
-    return torch.autograd.grad(out, (q, k, v), dout)
+    return torch.autograd.grad(out, inputs, dout)
 
 
 def check_case(case: Case, device: str, grad_fn: GradFn | None = None) -> GradResult:
@@ -272,6 +330,7 @@ def check_case(case: Case, device: str, grad_fn: GradFn | None = None) -> GradRe
         repeats = []
         if case.deterministic:
             repeats = [fn(case, q, k, v, dout, scale) for _ in range(DETERMINISM_REPEATS - 1)]
-    ref = reference_grads(q, k, v, dout, case.causal, scale)
-    pt = pytorch_lowp_grads(q, k, v, dout, case.causal, scale)
+    options = {**features(case), "sinks": make_sinks(case, device)}
+    ref = reference_grads(q, k, v, dout, case.causal, scale, **options)
+    pt = pytorch_lowp_grads(q, k, v, dout, case.causal, scale, **options)
     return evaluate(case, device, seed, got, ref, pt, repeats)

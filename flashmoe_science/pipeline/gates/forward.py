@@ -10,6 +10,11 @@ happens to be zero (FlashAttention's hopper tests use the same form).
 Every case also checks: no NaN or Inf, every output element written (the call's fresh tensors come
 filled with NaN: poisoned_outputs), the log-sum-exp against the reference, and bit-identical
 repeated calls.
+
+The references take the features of local attention, each in its definition's own terms: the
+window as a mask of positions (query i at p = i + Sk - Sq sees p - left <= j <= p + right),
+softcap as softcap * tanh(s / softcap) of the scaled scores before the mask, sinks as one more
+column of the softmax (its logit, no value) that is dropped after it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cases import DTYPES, Case, make_inputs
+from ..cases import DTYPES, Case, make_inputs, make_sinks
 from .matrix import rerun_fields
 
 GATE1_MAX_DIFF = 0.1
@@ -38,8 +43,12 @@ LSE_RTOL = 1e-3
 # --------------------------------------------------------------------------------------------------
 
 
-def _visible_mask(case_like: tuple[int, int, bool], seqlens, batch: int, device) -> torch.Tensor:
-    """[B, 1, Sq, Sk] True where query i may see key j (bottom-right causal, per-sequence length)."""
+def _visible_mask(
+    case_like: tuple[int, int, bool], seqlens, batch: int, device, window=(-1, -1)
+) -> torch.Tensor:
+    """[B, 1, Sq, Sk] True where query i may see key j: key j < the sequence's length and, with
+    query i at p = i + length - Sq (bottom-right aligned), p - left <= j <= p + right for
+    window_size=(left, right) (-1: unbounded), causal being right = 0."""
     seqlen_q, seqlen_k, causal = case_like
     if seqlens is None:
         lens = torch.full((batch,), seqlen_k, device=device, dtype=torch.int64)
@@ -48,40 +57,77 @@ def _visible_mask(case_like: tuple[int, int, bool], seqlens, batch: int, device)
     i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
     j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
     lens = lens.view(-1, 1, 1, 1)
-    visible = j < lens
+    position = i + lens - seqlen_q
+    left, right = window
     if causal:
-        visible = visible & (j <= i + lens - seqlen_q)
+        right = 0
+    visible = j < lens
+    if left >= 0:
+        visible = visible & (j >= position - left)
+    if right >= 0:
+        visible = visible & (j <= position + right)
     return visible
 
 
-def attention_reference(q, k, v, causal: bool, scale: float, seqlens=None, compute_dtype=None):
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap * tanh(scores / softcap), of the scaled scores (softcap 0: unchanged)."""
+    return softcap * torch.tanh(scores / softcap) if softcap else scores
+
+
+def attention_reference(
+    q,
+    k,
+    v,
+    causal: bool,
+    scale: float,
+    seqlens=None,
+    compute_dtype=None,
+    *,
+    window=(-1, -1),
+    softcap: float = 0.0,
+    sinks=None,
+):
     """Attention computed in `compute_dtype` (fp32 on CUDA, fp64 on the CPU by default) from the same
-    inputs. Rows that see no key get output 0 and log-sum-exp -inf. Returns (out, lse) in compute_dtype."""
+    inputs, with window_size=window, softcap and sinks (fp32 [Hq]) as the API defines them. Rows
+    that see no key get output 0 and log-sum-exp -inf (their sink's logit with sinks). Returns
+    (out, lse) in compute_dtype."""
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.device.type == "cpu" else torch.float32
     ratio = q.shape[1] // k.shape[1]
     qc = q.to(compute_dtype)
     kc = k.to(compute_dtype).repeat_interleave(ratio, dim=1)
     vc = v.to(compute_dtype).repeat_interleave(ratio, dim=1)
-    scores = (qc @ kc.transpose(-1, -2)) * scale
-    visible = _visible_mask((q.shape[2], k.shape[2], causal), seqlens, q.shape[0], q.device)
+    scores = _capped((qc @ kc.transpose(-1, -2)) * scale, softcap)
+    visible = _visible_mask((q.shape[2], k.shape[2], causal), seqlens, q.shape[0], q.device, window)
     scores = scores.masked_fill(~visible, -math.inf)
+    if sinks is not None:  # the sink's column: its logit in every row
+        column = sinks.to(compute_dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, column], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     probs = torch.where(torch.isinf(lse).unsqueeze(-1), torch.zeros_like(probs), probs)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink has no value
     return probs @ vc, lse
 
 
-def attention_pytorch_lowp(q, k, v, causal: bool, scale: float, seqlens=None):
+def attention_pytorch_lowp(
+    q, k, v, causal: bool, scale: float, seqlens=None, *, window=(-1, -1), softcap=0.0, sinks=None
+):
     """The same attention done by plain PyTorch at the input precision, with the scale moved onto k
     (FlashAttention's `reorder_ops`), to measure the error that precision alone causes."""
     ratio = q.shape[1] // k.shape[1]
     kr = k.repeat_interleave(ratio, dim=1)
     vr = v.repeat_interleave(ratio, dim=1)
-    scores = q @ (kr * scale).transpose(-1, -2)
-    visible = _visible_mask((q.shape[2], k.shape[2], causal), seqlens, q.shape[0], q.device)
-    scores = scores.masked_fill(~visible, -math.inf)
-    probs = torch.softmax(scores.float(), dim=-1)
+    scores = _capped(q @ (kr * scale).transpose(-1, -2), softcap)
+    visible = _visible_mask((q.shape[2], k.shape[2], causal), seqlens, q.shape[0], q.device, window)
+    scores = scores.float().masked_fill(~visible, -math.inf)
+    if sinks is not None:
+        column = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, column], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
     probs = torch.nan_to_num(probs, nan=0.0).to(q.dtype)
     return probs @ vr
 
@@ -232,10 +278,23 @@ def format_failure(case: Case, result: GateResult) -> str:
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def features(case) -> dict:
+    """The window and softcap of a case (a Case, VarlenCase or PagedCase) as the references take
+    them; its sinks come from its seed (cases.make_sinks, varlen_sinks, paged_sinks)."""
+    return {"window": case.window, "softcap": case.softcap}
+
+
 def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
     """Call the public API exactly as a user would."""
     from ... import ops
 
+    options = {}
+    if case.window != (-1, -1) or case.softcap or case.sinks:  # as a user of none of them calls
+        options = {
+            "window_size": case.window,
+            "softcap": case.softcap,
+            "sinks": make_sinks(case, q.device.type),
+        }
     if case.kind == "decode":
         return ops.flash_attention_decode(
             q,
@@ -247,6 +306,7 @@ def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
             num_splits=case.num_splits or None,
             return_lse=True,
             config=case.config,
+            **options,
         )
     return ops.flash_attention_forward(
         q,
@@ -257,6 +317,7 @@ def call_api(case: Case, q, k, v, seqlens, softmax_scale: float):
         return_lse=True,
         num_splits=case.num_splits,
         config=case.config,
+        **options,
     )
 
 
@@ -290,6 +351,7 @@ def check_case(case: Case, device: str, attention_fn: AttentionFn | None = None)
     with poisoned_outputs():
         out, lse = fn(case, q, k, v, seqlens, scale)
         out_again, lse_again = fn(case, q, k, v, seqlens, scale)
-    ref, ref_lse = attention_reference(q, k, v, case.causal, scale, seqlens)
-    out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, seqlens)
+    options = {**features(case), "sinks": make_sinks(case, device)}
+    ref, ref_lse = attention_reference(q, k, v, case.causal, scale, seqlens, **options)
+    out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, seqlens, **options)
     return evaluate(case, device, seed, out, lse, out_again, lse_again, ref, ref_lse, out_pt)

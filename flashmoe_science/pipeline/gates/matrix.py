@@ -112,6 +112,7 @@ def forward_cases(tier: str) -> Iterator[Case]:
     if not gpu:
         yield from _ramped_cases((0,), (257, 257))
         yield from _new_head_dim_cases_cpu("prefill")
+        yield from feature_cases("cpu", "prefill")
         return
     # Every kernel configuration any architecture selects, forced on this card (ids as in
     # ops.CONFIGS), each also through its split-KV path, then the whole matrix for
@@ -152,6 +153,7 @@ def forward_cases(tier: str) -> Iterator[Case]:
     yield from _ramped_cases((0, *FORCED_CONFIGS), (1000, 1000))
     yield from _new_head_dim_matrix("prefill", pairs)
     yield from _ramped_cases((0,), (1000, 1000), NEW_HEAD_DIMS)
+    yield from feature_cases("gpu", "prefill")
 
 
 def _new_head_dim_matrix(kind: str, pairs: list[tuple[int, int]]) -> Iterator[Case]:
@@ -278,6 +280,7 @@ def decode_cases(tier: str) -> Iterator[Case]:
         for head_dims in NEW_HEAD_DIMS:
             yield from _decode_sweep(gpu, (head_dims,))
         yield from many_row_decode_cases()
+        yield from feature_cases("gpu", "decode")
         return
     for index, (head_dim, head_dim_v) in enumerate(NEW_HEAD_DIMS_CPU):
         dtype = tuple(DTYPES)[index % len(DTYPES)]
@@ -296,6 +299,7 @@ def decode_cases(tier: str) -> Iterator[Case]:
                 cache_seqlens=lengths,
                 head_dim_v=head_dim_v,
             )
+    yield from feature_cases("cpu", "decode")
 
 
 def _decode_sweep(gpu: bool, head_dims: tuple[tuple[int, int], ...]) -> Iterator[Case]:
@@ -421,6 +425,7 @@ def backward_cases(tier: str) -> Iterator[Case]:
                         yield case(dtype, head_dim, causal, seqlen_q, seqlen_k, config=config)
     if not gpu:
         yield from _new_head_dim_cases_cpu("backward")
+        yield from feature_cases("cpu", "backward")
         return
     yield from _new_head_dim_matrix("backward", pairs)
     variants = itertools.product(NEW_HEAD_DIMS, DTYPES, (False, True), DETERMINISTIC_PAIRS)
@@ -428,6 +433,175 @@ def backward_cases(tier: str) -> Iterator[Case]:
         yield case(
             dtype, head_dim, causal, seqlen_q, seqlen_k, deterministic=True, head_dim_v=head_dim_v
         )
+    yield from feature_cases("gpu", "backward")
+
+
+# ---- local attention, soft-capping and sinks ------------------------------------------------------
+
+# The combinations gated: each feature alone, Gemma 2's local layers (window and softcap),
+# gpt-oss's sliding layers (window and sinks), and all three.
+FEATURE_COMBOS = (
+    ("window",),
+    ("softcap",),
+    ("sinks",),
+    ("window", "softcap"),
+    ("window", "sinks"),
+    ("window", "softcap", "sinks"),
+)
+# Windows (left, right) by mask, taken in turn: 0 (each query its own key), small, a 64-key block
+# and one key less, larger than the sequence (None: Sk + 7), and asymmetric or one-sided ones
+# where the right side is free (causal sets it to 0).
+WINDOWS_CAUSAL = ((0, 0), (16, 0), (64, 0), None, (63, 0))
+WINDOWS_FULL = ((0, 0), (16, 3), (5, 37), (-1, 21), None, (40, -1))
+# Soft-caps: below the scores' spread (tanh saturates: the derivative matters), moderate, and
+# Gemma 2's 50.
+SOFTCAPS = (1.0, 5.0, 50.0)
+# Sliding windows of decode: the last key alone, a few, a block, and past the cache.
+DECODE_WINDOWS = ((0, 0), (16, 0), (64, 0), None)
+
+
+def _feature_window(variants, index: int, seqlen_k: int) -> tuple[int, int]:
+    window = variants[index % len(variants)]
+    return (seqlen_k + 7, seqlen_k + 7) if window is None else window
+
+
+def _with_features(case: Case, combo: tuple[str, ...], index: int) -> Case:
+    windows = WINDOWS_CAUSAL if case.causal else WINDOWS_FULL
+    return dataclasses.replace(
+        case,
+        window=_feature_window(windows, index, case.seqlen_k) if "window" in combo else (-1, -1),
+        softcap=SOFTCAPS[index % len(SOFTCAPS)] if "softcap" in combo else 0.0,
+        sinks="sinks" in combo,
+    )
+
+
+# The CPU tier's cases, (Sq, Sk, causal, combination, window, softcap, layout, num_splits): each
+# window kind (0, small, a block, larger than S, asymmetric, right only), each feature alone and in
+# every combination, Sq != Sk both ways (rows that see no key, with and without a sink), split-KV
+# with sinks (the sink added once), strided views.
+FEATURE_PREFILL_CPU = (
+    (65, 65, True, ("window",), (16, 0), 0.0, "bhsd", 0),
+    (129, 129, False, ("window",), (5, 37), 0.0, "bshd", 0),
+    (113, 203, True, ("window",), (0, 0), 0.0, "bhsd", 0),
+    (203, 113, False, ("window",), (-1, 21), 0.0, "bhsd", 0),
+    (17, 129, True, ("softcap",), (-1, -1), 1.0, "bhsd", 0),
+    (129, 17, True, ("sinks",), (-1, -1), 0.0, "bhsd", 0),
+    (65, 130, True, ("window", "softcap"), (64, 0), 5.0, "bhsd", 0),
+    (129, 129, True, ("window", "sinks"), (63, 0), 0.0, "bhsd", 3),
+    (257, 257, False, ("window", "softcap", "sinks"), (264, 264), 1.0, "bshd", 0),
+)
+FEATURE_BACKWARD_CPU = (
+    (65, 65, True, ("window",), (16, 0), 0.0, "bhsd", 0),
+    (113, 203, False, ("window", "softcap"), (5, 37), 1.0, "bhsd", 0),
+    (129, 17, True, ("sinks",), (-1, -1), 0.0, "bhsd", 0),
+    (129, 129, True, ("window", "softcap", "sinks"), (64, 0), 5.0, "bshd", 0),
+)
+# (Sq, Sk, window, softcap, sinks, num_splits, cache_seqlens) of the CPU tier's decode cases.
+FEATURE_DECODE_CPU = (
+    (1, 300, (63, 0), 0.0, True, 3, (300, 0, 77)),
+    (4, 257, (16, 0), 5.0, False, 0, None),
+    (2, 1000, (100, 0), 1.0, True, 7, (1000, 513, 1)),
+)
+
+
+def feature_cases(tier: str, kind: str) -> Iterator[Case]:
+    """Cases of local attention, soft-capping and sinks for a kind ("prefill", "backward",
+    "decode"). tier "gpu": every (Sq, Sk) of the sequence-length matrix (the decode one for
+    decode) with each combination of FEATURE_COMBOS, window, softcap, dtype, mask, head dim (64 and
+    128), GQA ratio 1/4/8 and layout taken in turn; backward adds deterministic calls. tier "cpu":
+    FEATURE_*_CPU. The CUDA kernels take none of these yet: their CUDA cases skip, saying so
+    (ops.features_unsupported_reason)."""
+    if kind == "decode":
+        yield from _feature_decode_cases(tier)
+        return
+    if tier == "cpu":
+        table = FEATURE_PREFILL_CPU if kind == "prefill" else FEATURE_BACKWARD_CPU
+        for index, row in enumerate(table):
+            seqlen_q, seqlen_k, causal, combo, window, softcap, layout, splits = row
+            yield Case(
+                kind,
+                tuple(DTYPES)[index % len(DTYPES)],
+                2 if max(seqlen_q, seqlen_k) < 257 else 1,
+                4,
+                4 // (1, 4, 2)[index % 3],
+                seqlen_q,
+                seqlen_k,
+                64,
+                causal,
+                layout=layout,
+                num_splits=splits,
+                window=window,
+                softcap=softcap,
+                sinks="sinks" in combo,
+                deterministic=kind == "backward" and index == len(table) - 1,
+            )
+        return
+    pairs = [(s, s) for s in SEQLENS] + list(UNEQUAL)
+    variants = itertools.product(pairs, FEATURE_COMBOS)
+    for index, ((seqlen_q, seqlen_k), combo) in enumerate(variants):
+        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+        case = Case(
+            kind,
+            tuple(DTYPES)[index % len(DTYPES)],
+            batch,
+            hq,
+            hkv,
+            seqlen_q,
+            seqlen_k,
+            (64, 128)[(index // 2) % 2],
+            bool(index // 3 % 2),
+            layout="bshd" if index % 4 == 3 else "bhsd",
+            deterministic=kind == "backward" and index % 5 == 4,
+        )
+        yield _with_features(case, combo, index // len(FEATURE_COMBOS))
+
+
+def _feature_decode_cases(tier: str) -> Iterator[Case]:
+    if tier == "cpu":
+        for index, row in enumerate(FEATURE_DECODE_CPU):
+            seqlen_q, seqlen_k, window, softcap, sinks, splits, lengths = row
+            yield Case(
+                "decode",
+                tuple(DTYPES)[index % len(DTYPES)],
+                len(lengths) if lengths else 2,
+                8,
+                8 // GQA_RATIOS[index % len(GQA_RATIOS)],
+                seqlen_q,
+                seqlen_k,
+                64,
+                True,
+                num_splits=splits,
+                cache_seqlens=lengths,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+            )
+        return
+    pairs = [(q, k) for k in DECODE_SEQLENS_K for q in DECODE_SEQLENS_Q if q <= k]
+    for index, (seqlen_q, seqlen_k) in enumerate(pairs):
+        combo = FEATURE_COMBOS[index % len(FEATURE_COMBOS)]
+        ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+        batch = 1 if seqlen_k >= 32768 else 3
+        heads_q = 8 if seqlen_k < 32768 else 4 * ratio
+        case = Case(
+            "decode",
+            tuple(DTYPES)[index % len(DTYPES)],
+            batch,
+            heads_q,
+            heads_q // ratio,
+            seqlen_q,
+            seqlen_k,
+            (64, 128)[(index // 2) % 2],
+            True,
+            num_splits=DECODE_SPLITS[index % len(DECODE_SPLITS)],
+            cache_seqlens=_mixed_lengths(seqlen_k, batch, index) if index % 3 else None,
+            softcap=SOFTCAPS[index % len(SOFTCAPS)] if "softcap" in combo else 0.0,
+            sinks="sinks" in combo,
+        )
+        if "window" in combo:
+            window = _feature_window(DECODE_WINDOWS, index // len(FEATURE_COMBOS), seqlen_k)
+            case = dataclasses.replace(case, window=window)
+        yield case
 
 
 def rerun_fields(case: Case, device: str) -> dict:

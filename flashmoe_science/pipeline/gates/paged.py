@@ -10,7 +10,9 @@ The case matrix: block sizes 16 to 256, cache lengths that are empty, one token,
 and inside a 64-key tile, GQA 1/4/8, both dtypes, head dims 64 and 128 and those of
 matrix.NEW_HEAD_DIMS (v_cache's differing included), split-KV automatic, off and forced, causal and
 not; and caches whose keys ramp along each sequence (cases.SCORES), so the online
-softmax's running max moves block after block and the splits' maxima differ.
+softmax's running max moves block after block and the splits' maxima differ; and sliding windows,
+soft-capping and sinks (FEATURE_CASES), split and not: a window starts inside a page, and a sink is
+added once per row, not once per split.
 """
 
 from __future__ import annotations
@@ -22,8 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cases import DTYPES, SCORES, ramp_keys
-from .forward import attention_pytorch_lowp, attention_reference, poisoned_outputs
+from ..cases import (
+    DTYPES,
+    SCORES,
+    describe_features,
+    draw_sinks,
+    feature_suffix,
+    normal_window,
+    ramp_keys,
+)
+from .forward import attention_pytorch_lowp, attention_reference, features, poisoned_outputs
 from .matrix import NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU
 from .ragged import RaggedResult, case_seed
 
@@ -41,10 +51,14 @@ class PagedCase:
     causal: bool = True
     scores: str = "normal"  # cases.SCORES, along each sequence's cache positions
     head_dim_v: int = 0  # v_cache's and the output's head dim where it differs from head_dim
+    window: tuple[int, int] = (-1, -1)  # window_size, softcap and sinks as cases.Case's
+    softcap: float = 0.0
+    sinks: bool = False
 
     def __post_init__(self):
         if self.head_dim_v == self.head_dim:
             object.__setattr__(self, "head_dim_v", 0)  # one case, one id
+        object.__setattr__(self, "window", normal_window(self.window, self.causal))
         if self.scores not in SCORES:
             raise ValueError(
                 f"PagedCase scores={self.scores!r} is not supported: use one of {SCORES}"
@@ -63,7 +77,7 @@ class PagedCase:
             parts.append("full")
         if self.scores != "normal":
             parts.append(self.scores)
-        return "-".join(parts)
+        return "-".join(parts) + feature_suffix(self.window, self.softcap, self.sinks)
 
     def describe(self) -> str:
         return (
@@ -74,6 +88,7 @@ class PagedCase:
             f"block_size={self.page_size} num_splits={self.num_splits or 'auto'} "
             f"cache_seqlens={list(self.lengths)}"
             + (f" scores={self.scores}" if self.scores != "normal" else "")
+            + describe_features(self.window, self.softcap, self.sinks)
         )
 
     @property
@@ -98,6 +113,15 @@ RAMPED = ((64, 16, 7), (64, 256, 0), (128, 64, 0), (128, 128, 7))
 RAMPED_CPU = ((64, 32, 7), (128, 256, 0))
 RAMPED_LENGTHS = (4096, 1000, 17)
 RAMPED_LENGTHS_CPU = (1000, 130, 0)
+# Sliding windows (decode's, causal), softcap and sinks: (block size, num_splits, window, softcap,
+# sinks); windows that start inside a page and span several, split and not.
+FEATURE_CASES = (
+    (16, 7, (100, 0), 0.0, True),
+    (64, 0, (16, 0), 5.0, False),
+    (256, 0, (1000, 0), 1.0, True),
+    (32, 1, (0, 0), 0.0, True),
+)
+FEATURE_CASES_CPU = ((16, 7, (100, 0), 1.0, True), (64, 0, (16, 0), 5.0, False))
 
 
 def paged_cases(tier: str) -> list[PagedCase]:
@@ -166,6 +190,32 @@ def _cases(tier: str) -> Iterator[PagedCase]:
             head_dim_v=head_dim_v,
         )
         index += 1
+    for page_size, num_splits, window, softcap, sinks in (
+        FEATURE_CASES if gpu else FEATURE_CASES_CPU
+    ):
+        ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+        yield PagedCase(
+            tuple(DTYPES)[index % len(DTYPES)],
+            (64, 128)[index % 2] if gpu else 64,
+            HEADS_Q,
+            HEADS_Q // ratio,
+            seqlen_q=(1, 4)[index % 2],
+            lengths=LENGTHS if gpu else LENGTHS_CPU,
+            page_size=page_size,
+            num_splits=num_splits,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        index += 1
+
+
+def paged_sinks(case: PagedCase, device: str, seed: int) -> torch.Tensor | None:
+    """The case's sink logits (cases.draw_sinks), None without sinks."""
+    if not case.sinks:
+        return None
+    keys = max(case.lengths) if case.window[0] < 0 else case.window[0] + 1
+    return draw_sinks(case.heads_q, keys, seed + 2, device)
 
 
 def make_paged_inputs(case: PagedCase, device: str, seed: int):
@@ -207,6 +257,14 @@ def contiguous_cache(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 PagedFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def _options(case: PagedCase, device: str, seed: int) -> dict:
+    """flash_attention_decode's window_size, softcap and sinks for the case (none: {})."""
+    if case.window == (-1, -1) and not case.softcap and not case.sinks:
+        return {}
+    sinks = paged_sinks(case, device, seed)
+    return {"window_size": case.window, "softcap": case.softcap, "sinks": sinks}
+
+
 def call_paged(case: PagedCase, q, k_cache, v_cache, table, lengths, scale: float):
     """Call the public API exactly as a user would."""
     from ... import ops
@@ -221,6 +279,7 @@ def call_paged(case: PagedCase, q, k_cache, v_cache, table, lengths, scale: floa
         num_splits=case.num_splits or None,
         return_lse=True,
         block_table=table,
+        **_options(case, q.device.type, case_seed(case.id)),
     )
 
 
@@ -245,9 +304,11 @@ def check_paged_case(case: PagedCase, device: str, paged_fn: PagedFn | None = No
         causal=case.causal,
         num_splits=case.num_splits or None,
         return_lse=True,
+        **_options(case, device, seed),
     )
-    ref, ref_lse = attention_reference(q, k, v, case.causal, scale, lengths)
-    out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, lengths)
+    options = {**features(case), "sinks": paged_sinks(case, device, seed)}
+    ref, ref_lse = attention_reference(q, k, v, case.causal, scale, lengths, **options)
+    out_pt = attention_pytorch_lowp(q, k, v, case.causal, scale, lengths, **options)
     result = RaggedResult(case.id)
     for b in range(len(case.lengths)):
         rows = slice(b, b + 1)

@@ -6,7 +6,8 @@ alone (both gates, its log-sum-exp, determinism; see ragged.py) and against our 
 The case matrix: per-sequence lengths 0, 1, 17, 128, 1000 and 4096 (the CPU tier shorter), with
 Sq == Sk and Sq != Sk both ways per sequence, GQA 1/4/8, both dtypes, causal and not, head dims 64
 and 128 and those of matrix.NEW_HEAD_DIMS (v's differing included), and on CUDA each forward tile
-configuration forced.
+configuration forced; and windows, soft-capping and sinks (FEATURE_CASES), each window aligned per
+sequence.
 """
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cases import DTYPES, SCORES, ramp_keys
-from .forward import attention_pytorch_lowp, attention_reference, poisoned_outputs
+from ..cases import (
+    DTYPES,
+    SCORES,
+    describe_features,
+    draw_sinks,
+    feature_suffix,
+    normal_window,
+    ramp_keys,
+)
+from .forward import attention_pytorch_lowp, attention_reference, features, poisoned_outputs
 from .matrix import NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU
 from .ragged import RaggedResult, case_seed
 
@@ -36,10 +45,14 @@ class VarlenCase:
     config: int = 0  # forced tile configuration (0: automatic)
     scores: str = "normal"  # cases.SCORES, along each sequence's keys
     head_dim_v: int = 0  # v's and the output's head dim where it differs from head_dim
+    window: tuple[int, int] = (-1, -1)  # window_size, softcap and sinks as cases.Case's
+    softcap: float = 0.0
+    sinks: bool = False
 
     def __post_init__(self):
         if self.head_dim_v == self.head_dim:
             object.__setattr__(self, "head_dim_v", 0)  # one case, one id
+        object.__setattr__(self, "window", normal_window(self.window, self.causal))
         if self.scores not in SCORES:
             raise ValueError(
                 f"VarlenCase scores={self.scores!r} is not supported: use one of {SCORES}"
@@ -66,7 +79,7 @@ class VarlenCase:
             parts.append(f"cfg{self.config}")
         if self.scores != "normal":
             parts.append(self.scores)
-        return "-".join(parts)
+        return "-".join(parts) + feature_suffix(self.window, self.softcap, self.sinks)
 
     def describe(self) -> str:
         return (
@@ -76,6 +89,7 @@ class VarlenCase:
             + f" dtype={self.dtype} causal={self.causal} config={self.config} "
             f"lengths_q={list(self.lengths_q)} lengths_k={list(self.lengths_k)}"
             + (f" scores={self.scores}" if self.scores != "normal" else "")
+            + describe_features(self.window, self.softcap, self.sinks)
         )
 
 
@@ -93,6 +107,19 @@ GQA_RATIOS = (1, 4, 8)
 HEADS_Q = 8
 # The forward tile configurations with a packed variant (3, the decode kernel, has none).
 VARLEN_CONFIGS = (1, 2, 4, 5)
+# Windows, soft-capping and sinks: (batch, causal, window, softcap, sinks) per tier, every
+# sequence's window aligned to its own bottom-right corner, sequences shorter than the window and
+# without keys (a sink's row then keeps lse = the sink).
+FEATURE_CASES = (
+    (1, True, (16, 0), 5.0, True),
+    (0, False, (3, 40), 0.0, False),
+    (2, True, (0, 0), 1.0, True),
+    (1, False, (-1, 8), 0.0, True),
+)
+FEATURE_CASES_CPU = (
+    (1, True, (16, 0), 5.0, True),
+    (0, False, (3, 40), 1.0, False),
+)
 
 
 def varlen_cases(tier: str) -> list[VarlenCase]:
@@ -162,6 +189,36 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
             causal,
             head_dim_v=head_dim_v,
         )
+    yield from _feature_cases(gpu)
+
+
+def _feature_cases(gpu: bool) -> Iterator[VarlenCase]:
+    batches = BATCHES if gpu else BATCHES_CPU
+    for index, (batch, causal, window, softcap, sinks) in enumerate(
+        FEATURE_CASES if gpu else FEATURE_CASES_CPU
+    ):
+        lengths_q, lengths_k = batches[batch % len(batches)]
+        ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+        yield VarlenCase(
+            tuple(DTYPES)[index % len(DTYPES)],
+            (64, 128)[index % 2] if gpu else 64,
+            HEADS_Q,
+            HEADS_Q // ratio,
+            lengths_q,
+            lengths_k,
+            causal,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
+
+
+def varlen_sinks(case: VarlenCase, device: str, seed: int) -> torch.Tensor | None:
+    """The case's sink logits (cases.draw_sinks), None without sinks."""
+    if not case.sinks:
+        return None
+    keys = max(case.lengths_k) if case.window[0] < 0 else case.window[0] + 1
+    return draw_sinks(case.heads_q, keys, seed + 2, device)
 
 
 def _cumulative(lengths: tuple[int, ...], device: str) -> torch.Tensor:
@@ -200,6 +257,10 @@ def call_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, scale: float):
     """Call the public API exactly as a user would."""
     from ... import ops
 
+    options = {}
+    if case.window != (-1, -1) or case.softcap or case.sinks:
+        sinks = varlen_sinks(case, q.device.type, case_seed(case.id))
+        options = {"window_size": case.window, "softcap": case.softcap, "sinks": sinks}
     return ops.flash_attention_varlen_forward(
         q,
         k,
@@ -212,6 +273,7 @@ def call_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, scale: float):
         scale,
         return_lse=True,
         config=case.config,
+        **options,
     )
 
 
@@ -232,6 +294,8 @@ def check_varlen_case(case: VarlenCase, device: str, varlen_fn: VarlenFn | None 
         out, lse = fn(case, q, k, v, cu_q, cu_k, scale)
         out_again, lse_again = fn(case, q, k, v, cu_q, cu_k, scale)
     result = RaggedResult(case.id)
+    options = {**features(case), "sinks": varlen_sinks(case, device, seed)}
+    api_options = {"window_size": case.window, "softcap": case.softcap, "sinks": options["sinks"]}
     q0 = k0 = 0
     for b, (len_q, len_k) in enumerate(zip(case.lengths_q, case.lengths_k, strict=True)):
         rows_q, rows_k = slice(q0, q0 + len_q), slice(k0, k0 + len_k)
@@ -239,8 +303,8 @@ def check_varlen_case(case: VarlenCase, device: str, varlen_fn: VarlenFn | None 
         if len_q == 0:
             continue
         qs, ks, vs = _dense(q[rows_q]), _dense(k[rows_k]), _dense(v[rows_k])
-        ref, ref_lse = attention_reference(qs, ks, vs, case.causal, scale)
-        out_pt = attention_pytorch_lowp(qs, ks, vs, case.causal, scale)
+        ref, ref_lse = attention_reference(qs, ks, vs, case.causal, scale, **options)
+        out_pt = attention_pytorch_lowp(qs, ks, vs, case.causal, scale, **options)
         seq = result.gate(
             b,
             case.dtype,
@@ -254,7 +318,7 @@ def check_varlen_case(case: VarlenCase, device: str, varlen_fn: VarlenFn | None 
             ref_lse,
             out_pt,
         )
-        dense = ops.flash_attention_forward(qs, ks, vs, case.causal, scale)
+        dense = ops.flash_attention_forward(qs, ks, vs, case.causal, scale, **api_options)
         diff = float((_dense(out[rows_q]).float() - dense.float()).abs().nan_to_num(math.inf).max())
         if not diff <= seq.bound:
             seq.failures.append(
