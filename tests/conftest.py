@@ -192,5 +192,7 @@ def pytest_collection_modifyitems(config, items):
     )
     if not torch.cuda.is_available():
         for item in items:
-            if "gpu" in item.keywords:
+            # the marker, not the keyword: a parameter id "gpu" (a list of the GPU's cases checked
+            # on any machine) is a keyword too
+            if item.get_closest_marker("gpu"):
                 item.add_marker(skip_gpu)

@@ -1044,8 +1044,9 @@ def test_ptxas_13_advice_before_its_entries_goes_to_the_entry_of_that_run():
 
 
 def newest_cuda_build() -> Path | None:
-    """The library of this checkout's newest successful CUDA build (nox -s build on a GPU machine,
-    nox -s compile elsewhere), if any."""
+    """The library of this checkout's newest successful full CUDA build (nox -s build on a GPU
+    machine, nox -s compile elsewhere), if any: a planted or restricted (`--only`) build, which
+    carries defines, holds other kernels."""
     records = []
     for path in loader.build_root().glob("*/build.json"):
         with contextlib.suppress(OSError, ValueError):
@@ -1054,6 +1055,7 @@ def newest_cuda_build() -> Path | None:
             if (
                 record.get("backend") == "cuda"
                 and record.get("status") == "ok"
+                and not record.get("defines")
                 and library.exists()
             ):
                 records.append((path.stat().st_mtime, library))
