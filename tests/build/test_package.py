@@ -82,6 +82,29 @@ def _checkout(folder: Path) -> Path:
     return folder / "notes"
 
 
+def test_the_check_venv_sees_the_wheels_dependencies_where_they_are_installed(
+    tmp_path, monkeypatch
+):
+    """A GPU machine without a package index carries the tools as wheels to a folder on PYTHONPATH,
+    apart from its torch: the check's venv (no PYTHONPATH, a user's environment) must still import
+    jsonschema, which the bench needs, or `bench` from the installed wheel refuses to run."""
+    elsewhere = tmp_path / "carried"
+    for name in wheelcheck.SHARED_DEPENDENCIES:
+        (elsewhere / name).mkdir(parents=True)
+    real = wheelcheck._package_dir
+    monkeypatch.setattr(
+        wheelcheck,
+        "_package_dir",
+        lambda name: (
+            str(elsewhere / name) if name in wheelcheck.SHARED_DEPENDENCIES else real(name)
+        ),
+    )
+    python = wheelcheck.make_venv(tmp_path / "venv")
+    (pth,) = (tmp_path / "venv").rglob("flashmoe_shared_packages.pth")
+    assert str(elsewhere) in pth.read_text().splitlines()
+    assert Path(python).exists()
+
+
 @pytest.mark.slow
 def test_a_read_only_install_writes_its_reports_where_it_runs(wheel, tmp_path):
     """`env` and `bench --quick` (one case) from a wheel installed into a site-packages made read

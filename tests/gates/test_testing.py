@@ -30,7 +30,9 @@ def stage_env(reports: Path, **extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("FLASHMOE_", "PYTEST_XDIST", "PYTEST_ADDOPTS", "TORCH_CUDA_ARCH"))
+        if not k.startswith(
+            ("FLASHMOE_", "PYTEST_XDIST", "PYTEST_ADDOPTS", "TORCH_CUDA_ARCH", "OMP_NUM_THREADS")
+        )
     }
     env.update(
         FLASHMOE_REPORTS_DIR=str(reports),
@@ -275,7 +277,11 @@ import os
 @pytest.mark.parametrize("n", range(8))
 def test_device_gate(n, record_property):
     seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    record_property("gate", {"case_id": f"d{n}", "max_diff": 0.0, "ratio": 1.0, "seen": seen})
+    threads = os.environ.get("OMP_NUM_THREADS")
+    record_property(
+        "gate",
+        {"case_id": f"d{n}", "max_diff": 0.0, "ratio": 1.0, "seen": seen, "threads": threads},
+    )
 """
 
 
@@ -300,11 +306,17 @@ def test_with_two_faked_gpus_both_workers_receive_gates_each_on_its_own(tmp_path
         if "seen" in case:  # the device the test itself saw is the one its worker was given
             assert case["seen"] == given, case
     assert all(w["gpu"] is None for w in workers.values()), "no GPU here to name"
+    # each worker's torch gets its share of the cores, not every core (OpenMP oversubscription)
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    assert {case.get("threads") for case in rec["cases"] if "seen" in case} == {share}
 
 
 def test_without_gpus_the_workers_are_not_pinned_and_a_lone_process_says_so(tmp_path):
-    rec = run_suite(tmp_path, "-p", "xdist.plugin", "-n", "2", extra=DEVICE_GATES)
+    rec = run_suite(
+        tmp_path, "-p", "xdist.plugin", "-n", "2", extra=DEVICE_GATES, env={"OMP_NUM_THREADS": "3"}
+    )
     assert {w["cuda_visible_devices"] for w in rec["workers"]} == {""}, "the run's own, unchanged"
+    assert {case.get("threads") for case in rec["cases"] if "seen" in case} == {"3"}, "the run's"
     (tmp_path / "serial").mkdir()
     rec = run_suite(tmp_path / "serial", extra=DEVICE_GATES)
     assert [(w["id"], w["gates"], w["tests"]) for w in rec["workers"]] == [("main", 10, 12)]
@@ -323,6 +335,12 @@ def test_the_gpus_of_the_stage_and_each_workers_gpu():
     assert devices.worker_count(2, ["0", "1", "2", "3"]) == 4
     assert devices.worker_count(64, ["0"]) == devices.MAX_WORKERS
     assert devices.worker_count(None, []) == 1
+    assert [devices.threads_per_worker(c, w) for c, w in ((16, 8), (2, 2), (2, 8), (None, 1))] == [
+        2,
+        1,
+        1,
+        1,
+    ]
     assert devices.placement_text(8, ["0", "1"]) == (
         "8 workers over 2 GPUs (CUDA_VISIBLE_DEVICES 0, 1), 4 on each"
     )
@@ -551,7 +569,12 @@ def test_the_stage_runs_pytest_with_the_report_plugins():
         "-p",
         "pytest_instafail",
     ]
-    assert cmd[-7:] == ["-n", "4", "-q", "--durations=20", "--durations-min=5", "-k", "x"]
+    assert cmd[-9:] == [
+        *("-n", "4", "--dist", "worksteal", "-q"),
+        *("--durations=20", "--durations-min=5", "-k", "x"),
+    ]
+    serial = testing.pytest_command(["tests"], "0", [])
+    assert "--dist" not in serial and serial[serial.index("-n") + 1] == "0"
 
 
 def test_gates_take_no_paths(capsys):

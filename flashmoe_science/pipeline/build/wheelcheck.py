@@ -169,16 +169,33 @@ def check_contents(wheel: Path) -> None:
 
 
 def make_venv(path: Path) -> Path:
-    """A venv without pip that sees this interpreter's torch and numpy (a .pth file, not a copy)."""
+    """A venv without pip that sees this interpreter's torch and the wheel's dependencies (a .pth
+    file, not a copy), wherever each is installed: a GPU runner's tools can sit beside its torch or
+    on PYTHONPATH (a machine without a package index, its wheels carried to /tmp/site)."""
     _run([sys.executable, "-m", "venv", "--without-pip", str(path)])
     python = path / "bin" / "python"
     purelib = _run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
     ).stdout.strip()
-    shared = sorted({str(Path(_package_dir(name)).parent) for name in ("torch", "numpy")})
+    shared = sorted(
+        {str(Path(_package_dir(name)).parent) for name in ("torch", "numpy")}
+        | {str(Path(found).parent) for found in map(_found_dir, SHARED_DEPENDENCIES) if found}
+    )
     # Listed after the venv's own site-packages: the installed wheel wins over any other copy.
     (Path(purelib) / "flashmoe_shared_packages.pth").write_text("\n".join(shared) + "\n")
     return python
+
+
+# The wheel's pure-Python runtime dependencies and theirs, by import name (pyproject's
+# `dependencies`: jsonschema; ninja is a program, found on PATH by user_env).
+SHARED_DEPENDENCIES = ("jsonschema", "jsonschema_specifications", "referencing", "rpds", "attrs")
+
+
+def _found_dir(name: str) -> str | None:
+    try:
+        return _package_dir(name)
+    except ModuleNotFoundError:
+        return None
 
 
 def _package_dir(name: str) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 DEVICES_VAR = "FLASHMOE_TEST_DEVICES"
 VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
 MAX_WORKERS = 8  # the default ceiling: each worker imports torch and collects the suite
+THREADS_VAR = "OMP_NUM_THREADS"
 
 
 def split(value: str) -> list[str]:
@@ -57,6 +58,14 @@ def worker_count(cpus: int | None, devices: Sequence[str]) -> int:
     """The default number of workers: one per CPU core up to MAX_WORKERS, and at least one per GPU,
     so that no GPU of the machine sits idle."""
     return max(len(devices), min(MAX_WORKERS, cpus or 1), 1)
+
+
+def threads_per_worker(cpus: int | None, workers: int) -> int:
+    """CPU threads each worker's torch may use: the cores shared out, at least one. torch's default
+    is every core in every process, so n workers ran n times too many threads, and the CPU gates'
+    spinning OpenMP threads took each other's cores (tests/gates/test_grad_gates.py on 2 cores,
+    2 workers: 49 s, 21.6 s with one thread each; benches/notes/harness.md v5.3)."""
+    return max(1, (cpus or 1) // max(1, workers))
 
 
 def placement_text(workers: int, devices: Sequence[str]) -> str:

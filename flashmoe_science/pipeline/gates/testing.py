@@ -160,10 +160,18 @@ def isolated_env(base: dict[str, str]) -> dict[str, str]:
 DURATIONS = ("--durations=20", "--durations-min=5")
 
 
+# How the workers share the tests: idle workers steal queued tests from busy ones. The suite's
+# durations run from milliseconds to 20 s (the planted-bug builds, the act runs), and xdist's default
+# split leaves one worker finishing a long queue alone (2 cores: 244 s, 211 s with stealing;
+# benches/notes/harness.md v5.3).
+DIST = ("--dist", "worksteal")
+
+
 def pytest_command(targets: list[str], workers: str, pytest_args: list[str]) -> list[str]:
-    """The stage's pytest run: our plugins, the report plugins, `workers` xdist workers, the
-    slowest tests listed at the end."""
+    """The stage's pytest run: our plugins, the report plugins, `workers` xdist workers sharing the
+    tests by work stealing, the slowest tests listed at the end."""
     plugins = [*PLUGINS, *report_plugins()]
+    dist = DIST if workers != "0" else ()
     return [
         sys.executable,
         "-m",
@@ -172,6 +180,7 @@ def pytest_command(targets: list[str], workers: str, pytest_args: list[str]) -> 
         *targets,
         "-n",
         workers,
+        *dist,
         "-q",
         *DURATIONS,
         *pytest_args,
