@@ -757,8 +757,9 @@ inline std::tuple<Tensor, Tensor> paged_fwd_cpu(
 inline int64_t planted_bug() { return cpu::planted_bug(); }
 
 // The head dims the CUDA kernels are built for, q's and k's, with v's equal to them; the CPU
-// implementation takes any, and a v head_dim of its own.
-constexpr int64_t kCudaHeadDims[] = {64, 128};
+// implementation takes any, and a v head_dim of its own. Every CUDA launch site instantiates its
+// kernels from this list (with_head_dim, flash_api_cuda.cuh); _loader.CUDA_HEAD_DIMS is its copy.
+constexpr int64_t kCudaHeadDims[] = {64, 128, 192, 256};
 
 // Why the CUDA operators cannot take q's and k's `head_dim` with v's `head_dim_v`, in the one line
 // they raise before any launch (ops.head_dims_unsupported_reason returns it); empty when they can.

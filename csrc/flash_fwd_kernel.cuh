@@ -325,18 +325,19 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 
 // Split-KV combine for the forward kernel's partials (and the split_kv_combine operator): one warp
 // per output row, each lane owning D / 32 columns (the row's split LSEs are one broadcast load).
+// Wider rows take their splits 8 at a time, so the loads in flight stay within the registers.
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
     split_kv_combine_kernel(const float* __restrict__ o_accum, const float* __restrict__ lse_accum,
                             T* __restrict__ out, float* __restrict__ lse, int num_splits,
                             int64_t rows) {
   constexpr int kPerLane = D / 32;
-  static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
+  static_assert(D % 64 == 0, "an even number of columns per lane");
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   if (row >= rows) return;
   float acc[kPerLane];
-  const float lse_row = combine_splits<kPerLane>(
+  const float lse_row = combine_splits<kPerLane, kPerLane <= 4 ? 16 : 8>(
       num_splits, [&](int s) { return lse_accum + s * rows + row; },
       [&](int s) { return o_accum + (s * rows + row) * D + lane * kPerLane; }, acc);
   T* dst = out + row * D + lane * kPerLane;

@@ -419,7 +419,7 @@ ONLY_OPS = {
     "bwd": ("backward_config", (1, 2)),
     "bwd_sm90a": ("backward_config", (3,)),
 }
-CUDA_HEAD_DIMS = (64, 128)  # the head dims the CUDA kernels are instantiated for
+CUDA_HEAD_DIMS = (64, 128, 192, 256)  # the head dims the CUDA kernels are instantiated for
 # key of the FLASHMOE_BUILD_ONLY text -> (define, the values it takes)
 ONLY_KEYS = {
     "op": ("FLASHMOE_ONLY_OPS", tuple(ONLY_OPS)),

@@ -289,9 +289,11 @@ def test_head_dims_the_cuda_kernels_do_not_take_skip_saying_why(
     with pytest.raises(pytest.skip.Exception) as skipped:
         require_cuda_build(head_dim=head_dims[0], head_dim_v=head_dims[1])
     assert str(skipped.value) == ops.head_dims_unsupported_reason(*head_dims)
-    assert "supported: 64, 128" in str(skipped.value)
+    assert "supported: 64, 128, 192, 256" in str(skipped.value)
     require_cuda_build(head_dim=128, head_dim_v=128)
     require_cuda_build(head_dim=64)
+    require_cuda_build(head_dim=192)
+    require_cuda_build(head_dim=256, head_dim_v=256)
 
 
 @pytest.mark.parametrize("has_cuda_kernels", [True])  # as on a GPU machine with the CUDA build

@@ -284,7 +284,7 @@ def test_any_head_dim_on_cpu():
 # ---- head dims: v's (Dv) may differ from q's and k's (D); the output takes v's ------------------
 
 # (D, Dv) pairs the CUDA kernels do not take yet, each refused on CUDA before any launch.
-CUDA_REFUSED_HEAD_DIMS = [(96, 96), (256, 256), (80, 80), (192, 192), (192, 128), (128, 64)]
+CUDA_REFUSED_HEAD_DIMS = [(96, 96), (80, 80), (160, 160), (192, 128), (128, 64), (256, 192)]
 
 
 def split_qkv(device="cpu", d=192, dv=128, b=2, hq=4, hkv=2, sq=16, sk=64):
@@ -440,14 +440,14 @@ def test_head_dims_cuda_does_not_take_yet_say_what_it_does(head_dims):
     reason = ops.head_dims_unsupported_reason(head_dim, head_dim_v)
     assert not ops.head_dims_supported(head_dim, head_dim_v)
     assert "\n" not in reason and reason.startswith(f"head_dim={head_dim} ")
-    assert "is not supported on CUDA; supported: 64, 128" in reason
+    assert "is not supported on CUDA; supported: 64, 128, 192, 256" in reason
     assert "the CPU implementation takes any head_dim" in reason
     if head_dim_v != head_dim:
         assert f"with v's head_dim={head_dim_v}" in reason and "equal to q's and k's" in reason
 
 
 def test_head_dims_cuda_takes():
-    for head_dim in (64, 128):
+    for head_dim in (64, 128, 192, 256):
         assert ops.head_dims_unsupported_reason(head_dim) is None
         assert ops.head_dims_supported(head_dim, head_dim)
     with pytest.raises(ValueError, match="head_dim_v must be an int"):
