@@ -326,10 +326,16 @@ __device__ __forceinline__ int opaque_thread_x() {
 // chunk bits only and a row is a multiple of 128 bytes, so every k-step of every 16-row block is
 // one add and one XOR away from a single per-thread base address (the tile must start 256-byte
 // aligned). Without this the compiler keeps one address per (block, step) in registers: at
-// d = 128 that is what pushed 128 x 64 tiles into spilling.
+// d = 128 that is what pushed 128 x 64 tiles into spilling. Past 128 columns the XOR would reach
+// bits that neither the row (384 bytes at d=192) nor the tile's alignment leaves clear, so the
+// step's 128-byte atom is added and only its place inside the atom XORed.
 template <int kHeadDim>
 __device__ __forceinline__ uint32_t swizzle_step(uint32_t base, int block, int step) {
-  return (base + block * 16 * kHeadDim * 2) ^ (step << 5);
+  if constexpr (kHeadDim <= 128) {
+    return (base + block * 16 * kHeadDim * 2) ^ (step << 5);
+  } else {
+    return (base + block * 16 * kHeadDim * 2 + (step >> 2) * 128) ^ ((step & 3) << 5);
+  }
 }
 
 // The 16-byte chunks of a row that one pass of kThreads threads copies: the whole row where the
