@@ -20,8 +20,9 @@ such a cache on the wgmma kernels (copying K and V with cp.async); the backward 
 backward configuration; packed (varlen) batches that mix lengths 0, 1, 17 and one past a block's
 end with Sq != Sk both ways, per forward configuration that has a packed variant, and their
 backward; decode against paged caches of block sizes 16, 64 and 256 with shuffled page tables,
-empty caches and partial last pages, forced and automatic splits. Varlen and paged inputs come
-from their gates' own builders (varlen_gates.py, paged_gates.py).
+empty caches and partial last pages, forced and automatic splits; and for head dims 192 and 256 a
+smaller block of the same paths (wide_head_dim_workload). Varlen and paged inputs come from their
+gates' own builders (varlen_gates.py, paged_gates.py).
 
 Each tool runs as `compute-sanitizer --tool T --error-exitcode 99 --print-limit 20
 [--racecheck-report all] [--check-bulk-copy yes] [--check-warpgroup-mma yes] --kernel-name kns=K
@@ -281,7 +282,7 @@ def _all_workload_cases() -> list:
                                 deterministic=deterministic,
                             )
                         )
-    return cases + varlen_workload(configs) + paged_workload()
+    return cases + varlen_workload(configs) + paged_workload() + wide_head_dim_workload(configs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +362,93 @@ def paged_workload() -> list:
             )
         page_size = PAGE_SIZES[block % len(PAGE_SIZES)]
         cases.append(PagedCase(dtype, head_dim, 8, 2, 1, PAGED_LONG_LENGTHS, page_size))
+    return cases
+
+
+# The head dims past 128 (_loader.CUDA_HEAD_DIMS), whose kernels copy rows in column passes and
+# whose backward shares each 16 keys between warps through shared memory. Configuration 1 takes
+# more shared memory at 256 than an sm86/sm89 block has (the operator refuses it there), so it is
+# forced at 192 only; the automatic choice (0) runs 1 or 4 at 256 where they fit. The backward
+# forces 1 (it fits every card) and runs 2 through the automatic choice where it fits.
+WIDE_HEAD_DIMS = tuple(d for d in _loader.CUDA_HEAD_DIMS if d > 128)
+WIDE_FWD_SHAPES = ((65, 65, True, 0), (17, 257, False, 3), (257, 17, True, 1))
+
+
+def wide_head_dim_workload(configs: Sequence[int]) -> list:
+    """The kernels of WIDE_HEAD_DIMS per dtype: the mma.sync forward configurations this GPU runs
+    and the automatic choice over odd lengths (forced and automatic splits, GQA 4 and a strided
+    view), decode with a fused split combine over short caches, paged decode (a small and a large
+    block size), packed batches and their backward, and the backward (1 and automatic) with dQ by
+    atomics and deterministic."""
+    from ..cases import Case
+    from ..gates.paged import PagedCase
+    from ..gates.varlen import VarlenCase
+
+    cases: list = []
+    for dtype, head_dim in itertools.product(("fp16", "bf16"), WIDE_HEAD_DIMS):
+        forced = [c for c in (1, 2, 3, 4) if c in configs and (c != 1 or head_dim <= 192)]
+        for index, (config, shape) in enumerate(itertools.product((0, *forced), WIDE_FWD_SHAPES)):
+            seqlen_q, seqlen_k, causal, splits = shape
+            cases.append(
+                Case(
+                    "prefill",
+                    dtype,
+                    1 + index % 2,
+                    8,
+                    2 if index % 3 == 1 else 8,
+                    seqlen_q,
+                    seqlen_k,
+                    head_dim,
+                    causal,
+                    layout="bshd" if index % 4 == 2 else "bhsd",
+                    config=config,
+                    num_splits=splits,
+                )
+            )
+        for splits, lens in ((7, (0, 1, 257)), (0, None)):
+            cases.append(
+                Case(
+                    "decode",
+                    dtype,
+                    3 if lens else 1,
+                    8,
+                    2,
+                    1,
+                    257,
+                    head_dim,
+                    True,
+                    num_splits=splits,
+                    cache_seqlens=lens,
+                )
+            )
+        page_size = 16 if dtype == "fp16" else 64
+        cases.append(PagedCase(dtype, head_dim, 8, 2, 1, PAGED_LENGTHS, page_size, num_splits=3))
+        for config in (0, 2):
+            lengths_q, lengths_k = VARLEN_LENGTHS[config // 2]
+            cases.append(
+                VarlenCase(
+                    dtype, head_dim, 4, 1 if config else 4, lengths_q, lengths_k, True, config
+                )
+            )
+        lengths_q, lengths_k = VARLEN_LENGTHS[1]
+        cases.append(VarlenBackward(VarlenCase(dtype, head_dim, 4, 1, lengths_q, lengths_k, False)))
+        for config, deterministic in itertools.product((0, 1), (False, True)):
+            cases.append(
+                Case(
+                    "backward",
+                    dtype,
+                    1,
+                    8,
+                    2,
+                    129,
+                    257 if deterministic else 65,
+                    head_dim,
+                    True,
+                    layout="bshd" if config else "bhsd",
+                    config=config,
+                    deterministic=deterministic,
+                )
+            )
     return cases
 
 
