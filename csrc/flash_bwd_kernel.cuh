@@ -23,8 +23,8 @@ namespace flashmoe::cuda {
 // dV and dK; for dQ = dS K they split the kBlockM query rows instead. With fewer keys than 16 a
 // warp (wide heads, whose dK and dV rows would not fit one warp's registers), kColSplit warps
 // share each 16 keys: each owns D / kColSplit columns of their dK and dV, computes S^T and dP^T
-// for kBlockM / kColSplit of the queries, and P^T and dS^T meet in shared memory (FA2's layout
-// at d=256).
+// for kBlockM / kColSplit of the queries, and P^T and dS^T meet in shared memory (as FA2
+// does at d=256).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
