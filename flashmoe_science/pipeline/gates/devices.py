@@ -22,7 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 DEVICES_VAR = "FLASHMOE_TEST_DEVICES"
 VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
 MAX_WORKERS = 8  # the default ceiling: each worker imports torch and collects the suite
-THREADS_VAR = "OMP_NUM_THREADS"
+# Each worker's share of the cores: torch's OpenMP pool, and inductor's pool of compile processes
+# (torch.compile), both sized to the whole machine by default.
+THREAD_VARS = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
 
 
 def split(value: str) -> list[str]:
