@@ -64,9 +64,8 @@ def worker_count(cpus: int | None, devices: Sequence[str]) -> int:
 
 def threads_per_worker(cpus: int | None, workers: int) -> int:
     """CPU threads each worker's torch may use: the cores shared out, at least one. torch's default
-    is every core in every process, so n workers ran n times too many threads, and the CPU gates'
-    spinning OpenMP threads took each other's cores (tests/gates/test_grad_gates.py on 2 cores,
-    2 workers: 49 s, 21.6 s with one thread each; benches/notes/harness.md v5.3)."""
+    is every core in every process, so n workers ran n times too many threads and the CPU gates'
+    spinning OpenMP threads took each other's cores (benches/notes/harness.md v5.3)."""
     return max(1, (cpus or 1) // max(1, workers))
 
 
