@@ -309,7 +309,7 @@ def run_case(
 ) -> CaseRecord:
     """One case measured into its record. A case whose window, softcap or sinks our kernels here
     refuse records ours as "unsupported" with their reason, and its flex column is timed only when
-    `refused_too` (the case was named with --case)."""
+    `refused_too` (the case was named with --case); on the CPU, never (flex.NOT_ON_CPU)."""
     x = make_inputs(case, device)
     refusal = features_refusal(case, device)  # our kernels here do not take its features yet
     calls = {} if refusal else {"ours": (our_call(case, x), None)}
@@ -337,6 +337,8 @@ def run_case(
         compared.append(flex.NAME)
         if refusal and not refused_too:
             fn, reason = None, FLEX_NOT_TIMED
+        elif device == "cpu":
+            fn, reason = None, flex.NOT_ON_CPU
         else:
             fn, reason = flex.flex_call(case, x, device)
         if fn:
