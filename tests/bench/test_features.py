@@ -16,12 +16,14 @@ from flashmoe_science.pipeline.bench import baselines, flex, measure, peers, tar
 from flashmoe_science.pipeline.bench import matrix as benchmatrix
 from flashmoe_science.pipeline.bench import records as benchrecords
 from flashmoe_science.pipeline.bench import run as bench
+from flashmoe_science.pipeline.bench import summary as benchmd
 from flashmoe_science.pipeline.bench import target_measure as targetmeasure
 from flashmoe_science.pipeline.bench.records import LossRun, Measured, NotMeasured
 from flashmoe_science.pipeline.bench.target_cases import LossTarget
 from flashmoe_science.pipeline.cases import Case, make_inputs, make_sinks, parse_case_id
 from flashmoe_science.pipeline.gates.forward import _visible_mask, attention_reference
 from flashmoe_science.pipeline.masks import visible_pairs
+from flashmoe_science.pipeline.paths import REPO_ROOT
 
 GPU_FEATURES = [
     f"{kind}-bf16-d128-h16-b1-s32768-causal{suffix}"
@@ -261,11 +263,17 @@ REFUSED = "window_size=(4095, 0) is not yet on CUDA: its kernels take window_siz
 
 @pytest.fixture
 def fake_case(monkeypatch):
-    """run_case on fake kernels: ours 10 ms, Flex 13 ms, no inputs; peers not installed."""
+    """run_case on fake kernels: ours 10 ms, SDPA 12 ms, Flex 13 ms, no inputs; a peer of 9 ms."""
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.setattr(measure, "make_inputs", lambda case, device: None)
     monkeypatch.setattr(measure, "peak_memory_bytes", lambda fn, device: None)  # no GPU here
     monkeypatch.setattr(measure, "our_call", lambda case, x: kernel(10.0))
+    sdpa = measure.sdpa_call  # its refusal of the features, else a fake SDPA of 12 ms
+    monkeypatch.setattr(
+        measure,
+        "sdpa_call",
+        lambda case, x: sdpa(case, x) if baselines.has_features(case) else (kernel(12.0), None),
+    )
     flexed = []
     monkeypatch.setattr(
         measure.flex,
@@ -273,6 +281,7 @@ def fake_case(monkeypatch):
         lambda case, x, device: flexed.append(case) or (kernel(13.0), None),
     )
     monkeypatch.setattr(measure.peers, "availability", lambda device: {"fa3": (kernel(9.0), None)})
+    monkeypatch.setattr(measure.peers, "peer_call", lambda fn, case, x: fn)
 
     def run(case_id: str, device: str = "cpu", refused: str | None = None, **kwargs):
         monkeypatch.setattr(measure, "features_refusal", lambda case, device: refused)
@@ -317,9 +326,46 @@ def test_a_feature_case_our_kernel_refuses_is_unsupported_not_failed(fake_case):
         "fwd-bf16-d128-h16-b1-s32768-causal-win4095_0", "cuda", REFUSED, refused_too=True
     )
     assert named.baselines["flex"].median_ms == 13.0 and named.baselines["flex"].ratio is None
+    row = benchmd._case_row(named, ["flex"], False)
+    assert row.startswith(f"| {named.id} | unsupported |") and "| 13 ms |" in row
     # an error of ours still fails the run
     failed = dataclasses.replace(entry, ours=NotMeasured("error", "RuntimeError: boom"))
     assert bench._case_failed(failed)
+
+
+def test_head_against_base_leaves_out_the_cases_our_kernels_refuse(
+    fake_case, monkeypatch, tmp_path
+):
+    """A refused case has no time of ours: it is not sent to the workers (an older base would time
+    it without its features), and the run passes."""
+    refused, _ = fake_case("fwd-bf16-d128-h16-b1-s32768-causal-win4095_0", "cuda", REFUSED)
+    plain, _ = fake_case("fwd-bf16-d128-h16-b1-s32768-causal", "cuda")
+    ids = [refused.id, plain.id]
+    path = REPO_ROOT / "tests" / "fixtures" / "report" / "passing" / "bench.json"
+    record = dataclasses.replace(benchrecords.load(path), cases=[refused, plain], targets=None)
+    monkeypatch.setattr(bench, "run_matrix", lambda *args, **kwargs: record)
+    compared = []
+    monkeypatch.setattr(
+        bench.headbase, "compare", lambda record, cases, *rest: compared.extend(cases)
+    )
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
+    args = bench.parser().parse_args(["--base", "HEAD", *(f"--case={i}" for i in ids)])
+    cases_ = [parse_case_id(i) for i in ids]
+    assert bench.run_and_report(args, cases_, "cuda", CONFIG) == 0
+    assert [c.id for c in compared] == [plain.id]
+
+
+def test_the_refusal_is_the_operators_own_line_asked_before_any_launch():
+    """What a CUDA run records as ours for the feature cases and the training run today: the
+    operators' "not yet on CUDA" line (asked of the extension, so it holds on this CPU build)."""
+    sinks = parse_case_id("bwd-bf16-d128-h16-b1-s32768-causal-sinks")
+    reason = baselines.features_refusal(sinks, "cuda")
+    assert reason.startswith("sinks is not yet on CUDA")
+    assert baselines.features_refusal(sinks, "cpu") is None  # the CPU implementation takes them
+    assert baselines.features_refusal(parse_case_id(targets.twin_id(sinks.id)), "cuda") is None
+    loss = targetmeasure.loss_refusal(LossTarget(), "cuda")
+    assert loss.startswith("window_size=(31, 0) and softcap=0.5 are not yet on CUDA")
+    assert targetmeasure.loss_refusal(LossTarget(), "cpu") is None
 
 
 def test_our_call_passes_the_window_softcap_and_sinks():
@@ -402,7 +448,5 @@ def test_the_full_training_run_on_the_cpu_keeps_our_loss_within_the_target():
 
 
 def _bench_doc() -> dict:
-    from flashmoe_science.pipeline.paths import REPO_ROOT
-
     path = REPO_ROOT / "tests" / "fixtures" / "report" / "passing" / "bench.json"
     return json.loads(path.read_text())

@@ -1,6 +1,7 @@
 """The small Llama-style model that the transformers tests and the benchmark's model case build,
-and the wider one whose training step the benchmark times: random weights from a config, no
-downloads. transformers is imported on first use; without it the builders raise the
+the wider one whose training step the benchmark times, and the Gemma-2-style one (sliding and
+global layers, a softcap) it trains against eager, with the Markov chain it trains on: random
+weights from a config, no downloads. transformers is imported on first use; without it the builders raise the
 integration's one-line install hint."""
 
 from __future__ import annotations

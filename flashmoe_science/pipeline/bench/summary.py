@@ -43,6 +43,8 @@ def _ratio(result) -> str:
         return "-"
     if getattr(result, "ratio", None):
         return f"{result.ratio:.2f}x{_mark(result)}"
+    if isinstance(result, Measured):  # no time of ours to set it against: its own
+        return f"{result.median_ms:.4g} ms{_mark(result)}"
     if isinstance(result, NotMeasured) and result.reason.startswith(NOT_INSTALLED):
         return NOT_INSTALLED
     return result.status
