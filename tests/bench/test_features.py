@@ -291,7 +291,9 @@ def fake_case(monkeypatch):
     return run
 
 
-def test_a_feature_case_times_flex_beside_ours_and_refuses_sdpa_and_the_peers(fake_case):
+def test_a_feature_case_times_flex_beside_ours_and_refuses_sdpa_and_the_peers(
+    fake_case, monkeypatch
+):
     entry, flexed = fake_case("fwd-bf16-d128-h2-b1-s512-causal-win127_0", "cuda")
     assert isinstance(entry.ours, Measured) and entry.ours.median_ms == 10.0
     assert entry.window == [127, 0] and entry.softcap is None and entry.features
@@ -310,6 +312,18 @@ def test_a_feature_case_times_flex_beside_ours_and_refuses_sdpa_and_the_peers(fa
     # the features' backward cases time no deterministic column: their twins' ratios judge them
     entry, _ = fake_case("bwd-bf16-d128-h2-b1-s512-causal-sinks", "cuda")
     assert entry.ours_deterministic is None and entry.sinks
+
+    # a failure while building the call (the block mask) is the column's error, not a crash
+    def broken(case, x, device):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB\nmore")
+
+    monkeypatch.setattr(measure.flex, "flex_call", broken)
+    entry, _ = fake_case("fwd-bf16-d128-h2-b1-s512-causal-win127_0", "cuda")
+    assert entry.baselines["flex"] == NotMeasured(
+        "error",
+        "building FlexAttention's block mask: RuntimeError: CUDA out of memory. Tried to "
+        "allocate 1 GiB",
+    )
     # the CPU backend does not compile Flex for a figure that says nothing about a GPU
     entry, flexed = fake_case("fwd-bf16-d128-h2-b1-s512-causal-win127_0")
     assert entry.baselines["flex"] == NotMeasured("unsupported", flex.NOT_ON_CPU)

@@ -340,10 +340,14 @@ def run_case(
         elif device == "cpu":
             fn, reason = None, flex.NOT_ON_CPU
         else:
-            fn, reason = flex.flex_call(case, x, device)
+            try:
+                fn, reason = flex.flex_call(case, x, device)
+            except Exception as exc:  # its block mask is built (and compiled) here, not timed
+                fn, reason = None, f"building FlexAttention's block mask: {first_line(exc)}"
+                unsupported[flex.NAME] = NotMeasured("error", reason)
         if fn:
             calls[flex.NAME] = (fn, None)
-        else:
+        elif flex.NAME not in unsupported:
             unsupported[flex.NAME] = NotMeasured("unsupported", reason)
     if case.kind == "decode" and device == "cuda":  # the floor is timed among the case's calls
         floor, measured = read_floor(
