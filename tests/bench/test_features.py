@@ -307,6 +307,7 @@ def test_a_feature_case_times_flex_beside_ours_and_refuses_sdpa_and_the_peers(
 
     check = jsonschema.Draft202012Validator({"$defs": validator["$defs"], "$ref": "#/$defs/case"})
     assert list(check.iter_errors(doc)) == []
+    assert list(check.iter_errors({**doc, "head_dim_v": 64})) == []  # CaseRecord writes it too
     for bad in ({**doc, "window": [127]}, {**doc, "softcap": -1}, {**doc, "sinks": False}):
         assert list(check.iter_errors(bad)), bad
     # the features' backward cases time no deterministic column: their twins' ratios judge them
