@@ -33,7 +33,7 @@ LABEL = "FlexAttention"
 KINDS = ("prefill", "backward", "train")
 # The bench's flex column on the CPU backend. torch.compile's Flex runs there (the forward, without
 # a log-sum-exp), but its first compile costs the quick run most of its time, for a figure that says
-# nothing about a GPU; tests/bench/test_features.py checks the compiled call and the eager one.
+# nothing about a GPU; tests/bench/test_feature_cases.py checks the compiled call and the eager one.
 NOT_ON_CPU = (
     "not timed on the CPU: FlexAttention's compile costs seconds a case there and its time says "
     "nothing about a GPU's; it is timed on CUDA"
