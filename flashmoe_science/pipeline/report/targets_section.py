@@ -122,18 +122,7 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
         )
     matrix = [v for v in found if v.what in targets.MATRIX_LABELS]
     if matrix:
-        rows = [
-            (
-                v.status == targets.MISSED,
-                [
-                    md.code(v.id, 150),
-                    md.text(v.what),
-                    _judged(v.ratio, v)
-                    + (f" ({md.text(v.reason, 200)})" if v.status == targets.NOT_JUDGED else ""),
-                ],
-            )
-            for v in matrix
-        ]
+        rows = _verdict_rows(matrix)
         card, card_targets = targets.shown_targets(record.gpu, record.backend == "cpu")
         parts.append(
             f"**The matrix's targets**, set for the {md.text(card.removeprefix('NVIDIA '))}: "
@@ -161,18 +150,7 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
         )
     features = [v for v in found if v.what in targets.FEATURE_LABELS]
     if features:
-        rows = [
-            (
-                v.status == targets.MISSED,
-                [
-                    md.code(v.id, 150),
-                    md.text(v.what),
-                    _judged(v.ratio, v)
-                    + (f" ({md.text(v.reason, 200)})" if v.status == targets.NOT_JUDGED else ""),
-                ],
-            )
-            for v in features
-        ]
+        rows = _verdict_rows(features)
         parts.append(
             "**Sliding windows, softcap and sinks**, each against its twin without the feature in "
             f"the same run, the window also against {FLEX_LABEL}\n\n"
@@ -373,3 +351,20 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
         + (f", {len(failed)} failed" if failed else "")
     )
     return Section("speed", TITLE, severity, summary, "\n\n".join(parts), problems)
+
+
+def _verdict_rows(verdicts) -> list[tuple[bool, list[str]]]:
+    """(missed, [case, what, verdict]) rows of the matrix's and the features' targets; a target
+    not judged says why."""
+    return [
+        (
+            v.status == targets.MISSED,
+            [
+                md.code(v.id, 150),
+                md.text(v.what),
+                _judged(v.ratio, v)
+                + (f" ({md.text(v.reason, 200)})" if v.status == targets.NOT_JUDGED else ""),
+            ],
+        )
+        for v in verdicts
+    ]
