@@ -87,13 +87,7 @@ def training_config(
 def training_model(config, implementation: str, state=None, dtype=torch.bfloat16, device="cpu"):
     """The model of `config` with attention `implementation`, in train mode; seeded, so two calls
     give the same weights (or `state`'s, when given)."""
-    torch.manual_seed(0)
-    m = _transformers().LlamaForCausalLM._from_config(
-        copy.deepcopy(config), attn_implementation=implementation
-    )
-    if state is not None:
-        m.load_state_dict(state)
-    return m.train().to(device=device, dtype=dtype)
+    return _seeded_model("LlamaForCausalLM", config, implementation, state, dtype, device)
 
 
 def gemma2_config(
@@ -132,8 +126,13 @@ def gemma2_config(
 def gemma2_model(config, implementation: str, state=None, dtype=torch.float32, device="cpu"):
     """The Gemma 2 model of `config` with attention `implementation`, in train mode; seeded, so
     two calls give the same weights (or `state`'s, when given)."""
+    return _seeded_model("Gemma2ForCausalLM", config, implementation, state, dtype, device)
+
+
+def _seeded_model(model_class: str, config, implementation, state, dtype, device):
+    """transformers' `model_class` of `config`, seeded (or `state`'s weights), in train mode."""
     torch.manual_seed(0)
-    m = _transformers().Gemma2ForCausalLM._from_config(
+    m = getattr(_transformers(), model_class)._from_config(
         copy.deepcopy(config), attn_implementation=implementation
     )
     if state is not None:

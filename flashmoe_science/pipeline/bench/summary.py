@@ -280,15 +280,7 @@ def render_targets(record: BenchRecord) -> list[str]:
     matrix = [v for v in found if v.what in targets.MATRIX_LABELS]
     card, card_targets = targets.shown_targets(record.gpu, record.backend == "cpu")
     if matrix:
-        rows = [
-            [
-                v.id,
-                v.what,
-                _x(v.ratio),
-                _cell(v) if v.status != targets.NOT_JUDGED else f"not judged ({v.reason})",
-            ]
-            for v in matrix
-        ]
+        rows = _verdict_rows(matrix)
         lines += [
             "",
             f"The matrix's targets, set for the {card.removeprefix('NVIDIA ')} "
@@ -444,15 +436,7 @@ def render_targets(record: BenchRecord) -> list[str]:
         ]
     features = [v for v in found if v.what in targets.FEATURE_LABELS]
     if features:
-        rows = [
-            [
-                v.id,
-                v.what,
-                _x(v.ratio),
-                _cell(v) if v.status != targets.NOT_JUDGED else f"not judged ({v.reason})",
-            ]
-            for v in features
-        ]
+        rows = _verdict_rows(features)
         lines += [
             "",
             "Sliding windows, softcap and sinks, each against its twin without the feature in the "
@@ -595,3 +579,17 @@ def render_comparison(comparison: Comparison) -> list[str]:
         ]
         lines += [_comparison_row(r) for r in rows]
     return lines
+
+
+def _verdict_rows(verdicts) -> list[list[str]]:
+    """[case, what, ratio, verdict] rows of the matrix's and the features' targets; a target not
+    judged says why."""
+    return [
+        [
+            v.id,
+            v.what,
+            _x(v.ratio),
+            _cell(v) if v.status != targets.NOT_JUDGED else f"not judged ({v.reason})",
+        ]
+        for v in verdicts
+    ]
