@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from .masks import visible_pairs
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ELEMENT_BYTES = 2
 KINDS = ("prefill", "decode", "backward", "train")
@@ -43,7 +45,10 @@ LAYOUTS = ("bhsd", "bshd")
 # normal inputs leave untested.
 SCORES = ("normal", "rising", "falling")
 SCORE_RAMP = 15.0
-GROUPS = ("prefill", "decode", "small", "backward", "train")
+# "features": the benchmark's sliding-window, softcap and sinks cases and their plain twins, kept
+# out of the matrix's own targets (their twins' ratios judge them: pipeline.bench.targets). A worker
+# of an older version refuses the group instead of timing such a case without its features.
+GROUPS = ("prefill", "decode", "small", "backward", "train", "features")
 # The id prefix of each kind; backward and train cases are prefill shapes (a mask suffix).
 PREFIXES = {"prefill": "fwd", "decode": "dec", "backward": "bwd", "train": "fwdbwd"}
 # FLOPs of a kind over the forward's: the backward's five matmuls against the forward's two
@@ -184,8 +189,13 @@ class Case:
     @property
     def flops(self) -> int:
         """2*B*H*Sq*Sk*(D + Dv), i.e. 4*B*H*Sq*Sk*D (FA2 paper accounting) when Dv = D, halved
-        for causal only when Sq == Sk; the backward counts 2.5 times that and a training step
-        (forward and backward) 3.5 times."""
+        for causal only when Sq == Sk; with a window, Sq*Sk is the pairs a query sees
+        (visible_pairs). The backward counts 2.5 times that and a training step (forward and
+        backward) 3.5 times."""
+        if self.window != (-1, -1):
+            pairs = visible_pairs(self.seqlen_q, self.seqlen_k, self.causal, self.window)
+            flops = 2 * self.batch * self.heads_q * pairs * (self.head_dim + self.value_head_dim)
+            return int(flops * FLOP_FACTORS[self.kind])
         rows_keys = self.batch * self.heads_q * self.seqlen_q * self.seqlen_k
         flops = 2 * rows_keys * (self.head_dim + self.value_head_dim)
         flops = flops // 2 if self.causal and self.seqlen_q == self.seqlen_k else flops

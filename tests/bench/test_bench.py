@@ -24,6 +24,7 @@ from flashmoe_science.pipeline.bench import matrix as benchmatrix
 from flashmoe_science.pipeline.bench import records as benchrecords
 from flashmoe_science.pipeline.bench import run as bench
 from flashmoe_science.pipeline.bench import summary as benchmd
+from flashmoe_science.pipeline.bench.flex import NOT_ON_CPU
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 
@@ -273,20 +274,28 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(
-        r"^\[1/10\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
+        r"^\[1/19\] fwd-\S+ \.\.\. [0-9.]+ ms.*\([0-9.]+ s elapsed\)$", done.stdout, re.MULTILINE
     ), done.stdout
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert schema_errors(doc) == []
     assert doc["backend"] == "cpu" and doc["gpu"] is None and doc["comparison"] is None
     assert [c["id"] for c in doc["cases"]] == list(benchmatrix.QUICK_IDS["cpu"])
-    assert {c["group"] for c in doc["cases"]} == {"prefill", "decode", "small", "backward"}
+    groups = {"prefill", "decode", "small", "backward", "features"}
+    assert {c["group"] for c in doc["cases"]} == groups
     for case in doc["cases"]:
         assert case["ours"]["status"] == "ok", case["ours"]
         peers = {"fa3", "fa4"} if case["kind"] != "decode" else set()
-        assert set(case["baselines"]) == set(baselines.BASELINES) | peers
+        features = {"window", "softcap", "sinks"} & set(case)
+        flex = {"flex"} if features else set()
+        assert set(case["baselines"]) == set(baselines.BASELINES) | peers | flex
+        if features:  # SDPA cannot express them; FlexAttention is timed on CUDA
+            assert all(case["baselines"][n]["status"] == "unsupported" for n in baselines.BASELINES)
+            assert case["baselines"]["flex"] == {"status": "unsupported", "reason": NOT_ON_CPU}
+            continue
         # FlashAttention-3 and -4 need an sm_90 card: a column that says why, not a crash
         assert all(case["baselines"][p]["status"] == "unsupported" for p in peers)
-        assert ("ours_deterministic" in case) == (case["kind"] == "backward")
+        deterministic = case["kind"] == "backward" and case["group"] != "features"
+        assert ("ours_deterministic" in case) == deterministic
         assert case["baselines"]["sdpa-default"]["status"] == "ok"
         # CUDA-only SDPA backends refuse CPU tensors: recorded with the reason, not a crash
         assert case["baselines"]["sdpa-cudnn"]["status"] == "unsupported"
@@ -294,7 +303,7 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     # the speed-target cases: varlen and paged measured, host cost and the model unsupported here
     targets = {t["id"]: t for t in doc["targets"]}
     assert list(targets) == list(benchmatrix.QUICK_TARGET_IDS["cpu"])
-    assert re.search(r"^\[6/10\] varlen-\S+ \.\.\. varlen / dense [0-9.]+x", done.stdout, re.M)
+    assert re.search(r"^\[14/19\] varlen-\S+ \.\.\. varlen / dense [0-9.]+x", done.stdout, re.M)
     for kind, sides in (("varlen", ("ours", "dense")), ("paged", ("ours", "contiguous"))):
         (record,) = [t for t in doc["targets"] if t["kind"] == kind]
         assert all(record[side]["status"] == "ok" for side in sides), record
@@ -306,8 +315,11 @@ def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path
     (step,) = [t for t in doc["targets"] if t["kind"] == "step"]  # the training step runs
     assert step["ours"]["status"] == step["sdpa"]["status"] == "ok" and step["ratio"] > 0
     assert step["ours_tokens_per_s"] > 0
-    # varlen, paged, host, the step; the backward's and the deterministic backward's geomeans
-    assert "speed targets: 0 met, 0 missed, 6 not judged" in done.stdout
+    (loss,) = [t for t in doc["targets"] if t["kind"] == "loss"]  # the training run's plumbing
+    assert loss["ours"]["status"] == loss["eager"]["status"] == "ok" and loss["ratio"] > 0
+    # varlen, paged, host, the step, the training run; the backward's and the deterministic
+    # backward's geomeans; the features' eight
+    assert "speed targets: 0 met, 0 missed, 15 not judged" in done.stdout
     assert "retaking" not in done.stdout and doc["timing"]["retakes"] == 0
     markdown = (tmp_path / "bench.md").read_text()
     assert "not measured again (--retakes 0)" in markdown
@@ -418,7 +430,8 @@ def test_a_glob_with_quick_picks_among_the_quick_cases(device):
     quick, quick_targets = benchmatrix.select(device, quick=True)
     cases_, targets = benchmatrix.select(device, quick=True, patterns=["fwd-*", "paged-*"])
     assert [c.id for c in cases_] == [c.id for c in quick if c.id.startswith("fwd-")]
-    assert len(cases_) == 3  # two prefill cases and the small one, not the matrix's dozens
+    plain = [c for c in cases_ if c.group != "features"]
+    assert len(plain) == 3  # two prefill cases and the small one, not the matrix's dozens
     assert [t.id for t in targets] == [t.id for t in quick_targets if t.id.startswith("paged-")]
     with pytest.raises(ValueError, match=r"matches nothing in the \w+ --quick subset"):
         benchmatrix.select(device, quick=True, patterns=["dec-*-k65536"])

@@ -24,6 +24,8 @@ from flashmoe_science.pipeline.bench import targets, timing
 from flashmoe_science.pipeline.bench.records import (
     HostCost,
     HostRecord,
+    LossRecord,
+    LossRun,
     Measured,
     ModelRecord,
     ModelTiming,
@@ -36,6 +38,7 @@ from flashmoe_science.pipeline.bench.records import (
 from flashmoe_science.pipeline.bench.target_cases import (
     HOST_CALLS,
     HostTarget,
+    LossTarget,
     ModelTarget,
     PagedTarget,
     StepTarget,
@@ -1049,12 +1052,16 @@ def test_host_and_model_cases_are_unsupported_on_the_cpu_with_the_reason(monkeyp
     assert ours.status == sdpa.status == "unsupported" and "pip install transformers" in ours.reason
 
 
+def cpu_step():
+    return next(t for t in benchmatrix.cpu_targets() if t.kind == "step")
+
+
 def test_the_training_step_is_two_models_from_one_initialisation_on_random_tokens():
     """(A few seconds: it imports transformers and builds the CPU bench's model twice.)"""
     pytest.importorskip("transformers")
     from flashmoe_science.integrations.transformers import NAME
 
-    target = benchmatrix.cpu_targets()[-1]
+    target = cpu_step()
     assert target.kind == "step" and target.layers == 1
     ours, sdpa, ids = targetmeasure.step_models(target, "cpu")
     assert ours.config._attn_implementation == NAME and sdpa.config._attn_implementation == "sdpa"
@@ -1101,7 +1108,7 @@ def test_the_training_steps_are_timed_in_the_same_rounds_into_tokens_per_second(
         return interleaved(calls, case, device, timer, config, ceilings, rounds, say)
 
     monkeypatch.setattr(targetmeasure.measure, "measure_interleaved", spy)
-    target = benchmatrix.cpu_targets()[-1]
+    target = cpu_step()
     config = timing.TimingConfig.for_device("cpu")
     timer = StepTimer()
     record = targetmeasure.run_target(target, "cpu", timer, config, {})
@@ -1119,7 +1126,7 @@ def test_the_training_steps_are_timed_in_the_same_rounds_into_tokens_per_second(
 
 def test_without_transformers_the_training_step_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
-    record = targetmeasure.run_step(benchmatrix.cpu_targets()[-1], "cpu", None, None, {})
+    record = targetmeasure.run_step(cpu_step(), "cpu", None, None, {})
     assert record.ours.status == record.sdpa.status == "unsupported"
     assert "pip install transformers" in record.ours.reason and record.ratio is None
 
@@ -1167,3 +1174,174 @@ def test_report_section_escapes_what_the_records_say(tmp_path, fixture_checkout)
     assert "`` varlen-x \\| <img src=x> `@owner` ``" in section
     assert section.count("<img") == 1 and "<script>" not in section
     assert "&lt;script&gt;\\| @\u200bowner" in section
+
+
+# --------------------------------------------------------------------------------------------------
+# Sliding windows, softcap and sinks; the Gemma-2-style training run
+# --------------------------------------------------------------------------------------------------
+
+REFUSED = "window_size=(-1, -1)... softcap=50 is not yet on CUDA"
+
+
+def feature_case(case_id: str, ours_ms: float | None, flex_ratio: float | None = None):
+    """A case of the feature set: `case_id`'s shape and features, ours taking ours_ms (None: our
+    kernel refuses it, as CUDA does today), FlexAttention's time over ours at flex_ratio."""
+    from flashmoe_science.pipeline.cases import parse_case_id
+
+    shape = parse_case_id(case_id)
+    case = matrix_case(case_id, {}, group="features")
+    case.window = list(shape.window) if shape.window != (-1, -1) else None
+    case.softcap, case.sinks = shape.softcap or None, shape.sinks or None
+    case.ours = measured(ours_ms) if ours_ms else NotMeasured("unsupported", REFUSED)
+    case.baselines = {}
+    if flex_ratio:
+        case.baselines["flex"] = dataclasses.replace(
+            measured(ours_ms * flex_ratio), ratio=flex_ratio
+        )
+    return case
+
+
+SHAPE = "bf16-d128-h16-b1-s32768-causal"
+# the window's visible share at S 32768, W 4096: 0.234372 of the causal pairs
+FEATURES = [
+    feature_case(f"fwd-{SHAPE}", 10.0),
+    feature_case(f"fwd-{SHAPE}-win4095_0", 2.6, flex_ratio=1.4),  # 10 x 0.2344 / 2.6 = 0.901
+    feature_case(f"fwd-{SHAPE}-cap50", 10.5),  # 0.952 >= 1 / 1.10
+    feature_case(f"fwd-{SHAPE}-sinks", 10.6),  # 0.943 < 1 / 1.05
+    feature_case(f"bwd-{SHAPE}", 10.0),
+    feature_case(f"bwd-{SHAPE}-win4095_0", 2.9, flex_ratio=1.2),  # 0.808 < 1 / 1.15
+    feature_case(f"bwd-{SHAPE}-cap50", None),  # refused
+    feature_case("bwd-bf16-d128-h16-b2-s8192-causal-sinks", 5.0),  # its twin is not in the run
+]
+
+
+def test_the_feature_targets_judge_each_case_against_its_twin_and_flex_on_an_h200():
+    record = on_card(bench_record(cases=FEATURES), H200)
+    found = {(v.id, v.what): v for v in targets.verdicts(record)}
+    assert {
+        key: (v.status, round(v.ratio, 3) if v.ratio else None) for key, v in found.items()
+    } == {
+        (f"fwd-{SHAPE}-win4095_0", targets.FLEX_VS_OURS): (targets.MET, 1.4),
+        (f"fwd-{SHAPE}-win4095_0", targets.WINDOW_VS_CAUSAL): (targets.MET, 0.901),
+        (f"fwd-{SHAPE}-cap50", targets.SOFTCAP_VS_PLAIN): (targets.MET, 0.952),
+        (f"fwd-{SHAPE}-sinks", targets.SINKS_VS_PLAIN): (targets.MISSED, 0.943),
+        (f"bwd-{SHAPE}-win4095_0", targets.FLEX_VS_OURS): (targets.MISSED, 1.2),
+        (f"bwd-{SHAPE}-win4095_0", targets.WINDOW_VS_CAUSAL): (targets.MISSED, 0.808),
+        (f"bwd-{SHAPE}-cap50", targets.SOFTCAP_VS_PLAIN): (targets.NOT_JUDGED, None),
+        ("bwd-bf16-d128-h16-b2-s8192-causal-sinks", targets.SINKS_VS_PLAIN): (
+            targets.NOT_JUDGED,
+            None,
+        ),
+    }  # and none of the matrix's own targets: the feature set is kept out of their groups
+    assert found[f"fwd-{SHAPE}-win4095_0", targets.WINDOW_VS_CAUSAL].target == pytest.approx(
+        1 / 1.15
+    )
+    assert found[f"bwd-{SHAPE}-cap50", targets.SOFTCAP_VS_PLAIN].reason == (
+        f"ours unsupported: {REFUSED}"
+    )
+    assert found["bwd-bf16-d128-h16-b2-s8192-causal-sinks", targets.SINKS_VS_PLAIN].reason == (
+        "no twin bwd-bf16-d128-h16-b2-s8192-causal"
+    )
+
+
+def test_where_our_kernels_refuse_the_features_their_targets_are_not_judged_with_the_reason():
+    """Today's CUDA run on an H200: every feature case's ours is "unsupported"; no ratio, so not
+    judged (neither met nor missed), each saying why."""
+    refused = [feature_case(c.id, None) if c.features else c for c in FEATURES[:6]]
+    refused[1].baselines["flex"] = NotMeasured("unsupported", "not timed: our kernel refuses")
+    found = targets.verdicts(on_card(bench_record(cases=refused), H200))
+    assert len(found) == 6 and {v.status for v in found} == {targets.NOT_JUDGED}
+    assert {v.reason for v in found} == {f"ours unsupported: {REFUSED}"}
+
+
+@pytest.mark.parametrize("card", ["NVIDIA L4", None])
+def test_the_feature_targets_elsewhere_are_shown_not_judged(card):
+    record = bench_record(cases=FEATURES, found=[loss_record(1.002)])
+    cpu = dataclasses.replace(record, backend="cpu", gpu=None)
+    record = on_card(record, card) if card else cpu
+    found = [v for v in targets.verdicts(record) if v.ratio is not None]
+    assert len(found) == 7 and {v.status for v in found} == {targets.NOT_JUDGED}
+    reasons = {v.reason for v in found if v.what != targets.LOSS_AGREEMENT}
+    loss = next(v for v in found if v.what == targets.LOSS_AGREEMENT)
+    if card:
+        assert reasons == {"set for the NVIDIA H200; this card is NVIDIA L4"} == {loss.reason}
+    else:
+        assert reasons == {targets.CPU_REASON}
+        assert loss.reason == "set for the NVIDIA H200; this card is the CPU"
+
+
+def loss_record(ratio: float | None, ours=None) -> LossRecord:
+    target = LossTarget()
+    eager = LossRun(3.7, [5.5, 3.7], 9.0)
+    ours = ours or LossRun(
+        round(3.7 * (ratio or 1.0), 6), [5.5, round(3.7 * (ratio or 1.0), 6)], 12.0
+    )
+    return LossRecord(
+        target.id, "loss", "fp32", 4, 4, 2, 32, 8, 128, 32, 0.5, 60, ours, eager, ratio
+    )
+
+
+def test_the_training_runs_final_losses_are_judged_within_one_percent_on_an_h200():
+    cases = [
+        (1.004, targets.MET),
+        (0.992, targets.MET),
+        (1.02, targets.MISSED),
+        (0.985, targets.MISSED),
+    ]
+    for ratio, status in cases:
+        (verdict,) = targets.verdicts(on_card(bench_record(found=[loss_record(ratio)]), H200))
+        assert verdict.status == status and verdict.ratio == pytest.approx(1 - abs(ratio - 1))
+        assert verdict.target == pytest.approx(0.99)
+    refused = loss_record(None, NotMeasured("unsupported", REFUSED))
+    (verdict,) = targets.verdicts(on_card(bench_record(found=[refused]), H200))
+    assert verdict.status == targets.NOT_JUDGED and verdict.reason == f"ours unsupported: {REFUSED}"
+
+
+def test_loss_records_round_trip_and_the_schema_rejects_bad_ones(tmp_path):
+    validator = target_validator()
+    for record in (loss_record(1.001), loss_record(None, NotMeasured("unsupported", REFUSED))):
+        doc = benchrecords.to_json(record)
+        assert list(validator.iter_errors(doc)) == [], doc
+        assert benchrecords.target_from_json(json.loads(json.dumps(doc))) == record
+        for bad in (
+            {**doc, "kind": "step"},
+            {**doc, "ratio": -1},
+            {**doc, "softcap": 0},
+            {k: v for k, v in doc.items() if k != "eager"},
+        ):
+            assert list(validator.iter_errors(bad)), bad
+    doc = benchrecords.to_json(loss_record(1.001))
+    assert list(validator.iter_errors({**doc, "ours": {**doc["ours"], "losses": []}}))
+    assert list(validator.iter_errors({**doc, "ours": {**doc["ours"], "final_loss": None}}))
+    record = bench_record(cases=FEATURES, found=[loss_record(1.001)])
+    benchrecords.write(record, tmp_path / "bench.json")
+    assert benchrecords.load(tmp_path / "bench.json") == record
+
+
+def test_bench_md_and_the_report_show_the_feature_targets_and_the_training_run(
+    tmp_path, fixture_checkout
+):
+    record = on_card(bench_record(cases=FEATURES, found=[loss_record(1.004)]), H200)
+    text = "\n".join(benchmd.render_targets(record))
+    assert "Sliding windows, softcap and sinks, each against its twin" in text
+    assert (
+        f"| fwd-{SHAPE}-win4095_0 | causal x visible share / window | 0.90x | met (>= 0.87x) |"
+        in text
+    )
+    assert f"| fwd-{SHAPE}-sinks | without sinks / with | 0.94x | **MISSED** (< 0.95x) |" in text
+    assert f"| {LossTarget().id} | 3.7148 | 3.7 | 1.004 | 1.00x met (>= 0.99x) |" in text
+    markdown = benchmd.render_markdown(record)
+    assert "| vs flex |" in markdown and "flex is FlexAttention under torch.compile" in markdown
+
+    def with_features(doc):
+        doc["gpu"]["name"], doc["gpu"]["capability"] = H200, "9.0"
+        doc["cases"] += [benchrecords.to_json(c) for c in FEATURES]
+        doc["targets"].append(benchrecords.to_json(loss_record(1.004)))
+
+    _, report_text = write_reports(tmp_path, with_features)
+    assert "**Sliding windows, softcap and sinks**" in report_text
+    assert f"`fwd-{SHAPE}-sinks` | without sinks / with | 0.94" in report_text
+    assert "**The Gemma-2-style training run**" in report_text
+    # the refused case is said in its row, not counted as our kernel failing
+    assert "our kernel failed" not in report_text
+    assert f"| FlexAttention ms ({report.TIMES}) |" in report_text.split("**features**")[1]

@@ -31,7 +31,14 @@ def stage_env(reports: Path, **extra: str) -> dict[str, str]:
         k: v
         for k, v in os.environ.items()
         if not k.startswith(
-            ("FLASHMOE_", "PYTEST_XDIST", "PYTEST_ADDOPTS", "TORCH_CUDA_ARCH", "OMP_NUM_THREADS")
+            (
+                "FLASHMOE_",
+                "PYTEST_XDIST",
+                "PYTEST_ADDOPTS",
+                "TORCH_CUDA_ARCH",
+                "OMP_NUM_THREADS",
+                "TORCHINDUCTOR_COMPILE_THREADS",
+            )
         )
     }
     env.update(
@@ -277,7 +284,7 @@ import os
 @pytest.mark.parametrize("n", range(8))
 def test_device_gate(n, record_property):
     seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    threads = os.environ.get("OMP_NUM_THREADS")
+    threads = (os.environ.get("OMP_NUM_THREADS"), os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"))
     record_property(
         "gate",
         {"case_id": f"d{n}", "max_diff": 0.0, "ratio": 1.0, "seen": seen, "threads": threads},
@@ -308,15 +315,20 @@ def test_with_two_faked_gpus_both_workers_receive_gates_each_on_its_own(tmp_path
     assert all(w["gpu"] is None for w in workers.values()), "no GPU here to name"
     # each worker's torch gets its share of the cores, not every core (OpenMP oversubscription)
     share = str(max(1, (os.cpu_count() or 1) // 2))
-    assert {case.get("threads") for case in rec["cases"] if "seen" in case} == {share}
+    assert {tuple(case.get("threads")) for case in rec["cases"] if "seen" in case} == {
+        (share, share)
+    }
 
 
 def test_without_gpus_the_workers_are_not_pinned_and_a_lone_process_says_so(tmp_path):
     rec = run_suite(
-        tmp_path, "-p", "xdist.plugin", "-n", "2", extra=DEVICE_GATES, env={"OMP_NUM_THREADS": "3"}
+        tmp_path,
+        *("-p", "xdist.plugin", "-n", "2"),
+        extra=DEVICE_GATES,
+        env={"OMP_NUM_THREADS": "3", "TORCHINDUCTOR_COMPILE_THREADS": "4"},
     )
     assert {w["cuda_visible_devices"] for w in rec["workers"]} == {""}, "the run's own, unchanged"
-    assert {case.get("threads") for case in rec["cases"] if "seen" in case} == {"3"}, "the run's"
+    assert {tuple(case.get("threads")) for case in rec["cases"] if "seen" in case} == {("3", "4")}
     (tmp_path / "serial").mkdir()
     rec = run_suite(tmp_path / "serial", extra=DEVICE_GATES)
     assert [(w["id"], w["gates"], w["tests"]) for w in rec["workers"]] == [("main", 10, 12)]

@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import exitcodes
 from ..build import unit as build
-from ..cases import Case, Inputs, make_output_grad
+from ..cases import Case, Inputs, make_output_grad, make_sinks
 from .records import BASELINE_NAMES
 from .timing import first_line
 
@@ -78,46 +78,92 @@ def gradient_call(
     x: Inputs,
     forward: Callable[..., torch.Tensor],
     grad: torch.Tensor | None = None,
+    params: tuple[torch.Tensor, ...] = (),
 ) -> Callable[[], object]:
     """What a backward or train case times, given the forward (q, k, v) -> out. backward: the
     gradients of q, k and v alone; the forward runs once, on the first call, which measure() makes
     untimed and inside the backend's context (SDPA picks its backward kernel in the forward), and
     its saved tensors are then outside what peak memory counts. train: forward and backward.
-    `grad` is the output's gradient (default: cases.make_output_grad's, [B, H, S, D])."""
+    `grad` is the output's gradient (default: cases.make_output_grad's, [B, H, S, D]); `params`
+    are further leaves the forward reads whose gradients count too (learnable sinks)."""
     device = x.q.device.type
     q, k, v = (t.detach().requires_grad_() for t in (x.q, x.k, x.v))
+    leaves = (q, k, v, *params)
     grad = make_output_grad(case, device) if grad is None else grad
     if case.kind == "train":
-        return lambda: torch.autograd.grad(forward(q, k, v), (q, k, v), grad)
+        return lambda: torch.autograd.grad(forward(q, k, v), leaves, grad)
     saved: list[torch.Tensor] = []
 
     def backward():
         if not saved:
             saved.append(forward(q, k, v))
-        return torch.autograd.grad(saved[0], (q, k, v), grad, retain_graph=True)
+        return torch.autograd.grad(saved[0], leaves, grad, retain_graph=True)
 
     return backward
+
+
+def case_sinks(case: Case, device: str) -> torch.Tensor | None:
+    """The case's sink logits (cases.make_sinks), a leaf that takes gradients in the backward
+    kinds, as a model's learnable sinks do; None without sinks."""
+    sinks = make_sinks(case, device)
+    if sinks is not None and case.kind in ("backward", "train"):
+        sinks.requires_grad_()
+    return sinks
+
+
+def feature_options(case: Case, sinks: torch.Tensor | None) -> dict:
+    """The window_size, softcap and sinks arguments of the case ({} for none of them)."""
+    options = {"window_size": case.window} if case.window != (-1, -1) else {}
+    options |= {"softcap": case.softcap} if case.softcap else {}
+    options |= {"sinks": sinks} if sinks is not None else {}
+    return options
 
 
 def our_call(case: Case, x: Inputs) -> Callable[[], object]:
     """Our operator on the case's inputs, with only the options the case sets."""
     api = ops()
+    sinks = case_sinks(case, x.q.device.type)
+    features = feature_options(case, sinks)
     if case.kind in ("backward", "train"):
         options = {"backward_config": case.config} if case.config else {}
         options |= {"deterministic": True} if case.deterministic else {}
+        options |= features
         return gradient_call(
             case,
             x,
             lambda q, k, v: api.flash_attention_forward(q, k, v, causal=case.causal, **options),
+            params=(sinks,) if sinks is not None else (),
         )
     if case.kind == "decode":
         options = {"num_splits": case.num_splits} if case.num_splits else {}
         return lambda: api.flash_attention_decode(
-            x.q, x.k, x.v, x.cache_seqlens, causal=case.causal, **options
+            x.q, x.k, x.v, x.cache_seqlens, causal=case.causal, **options, **features
         )
     options = {"num_splits": case.num_splits} if case.num_splits else {}
     options |= {"config": case.config} if case.config else {}
-    return lambda: api.flash_attention_forward(x.q, x.k, x.v, causal=case.causal, **options)
+    return lambda: api.flash_attention_forward(
+        x.q, x.k, x.v, causal=case.causal, **options, **features
+    )
+
+
+def features_refusal(case: Case, device: str) -> str | None:
+    """Why our kernels on `device` refuse the case's window, softcap or sinks (the operators' own
+    one line, asked before any launch); None where they take them (the CPU, or no features)."""
+    if device != "cuda" or not has_features(case):
+        return None
+    return ops().features_unsupported_reason(case.window, case.softcap, case.sinks, case.causal)
+
+
+def has_features(case: Case) -> bool:
+    return case.window != (-1, -1) or bool(case.softcap) or case.sinks
+
+
+def features_text(case: Case) -> str:
+    """The case's features as the API names them, e.g. "window_size=(4095, 0) and softcap=50"."""
+    parts = [f"window_size={case.window}"] if case.window != (-1, -1) else []
+    parts += [f"softcap={case.softcap:g}"] if case.softcap else []
+    parts += ["sinks"] if case.sinks else []
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 _sdpa_has_enable_gqa: bool | None = None
@@ -138,6 +184,11 @@ def sdpa_supports_gqa() -> bool:
 
 def sdpa_call(case: Case, x: Inputs) -> tuple[Callable[[], torch.Tensor] | None, str | None]:
     """(callable, None), or (None, why SDPA cannot express this case)."""
+    if has_features(case):
+        return None, (
+            f"SDPA has no {features_text(case)}: FlexAttention (the flex column) is this case's "
+            "baseline"
+        )
     if case.cache_seqlens is not None:
         return None, "SDPA has no per-sequence cache lengths (cache_seqlens)"
     if case.causal and case.seqlen_q == case.seqlen_k:

@@ -1,10 +1,13 @@
 """The benchmark's case matrix: prefill over the FA2 benchmark's 16k-token sweep, decode over cache
 lengths, batches and GQA ratios, small shapes, and the backward (alone, and with the forward as a
-training step) over the prefill sweep; then the speed-target cases (target_cases: varlen, paged
-decode, host cost, the small model, its training step); scaled down on the CPU backend."""
+training step) over the prefill sweep; a sliding window, a softcap and sinks beside their plain
+twin (feature_cases); then the speed-target cases (target_cases: varlen, paged decode, host cost,
+the small model, its training step, the Gemma-2-style training run); scaled down on the CPU
+backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Sequence
 
@@ -12,6 +15,7 @@ from ..cases import Case, parse_case_id
 from .target_cases import (
     HOST_CALLS,
     HostTarget,
+    LossTarget,
     ModelTarget,
     PagedTarget,
     StepTarget,
@@ -78,6 +82,31 @@ def small_cases(heads=(1, 8), seqlens=(128, 512)) -> list[Case]:
     ]
 
 
+# Gemma 2's attn_logit_softcapping
+FEATURE_SOFTCAP = 50.0
+
+
+def feature_cases(
+    batch: int, heads: int, seqlen: int, window: int, head_dim: int = 128, dtype: str = "bf16"
+) -> list[Case]:
+    """Causal prefill and backward at one shape: the plain case (the twin), then a sliding window of
+    `window` keys (window_size=(window - 1, 0), as a model's sliding_window reads), a softcap and
+    sinks, each its own case of the twin's shape, so targets.feature_verdicts judges each from its
+    twin's time in the same run (the window also from the twin's causal time)."""
+    plain = Case("prefill", dtype, batch, heads, heads, seqlen, seqlen, head_dim, True)
+    variants = (
+        {},
+        {"window": (window - 1, 0)},
+        {"softcap": FEATURE_SOFTCAP},
+        {"sinks": True},
+    )
+    return [
+        dataclasses.replace(plain, kind=kind, group="features", **features)
+        for kind in ("prefill", "backward")
+        for features in variants
+    ]
+
+
 def gpu_matrix() -> list[Case]:
     return [
         *prefill_cases((128, 256, 512, 1024, 2048, 4096, 8192, 16384), 16384, {64: 32, 128: 16}),
@@ -88,6 +117,7 @@ def gpu_matrix() -> list[Case]:
         *training_cases(
             (512, 2048, 8192), 16384, {64: 32, 128: 16}, ("bf16",), ("backward",), config=1
         ),
+        *feature_cases(1, 16, 32768, 4096),
     ]
 
 
@@ -98,6 +128,7 @@ def cpu_matrix() -> list[Case]:
         *decode_cases((1024, 4096), (1, 4), 8, (8, 2)),
         *small_cases(),
         *training_cases((128, 256), 512, {64: 2, 128: 1}),
+        *feature_cases(1, 2, 512, 128),
     ]
 
 
@@ -115,6 +146,7 @@ QUICK_IDS = {
         "dec-bf16-d128-h8kv2-b4-q1-k1024",
         "fwd-fp16-d64-h1-b1-s128-full",
         "bwd-bf16-d128-h1-b2-s256-causal",
+        *(c.id for c in feature_cases(1, 2, 512, 128)),
     ),
 }
 
@@ -151,22 +183,28 @@ def gpu_targets() -> list[Target]:
             for d, heads in ((64, 16), (128, 8))
             for batch, seqlen in ((8, 2048), (2, 8192))
         ),
+        LossTarget(),
     ]
+
+
+CPU_LOSS_STEPS = 5
 
 
 def cpu_targets() -> list[Target]:
     """The host-cost and model cases stay in: on the CPU they become "unsupported" records. The
-    training step runs, on one layer and a batch small enough for a second or two of CPU time."""
+    training step runs, on one layer and a batch small enough for a second or two of CPU time;
+    the loss target's training run for a few steps, its plumbing (the whole run is the GPU's)."""
     return [
         *varlen_targets(1024, 16, 256, {64: 4}, ("bf16",)),
         *paged_targets(((4, 1024),), (16, 64, 128, 256), 8, 2),
         *(HostTarget(call) for call in HOST_CALLS),
         ModelTarget(),
         StepTarget(64, 1, 1, 2, 32, layers=1, vocab=128),
+        LossTarget(steps=CPU_LOSS_STEPS),
     ]
 
 
-TARGET_PREFIXES = ("varlen-", "paged-", "host-", "model-", "step-")
+TARGET_PREFIXES = ("varlen-", "paged-", "host-", "model-", "step-", "loss-")
 QUICK_TARGET_IDS = {
     "cuda": (
         "varlen-bf16-d128-h16-t16384-len128_4096-causal",
@@ -174,6 +212,7 @@ QUICK_TARGET_IDS = {
         "host-bf16-d128-h32kv8-b1-k1024-decode-lens",
         "model-llama-bf16-b8-s512-new32",
         "step-llama-bf16-l4-d128-h8kv2-b8-s2048",
+        LossTarget().id,
     ),
     "cpu": (
         "varlen-bf16-d64-h4-t1024-len16_256-causal",
@@ -181,6 +220,7 @@ QUICK_TARGET_IDS = {
         "host-bf16-d128-h32kv8-b1-k1024-decode-lens",
         "model-llama-bf16-b8-s512-new32",
         "step-llama-bf16-l1-d64-h1-b2-s32-v128",
+        LossTarget(steps=CPU_LOSS_STEPS).id,
     ),
 }
 

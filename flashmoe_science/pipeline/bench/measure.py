@@ -29,8 +29,17 @@ import math
 import torch
 
 from ..cases import Case, Inputs, make_inputs
-from . import peers, readfloor, stats
-from .baselines import BASELINES, backend_context, first_call, is_refusal, our_call, sdpa_call
+from . import flex, peers, readfloor, stats
+from .baselines import (
+    BASELINES,
+    backend_context,
+    features_refusal,
+    first_call,
+    has_features,
+    is_refusal,
+    our_call,
+    sdpa_call,
+)
 from .records import (
     CUDA_ONLY_BASELINES,
     NOT_ON_CPU,
@@ -259,8 +268,22 @@ def measure_interleaved(
 
 def times_deterministic(case: Case) -> bool:
     """Whether a case also times our kernel with deterministic=True beside ours: an automatic
-    backward case that is not deterministic itself."""
-    return case.kind == "backward" and not case.deterministic and not case.config
+    backward case that is not deterministic itself (the features' cases are timed for their
+    twins' ratios alone)."""
+    return (
+        case.kind == "backward"
+        and not case.deterministic
+        and not case.config
+        and case.group != "features"
+    )
+
+
+# The flex column of a case our kernel refuses, unless named with --case: Flex's compile costs
+# the default run minutes, and without our time there is no ratio to take.
+FLEX_NOT_TIMED = (
+    "not timed: our kernel refuses this case here, so there is no ratio to take (name the case "
+    "with --case to time FlexAttention anyway)"
+)
 
 
 def _beside_ours(result: Result, ours: Measured | None) -> Result:
@@ -282,10 +305,15 @@ def run_case(
     baselines: bool,
     rounds: int = ROUNDS,
     say=None,
+    refused_too: bool = False,
 ) -> CaseRecord:
+    """One case measured into its record. A case whose window, softcap or sinks our kernels here
+    refuse records ours as "unsupported" with their reason, and its flex column is timed only when
+    `refused_too` (the case was named with --case); on the CPU, never (flex.NOT_ON_CPU)."""
     x = make_inputs(case, device)
-    calls = {"ours": (our_call(case, x), None)}
-    if times_deterministic(case):
+    refusal = features_refusal(case, device)  # our kernels here do not take its features yet
+    calls = {} if refusal else {"ours": (our_call(case, x), None)}
+    if times_deterministic(case) and not refusal:
         deterministic = dataclasses.replace(case, deterministic=True)
         calls[DETERMINISTIC] = (our_call(deterministic, x), None)
     unsupported = {}
@@ -299,10 +327,28 @@ def run_case(
     if baselines and case.kind in peers.KINDS:
         for name, (fn, reason) in peers.availability(device).items():
             compared.append(name)
+            if fn and has_features(case):
+                fn, reason = None, peers.FEATURES_REASON
             if fn:
                 calls[name] = (peers.peer_call(fn, case, x), None)
             else:
                 unsupported[name] = NotMeasured("unsupported", reason)
+    if baselines and flex.applies(case):
+        compared.append(flex.NAME)
+        if refusal and not refused_too:
+            fn, reason = None, FLEX_NOT_TIMED
+        elif device == "cpu":
+            fn, reason = None, flex.NOT_ON_CPU
+        else:
+            try:
+                fn, reason = flex.flex_call(case, x, device)
+            except Exception as exc:  # its block mask is built (and compiled) here, not timed
+                fn, reason = None, f"building FlexAttention's block mask: {first_line(exc)}"
+                unsupported[flex.NAME] = NotMeasured("error", reason)
+        if fn:
+            calls[flex.NAME] = (fn, None)
+        elif flex.NAME not in unsupported:
+            unsupported[flex.NAME] = NotMeasured("unsupported", reason)
     if case.kind == "decode" and device == "cuda":  # the floor is timed among the case's calls
         floor, measured = read_floor(
             case,
@@ -327,7 +373,7 @@ def run_case(
         **case.to_dict(),
         flops=case.flops,
         bytes=case.bytes_moved,
-        ours=measured.pop("ours"),
+        ours=NotMeasured("unsupported", refusal) if refusal else measured.pop("ours"),
         baselines={},
         retakes=retakes,
         unstable=still or None,

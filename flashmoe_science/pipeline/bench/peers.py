@@ -32,6 +32,11 @@ from .timing import first_line
 
 # The kinds a peer is timed on: the forward, and the backward alone or with the forward
 KINDS = ("prefill", "backward", "train")
+# Said in their columns of a case with a window, softcap or sinks (FlexAttention is its baseline)
+FEATURES_REASON = (
+    "not timed: the window, softcap and sinks are not passed to FlashAttention-3/-4 here; "
+    "FlexAttention (the flex column) is this case's baseline"
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,10 @@ PEER_NAMES = ("fa3", "fa4")
 PEER_LABELS = {"fa3": "FlashAttention-3", "fa4": "FlashAttention-4"}
 # The reason of a peer that cannot be imported here starts with this (cells show it alone)
 NOT_INSTALLED = "not installed"
+# FlexAttention under torch.compile (pipeline.bench.flex): the baseline of the cases with a window,
+# softcap or sinks, which SDPA cannot express
+FLEX_NAME = "flex"
+FLEX_LABEL = "FlexAttention"
 
 
 class InvalidBenchFile(ValueError):
@@ -211,6 +215,15 @@ class CaseRecord:
     # backward cases: our kernel with deterministic=True, timed in the same rounds as ours; its
     # ratio is its time over ours (older records: none)
     ours_deterministic: Result | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # window_size (left, right), softcap and sinks (cases.Case), where the case has them
+    window: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    softcap: float | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    sinks: bool | None = dataclasses.field(default=None, metadata=OPTIONAL)
+
+    @property
+    def features(self) -> bool:
+        """A window, softcap or sinks."""
+        return bool(self.window or self.softcap or self.sinks)
 
 
 @dataclasses.dataclass
@@ -342,7 +355,39 @@ class StepRecord:
     ratio: float | None  # our tokens/s over SDPA's (SDPA's time per step over ours)
 
 
-TargetRecord = VarlenRecord | PagedRecord | HostRecord | ModelRecord | StepRecord
+@dataclasses.dataclass
+class LossRun:
+    """One model of a loss target trained: its loss at every step."""
+
+    final_loss: float  # the last step's
+    losses: list[float]
+    seconds: float  # wall clock of the whole run
+    status: str = "ok"
+
+
+@dataclasses.dataclass
+class LossRecord:
+    """The Gemma-2-style model (sliding and global layers, a softcap) trained from one
+    initialisation on the same batches with our attention (ours) and transformers' eager one."""
+
+    id: str
+    kind: str  # "loss"
+    dtype: str  # the model's weights
+    layers: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    batch: int
+    seqlen: int
+    window: int  # the sliding layers' sliding_window
+    softcap: float  # attn_logit_softcapping
+    steps: int
+    ours: LossRun | NotMeasured
+    eager: LossRun | NotMeasured
+    ratio: float | None  # our final loss over eager's
+
+
+TargetRecord = VarlenRecord | PagedRecord | HostRecord | ModelRecord | StepRecord | LossRecord
 
 
 @dataclasses.dataclass
@@ -480,6 +525,7 @@ TARGET_RECORDS = {
     "host": HostRecord,
     "model": ModelRecord,
     "step": StepRecord,
+    "loss": LossRecord,
 }
 # What each target kind's two timed sides are made of, when measured
 TARGET_RESULTS = {
@@ -488,6 +534,7 @@ TARGET_RESULTS = {
     "host": (("ours", HostCost), ("sdpa", HostCost)),
     "model": (("ours", ModelTiming), ("sdpa", ModelTiming)),
     "step": (("ours", Measured), ("sdpa", Measured)),
+    "loss": (("ours", LossRun), ("eager", LossRun)),
 }
 
 

@@ -23,6 +23,12 @@ reason. "ratio" is SDPA's time / ours: above 1, ours is faster. FlashAttention-3
 (pipeline.bench.peers, columns "fa3" and "fa4") join the prefill and backward kinds' rounds where
 they import and the card runs them, else each case says why not ("not installed: ..."); an
 automatic backward case also times our kernel with deterministic=True ("ours_deterministic").
+The cases with a sliding window, softcap or sinks (the "features" group: matrix.feature_cases)
+have FlexAttention under torch.compile as their baseline ("flex", pipeline.bench.flex; SDPA and
+the peers say why not). Where our kernels refuse those features (CUDA, until they take them) ours
+is "unsupported" with the operators' reason, which fails nothing and is left out of --base, and
+Flex is timed only for cases named with --case (in the default run its compile would cost minutes
+for no ratio); on the CPU backend it is not timed.
 
 Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton kernels that only read
 the case's K and V, timed in the same interleaved rounds as ours and the baselines
@@ -37,7 +43,9 @@ contiguous, both with the read floor), host cost (`host-*`: the time per call of
 calls without a synchronisation, CUDA events around the loop, beside SDPA's equivalent call) and the
 small Llama-style model (`model-*`: prefill and greedy decoding with our attention and with SDPA's)
 and a 4-layer one's training step (`step-*`: forward, backward and AdamW, our attention against
-SDPA's from the same initialisation, in the same interleaved rounds; tokens/s).
+SDPA's from the same initialisation, in the same interleaved rounds; tokens/s) and a Gemma-2-style
+model trained with our attention and with eager from one initialisation (`loss-*`: the final
+losses; 5 steps on the CPU).
 Their records go to bench.json's "targets"; pipeline.bench.targets judges each ratio against its target
 (and the read floor of every matrix decode case of at least 64 MiB, and the targets of the card the
 run is on), for bench.md and the report. On the CPU backend the host-cost and model cases are
@@ -84,10 +92,11 @@ before a run starts. Worker requests have no timeout: the CI job's timeout bound
 
 Where the parts live (flashmoe_science.pipeline.cases, and beside this module in bench/): cases
 (Case, ids, inputs), matrix (the matrix), timing (timers, benchmark, ceilings), baselines (our
-call, SDPA), measure (one case into a record), machine, headbase (worktree, workers, verdicts),
+call, SDPA), flex (FlexAttention), measure (one case into a record), machine, headbase
+(worktree, workers, verdicts),
 history (stored runs), records (bench.json), summary (bench.md), target_cases and target_measure
-(the speed-target cases and their measurement), targets (their verdicts), smallmodel (the model
-case's model). This module is the command line and the order of the steps.
+(the speed-target cases and their measurement), targets (their verdicts), smallmodel (the
+models of the model, step and loss cases). This module is the command line and the order of the steps.
 """
 
 from __future__ import annotations
@@ -139,7 +148,10 @@ def run_matrix(
     baselines: bool,
     say=print,
     target_cases: Sequence[Target] = (),
+    named: bool = False,
 ) -> BenchRecord:
+    """Every case and target case measured into the run's record; `named`: the cases were named
+    with --case (a feature case our kernel refuses then still times FlexAttention)."""
     timer = make_timer(device)
     gpu = machine.gpu_info(device)
     around = load.start()
@@ -171,7 +183,9 @@ def run_matrix(
         defines=list(_loader.env_defines()) or None,
     )
     for index, case in enumerate(cases, 1):
-        entry = run_case(case, device, timer, config, ceilings, baselines, say=say)
+        entry = run_case(
+            case, device, timer, config, ceilings, baselines, say=say, refused_too=named
+        )
         record.cases.append(entry)
         elapsed = time.monotonic() - start
         say(f"[{index}/{total}] {case.id} ... {_progress_text(entry)} ({elapsed:.1f} s elapsed)")
@@ -200,6 +214,11 @@ def _target_text(entry) -> str:
     ratios = [f"{v.what} {v.ratio:.3g}x" for v in found if v.ratio is not None]
     if entry.kind == "model" and entry.decode_ratio is not None:
         ratios.append(f"decode tokens/s ours / SDPA {entry.decode_ratio:.3g}x")
+    if entry.kind == "loss" and entry.ratio is not None:
+        ratios = [
+            f"final loss ours {entry.ours.final_loss:.5g}, eager {entry.eager.final_loss:.5g} "
+            f"(ours / eager {entry.ratio:.4g})"
+        ]
     return ", ".join(ratios) or "measured"
 
 
@@ -429,10 +448,18 @@ def run_and_report(
     args, cases: list[Case], device: str, config: TimingConfig, target_cases: Sequence[Target] = ()
 ) -> int:
     record = run_matrix(
-        cases, device, config, baselines=not args.no_baselines, target_cases=target_cases
+        cases,
+        device,
+        config,
+        baselines=not args.no_baselines,
+        target_cases=target_cases,
+        named=bool(args.case),
     )
     if args.base or args.base_dir:
-        record.comparison = headbase.compare(record, cases, device, args)
+        # a case our kernels refuse here (a feature not on this device yet) has no time to compare
+        refused = {c.id for c in record.cases if _refused(c)}
+        compared = [c for c in cases if c.id not in refused]
+        record.comparison = headbase.compare(record, compared, device, args)
     # after the comparison, so a fallback to stored results never finds this very run
     full_matrix = not args.quick and not args.case
     if full_matrix and not args.no_history and record.commit and not record.commit.dirty:
@@ -451,11 +478,18 @@ def _target_failed(target) -> bool:
     return any(isinstance(r, NotMeasured) and r.status == "error" for r in ours)
 
 
+def _refused(case) -> bool:
+    """Our kernels refused the case (its window, softcap or sinks are not on this device yet)."""
+    return isinstance(case.ours, NotMeasured) and case.ours.status == "unsupported"
+
+
 def _case_failed(case) -> bool:
-    """Our kernel failed on a matrix case: its default call, or its deterministic one."""
+    """Our kernel failed on a matrix case: its default call, or its deterministic one. A refusal
+    ("unsupported": a window, softcap or sinks our kernels here do not take yet) is not a
+    failure; its targets say "not judged" with the reason."""
     deterministic = case.ours_deterministic
     failed = isinstance(deterministic, NotMeasured) and deterministic.status == "error"
-    return failed or not isinstance(case.ours, Measured)
+    return failed or not (isinstance(case.ours, Measured) or _refused(case))
 
 
 def verdict_exit_code(record: BenchRecord, fail_on_regression: bool) -> int:

@@ -1,6 +1,6 @@
 """bench.md: the benchmark record as a markdown table (ours, SDPA's backends, FlashAttention-3 and -4
-where the record has their columns, our deterministic backward), the speed targets' tables and
-verdicts (pipeline.bench.targets), and the head-against-base section."""
+and FlexAttention where the record has their columns, our deterministic backward), the speed
+targets' tables and verdicts (pipeline.bench.targets), and the head-against-base section."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from .. import load
 from . import stats, targets
 from .records import (
     BASELINE_NAMES,
+    FLEX_LABEL,
+    FLEX_NAME,
     NOT_INSTALLED,
     PEER_LABELS,
     PEER_NAMES,
@@ -41,6 +43,8 @@ def _ratio(result) -> str:
         return "-"
     if getattr(result, "ratio", None):
         return f"{result.ratio:.2f}x{_mark(result)}"
+    if isinstance(result, Measured):  # no time of ours to set it against: its own
+        return f"{result.median_ms:.4g} ms{_mark(result)}"
     if isinstance(result, NotMeasured) and result.reason.startswith(NOT_INSTALLED):
         return NOT_INSTALLED
     return result.status
@@ -49,7 +53,7 @@ def _ratio(result) -> str:
 def columns_of(record: BenchRecord) -> tuple[list[str], bool]:
     """The baselines' columns of the case table (the peers only where the record has them) and
     whether it has the deterministic column."""
-    peers = [n for n in PEER_NAMES if any(n in c.baselines for c in record.cases)]
+    peers = [n for n in (*PEER_NAMES, FLEX_NAME) if any(n in c.baselines for c in record.cases)]
     deterministic = any(c.ours_deterministic is not None for c in record.cases)
     return [*BASELINE_NAMES, *peers], deterministic
 
@@ -174,7 +178,7 @@ def render_markdown(record: BenchRecord) -> str:
         "|" + "---|" * len(columns),
     ]
     lines += [_case_row(case, names, deterministic) for case in record.cases]
-    if any(name in PEER_NAMES for name in names) or deterministic:
+    if any(name in (*PEER_NAMES, FLEX_NAME) for name in names) or deterministic:
         lines += ["", _columns_note(names, deterministic)]
     reasons: dict[str, set[str]] = {}
     for case in record.cases:
@@ -198,6 +202,10 @@ def render_markdown(record: BenchRecord) -> str:
 def _columns_note(names: list[str], deterministic: bool) -> str:
     peers = [f"{name} is {PEER_LABELS[name]}" for name in names if name in PEER_NAMES]
     parts = [", ".join(peers) + " (prefill and backward kinds)"] if peers else []
+    if FLEX_NAME in names:
+        parts.append(
+            f"flex is {FLEX_LABEL} under torch.compile (the window, softcap and sinks cases)"
+        )
     if deterministic:
         parts.append("deterministic is ours with deterministic=True (automatic backward cases)")
     return "Columns: " + "; ".join(parts) + "; each timed in the same rounds as ours."
@@ -272,15 +280,7 @@ def render_targets(record: BenchRecord) -> list[str]:
     matrix = [v for v in found if v.what in targets.MATRIX_LABELS]
     card, card_targets = targets.shown_targets(record.gpu, record.backend == "cpu")
     if matrix:
-        rows = [
-            [
-                v.id,
-                v.what,
-                _x(v.ratio),
-                _cell(v) if v.status != targets.NOT_JUDGED else f"not judged ({v.reason})",
-            ]
-            for v in matrix
-        ]
+        rows = _verdict_rows(matrix)
         lines += [
             "",
             f"The matrix's targets, set for the {card.removeprefix('NVIDIA ')} "
@@ -434,6 +434,45 @@ def render_targets(record: BenchRecord) -> list[str]:
                 rows,
             ),
         ]
+    features = [v for v in found if v.what in targets.FEATURE_LABELS]
+    if features:
+        rows = _verdict_rows(features)
+        lines += [
+            "",
+            "Sliding windows, softcap and sinks, each against its twin without the feature in the "
+            f"same run, and the window against {FLEX_LABEL} (targets: the window at least "
+            f"{targets.FLEX_TARGET:.2f}x {FLEX_LABEL}'s speed and at most "
+            f"{targets.WINDOW_MAX_SLOWDOWN:.2f}x the causal time scaled by the pairs it lets "
+            f"through; a softcap at most {targets.SOFTCAP_MAX_SLOWDOWN:.2f}x and sinks at most "
+            f"{targets.SINKS_MAX_SLOWDOWN:.2f}x the time without; on the "
+            f"{targets.feature_cards()}):",
+            "",
+            *_table(["case", "ratio", "value", "verdict"], rows),
+        ]
+    if "loss" in kinds:
+        rows = [
+            [
+                t.id,
+                _final(t.ours),
+                _final(t.eager),
+                _num(t.ratio, ".5g"),
+                _judged(
+                    by[t.id, targets.LOSS_AGREEMENT].ratio, by.get((t.id, targets.LOSS_AGREEMENT))
+                ),
+            ]
+            for t in kinds["loss"]
+        ]
+        lines += [
+            "",
+            "The Gemma-2-style training run (sliding and global layers, a softcap), our attention "
+            "and eager's from one initialisation on the same batches (target: final losses within "
+            f"{100 * targets.LOSS_MAX_DIFFERENCE:.0f}% of eager's, on the "
+            f"{targets.feature_cards()}):",
+            "",
+            *_table(
+                ["case", "final loss ours", "final loss eager", "ours / eager", "agreement"], rows
+            ),
+        ]
     if "model" in kinds:
         rows = [
             [
@@ -477,13 +516,17 @@ def render_targets(record: BenchRecord) -> list[str]:
     lines += ["", note] if note else []
     reasons: dict[str, set[str]] = {}
     for t in record.targets or []:
-        for name in ("ours", "dense", "contiguous", "sdpa", "read_floor"):
+        for name in ("ours", "dense", "contiguous", "sdpa", "eager", "read_floor"):
             side = getattr(t, name, None)
             if isinstance(side, NotMeasured):
                 reasons.setdefault(f"{t.kind} {name} {side.status}", set()).add(side.reason[:200])
     for what, texts in sorted(reasons.items()):
         lines += ["", f"{what}: " + " / ".join(sorted(texts)[:3])]
     return lines
+
+
+def _final(run) -> str:
+    return run.status if isinstance(run, NotMeasured) else f"{run.final_loss:.5g}"
 
 
 def _us(result) -> str:
@@ -536,3 +579,17 @@ def render_comparison(comparison: Comparison) -> list[str]:
         ]
         lines += [_comparison_row(r) for r in rows]
     return lines
+
+
+def _verdict_rows(verdicts) -> list[list[str]]:
+    """[case, what, ratio, verdict] rows of the matrix's and the features' targets; a target not
+    judged says why."""
+    return [
+        [
+            v.id,
+            v.what,
+            _x(v.ratio),
+            _cell(v) if v.status != targets.NOT_JUDGED else f"not judged ({v.reason})",
+        ]
+        for v in verdicts
+    ]

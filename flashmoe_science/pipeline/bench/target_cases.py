@@ -15,6 +15,11 @@ like the matrix's:
     step-llama-bf16-l4-d128-h8kv2-b8-s2048          a training step (forward, backward, AdamW)
                                                     of a 4-layer Llama-style model, our attention
                                                     against SDPA from the same initialisation
+    loss-gemma2-fp32-l4-d32-h4kv2-b8-s128-win32-cap0.5-n60
+                                                    a Gemma-2-style model (sliding and global
+                                                    layers, a softcap) trained 60 steps with our
+                                                    attention and with eager, from one
+                                                    initialisation on the same batches
 """
 
 from __future__ import annotations
@@ -244,4 +249,36 @@ class StepTarget:
         return 0  # no bandwidth figure: a step is many kernels
 
 
-Target = VarlenTarget | PagedTarget | HostTarget | ModelTarget | StepTarget
+@dataclasses.dataclass(frozen=True)
+class LossTarget:
+    """A Gemma-2-style model (smallmodel.gemma2_config: layers alternating sliding_window `window`
+    and global, attn_logit_softcapping `softcap`, hidden size heads_q * head_dim) trained `steps`
+    AdamW steps from one initialisation on the same batches (smallmodel.markov_batches: tokens of a
+    fixed random Markov chain, so the loss falls smoothly), with our attention and with
+    transformers' eager attention; the final losses are compared. The softcap is set low enough to
+    bite: a run without it parts from eager's by more than the target allows."""
+
+    layers: int = 4
+    heads_q: int = 4
+    heads_kv: int = 2
+    head_dim: int = 32
+    batch: int = 8
+    seqlen: int = 128
+    window: int = 32
+    softcap: float = 0.5
+    steps: int = 60
+    dtype: str = "fp32"
+    vocab: int = 256
+    kind: str = "loss"
+
+    @property
+    def id(self) -> str:
+        vocab = f"-v{self.vocab}" if self.vocab != 256 else ""
+        return (
+            f"loss-gemma2-{self.dtype}-l{self.layers}-d{self.head_dim}"
+            f"-{_heads(self.heads_q, self.heads_kv)}-b{self.batch}-s{self.seqlen}"
+            f"-win{self.window}-cap{self.softcap:g}-n{self.steps}{vocab}"
+        )
+
+
+Target = VarlenTarget | PagedTarget | HostTarget | ModelTarget | StepTarget | LossTarget

@@ -2,15 +2,18 @@
 ratio timed together as the matrix's columns are (measure.measure_interleaved: CUDA events,
 warm-up, L2 flush, interleaved rounds, median, retakes; the training step's two models too), the
 host cost by timing.host_cost_us with the sides' loops in turn, and the small model by
-timing.benchmark (prefill) and the wall clock around whole generations (decode). A side that refuses or fails becomes a NotMeasured record, never
-a raise.
+timing.benchmark (prefill) and the wall clock around whole generations (decode). The loss target
+trains its two models and records their losses (no timing). A side that refuses or fails becomes
+a NotMeasured record, never a raise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -23,6 +26,8 @@ from .baselines import ops, sdpa_supports_gqa
 from .records import (
     HostCost,
     HostRecord,
+    LossRecord,
+    LossRun,
     Measured,
     ModelRecord,
     ModelTiming,
@@ -37,6 +42,7 @@ from .stats import sig
 from .target_cases import (
     HOST_VARLEN_LENGTHS,
     HostTarget,
+    LossTarget,
     ModelTarget,
     PagedTarget,
     StepTarget,
@@ -545,6 +551,100 @@ def run_step(target: StepTarget, device: str, timer, config, ceilings, say=None)
 
 
 # --------------------------------------------------------------------------------------------------
+# The training run of the loss target
+# --------------------------------------------------------------------------------------------------
+
+LOSS_LR = 1e-3  # AdamW's: the Markov chain's loss falls all the way through the run, smoothly
+MODEL_DTYPES = {"fp32": torch.float32, **DTYPES}
+
+
+def loss_models(target: LossTarget, device: str) -> tuple:
+    """(our model, eager's model, the batches [steps, batch, seqlen]): the target's Gemma-2-style
+    model on our attention and on transformers' eager one, the first loading the second's
+    weights, and the Markov chain's tokens from the target's seed. ImportError (with the install
+    hint) without transformers."""
+    from ...integrations.transformers import register
+    from . import smallmodel
+
+    name = register()
+    config = smallmodel.gemma2_config(
+        target.layers,
+        target.heads_q,
+        target.heads_kv,
+        target.head_dim,
+        target.seqlen,
+        target.window,
+        target.softcap,
+        target.vocab,
+    )
+    dtype = MODEL_DTYPES[target.dtype]
+    eager = smallmodel.gemma2_model(config, "eager", None, dtype, device)
+    ours = smallmodel.gemma2_model(config, name, eager.state_dict(), dtype, device)
+    tokens = smallmodel.markov_batches(
+        target.steps, target.batch, target.seqlen, target.vocab, case_seed(target.id)
+    )
+    return ours, eager, tokens.to(device)
+
+
+def train_losses(model, tokens: torch.Tensor) -> LossRun | NotMeasured:
+    """AdamW on each batch of `tokens` in turn (a causal-LM loss on the tokens themselves): the
+    loss of every step, or an error record where the loss stops being finite."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LOSS_LR)
+    start = time.perf_counter()
+    losses = []
+    for ids in tokens:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    values = [float(loss) for loss in losses]  # one synchronisation, at the end
+    seconds = time.perf_counter() - start
+    bad = next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
+    if bad is not None:
+        return NotMeasured("error", f"the loss is {values[bad]} at step {bad + 1}")
+    return LossRun(sig(values[-1], 6), [sig(value, 6) for value in values], sig(seconds, 3))
+
+
+def loss_refusal(target: LossTarget, device: str) -> str | None:
+    """Why our kernels here refuse the model's window or softcap (None where they take them)."""
+    if device != "cuda":
+        return None
+    window = (target.window - 1, 0)  # a sliding_window of W tokens, as the integration passes it
+    return ops().features_unsupported_reason(window, target.softcap, False, True)
+
+
+def run_loss(target: LossTarget, device: str) -> LossRecord:
+    """Both models trained on the same batches: eager's always, ours where our kernels take the
+    model's window and softcap (else its record says why)."""
+    ours: LossRun | NotMeasured
+    eager: LossRun | NotMeasured
+    try:
+        ours_model, eager_model, tokens = loss_models(target, device)
+    except ImportError as exc:  # no transformers: the install hint
+        ours = eager = NotMeasured("unsupported", str(exc))
+    except Exception as exc:  # out of memory, a config transformers rejects: a record
+        ours = eager = NotMeasured("error", f"building the models: {first_line(exc)}")
+    else:
+        refusal = loss_refusal(target, device)
+        runs = []
+        for model in (None if refusal else ours_model, eager_model):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # fp32 weights: ours computes in bf16
+                    runs.append(train_losses(model, tokens) if model is not None else None)
+            except Exception as exc:  # a failure of either side is a record, not a crash
+                runs.append(NotMeasured("error", first_line(exc)))
+        ours = runs[0] or NotMeasured("unsupported", refusal)
+        eager = runs[1]
+        del ours_model, eager_model
+    ratio = None
+    if isinstance(ours, LossRun) and isinstance(eager, LossRun) and eager.final_loss:
+        ratio = sig(ours.final_loss / eager.final_loss, 6)
+    return _record(LossRecord, target, ours=ours, eager=eager, ratio=ratio)
+
+
+# --------------------------------------------------------------------------------------------------
 
 
 def _without_samples(result):
@@ -572,4 +672,6 @@ def run_target(
         return run_host(target, device)
     if isinstance(target, StepTarget):
         return run_step(target, device, timer, config, ceilings, say)
+    if isinstance(target, LossTarget):
+        return run_loss(target, device)
     return run_model(target, device, timer, config)

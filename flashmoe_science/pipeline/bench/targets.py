@@ -16,12 +16,24 @@ record's GPU name and compute capability (gpukinds.GpuKind.device_problem):
 - H200, the card of record: prefill S 512 to 16k, backward and forward+backward against cuDNN,
   each >= 1.0 as a geomean; prefill and backward >= 0.85 in every case; deterministic=True at most
   1.15x the default's time in every backward case (ours / deterministic >= 1/1.15); the training
-  step's tokens/s >= 1.0x SDPA's;
+  step's tokens/s >= 1.0x SDPA's; the features' cases (feature_verdicts) and the Gemma-2-style
+  training run (loss_verdict);
 - H100, where they were first set: prefill against cuDNN >= 1.05 geomean and >= 0.90 each; D=128,
   S >= 4096, non-causal at least 600 TFLOP/s; the small cases' latency at most SDPA default's;
   the backward against SDPA flash (FlashAttention-2) >= 1.0 geomean and >= 0.85 each.
 On another card or the CPU the card of record's geomeans show, not judged.
 FlashAttention-3's and -4's time over ours (peer_geomeans) is reported beside them, never judged.
+
+The features' targets (the H200's), each case against its twin of the same shape in the same run
+(matrix.feature_cases): a sliding window's forward and backward at least 1.3x FlexAttention's
+speed, and at most 1.15x the causal twin's time scaled by the window's visible share (the
+(query, key) pairs the window lets through over those the causal mask does, masks.visible_pairs:
+with the bottom-right alignment, a causal window of W keys over S of them lets through
+S*W - W*(W-1)/2 pairs against S*(S+1)/2, about 2W/S - (W/S)^2, not W/S, which would ask the window
+for twice the causal kernel's speed per pair); a softcap at most 1.10x, and sinks at most 1.05x,
+the time without. Where our kernels refuse a feature (CUDA, until they take it) its ratios have no
+time of ours: "not judged", with the operators' reason. The training run: the final losses of our
+attention and eager's within 1% of eager's.
 The small model's prefill and decode ratios have no target: they are shown beside the verdicts.
 
 Timings of the CPU backend check the plumbing only: their verdicts are "not judged". So is a
@@ -34,16 +46,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 from .. import gpukinds
+from ..masks import visible_pairs
 from . import stats
 from .records import (
+    FLEX_NAME,
     PEER_NAMES,
     BenchRecord,
     CaseRecord,
     Gpu,
     HostCost,
     HostRecord,
+    LossRecord,
     Measured,
     NotMeasured,
     PagedRecord,
@@ -72,6 +88,12 @@ H200_GEOMEAN_TARGET = 1.0
 H200_CASE_TARGET = 0.85
 DETERMINISTIC_MAX_SLOWDOWN = 1.15  # deterministic=True's time over the default's, at most
 STEP_TARGET = 1.0
+# The features' (feature_verdicts) and the training run's (loss_verdict)
+FLEX_TARGET = 1.3  # FlexAttention's time over a window's
+WINDOW_MAX_SLOWDOWN = 1.15  # a window's time over the causal twin's scaled by its visible share
+SOFTCAP_MAX_SLOWDOWN = 1.10
+SINKS_MAX_SLOWDOWN = 1.05
+LOSS_MAX_DIFFERENCE = 0.01  # |our final loss / eager's - 1|, at most
 
 MET, MISSED, NOT_JUDGED = "met", "missed", "not judged"
 CPU_REASON = "CPU backend: plumbing numbers, not a card's speed"
@@ -91,6 +113,12 @@ BACKWARD_GEOMEAN = "geomean SDPA flash / ours"
 BACKWARD_VS_FLASH = "SDPA flash / ours"
 DETERMINISTIC_VS_OURS = "ours / deterministic"
 STEP_VS_SDPA = "tokens/s ours / SDPA"
+FLEX_VS_OURS = "FlexAttention / ours"
+WINDOW_VS_CAUSAL = "causal x visible share / window"
+SOFTCAP_VS_PLAIN = "without softcap / with"
+SINKS_VS_PLAIN = "without sinks / with"
+FEATURE_LABELS = (FLEX_VS_OURS, WINDOW_VS_CAUSAL, SOFTCAP_VS_PLAIN, SINKS_VS_PLAIN)
+LOSS_AGREEMENT = "1 - |final loss ours / eager - 1|"
 # The matrix's groups of automatic cases a target covers (matrix_members)
 MATRIX_GROUPS = ("prefill", "small", "backward", "forward+backward", "deterministic")
 # The column of CaseRecord.ours_deterministic among a target's columns (the others: baselines)
@@ -120,12 +148,15 @@ class MatrixTarget:
 class CardTargets:
     """The targets set for one GPU kind (its CARD_TARGETS key, a gpukinds.KINDS label), judged on
     a card of that kind alone: the matrix's, the TFLOP/s of long non-causal D=128 prefill, the
-    training step's."""
+    training step's, the features' (feature_verdicts) and the training run's final losses (the
+    largest relative difference allowed)."""
 
     matrix: tuple[MatrixTarget, ...]
     summary: str  # what they are, for the tables' headings
     tflops: float | None = None
     step: float | None = None
+    features: bool = False
+    loss: float | None = None
 
 
 CARD_TARGETS = {
@@ -170,6 +201,8 @@ CARD_TARGETS = {
         f"{DETERMINISTIC_MAX_SLOWDOWN:.2f}x the default's time in every backward case; the "
         f"training step at least {STEP_TARGET:.2f}x SDPA's tokens/s",
         step=STEP_TARGET,
+        features=True,
+        loss=LOSS_MAX_DIFFERENCE,
     ),
     "h100": CardTargets(
         (
@@ -424,8 +457,9 @@ def _elsewhere(gpu: Gpu | None, cards: str) -> str:
 
 
 def matrix_members(group: str, cases: list[CaseRecord]) -> list[CaseRecord]:
-    """The automatic cases of one of MATRIX_GROUPS, in the matrix's order."""
-    auto = [c for c in cases if not c.config]
+    """The automatic cases of one of MATRIX_GROUPS, in the matrix's order (the features' cases
+    have targets of their own: feature_verdicts)."""
+    auto = [c for c in cases if not c.config and c.group != "features"]
     if group == "prefill":
         return [c for c in auto if c.group == "prefill" and c.seqlen_q >= PREFILL_MIN_SEQLEN]
     if group == "small":
@@ -543,6 +577,94 @@ def peer_geomeans(record: BenchRecord) -> list[PeerGeomean]:
     return found
 
 
+# A case id's window, softcap and sinks suffixes (cases.feature_suffix)
+_FEATURE_SUFFIX = re.compile(r"(-win(?:\d+|inf)_(?:\d+|inf))?(-cap[0-9.]+)?(-sinks)?$")
+
+
+def twin_id(case_id: str) -> str:
+    """The id of the case without its window, softcap and sinks: its plain twin."""
+    return _FEATURE_SUFFIX.sub("", case_id)
+
+
+def visible_share(case: CaseRecord) -> float:
+    """The (query, key) pairs the case's window lets through over those its twin's mask does."""
+    window = tuple(case.window or (-1, -1))
+    seqlens = (case.seqlen_q, case.seqlen_k, case.causal)
+    return visible_pairs(*seqlens, window) / max(1, visible_pairs(*seqlens))
+
+
+def _time_ratio(theirs, ours) -> float | None:
+    if isinstance(theirs, Measured) and isinstance(ours, Measured) and ours.median_ms:
+        return theirs.median_ms / ours.median_ms
+    return None
+
+
+def feature_cards() -> str:
+    """The cards whose targets judge the features and the training run."""
+    return _cards(kind for kind, card in CARD_TARGETS.items() if card.features)
+
+
+def feature_ratios(case: CaseRecord, twin: CaseRecord | None) -> list[tuple]:
+    """(label, ratio, target, sides) of each of a case's feature targets: a case with one of a
+    window, a softcap or sinks, against `twin` (its plain twin, None where the run lacks it)."""
+    window, softcap, sinks = bool(case.window), bool(case.softcap), bool(case.sinks)
+    if window + softcap + sinks != 1:
+        return []  # a case of several features has no twin that isolates one
+    ours = ("ours", case.ours)
+    plain = (f"twin {twin_id(case.id)}", twin.ours if twin else None)
+    if softcap or sinks:
+        label, slowdown = (SOFTCAP_VS_PLAIN, SOFTCAP_MAX_SLOWDOWN)
+        if sinks:
+            label, slowdown = (SINKS_VS_PLAIN, SINKS_MAX_SLOWDOWN)
+        return [(label, _time_ratio(plain[1], case.ours), 1 / slowdown, (ours, plain))]
+    flex = case.baselines.get(FLEX_NAME)
+    flex_ratio = flex.ratio if isinstance(flex, Measured) else None
+    scaled = _time_ratio(plain[1], case.ours)
+    return [
+        (FLEX_VS_OURS, flex_ratio, FLEX_TARGET, (ours, ("FlexAttention", flex))),
+        (
+            WINDOW_VS_CAUSAL,
+            None if scaled is None else scaled * visible_share(case),
+            1 / WINDOW_MAX_SLOWDOWN,
+            (ours, plain),
+        ),
+    ]
+
+
+def feature_verdicts(record: BenchRecord) -> list[Verdict]:
+    """Every case with a window, softcap or sinks against its twin and FlexAttention, judged on a
+    card whose targets set them; elsewhere shown, not judged."""
+    cpu = record.backend == "cpu"
+    card = card_targets(record.gpu, cpu)
+    by_id = {c.id: c for c in record.cases}
+    found = []
+    for case in record.cases:
+        if not case.features:
+            continue
+        for label, ratio, goal, sides in feature_ratios(case, by_id.get(twin_id(case.id))):
+            verdict = judge(case.id, label, ratio, goal, cpu, sides)
+            if (card is None or not card.features) and verdict.status != NOT_JUDGED:
+                reason = _elsewhere(record.gpu, feature_cards())
+                verdict = dataclasses.replace(verdict, status=NOT_JUDGED, reason=reason)
+            found.append(verdict)
+    return found
+
+
+def loss_verdict(target: LossRecord, cpu: bool, gpu: Gpu | None) -> Verdict:
+    """The training run's final losses, 1 - |ours / eager - 1| against 1 - the largest relative
+    difference allowed, judged on a card whose targets set one (a difference of losses, not a
+    speed: the CPU's is shown beside it like another card's)."""
+    card = card_targets(gpu, cpu)
+    allowed = (card and card.loss) or LOSS_MAX_DIFFERENCE
+    agreement = None if target.ratio is None else 1 - abs(target.ratio - 1)
+    sides = (("ours", target.ours), ("eager", target.eager))
+    verdict = judge(target.id, LOSS_AGREEMENT, agreement, 1 - allowed, False, sides)
+    if (card is None or card.loss is None) and verdict.status != NOT_JUDGED:
+        reason = _elsewhere(gpu, feature_cards())
+        verdict = dataclasses.replace(verdict, status=NOT_JUDGED, reason=reason)
+    return verdict
+
+
 def step_verdict(target: StepRecord, cpu: bool, gpu: Gpu | None) -> Verdict:
     """The training step's tokens/s over SDPA's, judged on a card whose targets set one."""
     card = card_targets(gpu, cpu)
@@ -560,6 +682,8 @@ def target_verdicts(target, cpu: bool, gpu: Gpu | None = None) -> list[Verdict]:
     run's card (the training step's target is set per card)."""
     if isinstance(target, StepRecord):
         return [step_verdict(target, cpu, gpu)]
+    if isinstance(target, LossRecord):
+        return [loss_verdict(target, cpu, gpu)]
     if isinstance(target, VarlenRecord):
         sides = (("varlen", target.ours), ("dense", target.dense))
         return [judge(target.id, VARLEN_VS_DENSE, target.ratio, VARLEN_TARGET, cpu, sides)]
@@ -599,9 +723,9 @@ def target_verdicts(target, cpu: bool, gpu: Gpu | None = None) -> list[Verdict]:
 
 def verdicts(record: BenchRecord) -> list[Verdict]:
     """Every verdict of the run: the matrix's decode cases, its prefill, small and backward
-    cases, then the target cases in order."""
+    cases, the features' cases, then the target cases in order."""
     cpu = record.backend == "cpu"
-    found = decode_floor_verdicts(record) + matrix_verdicts(record)
+    found = decode_floor_verdicts(record) + matrix_verdicts(record) + feature_verdicts(record)
     for target in record.targets or []:
         found += target_verdicts(target, cpu, record.gpu)
     return found

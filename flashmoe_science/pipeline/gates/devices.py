@@ -22,7 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 DEVICES_VAR = "FLASHMOE_TEST_DEVICES"
 VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
 MAX_WORKERS = 8  # the default ceiling: each worker imports torch and collects the suite
-THREADS_VAR = "OMP_NUM_THREADS"
+# Each worker's share of the cores: torch's OpenMP pool, and inductor's pool of compile processes
+# (torch.compile), both sized to the whole machine by default.
+THREAD_VARS = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
 
 
 def split(value: str) -> list[str]:
@@ -62,9 +64,8 @@ def worker_count(cpus: int | None, devices: Sequence[str]) -> int:
 
 def threads_per_worker(cpus: int | None, workers: int) -> int:
     """CPU threads each worker's torch may use: the cores shared out, at least one. torch's default
-    is every core in every process, so n workers ran n times too many threads, and the CPU gates'
-    spinning OpenMP threads took each other's cores (tests/gates/test_grad_gates.py on 2 cores,
-    2 workers: 49 s, 21.6 s with one thread each; benches/notes/harness.md v5.3)."""
+    is every core in every process, so n workers ran n times too many threads and the CPU gates'
+    spinning OpenMP threads took each other's cores (benches/notes/harness.md v5.3)."""
     return max(1, (cpus or 1) // max(1, workers))
 
 

@@ -274,15 +274,16 @@ class GateRecorder:
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_setupnodes(self, config: pytest.Config, specs: list) -> None:
         """Pin each worker to a GPU (devices.py) and give it its share of the CPU cores
-        (OMP_NUM_THREADS, unless the run sets it) before it starts."""
+        (devices.THREAD_VARS, each unless the run sets it) before it starts."""
         gpus = devices.visible_devices()
         threads = devices.threads_per_worker(os.cpu_count(), len(specs))
         for index, spec in enumerate(specs):
             device = devices.device_of(index, gpus)
             if device is not None:
                 spec.env[devices.VISIBLE_VAR] = device
-            if devices.THREADS_VAR not in os.environ:
-                spec.env[devices.THREADS_VAR] = str(threads)
+            for name in devices.THREAD_VARS:
+                if name not in os.environ:
+                    spec.env[name] = str(threads)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error) -> None:

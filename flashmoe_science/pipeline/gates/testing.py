@@ -161,9 +161,8 @@ DURATIONS = ("--durations=20", "--durations-min=5")
 
 
 # How the workers share the tests: idle workers steal queued tests from busy ones. The suite's
-# durations run from milliseconds to 20 s (the planted-bug builds, the act runs), and xdist's default
-# split leaves one worker finishing a long queue alone (2 cores: 244 s, 211 s with stealing;
-# benches/notes/harness.md v5.3).
+# durations run from milliseconds to many seconds (the planted-bug builds, the act runs), and
+# xdist's default split left one worker finishing a long queue alone (benches/notes/harness.md v5.3).
 DIST = ("--dist", "worksteal")
 
 

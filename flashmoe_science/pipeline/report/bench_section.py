@@ -15,7 +15,15 @@ from ... import _loader
 from .. import load
 from .. import markdown as md
 from ..bench import stats
-from ..bench.records import CUDA_ONLY_BASELINES, NOT_INSTALLED, NOT_ON_CPU, PEER_LABELS, PEER_NAMES
+from ..bench.records import (
+    CUDA_ONLY_BASELINES,
+    FLEX_LABEL,
+    FLEX_NAME,
+    NOT_INSTALLED,
+    NOT_ON_CPU,
+    PEER_LABELS,
+    PEER_NAMES,
+)
 from ..bench.summary import not_judged_line
 from ..bench.targets import UNSTABLE_MARK, unstable_note
 from .inputs import Inputs
@@ -38,9 +46,12 @@ BASELINE_LABELS = {
     "sdpa-cudnn": "SDPA cuDNN",
     "sdpa-efficient": "SDPA efficient",
     **PEER_LABELS,
+    FLEX_NAME: FLEX_LABEL,
 }
+# Columns a group's table has only where its cases have them
+EXTRA_COLUMNS = (*PEER_NAMES, FLEX_NAME)
 DETERMINISTIC_LABEL = "ours deterministic"
-GROUPS = ("prefill", "decode", "small", "backward", "train")
+GROUPS = ("prefill", "decode", "small", "backward", "train", "features")
 OVER_COPY = "†"  # marks a bandwidth above the measured copy ceiling
 SDPA_RATIO_LINE = (
     f"SDPA ratio ({md.TIMES}): SDPA's time over ours, so above 1.00{md.TIMES} we are faster. "
@@ -298,7 +309,8 @@ def _bench_row(
     if problem:
         reasons.setdefault(f"ours: {problem[0]}", set()).add(problem[1])
         dashes = len(BASELINES) + len(peers) + deterministic + read_floor
-        return [f"❌ {label}", f"**{md.text(problem[0])}**", md.DASH, md.DASH, md.DASH] + [
+        mark = "❌ " if problem[0] == "error" else ""  # a refusal is said, not failed
+        return [f"{mark}{label}", f"**{md.text(problem[0])}**", md.DASH, md.DASH, md.DASH] + [
             md.DASH
         ] * dashes
     decode = case.get("kind") == "decode"
@@ -362,7 +374,8 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
     regressions = [c for c in compared if c.get("verdict") == "regression"]
     improvements = [c for c in compared if c.get("verdict") == "improvement"]
     regressed_ids = {c.get("id") for c in regressions}
-    broken = [c for c in cases if _not_measured(c.get("ours"))]
+    # our kernel failed; a refusal ("unsupported": a feature not on this device yet) is not broken
+    broken = [c for c in cases if (_not_measured(c.get("ours")) or ("",))[0] == "error"]
     not_compared = not_compared_reason(bench)
 
     facts = _bench_facts(bench)
@@ -397,7 +410,9 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
     for group in groups:
         in_group = [(i, c) for i, c in enumerate(cases) if _group(c) == group]
         floor = any("read_floor" in c for _, c in in_group)
-        peers = [p for p in PEER_NAMES if any(_result(c.get("baselines"), p) for _, c in in_group)]
+        peers = [
+            p for p in EXTRA_COLUMNS if any(_result(c.get("baselines"), p) for _, c in in_group)
+        ]
         deterministic = any("ours_deterministic" in c for _, c in in_group)
         rows = [
             _bench_row(
@@ -426,6 +441,12 @@ def bench_section(inputs: Inputs, detail: Detail) -> Section:
                 f"ours with deterministic=True, its ({md.TIMES}) its time over ours."
                 if any(_result(c, "ours_deterministic") for c in cases)
                 or any(_result(c.get("baselines"), p) for c in cases for p in PEER_NAMES)
+                else ""
+            )
+            + (
+                f" {FLEX_LABEL} (torch.compile) is the baseline of the window, softcap and sinks "
+                "cases, which SDPA cannot express."
+                if any(_result(c.get("baselines"), FLEX_NAME) for c in cases)
                 else ""
             )
             + (

@@ -1,7 +1,8 @@
 """The speed-targets section, from bench.json: the verdicts of pipeline.bench.targets (varlen against our
 dense kernel, paged against contiguous decode, decode against the read floor, host cost against
-SDPA, the matrix's and the training step's targets of the card the run is on), FlashAttention-3's
-and -4's geomeans beside ours, and the small model's figures beside SDPA's.
+SDPA, the matrix's, the training step's, the features' and the training run's targets of the card
+the run is on), FlashAttention-3's and -4's geomeans beside ours, and the small model's figures
+beside SDPA's.
 
 The section is left out when bench.json is missing, unusable (the benchmark section says why) or
 judges nothing. A missed target marks the section (a note in the summary table) but stays out of the
@@ -14,7 +15,16 @@ from __future__ import annotations
 from .. import markdown as md
 from ..bench import records as benchrecords
 from ..bench import targets
-from ..bench.records import PEER_LABELS, HostCost, Measured, ModelTiming, NotMeasured, ReadFloor
+from ..bench.records import (
+    FLEX_LABEL,
+    PEER_LABELS,
+    HostCost,
+    LossRun,
+    Measured,
+    ModelTiming,
+    NotMeasured,
+    ReadFloor,
+)
 from .inputs import Inputs
 from .sections import FAIL, NOTE, OK, Detail, Section
 
@@ -52,6 +62,10 @@ def _model(result, field: str) -> str:
         if isinstance(result, ModelTiming)
         else md.text(result.status)
     )
+
+
+def _final(run) -> str:
+    return md.sig(run.final_loss) if isinstance(run, LossRun) else md.text(run.status)
 
 
 def _failed(target) -> bool:
@@ -108,18 +122,7 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
         )
     matrix = [v for v in found if v.what in targets.MATRIX_LABELS]
     if matrix:
-        rows = [
-            (
-                v.status == targets.MISSED,
-                [
-                    md.code(v.id, 150),
-                    md.text(v.what),
-                    _judged(v.ratio, v)
-                    + (f" ({md.text(v.reason, 200)})" if v.status == targets.NOT_JUDGED else ""),
-                ],
-            )
-            for v in matrix
-        ]
+        rows = _verdict_rows(matrix)
         card, card_targets = targets.shown_targets(record.gpu, record.backend == "cpu")
         parts.append(
             f"**The matrix's targets**, set for the {md.text(card.removeprefix('NVIDIA '))}: "
@@ -145,9 +148,40 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
                 ["peer", "cases", "measured", f"theirs / ours ({md.TIMES})", "why none"], rows
             )
         )
+    features = [v for v in found if v.what in targets.FEATURE_LABELS]
+    if features:
+        rows = _verdict_rows(features)
+        parts.append(
+            "**Sliding windows, softcap and sinks**, each against its twin without the feature in "
+            f"the same run, the window also against {FLEX_LABEL}\n\n"
+            + md.table(["case", "ratio", "verdict"], _kept(rows, detail, "feature target"))
+        )
     kinds: dict[str, list] = {}
     for target in record.targets or []:
         kinds.setdefault(target.kind, []).append(target)
+    if "loss" in kinds:
+        rows = []
+        for t in kinds["loss"]:
+            verdict = by.get((t.id, targets.LOSS_AGREEMENT))
+            rows.append(
+                [
+                    md.code(t.id, 150),
+                    f"{_final(t.ours)} / {_final(t.eager)}",
+                    _judged(verdict.ratio if verdict else None, verdict)
+                    + (
+                        f" ({md.text(verdict.reason, 200)})"
+                        if verdict and verdict.status == targets.NOT_JUDGED
+                        else ""
+                    ),
+                ]
+            )
+        parts.append(
+            "**The Gemma-2-style training run**: our attention and eager's from one "
+            "initialisation on the same batches\n\n"
+            + md.table(
+                ["case", "final loss ours / eager", f"1 - |ours / eager - 1| ({md.TIMES})"], rows
+            )
+        )
     if "varlen" in kinds:
         rows = [
             (
@@ -291,7 +325,7 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
         parts.append(note)
     reasons: dict[str, set[str]] = {}
     for target in record.targets or []:
-        for name in ("ours", "dense", "contiguous", "sdpa", "read_floor"):
+        for name in ("ours", "dense", "contiguous", "sdpa", "eager", "read_floor"):
             side = getattr(target, name, None)
             if isinstance(side, NotMeasured):
                 reasons.setdefault(f"{target.kind} {name}: {side.status}", set()).add(side.reason)
@@ -317,3 +351,20 @@ def targets_section(inputs: Inputs, detail: Detail) -> Section | None:
         + (f", {len(failed)} failed" if failed else "")
     )
     return Section("speed", TITLE, severity, summary, "\n\n".join(parts), problems)
+
+
+def _verdict_rows(verdicts) -> list[tuple[bool, list[str]]]:
+    """(missed, [case, what, verdict]) rows of the matrix's and the features' targets; a target
+    not judged says why."""
+    return [
+        (
+            v.status == targets.MISSED,
+            [
+                md.code(v.id, 150),
+                md.text(v.what),
+                _judged(v.ratio, v)
+                + (f" ({md.text(v.reason, 200)})" if v.status == targets.NOT_JUDGED else ""),
+            ],
+        )
+        for v in verdicts
+    ]
