@@ -85,6 +85,16 @@ constexpr bool is_wgmma_head_dim(int head_dim) {
   }
   return false;
 }
+// The tile head dim a call's kernels are instantiated at (cuda_tile_head_dim: q's and k's head dim
+// and v's, padded onto the narrowest built one that holds both), and whether the call may run the
+// wgmma kernels: only unpadded (their TMA boxes and panels copy whole tiles of every row).
+template <typename Params>
+int tile_head_dim(const Params& p) {
+  return int(cuda_tile_head_dim(p.head_dim, p.head_dim_v));
+}
+inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v) {
+  return head_dim == head_dim_v && is_wgmma_head_dim(int(head_dim));
+}
 // Whether a configuration has a packed-batch (varlen) kernel: not the decode kernel, 6 or 7
 // (visit_config compiles none for them; ops.NO_PACKED_CONFIGS is the Python side's copy).
 constexpr bool has_packed_variant(int64_t config) {
@@ -175,10 +185,12 @@ inline DeviceInfo device_info(int device) {
 // build without sm_90a, or a head dim the wgmma kernels do not take. `others` names the
 // configurations that can, for the message.
 inline void check_wgmma_config(const char* option, int64_t config, const DeviceInfo& dev,
-                               const char* others, int64_t head_dim) {
-  FLASHMOE_CHECK_VALUE(is_wgmma_head_dim(int(head_dim)), option, "=", config,
-                       " runs on wgmma, whose kernels take head_dim 64 and 128; head_dim ",
-                       head_dim, " runs ", option, " ", others, " (or 0, automatic)");
+                               const char* others, int64_t head_dim, int64_t head_dim_v) {
+  FLASHMOE_CHECK_VALUE(wgmma_head_dims(head_dim, head_dim_v), option, "=", config,
+                       " runs on wgmma, whose kernels take head_dim 64 and 128 (v's equal); ",
+                       "head_dim ", head_dim,
+                       head_dim_v != head_dim ? " with v's " + std::to_string(head_dim_v) : "",
+                       " runs ", option, " ", others, " (or 0, automatic)");
   FLASHMOE_CHECK_VALUE(dev.major == 9 && dev.minor == 0, option, "=", config,
                        " runs on wgmma, which only compute capability 9.0 has; this GPU is ",
                        dev.major, ".", dev.minor, ": use ", option, " ", others,
@@ -367,15 +379,16 @@ inline TileShape tile_shape_of(int config, int head_dim) {
 // `seqlen_k` its keys. Grids too small to fill the GPU take smaller row tiles (more blocks): the
 // 16-row decode tiles when even 64-row tiles leave SMs idle (one sequence of a few hundred
 // tokens, say).
-inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int rows_per_head,
-                         bool causal, int seqlen_k) {
+// `head_dim` is the tile's (tile_head_dim); `wgmma_ok` whether the call is unpadded at 64 or 128.
+inline int choose_config(const DeviceInfo& dev, int head_dim, bool wgmma_ok, int64_t heads,
+                         int rows_per_head, bool causal, int seqlen_k) {
   const bool small_smem = dev.major == 8 && dev.minor != 0;  // sm86, sm87, sm89: 100 KB per SM
   if (rows_per_head <= 16 || heads * ceil_div(rows_per_head, 64) < dev.sm_count) {
     return kDecodeConfig;
   }
   if (rows_per_head <= 64 || heads * ceil_div(rows_per_head, 128) < dev.sm_count) return 2;
   // A 9.0 GPU with the sm_90a build: the wgmma kernels, faster than config 4 there.
-  if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a && is_wgmma_head_dim(head_dim)) {
+  if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok) {
     // 128-row tiles at d=64 where the causal mask leaves a 192-row tile the most idle work:
     // short heads with no more keys than query rows. Where the keys outnumber the rows the mask
     // covers little, and 192-row tiles win (see configuration 6 above).
@@ -403,12 +416,14 @@ inline void check_config_fits(int64_t config, const DeviceInfo& dev, int64_t hea
 // Refuses a forced configuration this GPU (or this build) cannot run. `others` names the ones it
 // can, for the message.
 inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const char* others,
-                                    int64_t head_dim) {
+                                    int64_t head_dim, int64_t head_dim_v) {
   FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
                        " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
                        ".", dev.minor, ": use config ", others, " (or 0, automatic)");
-  if (is_sm90a_config(config)) check_wgmma_config("config", config, dev, others, head_dim);
-  if (config != 0) check_config_fits(config, dev, head_dim);
+  if (is_sm90a_config(config)) {
+    check_wgmma_config("config", config, dev, others, head_dim, head_dim_v);
+  }
+  if (config != 0) check_config_fits(config, dev, cuda_tile_head_dim(head_dim, head_dim_v));
 }
 
 // Whether the sm_90a kernel's producer (boxes of its key tile, 128 or 176 rows) copies K and V with
@@ -450,7 +465,7 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
                       cudaStream_t stream) {
   AttentionParams p = params;
   if (kBuiltSm90a && is_sm90a_config(config)) {
-    const TileShape tile = tile_shape_of(config, p.head_dim);
+    const TileShape tile = tile_shape_of(config, tile_head_dim(p));
     use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n);
   }
   auto launch = [&](auto kernel, auto traits) {
@@ -466,12 +481,13 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  const int tile_d = tile_head_dim(p);
   if (p.cu_seqlens_q != nullptr) {
-    visit_kernel<T, /*kVarlen=*/true>(p.head_dim, config, launch);
+    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch);
   } else if (p.block_table != nullptr) {
-    visit_paged_decode<T>(p.head_dim, launch);
+    visit_paged_decode<T>(tile_d, launch);
   } else {
-    visit_kernel<T>(p.head_dim, config, launch);
+    visit_kernel<T>(tile_d, config, launch);
   }
 }
 
@@ -526,11 +542,11 @@ void launch_combine(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::
                     at::Tensor& lse, cudaStream_t stream) {
   const int64_t rows = lse.numel();
   const int blocks = int((rows + 3) / 4);
-  FLASHMOE_KERNEL(
-      only::combine, T, D, 0,
-      split_kv_combine_kernel<T, D><<<blocks, 128, 0, stream>>>(
-          o_accum.data_ptr<float>(), lse_accum.data_ptr<float>(),
-          reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(), int(o_accum.size(0)), rows));
+  FLASHMOE_KERNEL(only::combine, T, D, 0,
+                  split_kv_combine_kernel<T, D><<<blocks, 128, 0, stream>>>(
+                      o_accum.data_ptr<float>(), lse_accum.data_ptr<float>(),
+                      reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(),
+                      int(o_accum.size(0)), rows, int(out.size(-1))));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -538,7 +554,7 @@ inline void combine_into(const at::Tensor& o_accum, const at::Tensor& lse_accum,
                          at::Tensor& lse) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
   with_dtype(out.scalar_type(), [&](auto dt) {
-    with_head_dim(int(out.size(-1)), [&](auto d) {
+    with_head_dim(int(cuda_tile_head_dim(out.size(-1), out.size(-1))), [&](auto d) {
       launch_combine<typename decltype(dt)::type, decltype(d)::value>(o_accum, lse_accum, out, lse,
                                                                       stream);
     });
@@ -610,10 +626,12 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   p.pack_gqa = p.heads_ratio > 1 && int64_t(p.seqlen_q) * p.heads_ratio <= 128;
   const int rows_per_head = p.seqlen_q * (p.pack_gqa ? p.heads_ratio : 1);
   const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
-  if (config == 0)
-    config = choose_config(dev, p.head_dim, grid_x, rows_per_head, causal, p.seqlen_k);
-
-  const TileShape tile = tile_shape_of(int(config), p.head_dim);
+  const int tile_d = tile_head_dim(p);
+  if (config == 0) {
+    config = choose_config(dev, tile_d, wgmma_head_dims(p.head_dim, p.head_dim_v), grid_x,
+                           rows_per_head, causal, p.seqlen_k);
+  }
+  const TileShape tile = tile_shape_of(int(config), tile_d);
   const int m_blocks = ceil_div(rows_per_head, tile.block_m);
   // Launch order (benches/notes/prefill-sm80.md, v2.5): the row blocks of a head side by
   // side share its K and V in L2, which pays for short and unmasked sequences; long causal ones
@@ -629,8 +647,8 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   } else if (splits == 0) {
     const int resident =
         q.scalar_type() == at::kHalf
-            ? blocks_per_sm<__half>(q.device().index(), p.head_dim, int(config))
-            : blocks_per_sm<__nv_bfloat16>(q.device().index(), p.head_dim, int(config));
+            ? blocks_per_sm<__half>(q.device().index(), tile_d, int(config))
+            : blocks_per_sm<__nv_bfloat16>(q.device().index(), tile_d, int(config));
     splits = num_splits_heuristic(tiles, dev.sm_count * resident, n_blocks, kMaxSplits);
   }
   p.num_splits = splits;
@@ -696,7 +714,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
               error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
                          "(mma.sync bf16/fp16); this one is ",
                          dev.major, ".", dev.minor));
-  check_config_for_device(config, dev, "1, 2 or 3", q_in.size(3));
+  check_config_for_device(config, dev, "1, 2 or 3", q_in.size(3), v_in.size(3));
   // The values of cache_seqlens are checked by the kernels (see host_checks_requested).
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -760,7 +778,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
   check_cuda_device(q_in, dev);
-  check_config_for_device(config, dev, "1 or 2", q_in.size(2));
+  check_config_for_device(config, dev, "1 or 2", q_in.size(2), v_in.size(2));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
   const bool capturing = stream_capturing(stream);
   if (!capturing && host_checks_requested()) {
@@ -788,11 +806,12 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   p.total_k = int(k.size(0));
   p.pack_gqa = false;
   const int64_t grid_x = batch * p.heads_q;
+  const int tile_d = tile_head_dim(p);
   if (config == 0) {
-    config =
-        packed_variant_of(choose_config(dev, p.head_dim, grid_x, p.seqlen_q, causal, p.seqlen_k));
+    config = packed_variant_of(choose_config(dev, tile_d, wgmma_head_dims(p.head_dim, p.head_dim_v),
+                                             grid_x, p.seqlen_q, causal, p.seqlen_k));
   }
-  const TileShape tile = tile_shape_of(int(config), p.head_dim);
+  const TileShape tile = tile_shape_of(int(config), tile_d);
   const int m_blocks = ceil_div(p.seqlen_q, tile.block_m);
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
   FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "batch ", batch, " x heads ",
@@ -814,7 +833,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   } else {
     launch_attention<__nv_bfloat16>(p, int(config), int(grid_x), m_blocks, stream);
   }
-  visit_varlen_check(q.scalar_type(), p.head_dim, [&](auto kernel) {
+  visit_varlen_check(q.scalar_type(), tile_d, [&](auto kernel) {
     kernel<<<1, 256, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -949,9 +968,9 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     visit_bwd_config<T, D, true>(config, launch_dkdv);
-    const int64_t n = rows * D;
+    const int64_t n = rows * D;  // dq_accum is the tile's D wide
     flash_bwd_convert_dq_kernel<T>
-        <<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)), 256, 0, stream>>>(p, n);
+        <<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)), 256, 0, stream>>>(p, n, D);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -978,13 +997,15 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
               error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
                          "(mma.sync bf16/fp16); this one is ",
                          dev.major, ".", dev.minor));
-  const int head_dim = int(q_in.size(3));
+  // The tile's head dim: q's and k's, or padded onto the next built one (cuda_tile_head_dim).
+  const int head_dim = int(cuda_tile_head_dim(q_in.size(3), v_in.size(3)));
+  const bool wgmma_ok = wgmma_head_dims(q_in.size(3), v_in.size(3));
   if (config == kSm90aBwdConfig) {
-    check_wgmma_config("backward_config", config, dev, "1 or 2", head_dim);
+    check_wgmma_config("backward_config", config, dev, "1 or 2", q_in.size(3), v_in.size(3));
   }
   const int smem_limit = dev.smem_per_block;
   if (config == 0) {
-    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a && is_wgmma_head_dim(head_dim)
+    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok
                  ? kSm90aBwdConfig
              : bwd_smem_bytes(2, head_dim, deterministic) <= smem_limit ? 2
                                                                         : 1;
@@ -1010,8 +1031,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   auto dq = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto dk = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
   auto dv = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dq_accum;
-  if (!deterministic) dq_accum = at::empty(q.sizes(), f32);
+  at::Tensor dq_accum;  // the tile's head dim wide (a padded head dim's columns are the kernels')
+  if (!deterministic) dq_accum = at::empty({q.size(0), q.size(1), q.size(2), head_dim}, f32);
   p.delta = row_stats.data_ptr<float>();
   p.lse2 = p.delta + q.size(0) * q.size(1) * q.size(2);
   p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
@@ -1019,7 +1040,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   // (the pre-pass, the dQ pass and the dQ conversion serve both backward families)
   with_dtype(q.scalar_type(), [&](auto dt) {
     using T = typename decltype(dt)::type;
-    with_head_dim(p.head_dim, [&](auto d) {
+    with_head_dim(head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
       FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, T, D, 0,
                       launch_backward<T, D>(p, int(config), deterministic, stream));

@@ -94,9 +94,15 @@ __global__ void __launch_bounds__(128)
   const T* do_row = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
                     i * p.do_row_stride + lane * kPerLane;
   float sum = 0.f;
+  // Over v's head dim: on a wider tile the lanes past it read nothing.
+#if FLASHMOE_PLANT_BUG == 15
+  const int width = p.head_dim;  // planted: o and dout summed over q's and k's width
+#else
+  const int width = p.head_dim_v;
+#endif
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e)
-    sum += float(o_row[e]) * float(do_row[e]);
+    if (lane * kPerLane + e < width) sum += float(o_row[e]) * float(do_row[e]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2)
     sum += __shfl_xor_sync(0xffffffff, sum, offset);
@@ -148,8 +154,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, tid);
-  load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, tid);
+  load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, p.head_dim / 8, tid);
+  load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, p.head_dim_v / 8,
+                                tid);
   cp_async_commit();
 
   // This warp's keys within the block (dK and dV rows), and with a column split its part: the
@@ -204,8 +211,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
     const T* q_base = static_cast<const T*>(p.q) + at.b * p.q_batch_stride + at.h * p.q_head_stride;
     const T* do_base =
         static_cast<const T*>(p.dout) + at.b * p.do_batch_stride + at.h * p.do_head_stride;
-    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, at.m0, p.seqlen_q, t);
-    load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, at.m0, p.seqlen_q, t);
+    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, at.m0, p.seqlen_q, p.head_dim / 8,
+                                  t);
+    load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, at.m0, p.seqlen_q,
+                                  p.head_dim_v / 8, t);
     cp_async_commit();
     const int64_t row_base = (int64_t(at.b) * p.heads_q + at.h) * p.seqlen_q;
 #pragma unroll
@@ -444,7 +453,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
 
-  // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, D], keys past the end not written.
+  // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, Dqk] and [B, Hkv, Sk, Dv], keys past
+  // the end and a padded tile's columns past the head dims not written.
   float dk_scale = p.softmax_scale;
 #if FLASHMOE_PLANT_BUG == 4
   dk_scale = 1.f;  // planted: dS without the softmax scale
@@ -457,14 +467,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
     for (int hh = 0; hh < 2; ++hh) {
       const int key = n0 + key_row0 + kt * 16 + lane / 4 + hh * 8;
       if (key >= p.seqlen_k) continue;
-      T* dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * D + warp_col0 + (lane & 3) * 2;
-      T* dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * D + warp_col0 + (lane & 3) * 2;
+      const int col0 = warp_col0 + (lane & 3) * 2;
+      T* dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * p.head_dim + col0;
+      T* dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * p.head_dim_v + col0;
 #pragma unroll
       for (int dt = 0; dt < WDT; ++dt) {
-        *reinterpret_cast<uint32_t*>(dk_row + dt * 8) =
-            pack2<T>(acc_dk[kt][dt][2 * hh] * dk_scale, acc_dk[kt][dt][2 * hh + 1] * dk_scale);
-        *reinterpret_cast<uint32_t*>(dv_row + dt * 8) =
-            pack2<T>(acc_dv[kt][dt][2 * hh], acc_dv[kt][dt][2 * hh + 1]);
+        if (col0 + dt * 8 < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(dk_row + dt * 8) =
+              pack2<T>(acc_dk[kt][dt][2 * hh] * dk_scale, acc_dk[kt][dt][2 * hh + 1] * dk_scale);
+        }
+        if (col0 + dt * 8 < p.head_dim_v) {
+          *reinterpret_cast<uint32_t*>(dv_row + dt * 8) =
+              pack2<T>(acc_dv[kt][dt][2 * hh], acc_dv[kt][dt][2 * hh + 1]);
+        }
       }
     }
 }
@@ -475,18 +490,22 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   flash_bwd_dkdv_block<Traits, T, kAtomicDq>(p);
 }
 
-// dq = dq_accum * scale in the input dtype, 4 values per thread.
+// dq = dq_accum * scale in the input dtype, 4 values per thread. dq_accum's rows are the tile's
+// `width` wide (a padded head dim's columns past q's are left out).
 template <typename T>
 __global__ void __launch_bounds__(256)
-    flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, int64_t n) {
+    flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, int64_t n, int width) {
   const int64_t i = (int64_t(blockIdx.x) * 256 + threadIdx.x) * 4;
   if (i >= n) return;
   float scale = p.softmax_scale;
 #if FLASHMOE_PLANT_BUG == 4
   scale = 1.f;  // planted: dS without the softmax scale
 #endif
+  const int64_t row = i / width;
+  const int col = int(i - row * width);  // 4 | width: the 4 values share the row
+  if (col >= p.head_dim) return;
   const float4 x = *reinterpret_cast<const float4*>(p.dq_accum + i);
-  T* dst = static_cast<T*>(p.dq) + i;
+  T* dst = static_cast<T*>(p.dq) + row * p.head_dim + col;
   *reinterpret_cast<uint32_t*>(dst) = pack2<T>(x.x * scale, x.y * scale);
   *reinterpret_cast<uint32_t*>(dst + 2) = pack2<T>(x.z * scale, x.w * scale);
 }
@@ -525,8 +544,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, m0, p.seqlen_q, tid);
-  load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, m0, p.seqlen_q, tid);
+  load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, m0, p.seqlen_q, p.head_dim / 8, tid);
+  load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, m0, p.seqlen_q, p.head_dim_v / 8,
+                                tid);
   cp_async_commit();
 
   const int warp_row0 = warp * 16 * MT;
@@ -559,8 +579,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
         acc_dq[mt][dt][e] = 0.f;
 
   for (int n = 0; n < n_end; ++n) {
-    load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n * BN, p.seqlen_k, tid);
-    load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n * BN, p.seqlen_k, tid);
+    load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n * BN, p.seqlen_k, p.head_dim / 8,
+                                  tid);
+    load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n * BN, p.seqlen_k,
+                                  p.head_dim_v / 8, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // K(n), V(n) (and Q, dO on the first step) have landed
@@ -647,11 +669,13 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     for (int hh = 0; hh < 2; ++hh) {
       const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
       if (i >= p.seqlen_q) continue;
-      T* dq_row = static_cast<T*>(p.dq) + (row_base + i) * D + (lane & 3) * 2;
+      T* dq_row = static_cast<T*>(p.dq) + (row_base + i) * p.head_dim + (lane & 3) * 2;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt)
-        *reinterpret_cast<uint32_t*>(dq_row + dt * 8) =
-            pack2<T>(acc_dq[mt][dt][2 * hh] * scale, acc_dq[mt][dt][2 * hh + 1] * scale);
+        if (dt * 8 < p.head_dim) {  // a padded tile's columns past q's head dim stay behind
+          *reinterpret_cast<uint32_t*>(dq_row + dt * 8) =
+              pack2<T>(acc_dq[mt][dt][2 * hh] * scale, acc_dq[mt][dt][2 * hh + 1] * scale);
+        }
     }
 }
 

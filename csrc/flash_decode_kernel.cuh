@@ -125,8 +125,10 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
                                            p.block_table + b * p.block_table_stride, row0, len_k,
                                            tid, bad_page, l2);
     } else {
-      load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, row0, len_k, tid, l2);
-      load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, row0, len_k, tid, l2);
+      load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, row0, len_k, p.head_dim / 8,
+                                    tid, l2);
+      load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, row0, len_k,
+                                    p.head_dim_v / 8, tid, l2);
     }
   };
 
@@ -336,6 +338,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
                i * p.o_row_stride + c0;
 #pragma unroll
     for (int e = 0; e < kCols; e += 8) {
+      if (c0 + e >= p.head_dim_v) break;  // a padded tile's columns past v's head dim
       *reinterpret_cast<uint4*>(o_row + e) =
           make_uint4(pack2<T>(out[e], out[e + 1]), pack2<T>(out[e + 2], out[e + 3]),
                      pack2<T>(out[e + 4], out[e + 5]), pack2<T>(out[e + 6], out[e + 7]));
@@ -345,10 +348,11 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
     return;
   }
   if (row_valid) {
-    float* o_part = p.o_accum + (esplit * rows_all + lse_index) * D + c0;
+    // The partials' rows are v's head dim wide (as the split_kv_combine operator takes them).
+    float* o_part = p.o_accum + (esplit * rows_all + lse_index) * p.head_dim_v + c0;
 #pragma unroll
     for (int e = 0; e < kCols; e += 4)
-      *reinterpret_cast<float4*>(o_part + e) =
+      if (c0 + e < p.head_dim_v) *reinterpret_cast<float4*>(o_part + e) =
           make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
     if (c0 == 0) p.lse_accum[esplit * rows_all + lse_index] = lse;
   }
@@ -372,14 +376,15 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   if (!is_last) return;
   // Work items are (valid row, 4 columns): with the 1 to 4 rows of a typical decode tile every
   // thread gets at most one, and it reads all its splits' LSEs and partials in one go.
-  for (int item = tid; item < valid_rows * (D / 4); item += kThreads) {
-    const int rr = item / (D / 4), col = item % (D / 4) * 4, g = em0 + rr;
+  const int col_items = p.head_dim_v / 4;  // v's head dim, 4 columns an item
+  for (int item = tid; item < valid_rows * col_items; item += kThreads) {
+    const int rr = item / col_items, col = item % col_items * 4, g = em0 + rr;
     const int hg = te.head(g), ig = te.query(g);
     const int64_t index = (int64_t(eb) * p.heads_q + hg) * p.seqlen_q + ig;
     float acc[4];
     const float lse_row = combine_splits<4>(
         p.num_splits, [&](int s) { return p.lse_accum + s * rows_all + index; },
-        [&](int s) { return p.o_accum + (s * rows_all + index) * D + col; }, acc);
+        [&](int s) { return p.o_accum + (s * rows_all + index) * p.head_dim_v + col; }, acc);
     T* o_row =
         static_cast<T*>(p.o) + eb * p.o_batch_stride + hg * p.o_head_stride + ig * p.o_row_stride;
     *reinterpret_cast<uint2*>(o_row + col) =

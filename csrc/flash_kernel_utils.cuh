@@ -228,15 +228,21 @@ struct TileCoords {
   }
 
   // Issues the cp.async copies of the tile's Q rows [m0, m0 + kRows) into a swizzled shared tile;
-  // rows past the end are zero-filled.
+  // rows past the end, and the columns past q's head dim on a wider tile, are zero-filled.
   template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, typename T>
   __device__ __forceinline__ void load_q(T* sQ, const AttentionParams& p, int m0, int tid) const {
     constexpr int kChunks = kHeadDim / 8;
+#if FLASHMOE_PLANT_BUG == 14
+    const int q_chunks = kChunks;  // planted: q copied at the tile's width (its tail not zeroed)
+#else
+    const int q_chunks = p.head_dim / 8;
+#endif
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + row0_q * p.q_row_stride;
 #pragma unroll
     for (int c = tid; c < kRows * kChunks; c += kThreads) {
       const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
-      const bool valid = gr < rows_total;
+      // (the wgmma kernels' panels are never padded: the host runs them at whole tiles only)
+      const bool valid = gr < rows_total && (kPanels || ch < q_chunks);
       const T* src = valid
                          ? q_base + head(gr) * p.q_head_stride + query(gr) * p.q_row_stride + ch * 8
                          : q_base;
@@ -356,12 +362,15 @@ constexpr int pass_chunks() {
 // kThreads / kPassChunks-th row (of each column pass), so its addresses are one base plus a
 // constant per pass (the swizzle depends on row % 8 and a chunk's low 3 bits only): the loop holds
 // no per-pass addresses across the main loop.
+// `chunks`: the 16-byte chunks of a row of the tensor (its head dim / 8); on a wider tile
+// (kHeadDim > 8 * chunks: a head dim padded onto the next tile) the chunks past it are zero-filled,
+// so they add nothing to a product over the head dim.
 // kPanels: into the sm_90a kernel's wgmma layout (swizzle_panels) instead of swizzle<kHeadDim>.
-// kWhole: the caller knows every row is below `len` (no per-row check, no zero fill).
+// kWhole: the caller knows every row is below `len` (no per-row check, no zero fill of rows).
 template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, bool kWhole = false,
           typename T, typename L2 = L2Default>
 __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row_stride, int row0,
-                                             int len, int tid, L2 l2 = {}) {
+                                             int len, int chunks, int tid, L2 l2 = {}) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   constexpr int kPassChunks = pass_chunks<kChunks, kThreads>();
   static_assert(kPassChunks > 0, "each pass must cover whole swizzle atoms of 8n rows");
@@ -375,15 +384,18 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row
   const T* src = base + (row0 + r) * row_stride + ch * 8;
 #pragma unroll
   for (int column = 0; column < kChunks / kPassChunks; ++column) {
+    // (folds away where the caller passes the tile's own width, as the wgmma kernels do)
+    const bool column_valid = ch + column * kPassChunks < chunks;
 #pragma unroll
     for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-      const bool valid = kWhole || row0 + r + pass * kRowsPerPass < len;
+      const bool row_valid = kWhole || row0 + r + pass * kRowsPerPass < len;
+      const bool valid = row_valid && column_valid;
       const T* from = src + pass * kRowsPerPass * row_stride + column * kPassChunks * 8;
       T* to = dst + pass * kRowsPerPass * kPitch + column * kColumnStep;
 #if FLASHMOE_PLANT_BUG == 3
       // Rows past the sequence end are read, 4 GiB past where they would lie (outside any
       // allocation), instead of zero-filled: a plain 16-byte load, so memcheck must report it.
-      if (!valid) {
+      if (!row_valid) {
         *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(
             reinterpret_cast<const char*>(from) + (int64_t(1) << 32));
         continue;
@@ -434,19 +446,21 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
     const T* v_rows = v_base + page * p.v_batch_stride + in_page * p.v_row_stride;
     if (row0 + kRows <= len) {  // every tile but a sequence's last: no row to check or zero-fill
       load_kv_tile<kHeadDim, kRows, kThreads, false, true>(k_tile, k_rows, p.k_row_stride, 0, 0,
-                                                           tid, l2);
+                                                           p.head_dim / 8, tid, l2);
       load_kv_tile<kHeadDim, kRows, kThreads, false, true>(v_tile, v_rows, p.v_row_stride, 0, 0,
-                                                           tid, l2);
+                                                           p.head_dim_v / 8, tid, l2);
     } else {
-      load_kv_tile<kHeadDim, kRows, kThreads>(k_tile, k_rows, p.k_row_stride, 0, len - row0, tid,
-                                              l2);
-      load_kv_tile<kHeadDim, kRows, kThreads>(v_tile, v_rows, p.v_row_stride, 0, len - row0, tid,
-                                              l2);
+      load_kv_tile<kHeadDim, kRows, kThreads>(k_tile, k_rows, p.k_row_stride, 0, len - row0,
+                                              p.head_dim / 8, tid, l2);
+      load_kv_tile<kHeadDim, kRows, kThreads>(v_tile, v_rows, p.v_row_stride, 0, len - row0,
+                                              p.head_dim_v / 8, tid, l2);
     }
     return;
   }
   T* k_dst = k_tile + swizzle<kHeadDim>(r, ch);
   T* v_dst = v_tile + swizzle<kHeadDim>(r, ch);
+  // The chunks past k's and v's head dims on a wider tile are zero-filled (see load_kv_tile).
+  const int k_chunks = p.head_dim / 8, v_chunks = p.head_dim_v / 8;
 #pragma unroll
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
     const int row = row0 + r + pass * kRowsPerPass;
@@ -455,19 +469,15 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
     const int in_page = row & in_page_mask;
     const T* k_from = k_base + page * p.k_batch_stride + in_page * p.k_row_stride + ch * 8;
     const T* v_from = v_base + page * p.v_batch_stride + in_page * p.v_row_stride + ch * 8;
-    if constexpr (kPassChunks == kChunks) {
-      l2.copy(k_dst + pass * kRowsPerPass * kHeadDim, valid ? k_from : k_base, valid);
-      l2.copy(v_dst + pass * kRowsPerPass * kHeadDim, valid ? v_from : v_base, valid);
-    } else {
-      // A row's column passes share its page lookup (kPassChunks * 8 elements apart).
+    // A row's column passes share its page lookup (kPassChunks * 8 elements apart).
 #pragma unroll
-      for (int column = 0; column < kChunks / kPassChunks; ++column) {
-        const int step = column * kPassChunks * 8;
-        l2.copy(k_dst + pass * kRowsPerPass * kHeadDim + step, valid ? k_from + step : k_base,
-                valid);
-        l2.copy(v_dst + pass * kRowsPerPass * kHeadDim + step, valid ? v_from + step : v_base,
-                valid);
-      }
+    for (int column = 0; column < kChunks / kPassChunks; ++column) {
+      const int step = column * kPassChunks * 8, c = ch + column * kPassChunks;
+      const bool k_valid = valid && c < k_chunks, v_valid = valid && c < v_chunks;
+      l2.copy(k_dst + pass * kRowsPerPass * kHeadDim + step, k_valid ? k_from + step : k_base,
+              k_valid);
+      l2.copy(v_dst + pass * kRowsPerPass * kHeadDim + step, v_valid ? v_from + step : v_base,
+              v_valid);
     }
   }
 }

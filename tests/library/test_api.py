@@ -284,7 +284,10 @@ def test_any_head_dim_on_cpu():
 # ---- head dims: v's (Dv) may differ from q's and k's (D); the output takes v's ------------------
 
 # (D, Dv) pairs the CUDA kernels do not take yet, each refused on CUDA before any launch.
-CUDA_REFUSED_HEAD_DIMS = [(96, 96), (80, 80), (160, 160), (192, 128), (128, 64), (256, 192)]
+# Not multiples of 8 (the kernels copy 16-byte chunks), or past 256 (the widest tile)
+CUDA_REFUSED_HEAD_DIMS = [(100, 100), (4, 4), (264, 264), (192, 132), (120, 264)]
+# Run on the narrowest tile that holds q's and k's head dim and v's: 64, 128, 192 or 256
+CUDA_PADDED_HEAD_DIMS = [(80, 80), (96, 96), (160, 160), (8, 8), (248, 248), (192, 128), (128, 64)]
 
 
 def split_qkv(device="cpu", d=192, dv=128, b=2, hq=4, hkv=2, sq=16, sk=64):
@@ -440,16 +443,23 @@ def test_head_dims_cuda_does_not_take_yet_say_what_it_does(head_dims):
     reason = ops.head_dims_unsupported_reason(head_dim, head_dim_v)
     assert not ops.head_dims_supported(head_dim, head_dim_v)
     assert "\n" not in reason and reason.startswith(f"head_dim={head_dim} ")
-    assert "is not supported on CUDA; supported: 64, 128, 192, 256" in reason
+    assert "is not supported on CUDA; supported: multiples of 8 up to 256" in reason
     assert "the CPU implementation takes any head_dim" in reason
     if head_dim_v != head_dim:
-        assert f"with v's head_dim={head_dim_v}" in reason and "equal to q's and k's" in reason
+        assert f"with v's head_dim={head_dim_v}" in reason and "v's may differ" in reason
 
 
 def test_head_dims_cuda_takes():
+    """The tiles' head dims, and every multiple of 8 up to 256 padded onto the narrowest tile that
+    holds q's and k's and v's (DeepSeek's 192 with v's 128 among them)."""
     for head_dim in (64, 128, 192, 256):
         assert ops.head_dims_unsupported_reason(head_dim) is None
         assert ops.head_dims_supported(head_dim, head_dim)
+    for head_dims in CUDA_PADDED_HEAD_DIMS:
+        assert ops.head_dims_unsupported_reason(*head_dims) is None, head_dims
+    assert [ops.head_dims_supported(d) for d in range(8, 264, 4)] == [
+        d % 8 == 0 and d <= 256 for d in range(8, 264, 4)
+    ]
     with pytest.raises(ValueError, match="head_dim_v must be an int"):
         ops.head_dims_unsupported_reason(64, 0)
 

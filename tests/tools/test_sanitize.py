@@ -336,15 +336,17 @@ def test_not_permitted_or_not_supported(text):
 def test_workload_covers_every_code_path():
     workload = sanitize.workload_cases()
     assert len({c.id for c in workload}) == len(workload)
-    # packed and paged calls, and the head dims past 128: tests below
-    cases = [c for c in workload if isinstance(c, Case) and c.head_dim <= 128]
+    # packed and paged calls, the head dims past 128 and the padded ones: tests below
+    cases = [
+        c for c in workload if isinstance(c, Case) and c.head_dim in (64, 128) and not c.head_dim_v
+    ]
     fwd = [c for c in cases if c.kind == "prefill"]
     dec = [c for c in cases if c.kind == "decode"]
     bwd = [c for c in cases if c.kind == "backward"]
     # racecheck's wall time grows with it (~0.1 s a call on an H100); 430 since configuration 6
     # (26 calls at head dim 64), 450 since configuration 7 (14 at head dim 128), 540 since head
-    # dims 192 and 256 (94)
-    assert len(workload) <= 540
+    # dims 192 and 256 (94), 575 since the padded head dims (34)
+    assert len(workload) <= 575
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration this GPU runs (all of them, wgmma included, for an
@@ -430,7 +432,7 @@ def test_workload_covers_packed_batches():
     from flashmoe_science.pipeline.gates.varlen import VARLEN_CONFIGS, VarlenCase
 
     cases = sanitize.workload_cases()
-    varlen = [c for c in cases if isinstance(c, VarlenCase) and c.head_dim <= 128]
+    varlen = [c for c in cases if isinstance(c, VarlenCase) and c.head_dim in (64, 128)]
     configs = [c for c in sanitize.workload_configs() if c in VARLEN_CONFIGS]
     assert configs == [1, 2, 4, 5]  # listed without a GPU: all of them
     keys = {(c.dtype, c.head_dim, c.config, c.causal) for c in varlen}
@@ -469,7 +471,9 @@ def test_workload_covers_paged_decode():
     page tables, with empty caches and partial last pages, forced and automatic splits."""
     from flashmoe_science.pipeline.gates.paged import PagedCase, make_paged_inputs
 
-    paged = [c for c in sanitize.workload_cases() if isinstance(c, PagedCase) and c.head_dim <= 128]
+    paged = [
+        c for c in sanitize.workload_cases() if isinstance(c, PagedCase) and c.head_dim in (64, 128)
+    ]
     assert {(c.dtype, c.head_dim, c.page_size) for c in paged} == {
         (t, d, p) for t in ("fp16", "bf16") for d in (64, 128) for p in (16, 64, 256)
     }
@@ -499,8 +503,8 @@ def test_workload_covers_wide_head_dims():
     workload = sanitize.workload_cases()
     assert sanitize.WIDE_HEAD_DIMS == (192, 256)
     first_wide = next(i for i, c in enumerate(workload) if getattr(c, "head_dim", 0) > 128)
-    wide = workload[first_wide:]
-    assert wide == sanitize.wide_head_dim_workload(sanitize.workload_configs())
+    wide = sanitize.wide_head_dim_workload(sanitize.workload_configs())
+    assert workload[first_wide : first_wide + len(wide)] == wide
     pairs = {(t, d) for t in ("fp16", "bf16") for d in (192, 256)}
     cases = [c for c in wide if isinstance(c, Case)]
     fwd = [c for c in cases if c.kind == "prefill"]
@@ -1024,3 +1028,31 @@ const __half *, long, int, int, int)+0x1b70 in /work/main/csrc/flash_kernel_util
     (finding,) = sanitize.parse_sanitizer_output("memcheck", text).findings
     assert finding.kernel == FWD_SHORT
     assert finding.where == "flash_kernel_utils.cuh:157 (load_kv_tile)"
+
+
+def test_workload_covers_padded_head_dims_last():
+    """80 and 96 on the 128 tile and v's 128 under 192: each mma.sync forward configuration the
+    card runs and the automatic choice, split partials and their combine, decode with a fused
+    combine, the backward (1 and automatic, atomic and deterministic dQ), and paged decode and
+    packed batches where v's head dim is q's; appended after the wide head dims."""
+    from flashmoe_science.pipeline.gates.paged import PagedCase
+    from flashmoe_science.pipeline.gates.varlen import VarlenCase
+
+    workload = sanitize.workload_cases()
+    padded = sanitize.padded_head_dim_workload(sanitize.workload_configs())
+    assert workload[-len(padded) :] == padded
+    assert sanitize.PADDED_HEAD_DIMS == ((80, 80), (96, 96), (192, 128))
+    for dims in sanitize.PADDED_HEAD_DIMS:
+        mine = [c for c in padded if isinstance(c, Case) and (c.head_dim, c.value_head_dim) == dims]
+        fwd = [c for c in mine if c.kind == "prefill"]
+        assert {c.config for c in fwd} == {
+            0,
+            *[k for k in (1, 2, 4) if k in sanitize.workload_configs()],
+        }
+        assert any(c.num_splits > 1 for c in fwd)
+        assert [c.num_splits for c in mine if c.kind == "decode"] == [7]
+        bwd = {(c.config, c.deterministic) for c in mine if c.kind == "backward"}
+        assert bwd == {(0, False), (0, True), (1, False), (1, True)}
+        others = [c for c in padded if not isinstance(c, Case) and c.head_dim == dims[0]]
+        expected = {PagedCase, VarlenCase} if dims[0] == dims[1] else set()
+        assert {type(c) for c in others} == expected
