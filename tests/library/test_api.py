@@ -370,7 +370,7 @@ def test_every_cuda_operator_at_a_padded_head_dim(head_dims):
         out, lse = flash_attention_forward(q, k, v, True, return_lse=True, num_splits=splits)
         assert out.shape == (2, 4, 16, dv)
         assert (out.double() - ref).abs().max() < 2e-2, splits
-        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-3, rtol=1e-3)
     lengths = torch.tensor([64, 37], dtype=torch.int32, device="cuda")
     ref_decode, _ = gates.attention_reference(q[:, :, -1:], k, v, True, scale, lengths)
     k_pages, v_pages = (t.transpose(1, 2).reshape(-1, 16, 2, t.shape[-1]) for t in (k, v))

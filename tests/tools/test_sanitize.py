@@ -321,6 +321,44 @@ def test_a_crash_without_findings_is_an_error_not_a_pass():
     assert sanitize.tool_status(report, None, timed_out=True) == "timeout"
 
 
+def test_a_workload_that_dies_before_its_first_call_says_its_exception(
+    isolated, fake_gpu, fake_sanitizer, capsys
+):
+    """A workload that raises before any call: the reason quotes its exception, not the tool's
+    summary line printed after it."""
+    fake_sanitizer(
+        "memcheck",
+        "========= COMPUTE-SANITIZER\nTraceback (most recent call last):\n"
+        "NameError: name 'padded_head_dim_workload' is not defined\n"
+        "========= ERROR SUMMARY: 0 errors\n",
+        rc=1,
+    )
+    assert sanitize.main(["--tool", "memcheck"]) == exitcodes.GATE_FAILED
+    assert (
+        "memcheck: error: the workload exited 1 before any call without a finding: "
+        "NameError: name 'padded_head_dim_workload' is not defined" in capsys.readouterr().out
+    )
+
+
+def test_the_workload_module_run_as_a_script_lists_every_case():
+    """`python -m ...sanitize --list` runs the module as __main__, as compute-sanitizer runs the
+    workload: every function the cases need is defined before main() runs (a workload appended
+    after the main guard raised NameError under every tool, and only there)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "flashmoe_science.pipeline.tools.sanitize", "--list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    listed = done.stdout.split()
+    assert len(listed) >= 500 and len(set(listed)) == len(listed)
+    assert any("-d80-" in case_id for case_id in listed)
+    assert any("-d192v128-" in case_id for case_id in listed)
+
+
 @pytest.mark.parametrize("text", [NOT_SUPPORTED, ERROR_999, NO_PERMISSION])
 def test_not_permitted_or_not_supported(text):
     report = sanitize.parse_sanitizer_output("memcheck", text)

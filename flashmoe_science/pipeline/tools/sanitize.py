@@ -580,6 +580,7 @@ class ToolReport:
         return [f for f in self.findings if f.severity != "api"]
 
 
+SANITIZER_PREFIX = "========="  # how compute-sanitizer starts each line it prints
 _PREFIX_RE = re.compile(r"^========= ?(?P<body>.*)$")
 _ACCESS_RE = re.compile(r"^(?:Invalid|Misaligned) \S+ (?:read|write|atomic)\w* of size \d+ bytes?")
 _UNINIT_RE = re.compile(r"^Uninitialized \S+ memory read of size \d+ bytes?")
@@ -1132,7 +1133,10 @@ def _reason(report: ToolReport, status: str, returncode, timeout: float, text: s
     if status == "timeout":
         return f"stopped after {timeout:.0f} s ({report.cases_started} calls started)"
     if status == "error":
-        tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-1:] or ["no output"]
+        # The workload's own last line (a traceback's exception), not the tool's summary after it.
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        own = [ln for ln in lines if not ln.startswith(SANITIZER_PREFIX)]
+        tail = own[-1:] or lines[-1:] or ["no output"]
         where = f"after {report.cases_started} calls" if report.cases_started else "before any call"
         return f"the workload exited {returncode} {where} without a finding: {tail[0][:200]}"
     if status == "unusable":
@@ -1147,10 +1151,6 @@ def _write(doc: dict, out: Path) -> None:
     tmp = path.with_name(".sanitize.json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # Head dims padded onto a wider tile (ops.head_dims_supported: q's and k's, v's): 80 and 96 on the
@@ -1226,3 +1226,7 @@ def padded_head_dim_workload(configs: Sequence[int]) -> list:
             lengths_q, lengths_k = VARLEN_LENGTHS[0]
             cases.append(VarlenCase("bf16", head_dim, 4, 4, lengths_q, lengths_k, True, 0))
     return cases
+
+
+if __name__ == "__main__":
+    sys.exit(main())
