@@ -347,6 +347,8 @@ def test_the_gpus_of_the_stage_and_each_workers_gpu():
     assert devices.worker_count(2, ["0", "1", "2", "3"]) == 4
     assert devices.worker_count(64, ["0"]) == devices.MAX_WORKERS
     assert devices.worker_count(None, []) == 1
+    # half a worker over the cores: the stage's tests wait on subprocesses for part of their time
+    assert [devices.worker_count(c, []) for c in (1, 2, 4, 5, 16)] == [1, 3, 6, 7, 8]
     assert [devices.threads_per_worker(c, w) for c, w in ((16, 8), (2, 2), (2, 8), (None, 1))] == [
         2,
         1,

@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         "--workers",
         default=None,
         help="pytest-xdist workers, each pinned to one GPU in turn (default: none for a selection "
-        f"of at most {SERIAL_MAX_TESTS} tests, else one per CPU core up to "
+        f"of at most {SERIAL_MAX_TESTS} tests, else three per two CPU cores up to "
         f"{devices.MAX_WORKERS}, and at least one per GPU; the GPUs: ${devices.DEVICES_VAR}, "
         f"else ${devices.VISIBLE_VAR}, else every GPU)",
     )
