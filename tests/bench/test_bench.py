@@ -416,10 +416,10 @@ def test_gpu_matrix_covers_the_requested_matrix():
 
 
 def test_gpu_matrix_times_the_wide_head_dims_forward_backward_and_gemma_decode():
-    """Issue 47's bench: prefill and backward at B*S = 16k, S 512 to 16k, causal both, at d=192 and
-    d=256 (hidden size 2048), and Gemma 2's decode at d=256."""
+    """Issue 47's bench: prefill and backward at B*S = 16k, S 512 to 16k, causal both, at d=96,
+    192, 256 and (192, 128) (hidden size 2048), and Gemma 2's decode at d=256."""
     ids = {c.id for c in benchmatrix.gpu_matrix()}
-    for d, h in ((192, 10), (256, 8)):
+    for d, h in ((96, 21), (192, 10), (256, 8), ("192v128", 10)):
         for s in (512, 1024, 2048, 4096, 8192, 16384):
             for mask in ("causal", "full"):
                 for kind in ("fwd", "bwd"):
