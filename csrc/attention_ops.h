@@ -756,28 +756,37 @@ inline std::tuple<Tensor, Tensor> paged_fwd_cpu(
 
 inline int64_t planted_bug() { return cpu::planted_bug(); }
 
-// The head dims the CUDA kernels are built for, q's and k's, with v's equal to them; the CPU
-// implementation takes any, and a v head_dim of its own.
-constexpr int64_t kCudaHeadDims[] = {64, 128};
+// The head dims the CUDA kernels are built for (their tiles' widths). Every CUDA launch site
+// instantiates its kernels from this list (with_head_dim, flash_api_cuda.cuh);
+// _loader.CUDA_HEAD_DIMS is its copy. The CPU implementation takes any head dim.
+constexpr int64_t kCudaHeadDims[] = {64, 128, 192, 256};
+
+// The tile that runs q's and k's `head_dim` with v's `head_dim_v` on CUDA: the narrowest built head
+// dim that holds both. Narrower head dims run on it padded in shared memory and registers (their
+// columns past the head dim are zero-filled, never written back): 80 and 96 on 128, 160 on 192,
+// and v's 128 under q's and k's 192 (DeepSeek's MLA prefill) on 192. 0: none (a head dim that is
+// not a multiple of 8, the 16-byte chunk the kernels copy, or past 256).
+inline int64_t cuda_tile_head_dim(int64_t head_dim, int64_t head_dim_v) {
+  if (head_dim < 8 || head_dim_v < 8 || head_dim % 8 != 0 || head_dim_v % 8 != 0) return 0;
+  for (const int64_t d : kCudaHeadDims) {
+    if (d >= head_dim && d >= head_dim_v) return d;
+  }
+  return 0;
+}
 
 // Why the CUDA operators cannot take q's and k's `head_dim` with v's `head_dim_v`, in the one line
 // they raise before any launch (ops.head_dims_unsupported_reason returns it); empty when they can.
 inline std::string cuda_head_dims_problem(int64_t head_dim, int64_t head_dim_v) {
-  std::string supported;
-  bool built = false;
-  for (const int64_t d : kCudaHeadDims) {
-    supported += (supported.empty() ? "" : ", ") + std::to_string(d);
-    built = built || d == head_dim;
-  }
-  if (built && head_dim_v == head_dim) return "";
+  if (cuda_tile_head_dim(head_dim, head_dim_v) != 0) return "";
+  const int64_t widest = kCudaHeadDims[sizeof(kCudaHeadDims) / sizeof(kCudaHeadDims[0]) - 1];
+  const std::string supported = "multiples of 8 up to " + std::to_string(widest) +
+                                " (v's may differ from q's and k's; the CPU implementation takes "
+                                "any head_dim)";
   if (head_dim_v == head_dim) {
-    return error_text("head_dim=", head_dim, " is not supported on CUDA; supported: ", supported,
-                      " (the CPU implementation takes any head_dim)");
+    return error_text("head_dim=", head_dim, " is not supported on CUDA; supported: ", supported);
   }
   return error_text("head_dim=", head_dim, " with v's head_dim=", head_dim_v,
-                    " is not supported on CUDA; supported: ", supported,
-                    ", with v's head_dim equal to q's and k's (the CPU implementation takes any "
-                    "head_dim, and v's may differ)");
+                    " is not supported on CUDA; supported: ", supported);
 }
 
 // decode_num_splits (attention_params.h) as an operator, for tests and tools.

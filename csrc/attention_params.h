@@ -37,6 +37,11 @@ namespace flashmoe {
 // and the bug of v's head dim differing from q's and k's (Dv != Dqk):
 //   13: the CPU forward finds each KV head's V rows at K's offset (the Q/K width, Dqk), as one
 //       offset shared by K and V would (wrapped to stay inside V)
+// and the bugs of head dims padded onto a wider CUDA tile (80 and 96 on 128, v's 128 under 192):
+//   14: the mma.sync forward copies q and k at the tile's width: the tile's columns past their
+//       head dim hold the next row's values instead of zeros, which leak into the scores
+//   15: the backward's delta (rowsum dO * O) is summed over q's and k's head dim, not v's: it
+//       reads past each row of o and dout where v's head dim is the smaller
 // and the bugs of local attention, soft-capping and sinks (the CPU implementation's, for now):
 //   20: the window's left edge off by one (a query sees one key too few: j > p - window_left)
 //   21: softcap applied after the mask, so a masked key's -inf score becomes -softcap and the key

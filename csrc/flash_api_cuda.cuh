@@ -19,6 +19,7 @@
 #include <tuple>
 #include <type_traits>
 #include <typeinfo>
+#include <utility>
 
 #include "attention_ops.h"
 #include "build_only.cuh"
@@ -33,16 +34,21 @@ namespace flashmoe::cuda {
 // Tile configurations. Ids are part of the operator's interface (`config=`), so the configuration
 // another architecture selects can be forced and gated on the card at hand. The measurements behind
 // each choice: benches/notes/prefill-sm80.md (1, 2, 4), decode.md (3), prefill-sm90.md (5 to 7).
-//   1: 128 x 64 at d=64, 128 x 32 at d=128, 4 warps (FA2's sm8x non-causal tile at d=128).
+//   1: 128 x 64 at d=64, 128 x 32 at d=128, 4 warps (FA2's sm8x non-causal tile at d=128);
+//      128 x 64 with 8 warps (16 rows each) at d=192 and 256, FA2's tile there (at d=256 128 KB:
+//      sm80 and sm90, not the 99 KB of an sm86/sm89 block).
 //   2:  64 x 64, 4 warps. 48 KB at d=128, so two blocks fit one sm86/sm89 SM (100 KB); FA2 picks
 //       this square tile on sm86/sm89 ("fastest for causal"). Also used when a head has few rows.
+//       96 KB at d=256: the tile that fits an sm86/sm89 block there.
 //   3:  the decode kernel (flash_decode_kernel.cuh): 16 rows, 4 warps splitting 64-key stages,
-//       3 stages deep: 96 KB at d=128 (one block per sm89 SM, two per sm90 SM), 48 KB at d=64.
+//       3 stages deep: 96 KB at d=128 (one block per sm89 SM, two per sm90 SM), 48 KB at d=64;
+//       at d=192 and 256, 2 warps splitting 32-key stages, 4 and 3 deep (96 KB, DecodeConfig).
 //       Chosen when a head has at most 16 rows (Sq x the query heads packed per KV head), and
 //       for grids too small to fill the GPU with 64-row tiles.
 //   4: 128 x 64 at d=128, 128 x 128 at d=64, 4 warps (FA2's sm80/sm90 tiles): 255 registers, no
 //      spill on sm_90; ptxas spills them on sm_89, so they are built for sm_90 and newer only.
-//      The sm_90 choice without the sm_90a build, where it is faster than config 1.
+//      The sm_90 choice without the sm_90a build, where it is faster than config 1, and at the
+//      head dims the wgmma kernels do not take. At d=192 and 256 it is configuration 1's kernel.
 //   5: 128 x 128 at d=128 (2 math warpgroups), 192 x 128 at d=64 (3), on wgmma, warp-specialized
 //      and persistent (flash_fwd_sm90_kernel.cuh). sm_90a only: built with FLASHMOE_SM90A (the
 //      loader defines it with arch 9.0a, the default on an H100), run on compute capability 9.0
@@ -59,16 +65,35 @@ namespace flashmoe::cuda {
 //      registers (at d=64 it is configuration 5's kernel). sm_90a only, as 5. The choice at
 //      d=128 for non-causal heads of at least 4096 keys; slower than 5 on shorter or causal
 //      heads. No packed-batch variant.
-//   Rejected: 8 warps x 128 x 64 (one 16-row tile per warp): one block per SM, slower.
+//   5 to 7 take head dims 64 and 128 only (kWgmmaHeadDims).
+//   Rejected: 8 warps x 128 x 64 at d=128 (one 16-row tile per warp): one block per SM, slower.
 constexpr int kNumConfigs = 7;
 constexpr int kDecodeConfig = 3;
-constexpr int kDecodeStages = 3;
 constexpr int kSm90Config = 4;       // built for sm_90 and newer only
 constexpr int kSm90aConfig = 5;      // wgmma: the sm_90a build on a 9.0 GPU only
 constexpr int kSm90aM128Config = 6;  // the same, 128-row tiles at d=64 as well
 constexpr int kSm90aN176Config = 7;  // the same, 176-key tiles at d=128
 constexpr bool is_sm90a_config(int64_t config) {
   return config == kSm90aConfig || config == kSm90aM128Config || config == kSm90aN176Config;
+}
+// The head dims of the wgmma kernels (forward configurations 5 to 7, backward configuration 3);
+// the others run the mma.sync kernels on every GPU.
+constexpr int kWgmmaHeadDims[] = {64, 128};
+constexpr bool is_wgmma_head_dim(int head_dim) {
+  for (const int d : kWgmmaHeadDims) {
+    if (d == head_dim) return true;
+  }
+  return false;
+}
+// The tile head dim a call's kernels are instantiated at (cuda_tile_head_dim: q's and k's head dim
+// and v's, padded onto the narrowest built one that holds both), and whether the call may run the
+// wgmma kernels: only unpadded (their TMA boxes and panels copy whole tiles of every row).
+template <typename Params>
+int tile_head_dim(const Params& p) {
+  return int(cuda_tile_head_dim(p.head_dim, p.head_dim_v));
+}
+inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v) {
+  return head_dim == head_dim_v && is_wgmma_head_dim(int(head_dim));
 }
 // Whether a configuration has a packed-batch (varlen) kernel: not the decode kernel, 6 or 7
 // (visit_config compiles none for them; ops.NO_PACKED_CONFIGS is the Python side's copy).
@@ -86,8 +111,59 @@ constexpr bool kBuiltSm90a = true;
 constexpr bool kBuiltSm90a = false;
 #endif
 
+// The mma.sync configurations' tiles at head dim D where they differ by head dim (the table
+// above); 64 and 128 keep their measured tiles.
+template <int D>
+using Config1Traits = std::conditional_t<(D <= 128), FwdTraits<D, 128, D == 128 ? 32 : 64, 4>,
+                                         FwdTraits<D, 128, 64, 8>>;
+template <int D>
+using Config4Traits =
+    std::conditional_t<(D <= 128), FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>,
+                       Config1Traits<D>>;
+// The decode kernel's: as many 32-key stages as fit 96 KB beyond d=128.
+template <int D>
+using DecodeConfig = DecodeTraits<D, D <= 128 ? 3 : 96 * 1024 / (2 * 32 * D * 2)>;
+
+// ------------------------------------------------------------------------------------------------
+// Head dims and dtypes as compile-time constants
+// ------------------------------------------------------------------------------------------------
+
+// Calls f(HeadDim<D>{}) where D == head_dim, for each D of kCudaHeadDims (attention_ops.h): every
+// launch site below goes through it, so a head dim is added to the kernels in that one list.
+template <int D>
+using HeadDim = std::integral_constant<int, D>;
+
+template <typename F, size_t... I>
+void with_head_dim_of(int head_dim, F& f, std::index_sequence<I...>) {
+  const bool found =
+      ((head_dim == kCudaHeadDims[I] && (f(HeadDim<int(kCudaHeadDims[I])>{}), true)) || ...);
+  // The operators refuse other head dims before any launch (check_head_dims_cuda).
+  TORCH_CHECK(found, "flashmoe_science: no CUDA kernel for head_dim ", head_dim, " (",
+              cuda_head_dims_problem(head_dim, head_dim), ")");
+}
+template <typename F>
+void with_head_dim(int head_dim, F&& f) {
+  with_head_dim_of(head_dim, f, std::make_index_sequence<std::size(kCudaHeadDims)>{});
+}
+
+// Calls f(Dtype<T>{}) with the kernels' element type for `dtype` (fp16 or bf16, all the checks let
+// through).
+template <typename T>
+struct Dtype {
+  using type = T;
+};
+template <typename F>
+void with_dtype(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kHalf) {
+    f(Dtype<__half>{});
+  } else {
+    f(Dtype<__nv_bfloat16>{});
+  }
+}
+
 struct DeviceInfo {
   int major = 0, minor = 0, sm_count = 0, l2_bytes = 0;
+  int smem_per_block = 0;  // the most shared memory a block may opt in to
 };
 
 inline DeviceInfo device_info(int device) {
@@ -97,43 +173,24 @@ inline DeviceInfo device_info(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.l2_bytes, cudaDevAttrL2CacheSize, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_block,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device));
   }
   return info;
 }
 
-// The automatic choice. `heads` is the grid's (batch, head) count, `rows_per_head` its rows,
-// `seqlen_k` its keys. Grids too small to fill the GPU take smaller row tiles (more blocks): the
-// 16-row decode tiles when even 64-row tiles leave SMs idle (one sequence of a few hundred
-// tokens, say).
-inline int choose_config(const DeviceInfo& dev, int head_dim, int64_t heads, int rows_per_head,
-                         bool causal, int seqlen_k) {
-  const bool small_smem = dev.major == 8 && dev.minor != 0;  // sm86, sm87, sm89: 100 KB per SM
-  if (rows_per_head <= 16 || heads * ceil_div(rows_per_head, 64) < dev.sm_count) {
-    return kDecodeConfig;
-  }
-  if (rows_per_head <= 64 || heads * ceil_div(rows_per_head, 128) < dev.sm_count) return 2;
-  // A 9.0 GPU with the sm_90a build: the wgmma kernels, faster than config 4 there.
-  if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a) {
-    // 128-row tiles at d=64 where the causal mask leaves a 192-row tile the most idle work:
-    // short heads with no more keys than query rows. Where the keys outnumber the rows the mask
-    // covers little, and 192-row tiles win (see configuration 6 above).
-    const bool short_causal = causal && rows_per_head <= 1024 && seqlen_k <= rows_per_head;
-    if (head_dim == 64 && short_causal) return kSm90aM128Config;
-    // 176-key tiles at d=128 where a head's keys are long and unmasked (configuration 7 above).
-    if (head_dim == 128 && !causal && seqlen_k >= 4096) return kSm90aN176Config;
-    return kSm90aConfig;
-  }
-  if (dev.major >= 9) return kSm90Config;
-  if (head_dim == 128 && small_smem) return 2;
-  return 1;
-}
-
 // Refuses a forced wgmma configuration (`option`=`config`: the forward's config=5 or 6, the
-// backward's backward_config=3) where it cannot run: a GPU other than compute capability 9.0, or a
-// build without sm_90a. `others` names the configurations that can, for the message.
+// backward's backward_config=3) where it cannot run: a GPU other than compute capability 9.0, a
+// build without sm_90a, or a head dim the wgmma kernels do not take. `others` names the
+// configurations that can, for the message.
 inline void check_wgmma_config(const char* option, int64_t config, const DeviceInfo& dev,
-                               const char* others) {
+                               const char* others, int64_t head_dim, int64_t head_dim_v) {
+  FLASHMOE_CHECK_VALUE(wgmma_head_dims(head_dim, head_dim_v), option, "=", config,
+                       " runs on wgmma, whose kernels take head_dim 64 and 128 (v's equal); ",
+                       "head_dim ", head_dim,
+                       head_dim_v != head_dim ? " with v's " + std::to_string(head_dim_v) : "",
+                       " runs ", option, " ", others, " (or 0, automatic)");
   FLASHMOE_CHECK_VALUE(dev.major == 9 && dev.minor == 0, option, "=", config,
                        " runs on wgmma, which only compute capability 9.0 has; this GPU is ",
                        dev.major, ".", dev.minor, ": use ", option, " ", others,
@@ -141,15 +198,6 @@ inline void check_wgmma_config(const char* option, int64_t config, const DeviceI
   FLASHMOE_CHECK_VALUE(kBuiltSm90a, option, "=", config,
                        " needs the sm_90a build, and this one was built without it: rebuild with "
                        "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
-}
-
-// Refuses a forced configuration this GPU (or this build) cannot run. `others` names the ones it
-// can, for the message.
-inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const char* others) {
-  FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
-                       " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
-                       ".", dev.minor, ": use config ", others, " (or 0, automatic)");
-  if (is_sm90a_config(config)) check_wgmma_config("config", config, dev, others);
 }
 
 template <typename Traits, typename T, bool kVarlen>
@@ -177,8 +225,9 @@ void visit_config(int config, F&& f) {
   // The kVarlen visit compiles no kernel for these (the `!kVarlen` branches below).
   static_assert(!has_packed_variant(kDecodeConfig) && !has_packed_variant(kSm90aM128Config) &&
                 !has_packed_variant(kSm90aN176Config));
+  constexpr bool kWgmma = is_wgmma_head_dim(D);
   if (config == 1) {
-    using Traits = FwdTraits<D, 128, D == 128 ? 32 : 64, 4>;
+    using Traits = Config1Traits<D>;
     FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd, T, D, 1, f, Traits,
                    fwd_kernel<Traits, T, kVarlen>());
   } else if (config == 2) {
@@ -186,29 +235,38 @@ void visit_config(int config, F&& f) {
     FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd, T, D, 2, f, Traits,
                    fwd_kernel<Traits, T, kVarlen>());
   } else if (config == kDecodeConfig && !kVarlen) {
-    using Traits = DecodeTraits<D, kDecodeStages>;
+    using Traits = DecodeConfig<D>;
     FLASHMOE_VISIT(only::decode, T, D, kDecodeConfig, f, Traits, &flash_decode_kernel<Traits, T>);
+  } else if (is_sm90a_config(config) && !kWgmma) {
+    // The host refuses these first (check_wgmma_config); no wgmma kernel is compiled for D.
+    TORCH_CHECK(false, "flashmoe_science: no config=", config, " kernel for head_dim ", D);
   } else if (config == kSm90aConfig) {
-    // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
-    // in three buffers), three at d64 (192-row tiles in turns, two buffers).
-    using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>;
-    FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
-                   fwd_sm90_kernel<Traits, T, kVarlen>());
+    if constexpr (kWgmma) {
+      // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
+      // in three buffers), three at d64 (192-row tiles in turns, two buffers).
+      using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>;
+      FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
+                     fwd_sm90_kernel<Traits, T, kVarlen>());
+    }
   } else if (config == kSm90aM128Config && !kVarlen) {
-    // Two math warpgroups at both head dims (at d=128 the same type, so the same kernel, as 5).
-    // The dense kernel even in the packed-batch visit, which never comes here: no packed variant
-    // is compiled.
-    using Traits = Sm90FwdTraits<D, 128, 2, 3>;
-    FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aM128Config, f, Traits,
-                   &flash_fwd_sm90_kernel<Traits, T>);
+    if constexpr (kWgmma) {
+      // Two math warpgroups at both head dims (at d=128 the same type, so the same kernel, as
+      // 5). The dense kernel even in the packed-batch visit, which never comes here: no packed
+      // variant is compiled.
+      using Traits = Sm90FwdTraits<D, 128, 2, 3>;
+      FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aM128Config, f, Traits,
+                     &flash_fwd_sm90_kernel<Traits, T>);
+    }
   } else if (config == kSm90aN176Config && !kVarlen) {
-    // 176-key tiles at d=128, two K/V buffers; at d=64 configuration 5's type, so its kernel. No
-    // packed variant, as 6.
-    using Traits = Sm90FwdTraits<D, D == 128 ? 176 : 128, D == 64 ? 3 : 2, 2>;
-    FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aN176Config, f, Traits,
-                   &flash_fwd_sm90_kernel<Traits, T>);
+    if constexpr (kWgmma) {
+      // 176-key tiles at d=128, two K/V buffers; at d=64 configuration 5's type, so its kernel.
+      // No packed variant, as 6.
+      using Traits = Sm90FwdTraits<D, D == 128 ? 176 : 128, D == 64 ? 3 : 2, 2>;
+      FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aN176Config, f, Traits,
+                     &flash_fwd_sm90_kernel<Traits, T>);
+    }
   } else {
-    using Traits = FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>;
+    using Traits = Config4Traits<D>;
     FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd, T, D, kSm90Config, f, Traits,
                    fwd_kernel<Traits, T, kVarlen>());
   }
@@ -216,43 +274,31 @@ void visit_config(int config, F&& f) {
 
 template <typename T, bool kVarlen = false, typename F>
 void visit_kernel(int head_dim, int config, F&& f) {
-  if (head_dim == 64) {
-    visit_config<T, 64, kVarlen>(config, f);
-  } else {
-    visit_config<T, 128, kVarlen>(config, f);
-  }
+  with_head_dim(head_dim, [&](auto d) { visit_config<T, decltype(d)::value, kVarlen>(config, f); });
 }
 
 // The decode kernel against a paged cache (p.block_table).
 template <typename T, typename F>
 void visit_paged_decode(int head_dim, F&& f) {
-  if (head_dim == 64) {
-    using Traits = DecodeTraits<64, kDecodeStages>;
-    FLASHMOE_VISIT(only::paged, T, 64, kDecodeConfig, f, Traits,
+  with_head_dim(head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    using Traits = DecodeConfig<D>;
+    FLASHMOE_VISIT(only::paged, T, D, kDecodeConfig, f, Traits,
                    &flash_decode_paged_kernel<Traits, T>);
-  } else {
-    using Traits = DecodeTraits<128, kDecodeStages>;
-    FLASHMOE_VISIT(only::paged, T, 128, kDecodeConfig, f, Traits,
-                   &flash_decode_paged_kernel<Traits, T>);
-  }
+  });
 }
 
 // The check of a packed batch's offsets that follows its forward kernel (it poisons the outputs
 // of offsets that do not describe the batch).
 template <typename F>
 void visit_varlen_check(at::ScalarType dtype, int head_dim, F&& f) {
-  const bool fp16 = dtype == at::kHalf;
-  if (fp16 && head_dim == 64) {
-    FLASHMOE_KERNEL(only::varlen, __half, 64, 0, f(&varlen_offsets_check_kernel<__half, 64>));
-  } else if (fp16) {
-    FLASHMOE_KERNEL(only::varlen, __half, 128, 0, f(&varlen_offsets_check_kernel<__half, 128>));
-  } else if (head_dim == 64) {
-    FLASHMOE_KERNEL(only::varlen, __nv_bfloat16, 64, 0,
-                    f(&varlen_offsets_check_kernel<__nv_bfloat16, 64>));
-  } else {
-    FLASHMOE_KERNEL(only::varlen, __nv_bfloat16, 128, 0,
-                    f(&varlen_offsets_check_kernel<__nv_bfloat16, 128>));
-  }
+  with_dtype(dtype, [&](auto dt) {
+    using T = typename decltype(dt)::type;
+    with_head_dim(head_dim, [&](auto d) {
+      constexpr int D = decltype(d)::value;
+      FLASHMOE_KERNEL(only::varlen, T, D, 0, f(&varlen_offsets_check_kernel<T, D>));
+    });
+  });
 }
 
 // Opts in to more than the default 48 KB of shared memory; from 47 KB up, since a kernel's static
@@ -312,24 +358,72 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
   return done == CUDA_SUCCESS;
 }
 
-// The row and key tiles of configuration `config` at `head_dim`: its kernel's traits, as
-// visit_config chooses them (the same for both dtypes and for the packed-batch kernels), so the
-// grid, the split count and the TMA boxes cannot disagree with the kernel they launch.
+// The row and key tiles of configuration `config` at `head_dim` and the shared memory its kernel
+// asks for: its kernel's traits, as visit_config chooses them (the same for both dtypes and for the
+// packed-batch kernels), so the grid, the split count and the TMA boxes cannot disagree with the
+// kernel they launch.
 struct TileShape {
-  int block_m, block_n;
+  int block_m, block_n, smem_bytes;
 };
 inline TileShape tile_shape_of(int config, int head_dim) {
   TileShape shape{};
   auto read = FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
     using Traits = decltype(traits);
-    shape = {Traits::kBlockM, Traits::kBlockN};
+    shape = {Traits::kBlockM, Traits::kBlockN, Traits::kSmemBytes};
   });
-  if (head_dim == 64) {
-    visit_config<__half, 64>(config, read);
-  } else {
-    visit_config<__half, 128>(config, read);
-  }
+  visit_kernel<__half>(head_dim, config, read);
   return shape;
+}
+
+// The automatic choice. `heads` is the grid's (batch, head) count, `rows_per_head` its rows,
+// `seqlen_k` its keys. Grids too small to fill the GPU take smaller row tiles (more blocks): the
+// 16-row decode tiles when even 64-row tiles leave SMs idle (one sequence of a few hundred
+// tokens, say).
+// `head_dim` is the tile's (tile_head_dim); `wgmma_ok` whether the call is unpadded at 64 or 128.
+inline int choose_config(const DeviceInfo& dev, int head_dim, bool wgmma_ok, int64_t heads,
+                         int rows_per_head, bool causal, int seqlen_k) {
+  const bool small_smem = dev.major == 8 && dev.minor != 0;  // sm86, sm87, sm89: 100 KB per SM
+  if (rows_per_head <= 16 || heads * ceil_div(rows_per_head, 64) < dev.sm_count) {
+    return kDecodeConfig;
+  }
+  if (rows_per_head <= 64 || heads * ceil_div(rows_per_head, 128) < dev.sm_count) return 2;
+  // A 9.0 GPU with the sm_90a build: the wgmma kernels, faster than config 4 there.
+  if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok) {
+    // 128-row tiles at d=64 where the causal mask leaves a 192-row tile the most idle work:
+    // short heads with no more keys than query rows. Where the keys outnumber the rows the mask
+    // covers little, and 192-row tiles win (see configuration 6 above).
+    const bool short_causal = causal && rows_per_head <= 1024 && seqlen_k <= rows_per_head;
+    if (head_dim == 64 && short_causal) return kSm90aM128Config;
+    // 176-key tiles at d=128 where a head's keys are long and unmasked (configuration 7 above).
+    if (head_dim == 128 && !causal && seqlen_k >= 4096) return kSm90aN176Config;
+    return kSm90aConfig;
+  }
+  const int config = dev.major >= 9 ? kSm90Config : head_dim == 128 && small_smem ? 2 : 1;
+  // A 128-row tile that does not fit this GPU's blocks (d=256 on sm86/sm89): 2's 64 rows do.
+  return tile_shape_of(config, head_dim).smem_bytes <= dev.smem_per_block ? config : 2;
+}
+
+// Refuses a forced configuration whose kernel needs more shared memory than a block of this GPU
+// may have (configurations 1 and 4 at d=256 on an sm86/sm89 GPU); 2 and 3 fit every GPU.
+inline void check_config_fits(int64_t config, const DeviceInfo& dev, int64_t head_dim) {
+  const int bytes = tile_shape_of(int(config), int(head_dim)).smem_bytes;
+  FLASHMOE_CHECK_VALUE(bytes <= dev.smem_per_block, "config=", config, " needs ", bytes,
+                       " bytes of shared memory per block at head_dim ", head_dim,
+                       "; this GPU allows ", dev.smem_per_block,
+                       ": use config 2 (or 0, automatic)");
+}
+
+// Refuses a forced configuration this GPU (or this build) cannot run. `others` names the ones it
+// can, for the message.
+inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const char* others,
+                                    int64_t head_dim, int64_t head_dim_v) {
+  FLASHMOE_CHECK_VALUE(config != kSm90Config || dev.major >= 9, "config=", config,
+                       " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
+                       ".", dev.minor, ": use config ", others, " (or 0, automatic)");
+  if (is_sm90a_config(config)) {
+    check_wgmma_config("config", config, dev, others, head_dim, head_dim_v);
+  }
+  if (config != 0) check_config_fits(config, dev, cuda_tile_head_dim(head_dim, head_dim_v));
 }
 
 // Whether the sm_90a kernel's producer (boxes of its key tile, 128 or 176 rows) copies K and V with
@@ -371,7 +465,7 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
                       cudaStream_t stream) {
   AttentionParams p = params;
   if (kBuiltSm90a && is_sm90a_config(config)) {
-    const TileShape tile = tile_shape_of(config, p.head_dim);
+    const TileShape tile = tile_shape_of(config, tile_head_dim(p));
     use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n);
   }
   auto launch = [&](auto kernel, auto traits) {
@@ -387,12 +481,13 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  const int tile_d = tile_head_dim(p);
   if (p.cu_seqlens_q != nullptr) {
-    visit_kernel<T, /*kVarlen=*/true>(p.head_dim, config, launch);
+    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch);
   } else if (p.block_table != nullptr) {
-    visit_paged_decode<T>(p.head_dim, launch);
+    visit_paged_decode<T>(tile_d, launch);
   } else {
-    visit_kernel<T>(p.head_dim, config, launch);
+    visit_kernel<T>(tile_d, config, launch);
   }
 }
 
@@ -447,27 +542,23 @@ void launch_combine(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::
                     at::Tensor& lse, cudaStream_t stream) {
   const int64_t rows = lse.numel();
   const int blocks = int((rows + 3) / 4);
-  FLASHMOE_KERNEL(
-      only::combine, T, D, 0,
-      split_kv_combine_kernel<T, D><<<blocks, 128, 0, stream>>>(
-          o_accum.data_ptr<float>(), lse_accum.data_ptr<float>(),
-          reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(), int(o_accum.size(0)), rows));
+  FLASHMOE_KERNEL(only::combine, T, D, 0,
+                  split_kv_combine_kernel<T, D><<<blocks, 128, 0, stream>>>(
+                      o_accum.data_ptr<float>(), lse_accum.data_ptr<float>(),
+                      reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(),
+                      int(o_accum.size(0)), rows, int(out.size(-1))));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 inline void combine_into(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::Tensor& out,
                          at::Tensor& lse) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
-  const bool fp16 = out.scalar_type() == at::kHalf;
-  const int d = int(out.size(-1));
-  if (fp16 && d == 64)
-    launch_combine<__half, 64>(o_accum, lse_accum, out, lse, stream);
-  else if (fp16)
-    launch_combine<__half, 128>(o_accum, lse_accum, out, lse, stream);
-  else if (d == 64)
-    launch_combine<__nv_bfloat16, 64>(o_accum, lse_accum, out, lse, stream);
-  else
-    launch_combine<__nv_bfloat16, 128>(o_accum, lse_accum, out, lse, stream);
+  with_dtype(out.scalar_type(), [&](auto dt) {
+    with_head_dim(int(cuda_tile_head_dim(out.size(-1), out.size(-1))), [&](auto d) {
+      launch_combine<typename decltype(dt)::type, decltype(d)::value>(o_accum, lse_accum, out, lse,
+                                                                      stream);
+    });
+  });
 }
 
 // The values inside cache_seqlens, cu_seqlens and block_table are read by the kernels, not by the
@@ -535,10 +626,12 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   p.pack_gqa = p.heads_ratio > 1 && int64_t(p.seqlen_q) * p.heads_ratio <= 128;
   const int rows_per_head = p.seqlen_q * (p.pack_gqa ? p.heads_ratio : 1);
   const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
-  if (config == 0)
-    config = choose_config(dev, p.head_dim, grid_x, rows_per_head, causal, p.seqlen_k);
-
-  const TileShape tile = tile_shape_of(int(config), p.head_dim);
+  const int tile_d = tile_head_dim(p);
+  if (config == 0) {
+    config = choose_config(dev, tile_d, wgmma_head_dims(p.head_dim, p.head_dim_v), grid_x,
+                           rows_per_head, causal, p.seqlen_k);
+  }
+  const TileShape tile = tile_shape_of(int(config), tile_d);
   const int m_blocks = ceil_div(rows_per_head, tile.block_m);
   // Launch order (benches/notes/prefill-sm80.md, v2.5): the row blocks of a head side by
   // side share its K and V in L2, which pays for short and unmasked sequences; long causal ones
@@ -554,8 +647,8 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   } else if (splits == 0) {
     const int resident =
         q.scalar_type() == at::kHalf
-            ? blocks_per_sm<__half>(q.device().index(), p.head_dim, int(config))
-            : blocks_per_sm<__nv_bfloat16>(q.device().index(), p.head_dim, int(config));
+            ? blocks_per_sm<__half>(q.device().index(), tile_d, int(config))
+            : blocks_per_sm<__nv_bfloat16>(q.device().index(), tile_d, int(config));
     splits = num_splits_heuristic(tiles, dev.sm_count * resident, n_blocks, kMaxSplits);
   }
   p.num_splits = splits;
@@ -621,7 +714,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
               error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
                          "(mma.sync bf16/fp16); this one is ",
                          dev.major, ".", dev.minor));
-  check_config_for_device(config, dev, "1, 2 or 3");
+  check_config_for_device(config, dev, "1, 2 or 3", q_in.size(3), v_in.size(3));
   // The values of cache_seqlens are checked by the kernels (see host_checks_requested).
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -685,7 +778,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
   check_cuda_device(q_in, dev);
-  check_config_for_device(config, dev, "1 or 2");
+  check_config_for_device(config, dev, "1 or 2", q_in.size(2), v_in.size(2));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
   const bool capturing = stream_capturing(stream);
   if (!capturing && host_checks_requested()) {
@@ -713,11 +806,12 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   p.total_k = int(k.size(0));
   p.pack_gqa = false;
   const int64_t grid_x = batch * p.heads_q;
+  const int tile_d = tile_head_dim(p);
   if (config == 0) {
-    config =
-        packed_variant_of(choose_config(dev, p.head_dim, grid_x, p.seqlen_q, causal, p.seqlen_k));
+    config = packed_variant_of(choose_config(dev, tile_d, wgmma_head_dims(p.head_dim, p.head_dim_v),
+                                             grid_x, p.seqlen_q, causal, p.seqlen_k));
   }
-  const TileShape tile = tile_shape_of(int(config), p.head_dim);
+  const TileShape tile = tile_shape_of(int(config), tile_d);
   const int m_blocks = ceil_div(p.seqlen_q, tile.block_m);
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
   FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "batch ", batch, " x heads ",
@@ -739,7 +833,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   } else {
     launch_attention<__nv_bfloat16>(p, int(config), int(grid_x), m_blocks, stream);
   }
-  visit_varlen_check(q.scalar_type(), p.head_dim, [&](auto kernel) {
+  visit_varlen_check(q.scalar_type(), tile_d, [&](auto kernel) {
     kernel<<<1, 256, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -795,50 +889,60 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 
 // Backward tile configurations (`backward_config=`):
 //   1: 64 keys x 64 queries a step, 4 warps; 72.5 KB of shared memory at d=128, so it fits the
-//      99 KB a block may have on sm86/sm89 (the L4) as well as sm80 and sm90.
+//      99 KB a block may have on sm86/sm89 (the L4) as well as sm80 and sm90. At d=192, 32 keys
+//      (80.5 KB) and at d=256 16 keys (84.5 KB), the warps of each 16 keys splitting dK's and
+//      dV's columns in two and four (BwdTraits::kColSplit), so that it still fits there.
 //   2: 128 keys x 64 queries a step, 8 warps (each still owns 16 keys of dK and dV; twice the
 //      warps per SM to hide latency); 112.5 KB at d=128: sm80 and sm90 (73.5 KB at d=64: all).
+//      At d=192 and 256, 64 keys, two warps a 16 keys splitting the columns (FA2's 64 x 64 tile
+//      with 8 warps): 112.5 and 144.5 KB, sm80 and sm90.
 //   3: 128 keys x 128 queries (d=64) or 64 queries (d=128) a step on wgmma, 2 warpgroups
-//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 to 7.
-// The automatic choice takes 3 on a 9.0 GPU with the sm_90a build (faster than 2 there:
-// benches/notes/backward.md, bwd v4), else 2 where it fits the card's shared memory, else 1. The
-// deterministic dQ pass always runs 64 x 64 tiles with 4 warps.
+//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 to 7, and
+//      head dims 64 and 128 only.
+// The automatic choice takes 3 on a 9.0 GPU with the sm_90a build at the head dims it takes
+// (faster than 2 there: benches/notes/backward.md, bwd v4), else 2 where it fits the card's shared
+// memory, else 1. The deterministic dQ pass runs 64 x 64 tiles with 4 warps (64 x 32 at d=256,
+// within 99 KB).
 constexpr int kSm90aBwdConfig = 3;
 template <int D>
-using BwdDqConfig = BwdDqTraits<D, 64, 64, 4>;
+using BwdDqConfig = BwdDqTraits<D, 64, D >= 256 ? 32 : 64, 4>;
+constexpr int bwd1_keys(int head_dim) { return head_dim <= 128 ? 64 : head_dim <= 192 ? 32 : 16; }
+template <int D>
+using Bwd1Traits = BwdTraits<D, 64, bwd1_keys(D), 4>;
+template <int D>
+using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 
 template <typename T, int D, bool kAtomicDq, typename F>
 void visit_bwd_config(int config, F&& f) {
   if (config == 1) {
-    using Traits = BwdTraits<D, 64, 64, 4>;
+    using Traits = Bwd1Traits<D>;
     FLASHMOE_VISIT(only::bwd, T, D, 1, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
   } else if (config == kSm90aBwdConfig) {
-    using Traits = Sm90BwdTraits<D>;
-    FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
-                   &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+    if constexpr (is_wgmma_head_dim(D)) {
+      using Traits = Sm90BwdTraits<D>;
+      FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                     &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+    } else {
+      // The host refuses it first (check_wgmma_config); no wgmma kernel is compiled for D.
+      TORCH_CHECK(false, "flashmoe_science: no backward_config=", config, " kernel for head_dim ",
+                  D);
+    }
   } else {
-    using Traits = BwdTraits<D, 64, 128, 8>;
+    using Traits = Bwd2Traits<D>;
     FLASHMOE_VISIT(only::bwd, T, D, 2, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
   }
 }
 
-inline int bwd_smem_bytes(int config, int head_dim) {
+// The shared memory of a backward configuration's dK/dV kernel at `head_dim`, and with
+// `deterministic` the dQ pass's if it is more.
+inline int bwd_smem_bytes(int config, int head_dim, bool deterministic = false) {
   int bytes = 0;
   auto get = FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { bytes = decltype(traits)::kSmemBytes; });
-  if (head_dim == 64) {
-    visit_bwd_config<__half, 64, true>(config, get);
-  } else {
-    visit_bwd_config<__half, 128, true>(config, get);
-  }
-  return bytes;
-}
-
-inline int max_smem_per_block(int device) {
-  static std::array<int, 64> cache{};
-  int& bytes = cache.at(device);
-  if (bytes == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  }
+  with_head_dim(head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    visit_bwd_config<__half, D, true>(config, get);
+    if (deterministic) bytes = std::max(bytes, BwdDqConfig<D>::kSmemBytes);
+  });
   return bytes;
 }
 
@@ -864,9 +968,9 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     visit_bwd_config<T, D, true>(config, launch_dkdv);
-    const int64_t n = rows * D;
+    const int64_t n = rows * D;  // dq_accum is the tile's D wide
     flash_bwd_convert_dq_kernel<T>
-        <<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)), 256, 0, stream>>>(p, n);
+        <<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)), 256, 0, stream>>>(p, n, D);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -893,17 +997,23 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
               error_text("flashmoe_science needs a GPU of compute capability 8.0 or newer "
                          "(mma.sync bf16/fp16); this one is ",
                          dev.major, ".", dev.minor));
-  if (config == kSm90aBwdConfig) check_wgmma_config("backward_config", config, dev, "1 or 2");
-  const int smem_limit = max_smem_per_block(q_in.device().index());
-  if (config == 0) {
-    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a      ? kSm90aBwdConfig
-             : bwd_smem_bytes(2, int(q_in.size(3))) <= smem_limit ? 2
-                                                                  : 1;
+  // The tile's head dim: q's and k's, or padded onto the next built one (cuda_tile_head_dim).
+  const int head_dim = int(cuda_tile_head_dim(q_in.size(3), v_in.size(3)));
+  const bool wgmma_ok = wgmma_head_dims(q_in.size(3), v_in.size(3));
+  if (config == kSm90aBwdConfig) {
+    check_wgmma_config("backward_config", config, dev, "1 or 2", q_in.size(3), v_in.size(3));
   }
-  FLASHMOE_CHECK_VALUE(bwd_smem_bytes(int(config), int(q_in.size(3))) <= smem_limit,
+  const int smem_limit = dev.smem_per_block;
+  if (config == 0) {
+    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok
+                 ? kSm90aBwdConfig
+             : bwd_smem_bytes(2, head_dim, deterministic) <= smem_limit ? 2
+                                                                        : 1;
+  }
+  FLASHMOE_CHECK_VALUE(bwd_smem_bytes(int(config), head_dim, deterministic) <= smem_limit,
                        "backward_config=", config, " needs ",
-                       bwd_smem_bytes(int(config), int(q_in.size(3))),
-                       " bytes of shared memory per block at head_dim ", q_in.size(3),
+                       bwd_smem_bytes(int(config), head_dim, deterministic),
+                       " bytes of shared memory per block at head_dim ", head_dim,
                        "; this GPU allows ", smem_limit, ": use backward_config=1 (or 0)");
   if (auto empty = empty_gradients(q_in, k_in, v_in)) {
     auto [dq, dk, dv] = *empty;
@@ -921,26 +1031,21 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   auto dq = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto dk = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
   auto dv = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dq_accum;
-  if (!deterministic) dq_accum = at::empty(q.sizes(), f32);
+  at::Tensor dq_accum;  // the tile's head dim wide (a padded head dim's columns are the kernels')
+  if (!deterministic) dq_accum = at::empty({q.size(0), q.size(1), q.size(2), head_dim}, f32);
   p.delta = row_stats.data_ptr<float>();
   p.lse2 = p.delta + q.size(0) * q.size(1) * q.size(2);
   p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
-  const bool fp16 = q.scalar_type() == at::kHalf;
   // (the pre-pass, the dQ pass and the dQ conversion serve both backward families)
-  if (fp16 && p.head_dim == 64)
-    FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, __half, 64, 0,
-                    launch_backward<__half, 64>(p, int(config), deterministic, stream));
-  else if (fp16)
-    FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, __half, 128, 0,
-                    launch_backward<__half, 128>(p, int(config), deterministic, stream));
-  else if (p.head_dim == 64)
-    FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, __nv_bfloat16, 64, 0,
-                    launch_backward<__nv_bfloat16, 64>(p, int(config), deterministic, stream));
-  else
-    FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, __nv_bfloat16, 128, 0,
-                    launch_backward<__nv_bfloat16, 128>(p, int(config), deterministic, stream));
+  with_dtype(q.scalar_type(), [&](auto dt) {
+    using T = typename decltype(dt)::type;
+    with_head_dim(head_dim, [&](auto d) {
+      constexpr int D = decltype(d)::value;
+      FLASHMOE_KERNEL(only::bwd | only::bwd_sm90a, T, D, 0,
+                      launch_backward<T, D>(p, int(config), deterministic, stream));
+    });
+  });
   return {dq, dk, dv, dsinks};
 }
 
@@ -987,76 +1092,72 @@ const char* forward_kernel_name(bool varlen) {
   }
 }
 
-template <typename T>
+template <typename T, int D>
 void append_kernel_launches(std::string& out) {
   const std::string dtype = demangled_name<T>();
-  for (int head_dim : {64, 128}) {
-    for (int config = 1; config <= kNumConfigs; ++config) {
-      visit_kernel<T>(head_dim, config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
-                        using Traits = decltype(traits);
-                        out += std::string(forward_kernel_name<Traits>(false)) + "<" +
-                               demangled_name<Traits>() + ", " + dtype + ">\t" +
-                               std::to_string(Traits::kSmemBytes) + "\n";
-                      }));
-    }
-    // The packed-batch forward (configurations 1, 2, 4, 5) and the paged decode kernel.
-    for (int config : {1, 2, kSm90Config, kSm90aConfig}) {
-      visit_kernel<T, /*kVarlen=*/true>(
-          head_dim, config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
-            using Traits = decltype(traits);
-            out += std::string(forward_kernel_name<Traits>(true)) + "<" + demangled_name<Traits>() +
-                   ", " + dtype + ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
-          }));
-    }
-    visit_paged_decode<T>(head_dim, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
-                            using Traits = decltype(traits);
-                            out += "flashmoe::cuda::flash_decode_paged_kernel<" +
-                                   demangled_name<Traits>() + ", " + dtype + ">\t" +
-                                   std::to_string(Traits::kSmemBytes) + "\n";
-                          }));
-    // launch_combine and the packed batch's offset check pass no dynamic shared memory
-    out += "flashmoe::cuda::split_kv_combine_kernel<" + dtype + ", " + std::to_string(head_dim) +
-           ">\t0\n";
-    out += "flashmoe::cuda::varlen_offsets_check_kernel<" + dtype + ", " +
-           std::to_string(head_dim) + ">\t0\n";
-    // The backward: the dK/dV kernel of each configuration with and without dQ atomics, the
-    // deterministic dQ pass; the pre-pass and the dQ conversion take none.
-    auto dkdv = [&](auto kernel_traits, const char* atomic) {
-      using Traits = decltype(kernel_traits);
-      const char* name = std::is_same_v<Traits, Sm90BwdTraits<Traits::kHeadDim>>
-                             ? "flashmoe::cuda::flash_bwd_sm90_kernel<"
-                             : "flashmoe::cuda::flash_bwd_dkdv_kernel<";
-      out += name + demangled_name<Traits>() + ", " + dtype + ", " + atomic + ">\t" +
-             std::to_string(Traits::kSmemBytes) + "\n";
-    };
-    for (int config = 1; config <= kNumBwdConfigs; ++config) {
-      if (head_dim == 64) {
-        visit_bwd_config<T, 64, true>(
-            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
-        visit_bwd_config<T, 64, false>(
-            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
-      } else {
-        visit_bwd_config<T, 128, true>(
-            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
-        visit_bwd_config<T, 128, false>(
-            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
-      }
-    }
-    const std::string dq_traits =
-        head_dim == 64 ? demangled_name<BwdDqConfig<64>>() : demangled_name<BwdDqConfig<128>>();
-    const int dq_smem = head_dim == 64 ? BwdDqConfig<64>::kSmemBytes : BwdDqConfig<128>::kSmemBytes;
-    out += "flashmoe::cuda::flash_bwd_dq_kernel<" + dq_traits + ", " + dtype + ">\t" +
-           std::to_string(dq_smem) + "\n";
-    out += "flashmoe::cuda::flash_bwd_preprocess_kernel<" + dtype + ", " +
-           std::to_string(head_dim) + ">\t0\n";
+  for (int config = 1; config <= kNumConfigs; ++config) {
+    if (is_sm90a_config(config) && !is_wgmma_head_dim(D)) continue;
+    visit_config<T, D>(config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
+                         using Traits = decltype(traits);
+                         out += std::string(forward_kernel_name<Traits>(false)) + "<" +
+                                demangled_name<Traits>() + ", " + dtype + ">\t" +
+                                std::to_string(Traits::kSmemBytes) + "\n";
+                       }));
   }
-  out += "flashmoe::cuda::flash_bwd_convert_dq_kernel<" + dtype + ">\t0\n";
+  // The packed-batch forward (configurations 1, 2, 4, 5) and the paged decode kernel.
+  for (int config : {1, 2, kSm90Config, kSm90aConfig}) {
+    if (is_sm90a_config(config) && !is_wgmma_head_dim(D)) continue;
+    visit_config<T, D, /*kVarlen=*/true>(config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
+                                           using Traits = decltype(traits);
+                                           out += std::string(forward_kernel_name<Traits>(true)) +
+                                                  "<" + demangled_name<Traits>() + ", " + dtype +
+                                                  ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
+                                         }));
+  }
+  visit_paged_decode<T>(D, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
+                          using Traits = decltype(traits);
+                          out += "flashmoe::cuda::flash_decode_paged_kernel<" +
+                                 demangled_name<Traits>() + ", " + dtype + ">\t" +
+                                 std::to_string(Traits::kSmemBytes) + "\n";
+                        }));
+  // launch_combine and the packed batch's offset check pass no dynamic shared memory
+  out += "flashmoe::cuda::split_kv_combine_kernel<" + dtype + ", " + std::to_string(D) + ">\t0\n";
+  out +=
+      "flashmoe::cuda::varlen_offsets_check_kernel<" + dtype + ", " + std::to_string(D) + ">\t0\n";
+  // The backward: the dK/dV kernel of each configuration with and without dQ atomics, the
+  // deterministic dQ pass; the pre-pass and the dQ conversion take none.
+  auto dkdv = [&](auto kernel_traits, const char* atomic) {
+    using Traits = decltype(kernel_traits);
+    const char* name = std::is_same_v<Traits, Sm90BwdTraits<Traits::kHeadDim>>
+                           ? "flashmoe::cuda::flash_bwd_sm90_kernel<"
+                           : "flashmoe::cuda::flash_bwd_dkdv_kernel<";
+    out += name + demangled_name<Traits>() + ", " + dtype + ", " + atomic + ">\t" +
+           std::to_string(Traits::kSmemBytes) + "\n";
+  };
+  for (int config = 1; config <= kNumBwdConfigs; ++config) {
+    if (config == kSm90aBwdConfig && !is_wgmma_head_dim(D)) continue;
+    visit_bwd_config<T, D, true>(
+        config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
+    visit_bwd_config<T, D, false>(
+        config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
+  }
+  out += "flashmoe::cuda::flash_bwd_dq_kernel<" + demangled_name<BwdDqConfig<D>>() + ", " + dtype +
+         ">\t" + std::to_string(BwdDqConfig<D>::kSmemBytes) + "\n";
+  out +=
+      "flashmoe::cuda::flash_bwd_preprocess_kernel<" + dtype + ", " + std::to_string(D) + ">\t0\n";
+}
+
+template <typename T, size_t... I>
+void append_kernel_launches(std::string& out, std::index_sequence<I...>) {
+  (append_kernel_launches<T, int(kCudaHeadDims[I])>(out), ...);
+  out += "flashmoe::cuda::flash_bwd_convert_dq_kernel<" + demangled_name<T>() + ">\t0\n";
 }
 
 inline std::string kernel_launches() {
   std::string out;
-  append_kernel_launches<__half>(out);
-  append_kernel_launches<__nv_bfloat16>(out);
+  constexpr auto head_dims = std::make_index_sequence<std::size(kCudaHeadDims)>{};
+  append_kernel_launches<__half>(out, head_dims);
+  append_kernel_launches<__nv_bfloat16>(out, head_dims);
   return out;
 }
 

@@ -20,7 +20,11 @@ namespace flashmoe::cuda {
 
 // One key block of kBlockN keys per thread block, walked against query blocks of kBlockM rows.
 // Warps split the keys (each owns kKTiles tiles of 16 keys: its rows of dK and dV) for S^T, dP^T,
-// dV and dK; for dQ = dS K they split the kBlockM query rows instead.
+// dV and dK; for dQ = dS K they split the kBlockM query rows instead. With fewer keys than 16 a
+// warp (wide heads, whose dK and dV rows would not fit one warp's registers), kColSplit warps
+// share each 16 keys: each owns D / kColSplit columns of their dK and dV, computes S^T and dP^T
+// for kBlockM / kColSplit of the queries, and P^T and dS^T meet in shared memory (as FA2
+// does at d=256).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
@@ -28,19 +32,30 @@ struct BwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kKTiles = kBlockN / (16 * kNWarps);
+  static constexpr int kColSplit = kBlockN < 16 * kNWarps ? 16 * kNWarps / kBlockN : 1;
+  static constexpr int kKTiles = kBlockN / (16 * kNWarps / kColSplit);
+  static constexpr int kWarpCols = kHeadDim / kColSplit;    // of dK and dV
+  static constexpr int kWarpQueries = kBlockM / kColSplit;  // of S^T and dP^T
   // dQ = dS K: the kBlockM / 16 query tiles go round the warps; with more warps than tiles, the
   // warps of one tile split its columns.
   static constexpr int kQRowTiles = kBlockM / 16;
   static constexpr int kQTiles = kQRowTiles >= kNWarps ? kQRowTiles / kNWarps : 1;
   static constexpr int kWarpsPerQTile = kQRowTiles >= kNWarps ? 1 : kNWarps / kQRowTiles;
   static constexpr int kDqCols = kHeadDim / kWarpsPerQTile;
-  // K, V (kBlockN rows), Q, dO (kBlockM rows), dS^T (kBlockN x kBlockM), and the query block's
-  // log-sum-exp and delta.
-  static constexpr int kSmemBytes =
-      (2 * kBlockN + 2 * kBlockM) * kHeadDim * 2 + kBlockN * kBlockM * 2 + 2 * kBlockM * 4;
-  static_assert(kKTiles >= 1 && kBlockN == kKTiles * 16 * kNWarps, "keys: 16 * warps * k");
-  static_assert(kQRowTiles * kWarpsPerQTile == kQTiles * kNWarps && kDqCols % 16 == 0,
+  // ... 64 (or 48) columns at a time past d=128, so dQ's accumulator fits beside dK's and dV's.
+  static constexpr int kDqChunkCols = kHeadDim <= 128 ? kDqCols : kDqCols % 64 == 0 ? 64 : 48;
+  // K, V (kBlockN rows), Q, dO (kBlockM rows), dS^T (kBlockN x kBlockM), with kColSplit > 1 P^T
+  // too, and the query block's log-sum-exp and delta.
+  static constexpr int kSmemBytes = (2 * kBlockN + 2 * kBlockM) * kHeadDim * 2 +
+                                    (kColSplit > 1 ? 2 : 1) * kBlockN * kBlockM * 2 +
+                                    2 * kBlockM * 4;
+  static_assert(kKTiles >= 1 && kBlockN == kKTiles * 16 * (kNWarps / kColSplit),
+                "keys: 16 * key groups * k");
+  static_assert(kColSplit == 1 || (kKTiles == 1 && kNWarps % kColSplit == 0 &&
+                                   kWarpCols % 16 == 0 && kWarpQueries % 16 == 0),
+                "a column split shares one 16-key tile among whole 16-column, 16-query parts");
+  static_assert(kQRowTiles * kWarpsPerQTile == kQTiles * kNWarps && kDqCols % kDqChunkCols == 0 &&
+                    kDqChunkCols % 16 == 0,
                 "dQ's query tiles and column parts must cover the warps evenly");
   static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0, "tiles must fit the swizzle");
 };
@@ -79,9 +94,15 @@ __global__ void __launch_bounds__(128)
   const T* do_row = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
                     i * p.do_row_stride + lane * kPerLane;
   float sum = 0.f;
+  // Over v's head dim: on a wider tile the lanes past it read nothing.
+#if FLASHMOE_PLANT_BUG == 15
+  const int width = p.head_dim;  // planted: o and dout summed over q's and k's width
+#else
+  const int width = p.head_dim_v;
+#endif
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e)
-    sum += float(o_row[e]) * float(do_row[e]);
+    if (lane * kPerLane + e < width) sum += float(o_row[e]) * float(do_row[e]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2)
     sum += __shfl_xor_sync(0xffffffff, sum, offset);
@@ -106,8 +127,11 @@ __device__ __forceinline__ float lse_base2(const BwdParams& p, int64_t row, bool
 template <typename Traits, typename T, bool kAtomicDq>
 __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
-  constexpr int KT = Traits::kKTiles, QT = Traits::kQTiles, MN = BM / 8, DT = D / 8;
-  constexpr int kThreads = Traits::kNThreads;
+  constexpr int KT = Traits::kKTiles, QT = Traits::kQTiles;
+  constexpr int kThreads = Traits::kNThreads, kSplit = Traits::kColSplit;
+  // This warp's share of a step: its queries of S^T and dP^T (MN n-tiles), its columns of dK and
+  // dV (WDT n-tiles); all of them without a column split.
+  constexpr int MN = Traits::kWarpQueries / 8, WDT = Traits::kWarpCols / 8;
 
   extern __shared__ __align__(256) uint4 smem_buf[];  // swizzle_step needs 256-byte alignment
   T* sK = reinterpret_cast<T*>(smem_buf);
@@ -115,7 +139,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   T* sQ = sV + BN * D;
   T* sdO = sQ + BM * D;
   T* sdS = sdO + BM * D;  // dS^T: [BN keys][BM queries]
-  float* sLse = reinterpret_cast<float*>(sdS + BN * BM);
+  // P^T [BN][BM] (column split only), then the query block's log-sum-exp and delta.
+  T* sP = sdS + BN * BM;
+  float* sLse = reinterpret_cast<float*>(sdS + (kSplit > 1 ? 2 : 1) * BN * BM);
   float* sDelta = sLse + BM;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -128,11 +154,16 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, tid);
-  load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, tid);
+  load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, p.head_dim / 8, tid);
+  load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, p.head_dim_v / 8,
+                                tid);
   cp_async_commit();
 
-  const int key_row0 = warp * 16 * KT;  // this warp's keys within the block (dK and dV rows)
+  // This warp's keys within the block (dK and dV rows), and with a column split its part: the
+  // first of its query tiles (16 rows) and of its column tiles (16 columns).
+  const int key_row0 = warp / kSplit * 16 * KT;
+  const int part = warp % kSplit;
+  const int q_tile0 = part * (MN / 2), d_tile0 = part * (WDT / 2);
   // ldmatrix base addresses (see swizzle_step). K and V as A operands (this warp's keys x d), Q
   // and dO as B operands with d as the reduction (S^T = K Q^T, dP^T = V dO^T), Q and dO
   // transposed as B operands with the queries as the reduction (dV += P^T dO, dK += dS^T Q), dS^T
@@ -146,11 +177,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   const uint32_t q_t = smem_u32(sQ + swizzle<D>(t_row, t_chunk));
   const uint32_t do_t = smem_u32(sdO + swizzle<D>(t_row, t_chunk));
 
-  float acc_dk[KT][DT][4], acc_dv[KT][DT][4];
+  float acc_dk[KT][WDT][4], acc_dv[KT][WDT][4];
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
+    for (int dt = 0; dt < WDT; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         acc_dk[kt][dt][e] = acc_dv[kt][dt][e] = 0.f;
@@ -180,8 +211,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
     const T* q_base = static_cast<const T*>(p.q) + at.b * p.q_batch_stride + at.h * p.q_head_stride;
     const T* do_base =
         static_cast<const T*>(p.dout) + at.b * p.do_batch_stride + at.h * p.do_head_stride;
-    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, at.m0, p.seqlen_q, t);
-    load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, at.m0, p.seqlen_q, t);
+    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, at.m0, p.seqlen_q, p.head_dim / 8,
+                                  t);
+    load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, at.m0, p.seqlen_q,
+                                  p.head_dim_v / 8, t);
     cp_async_commit();
     const int64_t row_base = (int64_t(at.b) * p.heads_q + at.h) * p.seqlen_q;
 #pragma unroll
@@ -203,7 +236,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       // blocks need the per-element mask (rows past the end have P = 0 through their lse).
       const bool need_mask = n0 + BN > p.seqlen_k || (p.causal && n0 + BN - 1 > m0 + offset);
 
-      // S^T = K Q^T and dP^T = V dO^T: this warp's keys x the block's queries.
+      // S^T = K Q^T and dP^T = V dO^T: this warp's keys x its queries.
       float acc_s[KT][MN][4], acc_dp[KT][MN][4];
 #pragma unroll
       for (int kt = 0; kt < KT; ++kt)
@@ -223,8 +256,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
 #pragma unroll
         for (int np = 0; np < MN / 2; ++np) {
           uint32_t bq[4], bdo[4];
-          ldmatrix_x4(bq, swizzle_step<D>(q_b, np, kk));
-          ldmatrix_x4(bdo, swizzle_step<D>(do_b, np, kk));
+          ldmatrix_x4(bq, swizzle_step<D>(q_b, q_tile0 + np, kk));
+          ldmatrix_x4(bdo, swizzle_step<D>(do_b, q_tile0 + np, kk));
 #pragma unroll
           for (int kt = 0; kt < KT; ++kt) {
             mma_16816<T>(acc_s[kt][2 * np], ak[kt], bq[0], bq[1]);
@@ -245,7 +278,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
         for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
           for (int nt = 0; nt < MN; ++nt) {
-            const int col0 = nt * 8 + (lane & 3) * 2;  // this thread's two query columns
+            // this thread's two query columns
+            const int col0 = q_tile0 * 16 + nt * 8 + (lane & 3) * 2;
             const float2 lse2 = *reinterpret_cast<const float2*>(sLse + col0);
             const float2 delta = *reinterpret_cast<const float2*>(sDelta + col0);
 #pragma unroll
@@ -265,49 +299,87 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
         p_and_ds(BoolConstant<true>{});
       else
         p_and_ds(BoolConstant<false>{});
-      // Both to registers as 16-bit A operands (P^T for dV, dS^T for dK), and dS^T to shared
-      // memory for dQ.
-      uint32_t p_frag[KT][BM / 16][4], ds_frag[KT][BM / 16][4];
+
+      if constexpr (kSplit == 1) {
+        // Both to registers as 16-bit A operands (P^T for dV, dS^T for dK), and dS^T to shared
+        // memory for dQ.
+        uint32_t p_frag[KT][BM / 16][4], ds_frag[KT][BM / 16][4];
 #pragma unroll
-      for (int kt = 0; kt < KT; ++kt) {
+        for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+          for (int j = 0; j < BM / 16; ++j) {
+            p_frag[kt][j][0] = pack2<T>(acc_s[kt][2 * j][0], acc_s[kt][2 * j][1]);
+            p_frag[kt][j][1] = pack2<T>(acc_s[kt][2 * j][2], acc_s[kt][2 * j][3]);
+            p_frag[kt][j][2] = pack2<T>(acc_s[kt][2 * j + 1][0], acc_s[kt][2 * j + 1][1]);
+            p_frag[kt][j][3] = pack2<T>(acc_s[kt][2 * j + 1][2], acc_s[kt][2 * j + 1][3]);
+            ds_frag[kt][j][0] = pack2<T>(acc_dp[kt][2 * j][0], acc_dp[kt][2 * j][1]);
+            ds_frag[kt][j][1] = pack2<T>(acc_dp[kt][2 * j][2], acc_dp[kt][2 * j][3]);
+            ds_frag[kt][j][2] = pack2<T>(acc_dp[kt][2 * j + 1][0], acc_dp[kt][2 * j + 1][1]);
+            ds_frag[kt][j][3] = pack2<T>(acc_dp[kt][2 * j + 1][2], acc_dp[kt][2 * j + 1][3]);
+          }
+          if constexpr (kAtomicDq) {
+            const int t = opaque_thread_x(), t_lane = t % 32, t_row0 = t / 32 * 16 * KT;
+#pragma unroll
+            for (int nt = 0; nt < MN; ++nt)
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                const int row = t_row0 + kt * 16 + t_lane / 4 + hh * 8;
+                *reinterpret_cast<uint32_t*>(sdS + swizzle<BM>(row, nt) + (t_lane & 3) * 2) =
+                    pack2<T>(acc_dp[kt][nt][2 * hh], acc_dp[kt][nt][2 * hh + 1]);
+              }
+          }
+        }
+
+        // dV += P^T dO and dK += dS^T Q, the queries as the reduction.
 #pragma unroll
         for (int j = 0; j < BM / 16; ++j) {
-          p_frag[kt][j][0] = pack2<T>(acc_s[kt][2 * j][0], acc_s[kt][2 * j][1]);
-          p_frag[kt][j][1] = pack2<T>(acc_s[kt][2 * j][2], acc_s[kt][2 * j][3]);
-          p_frag[kt][j][2] = pack2<T>(acc_s[kt][2 * j + 1][0], acc_s[kt][2 * j + 1][1]);
-          p_frag[kt][j][3] = pack2<T>(acc_s[kt][2 * j + 1][2], acc_s[kt][2 * j + 1][3]);
-          ds_frag[kt][j][0] = pack2<T>(acc_dp[kt][2 * j][0], acc_dp[kt][2 * j][1]);
-          ds_frag[kt][j][1] = pack2<T>(acc_dp[kt][2 * j][2], acc_dp[kt][2 * j][3]);
-          ds_frag[kt][j][2] = pack2<T>(acc_dp[kt][2 * j + 1][0], acc_dp[kt][2 * j + 1][1]);
-          ds_frag[kt][j][3] = pack2<T>(acc_dp[kt][2 * j + 1][2], acc_dp[kt][2 * j + 1][3]);
-        }
-        if constexpr (kAtomicDq) {
-          const int t = opaque_thread_x(), t_lane = t % 32, t_row0 = t / 32 * 16 * KT;
 #pragma unroll
-          for (int nt = 0; nt < MN; ++nt)
+          for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t bdo[4], bq[4];
+            ldmatrix_x4_trans(bdo, swizzle_step<D>(do_t, j, dp));
+            ldmatrix_x4_trans(bq, swizzle_step<D>(q_t, j, dp));
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int row = t_row0 + kt * 16 + t_lane / 4 + hh * 8;
-              *reinterpret_cast<uint32_t*>(sdS + swizzle<BM>(row, nt) + (t_lane & 3) * 2) =
-                  pack2<T>(acc_dp[kt][nt][2 * hh], acc_dp[kt][nt][2 * hh + 1]);
+            for (int kt = 0; kt < KT; ++kt) {
+              mma_16816<T>(acc_dv[kt][2 * dp], p_frag[kt][j], bdo[0], bdo[1]);
+              mma_16816<T>(acc_dv[kt][2 * dp + 1], p_frag[kt][j], bdo[2], bdo[3]);
+              mma_16816<T>(acc_dk[kt][2 * dp], ds_frag[kt][j], bq[0], bq[1]);
+              mma_16816<T>(acc_dk[kt][2 * dp + 1], ds_frag[kt][j], bq[2], bq[3]);
             }
+          }
         }
-      }
+      } else {
+        // P^T and dS^T of this warp's queries to shared memory, where the warps sharing its keys
+        // read all of the block's queries as A operands.
+#pragma unroll
+        for (int nt = 0; nt < MN; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int row = key_row0 + lane / 4 + hh * 8, chunk = q_tile0 * 2 + nt;
+            const int at = swizzle<BM>(row, chunk) + (lane & 3) * 2;
+            *reinterpret_cast<uint32_t*>(sP + at) =
+                pack2<T>(acc_s[0][nt][2 * hh], acc_s[0][nt][2 * hh + 1]);
+            *reinterpret_cast<uint32_t*>(sdS + at) =
+                pack2<T>(acc_dp[0][nt][2 * hh], acc_dp[0][nt][2 * hh + 1]);
+          }
+        __syncthreads();  // P^T and dS^T are whole
 
-      // dV += P^T dO and dK += dS^T Q, the queries as the reduction.
+        // dV += P^T dO and dK += dS^T Q over this warp's columns, the queries as the reduction.
+        const uint32_t p_a = smem_u32(sP + swizzle<BM>(key_row0 + (lane & 15), lane >> 4));
+        const uint32_t ds_a = smem_u32(sdS + swizzle<BM>(key_row0 + (lane & 15), lane >> 4));
 #pragma unroll
-      for (int j = 0; j < BM / 16; ++j) {
+        for (int j = 0; j < BM / 16; ++j) {
+          uint32_t ap[4], ads[4];
+          ldmatrix_x4(ap, swizzle_step<BM>(p_a, 0, j));
+          ldmatrix_x4(ads, swizzle_step<BM>(ds_a, 0, j));
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          uint32_t bdo[4], bq[4];
-          ldmatrix_x4_trans(bdo, swizzle_step<D>(do_t, j, dp));
-          ldmatrix_x4_trans(bq, swizzle_step<D>(q_t, j, dp));
-#pragma unroll
-          for (int kt = 0; kt < KT; ++kt) {
-            mma_16816<T>(acc_dv[kt][2 * dp], p_frag[kt][j], bdo[0], bdo[1]);
-            mma_16816<T>(acc_dv[kt][2 * dp + 1], p_frag[kt][j], bdo[2], bdo[3]);
-            mma_16816<T>(acc_dk[kt][2 * dp], ds_frag[kt][j], bq[0], bq[1]);
-            mma_16816<T>(acc_dk[kt][2 * dp + 1], ds_frag[kt][j], bq[2], bq[3]);
+          for (int dp = 0; dp < WDT / 2; ++dp) {
+            uint32_t bdo[4], bq[4];
+            ldmatrix_x4_trans(bdo, swizzle_step<D>(do_t, j, d_tile0 + dp));
+            ldmatrix_x4_trans(bq, swizzle_step<D>(q_t, j, d_tile0 + dp));
+            mma_16816<T>(acc_dv[0][2 * dp], ap, bdo[0], bdo[1]);
+            mma_16816<T>(acc_dv[0][2 * dp + 1], ap, bdo[2], bdo[3]);
+            mma_16816<T>(acc_dk[0][2 * dp], ads, bq[0], bq[1]);
+            mma_16816<T>(acc_dk[0][2 * dp + 1], ads, bq[2], bq[3]);
           }
         }
       }
@@ -320,9 +392,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
         // planted: the last key block never reaches dQ
         add_dq = opaque_block_x() != ceil_div(p.seqlen_k, BN) - 1;
 #endif
-        // dQ += dS K for this warp's query rows (and columns), added to dq_accum. Shared
-        // memory holds the next step's Q and dO by now, but dS^T and K stay until the next sync.
-        constexpr int kCols = Traits::kDqCols, CT = kCols / 8;
+        // dQ += dS K for this warp's query rows (and columns), added to dq_accum kChunk columns
+        // at a time. Shared memory holds the next step's Q and dO by now, but dS^T and K stay
+        // until the next sync.
+        constexpr int kCols = Traits::kDqCols, kChunk = Traits::kDqChunkCols, CT = kChunk / 8;
         const StepCoords at = step_coords(step);
         const int64_t row_base = (int64_t(at.b) * p.heads_q + at.h) * p.seqlen_q;
         const int t = opaque_thread_x(), t_warp = t / 32, t_lane = t % 32;
@@ -332,41 +405,45 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
         const uint32_t ds_t =
             smem_u32(sdS + swizzle<BM>((t_lane >> 4) * 8 + (t_lane & 7), (t_lane >> 3) & 1));
 #pragma unroll
-        for (int qt = 0; qt < QT; ++qt) {
-          float acc_dq[CT][4];
+        for (int chunk = 0; chunk < kCols / kChunk; ++chunk) {
+          const int c0 = col0 + chunk * kChunk;
 #pragma unroll
-          for (int ct = 0; ct < CT; ++ct)
+          for (int qt = 0; qt < QT; ++qt) {
+            float acc_dq[CT][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              acc_dq[ct][e] = 0.f;
-          const int q_tile = (t_warp % Traits::kQRowTiles) * QT + qt;
+            for (int ct = 0; ct < CT; ++ct)
 #pragma unroll
-          for (int kk = 0; kk < BN / 16; ++kk) {
-            uint32_t a[4];
-            ldmatrix_x4_trans(a, swizzle_step<BM>(ds_t, kk, q_tile));
+              for (int e = 0; e < 4; ++e)
+                acc_dq[ct][e] = 0.f;
+            const int q_tile = (t_warp % Traits::kQRowTiles) * QT + qt;
 #pragma unroll
-            for (int dp = 0; dp < kCols / 16; ++dp) {
-              uint32_t bk[4];
-              ldmatrix_x4_trans(bk, swizzle_step<D>(k_t, kk, col0 / 16 + dp));
-              mma_16816<T>(acc_dq[2 * dp], a, bk[0], bk[1]);
-              mma_16816<T>(acc_dq[2 * dp + 1], a, bk[2], bk[3]);
+            for (int kk = 0; kk < BN / 16; ++kk) {
+              uint32_t a[4];
+              ldmatrix_x4_trans(a, swizzle_step<BM>(ds_t, kk, q_tile));
+#pragma unroll
+              for (int dp = 0; dp < kChunk / 16; ++dp) {
+                uint32_t bk[4];
+                ldmatrix_x4_trans(bk, swizzle_step<D>(k_t, kk, c0 / 16 + dp));
+                mma_16816<T>(acc_dq[2 * dp], a, bk[0], bk[1]);
+                mma_16816<T>(acc_dq[2 * dp + 1], a, bk[2], bk[3]);
+              }
             }
-          }
-          if (add_dq) {
+            if (add_dq) {
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int i = at.m0 + q_tile * 16 + t_lane / 4 + hh * 8;
-              if (i >= p.seqlen_q) continue;
-              float* dq_row = p.dq_accum + (row_base + i) * D + col0 + (t_lane & 3) * 2;
+              for (int hh = 0; hh < 2; ++hh) {
+                const int i = at.m0 + q_tile * 16 + t_lane / 4 + hh * 8;
+                if (i >= p.seqlen_q) continue;
+                float* dq_row = p.dq_accum + (row_base + i) * D + c0 + (t_lane & 3) * 2;
 #pragma unroll
-              for (int ct = 0; ct < CT; ++ct) {
+                for (int ct = 0; ct < CT; ++ct) {
 #if __CUDA_ARCH__ >= 900  // one 8-byte reduction for the thread's two columns
-                atomicAdd(reinterpret_cast<float2*>(dq_row + ct * 8),
-                          make_float2(acc_dq[ct][2 * hh], acc_dq[ct][2 * hh + 1]));
+                  atomicAdd(reinterpret_cast<float2*>(dq_row + ct * 8),
+                            make_float2(acc_dq[ct][2 * hh], acc_dq[ct][2 * hh + 1]));
 #else
-                atomicAdd(dq_row + ct * 8, acc_dq[ct][2 * hh]);
-                atomicAdd(dq_row + ct * 8 + 1, acc_dq[ct][2 * hh + 1]);
+                  atomicAdd(dq_row + ct * 8, acc_dq[ct][2 * hh]);
+                  atomicAdd(dq_row + ct * 8 + 1, acc_dq[ct][2 * hh + 1]);
 #endif
+                }
               }
             }
           }
@@ -376,26 +453,33 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
 
-  // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, D], keys past the end not written.
+  // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, Dqk] and [B, Hkv, Sk, Dv], keys past
+  // the end and a padded tile's columns past the head dims not written.
   float dk_scale = p.softmax_scale;
 #if FLASHMOE_PLANT_BUG == 4
   dk_scale = 1.f;  // planted: dS without the softmax scale
 #endif
   const int64_t kv_row_base = int64_t(opaque_block_y()) * p.seqlen_k;  // y = b * heads_kv + hkv
+  const int warp_col0 = kSplit == 1 ? 0 : opaque_thread_x() / 32 % kSplit * Traits::kWarpCols;
 #pragma unroll
   for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int key = n0 + key_row0 + kt * 16 + lane / 4 + hh * 8;
       if (key >= p.seqlen_k) continue;
-      T* dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * D + (lane & 3) * 2;
-      T* dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * D + (lane & 3) * 2;
+      const int col0 = warp_col0 + (lane & 3) * 2;
+      T* dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * p.head_dim + col0;
+      T* dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * p.head_dim_v + col0;
 #pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        *reinterpret_cast<uint32_t*>(dk_row + dt * 8) =
-            pack2<T>(acc_dk[kt][dt][2 * hh] * dk_scale, acc_dk[kt][dt][2 * hh + 1] * dk_scale);
-        *reinterpret_cast<uint32_t*>(dv_row + dt * 8) =
-            pack2<T>(acc_dv[kt][dt][2 * hh], acc_dv[kt][dt][2 * hh + 1]);
+      for (int dt = 0; dt < WDT; ++dt) {
+        if (col0 + dt * 8 < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(dk_row + dt * 8) =
+              pack2<T>(acc_dk[kt][dt][2 * hh] * dk_scale, acc_dk[kt][dt][2 * hh + 1] * dk_scale);
+        }
+        if (col0 + dt * 8 < p.head_dim_v) {
+          *reinterpret_cast<uint32_t*>(dv_row + dt * 8) =
+              pack2<T>(acc_dv[kt][dt][2 * hh], acc_dv[kt][dt][2 * hh + 1]);
+        }
       }
     }
 }
@@ -406,18 +490,22 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   flash_bwd_dkdv_block<Traits, T, kAtomicDq>(p);
 }
 
-// dq = dq_accum * scale in the input dtype, 4 values per thread.
+// dq = dq_accum * scale in the input dtype, 4 values per thread. dq_accum's rows are the tile's
+// `width` wide (a padded head dim's columns past q's are left out).
 template <typename T>
 __global__ void __launch_bounds__(256)
-    flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, int64_t n) {
+    flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, int64_t n, int width) {
   const int64_t i = (int64_t(blockIdx.x) * 256 + threadIdx.x) * 4;
   if (i >= n) return;
   float scale = p.softmax_scale;
 #if FLASHMOE_PLANT_BUG == 4
   scale = 1.f;  // planted: dS without the softmax scale
 #endif
+  const int64_t row = i / width;
+  const int col = int(i - row * width);  // 4 | width: the 4 values share the row
+  if (col >= p.head_dim) return;
   const float4 x = *reinterpret_cast<const float4*>(p.dq_accum + i);
-  T* dst = static_cast<T*>(p.dq) + i;
+  T* dst = static_cast<T*>(p.dq) + row * p.head_dim + col;
   *reinterpret_cast<uint32_t*>(dst) = pack2<T>(x.x * scale, x.y * scale);
   *reinterpret_cast<uint32_t*>(dst + 2) = pack2<T>(x.z * scale, x.w * scale);
 }
@@ -456,8 +544,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, m0, p.seqlen_q, tid);
-  load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, m0, p.seqlen_q, tid);
+  load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, m0, p.seqlen_q, p.head_dim / 8, tid);
+  load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, m0, p.seqlen_q, p.head_dim_v / 8,
+                                tid);
   cp_async_commit();
 
   const int warp_row0 = warp * 16 * MT;
@@ -490,8 +579,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
         acc_dq[mt][dt][e] = 0.f;
 
   for (int n = 0; n < n_end; ++n) {
-    load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n * BN, p.seqlen_k, tid);
-    load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n * BN, p.seqlen_k, tid);
+    load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n * BN, p.seqlen_k, p.head_dim / 8,
+                                  tid);
+    load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n * BN, p.seqlen_k,
+                                  p.head_dim_v / 8, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // K(n), V(n) (and Q, dO on the first step) have landed
@@ -578,11 +669,13 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     for (int hh = 0; hh < 2; ++hh) {
       const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
       if (i >= p.seqlen_q) continue;
-      T* dq_row = static_cast<T*>(p.dq) + (row_base + i) * D + (lane & 3) * 2;
+      T* dq_row = static_cast<T*>(p.dq) + (row_base + i) * p.head_dim + (lane & 3) * 2;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt)
-        *reinterpret_cast<uint32_t*>(dq_row + dt * 8) =
-            pack2<T>(acc_dq[mt][dt][2 * hh] * scale, acc_dq[mt][dt][2 * hh + 1] * scale);
+        if (dt * 8 < p.head_dim) {  // a padded tile's columns past q's head dim stay behind
+          *reinterpret_cast<uint32_t*>(dq_row + dt * 8) =
+              pack2<T>(acc_dq[mt][dt][2 * hh] * scale, acc_dq[mt][dt][2 * hh + 1] * scale);
+        }
     }
 }
 

@@ -62,8 +62,11 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, tid);
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, tid);
+  // (the host runs this kernel only unpadded: every chunk of a row is the tensor's)
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k,
+                                                  D / 8, tid);
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k,
+                                                  D / 8, tid);
   cp_async_commit();
 
   int group = p.heads_ratio;
@@ -80,9 +83,9 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
     const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
     load_kv_tile<D, BM, kThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0, p.seqlen_q,
-                                        tid);
+                                        D / 8, tid);
     load_kv_tile<D, BM, kThreads, true>(sdO + buf * BM * D, do_base, p.do_row_stride, m0,
-                                        p.seqlen_q, tid);
+                                        p.seqlen_q, D / 8, tid);
     cp_async_commit();
     if (tid < BM) {
       const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + tid;

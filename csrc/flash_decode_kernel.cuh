@@ -4,10 +4,10 @@
 // The forward kernel gives each warp its own query rows and has every warp read all of K and V.
 // With one to sixteen rows that leaves three of four warps computing on padding and a single K/V
 // tile in flight per block. Here the block owns one 16-row tile (Sq x the query heads that share a
-// KV head, packed), and its 4 warps split the keys instead: warp w takes keys [16w, 16w + 16) of
-// every 64-key stage, keeps its own running max, sum and output, and the warps are reduced through
-// shared memory at the end. K and V stream through a kStages-deep cp.async pipeline, so
-// (kStages - 1) x 64 keys of K and V are in flight while a stage is computed.
+// KV head, packed), and its warps split the keys instead: warp w takes keys [16w, 16w + 16) of
+// every stage (64 keys, 4 warps, up to d=128), keeps its own running max, sum and output, and the
+// warps are reduced through shared memory at the end. K and V stream through a kStages-deep
+// cp.async pipeline, so (kStages - 1) stages of K and V are in flight while one is computed.
 //
 // With num_splits > 1 each block writes its fp32 partial and log-sum-exp, and the last block of a
 // tile to finish (an atomic counter per tile) combines all splits itself: no second launch.
@@ -57,8 +57,10 @@ struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kStages = kStages_;
   static constexpr int kBlockM = 16;  // one mma row tile
-  static constexpr int kBlockN = 64;  // keys per stage; 16 per warp
-  static constexpr int kNWarps = 4;
+  // Keys a stage, 16 per warp: 64 (4 warps) up to d=128; wider rows take 32-key stages (2 warps),
+  // so that enough of them fit 99 KB, an sm86/sm89 block's shared memory.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
+  static constexpr int kNWarps = kBlockN / 16;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kStageElems = 2 * kBlockN * kHeadDim;  // the K tile, then the V tile
   // Shared memory is the stages alone: Q is staged in the last stage's buffer (free until the
@@ -92,7 +94,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const TileCoords t = TileCoords::of_block<BM>(p);
-  const int b = t.b, hkv = t.hkv, rows_total = t.rows_total, len_k = t.len_k, split = t.split;
+  const int b = t.b, hkv = t.hkv, len_k = t.len_k, split = t.split;
   const int m0 = t.m_block * BM;
   auto row_query = [&](int r) { return t.query(r); };
   auto row_head = [&](int r) { return t.head(r); };
@@ -123,8 +125,10 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
                                            p.block_table + b * p.block_table_stride, row0, len_k,
                                            tid, bad_page, l2);
     } else {
-      load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, row0, len_k, tid, l2);
-      load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, row0, len_k, tid, l2);
+      load_kv_tile<D, BN, kThreads>(stage_k(s), k_base, p.k_row_stride, row0, len_k, p.head_dim / 8,
+                                    tid, l2);
+      load_kv_tile<D, BN, kThreads>(stage_v(s), v_base, p.v_row_stride, row0, len_k,
+                                    p.head_dim_v / 8, tid, l2);
     }
   };
 
@@ -249,17 +253,22 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
       mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
     }
   }
+  // The block's coordinates after the loop: past d=128 recomputed from fresh reads of the block
+  // index rather than held through the loop beside the wide accumulator (it spilled one).
+  const TileCoords te =
+      D > 128 ? TileCoords::of_block<BM>(p, opaque_block_x(), opaque_block_y()) : t;
+  const int eb = te.b, em0 = te.m_block * BM, esplit = te.split;
   cp_async_wait<0>();
   // Every warp is done with the stages (they become the reduction scratch), and whether any thread
   // met a page outside the cache is known: a bad page or cache_seqlens value poisons the outputs.
-  const bool poison = __syncthreads_or(bad_page) || t.bad_len;
+  const bool poison = __syncthreads_or(bad_page) || te.bad_len;
   FLASHMOE_PHASE(decode_trace::stamp(decode_trace::kLoopDone);)
 
-  // Reduce the 4 warps in one exchange: each warp leaves its rows' max (log2 units), sum and
+  // Reduce the warps in one exchange: each warp leaves its rows' max (log2 units), sum and
   // unnormalised output in shared memory; after one barrier each writer thread weighs the warps'
   // outputs of its row by exp2(max_w - max) and divides by the common sum. Only the tile's valid
   // rows are exchanged (Sq x the query heads of a KV head: 1 to 4 of the 16 in a typical decode).
-  const int valid_rows = min(BM, rows_total - m0);
+  const int valid_rows = min(BM, te.rows_total - em0);
   float* scratch = reinterpret_cast<float*>(smem_buf);  // [warp][row][kScratchStride]
   float* warp_max = scratch + Traits::kNWarps * BM * Traits::kScratchStride;  // [warp][row]
   float* warp_sum = warp_max + Traits::kNWarps * BM;
@@ -282,7 +291,7 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
 
   // Write-out: thread t owns columns [c0, c0 + kCols) of tile row t / kThreadsPerRow. The common
   // max and sum of its row over the warps (sum 0: no warp saw a key), and each warp's weight.
-  const int r = tid / kThreadsPerRow, c0 = (tid % kThreadsPerRow) * kCols, gr = m0 + r;
+  const int r = tid / kThreadsPerRow, c0 = (tid % kThreadsPerRow) * kCols, gr = em0 + r;
   const bool row_valid = r < valid_rows;
   float mx = -INFINITY, sum = 0.f, weight[Traits::kNWarps];
 #pragma unroll
@@ -319,16 +328,17 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
       out[e] = NAN;
   }
 
-  const int i = row_query(gr), h = row_head(gr);
-  const int64_t lse_index = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
+  const int i = te.query(gr), h = te.head(gr);
+  const int64_t lse_index = (int64_t(eb) * p.heads_q + h) * p.seqlen_q + i;
   const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   FLASHMOE_PHASE(decode_trace::stamp(decode_trace::kReduced);)
   if (p.num_splits == 1) {
     if (!row_valid) return;
-    T* o_row =
-        static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride + c0;
+    T* o_row = static_cast<T*>(p.o) + eb * p.o_batch_stride + h * p.o_head_stride +
+               i * p.o_row_stride + c0;
 #pragma unroll
     for (int e = 0; e < kCols; e += 8) {
+      if (c0 + e >= p.head_dim_v) break;  // a padded tile's columns past v's head dim
       *reinterpret_cast<uint4*>(o_row + e) =
           make_uint4(pack2<T>(out[e], out[e + 1]), pack2<T>(out[e + 2], out[e + 3]),
                      pack2<T>(out[e + 4], out[e + 5]), pack2<T>(out[e + 6], out[e + 7]));
@@ -338,12 +348,13 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
     return;
   }
   if (row_valid) {
-    float* o_part = p.o_accum + (split * rows_all + lse_index) * D + c0;
+    // The partials' rows are v's head dim wide (as the split_kv_combine operator takes them).
+    float* o_part = p.o_accum + (esplit * rows_all + lse_index) * p.head_dim_v + c0;
 #pragma unroll
     for (int e = 0; e < kCols; e += 4)
-      *reinterpret_cast<float4*>(o_part + e) =
+      if (c0 + e < p.head_dim_v) *reinterpret_cast<float4*>(o_part + e) =
           make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
-    if (c0 == 0) p.lse_accum[split * rows_all + lse_index] = lse;
+    if (c0 == 0) p.lse_accum[esplit * rows_all + lse_index] = lse;
   }
 
   // The last split of this tile to finish combines them all. Thread 0 counts the block's arrival
@@ -365,16 +376,17 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   if (!is_last) return;
   // Work items are (valid row, 4 columns): with the 1 to 4 rows of a typical decode tile every
   // thread gets at most one, and it reads all its splits' LSEs and partials in one go.
-  for (int item = tid; item < valid_rows * (D / 4); item += kThreads) {
-    const int rr = item / (D / 4), col = item % (D / 4) * 4, g = m0 + rr;
-    const int hg = row_head(g), ig = row_query(g);
-    const int64_t index = (int64_t(b) * p.heads_q + hg) * p.seqlen_q + ig;
+  const int col_items = p.head_dim_v / 4;  // v's head dim, 4 columns an item
+  for (int item = tid; item < valid_rows * col_items; item += kThreads) {
+    const int rr = item / col_items, col = item % col_items * 4, g = em0 + rr;
+    const int hg = te.head(g), ig = te.query(g);
+    const int64_t index = (int64_t(eb) * p.heads_q + hg) * p.seqlen_q + ig;
     float acc[4];
     const float lse_row = combine_splits<4>(
         p.num_splits, [&](int s) { return p.lse_accum + s * rows_all + index; },
-        [&](int s) { return p.o_accum + (s * rows_all + index) * D + col; }, acc);
+        [&](int s) { return p.o_accum + (s * rows_all + index) * p.head_dim_v + col; }, acc);
     T* o_row =
-        static_cast<T*>(p.o) + b * p.o_batch_stride + hg * p.o_head_stride + ig * p.o_row_stride;
+        static_cast<T*>(p.o) + eb * p.o_batch_stride + hg * p.o_head_stride + ig * p.o_row_stride;
     *reinterpret_cast<uint2*>(o_row + col) =
         make_uint2(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]));
     if (col == 0) p.lse[index] = lse_row;

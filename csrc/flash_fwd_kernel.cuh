@@ -73,8 +73,10 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + t.row0_k * p.v_row_stride +
                     hkv * p.v_head_stride;
 
-  auto load_kv = [&](T* tile, const T* base, int64_t row_stride, int n_block) {
-    load_kv_tile<D, BN, kThreads>(tile, base, row_stride, n_block * BN, len_k, tid);
+  // K's chunks and V's: a head dim below the tile's (80 on 96, v's 128 under q's 192) leaves the
+  // rest of the tile's columns zero.
+  auto load_kv = [&](T* tile, const T* base, int64_t row_stride, int chunks, int n_block) {
+    load_kv_tile<D, BN, kThreads>(tile, base, row_stride, n_block * BN, len_k, chunks, tid);
   };
 
   // This thread's rows: within each 16-row m-tile, lane / 4 and lane / 4 + 8.
@@ -103,9 +105,13 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     // KV blocks run from the last to the first, so only the first one visited (the sequence tail
     // or the diagonal) needs masking, as in FA2. The first V goes out with Q and K: a block with
     // few KV blocks (short sequences) then waits for memory once, not twice, before its first P V.
-    load_kv(sK, k_base, p.k_row_stride, n_hi - 1);
+#if FLASHMOE_PLANT_BUG == 14
+    load_kv(sK, k_base, p.k_row_stride, kChunks, n_hi - 1);  // planted: k at the tile's width too
+#else
+    load_kv(sK, k_base, p.k_row_stride, p.head_dim / 8, n_hi - 1);
+#endif
     cp_async_commit();
-    load_kv(sV, v_base, p.v_row_stride, n_hi - 1);
+    load_kv(sV, v_base, p.v_row_stride, p.head_dim_v / 8, n_hi - 1);
     cp_async_commit();
   }
 
@@ -118,7 +124,7 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     }
     __syncthreads();  // K(n) has landed, and every warp is done reading V(n+1)
     if (!first) {
-      load_kv(sV, v_base, p.v_row_stride, n);  // V(n) arrives while S = Q K^T is computed
+      load_kv(sV, v_base, p.v_row_stride, p.head_dim_v / 8, n);  // arrives during S = Q K^T
       cp_async_commit();
     }
 
@@ -219,7 +225,11 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     cp_async_wait<0>();
     __syncthreads();  // V(n) has landed, and every warp is done reading K(n)
     if (n > n_lo) {
-      load_kv(sK, k_base, p.k_row_stride, n - 1);  // K(n-1) arrives during P V and the next mask
+#if FLASHMOE_PLANT_BUG == 14
+      load_kv(sK, k_base, p.k_row_stride, kChunks, n - 1);
+#else
+      load_kv(sK, k_base, p.k_row_stride, p.head_dim / 8, n - 1);  // arrives during P V
+#endif
       cp_async_commit();
     }
 
@@ -242,6 +252,7 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   // Epilogue: normalise by the row sum; rows that saw no key get 0 and a log-sum-exp of -inf. The
   // output goes through this warp's own Q rows in shared memory (no other warp reads them) so that
   // it leaves in 16-byte row chunks; split partials (fp32) are written straight from registers.
+  // Only v's head dim leaves (the tile's columns past it are zero).
   // The block's coordinates again, recomputed rather than held in registers through the loop
   // (config 4 at d=128 has none to spare).
   const TileCoords te = TileCoords::of_block<BM, kVarlen>(p, opaque_block_x());
@@ -274,9 +285,11 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
       if (p.num_splits == 1) {
         if ((lane & 3) == 0) p.lse[lse_index] = lse;
       } else {
-        float* o_row = p.o_accum + (te.split * rows_all + lse_index) * D;
+        // The partials' rows are v's head dim wide, as the split_kv_combine operator takes them.
+        float* o_row = p.o_accum + (te.split * rows_all + lse_index) * p.head_dim_v;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
+          if (dt * 8 >= p.head_dim_v) break;
           *reinterpret_cast<float2*>(o_row + dt * 8 + (lane & 3) * 2) =
               make_float2(acc_o[mt][dt][2 * hh] * inv, acc_o[mt][dt][2 * hh + 1] * inv);
         }
@@ -288,7 +301,7 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
 #pragma unroll
     for (int c = lane; c < 16 * MT * kChunks; c += 32) {
       const int row = warp_row0 + c / kChunks, ch = c % kChunks, r = em0 + row;
-      if (r >= te.rows_total) continue;
+      if (r >= te.rows_total || ch * 8 >= p.head_dim_v) continue;
       T* o_row = static_cast<T*>(p.o) + eb * p.o_batch_stride + out_head(r) * p.o_head_stride +
                  (te.row0_q + out_query(r)) * p.o_row_stride;
       *reinterpret_cast<uint4*>(o_row + ch * 8) =
@@ -325,24 +338,43 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 
 // Split-KV combine for the forward kernel's partials (and the split_kv_combine operator): one warp
 // per output row, each lane owning D / 32 columns (the row's split LSEs are one broadcast load).
+// Wider rows take their splits 8 at a time, so the loads in flight stay within the registers.
+// Rows are `cols` wide (v's head dim, at most D and a multiple of 8). A lane whose columns run past
+// `cols` reads the row's last kPerLane columns instead (inside the row) and writes those of its
+// own that exist; lanes wholly past it write nothing. (With kPerLane a power of two, 8 | cols keeps
+// every lane wholly inside or wholly past; at D = 192, 6 columns a lane, one lane can straddle.)
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
     split_kv_combine_kernel(const float* __restrict__ o_accum, const float* __restrict__ lse_accum,
                             T* __restrict__ out, float* __restrict__ lse, int num_splits,
-                            int64_t rows) {
+                            int64_t rows, int cols) {
   constexpr int kPerLane = D / 32;
-  static_assert(kPerLane == 2 || kPerLane == 4, "head_dim 64 or 128");
+  static_assert(D % 64 == 0, "an even number of columns per lane");
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   if (row >= rows) return;
+  const int first = lane * kPerLane;  // this lane's first column
+  const int col0 = min(first, cols - kPerLane);  // where it reads (even: float2-aligned)
   float acc[kPerLane];
-  const float lse_row = combine_splits<kPerLane>(
+  const float lse_row = combine_splits<kPerLane, kPerLane <= 4 ? 16 : 8>(
       num_splits, [&](int s) { return lse_accum + s * rows + row; },
-      [&](int s) { return o_accum + (s * rows + row) * D + lane * kPerLane; }, acc);
-  T* dst = out + row * D + lane * kPerLane;
+      [&](int s) { return o_accum + (s * rows + row) * cols + col0; }, acc);
+  T* dst = out + row * cols;
+  if (first + kPerLane <= cols) {
 #pragma unroll
-  for (int e = 0; e < kPerLane; e += 2)
-    *reinterpret_cast<uint32_t*>(dst + e) = pack2<T>(acc[e], acc[e + 1]);
+    for (int e = 0; e < kPerLane; e += 2)
+      *reinterpret_cast<uint32_t*>(dst + first + e) = pack2<T>(acc[e], acc[e + 1]);
+  } else if (first < cols) {
+    const int shift = first - col0;  // acc[j] holds column col0 + j
+#pragma unroll
+    for (int e = 0; e < kPerLane; e += 2) {
+      float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+      for (int j = 0; j + 1 < kPerLane; j += 2)
+        if (j == e + shift) x0 = acc[j], x1 = acc[j + 1];
+      if (first + e < cols) *reinterpret_cast<uint32_t*>(dst + first + e) = pack2<T>(x0, x1);
+    }
+  }
   if (lane == 0) lse[row] = lse_row;
 }
 
@@ -370,7 +402,7 @@ __global__ void __launch_bounds__(256) varlen_offsets_check_kernel(const Attenti
   if (!__syncthreads_or(bad)) return;
   const uint32_t nan2 = pack2<T>(NAN, NAN);
   uint4* out = static_cast<uint4*>(p.o);
-  const int64_t chunks = int64_t(p.total_q) * p.heads_q * (kHeadDim / 8);
+  const int64_t chunks = int64_t(p.total_q) * p.heads_q * (p.head_dim_v / 8);
   for (int64_t c = tid; c < chunks; c += kThreads)
     out[c] = make_uint4(nan2, nan2, nan2, nan2);
   for (int64_t r = tid; r < int64_t(p.total_q) * p.heads_q; r += kThreads)

@@ -228,15 +228,21 @@ struct TileCoords {
   }
 
   // Issues the cp.async copies of the tile's Q rows [m0, m0 + kRows) into a swizzled shared tile;
-  // rows past the end are zero-filled.
+  // rows past the end, and the columns past q's head dim on a wider tile, are zero-filled.
   template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, typename T>
   __device__ __forceinline__ void load_q(T* sQ, const AttentionParams& p, int m0, int tid) const {
     constexpr int kChunks = kHeadDim / 8;
+#if FLASHMOE_PLANT_BUG == 14
+    const int q_chunks = kChunks;  // planted: q copied at the tile's width (its tail not zeroed)
+#else
+    const int q_chunks = p.head_dim / 8;
+#endif
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + row0_q * p.q_row_stride;
 #pragma unroll
     for (int c = tid; c < kRows * kChunks; c += kThreads) {
       const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
-      const bool valid = gr < rows_total;
+      // (the wgmma kernels' panels are never padded: the host runs them at whole tiles only)
+      const bool valid = gr < rows_total && (kPanels || ch < q_chunks);
       const T* src = valid
                          ? q_base + head(gr) * p.q_head_stride + query(gr) * p.q_row_stride + ch * 8
                          : q_base;
@@ -326,45 +332,77 @@ __device__ __forceinline__ int opaque_thread_x() {
 // chunk bits only and a row is a multiple of 128 bytes, so every k-step of every 16-row block is
 // one add and one XOR away from a single per-thread base address (the tile must start 256-byte
 // aligned). Without this the compiler keeps one address per (block, step) in registers: at
-// d = 128 that is what pushed 128 x 64 tiles into spilling.
+// d = 128 that is what pushed 128 x 64 tiles into spilling. Past 128 columns the XOR would reach
+// bits that neither the row (384 bytes at d=192) nor the tile's alignment leaves clear, so the
+// step's 128-byte atom is added and only its place inside the atom XORed.
 template <int kHeadDim>
 __device__ __forceinline__ uint32_t swizzle_step(uint32_t base, int block, int step) {
-  return (base + block * 16 * kHeadDim * 2) ^ (step << 5);
+  if constexpr (kHeadDim <= 128) {
+    return (base + block * 16 * kHeadDim * 2) ^ (step << 5);
+  } else {
+    return (base + block * 16 * kHeadDim * 2 + (step >> 2) * 128) ^ ((step & 3) << 5);
+  }
+}
+
+// The 16-byte chunks of a row that one pass of kThreads threads copies: the whole row where the
+// threads then cover a multiple of 8 rows, else the widest multiple of 8 chunks (whole 128-byte
+// swizzle atoms, which the XOR never leaves) that does; a wider row takes several column passes
+// (192 and 256 columns over 128 threads, say). 0: no such split.
+template <int kChunks, int kThreads>
+constexpr int pass_chunks() {
+  for (int c = kChunks; c >= 8; c -= 8) {
+    if (kChunks % c == 0 && kThreads % c == 0 && (kThreads / c) % 8 == 0) return c;
+  }
+  return 0;
 }
 
 // Issues the cp.async copies of rows [row0, row0 + kRows) of a K or V tile ([len][kHeadDim], rows
 // `row_stride` elements apart) into a swizzled shared tile, spread over kThreads threads. Rows at
 // or past `len` are zero-filled and never read. Each thread copies the same chunk of every
-// kThreads / kChunks-th row, so its addresses are one base plus a constant per pass (the swizzle
-// depends on row % 8 only): the loop holds no per-pass addresses across the main loop.
+// kThreads / kPassChunks-th row (of each column pass), so its addresses are one base plus a
+// constant per pass (the swizzle depends on row % 8 and a chunk's low 3 bits only): the loop holds
+// no per-pass addresses across the main loop.
+// `chunks`: the 16-byte chunks of a row of the tensor (its head dim / 8); on a wider tile
+// (kHeadDim > 8 * chunks: a head dim padded onto the next tile) the chunks past it are zero-filled,
+// so they add nothing to a product over the head dim.
 // kPanels: into the sm_90a kernel's wgmma layout (swizzle_panels) instead of swizzle<kHeadDim>.
-// kWhole: the caller knows every row is below `len` (no per-row check, no zero fill).
+// kWhole: the caller knows every row is below `len` (no per-row check, no zero fill of rows).
 template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, bool kWhole = false,
           typename T, typename L2 = L2Default>
 __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row_stride, int row0,
-                                             int len, int tid, L2 l2 = {}) {
+                                             int len, int chunks, int tid, L2 l2 = {}) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  constexpr int kRowsPerPass = kThreads / kChunks;
+  constexpr int kPassChunks = pass_chunks<kChunks, kThreads>();
+  static_assert(kPassChunks > 0, "each pass must cover whole swizzle atoms of 8n rows");
+  constexpr int kRowsPerPass = kThreads / kPassChunks;
   constexpr int kPitch = kPanels ? 64 : kHeadDim;  // elements between rows
-  static_assert(kThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
-                "each pass must cover whole rows, a multiple of 8 of them");
-  const int r = tid / kChunks, ch = tid % kChunks;
+  // Elements between a chunk and the same chunk kPassChunks further (the next column pass).
+  constexpr int kColumnStep = kPanels ? kPassChunks / 8 * kRows * 64 : kPassChunks * 8;
+  static_assert(kRows % kRowsPerPass == 0, "each pass must cover whole rows, a multiple of 8");
+  const int r = tid / kPassChunks, ch = tid % kPassChunks;
   T* dst = tile + tile_offset<kHeadDim, kRows, kPanels>(r, ch);
   const T* src = base + (row0 + r) * row_stride + ch * 8;
 #pragma unroll
-  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-    const bool valid = kWhole || row0 + r + pass * kRowsPerPass < len;
-    const T* from = src + pass * kRowsPerPass * row_stride;
+  for (int column = 0; column < kChunks / kPassChunks; ++column) {
+    // (folds away where the caller passes the tile's own width, as the wgmma kernels do)
+    const bool column_valid = ch + column * kPassChunks < chunks;
+#pragma unroll
+    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+      const bool row_valid = kWhole || row0 + r + pass * kRowsPerPass < len;
+      const bool valid = row_valid && column_valid;
+      const T* from = src + pass * kRowsPerPass * row_stride + column * kPassChunks * 8;
+      T* to = dst + pass * kRowsPerPass * kPitch + column * kColumnStep;
 #if FLASHMOE_PLANT_BUG == 3
-    // Rows past the sequence end are read, 4 GiB past where they would lie (outside any
-    // allocation), instead of zero-filled: a plain 16-byte load, so memcheck must report it.
-    if (!valid) {
-      *reinterpret_cast<uint4*>(dst + pass * kRowsPerPass * kPitch) =
-          *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(from) + (int64_t(1) << 32));
-      continue;
-    }
+      // Rows past the sequence end are read, 4 GiB past where they would lie (outside any
+      // allocation), instead of zero-filled: a plain 16-byte load, so memcheck must report it.
+      if (!row_valid) {
+        *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(
+            reinterpret_cast<const char*>(from) + (int64_t(1) << 32));
+        continue;
+      }
 #endif
-    l2.copy(dst + pass * kRowsPerPass * kPitch, valid ? from : base, valid);
+      l2.copy(to, valid ? from : base, valid);
+    }
   }
 }
 
@@ -381,11 +419,12 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
                                                     const int* table_row, int row0, int len,
                                                     int tid, int& bad_page, L2 l2 = {}) {
   constexpr int kChunks = kHeadDim / 8;
-  constexpr int kRowsPerPass = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
-                "each pass must cover whole rows, a multiple of 8 of them");
+  constexpr int kPassChunks = pass_chunks<kChunks, kThreads>();  // as load_kv_tile's passes
+  static_assert(kPassChunks > 0, "each pass must cover whole swizzle atoms of 8n rows");
+  constexpr int kRowsPerPass = kThreads / kPassChunks;
+  static_assert(kRows % kRowsPerPass == 0, "each pass must cover whole rows, a multiple of 8");
   static_assert((kRows & (kRows - 1)) == 0, "a tile of a power-of-two rows");
-  const int r = tid / kChunks, ch = tid % kChunks;
+  const int r = tid / kPassChunks, ch = tid % kPassChunks;
   const int in_page_mask = (1 << p.page_shift) - 1;
   auto page_of = [&](int row) {
 #if FLASHMOE_PLANT_BUG == 8
@@ -407,19 +446,21 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
     const T* v_rows = v_base + page * p.v_batch_stride + in_page * p.v_row_stride;
     if (row0 + kRows <= len) {  // every tile but a sequence's last: no row to check or zero-fill
       load_kv_tile<kHeadDim, kRows, kThreads, false, true>(k_tile, k_rows, p.k_row_stride, 0, 0,
-                                                           tid, l2);
+                                                           p.head_dim / 8, tid, l2);
       load_kv_tile<kHeadDim, kRows, kThreads, false, true>(v_tile, v_rows, p.v_row_stride, 0, 0,
-                                                           tid, l2);
+                                                           p.head_dim_v / 8, tid, l2);
     } else {
-      load_kv_tile<kHeadDim, kRows, kThreads>(k_tile, k_rows, p.k_row_stride, 0, len - row0, tid,
-                                              l2);
-      load_kv_tile<kHeadDim, kRows, kThreads>(v_tile, v_rows, p.v_row_stride, 0, len - row0, tid,
-                                              l2);
+      load_kv_tile<kHeadDim, kRows, kThreads>(k_tile, k_rows, p.k_row_stride, 0, len - row0,
+                                              p.head_dim / 8, tid, l2);
+      load_kv_tile<kHeadDim, kRows, kThreads>(v_tile, v_rows, p.v_row_stride, 0, len - row0,
+                                              p.head_dim_v / 8, tid, l2);
     }
     return;
   }
   T* k_dst = k_tile + swizzle<kHeadDim>(r, ch);
   T* v_dst = v_tile + swizzle<kHeadDim>(r, ch);
+  // The chunks past k's and v's head dims on a wider tile are zero-filled (see load_kv_tile).
+  const int k_chunks = p.head_dim / 8, v_chunks = p.head_dim_v / 8;
 #pragma unroll
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
     const int row = row0 + r + pass * kRowsPerPass;
@@ -428,22 +469,37 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
     const int in_page = row & in_page_mask;
     const T* k_from = k_base + page * p.k_batch_stride + in_page * p.k_row_stride + ch * 8;
     const T* v_from = v_base + page * p.v_batch_stride + in_page * p.v_row_stride + ch * 8;
-    l2.copy(k_dst + pass * kRowsPerPass * kHeadDim, valid ? k_from : k_base, valid);
-    l2.copy(v_dst + pass * kRowsPerPass * kHeadDim, valid ? v_from : v_base, valid);
+    // A row's column passes share its page lookup (kPassChunks * 8 elements apart).
+#pragma unroll
+    for (int column = 0; column < kChunks / kPassChunks; ++column) {
+      const int step = column * kPassChunks * 8, c = ch + column * kPassChunks;
+      const bool k_valid = valid && c < k_chunks, v_valid = valid && c < v_chunks;
+      l2.copy(k_dst + pass * kRowsPerPass * kHeadDim + step, k_valid ? k_from + step : k_base,
+              k_valid);
+      l2.copy(v_dst + pass * kRowsPerPass * kHeadDim + step, v_valid ? v_from + step : v_base,
+              v_valid);
+    }
   }
 }
 
-// Loads kCols (2 or 4) consecutive floats through L2 (__ldcg: other blocks of the same launch may
-// have written them, so L1 must not serve a stale line).
+// Loads kCols (an even number of) consecutive floats through L2 (__ldcg: other blocks of the same
+// launch may have written them, so L1 must not serve a stale line): 16 bytes a load where kCols is
+// a multiple of 4 (src then 16-byte aligned), else 8.
 template <int kCols>
 __device__ __forceinline__ void load_cols_cg(const float* src, float (&x)[kCols]) {
-  static_assert(kCols == 2 || kCols == 4, "2 or 4 columns");
-  if constexpr (kCols == 4) {
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(src));
-    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  static_assert(kCols % 2 == 0, "an even number of columns");
+  if constexpr (kCols % 4 == 0) {
+#pragma unroll
+    for (int e = 0; e < kCols; e += 4) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + e));
+      x[e] = v.x, x[e + 1] = v.y, x[e + 2] = v.z, x[e + 3] = v.w;
+    }
   } else {
-    const float2 v = __ldcg(reinterpret_cast<const float2*>(src));
-    x[0] = v.x, x[1] = v.y;
+#pragma unroll
+    for (int e = 0; e < kCols; e += 2) {
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(src + e));
+      x[e] = v.x, x[e + 1] = v.y;
+    }
   }
 }
 

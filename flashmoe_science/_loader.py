@@ -419,7 +419,19 @@ ONLY_OPS = {
     "bwd": ("backward_config", (1, 2)),
     "bwd_sm90a": ("backward_config", (3,)),
 }
-CUDA_HEAD_DIMS = (64, 128)  # the head dims the CUDA kernels are instantiated for
+CUDA_HEAD_DIMS = (64, 128, 192, 256)  # the head dims the CUDA kernels are instantiated for
+
+
+def tile_head_dim(head_dim: int, head_dim_v: int | None = None) -> int | None:
+    """The CUDA tile that runs q's and k's `head_dim` with v's (default: the same): the narrowest
+    of CUDA_HEAD_DIMS that holds both, where both are multiples of 8; None where none does. The
+    copy of csrc/attention_ops.h's cuda_tile_head_dim, for the build's restrictions."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if min(head_dim, head_dim_v) < 8 or head_dim % 8 or head_dim_v % 8:
+        return None
+    return next((d for d in CUDA_HEAD_DIMS if d >= max(head_dim, head_dim_v)), None)
+
+
 # key of the FLASHMOE_BUILD_ONLY text -> (define, the values it takes)
 ONLY_KEYS = {
     "op": ("FLASHMOE_ONLY_OPS", tuple(ONLY_OPS)),

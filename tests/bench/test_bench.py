@@ -415,6 +415,20 @@ def test_gpu_matrix_covers_the_requested_matrix():
     assert len(ids) == len(benchmatrix.gpu_matrix()), "case ids must be unique"
 
 
+def test_gpu_matrix_times_the_wide_head_dims_forward_backward_and_gemma_decode():
+    """Issue 47's bench: prefill and backward at B*S = 16k, S 512 to 16k, causal both, at d=96,
+    192, 256 and (192, 128) (hidden size 2048), and Gemma 2's decode at d=256."""
+    ids = {c.id for c in benchmatrix.gpu_matrix()}
+    for d, h in ((96, 21), (192, 10), (256, 8), ("192v128", 10)):
+        for s in (512, 1024, 2048, 4096, 8192, 16384):
+            for mask in ("causal", "full"):
+                for kind in ("fwd", "bwd"):
+                    assert f"{kind}-bf16-d{d}-h{h}-b{16384 // s}-s{s}-{mask}" in ids
+    for b in (1, 4):
+        for kv in (8192, 32768, 131072):
+            assert f"dec-bf16-d256-h16kv8-b{b}-q1-k{kv}" in ids
+
+
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_quick_cases_are_a_handful_from_the_default_matrix(device):
     quick = benchmatrix.select_cases(device, quick=True)

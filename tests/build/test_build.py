@@ -861,11 +861,18 @@ def traits_smem(kernel: str) -> int:
         return (block_m + 2 * block_n) * head_dim * 2  # Q tile + K and V tiles, 2-byte elements
     if match := re.search(r"DecodeTraits<(\d+), (\d+)>", kernel):
         head_dim, stages = (int(g) for g in match.groups())
-        return stages * 2 * 64 * head_dim * 2  # per stage a 64-key K tile and V tile
-    if match := re.search(r"BwdTraits<(\d+), (\d+), (\d+), \d+>", kernel):
-        head_dim, block_m, block_n = (int(g) for g in match.groups())
-        # K, V, Q and dO tiles, dS^T (keys x queries), the query block's lse and delta (fp32)
-        return (2 * block_n + 2 * block_m) * head_dim * 2 + block_n * block_m * 2 + 2 * block_m * 4
+        keys = 64 if head_dim <= 128 else 32  # 16 keys a warp: 4 warps, or 2 past d=128
+        return stages * 2 * keys * head_dim * 2  # per stage a K tile and a V tile
+    if match := re.search(r"BwdTraits<(\d+), (\d+), (\d+), (\d+)>", kernel):
+        head_dim, block_m, block_n, warps = (int(g) for g in match.groups())
+        # K, V, Q and dO tiles, dS^T (keys x queries), P^T as well where fewer than 16 keys a warp
+        # make warps share keys, the query block's lse and delta (fp32)
+        key_tiles = 2 if block_n < 16 * warps else 1
+        return (
+            (2 * block_n + 2 * block_m) * head_dim * 2
+            + key_tiles * block_n * block_m * 2
+            + 2 * block_m * 4
+        )
     if match := re.search(r"BwdDqTraits<(\d+), (\d+), (\d+), \d+>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (2 * block_m + 2 * block_n) * head_dim * 2  # Q, dO, K and V tiles
@@ -1069,9 +1076,13 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     # 2 dtypes x (forward kernels: 6 at d=128, where configuration 7 is a kernel of its own, and 6
     # at d=64, where configuration 6 is + 2 head dims x (4 packed-batch (varlen) ones + their
     # offset check + the paged decode kernel + the combine kernel + 3 backward configurations with
-    # and without dQ atomics + the dQ pass + the pre-pass) + the dQ conversion)
+    # and without dQ atomics + the dQ pass + the pre-pass) + at d=192 and 256, which have no wgmma
+    # kernels and where configuration 4 is 1's kernel, 3 forward kernels + 2 packed-batch ones +
+    # the same others with 2 backward configurations + the dQ conversion)
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
-    assert table is not None and len(table) == 2 * (6 + 6 + 2 * per_head_dim + 1)
+    per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1
+    assert table is not None
+    assert len(table) == 2 * (6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1)
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]

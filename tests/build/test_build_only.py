@@ -46,7 +46,7 @@ def test_only_becomes_the_defines_and_keys_the_build(cuda_machine, monkeypatch):
     )
     # one restriction, one build: however it is spelt, and wherever it comes from
     for spelling in (
-        "config=7,6,5 op=combine,fwd_sm90a head_dim=64,128",
+        "config=7,6,5 op=combine,fwd_sm90a head_dim=64,128,192,256",
         "op=fwd_sm90a op=combine config=5,6 config=7 dtype=fp16,bf16",
     ):
         assert build.resolve_config("cuda", arch_list="9.0a", only=spelling).key == config.key

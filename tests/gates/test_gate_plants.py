@@ -217,6 +217,79 @@ def test_planted_v_read_at_the_qk_width_fails_the_dv_gates_and_only_them(run_pla
     assert not any(same.values()), {k: f for k, f in same.items() if f}
 
 
+# ---- head dims padded onto a wider CUDA tile, planted into the mma.sync kernels -----------------
+
+PADDED_PLANT_SCRIPT = """
+import json, sys
+from flashmoe_science import ops
+from flashmoe_science.pipeline.cases import parse_case_id
+from flashmoe_science.pipeline.gates import backward as grad_gates, forward as gates
+results = {}
+for case_id in sys.argv[2:]:
+    case = parse_case_id(case_id)
+    check = grad_gates.check_case if case.kind == "backward" else gates.check_case
+    results[case_id] = check(case, sys.argv[1]).failures
+print(json.dumps({"planted": ops.planted_bug(), "results": results}))
+"""
+# bug -> (what it plants, cases that must fail a gate, cases that must pass: the same kernels where
+# the bug changes nothing). The forward cases force mma.sync configurations (1, 2, 4), which every
+# padded head dim runs; 14 needs a head dim below its tile, 15 v's below q's and k's.
+PADDED_PLANTS = {
+    14: (
+        "q and k copied at the tile's width, their tails not zeroed",
+        (
+            "fwd-bf16-d80-h8kv2-b2-s65-full-cfg4",
+            "fwd-fp16-d96-h8kv1-b2-s127-causal-cfg2",
+            "fwd-bf16-d96-h8-b2-s128-full-cfg1",
+        ),
+        ("fwd-bf16-d128-h8kv2-b2-s65-full-cfg4", "fwd-fp16-d192v128-h8kv1-b2-s127-causal-cfg2"),
+    ),
+    15: (
+        "the backward's delta summed over q's and k's width",
+        ("bwd-bf16-d192v128-h8kv2-b2-s65-full", "bwd-fp16-d192v128-h8-b2-s128-causal"),
+        ("bwd-bf16-d96-h8kv2-b2-s65-full", "bwd-bf16-d192-h8kv2-b2-s65-full"),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "bug", sorted(PADDED_PLANTS), ids=[name for name, _, _ in PADDED_PLANTS.values()]
+)
+def test_planted_padded_head_dim_bug_fails_its_gates_and_only_them(bug, run_planted):
+    """Build the unit with a planted padded-tile bug (-DFLASHMOE_PLANT_BUG=14 or 15): every case
+    whose head dims the bug touches fails a gate, and the same kernels at head dims it cannot
+    touch (the tile's own width; v's equal to q's) pass."""
+    name, failing, passing = PADDED_PLANTS[bug]
+    results = run_planted(bug, PADDED_PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
+    assert sorted(results) == sorted((*failing, *passing))
+    for case_id in failing:
+        assert results[case_id], f"planted bug {bug} ({name}) passed the gates on {case_id}"
+    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+
+
+def test_the_padded_plants_cases_are_padded_where_they_must_fail():
+    """Plant 14's failing cases have q's head dim below its tile, its passing ones not; plant 15's
+    failing cases have v's head dim below q's, its passing ones not."""
+    from flashmoe_science import _loader
+
+    def parsed(case_ids):
+        return [parse_case_id(case_id) for case_id in case_ids]
+
+    _, failing, passing = PADDED_PLANTS[14]
+    assert all(
+        _loader.tile_head_dim(c.head_dim, c.value_head_dim) > c.head_dim for c in parsed(failing)
+    )
+    assert all(
+        _loader.tile_head_dim(c.head_dim, c.value_head_dim) == c.head_dim for c in parsed(passing)
+    )
+    assert all(c.config in (1, 2, 4) for c in parsed((*failing, *passing)))
+    _, failing, passing = PADDED_PLANTS[15]
+    assert all(c.value_head_dim < c.head_dim and c.kind == "backward" for c in parsed(failing))
+    assert all(c.value_head_dim == c.head_dim for c in parsed(passing))
+
+
 # ---- the sm_90a (wgmma) kernel's own failure modes, planted into its build ---------------------
 
 SM90A_PLANT_SCRIPT = """

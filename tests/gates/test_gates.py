@@ -277,7 +277,7 @@ def test_a_failing_cuda_case_reports_the_rerun_its_twin_and_sm90():
 
 
 @pytest.mark.parametrize("has_cuda_kernels", [True])  # as on a GPU machine with the CUDA build
-@pytest.mark.parametrize("head_dims", [(96, 96), (192, 128), (128, 64)], ids=str)
+@pytest.mark.parametrize("head_dims", [(100, 100), (192, 132), (264, 264)], ids=str)
 def test_head_dims_the_cuda_kernels_do_not_take_skip_saying_why(
     require_cuda_build, monkeypatch, head_dims
 ):
@@ -289,9 +289,13 @@ def test_head_dims_the_cuda_kernels_do_not_take_skip_saying_why(
     with pytest.raises(pytest.skip.Exception) as skipped:
         require_cuda_build(head_dim=head_dims[0], head_dim_v=head_dims[1])
     assert str(skipped.value) == ops.head_dims_unsupported_reason(*head_dims)
-    assert "supported: 64, 128" in str(skipped.value)
+    assert "supported: multiples of 8 up to 256" in str(skipped.value)
     require_cuda_build(head_dim=128, head_dim_v=128)
+    require_cuda_build(head_dim=96)
+    require_cuda_build(head_dim=192, head_dim_v=128)
     require_cuda_build(head_dim=64)
+    require_cuda_build(head_dim=192)
+    require_cuda_build(head_dim=256, head_dim_v=256)
 
 
 @pytest.mark.parametrize("has_cuda_kernels", [True])  # as on a GPU machine with the CUDA build

@@ -64,6 +64,14 @@ def test_matrix_covers_the_issue():
     assert {c.heads_q // c.heads_kv for c in GPU_CASES} == {1, 4, 8}
     assert any(c.layout == "bshd" for c in GPU_CASES)
     assert {c.config for c in GPU_CASES} == {0, *BACKWARD_CONFIGS}
+    # past 128, configuration 1 (warps sharing keys) forced, on the forced configurations' shapes
+    for head_dim, config in matrix.WIDE_FORCED_BACKWARD:
+        forced = [c for c in GPU_CASES if c.head_dim == head_dim and c.config == config]
+        assert {(c.seqlen_q, c.seqlen_k) for c in forced} == set(matrix.FORCED_PAIRS)
+        assert {(c.dtype, c.causal) for c in forced} == {
+            (t, m) for t in ("fp16", "bf16") for m in (False, True)
+        }
+    assert {c.head_dim for c in GPU_CASES if c.config} == {64, 128, 192, 256}
     assert any(c.deterministic for c in GPU_CASES) and any(c.deterministic for c in CPU_CASES)
     assert len({c.id for c in GPU_CASES}) == len(GPU_CASES)
 

@@ -148,7 +148,7 @@ def test_the_restriction_of_some_cases_holds_them_and_no_less():
 
 def test_the_sm90a_plants_build_the_wgmma_forward_and_the_combine_only():
     restriction = kernels.restriction_for_cases(map(kernels.gate_case, SM90A_PLANT_CASES))
-    assert restriction.text() == "op=fwd_sm90a,combine config=5,6,7"
+    assert restriction.text() == "op=fwd_sm90a,combine head_dim=64,128 config=5,6,7"
     assert not restriction.holds("fwd", "bf16", 128, 2)
     assert not restriction.holds("bwd_sm90a", "bf16", 128, 3)
 
@@ -167,7 +167,7 @@ def test_a_plant_process_on_cuda_builds_only_its_cases_kernels(monkeypatch):
     restriction the test run itself has is not inherited."""
     monkeypatch.setenv(_loader.ONLY_VAR, "op=paged")
     env = planted_process_env(9, "cuda", SM90A_PLANT_CASES)
-    assert env[_loader.ONLY_VAR] == "op=fwd_sm90a,combine config=5,6,7"
+    assert env[_loader.ONLY_VAR] == "op=fwd_sm90a,combine head_dim=64,128 config=5,6,7"
     assert env["FLASHMOE_BUILD_DEFINES"] == "FLASHMOE_PLANT_BUG=9"
     for bug, device in ((9, "cpu"), (0, "cuda")):
         assert _loader.ONLY_VAR not in planted_process_env(bug, device, SM90A_PLANT_CASES)

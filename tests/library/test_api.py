@@ -284,7 +284,10 @@ def test_any_head_dim_on_cpu():
 # ---- head dims: v's (Dv) may differ from q's and k's (D); the output takes v's ------------------
 
 # (D, Dv) pairs the CUDA kernels do not take yet, each refused on CUDA before any launch.
-CUDA_REFUSED_HEAD_DIMS = [(96, 96), (256, 256), (80, 80), (192, 192), (192, 128), (128, 64)]
+# Not multiples of 8 (the kernels copy 16-byte chunks), or past 256 (the widest tile)
+CUDA_REFUSED_HEAD_DIMS = [(100, 100), (4, 4), (264, 264), (192, 132), (120, 264)]
+# Run on the narrowest tile that holds q's and k's head dim and v's: 64, 128, 192 or 256
+CUDA_PADDED_HEAD_DIMS = [(80, 80), (96, 96), (160, 160), (8, 8), (248, 248), (192, 128), (128, 64)]
 
 
 def split_qkv(device="cpu", d=192, dv=128, b=2, hq=4, hkv=2, sq=16, sk=64):
@@ -347,6 +350,51 @@ def test_gradients_take_the_head_dims_of_their_inputs():
     packed_grads = torch.autograd.grad(out, packed_inputs, _packed(dout))
     for got, dense in zip(packed_grads, grads, strict=True):
         torch.testing.assert_close(got, _packed(dense), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dims", CUDA_PADDED_HEAD_DIMS, ids=str)
+def test_every_cuda_operator_at_a_padded_head_dim(head_dims):
+    """On CUDA, head dims below their tile (80 on 128, 8 on 64, 248 on 256, v's 128 under q's 192,
+    v's 64 under q's 128): the forward (split and not), decode with cache lengths and split-KV, a
+    paged cache, a packed batch and the gradients each match the fp64 reference at v's head dim,
+    with no padded column leaking into the scores or the output."""
+    from flashmoe_science import flash_attention_varlen_forward
+    from flashmoe_science.pipeline.gates.backward import reference_grads
+
+    d, dv = head_dims
+    q, k, v = split_qkv("cuda", d, dv, sq=16, sk=64)
+    scale = 1 / math.sqrt(d)
+    ref, ref_lse = gates.attention_reference(q, k, v, True, scale)
+    for splits in (1, 3):
+        out, lse = flash_attention_forward(q, k, v, True, return_lse=True, num_splits=splits)
+        assert out.shape == (2, 4, 16, dv)
+        assert (out.double() - ref).abs().max() < 2e-2, splits
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-3, rtol=1e-3)
+    lengths = torch.tensor([64, 37], dtype=torch.int32, device="cuda")
+    ref_decode, _ = gates.attention_reference(q[:, :, -1:], k, v, True, scale, lengths)
+    k_pages, v_pages = (t.transpose(1, 2).reshape(-1, 16, 2, t.shape[-1]) for t in (k, v))
+    table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
+    for decoded in (
+        flash_attention_decode(q[:, :, -1:], k, v, lengths, num_splits=3),
+        flash_attention_decode(q[:, :, -1:], k_pages, v_pages, lengths, block_table=table),
+    ):
+        assert decoded.shape == (2, 4, 1, dv)
+        assert (decoded.double() - ref_decode).abs().max() < 2e-2
+    cu = (
+        torch.tensor([0, 16, 32], dtype=torch.int32, device="cuda"),
+        torch.tensor([0, 64, 128], dtype=torch.int32, device="cuda"),
+    )
+    packed = flash_attention_varlen_forward(_packed(q), _packed(k), _packed(v), *cu, 16, 64, True)
+    assert packed.shape == (32, 4, dv)
+    assert (packed.double() - _packed(ref)).abs().max() < 2e-2
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(2, 4, 16, dv, generator=torch.Generator().manual_seed(2))
+    dout = dout.to("cuda", torch.bfloat16)
+    grads = torch.autograd.grad(flash_attention_forward(*inputs, True), inputs, dout)
+    expected = reference_grads(q, k, v, dout, True, scale)
+    for got, want, name in zip(grads, expected, "qkv", strict=True):
+        assert got.shape == want.shape and (got.double() - want).abs().max() < 5e-2, name
 
 
 def test_opcheck_with_a_head_dim_of_v_of_its_own():
@@ -440,16 +488,23 @@ def test_head_dims_cuda_does_not_take_yet_say_what_it_does(head_dims):
     reason = ops.head_dims_unsupported_reason(head_dim, head_dim_v)
     assert not ops.head_dims_supported(head_dim, head_dim_v)
     assert "\n" not in reason and reason.startswith(f"head_dim={head_dim} ")
-    assert "is not supported on CUDA; supported: 64, 128" in reason
+    assert "is not supported on CUDA; supported: multiples of 8 up to 256" in reason
     assert "the CPU implementation takes any head_dim" in reason
     if head_dim_v != head_dim:
-        assert f"with v's head_dim={head_dim_v}" in reason and "equal to q's and k's" in reason
+        assert f"with v's head_dim={head_dim_v}" in reason and "v's may differ" in reason
 
 
 def test_head_dims_cuda_takes():
-    for head_dim in (64, 128):
+    """The tiles' head dims, and every multiple of 8 up to 256 padded onto the narrowest tile that
+    holds q's and k's and v's (DeepSeek's 192 with v's 128 among them)."""
+    for head_dim in (64, 128, 192, 256):
         assert ops.head_dims_unsupported_reason(head_dim) is None
         assert ops.head_dims_supported(head_dim, head_dim)
+    for head_dims in CUDA_PADDED_HEAD_DIMS:
+        assert ops.head_dims_unsupported_reason(*head_dims) is None, head_dims
+    assert [ops.head_dims_supported(d) for d in range(8, 264, 4)] == [
+        d % 8 == 0 and d <= 256 for d in range(8, 264, 4)
+    ]
     with pytest.raises(ValueError, match="head_dim_v must be an int"):
         ops.head_dims_unsupported_reason(64, 0)
 

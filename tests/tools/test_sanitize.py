@@ -321,6 +321,44 @@ def test_a_crash_without_findings_is_an_error_not_a_pass():
     assert sanitize.tool_status(report, None, timed_out=True) == "timeout"
 
 
+def test_a_workload_that_dies_before_its_first_call_says_its_exception(
+    isolated, fake_gpu, fake_sanitizer, capsys
+):
+    """A workload that raises before any call: the reason quotes its exception, not the tool's
+    summary line printed after it."""
+    fake_sanitizer(
+        "memcheck",
+        "========= COMPUTE-SANITIZER\nTraceback (most recent call last):\n"
+        "NameError: name 'padded_head_dim_workload' is not defined\n"
+        "========= ERROR SUMMARY: 0 errors\n",
+        rc=1,
+    )
+    assert sanitize.main(["--tool", "memcheck"]) == exitcodes.GATE_FAILED
+    assert (
+        "memcheck: error: the workload exited 1 before any call without a finding: "
+        "NameError: name 'padded_head_dim_workload' is not defined" in capsys.readouterr().out
+    )
+
+
+def test_the_workload_module_run_as_a_script_lists_every_case():
+    """`python -m ...sanitize --list` runs the module as __main__, as compute-sanitizer runs the
+    workload: every function the cases need is defined before main() runs (a workload appended
+    after the main guard raised NameError under every tool, and only there)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "flashmoe_science.pipeline.tools.sanitize", "--list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    listed = done.stdout.split()
+    assert len(listed) >= 500 and len(set(listed)) == len(listed)
+    assert any("-d80-" in case_id for case_id in listed)
+    assert any("-d192v128-" in case_id for case_id in listed)
+
+
 @pytest.mark.parametrize("text", [NOT_SUPPORTED, ERROR_999, NO_PERMISSION])
 def test_not_permitted_or_not_supported(text):
     report = sanitize.parse_sanitizer_output("memcheck", text)
@@ -336,13 +374,17 @@ def test_not_permitted_or_not_supported(text):
 def test_workload_covers_every_code_path():
     workload = sanitize.workload_cases()
     assert len({c.id for c in workload}) == len(workload)
-    cases = [c for c in workload if isinstance(c, Case)]  # packed and paged calls: tests below
+    # packed and paged calls, the head dims past 128 and the padded ones: tests below
+    cases = [
+        c for c in workload if isinstance(c, Case) and c.head_dim in (64, 128) and not c.head_dim_v
+    ]
     fwd = [c for c in cases if c.kind == "prefill"]
     dec = [c for c in cases if c.kind == "decode"]
     bwd = [c for c in cases if c.kind == "backward"]
     # racecheck's wall time grows with it (~0.1 s a call on an H100); 430 since configuration 6
-    # (26 calls at head dim 64), 450 since configuration 7 (14 at head dim 128)
-    assert len(workload) <= 450
+    # (26 calls at head dim 64), 450 since configuration 7 (14 at head dim 128), 540 since head
+    # dims 192 and 256 (94), 575 since the padded head dims (34)
+    assert len(workload) <= 575
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration this GPU runs (all of them, wgmma included, for an
@@ -428,7 +470,7 @@ def test_workload_covers_packed_batches():
     from flashmoe_science.pipeline.gates.varlen import VARLEN_CONFIGS, VarlenCase
 
     cases = sanitize.workload_cases()
-    varlen = [c for c in cases if isinstance(c, VarlenCase)]
+    varlen = [c for c in cases if isinstance(c, VarlenCase) and c.head_dim in (64, 128)]
     configs = [c for c in sanitize.workload_configs() if c in VARLEN_CONFIGS]
     assert configs == [1, 2, 4, 5]  # listed without a GPU: all of them
     keys = {(c.dtype, c.head_dim, c.config, c.causal) for c in varlen}
@@ -449,7 +491,9 @@ def test_workload_covers_packed_batches():
             assert {0, 1, 17, 65, 129, 257} <= lengths
             assert any(q < k for q, k in pairs) and any(q > k for q, k in pairs)
             assert any(q and not k for q, k in pairs)  # queries without keys
-    backward = [c for c in cases if isinstance(c, sanitize.VarlenBackward)]
+    backward = [
+        c for c in cases if isinstance(c, sanitize.VarlenBackward) and c.forward.head_dim <= 128
+    ]
     assert sorted((c.forward.dtype, c.forward.head_dim) for c in backward) == [
         ("bf16", 64),
         ("bf16", 128),
@@ -465,7 +509,9 @@ def test_workload_covers_paged_decode():
     page tables, with empty caches and partial last pages, forced and automatic splits."""
     from flashmoe_science.pipeline.gates.paged import PagedCase, make_paged_inputs
 
-    paged = [c for c in sanitize.workload_cases() if isinstance(c, PagedCase)]
+    paged = [
+        c for c in sanitize.workload_cases() if isinstance(c, PagedCase) and c.head_dim in (64, 128)
+    ]
     assert {(c.dtype, c.head_dim, c.page_size) for c in paged} == {
         (t, d, p) for t in ("fp16", "bf16") for d in (64, 128) for p in (16, 64, 256)
     }
@@ -480,6 +526,57 @@ def test_workload_covers_paged_decode():
     assert {c.seqlen_q for c in paged} == {1, 4}
     _, _, _, table, _ = make_paged_inputs(paged[0], "cpu", seed=0)
     assert not torch.equal(table.flatten(), table.flatten().sort().values)  # shuffled
+
+
+def test_workload_covers_wide_head_dims():
+    """Head dims 192 and 256, both dtypes: every mma.sync forward configuration the card runs
+    (1 at 192 only: at 256 it needs more shared memory than an sm86/sm89 block has) and the
+    automatic choice over odd lengths with forced and automatic splits, decode with a fused
+    combine over short caches, paged decode, packed batches and their backward, and the backward
+    (1 and automatic) with dQ by atomics and deterministic; appended, so the other calls keep
+    their order."""
+    from flashmoe_science.pipeline.gates.paged import PagedCase
+    from flashmoe_science.pipeline.gates.varlen import VarlenCase
+
+    workload = sanitize.workload_cases()
+    assert sanitize.WIDE_HEAD_DIMS == (192, 256)
+    first_wide = next(i for i, c in enumerate(workload) if getattr(c, "head_dim", 0) > 128)
+    wide = sanitize.wide_head_dim_workload(sanitize.workload_configs())
+    assert workload[first_wide : first_wide + len(wide)] == wide
+    pairs = {(t, d) for t in ("fp16", "bf16") for d in (192, 256)}
+    cases = [c for c in wide if isinstance(c, Case)]
+    fwd = [c for c in cases if c.kind == "prefill"]
+    assert {(c.dtype, c.head_dim, c.config) for c in fwd} == {
+        (t, d, k) for t, d in pairs for k in (0, 1, 2, 3, 4) if k != 1 or d == 192
+    }
+    for key in {(c.dtype, c.head_dim, c.config) for c in fwd}:
+        mine = [c for c in fwd if (c.dtype, c.head_dim, c.config) == key]
+        assert {c.causal for c in mine} == {False, True}
+        assert any(c.seqlen_q > c.seqlen_k for c in mine) and any(
+            c.seqlen_q < c.seqlen_k for c in mine
+        )
+        assert {c.num_splits for c in mine} == {0, 1, 3}
+    assert any(c.heads_q > c.heads_kv for c in fwd) and any(c.layout == "bshd" for c in fwd)
+    dec = [c for c in cases if c.kind == "decode"]
+    assert {(c.dtype, c.head_dim) for c in dec} == pairs
+    assert all(
+        any(c.num_splits == 7 and c.cache_seqlens for c in dec if (c.dtype, c.head_dim) == p)
+        for p in pairs
+    )
+    bwd = [c for c in cases if c.kind == "backward"]
+    assert {(c.dtype, c.head_dim, c.config, c.deterministic) for c in bwd} == {
+        (t, d, k, det) for t, d in pairs for k in (0, 1) for det in (False, True)
+    }
+    paged = [c for c in wide if isinstance(c, PagedCase)]
+    assert {(c.dtype, c.head_dim) for c in paged} == pairs and {16, 64} <= {
+        c.page_size for c in paged
+    }
+    varlen = [c for c in wide if isinstance(c, VarlenCase)]
+    assert {(c.dtype, c.head_dim, c.config) for c in varlen} == {
+        (t, d, k) for t, d in pairs for k in (0, 2)
+    }
+    backward = [c for c in wide if isinstance(c, sanitize.VarlenBackward)]
+    assert {(c.forward.dtype, c.forward.head_dim) for c in backward} == pairs
 
 
 @pytest.fixture(scope="module")
@@ -969,3 +1066,31 @@ const __half *, long, int, int, int)+0x1b70 in /work/main/csrc/flash_kernel_util
     (finding,) = sanitize.parse_sanitizer_output("memcheck", text).findings
     assert finding.kernel == FWD_SHORT
     assert finding.where == "flash_kernel_utils.cuh:157 (load_kv_tile)"
+
+
+def test_workload_covers_padded_head_dims_last():
+    """80 and 96 on the 128 tile and v's 128 under 192: each mma.sync forward configuration the
+    card runs and the automatic choice, split partials and their combine, decode with a fused
+    combine, the backward (1 and automatic, atomic and deterministic dQ), and paged decode and
+    packed batches where v's head dim is q's; appended after the wide head dims."""
+    from flashmoe_science.pipeline.gates.paged import PagedCase
+    from flashmoe_science.pipeline.gates.varlen import VarlenCase
+
+    workload = sanitize.workload_cases()
+    padded = sanitize.padded_head_dim_workload(sanitize.workload_configs())
+    assert workload[-len(padded) :] == padded
+    assert sanitize.PADDED_HEAD_DIMS == ((80, 80), (96, 96), (192, 128))
+    for dims in sanitize.PADDED_HEAD_DIMS:
+        mine = [c for c in padded if isinstance(c, Case) and (c.head_dim, c.value_head_dim) == dims]
+        fwd = [c for c in mine if c.kind == "prefill"]
+        assert {c.config for c in fwd} == {
+            0,
+            *[k for k in (1, 2, 4) if k in sanitize.workload_configs()],
+        }
+        assert any(c.num_splits > 1 for c in fwd)
+        assert [c.num_splits for c in mine if c.kind == "decode"] == [7]
+        bwd = {(c.config, c.deterministic) for c in mine if c.kind == "backward"}
+        assert bwd == {(0, False), (0, True), (1, False), (1, True)}
+        others = [c for c in padded if not isinstance(c, Case) and c.head_dim == dims[0]]
+        expected = {PagedCase, VarlenCase} if dims[0] == dims[1] else set()
+        assert {type(c) for c in others} == expected

@@ -27,11 +27,13 @@ KV_CACHE_LIMIT_BYTES = 8 * 1024**3  # decode cases whose K+V exceed this are lef
 
 
 def prefill_cases(seqlens, tokens, heads_for_dim, dtypes=("fp16", "bf16")) -> list[Case]:
-    """B*S = tokens for every S (the FA2 benchmark's 16k-token sweep)."""
+    """B*S = tokens for every S (the FA2 benchmark's 16k-token sweep). heads_for_dim's keys are a
+    head dim or (q's and k's, v's)."""
     return [
-        Case("prefill", dtype, tokens // s, heads, heads, s, s, d, causal)
+        Case("prefill", dtype, tokens // s, heads, heads, s, s, d, causal, head_dim_v=dv)
         for dtype in dtypes
-        for d, heads in heads_for_dim.items()
+        for dims, heads in heads_for_dim.items()
+        for d, dv in [dims if isinstance(dims, tuple) else (dims, dims)]
         for s in seqlens
         for causal in (False, True)
     ]
@@ -54,6 +56,7 @@ def training_cases(
             c.head_dim,
             c.causal,
             config=config,
+            head_dim_v=c.head_dim_v,
         )
         for kind in kinds
         for c in prefill_cases(seqlens, tokens, heads_for_dim, dtypes)
@@ -107,12 +110,23 @@ def feature_cases(
     ]
 
 
+# The head dims past the 64/128 sweeps, at hidden size 2048 (2048 // d heads, as FlashAttention-3's
+# benchmark takes them): Phi-3's 96 (on the 128 tile, padded), 192 and Gemma's 256, DeepSeek's
+# multi-head latent attention prefill (q and k 192, v 128)
+WIDE_HEADS = {96: 21, 192: 10, 256: 8, (192, 128): 10}
+WIDE_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
 def gpu_matrix() -> list[Case]:
     return [
         *prefill_cases((128, 256, 512, 1024, 2048, 4096, 8192, 16384), 16384, {64: 32, 128: 16}),
+        *prefill_cases(WIDE_SEQLENS, 16384, WIDE_HEADS, ("bf16",)),
         *decode_cases((1024, 4096, 8192, 16384, 32768, 65536, 131072), (1, 4, 16), 32, (32, 8)),
+        # Gemma 2 9B's decode: 16 query heads on 8 KV heads of 256
+        *decode_cases((8192, 32768, 131072), (1, 4), 16, (8,), head_dim=256),
         *small_cases(),
         *training_cases((512, 1024, 2048, 4096, 8192, 16384), 16384, {64: 32, 128: 16}),
+        *training_cases(WIDE_SEQLENS, 16384, WIDE_HEADS, ("bf16",), ("backward",)),
         # backward configuration 1 is what the L4 (sm_89, 99 KB of shared memory a block) runs
         *training_cases(
             (512, 2048, 8192), 16384, {64: 32, 128: 16}, ("bf16",), ("backward",), config=1

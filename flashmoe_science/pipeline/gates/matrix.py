@@ -385,6 +385,12 @@ def cpu_tier_ids() -> frozenset[str]:
 
 # Forced configurations and deterministic calls run over these (Sq, Sk) pairs.
 FORCED_PAIRS = ((1, 1), (65, 65), (257, 257), (1000, 1000), (113, 203), (2048, 2047))
+# The head dims past 128 the CUDA kernels take, each with backward configuration 1 forced: its
+# warps share their keys (16 keys among 2 or 4 warps), and the automatic choice takes it only
+# where 2 does not fit (sm86/sm89), so an H100 gates it only here. 2 needs more shared memory than
+# an sm86/sm89 block has, and 3 (wgmma) takes 64 and 128 only: both run through the automatic
+# choice where they can.
+WIDE_FORCED_BACKWARD = ((192, 1), (256, 1))
 DETERMINISTIC_PAIRS = ((129, 129), (1000, 1000), (203, 113))
 DETERMINISTIC_PAIRS_CPU = ((129, 129), (203, 113))
 
@@ -392,8 +398,8 @@ DETERMINISTIC_PAIRS_CPU = ((129, 129), (203, 113))
 def backward_cases(tier: str) -> Iterator[Case]:
     """Backward gate cases. tier "gpu": the forward's sequence-length matrix (every S, Sq != Sk both
     ways, GQA 1/4/8, causal both, both dtypes, every head dims of HEAD_DIMS, strided views), every
-    backward configuration forced (64 and 128), and deterministic calls; tier "cpu": a
-    representative subset."""
+    backward configuration forced (64 and 128; WIDE_FORCED_BACKWARD past 128), and deterministic
+    calls; tier "cpu": a representative subset."""
     from ...ops import BACKWARD_CONFIGS
 
     gpu = tier == "gpu"
@@ -433,6 +439,9 @@ def backward_cases(tier: str) -> Iterator[Case]:
         yield case(
             dtype, head_dim, causal, seqlen_q, seqlen_k, deterministic=True, head_dim_v=head_dim_v
         )
+    variants = itertools.product(WIDE_FORCED_BACKWARD, DTYPES, (False, True), FORCED_PAIRS)
+    for (head_dim, config), dtype, causal, (seqlen_q, seqlen_k) in variants:
+        yield case(dtype, head_dim, causal, seqlen_q, seqlen_k, config=config)
     yield from feature_cases("gpu", "backward")
 
 

@@ -20,8 +20,9 @@ such a cache on the wgmma kernels (copying K and V with cp.async); the backward 
 backward configuration; packed (varlen) batches that mix lengths 0, 1, 17 and one past a block's
 end with Sq != Sk both ways, per forward configuration that has a packed variant, and their
 backward; decode against paged caches of block sizes 16, 64 and 256 with shuffled page tables,
-empty caches and partial last pages, forced and automatic splits. Varlen and paged inputs come
-from their gates' own builders (varlen_gates.py, paged_gates.py).
+empty caches and partial last pages, forced and automatic splits; and for head dims 192 and 256 a
+smaller block of the same paths (wide_head_dim_workload). Varlen and paged inputs come from their
+gates' own builders (varlen_gates.py, paged_gates.py).
 
 Each tool runs as `compute-sanitizer --tool T --error-exitcode 99 --print-limit 20
 [--racecheck-report all] [--check-bulk-copy yes] [--check-warpgroup-mma yes] --kernel-name kns=K
@@ -281,7 +282,13 @@ def _all_workload_cases() -> list:
                                 deterministic=deterministic,
                             )
                         )
-    return cases + varlen_workload(configs) + paged_workload()
+    return [
+        *cases,
+        *varlen_workload(configs),
+        *paged_workload(),
+        *wide_head_dim_workload(configs),
+        *padded_head_dim_workload(configs),
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +368,93 @@ def paged_workload() -> list:
             )
         page_size = PAGE_SIZES[block % len(PAGE_SIZES)]
         cases.append(PagedCase(dtype, head_dim, 8, 2, 1, PAGED_LONG_LENGTHS, page_size))
+    return cases
+
+
+# The head dims past 128 (_loader.CUDA_HEAD_DIMS), whose kernels copy rows in column passes and
+# whose backward shares each 16 keys between warps through shared memory. Configuration 1 takes
+# more shared memory at 256 than an sm86/sm89 block has (the operator refuses it there), so it is
+# forced at 192 only; the automatic choice (0) runs 1 or 4 at 256 where they fit. The backward
+# forces 1 (it fits every card) and runs 2 through the automatic choice where it fits.
+WIDE_HEAD_DIMS = tuple(d for d in _loader.CUDA_HEAD_DIMS if d > 128)
+WIDE_FWD_SHAPES = ((65, 65, True, 0), (17, 257, False, 3), (257, 17, True, 1))
+
+
+def wide_head_dim_workload(configs: Sequence[int]) -> list:
+    """The kernels of WIDE_HEAD_DIMS per dtype: the mma.sync forward configurations this GPU runs
+    and the automatic choice over odd lengths (forced and automatic splits, GQA 4 and a strided
+    view), decode with a fused split combine over short caches, paged decode (a small and a large
+    block size), packed batches and their backward, and the backward (1 and automatic) with dQ by
+    atomics and deterministic."""
+    from ..cases import Case
+    from ..gates.paged import PagedCase
+    from ..gates.varlen import VarlenCase
+
+    cases: list = []
+    for dtype, head_dim in itertools.product(("fp16", "bf16"), WIDE_HEAD_DIMS):
+        forced = [c for c in (1, 2, 3, 4) if c in configs and (c != 1 or head_dim <= 192)]
+        for index, (config, shape) in enumerate(itertools.product((0, *forced), WIDE_FWD_SHAPES)):
+            seqlen_q, seqlen_k, causal, splits = shape
+            cases.append(
+                Case(
+                    "prefill",
+                    dtype,
+                    1 + index % 2,
+                    8,
+                    2 if index % 3 == 1 else 8,
+                    seqlen_q,
+                    seqlen_k,
+                    head_dim,
+                    causal,
+                    layout="bshd" if index % 4 == 2 else "bhsd",
+                    config=config,
+                    num_splits=splits,
+                )
+            )
+        for splits, lens in ((7, (0, 1, 257)), (0, None)):
+            cases.append(
+                Case(
+                    "decode",
+                    dtype,
+                    3 if lens else 1,
+                    8,
+                    2,
+                    1,
+                    257,
+                    head_dim,
+                    True,
+                    num_splits=splits,
+                    cache_seqlens=lens,
+                )
+            )
+        page_size = 16 if dtype == "fp16" else 64
+        cases.append(PagedCase(dtype, head_dim, 8, 2, 1, PAGED_LENGTHS, page_size, num_splits=3))
+        for config in (0, 2):
+            lengths_q, lengths_k = VARLEN_LENGTHS[config // 2]
+            cases.append(
+                VarlenCase(
+                    dtype, head_dim, 4, 1 if config else 4, lengths_q, lengths_k, True, config
+                )
+            )
+        lengths_q, lengths_k = VARLEN_LENGTHS[1]
+        cases.append(VarlenBackward(VarlenCase(dtype, head_dim, 4, 1, lengths_q, lengths_k, False)))
+        for config, deterministic in itertools.product((0, 1), (False, True)):
+            cases.append(
+                Case(
+                    "backward",
+                    dtype,
+                    1,
+                    8,
+                    2,
+                    129,
+                    257 if deterministic else 65,
+                    head_dim,
+                    True,
+                    layout="bshd" if config else "bhsd",
+                    config=config,
+                    deterministic=deterministic,
+                )
+            )
     return cases
 
 
@@ -486,6 +580,7 @@ class ToolReport:
         return [f for f in self.findings if f.severity != "api"]
 
 
+SANITIZER_PREFIX = "========="  # how compute-sanitizer starts each line it prints
 _PREFIX_RE = re.compile(r"^========= ?(?P<body>.*)$")
 _ACCESS_RE = re.compile(r"^(?:Invalid|Misaligned) \S+ (?:read|write|atomic)\w* of size \d+ bytes?")
 _UNINIT_RE = re.compile(r"^Uninitialized \S+ memory read of size \d+ bytes?")
@@ -1038,7 +1133,10 @@ def _reason(report: ToolReport, status: str, returncode, timeout: float, text: s
     if status == "timeout":
         return f"stopped after {timeout:.0f} s ({report.cases_started} calls started)"
     if status == "error":
-        tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-1:] or ["no output"]
+        # The workload's own last line (a traceback's exception), not the tool's summary after it.
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        own = [ln for ln in lines if not ln.startswith(SANITIZER_PREFIX)]
+        tail = own[-1:] or lines[-1:] or ["no output"]
         where = f"after {report.cases_started} calls" if report.cases_started else "before any call"
         return f"the workload exited {returncode} {where} without a finding: {tail[0][:200]}"
     if status == "unusable":
@@ -1053,6 +1151,81 @@ def _write(doc: dict, out: Path) -> None:
     tmp = path.with_name(".sanitize.json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
+
+
+# Head dims padded onto a wider tile (ops.head_dims_supported: q's and k's, v's): 80 and 96 on the
+# 128 tile, v's 128 under q's and k's 192 on the 192 tile. Their copies zero-fill the tile's
+# columns past each tensor's head dim and their stores leave them out, in every kernel family.
+PADDED_HEAD_DIMS = ((80, 80), (96, 96), (192, 128))
+
+
+def padded_head_dim_workload(configs: Sequence[int]) -> list:
+    """PADDED_HEAD_DIMS in bf16: the mma.sync forward configurations this GPU runs and the
+    automatic choice, with forced splits (the partials and the combine); decode with a fused
+    combine; the backward (1 and automatic) with dQ by atomics and deterministic; paged decode
+    and packed batches where v's head dim is q's (their cases have one head dim)."""
+    from ..cases import Case
+    from ..gates.paged import PagedCase
+    from ..gates.varlen import VarlenCase
+
+    cases: list = []
+    for head_dim, head_dim_v in PADDED_HEAD_DIMS:
+        dims = {"head_dim": head_dim, "head_dim_v": head_dim_v}
+        forced = [c for c in (1, 2, 4) if c in configs]
+        for index, config in enumerate((0, *forced)):
+            seqlen_q, seqlen_k, causal, splits = WIDE_FWD_SHAPES[index % len(WIDE_FWD_SHAPES)]
+            cases.append(
+                Case(
+                    "prefill",
+                    "bf16",
+                    2,
+                    8,
+                    2,
+                    seqlen_q,
+                    seqlen_k,
+                    causal=causal,
+                    config=config,
+                    num_splits=splits,
+                    **dims,
+                )
+            )
+        cases.append(Case("prefill", "bf16", 1, 8, 8, 65, 300, causal=False, num_splits=3, **dims))
+        cases.append(
+            Case(
+                "decode",
+                "bf16",
+                3,
+                8,
+                2,
+                1,
+                257,
+                causal=True,
+                num_splits=7,
+                cache_seqlens=(0, 1, 257),
+                **dims,
+            )
+        )
+        for config, deterministic in itertools.product((0, 1), (False, True)):
+            cases.append(
+                Case(
+                    "backward",
+                    "bf16",
+                    1,
+                    8,
+                    2,
+                    129,
+                    257 if deterministic else 65,
+                    causal=True,
+                    config=config,
+                    deterministic=deterministic,
+                    **dims,
+                )
+            )
+        if head_dim == head_dim_v:
+            cases.append(PagedCase("bf16", head_dim, 8, 2, 1, PAGED_LENGTHS, 16, num_splits=3))
+            lengths_q, lengths_k = VARLEN_LENGTHS[0]
+            cases.append(VarlenCase("bf16", head_dim, 4, 4, lengths_q, lengths_k, True, 0))
+    return cases
 
 
 if __name__ == "__main__":
