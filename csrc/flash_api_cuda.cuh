@@ -1005,10 +1005,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   }
   const int smem_limit = dev.smem_per_block;
   if (config == 0) {
-    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok
-                 ? kSm90aBwdConfig
-             : bwd_smem_bytes(2, head_dim, deterministic) <= smem_limit ? 2
-                                                                        : 1;
+    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok ? kSm90aBwdConfig
+             : bwd_smem_bytes(2, head_dim, deterministic) <= smem_limit  ? 2
+                                                                         : 1;
   }
   FLASHMOE_CHECK_VALUE(bwd_smem_bytes(int(config), head_dim, deterministic) <= smem_limit,
                        "backward_config=", config, " needs ",

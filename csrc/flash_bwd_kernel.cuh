@@ -155,8 +155,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
   load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, p.head_dim / 8, tid);
-  load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, p.head_dim_v / 8,
-                                tid);
+  load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, p.head_dim_v / 8, tid);
   cp_async_commit();
 
   // This warp's keys within the block (dK and dV rows), and with a column split its part: the
@@ -211,8 +210,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
     const T* q_base = static_cast<const T*>(p.q) + at.b * p.q_batch_stride + at.h * p.q_head_stride;
     const T* do_base =
         static_cast<const T*>(p.dout) + at.b * p.do_batch_stride + at.h * p.do_head_stride;
-    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, at.m0, p.seqlen_q, p.head_dim / 8,
-                                  t);
+    load_kv_tile<D, BM, kThreads>(sQ, q_base, p.q_row_stride, at.m0, p.seqlen_q, p.head_dim / 8, t);
     load_kv_tile<D, BM, kThreads>(sdO, do_base, p.do_row_stride, at.m0, p.seqlen_q,
                                   p.head_dim_v / 8, t);
     cp_async_commit();
@@ -581,8 +579,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   for (int n = 0; n < n_end; ++n) {
     load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n * BN, p.seqlen_k, p.head_dim / 8,
                                   tid);
-    load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n * BN, p.seqlen_k,
-                                  p.head_dim_v / 8, tid);
+    load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n * BN, p.seqlen_k, p.head_dim_v / 8,
+                                  tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();  // K(n), V(n) (and Q, dO on the first step) have landed

@@ -63,10 +63,10 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
   // (the host runs this kernel only unpadded: every chunk of a row is the tensor's)
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k,
-                                                  D / 8, tid);
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k,
-                                                  D / 8, tid);
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, D / 8,
+                                                  tid);
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, D / 8,
+                                                  tid);
   cp_async_commit();
 
   int group = p.heads_ratio;

@@ -352,8 +352,9 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
     float* o_part = p.o_accum + (esplit * rows_all + lse_index) * p.head_dim_v + c0;
 #pragma unroll
     for (int e = 0; e < kCols; e += 4)
-      if (c0 + e < p.head_dim_v) *reinterpret_cast<float4*>(o_part + e) =
-          make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
+      if (c0 + e < p.head_dim_v)
+        *reinterpret_cast<float4*>(o_part + e) =
+            make_float4(out[e], out[e + 1], out[e + 2], out[e + 3]);
     if (c0 == 0) p.lse_accum[esplit * rows_all + lse_index] = lse;
   }
 

@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(128)
   const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   if (row >= rows) return;
-  const int first = lane * kPerLane;  // this lane's first column
+  const int first = lane * kPerLane;             // this lane's first column
   const int col0 = min(first, cols - kPerLane);  // where it reads (even: float2-aligned)
   float acc[kPerLane];
   const float lse_row = combine_splits<kPerLane, kPerLane <= 4 ? 16 : 8>(

@@ -484,9 +484,8 @@ struct Sm90Block {
     if (n * BN + BN > t.len_k) return;  // planted: the last, partial key tile is never copied
 #endif
     // (the host runs these kernels only unpadded: every chunk of a row is the tensor's)
-    load_kv_tile<D, BN, Traits::kLoadThreads, /*kPanels=*/true>(tiles + buf * BN * D, base,
-                                                                row_stride, n * BN, t.len_k, D / 8,
-                                                                tid);
+    load_kv_tile<D, BN, Traits::kLoadThreads, /*kPanels=*/true>(
+        tiles + buf * BN * D, base, row_stride, n * BN, t.len_k, D / 8, tid);
   }
   template <typename T>
   __device__ __forceinline__ const T* k_base(const AttentionParams& p) const {
