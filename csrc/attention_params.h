@@ -42,7 +42,8 @@ namespace flashmoe {
 //       head dim hold the next row's values instead of zeros, which leak into the scores
 //   15: the backward's delta (rowsum dO * O) is summed over q's and k's head dim, not v's: it
 //       reads past each row of o and dout where v's head dim is the smaller
-// and the bugs of local attention, soft-capping and sinks (the CPU implementation's, for now):
+// and the bugs of local attention, soft-capping and sinks (the CPU implementation's; 20 and 21
+// also in the CUDA mma.sync forward and decode kernels, 23 in the CUDA decode kernel):
 //   20: the window's left edge off by one (a query sees one key too few: j > p - window_left)
 //   21: softcap applied after the mask, so a masked key's -inf score becomes -softcap and the key
 //       is attended to (forward)
@@ -128,7 +129,7 @@ struct AttentionParams {
   bool q_tma;
 
   // v's last dimension, the output's (Dv; head_dim is q's and k's, Dqk). Last, so the fields the
-  // kernels read keep their offsets; the CUDA operators take Dv == Dqk only, the CPU any.
+  // kernels read keep their offsets.
   int head_dim_v;
 
   // Local attention, soft-capping and sinks, FlashAttention's conventions (resolve_window): query
@@ -137,10 +138,13 @@ struct AttentionParams {
   // window_right = 0 and sets `causal` too. softcap > 0 turns each scaled score s into
   // softcap * tanh(s / softcap) before the mask and the softmax. sinks (fp32 [Hq], or null) adds
   // exp(sinks[h]) to every row's softmax denominator, with no value. After every field the
-  // kernels read: the CUDA operators take none of them yet (cuda_features_problem).
+  // kernels read. The CUDA forward kernels (mma.sync and decode) take them; with softcap > 0 the
+  // host sets softcap_scale = softmax_scale / softcap and the softmax's scale to 1 (the capped
+  // score is already scaled).
   int window_left, window_right;
   float softcap;
   const float* sinks;
+  float softcap_scale;
 };
 
 // The backward pass: gradients of out = softmax(q k^T * scale) v with respect to q, k and v, given

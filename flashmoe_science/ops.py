@@ -252,14 +252,21 @@ def features_unsupported_reason(
     softcap: float = 0.0,
     sinks: bool = False,
     causal: bool = False,
+    *,
+    backward: bool = True,
 ) -> str | None:
     """Why the CUDA operators cannot take this window, softcap or sinks (whether any are passed)
-    yet, in the one line they raise before any kernel launch; None when they can (no window but
-    causal's, softcap 0, no sinks). The CPU implementation takes them all."""
+    yet, in the one line they raise before any kernel launch; None when they can. The forward
+    operators (prefill, packed, decode, paged) take them all (backward=False: None); the backward
+    takes none yet (backward=True, for a call that will need gradients). The CPU implementation
+    takes them all."""
     left, right, softcap, _ = _features(window_size, softcap, None)
     _check_bool("sinks", sinks)
     _check_bool("causal", causal)
-    reason = torch.ops.flashmoe_science.cuda_features_problem(left, right, causal, softcap, sinks)
+    _check_bool("backward", backward)
+    reason = torch.ops.flashmoe_science.cuda_features_problem(
+        left, right, causal, softcap, sinks, backward
+    )
     return reason or None
 
 

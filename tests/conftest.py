@@ -96,8 +96,13 @@ def require_cuda_build(has_cuda_kernels):
         capability = torch.cuda.get_device_capability()
         feature_reason = None
         if features is not None:
+            # the forward kernels take every feature; the backward's cases need its kernels too
             feature_reason = features_unsupported_reason(
-                features.window, features.softcap, features.sinks, features.causal
+                features.window,
+                features.softcap,
+                features.sinks,
+                features.causal,
+                backward=getattr(features, "kind", "prefill") in ("backward", "train"),
             )
         reason = (
             feature_reason

@@ -258,7 +258,7 @@ def kernel(ms: float):
 CONFIG = timing.TimingConfig(
     warmup_ms=0, rep_ms=1, min_warmup=0, min_reps=4, max_reps=4, estimate_calls=1
 )
-REFUSED = "window_size=(4095, 0) is not yet on CUDA: its kernels take window_size=(-1, -1)"
+REFUSED = "window_size=(4095, 0) is not yet in CUDA's backward (the forward takes them): its"
 
 
 @pytest.fixture
@@ -371,15 +371,18 @@ def test_head_against_base_leaves_out_the_cases_our_kernels_refuse(
 
 
 def test_the_refusal_is_the_operators_own_line_asked_before_any_launch():
-    """What a CUDA run records as ours for the feature cases and the training run today: the
-    operators' "not yet on CUDA" line (asked of the extension, so it holds on this CPU build)."""
+    """What a CUDA run records as ours for the backward's feature cases and the training run today:
+    the operators' "not yet in CUDA's backward" line (asked of the extension, so it holds on this
+    CPU build); the forward's feature cases run."""
     sinks = parse_case_id("bwd-bf16-d128-h16-b1-s32768-causal-sinks")
     reason = baselines.features_refusal(sinks, "cuda")
-    assert reason.startswith("sinks is not yet on CUDA")
+    assert reason.startswith("sinks is not yet in CUDA's backward")
     assert baselines.features_refusal(sinks, "cpu") is None  # the CPU implementation takes them
     assert baselines.features_refusal(parse_case_id(targets.twin_id(sinks.id)), "cuda") is None
+    forward = parse_case_id("fwd-bf16-d128-h16-b1-s32768-causal-sinks")
+    assert baselines.features_refusal(forward, "cuda") is None
     loss = targetmeasure.loss_refusal(LossTarget(), "cuda")
-    assert loss.startswith("window_size=(31, 0) and softcap=0.5 are not yet on CUDA")
+    assert loss.startswith("window_size=(31, 0) and softcap=0.5 are not yet in CUDA's backward")
     assert targetmeasure.loss_refusal(LossTarget(), "cpu") is None
 
 

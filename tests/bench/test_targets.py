@@ -1180,7 +1180,7 @@ def test_report_section_escapes_what_the_records_say(tmp_path, fixture_checkout)
 # Sliding windows, softcap and sinks; the Gemma-2-style training run
 # --------------------------------------------------------------------------------------------------
 
-REFUSED = "window_size=(-1, -1)... softcap=50 is not yet on CUDA"
+REFUSED = "window_size=(-1, -1)... softcap=50 is not yet in CUDA's backward"
 
 
 def feature_case(case_id: str, ours_ms: float | None, flex_ratio: float | None = None):

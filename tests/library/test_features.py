@@ -168,10 +168,12 @@ def _call(name: str, q, k, v, **options):
         return flash_attention_decode(q, k, v, **options)
     if name == "paged":
         pages = k.transpose(1, 2).reshape(-1, 16, k.shape[1], k.shape[3])  # [B * Sk / 16, 16, ...]
-        table = torch.arange(pages.shape[0], dtype=torch.int32).view(q.shape[0], -1)
-        return flash_attention_decode(q, pages, pages, block_table=table, **options)
-    cu = torch.tensor([0, q.shape[2]], dtype=torch.int32)
-    cu_k = torch.tensor([0, k.shape[2]], dtype=torch.int32)
+        table = torch.arange(pages.shape[0], dtype=torch.int32, device=q.device)
+        return flash_attention_decode(
+            q, pages, pages, block_table=table.view(q.shape[0], -1), **options
+        )
+    cu = torch.tensor([0, q.shape[2]], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, k.shape[2]], dtype=torch.int32, device=q.device)
     return flash_attention_varlen_forward(
         packed(q), packed(k), packed(v), cu, cu_k, q.shape[2], k.shape[2], **options
     )
@@ -199,28 +201,44 @@ def test_sinks_on_another_device_say_so():
 
 
 def test_the_cuda_refusal_names_what_is_given_and_what_runs():
+    """The backward's refusal names the features given, what its kernels take and where they run;
+    the forward operators take them all."""
     reason = ops.features_unsupported_reason((4096, 0), 50.0, True, causal=True)
     assert reason == (
-        "window_size=(4096, 0), softcap=50 and sinks are not yet on CUDA: its kernels take "
-        "window_size=(-1, -1) (causal=True for (-1, 0)), softcap=0 and sinks=None; the CPU "
-        "implementation takes them (pass CPU tensors)"
+        "window_size=(4096, 0), softcap=50 and sinks are not yet in CUDA's backward (the forward "
+        "takes them): its kernels take window_size=(-1, -1) (causal=True for (-1, 0)), softcap=0 "
+        "and sinks=None; the CPU implementation takes them (pass CPU tensors)"
     )
-    assert ops.features_unsupported_reason(softcap=30.0).startswith("softcap=30 is not yet on")
+    assert ops.features_unsupported_reason(softcap=30.0).startswith("softcap=30 is not yet in")
     assert ops.features_unsupported_reason() is None
+    assert ops.features_unsupported_reason((4096, 0), 50.0, True, True, backward=False) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["forward", "decode", "paged", "varlen"])
-def test_cuda_refuses_the_features_before_any_launch(op, require_cuda_build):
+def test_cuda_forward_operators_take_the_features_and_the_backward_refuses(op, require_cuda_build):
+    """Each forward operator on CUDA with a window, a softcap, sinks and all three matches the CPU
+    implementation on the same inputs; the gradients raise the backward's one-line refusal before
+    any launch."""
     require_cuda_build()
-    q, k, v = (t.cuda() for t in qkv(b=1, sk=32))
-    for options in ({"window_size": (8, 0)}, {"softcap": 5.0}, {"sinks": sinks_for(4).cuda()}):
-        with pytest.raises(ValueError, match="not yet on CUDA") as info:
-            _call(op, q, k, v, **options)
-        assert "the CPU implementation takes them" in str(info.value)
-    torch.cuda.synchronize()
-    # the window every kernel takes runs: causal's, spelled (-1, 0)
-    _call(op, q, k, v, window_size=(-1, 0))
+    q, k, v = qkv(b=1, sk=32)
+    sinks = sinks_for(4)
+    for options in (
+        {"window_size": (8, 0)},
+        {"window_size": (3, 5)},
+        {"softcap": 5.0},
+        {"sinks": sinks},
+        {"window_size": (6, 0), "softcap": 2.0, "sinks": sinks},
+    ):
+        on_cuda = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+        got = _call(op, q.cuda(), k.cuda(), v.cuda(), **on_cuda)
+        want = _call(op, q, k, v, **options)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+    out = flash_attention_forward(*leaves, window_size=(8, 0))
+    with pytest.raises(ValueError, match="not yet in CUDA's backward") as info:
+        out.float().sum().backward()
+    assert "the CPU implementation takes them" in str(info.value)
 
 
 def test_opcheck_with_window_softcap_and_sinks():

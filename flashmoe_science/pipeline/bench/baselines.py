@@ -151,7 +151,13 @@ def features_refusal(case: Case, device: str) -> str | None:
     one line, asked before any launch); None where they take them (the CPU, or no features)."""
     if device != "cuda" or not has_features(case):
         return None
-    return ops().features_unsupported_reason(case.window, case.softcap, case.sinks, case.causal)
+    return ops().features_unsupported_reason(
+        case.window,
+        case.softcap,
+        case.sinks,
+        case.causal,
+        backward=case.kind in ("backward", "train"),
+    )
 
 
 def has_features(case: Case) -> bool:
