@@ -42,8 +42,9 @@ namespace flashmoe {
 //       head dim hold the next row's values instead of zeros, which leak into the scores
 //   15: the backward's delta (rowsum dO * O) is summed over q's and k's head dim, not v's: it
 //       reads past each row of o and dout where v's head dim is the smaller
-// and the bugs of local attention, soft-capping and sinks (the CPU implementation's; 20 and 21
-// also in the CUDA mma.sync forward and decode kernels, 23 in the CUDA decode kernel):
+// and the bugs of local attention, soft-capping and sinks (the CPU implementation's, and the CUDA
+// kernels': 20 in every mma.sync and decode kernel, forward and backward; 21 in the forward and
+// decode; 22 in the backward's pre-pass; 23 in the decode kernel, which forgets the left edge):
 //   20: the window's left edge off by one (a query sees one key too few: j > p - window_left)
 //   21: softcap applied after the mask, so a masked key's -inf score becomes -softcap and the key
 //       is attended to (forward)
@@ -182,11 +183,15 @@ struct BwdParams {
 
   // The forward's window, softcap and sinks (AttentionParams); dsinks: fp32 [B, Hq], each
   // sequence's share of the sinks' gradient, -sum over its rows i of exp(sinks[h] - lse_i) *
-  // delta_i (null without sinks). After every field the kernels read.
+  // delta_i (null without sinks); on CUDA [B, Hq, Sq], each row's term, summed by the host. With
+  // softcap > 0 the CUDA host sets softcap_scale = softmax_scale / softcap and scale_log2 to
+  // log2(e) (P from the capped score), softmax_scale staying the gradients'. After every field
+  // the kernels read.
   int window_left, window_right;
   float softcap;
   const float* sinks;
   float* dsinks;
+  float softcap_scale;
 };
 
 FLASHMOE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }

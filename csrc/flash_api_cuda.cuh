@@ -580,23 +580,10 @@ inline void check_head_dims_cuda(int64_t head_dim, int64_t head_dim_v) {
   FLASHMOE_CHECK_VALUE(problem.empty(), problem);
 }
 
-// The window, softcap and sinks: checked as on the CPU, then refused before any launch where the
-// kernels do not take them yet (cuda_features_problem: the backward's). Returns the call's causal
-// flag, which a window of (-1, 0) sets.
-inline bool check_features_cuda(const at::Tensor& q, bool causal, int64_t window_left,
-                                int64_t window_right, double softcap,
-                                const std::optional<at::Tensor>& sinks) {
-  check_features(q, window_left, window_right, softcap, sinks);
-  const std::string problem =
-      cuda_features_problem(window_left, window_right, causal, softcap, sinks.has_value());
-  FLASHMOE_CHECK_VALUE(problem.empty(), problem);
-  return resolve_window(causal, window_left, window_right).causal;
-}
-
 // The forward's window, softcap and sinks, which its mma.sync and decode kernels take (the wgmma
-// ones do not: features_refuse_wgmma): checked as on the CPU, then set on `p` the CUDA way (a
-// softcap scales the score before the tanh, and the softmax's scale becomes 1). `sinks_out`
-// keeps the contiguous fp32 sinks alive until the launches are enqueued.
+// ones do not: features_refuse_wgmma), set on `p` the CUDA way (a softcap scales the score
+// before the tanh, and the softmax's scale becomes 1). `sinks_out` keeps the contiguous fp32
+// sinks alive until the launches are enqueued.
 inline void set_features_cuda(AttentionParams& p, const at::Tensor& q, bool causal,
                               int64_t window_left, int64_t window_right, double softcap,
                               const std::optional<at::Tensor>& sinks, at::Tensor& sinks_out) {
@@ -610,8 +597,8 @@ inline void set_features_cuda(AttentionParams& p, const at::Tensor& q, bool caus
   }
 }
 
-// The forward's check of the window, softcap and sinks (as on the CPU), before any launch; returns
-// the call's causal flag, which a window of (-1, 0) sets.
+// The check of the window, softcap and sinks (as on the CPU), before any launch; returns the
+// call's causal flag, which a window of (-1, 0) sets.
 inline bool check_features_forward(const at::Tensor& q, bool causal, int64_t window_left,
                                    int64_t window_right, double softcap,
                                    const std::optional<at::Tensor>& sinks) {
@@ -1059,8 +1046,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(3), v_in.size(3));
-  causal = check_features_cuda(q_in, causal, window_left, window_right, softcap, sinks);
-  const at::Tensor dsinks = zero_dsinks(q_in, sinks);
+  causal = check_features_forward(q_in, causal, window_left, window_right, softcap, sinks);
+  const bool features =
+      resolve_window(causal, window_left, window_right).local() || softcap > 0 || sinks.has_value();
+  at::Tensor dsinks = zero_dsinks(q_in, sinks);
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumBwdConfigs, "backward_config must be in [0, ",
                        kNumBwdConfigs, "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -1071,9 +1060,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                          dev.major, ".", dev.minor));
   // The tile's head dim: q's and k's, or padded onto the next built one (cuda_tile_head_dim).
   const int head_dim = int(cuda_tile_head_dim(q_in.size(3), v_in.size(3)));
-  const bool wgmma_ok = wgmma_head_dims(q_in.size(3), v_in.size(3));
+  const bool wgmma_ok = wgmma_head_dims(q_in.size(3), v_in.size(3)) && !features;
   if (config == kSm90aBwdConfig) {
     check_wgmma_config("backward_config", config, dev, "1 or 2", q_in.size(3), v_in.size(3));
+    FLASHMOE_CHECK_VALUE(!features, "backward_config=", config,
+                         " runs on wgmma, whose kernels take no window_size, softcap or sinks "
+                         "yet; use backward_config 1 or 2 (or 0, automatic)");
   }
   const int smem_limit = dev.smem_per_block;
   if (config == 0) {
@@ -1097,6 +1089,19 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                    dout = aligned_for_cp_async(dout_c);
   BwdParams p = make_bwd_params(dout, q, k, v, out, lse_in, causal, softmax_scale);
   auto f32 = q.options().dtype(at::kFloat);
+  // The window, softcap and sinks; each row's term of the sinks' gradient, summed below.
+  at::Tensor sinks_c, dsinks_rows;
+  if (sinks.has_value()) {
+    sinks_c = sinks->contiguous();
+    dsinks_rows = at::zeros({q.size(0), q.size(1), q.size(2)}, f32);
+  }
+  set_features(p, resolve_window(causal, window_left, window_right), softcap,
+               sinks.has_value() ? &sinks_c : nullptr);
+  p.dsinks = sinks.has_value() ? dsinks_rows.data_ptr<float>() : nullptr;
+  if (softcap > 0) {
+    p.softcap_scale = float(softmax_scale / softcap);
+    p.scale_log2 = float(M_LOG2E);  // P from the capped score, already scaled
+  }
   // delta and the base-2 lse, both written by the pre-pass, in one allocation
   auto row_stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, f32);
   auto dq = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -1117,6 +1122,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                       launch_backward<T, D>(p, int(config), deterministic, stream));
     });
   });
+  if (sinks.has_value()) dsinks = dsinks_rows.sum({0, 2});
   return {dq, dk, dv, dsinks};
 }
 

@@ -1,8 +1,8 @@
 """The gates of local attention, soft-capping and sinks: the matrix holds what the issue asks (every
 window kind, each feature alone and combined, GQA, Sq != Sk, crossed with the sequence lengths on
 the GPU tier, a small subset on the CPU), the closed-form reference gradients agree with
-torch.autograd through the fp64 reference forward, the CUDA cases skip with the one-line reason
-until the kernels take the features, and each planted bug of the CPU implementation fails a gate.
+torch.autograd through the fp64 reference forward, and each planted bug fails a gate, in the CPU
+implementation and in the CUDA kernels.
 The gate cases themselves run in the gate modules (test_gates, test_grad_gates, test_varlen,
 test_paged)."""
 
@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 
-from flashmoe_science import ops
 from flashmoe_science.pipeline.cases import Case, make_inputs, make_output_grad, make_sinks
 from flashmoe_science.pipeline.gates import backward as grad_gates
 from flashmoe_science.pipeline.gates import forward as gates
@@ -99,24 +98,6 @@ def test_the_cpu_tier_stays_small():
     """CI's CPU stage runs these (their seconds: benches/notes/harness.md)."""
     assert len(CPU) <= 24
     assert all(max(getattr(c, "seqlen_q", 0), getattr(c, "seqlen_k", 0)) <= 1000 for c in CPU)
-
-
-def test_cuda_backward_cases_skip_with_the_reason_until_the_kernels_take_them():
-    """The forward kernels take every feature; every CUDA backward case of a feature skips (never
-    passes) with the backward's one-line reason; a causal window of (-1, 0) or one larger than
-    nothing is not a feature."""
-    backward = [c for c in GPU if getattr(c, "kind", "prefill") in ("backward", "train")]
-    assert backward and len(backward) < len(GPU)
-    for case in GPU:
-        reason = ops.features_unsupported_reason(
-            case.window, case.softcap, case.sinks, case.causal, backward=case in backward
-        )
-        if case in backward:
-            assert reason and "not yet in CUDA's backward" in reason, case.id
-        else:
-            assert reason is None, case.id
-    assert ops.features_unsupported_reason((-1, 0)) is None
-    assert ops.features_unsupported_reason((-1, 7), causal=True) is None
 
 
 @pytest.mark.parametrize(
@@ -211,12 +192,17 @@ def test_feature_plants_name_cpu_tier_cases():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "cuda"]
+)
 @pytest.mark.parametrize("bug", sorted(FEATURE_PLANTS))
-def test_planted_feature_bug_fails_its_gates_and_only_those(bug, run_planted):
-    """The CPU plant build with bug `bug` fails the gates of every case named for it, and passes
-    its control (a case without the feature the bug needs). One process: import and a few cases."""
+def test_planted_feature_bug_fails_its_gates_and_only_those(bug, device, run_planted):
+    """The plant build with bug `bug` fails the gates of every case named for it, and passes its
+    control (a case without the feature the bug needs): the CPU implementation's plants, and the
+    same bugs in the CUDA kernels (a build of the few kernels those cases run). One process:
+    import and a few cases."""
     caught, controls = FEATURE_PLANTS[bug]
-    results = run_planted(bug, FEATURE_PLANT_SCRIPT, "cpu", *caught, *controls)["results"]
+    results = run_planted(bug, FEATURE_PLANT_SCRIPT, device, *caught, *controls)["results"]
     for case_id in caught:
         assert any("gate" in f for f in results[case_id]), f"bug {bug} passed {case_id}"
     for case_id in controls:

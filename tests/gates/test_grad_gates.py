@@ -37,7 +37,6 @@ def test_grad_gate_cuda(case, record_gate, require_cuda_build):
         backward_config=case.config,
         head_dim=case.head_dim,
         head_dim_v=case.head_dim_v,
-        features=case,
     )
     _run(case, "cuda", record_gate)
 

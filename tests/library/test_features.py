@@ -16,7 +16,6 @@ from flashmoe_science import (
     flash_attention_decode,
     flash_attention_forward,
     flash_attention_varlen_forward,
-    ops,
 )
 from flashmoe_science.pipeline.gates import forward as gates
 
@@ -200,26 +199,11 @@ def test_sinks_on_another_device_say_so():
         flash_attention_forward(q, k, v, sinks=sinks_for(4))
 
 
-def test_the_cuda_refusal_names_what_is_given_and_what_runs():
-    """The backward's refusal names the features given, what its kernels take and where they run;
-    the forward operators take them all."""
-    reason = ops.features_unsupported_reason((4096, 0), 50.0, True, causal=True)
-    assert reason == (
-        "window_size=(4096, 0), softcap=50 and sinks are not yet in CUDA's backward (the forward "
-        "takes them): its kernels take window_size=(-1, -1) (causal=True for (-1, 0)), softcap=0 "
-        "and sinks=None; the CPU implementation takes them (pass CPU tensors)"
-    )
-    assert ops.features_unsupported_reason(softcap=30.0).startswith("softcap=30 is not yet in")
-    assert ops.features_unsupported_reason() is None
-    assert ops.features_unsupported_reason((4096, 0), 50.0, True, True, backward=False) is None
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["forward", "decode", "paged", "varlen"])
-def test_cuda_forward_operators_take_the_features_and_the_backward_refuses(op, require_cuda_build):
+def test_cuda_operators_take_the_features_as_the_cpu_does(op, require_cuda_build):
     """Each forward operator on CUDA with a window, a softcap, sinks and all three matches the CPU
-    implementation on the same inputs; the gradients raise the backward's one-line refusal before
-    any launch."""
+    implementation on the same inputs, and so do the gradients (the sinks' too)."""
     require_cuda_build()
     q, k, v = qkv(b=1, sk=32)
     sinks = sinks_for(4)
@@ -234,11 +218,16 @@ def test_cuda_forward_operators_take_the_features_and_the_backward_refuses(op, r
         got = _call(op, q.cuda(), k.cuda(), v.cuda(), **on_cuda)
         want = _call(op, q, k, v, **options)
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
-    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
-    out = flash_attention_forward(*leaves, window_size=(8, 0))
-    with pytest.raises(ValueError, match="not yet in CUDA's backward") as info:
-        out.float().sum().backward()
-    assert "the CPU implementation takes them" in str(info.value)
+    if op != "forward":
+        return
+    grads = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v, sinks)]
+        out = flash_attention_forward(*leaves[:3], window_size=(6, 0), softcap=2.0, sinks=leaves[3])
+        out.float().square().sum().backward()
+        grads.append([t.grad.cpu().float() for t in leaves])
+    for got, want, name in zip(grads[1], grads[0], ("dq", "dk", "dv", "dsinks"), strict=True):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2, msg=name)
 
 
 def test_opcheck_with_window_softcap_and_sinks():

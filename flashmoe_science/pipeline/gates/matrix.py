@@ -518,8 +518,7 @@ def feature_cases(tier: str, kind: str) -> Iterator[Case]:
     "decode"). tier "gpu": every (Sq, Sk) of the sequence-length matrix (the decode one for
     decode) with each combination of FEATURE_COMBOS, window, softcap, dtype, mask, head dim (64 and
     128), GQA ratio 1/4/8 and layout taken in turn; backward adds deterministic calls. tier "cpu":
-    FEATURE_*_CPU. The CUDA kernels take none of these yet: their CUDA cases skip, saying so
-    (ops.features_unsupported_reason)."""
+    FEATURE_*_CPU."""
     if kind == "decode":
         yield from _feature_decode_cases(tier)
         return
