@@ -140,8 +140,8 @@ struct AttentionParams {
   // softcap * tanh(s / softcap) before the mask and the softmax. sinks (fp32 [Hq], or null) adds
   // exp(sinks[h]) to every row's softmax denominator, with no value. After every field the
   // kernels read. The CUDA forward kernels (mma.sync and decode) take them; with softcap > 0 the
-  // host sets softcap_scale = softmax_scale / softcap and the softmax's scale to 1 (the capped
-  // score is already scaled).
+  // host sets softcap_scale = softmax_scale / softcap and the softmax's scale to softcap (the
+  // kernels keep tanh(s * softcap_scale): apply_softcap).
   int window_left, window_right;
   float softcap;
   const float* sinks;
@@ -185,8 +185,8 @@ struct BwdParams {
   // sequence's share of the sinks' gradient, -sum over its rows i of exp(sinks[h] - lse_i) *
   // delta_i (null without sinks); on CUDA [B, Hq, Sq], each row's term, summed by the host. With
   // softcap > 0 the CUDA host sets softcap_scale = softmax_scale / softcap and scale_log2 to
-  // log2(e) (P from the capped score), softmax_scale staying the gradients'. After every field
-  // the kernels read.
+  // softcap * log2(e) (P from t = tanh(s * softcap_scale): apply_softcap), softmax_scale staying
+  // the gradients'. After every field the kernels read.
   int window_left, window_right;
   float softcap;
   const float* sinks;

@@ -582,18 +582,18 @@ inline void check_head_dims_cuda(int64_t head_dim, int64_t head_dim_v) {
 
 // The forward's window, softcap and sinks, which its mma.sync and decode kernels take (the wgmma
 // ones do not: features_refuse_wgmma), set on `p` the CUDA way (a softcap scales the score
-// before the tanh, and the softmax's scale becomes 1). `sinks_out` keeps the contiguous fp32
-// sinks alive until the launches are enqueued.
+// before the tanh, and the softcap becomes the softmax's: apply_softcap). `sinks_out` keeps the
+// contiguous fp32 sinks alive until the launches are enqueued.
 inline void set_features_cuda(AttentionParams& p, const at::Tensor& q, bool causal,
                               int64_t window_left, int64_t window_right, double softcap,
                               const std::optional<at::Tensor>& sinks, at::Tensor& sinks_out) {
   if (sinks.has_value()) sinks_out = sinks->contiguous();
   set_features(p, resolve_window(causal, window_left, window_right), softcap,
                sinks.has_value() ? &sinks_out : nullptr);
-  if (softcap > 0) {
+  if (softcap > 0) {  // the kernels keep tanh(s * scale / softcap) (apply_softcap)
     p.softcap_scale = float(p.softmax_scale / softcap);
-    p.softmax_scale = 1.f;
-    p.scale_log2 = float(M_LOG2E);
+    p.softmax_scale = float(softcap);
+    p.scale_log2 = float(softcap * M_LOG2E);
   }
 }
 
@@ -1098,9 +1098,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   set_features(p, resolve_window(causal, window_left, window_right), softcap,
                sinks.has_value() ? &sinks_c : nullptr);
   p.dsinks = sinks.has_value() ? dsinks_rows.data_ptr<float>() : nullptr;
-  if (softcap > 0) {
+  if (softcap > 0) {  // P from t = tanh(s * scale / softcap) (apply_softcap); dS gains 1 - t^2
     p.softcap_scale = float(softmax_scale / softcap);
-    p.scale_log2 = float(M_LOG2E);  // P from the capped score, already scaled
+    p.scale_log2 = float(softcap * M_LOG2E);
   }
   // delta and the base-2 lse, both written by the pre-pass, in one allocation
   auto row_stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, f32);

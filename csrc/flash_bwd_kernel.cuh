@@ -283,9 +283,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       // dS^T = P^T (dP^T - delta). The masked blocks (tail and diagonal) get their own copy of
       // the loop, and no exp2 sits behind a branch: a branch per element pinned each lse load to
       // its use, one shared-memory round trip per element (the loop's main stall).
-      // With a softcap the score is softcap * tanh(s * softcap_scale) (already scaled) and dS
-      // gains the tanh's derivative, 1 - tanh^2 (the softmax scale comes in at the end, as
-      // without).
+      // With a softcap the score is t = tanh(s * softcap_scale) (apply_softcap: scale_log2 holds
+      // the softcap) and dS gains the tanh's derivative, 1 - t^2 (the softmax scale comes in at
+      // the end, as without): a pass before this one leaves t in S^T and (dP^T - delta) (1 - t^2)
+      // in dP^T, so that this loop holds no more than without (kCapped: dS^T = P^T dP^T).
       auto p_and_ds = [&](auto mask, auto capped) {
         constexpr bool kMask = decltype(mask)::value, kCapped = decltype(capped)::value;
 #pragma unroll
@@ -298,13 +299,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
             const float2 delta = *reinterpret_cast<const float2*>(sDelta + col0);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              float score = acc_s[kt][nt][e], dcap = 1.f;
-              if constexpr (kCapped) {
-                const float t = tanh_approx(score * p.softcap_scale);
-                score = p.softcap * t;
-                dcap = 1.f - t * t;
-              }
-              float prob = exp2f(fmaf(score, p.scale_log2, (e & 1) ? -lse2.y : -lse2.x));
+              float prob = exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, (e & 1) ? -lse2.y : -lse2.x));
               if constexpr (kMask) {
                 const int key = n0 + key_row0 + kt * 16 + lane / 4 + (e >> 1) * 8;
                 const int i = m0 + col0 + (e & 1);
@@ -313,11 +308,27 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
                   prob = 0.f;
               }
               acc_s[kt][nt][e] = prob;
-              acc_dp[kt][nt][e] = prob * (acc_dp[kt][nt][e] - ((e & 1) ? delta.y : delta.x)) * dcap;
+              acc_dp[kt][nt][e] = kCapped
+                                      ? prob * acc_dp[kt][nt][e]
+                                      : prob * (acc_dp[kt][nt][e] - ((e & 1) ? delta.y : delta.x));
             }
           }
       };
       if (p.softcap > 0.f) {
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+          for (int nt = 0; nt < MN; ++nt) {
+            apply_softcap(acc_s[kt][nt], p);
+            const float2 delta =
+                *reinterpret_cast<const float2*>(sDelta + q_tile0 * 16 + nt * 8 + (lane & 3) * 2);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float t = acc_s[kt][nt][e];
+              acc_dp[kt][nt][e] =
+                  (acc_dp[kt][nt][e] - ((e & 1) ? delta.y : delta.x)) * (1.f - t * t);
+            }
+          }
         if (need_mask)
           p_and_ds(BoolConstant<true>{}, BoolConstant<true>{});
         else
@@ -647,29 +658,51 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       }
     }
 
+    // dS = P (dP - delta), P from the (capped) score; each row's window bounds once per block. A
+    // select, not a branch around the exp2 (see the dK/dV kernel's p_and_ds); the capped loop is
+    // its own copy, so the plain one is what it was without a softcap.
+    auto p_and_ds = [&](auto capped) {
+      constexpr bool kCapped = decltype(capped)::value;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
+          const int key_end = window_key_end(p, i, offset, p.seqlen_k);
+          const int key_begin = window_first_key(p, i, offset);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+              const int key = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
+              float prob = exp2f(fmaf(acc_s[mt][nt][e], p.scale_log2, -lse2[mt][hh]));
+              if (key >= key_end || key < key_begin) prob = 0.f;
+              // kCapped: the pass before left (dP - delta) (1 - t^2) in dP
+              acc_dp[mt][nt][e] =
+                  kCapped ? prob * acc_dp[mt][nt][e] : prob * (acc_dp[mt][nt][e] - delta[mt][hh]);
+            }
+        }
+    };
+    if (p.softcap > 0.f) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          apply_softcap(acc_s[mt][nt], p);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float t = acc_s[mt][nt][e];
+            acc_dp[mt][nt][e] = (acc_dp[mt][nt][e] - delta[mt][e >> 1]) * (1.f - t * t);
+          }
+        }
+      p_and_ds(BoolConstant<true>{});
+    } else {
+      p_and_ds(BoolConstant<false>{});
+    }
+
     uint32_t ds_frag[MT][BN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hh = e >> 1;
-          const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
-          const int key = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
-          // A select, not a branch around the exp2 (see the dK/dV kernel's p_and_ds).
-          float score = acc_s[mt][nt][e], dcap = 1.f;
-          if (p.softcap > 0.f) {
-            const float t = tanh_approx(score * p.softcap_scale);
-            score = p.softcap * t;
-            dcap = 1.f - t * t;
-          }
-          float prob = exp2f(fmaf(score, p.scale_log2, -lse2[mt][hh]));
-          if (key >= window_key_end(p, i, offset, p.seqlen_k) ||
-              key < window_first_key(p, i, offset))
-            prob = 0.f;
-          acc_dp[mt][nt][e] = prob * (acc_dp[mt][nt][e] - delta[mt][hh]) * dcap;
-        }
 #pragma unroll
       for (int j = 0; j < BN / 16; ++j) {
         ds_frag[mt][j][0] = pack2<T>(acc_dp[mt][2 * j][0], acc_dp[mt][2 * j][1]);

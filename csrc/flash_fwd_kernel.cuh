@@ -59,13 +59,17 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   // KV blocks this block visits: those of some row's window (causal: the tiles above the diagonal
   // are skipped; a window's left edge skips those below it), and the split owns blocks
   // [n_lo, n_hi) of them.
-  const int i_first = row_query(m0), i_last = row_query(min(m0 + BM, t.rows_total) - 1);
+  const int i_first = row_query(m0);
   const int offset = len_k - t.len_q;
   const int n_block_max = t.kv_block_end<BM, BN>(p, m0);
   // Keys [unmasked_begin, unmasked_end) are visible to every row of the tile: KV blocks inside it
   // need no mask.
   const int unmasked_end = window_key_end(p, i_first, offset, len_k);
-  const int unmasked_begin = window_first_key(p, i_last, offset);
+  // ... and from the last row's left edge (window_first_key of it), recomputed where a window
+  // has one rather than held through the loop (config 4 has no register to spare).
+  auto unmasked_begin = [&] {
+    return window_first_key(p, row_query(min(m0 + BM, t.rows_total) - 1), offset);
+  };
   const int n_lo = window_first_block<BN>(p, i_first, offset) + split * p.n_blocks_per_split;
   const int n_hi = min(n_block_max, n_lo + p.n_blocks_per_split);
 #if FLASHMOE_PLANT_BUG == 1
@@ -119,7 +123,12 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     cp_async_commit();
   }
 
-  for (int n = n_hi - 1; n >= n_lo; --n) {
+  // The loop's lower bound (the window's first block) goes through shared memory, not a register
+  // held through the loop: in a packed batch it cannot be recomputed cheaply (the sequence's
+  // lengths), and held, it spilled configuration 4's packed kernel at d=128.
+  __shared__ int loop_lo;
+  if (tid == 0) loop_lo = n_lo;
+  for (int n = n_hi - 1, more = n_hi > n_lo; more; --n) {
     const bool first = n == n_hi - 1;
     if (first) {
       cp_async_wait<1>();  // Q and K(n) have landed; V(n) may still be in flight
@@ -168,27 +177,26 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
           apply_softcap(acc_s[mt][nt], p);
     }
 #endif
-    bool need_mask = (n + 1) * BN > unmasked_end || n * BN < unmasked_begin;
+    bool need_mask =
+        (n + 1) * BN > unmasked_end || (p.window_left >= 0 && n * BN < unmasked_begin());
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || n * BN < key_begin;
 #endif
     if (need_mask) {
-      // One key range per row of this thread (its window, within the keys), so the row-to-query
-      // mapping (a division with packed GQA) runs 2 * MT times per masked tile, not once per
-      // element.
+      // The row-to-query mapping (a division with packed GQA) runs 2 * MT times per masked tile,
+      // not once per element; each element then compares its distance from the query's position
+      // with the window (outside_window).
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int i = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8);
-          const int key_begin_i = window_first_key(p, i, offset);
-          const int key_end_i = window_key_end(p, i, offset, len_k);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
               const int col = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
-              bool masked = col >= key_end_i || col < key_begin_i;
+              bool masked = outside_window(p, col, i, offset, len_k);
 #if FLASHMOE_PLANT_BUG == 1
               masked = masked || col < key_begin;
 #endif
@@ -247,8 +255,9 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     }
 
     cp_async_wait<0>();
-    __syncthreads();  // V(n) has landed, and every warp is done reading K(n)
-    if (n > n_lo) {
+    __syncthreads();     // V(n) has landed, and every warp is done reading K(n)
+    more = n > loop_lo;  // (written before the first iteration's barriers)
+    if (more) {
 #if FLASHMOE_PLANT_BUG == 14
       load_kv(sK, k_base, p.k_row_stride, kChunks, n - 1);
 #else

@@ -589,6 +589,20 @@ __device__ __forceinline__ int window_key_end(const Params& p, int i, int offset
   return p.window_right >= 0 ? min(len_k, i + offset + p.window_right + 1) : len_k;
 }
 
+// Whether query i does not see key `key` (past len_k, or outside its window): one distance and
+// compares, for the per-element masks whose registers are tight.
+template <typename Params>
+__device__ __forceinline__ bool outside_window(const Params& p, int key, int i, int offset,
+                                               int len_k) {
+  const int d = key - i - offset;  // how far right of the query's position the key sits
+#if FLASHMOE_PLANT_BUG == 20
+  const bool left_out = p.window_left >= 0 && d < 1 - p.window_left;  // planted, as above
+#else
+  const bool left_out = p.window_left >= 0 && d < -p.window_left;
+#endif
+  return key >= len_k || (p.window_right >= 0 && d > p.window_right) || left_out;
+}
+
 // The first KV block of kBlockN keys that query i sees (0 without a left edge).
 template <int kBlockN, typename Params>
 __device__ __forceinline__ int window_first_block(const Params& p, int i, int offset) {
@@ -602,13 +616,16 @@ __device__ __forceinline__ float tanh_approx(float x) {
 }
 
 // Soft-capping (Gemma 2's attn_logit_softcapping): a raw score x = q.k becomes
-// softcap * tanh(x * scale / softcap), already scaled (the host then sets the softmax's scale to 1
-// and softcap_scale to scale / softcap). Applied before the mask, as FlashAttention does.
+// softcap * tanh(x * scale / softcap). The kernels keep t = tanh(x * softcap_scale) in place of
+// the score and the host folds softcap into the softmax's scale (softmax_scale = softcap,
+// scale_log2 = softcap * log2(e); softcap_scale = scale / softcap), so the softmax, the
+// log-sum-exp and the backward's P read t as they read a raw score, and the backward's
+// d tanh = 1 - t^2 needs t alone. Applied before the mask, as FlashAttention does.
 template <int N, typename Params>
 __device__ __forceinline__ void apply_softcap(float (&scores)[N], const Params& p) {
 #pragma unroll
   for (int e = 0; e < N; ++e)
-    scores[e] = p.softcap * tanh_approx(scores[e] * p.softcap_scale);
+    scores[e] = tanh_approx(scores[e] * p.softcap_scale);
 }
 
 // A learnable sink (gpt-oss): exp(sink) joins a row's softmax denominator with no value. Given the
