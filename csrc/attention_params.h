@@ -128,7 +128,7 @@ struct AttentionParams {
   bool q_tma;
 
   // v's last dimension, the output's (Dv; head_dim is q's and k's, Dqk). Last, so the fields the
-  // kernels read keep their offsets; the CUDA operators take Dv == Dqk only, the CPU any.
+  // kernels read keep their offsets.
   int head_dim_v;
 
   // Local attention, soft-capping and sinks, FlashAttention's conventions (resolve_window): query
