@@ -280,8 +280,9 @@ def flash_attention_forward(
 
     q: [B, Hq, Sq, D]; k: [B, Hkv, Sk, D]; v: [B, Hkv, Sk, Dv], with Hq a multiple of Hkv
     (grouped-query and multi-query attention) and Dv, the output's head dim, free to differ from D
-    (DeepSeek's multi-head latent attention: D 192, Dv 128). fp16 or bf16. Head dims: on CUDA, D = Dv
-    = 64, 128, 192 or 256 (anything else raises a one-line error before any launch:
+    (DeepSeek's multi-head latent attention: D 192, Dv 128). fp16 or bf16. Head dims: on CUDA, D
+    and Dv any multiples of 8 up to 256, run on the narrowest of the 64, 128, 192 and 256 tiles
+    that holds both (anything else raises a one-line error before any launch:
     head_dims_unsupported_reason); on the CPU, any D and Dv. Only the last dimension must be
     contiguous: a [B, H, S, D] view of a [B, S, H, D] tensor is used in place.
 

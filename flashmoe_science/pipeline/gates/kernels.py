@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ... import _loader as loader
-from ..._loader import ONLY_OPS, Restriction
+from ..._loader import ONLY_OPS, Restriction, tile_head_dim
 from ..cases import Case, parse_case_id
 from .paged import PagedCase, paged_cases
 from .varlen import VarlenCase, varlen_cases
@@ -55,7 +54,7 @@ def needs(case: Case | VarlenCase | PagedCase) -> set[Need]:
     varlen.check_varlen_case, paged.check_paged_case), at the tile that runs its head dims
     (80 and 96 run the 128 tile's kernels, q's and k's 192 with v's 128 the 192 tile's)."""
     dims = (case.head_dim, case.value_head_dim) if isinstance(case, Case) else (case.head_dim,)
-    dtype, head_dim = case.dtype, loader.tile_head_dim(*dims) or case.head_dim
+    dtype, head_dim = case.dtype, tile_head_dim(*dims) or case.head_dim
     if isinstance(case, VarlenCase):  # the packed call, then our dense forward per sequence
         packed = {("varlen", dtype, head_dim, case.config or None)}
         return packed | forward_needs(dtype, head_dim, 0, 0)

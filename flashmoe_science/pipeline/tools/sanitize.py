@@ -476,6 +476,81 @@ def wide_head_dim_workload(configs: Sequence[int]) -> list:
     return cases
 
 
+# Head dims padded onto a wider tile (ops.head_dims_supported: q's and k's, v's): 80 and 96 on the
+# 128 tile, v's 128 under q's and k's 192 on the 192 tile. Their copies zero-fill the tile's
+# columns past each tensor's head dim and their stores leave them out, in every kernel family.
+PADDED_HEAD_DIMS = ((80, 80), (96, 96), (192, 128))
+
+
+def padded_head_dim_workload(configs: Sequence[int]) -> list:
+    """PADDED_HEAD_DIMS in bf16: the mma.sync forward configurations this GPU runs and the
+    automatic choice, with forced splits (the partials and the combine); decode with a fused
+    combine; the backward (1 and automatic) with dQ by atomics and deterministic; paged decode
+    and packed batches where v's head dim is q's (their cases have one head dim)."""
+    from ..cases import Case
+    from ..gates.paged import PagedCase
+    from ..gates.varlen import VarlenCase
+
+    cases: list = []
+    for head_dim, head_dim_v in PADDED_HEAD_DIMS:
+        dims = {"head_dim": head_dim, "head_dim_v": head_dim_v}
+        forced = [c for c in (1, 2, 4) if c in configs]
+        for index, config in enumerate((0, *forced)):
+            seqlen_q, seqlen_k, causal, splits = WIDE_FWD_SHAPES[index % len(WIDE_FWD_SHAPES)]
+            cases.append(
+                Case(
+                    "prefill",
+                    "bf16",
+                    2,
+                    8,
+                    2,
+                    seqlen_q,
+                    seqlen_k,
+                    causal=causal,
+                    config=config,
+                    num_splits=splits,
+                    **dims,
+                )
+            )
+        cases.append(Case("prefill", "bf16", 1, 8, 8, 65, 300, causal=False, num_splits=3, **dims))
+        cases.append(
+            Case(
+                "decode",
+                "bf16",
+                3,
+                8,
+                2,
+                1,
+                257,
+                causal=True,
+                num_splits=7,
+                cache_seqlens=(0, 1, 257),
+                **dims,
+            )
+        )
+        for config, deterministic in itertools.product((0, 1), (False, True)):
+            cases.append(
+                Case(
+                    "backward",
+                    "bf16",
+                    1,
+                    8,
+                    2,
+                    129,
+                    257 if deterministic else 65,
+                    causal=True,
+                    config=config,
+                    deterministic=deterministic,
+                    **dims,
+                )
+            )
+        if head_dim == head_dim_v:
+            cases.append(PagedCase("bf16", head_dim, 8, 2, 1, PAGED_LENGTHS, 16, num_splits=3))
+            lengths_q, lengths_k = VARLEN_LENGTHS[0]
+            cases.append(VarlenCase("bf16", head_dim, 4, 4, lengths_q, lengths_k, True, 0))
+    return cases
+
+
 def run_workload(cases: Sequence | None = None, device: str = "cuda") -> int:
     """Call the API once per case; on the GPU, what the sanitizer under it watches (the tests run
     it on the CPU to prove every call is a valid one)."""
@@ -1169,81 +1244,6 @@ def _write(doc: dict, out: Path) -> None:
     tmp = path.with_name(".sanitize.json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
-
-
-# Head dims padded onto a wider tile (ops.head_dims_supported: q's and k's, v's): 80 and 96 on the
-# 128 tile, v's 128 under q's and k's 192 on the 192 tile. Their copies zero-fill the tile's
-# columns past each tensor's head dim and their stores leave them out, in every kernel family.
-PADDED_HEAD_DIMS = ((80, 80), (96, 96), (192, 128))
-
-
-def padded_head_dim_workload(configs: Sequence[int]) -> list:
-    """PADDED_HEAD_DIMS in bf16: the mma.sync forward configurations this GPU runs and the
-    automatic choice, with forced splits (the partials and the combine); decode with a fused
-    combine; the backward (1 and automatic) with dQ by atomics and deterministic; paged decode
-    and packed batches where v's head dim is q's (their cases have one head dim)."""
-    from ..cases import Case
-    from ..gates.paged import PagedCase
-    from ..gates.varlen import VarlenCase
-
-    cases: list = []
-    for head_dim, head_dim_v in PADDED_HEAD_DIMS:
-        dims = {"head_dim": head_dim, "head_dim_v": head_dim_v}
-        forced = [c for c in (1, 2, 4) if c in configs]
-        for index, config in enumerate((0, *forced)):
-            seqlen_q, seqlen_k, causal, splits = WIDE_FWD_SHAPES[index % len(WIDE_FWD_SHAPES)]
-            cases.append(
-                Case(
-                    "prefill",
-                    "bf16",
-                    2,
-                    8,
-                    2,
-                    seqlen_q,
-                    seqlen_k,
-                    causal=causal,
-                    config=config,
-                    num_splits=splits,
-                    **dims,
-                )
-            )
-        cases.append(Case("prefill", "bf16", 1, 8, 8, 65, 300, causal=False, num_splits=3, **dims))
-        cases.append(
-            Case(
-                "decode",
-                "bf16",
-                3,
-                8,
-                2,
-                1,
-                257,
-                causal=True,
-                num_splits=7,
-                cache_seqlens=(0, 1, 257),
-                **dims,
-            )
-        )
-        for config, deterministic in itertools.product((0, 1), (False, True)):
-            cases.append(
-                Case(
-                    "backward",
-                    "bf16",
-                    1,
-                    8,
-                    2,
-                    129,
-                    257 if deterministic else 65,
-                    causal=True,
-                    config=config,
-                    deterministic=deterministic,
-                    **dims,
-                )
-            )
-        if head_dim == head_dim_v:
-            cases.append(PagedCase("bf16", head_dim, 8, 2, 1, PAGED_LENGTHS, 16, num_splits=3))
-            lengths_q, lengths_k = VARLEN_LENGTHS[0]
-            cases.append(VarlenCase("bf16", head_dim, 4, 4, lengths_q, lengths_k, True, 0))
-    return cases
 
 
 if __name__ == "__main__":
