@@ -28,16 +28,26 @@ UNEQUAL = (
 UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
 GQA_RATIOS = (1, 4, 8)
 # The head dims (q's and k's, v's) of the models people run: GPT-2 and most others 64 or 128, Phi-3
-# 96, Gemma 256, DeepSeek's multi-head latent attention (prefill) 192 with v 128; 80 stands for the
-# other multiples of 8, which run padded onto the next larger tile.
-HEAD_DIMS = ((64, 64), (128, 128), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128))
+# 96, Gemma 256, DeepSeek's multi-head latent attention (prefill) 192 with v 128; 80 and 160 stand
+# for the other multiples of 8, which run padded onto the next larger tile (128's and 192's).
+HEAD_DIMS = (
+    (64, 64),
+    (128, 128),
+    (80, 80),
+    (96, 96),
+    (192, 192),
+    (256, 256),
+    (192, 128),
+    (160, 160),
+)
 # Those past 64 and 128, the first the kernels took: gated in blocks of their own after the
 # earlier cases, whose ids stay as they were. A CUDA case of head dims its kernels do not take
 # skips, saying so (ops.head_dims_unsupported_reason).
 NEW_HEAD_DIMS = HEAD_DIMS[2:]
 # The CPU tier's: 96 runs through its whole forward matrix already, and the CPU implementation is
-# the same code at every head dim, so a few cases of each of the others (NEW_HEAD_DIM_SHAPES_CPU).
-NEW_HEAD_DIMS_CPU = tuple(dims for dims in NEW_HEAD_DIMS if dims != (96, 96))
+# the same code at every head dim, so a few cases of each of the others (NEW_HEAD_DIM_SHAPES_CPU);
+# 160 pads a CUDA tile the CPU has not, and 80 stands for the padded dims there.
+NEW_HEAD_DIMS_CPU = tuple(dims for dims in NEW_HEAD_DIMS if dims not in ((96, 96), (160, 160)))
 # (Sq, Sk, causal, layout, forced split count) of the CPU tier's cases of a new head dim: rows
 # and keys past a 64-key block, Sq < Sk and Sq > Sk (rows that see no key), a strided view and
 # split-KV.
