@@ -139,9 +139,9 @@ struct AttentionParams {
   // window_right = 0 and sets `causal` too. softcap > 0 turns each scaled score s into
   // softcap * tanh(s / softcap) before the mask and the softmax. sinks (fp32 [Hq], or null) adds
   // exp(sinks[h]) to every row's softmax denominator, with no value. After every field the
-  // kernels read. The CUDA forward kernels (mma.sync and decode) take them; with softcap > 0 the
-  // host sets softcap_scale = softmax_scale / softcap and the softmax's scale to softcap (the
-  // kernels keep tanh(s * softcap_scale): apply_softcap).
+  // kernels read. Every CUDA kernel takes them (the wgmma forward's in an instantiation of their
+  // own: fwd_sm90_kernel); with softcap > 0 the host sets softcap_scale = softmax_scale / softcap
+  // and the softmax's scale to softcap (the kernels keep tanh(s * softcap_scale): apply_softcap).
   int window_left, window_right;
   float softcap;
   const float* sinks;

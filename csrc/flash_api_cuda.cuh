@@ -200,12 +200,15 @@ inline void check_wgmma_config(const char* option, int64_t config, const DeviceI
                        "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
 }
 
+// `features`: the instantiation that takes a window, a softcap or sinks (Sm90Rows).
 template <typename Traits, typename T, bool kVarlen>
-auto fwd_sm90_kernel() {
+auto fwd_sm90_kernel(bool features) {
   if constexpr (kVarlen) {
-    return &flash_fwd_sm90_varlen_kernel<Traits, T>;
+    return features ? &flash_fwd_sm90_varlen_kernel<Traits, T, true>
+                    : &flash_fwd_sm90_varlen_kernel<Traits, T, false>;
   } else {
-    return &flash_fwd_sm90_kernel<Traits, T>;
+    return features ? &flash_fwd_sm90_kernel<Traits, T, true>
+                    : &flash_fwd_sm90_kernel<Traits, T, false>;
   }
 }
 
@@ -220,8 +223,10 @@ auto fwd_kernel() {
 
 // Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration). kVarlen: the
 // forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3, 6 or 7).
+// `features`: a window, softcap or sinks, which the wgmma kernels take in an instantiation of
+// their own (the others take them at run time).
 template <typename T, int D, bool kVarlen = false, typename F>
-void visit_config(int config, F&& f) {
+void visit_config(int config, F&& f, bool features = false) {
   // The kVarlen visit compiles no kernel for these (the `!kVarlen` branches below).
   static_assert(!has_packed_variant(kDecodeConfig) && !has_packed_variant(kSm90aM128Config) &&
                 !has_packed_variant(kSm90aN176Config));
@@ -246,7 +251,7 @@ void visit_config(int config, F&& f) {
       // in three buffers), three at d64 (192-row tiles in turns, two buffers).
       using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>;
       FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
-                     fwd_sm90_kernel<Traits, T, kVarlen>());
+                     fwd_sm90_kernel<Traits, T, kVarlen>(features));
     }
   } else if (config == kSm90aM128Config && !kVarlen) {
     if constexpr (kWgmma) {
@@ -255,7 +260,7 @@ void visit_config(int config, F&& f) {
       // variant is compiled.
       using Traits = Sm90FwdTraits<D, 128, 2, 3>;
       FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aM128Config, f, Traits,
-                     &flash_fwd_sm90_kernel<Traits, T>);
+                     fwd_sm90_kernel<Traits, T, false>(features));
     }
   } else if (config == kSm90aN176Config && !kVarlen) {
     if constexpr (kWgmma) {
@@ -263,7 +268,7 @@ void visit_config(int config, F&& f) {
       // No packed variant, as 6.
       using Traits = Sm90FwdTraits<D, D == 128 ? 176 : 128, D == 64 ? 3 : 2, 2>;
       FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aN176Config, f, Traits,
-                     &flash_fwd_sm90_kernel<Traits, T>);
+                     fwd_sm90_kernel<Traits, T, false>(features));
     }
   } else {
     using Traits = Config4Traits<D>;
@@ -273,8 +278,9 @@ void visit_config(int config, F&& f) {
 }
 
 template <typename T, bool kVarlen = false, typename F>
-void visit_kernel(int head_dim, int config, F&& f) {
-  with_head_dim(head_dim, [&](auto d) { visit_config<T, decltype(d)::value, kVarlen>(config, f); });
+void visit_kernel(int head_dim, int config, F&& f, bool features = false) {
+  with_head_dim(head_dim,
+                [&](auto d) { visit_config<T, decltype(d)::value, kVarlen>(config, f, features); });
 }
 
 // The decode kernel against a paged cache (p.block_table).
@@ -454,6 +460,12 @@ void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {
                           p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q);
 }
 
+// A window (other than causal's), a softcap or sinks: the wgmma forward's kernels take them in an
+// instantiation of their own (fwd_sm90_kernel).
+inline bool has_features(const AttentionParams& p) {
+  return p.window_left >= 0 || p.window_right > 0 || p.softcap > 0 || p.sinks != nullptr;
+}
+
 // The sm_90a kernels, which are persistent (one block per SM walks the tiles).
 template <typename Traits>
 struct IsSm90Traits : std::false_type {};
@@ -483,11 +495,11 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
   };
   const int tile_d = tile_head_dim(p);
   if (p.cu_seqlens_q != nullptr) {
-    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch);
+    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_features(p));
   } else if (p.block_table != nullptr) {
     visit_paged_decode<T>(tile_d, launch);
   } else {
-    visit_kernel<T>(tile_d, config, launch);
+    visit_kernel<T>(tile_d, config, launch, has_features(p));
   }
 }
 
@@ -580,10 +592,10 @@ inline void check_head_dims_cuda(int64_t head_dim, int64_t head_dim_v) {
   FLASHMOE_CHECK_VALUE(problem.empty(), problem);
 }
 
-// The forward's window, softcap and sinks, which its mma.sync and decode kernels take (the wgmma
-// ones do not: features_refuse_wgmma), set on `p` the CUDA way (a softcap scales the score
-// before the tanh, and the softcap becomes the softmax's: apply_softcap). `sinks_out` keeps the
-// contiguous fp32 sinks alive until the launches are enqueued.
+// The forward's window, softcap and sinks, which every kernel takes, set on `p` the CUDA way (a
+// softcap scales the score before the tanh, and the softcap becomes the softmax's:
+// apply_softcap). `sinks_out` keeps the contiguous fp32 sinks alive until the launches are
+// enqueued.
 inline void set_features_cuda(AttentionParams& p, const at::Tensor& q, bool causal,
                               int64_t window_left, int64_t window_right, double softcap,
                               const std::optional<at::Tensor>& sinks, at::Tensor& sinks_out) {
@@ -625,17 +637,6 @@ inline int window_blocks(const AttentionParams& p, int block_n, int n_blocks) {
   return int(std::min<int64_t>(n_blocks, (span + block_n - 1) / block_n + 1));
 }
 
-inline bool has_features(const AttentionParams& p) {
-  return p.window_left >= 0 || p.window_right > 0 || p.softcap > 0 || p.sinks != nullptr;
-}
-
-// A forced wgmma configuration (5 to 7) with a window, softcap or sinks: refused in one line.
-inline void features_refuse_wgmma(const AttentionParams& p, int64_t config) {
-  FLASHMOE_CHECK_VALUE(!(is_sm90a_config(config) && has_features(p)), "config=", config,
-                       " runs on wgmma, whose kernels take no window_size, softcap or sinks yet; "
-                       "use config 1, 2 or 4 (or 0, automatic)");
-}
-
 // cp.async moves 16-byte chunks: base pointers and row/head/batch strides must be multiples of
 // 16 bytes. Anything else (an odd storage offset, say) is copied once rather than rejected.
 inline at::Tensor aligned_for_cp_async(const at::Tensor& t) {
@@ -672,10 +673,13 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   const int rows_per_head = p.seqlen_q * (p.pack_gqa ? p.heads_ratio : 1);
   const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
   const int tile_d = tile_head_dim(p);
-  features_refuse_wgmma(p, config);
   if (config == 0) {
-    const bool wgmma_ok = wgmma_head_dims(p.head_dim, p.head_dim_v) && !has_features(p);
+    const bool wgmma_ok = wgmma_head_dims(p.head_dim, p.head_dim_v);
     config = choose_config(dev, tile_d, wgmma_ok, grid_x, rows_per_head, causal, p.seqlen_k);
+    // With a window, softcap or sinks, the wgmma kernel of two math warpgroups over 128-key tiles:
+    // the feature instantiations of the others (three warpgroups, 176 keys) spill
+    // (benches/notes/features.md).
+    if (is_sm90a_config(config) && has_features(p)) config = kSm90aM128Config;
   }
   const TileShape tile = tile_shape_of(int(config), tile_d);
   const int m_blocks = ceil_div(rows_per_head, tile.block_m);
@@ -851,7 +855,6 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
                                   v.transpose(0, 1).unsqueeze(0), causal, softmax_scale);
   at::Tensor sinks_c;
   set_features_cuda(p, q, causal, window_left, window_right, softcap, sinks, sinks_c);
-  features_refuse_wgmma(p, config);
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = 0;
   p.batch = int(batch);
   p.seqlen_q = int(max_seqlen_q);
@@ -864,7 +867,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   const int64_t grid_x = batch * p.heads_q;
   const int tile_d = tile_head_dim(p);
   if (config == 0) {
-    const bool wgmma_ok = wgmma_head_dims(p.head_dim, p.head_dim_v) && !has_features(p);
+    const bool wgmma_ok = wgmma_head_dims(p.head_dim, p.head_dim_v);
     config = packed_variant_of(
         choose_config(dev, tile_d, wgmma_ok, grid_x, p.seqlen_q, causal, p.seqlen_k));
   }
@@ -1047,8 +1050,6 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(3), v_in.size(3));
   causal = check_features_forward(q_in, causal, window_left, window_right, softcap, sinks);
-  const bool features =
-      resolve_window(causal, window_left, window_right).local() || softcap > 0 || sinks.has_value();
   at::Tensor dsinks = zero_dsinks(q_in, sinks);
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumBwdConfigs, "backward_config must be in [0, ",
                        kNumBwdConfigs, "] (0 = automatic), got ", config);
@@ -1060,12 +1061,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                          dev.major, ".", dev.minor));
   // The tile's head dim: q's and k's, or padded onto the next built one (cuda_tile_head_dim).
   const int head_dim = int(cuda_tile_head_dim(q_in.size(3), v_in.size(3)));
-  const bool wgmma_ok = wgmma_head_dims(q_in.size(3), v_in.size(3)) && !features;
+  const bool wgmma_ok = wgmma_head_dims(q_in.size(3), v_in.size(3));
   if (config == kSm90aBwdConfig) {
     check_wgmma_config("backward_config", config, dev, "1 or 2", q_in.size(3), v_in.size(3));
-    FLASHMOE_CHECK_VALUE(!features, "backward_config=", config,
-                         " runs on wgmma, whose kernels take no window_size, softcap or sinks "
-                         "yet; use backward_config 1 or 2 (or 0, automatic)");
   }
   const int smem_limit = dev.smem_per_block;
   if (config == 0) {

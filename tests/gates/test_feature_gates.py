@@ -79,7 +79,7 @@ def test_the_gpu_tier_crosses_the_sequence_lengths():
     cache length of the decode matrix meets the features; with larger-than-S windows."""
     pairs = {(s, s) for s in matrix.SEQLENS} | set(matrix.UNEQUAL)
     for kind in ("prefill", "backward"):
-        mine = [c for c in GPU if isinstance(c, Case) and c.kind == kind]
+        mine = [c for c in GPU if isinstance(c, Case) and c.kind == kind and not c.config]
         assert {(c.seqlen_q, c.seqlen_k) for c in mine} == pairs
         for combo in combos(mine):
             shapes = {(c.seqlen_q, c.seqlen_k) for c in mine if combos([c]) == {combo}}
@@ -92,6 +92,20 @@ def test_the_gpu_tier_crosses_the_sequence_lengths():
         assert {c.causal for c in mine} == {False, True}
     decode = [c for c in GPU if isinstance(c, Case) and c.kind == "decode"]
     assert {c.seqlen_k for c in decode} == set(matrix.DECODE_SEQLENS_K)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "backward"])
+def test_every_forced_configuration_meets_every_combination(kind):
+    """The automatic choice runs one kernel family per card: forced, every configuration (the
+    mma.sync ones an L4 runs, the wgmma ones of a Hopper card, the decode kernel) meets each
+    combination of the features, on any GPU that can run it."""
+    from flashmoe_science.ops import BACKWARD_CONFIGS
+
+    configs = matrix.FORCED_CONFIGS if kind == "prefill" else BACKWARD_CONFIGS
+    forced = [c for c in GPU if isinstance(c, Case) and c.kind == kind and c.config]
+    for config in configs:
+        assert combos(c for c in forced if c.config == config) == combos(GPU), config
+    assert {c.head_dim for c in forced} == {64, 128}
 
 
 def test_the_cpu_tier_stays_small():

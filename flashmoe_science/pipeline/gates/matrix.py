@@ -572,6 +572,40 @@ def feature_cases(tier: str, kind: str) -> Iterator[Case]:
             deterministic=kind == "backward" and index % 5 == 4,
         )
         yield _with_features(case, combo, index // len(FEATURE_COMBOS))
+    yield from _forced_feature_cases(kind)
+
+
+# The shapes of the features' forced cases: a tail block, Sq < Sk and a few blocks.
+FORCED_FEATURE_PAIRS = ((257, 257), (113, 203), (1000, 1000))
+
+
+def _forced_feature_cases(kind: str) -> Iterator[Case]:
+    """Each combination of FEATURE_COMBOS with every configuration forced (forward
+    FORCED_CONFIGS, backward ops.BACKWARD_CONFIGS): the automatic choice of this card runs one
+    family of kernels, so the others' windows, softcaps and sinks (the mma.sync kernels an L4 runs,
+    the wgmma ones of a Hopper card) are gated here on any card that can run them."""
+    from ...ops import BACKWARD_CONFIGS
+
+    configs = FORCED_CONFIGS if kind == "prefill" else BACKWARD_CONFIGS
+    variants = itertools.product(configs, FEATURE_COMBOS)
+    for index, (config, combo) in enumerate(variants):
+        seqlen_q, seqlen_k = FORCED_FEATURE_PAIRS[index % len(FORCED_FEATURE_PAIRS)]
+        head_dims = gated_head_dims(config) if kind == "prefill" else (64, 128)
+        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+        case = Case(
+            kind,
+            tuple(DTYPES)[index % len(DTYPES)],
+            batch,
+            hq,
+            hkv,
+            seqlen_q,
+            seqlen_k,
+            head_dims[(index // 2) % len(head_dims)],
+            bool(index // 3 % 2),
+            config=config,
+            deterministic=kind == "backward" and index % 4 == 3,
+        )
+        yield _with_features(case, combo, index)
 
 
 def _feature_decode_cases(tier: str) -> Iterator[Case]:
