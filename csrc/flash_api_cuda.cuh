@@ -1120,7 +1120,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                       launch_backward<T, D>(p, int(config), deterministic, stream));
     });
   });
-  if (sinks.has_value()) dsinks = dsinks_rows.sum({0, 2});
+  if (sinks.has_value()) dsinks = dsinks_rows.sum(at::IntArrayRef{0, 2});
   return {dq, dk, dv, dsinks};
 }
 
