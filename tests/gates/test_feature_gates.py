@@ -194,7 +194,8 @@ FEATURE_PLANTS = {
             "dec-fp16-d64-h8-b3-q1-k300-splits3-lens300_0_77-win63_0-sinks",
             "paged-fp16-d64-h8kv2-q1-page16-splits7-lens0_1_17_65_300-win100_0-cap1-sinks",
         ),
-        ("fwd-fp16-d64-h4-b2-s65-causal-win16_0",),
+        # features without a window (on CUDA a small windowed prefill runs the decode kernel too)
+        ("fwd-bf16-d64-h4kv2-b2-q129-k17-causal-sinks",),
     ),
 }
 
