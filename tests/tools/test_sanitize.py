@@ -351,6 +351,22 @@ def test_the_workload_runs_every_feature_on_every_operator():
     assert all(c.window != (-1, -1) or c.softcap or c.sinks for c in features)
 
 
+def test_every_configuration_runs_the_features_under_the_sanitizer():
+    """Forced, each forward configuration (the wgmma ones' feature instantiations too) and each
+    backward one meets a window, a softcap and sinks, where the GPU runs it (and only there)."""
+    from flashmoe_science.ops import BACKWARD_CONFIGS
+    from flashmoe_science.pipeline.gates.matrix import FORCED_CONFIGS
+
+    forced = sanitize.forced_feature_workload(FORCED_CONFIGS, BACKWARD_CONFIGS)
+    for kind, configs in (("prefill", FORCED_CONFIGS), ("backward", BACKWARD_CONFIGS)):
+        for config in configs:
+            mine = [c for c in forced if c.kind == kind and c.config == config]
+            assert any(c.window != (-1, -1) for c in mine), (kind, config)
+            assert any(c.softcap for c in mine) and any(c.sinks for c in mine), (kind, config)
+    only_1 = sanitize.forced_feature_workload((1,), ())
+    assert only_1 and {(c.kind, c.config) for c in only_1} == {("prefill", 1)}
+
+
 def test_the_workload_module_run_as_a_script_lists_every_case():
     """`python -m ...sanitize --list` runs the module as __main__, as compute-sanitizer runs the
     workload: every function the cases need is defined before main() runs (a workload appended
@@ -403,8 +419,9 @@ def test_workload_covers_every_code_path():
     # racecheck's wall time grows with it (~0.1 s a call on an H100); 430 since configuration 6
     # (26 calls at head dim 64), 450 since configuration 7 (14 at head dim 128), 540 since head
     # dims 192 and 256 (94), 575 since the padded head dims (34), 600 since windows, softcap and
-    # sinks (the CPU gate tier's 20)
-    assert len(workload) <= 600
+    # sinks (the CPU gate tier's 20), 640 since every configuration forced with them (40; racecheck
+    # took 110 s over 592 calls on an H100)
+    assert len(workload) <= 640
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration this GPU runs (all of them, wgmma included, for an

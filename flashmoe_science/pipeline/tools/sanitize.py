@@ -288,6 +288,7 @@ def _all_workload_cases() -> list:
         *paged_workload(),
         *wide_head_dim_workload(configs),
         *feature_workload(),
+        *forced_feature_workload(configs, workload_backward_configs()),
         *padded_head_dim_workload(configs),
     ]
 
@@ -396,6 +397,22 @@ def feature_workload() -> list:
         *paged_gates.paged_cases("cpu"),
     ]
     return [c for c in every if c.window != (-1, -1) or c.softcap or c.sinks]
+
+
+def forced_feature_workload(configs: Sequence[int], backward_configs: Sequence[int]) -> list:
+    """The features on every configuration this GPU runs, forced: the gate matrix's forced
+    feature cases (matrix._forced_feature_cases: each combination on each configuration) below
+    1000 keys. The CPU tier's small cases above run the decode kernel on a large GPU (its automatic
+    choice for a grid that leaves SMs idle), so without these the mma.sync and wgmma kernels'
+    feature instantiations would not be watched."""
+    from ..gates import matrix
+
+    return [
+        c
+        for kind, allowed in (("prefill", configs), ("backward", backward_configs))
+        for c in matrix._forced_feature_cases(kind)
+        if c.config in allowed and c.seqlen_k < 1000
+    ]
 
 
 def wide_head_dim_workload(configs: Sequence[int]) -> list:
