@@ -193,25 +193,6 @@ void set_features(Params& p, const Window& window, double softcap, const Tensor*
   p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
 }
 
-// Why the CUDA operators cannot take this window, softcap or sinks yet, in the one line they raise
-// before any launch (ops.features_unsupported_reason returns it); empty when they can.
-inline std::string cuda_features_problem(int64_t window_left, int64_t window_right, bool causal,
-                                         double softcap, bool sinks) {
-  const Window window = resolve_window(causal, window_left, window_right);
-  std::vector<std::string> given;
-  if (window.local())
-    given.push_back(error_text("window_size=(", window_left, ", ", window_right, ")"));
-  if (softcap != 0) given.push_back(error_text("softcap=", softcap));
-  if (sinks) given.push_back("sinks");
-  if (given.empty()) return "";
-  std::string text = given[0];
-  for (size_t i = 1; i < given.size(); ++i)
-    text += (i + 1 == given.size() ? " and " : ", ") + given[i];
-  return text + (given.size() == 1 ? " is" : " are") +
-         " not yet on CUDA: its kernels take window_size=(-1, -1) (causal=True for (-1, 0)), "
-         "softcap=0 and sinks=None; the CPU implementation takes them (pass CPU tensors)";
-}
-
 // Which of k's and v's dimensions hold the heads and the keys: 1 and 2 for [B, Hkv, S, D], 2 and 1
 // for a paged cache's [num_pages, page_size, Hkv, D], read in place (each transposed view is a
 // dispatcher call, on a path whose host cost is a target: benches/notes/varlen-paged.md, v4.3).
@@ -817,7 +798,6 @@ inline int64_t decode_num_splits_op(int64_t tiles, int64_t sm_count, int64_t n_b
 //   Every operator takes v (v_cache) with a last dimension of its own, the output's, and the
 //   window, softcap and sinks last (FLASHMOE_FEATURES, defaults: none of them; see
 //   AttentionParams); attention_backward returns the sinks' gradient fourth (empty without).
-//   cuda_features_problem: why CUDA cannot take these yet ("" when it can), for ops.py.
 //   cuda_head_dims_problem: why CUDA cannot take these head dims ("" when it can), for ops.py.
 #define FLASHMOE_FEATURES \
   "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? sinks=None"
@@ -846,10 +826,6 @@ TORCH_LIBRARY(flashmoe_science, m) {
   m.def("planted_bug() -> int", &flashmoe::planted_bug);
   m.def("cuda_head_dims_problem(int head_dim, int head_dim_v) -> str",
         &flashmoe::cuda_head_dims_problem);
-  m.def(
-      "cuda_features_problem(int window_left, int window_right, bool causal, float softcap, "
-      "bool sinks) -> str",
-      &flashmoe::cuda_features_problem);
   m.def("decode_num_splits(int tiles, int sm_count, int n_blocks) -> int",
         &flashmoe::decode_num_splits_op);
 }

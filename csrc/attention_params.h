@@ -42,7 +42,9 @@ namespace flashmoe {
 //       head dim hold the next row's values instead of zeros, which leak into the scores
 //   15: the backward's delta (rowsum dO * O) is summed over q's and k's head dim, not v's: it
 //       reads past each row of o and dout where v's head dim is the smaller
-// and the bugs of local attention, soft-capping and sinks (the CPU implementation's, for now):
+// and the bugs of local attention, soft-capping and sinks (the CPU implementation's, and the CUDA
+// kernels': 20 in every mma.sync and decode kernel, forward and backward; 21 in the forward and
+// decode; 22 in the backward's pre-pass; 23 in the decode kernel, which forgets the left edge):
 //   20: the window's left edge off by one (a query sees one key too few: j > p - window_left)
 //   21: softcap applied after the mask, so a masked key's -inf score becomes -softcap and the key
 //       is attended to (forward)
@@ -137,10 +139,13 @@ struct AttentionParams {
   // window_right = 0 and sets `causal` too. softcap > 0 turns each scaled score s into
   // softcap * tanh(s / softcap) before the mask and the softmax. sinks (fp32 [Hq], or null) adds
   // exp(sinks[h]) to every row's softmax denominator, with no value. After every field the
-  // kernels read: the CUDA operators take none of them yet (cuda_features_problem).
+  // kernels read. Every CUDA kernel takes them (the wgmma forward's in an instantiation of their
+  // own: fwd_sm90_kernel); with softcap > 0 the host sets softcap_scale = softmax_scale / softcap
+  // and the softmax's scale to softcap (the kernels keep tanh(s * softcap_scale): apply_softcap).
   int window_left, window_right;
   float softcap;
   const float* sinks;
+  float softcap_scale;
 };
 
 // The backward pass: gradients of out = softmax(q k^T * scale) v with respect to q, k and v, given
@@ -178,11 +183,15 @@ struct BwdParams {
 
   // The forward's window, softcap and sinks (AttentionParams); dsinks: fp32 [B, Hq], each
   // sequence's share of the sinks' gradient, -sum over its rows i of exp(sinks[h] - lse_i) *
-  // delta_i (null without sinks). After every field the kernels read.
+  // delta_i (null without sinks); on CUDA [B, Hq, Sq], each row's term, summed by the host. With
+  // softcap > 0 the CUDA host sets softcap_scale = softmax_scale / softcap and scale_log2 to
+  // softcap * log2(e) (P from t = tanh(s * softcap_scale): apply_softcap), softmax_scale staying
+  // the gradients'. After every field the kernels read.
   int window_left, window_right;
   float softcap;
   const float* sinks;
   float* dsinks;
+  float softcap_scale;
 };
 
 FLASHMOE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }

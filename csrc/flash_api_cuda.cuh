@@ -200,12 +200,15 @@ inline void check_wgmma_config(const char* option, int64_t config, const DeviceI
                        "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
 }
 
+// `features`: the instantiation that takes a window, a softcap or sinks (Sm90Rows).
 template <typename Traits, typename T, bool kVarlen>
-auto fwd_sm90_kernel() {
+auto fwd_sm90_kernel(bool features) {
   if constexpr (kVarlen) {
-    return &flash_fwd_sm90_varlen_kernel<Traits, T>;
+    return features ? &flash_fwd_sm90_varlen_kernel<Traits, T, true>
+                    : &flash_fwd_sm90_varlen_kernel<Traits, T, false>;
   } else {
-    return &flash_fwd_sm90_kernel<Traits, T>;
+    return features ? &flash_fwd_sm90_kernel<Traits, T, true>
+                    : &flash_fwd_sm90_kernel<Traits, T, false>;
   }
 }
 
@@ -220,8 +223,10 @@ auto fwd_kernel() {
 
 // Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration). kVarlen: the
 // forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3, 6 or 7).
+// `features`: a window, softcap or sinks, which the wgmma kernels take in an instantiation of
+// their own (the others take them at run time).
 template <typename T, int D, bool kVarlen = false, typename F>
-void visit_config(int config, F&& f) {
+void visit_config(int config, F&& f, bool features = false) {
   // The kVarlen visit compiles no kernel for these (the `!kVarlen` branches below).
   static_assert(!has_packed_variant(kDecodeConfig) && !has_packed_variant(kSm90aM128Config) &&
                 !has_packed_variant(kSm90aN176Config));
@@ -246,7 +251,7 @@ void visit_config(int config, F&& f) {
       // in three buffers), three at d64 (192-row tiles in turns, two buffers).
       using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>;
       FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
-                     fwd_sm90_kernel<Traits, T, kVarlen>());
+                     fwd_sm90_kernel<Traits, T, kVarlen>(features));
     }
   } else if (config == kSm90aM128Config && !kVarlen) {
     if constexpr (kWgmma) {
@@ -255,7 +260,7 @@ void visit_config(int config, F&& f) {
       // variant is compiled.
       using Traits = Sm90FwdTraits<D, 128, 2, 3>;
       FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aM128Config, f, Traits,
-                     &flash_fwd_sm90_kernel<Traits, T>);
+                     fwd_sm90_kernel<Traits, T, false>(features));
     }
   } else if (config == kSm90aN176Config && !kVarlen) {
     if constexpr (kWgmma) {
@@ -263,7 +268,7 @@ void visit_config(int config, F&& f) {
       // No packed variant, as 6.
       using Traits = Sm90FwdTraits<D, D == 128 ? 176 : 128, D == 64 ? 3 : 2, 2>;
       FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aN176Config, f, Traits,
-                     &flash_fwd_sm90_kernel<Traits, T>);
+                     fwd_sm90_kernel<Traits, T, false>(features));
     }
   } else {
     using Traits = Config4Traits<D>;
@@ -273,8 +278,9 @@ void visit_config(int config, F&& f) {
 }
 
 template <typename T, bool kVarlen = false, typename F>
-void visit_kernel(int head_dim, int config, F&& f) {
-  with_head_dim(head_dim, [&](auto d) { visit_config<T, decltype(d)::value, kVarlen>(config, f); });
+void visit_kernel(int head_dim, int config, F&& f, bool features = false) {
+  with_head_dim(head_dim,
+                [&](auto d) { visit_config<T, decltype(d)::value, kVarlen>(config, f, features); });
 }
 
 // The decode kernel against a paged cache (p.block_table).
@@ -454,6 +460,12 @@ void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {
                           p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q);
 }
 
+// A window (other than causal's), a softcap or sinks: the wgmma forward's kernels take them in an
+// instantiation of their own (fwd_sm90_kernel).
+inline bool has_features(const AttentionParams& p) {
+  return p.window_left >= 0 || p.window_right > 0 || p.softcap > 0 || p.sinks != nullptr;
+}
+
 // The sm_90a kernels, which are persistent (one block per SM walks the tiles).
 template <typename Traits>
 struct IsSm90Traits : std::false_type {};
@@ -483,11 +495,11 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
   };
   const int tile_d = tile_head_dim(p);
   if (p.cu_seqlens_q != nullptr) {
-    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch);
+    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_features(p));
   } else if (p.block_table != nullptr) {
     visit_paged_decode<T>(tile_d, launch);
   } else {
-    visit_kernel<T>(tile_d, config, launch);
+    visit_kernel<T>(tile_d, config, launch, has_features(p));
   }
 }
 
@@ -537,26 +549,28 @@ inline at::Tensor split_counters(const at::Tensor& like, cudaStream_t stream, bo
   return buffer;
 }
 
+// sinks (fp32 [Hq] or null): lse is then [B, Hq, Sq], the rows' layout.
 template <typename T, int D>
 void launch_combine(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::Tensor& out,
-                    at::Tensor& lse, cudaStream_t stream) {
+                    at::Tensor& lse, cudaStream_t stream, const float* sinks) {
   const int64_t rows = lse.numel();
   const int blocks = int((rows + 3) / 4);
+  const int heads_q = sinks ? int(lse.size(1)) : 1, seqlen_q = sinks ? int(lse.size(2)) : 1;
   FLASHMOE_KERNEL(only::combine, T, D, 0,
                   split_kv_combine_kernel<T, D><<<blocks, 128, 0, stream>>>(
                       o_accum.data_ptr<float>(), lse_accum.data_ptr<float>(),
                       reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>(),
-                      int(o_accum.size(0)), rows, int(out.size(-1))));
+                      int(o_accum.size(0)), rows, int(out.size(-1)), sinks, heads_q, seqlen_q));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 inline void combine_into(const at::Tensor& o_accum, const at::Tensor& lse_accum, at::Tensor& out,
-                         at::Tensor& lse) {
+                         at::Tensor& lse, const float* sinks = nullptr) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
   with_dtype(out.scalar_type(), [&](auto dt) {
     with_head_dim(int(cuda_tile_head_dim(out.size(-1), out.size(-1))), [&](auto d) {
       launch_combine<typename decltype(dt)::type, decltype(d)::value>(o_accum, lse_accum, out, lse,
-                                                                      stream);
+                                                                      stream, sinks);
     });
   });
 }
@@ -578,17 +592,49 @@ inline void check_head_dims_cuda(int64_t head_dim, int64_t head_dim_v) {
   FLASHMOE_CHECK_VALUE(problem.empty(), problem);
 }
 
-// The window, softcap and sinks: checked as on the CPU, then refused before any launch where the
-// kernels do not take them yet (cuda_features_problem). Returns the call's causal flag, which a
-// window of (-1, 0) sets.
-inline bool check_features_cuda(const at::Tensor& q, bool causal, int64_t window_left,
-                                int64_t window_right, double softcap,
-                                const std::optional<at::Tensor>& sinks) {
+// The forward's window, softcap and sinks, which every kernel takes, set on `p` the CUDA way (a
+// softcap scales the score before the tanh, and the softcap becomes the softmax's:
+// apply_softcap). `sinks_out` keeps the contiguous fp32 sinks alive until the launches are
+// enqueued.
+inline void set_features_cuda(AttentionParams& p, const at::Tensor& q, bool causal,
+                              int64_t window_left, int64_t window_right, double softcap,
+                              const std::optional<at::Tensor>& sinks, at::Tensor& sinks_out) {
+  if (sinks.has_value()) sinks_out = sinks->contiguous();
+  set_features(p, resolve_window(causal, window_left, window_right), softcap,
+               sinks.has_value() ? &sinks_out : nullptr);
+  if (softcap > 0) {  // the kernels keep tanh(s * scale / softcap) (apply_softcap)
+    p.softcap_scale = float(p.softmax_scale / softcap);
+    p.softmax_scale = float(softcap);
+    p.scale_log2 = float(softcap * M_LOG2E);
+  }
+}
+
+// The check of the window, softcap and sinks (as on the CPU), before any launch; returns the
+// call's causal flag, which a window of (-1, 0) sets.
+inline bool check_features_forward(const at::Tensor& q, bool causal, int64_t window_left,
+                                   int64_t window_right, double softcap,
+                                   const std::optional<at::Tensor>& sinks) {
   check_features(q, window_left, window_right, softcap, sinks);
-  const std::string problem =
-      cuda_features_problem(window_left, window_right, causal, softcap, sinks.has_value());
-  FLASHMOE_CHECK_VALUE(problem.empty(), problem);
   return resolve_window(causal, window_left, window_right).causal;
+}
+
+// An empty result's log-sum-exp with sinks: with no key at all, each row's is its sink's logit
+// alone (as on the CPU).
+inline std::tuple<at::Tensor, at::Tensor> with_sinks(std::tuple<at::Tensor, at::Tensor> empty,
+                                                     const std::optional<at::Tensor>& sinks) {
+  at::Tensor& lse = std::get<1>(empty);
+  if (sinks.has_value() && lse.numel() > 0) lse.copy_(sinks->view({1, -1, 1}));
+  return empty;
+}
+
+// The KV blocks of `block_n` keys a row tile can see at most: all `n_blocks` of the keys, or with
+// a window's left edge those its span covers (left + the tile's queries + right, one more for
+// the alignment), which sizes the split count (each split then owns a share of the window).
+inline int window_blocks(const AttentionParams& p, int block_n, int n_blocks) {
+  if (p.window_left < 0) return n_blocks;
+  const int64_t span =
+      int64_t(p.window_left) + p.seqlen_q + (p.window_right >= 0 ? p.window_right : p.seqlen_k);
+  return int(std::min<int64_t>(n_blocks, (span + block_n - 1) / block_n + 1));
 }
 
 // cp.async moves 16-byte chunks: base pointers and row/head/batch strides must be multiples of
@@ -628,8 +674,12 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
   const int tile_d = tile_head_dim(p);
   if (config == 0) {
-    config = choose_config(dev, tile_d, wgmma_head_dims(p.head_dim, p.head_dim_v), grid_x,
-                           rows_per_head, causal, p.seqlen_k);
+    const bool wgmma_ok = wgmma_head_dims(p.head_dim, p.head_dim_v);
+    config = choose_config(dev, tile_d, wgmma_ok, grid_x, rows_per_head, causal, p.seqlen_k);
+    // With a window, softcap or sinks, the wgmma kernel of two math warpgroups over 128-key tiles:
+    // the feature instantiations of the others (three warpgroups, 176 keys) spill
+    // (benches/notes/features.md).
+    if (is_sm90a_config(config) && has_features(p)) config = kSm90aM128Config;
   }
   const TileShape tile = tile_shape_of(int(config), tile_d);
   const int m_blocks = ceil_div(rows_per_head, tile.block_m);
@@ -639,7 +689,7 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
   FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "q of shape ", shape_str(q),
                        " exceeds the launch grid (batch x heads x row blocks must be below 2^31)");
-  const int n_blocks = ceil_div(p.seqlen_k, tile.block_n);
+  const int n_blocks = window_blocks(p, tile.block_n, ceil_div(p.seqlen_k, tile.block_n));
   int splits = int(num_splits);
   const int tiles = int(std::min<int64_t>(grid_x * m_blocks, 1 << 30));
   if (splits == 0 && config == kDecodeConfig) {
@@ -692,7 +742,7 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   } else {
     launch_attention<__nv_bfloat16>(p, int(config), int(grid_x), m_blocks, stream);
   }
-  if (splits > 1 && !fused_combine) combine_into(o_accum, lse_accum, out, lse);
+  if (splits > 1 && !fused_combine) combine_into(o_accum, lse_accum, out, lse, p.sinks);
   return {out, lse};
 }
 
@@ -705,7 +755,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(3), v_in.size(3));
-  causal = check_features_cuda(q_in, causal, window_left, window_right, softcap, sinks);
+  causal = check_features_forward(q_in, causal, window_left, window_right, softcap, sinks);
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs, "config must be in [0, ", kNumConfigs,
                        "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -722,11 +772,13 @@ inline std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(
   if (seqlens_k.has_value() && capture == cudaStreamCaptureStatusNone && host_checks_requested()) {
     check_seqlens_values(seqlens_k->cpu(), k_in.size(2));
   }
-  if (auto empty = empty_result(q_in, k_in.size(2), v_in.size(3))) return *empty;
+  if (auto empty = empty_result(q_in, k_in.size(2), v_in.size(3))) return with_sinks(*empty, sinks);
 
   const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_in),
                    v = aligned_for_cp_async(v_in);
   AttentionParams p = make_params(q, k, v, causal, softmax_scale);
+  at::Tensor sinks_c;
+  set_features_cuda(p, q, causal, window_left, window_right, softcap, sinks, sinks_c);
   if (seqlens_k.has_value()) p.seqlens_k = seqlens_k->data_ptr<int>();
   return run_forward(q, p, config, num_splits, dev, stream, capture != cudaStreamCaptureStatusNone);
 }
@@ -771,7 +823,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(2), v_in.size(2));
-  causal = check_features_cuda(q_in, causal, window_left, window_right, softcap, sinks);
+  causal = check_features_forward(q_in, causal, window_left, window_right, softcap, sinks);
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumConfigs && has_packed_variant(config),
                        "config must be 0 (automatic), 1, 2, 4 or 5 for a packed batch, got ",
                        config);
@@ -787,7 +839,12 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   if (batch == 0 || q_in.size(0) == 0 || q_in.size(1) == 0 || max_seqlen_q == 0 ||
       k_in.size(0) == 0) {
-    return empty_varlen_result(q_in, v_in.size(2));
+    auto empty = empty_varlen_result(q_in, v_in.size(2));
+    // no key at all: each row's log-sum-exp ([Hq, total_q]) is its sink's logit alone
+    if (sinks.has_value() && std::get<1>(empty).numel() > 0) {
+      std::get<1>(empty).copy_(sinks->view({-1, 1}));
+    }
+    return empty;
   }
   const at::Tensor q = rows_aligned_for_cp_async(q_in), k = rows_aligned_for_cp_async(k_in),
                    v = rows_aligned_for_cp_async(v_in);
@@ -796,6 +853,8 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   // lengths come from cu_seqlens.
   AttentionParams p = make_params(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                   v.transpose(0, 1).unsqueeze(0), causal, softmax_scale);
+  at::Tensor sinks_c;
+  set_features_cuda(p, q, causal, window_left, window_right, softcap, sinks, sinks_c);
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = 0;
   p.batch = int(batch);
   p.seqlen_q = int(max_seqlen_q);
@@ -808,8 +867,9 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   const int64_t grid_x = batch * p.heads_q;
   const int tile_d = tile_head_dim(p);
   if (config == 0) {
-    config = packed_variant_of(choose_config(dev, tile_d, wgmma_head_dims(p.head_dim, p.head_dim_v),
-                                             grid_x, p.seqlen_q, causal, p.seqlen_k));
+    const bool wgmma_ok = wgmma_head_dims(p.head_dim, p.head_dim_v);
+    config = packed_variant_of(
+        choose_config(dev, tile_d, wgmma_ok, grid_x, p.seqlen_q, causal, p.seqlen_k));
   }
   const TileShape tile = tile_shape_of(int(config), tile_d);
   const int m_blocks = ceil_div(p.seqlen_q, tile.block_m);
@@ -850,7 +910,7 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(3), v_cache.size(3));
-  causal = check_features_cuda(q_in, causal, window_left, window_right, softcap, sinks);
+  causal = check_features_forward(q_in, causal, window_left, window_right, softcap, sinks);
   c10::cuda::CUDAGuard guard(q_in.device());
   const DeviceInfo dev = device_info(q_in.device().index());
   check_cuda_device(q_in, dev);
@@ -865,13 +925,15 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
     if (lens_cpu) check_seqlens_values(*lens_cpu, capacity);
     check_block_table_values(block_table.cpu().contiguous(), lens_cpu, page_size, k_cache.size(0));
   }
-  if (auto empty = empty_result(q_in, capacity, v_cache.size(3))) return *empty;
+  if (auto empty = empty_result(q_in, capacity, v_cache.size(3))) return with_sinks(*empty, sinks);
 
   const at::Tensor q = aligned_for_cp_async(q_in), k = aligned_for_cp_async(k_cache),
                    v = aligned_for_cp_async(v_cache);
   const at::Tensor table = block_table.stride(1) == 1 ? block_table : block_table.contiguous();
   // The batch stride is the page stride; the heads are dimension 2, a page's rows dimension 1.
   AttentionParams p = make_params(q, k, v, causal, softmax_scale, KvDims{2, 1});
+  at::Tensor sinks_c;
+  set_features_cuda(p, q, causal, window_left, window_right, softcap, sinks, sinks_c);
   p.seqlen_k = int(capacity);
   if (lens) p.seqlens_k = lens->data_ptr<int>();
   p.block_table = table.data_ptr<int>();
@@ -987,8 +1049,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   FLASHMOE_CHECK_VALUE(q_in.is_cuda(), "q is on ", q_in.device(),
                        "; this is the CUDA implementation");
   check_head_dims_cuda(q_in.size(3), v_in.size(3));
-  causal = check_features_cuda(q_in, causal, window_left, window_right, softcap, sinks);
-  const at::Tensor dsinks = zero_dsinks(q_in, sinks);
+  causal = check_features_forward(q_in, causal, window_left, window_right, softcap, sinks);
+  at::Tensor dsinks = zero_dsinks(q_in, sinks);
   FLASHMOE_CHECK_VALUE(config >= 0 && config <= kNumBwdConfigs, "backward_config must be in [0, ",
                        kNumBwdConfigs, "] (0 = automatic), got ", config);
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -1025,6 +1087,19 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                    dout = aligned_for_cp_async(dout_c);
   BwdParams p = make_bwd_params(dout, q, k, v, out, lse_in, causal, softmax_scale);
   auto f32 = q.options().dtype(at::kFloat);
+  // The window, softcap and sinks; each row's term of the sinks' gradient, summed below.
+  at::Tensor sinks_c, dsinks_rows;
+  if (sinks.has_value()) {
+    sinks_c = sinks->contiguous();
+    dsinks_rows = at::zeros({q.size(0), q.size(1), q.size(2)}, f32);
+  }
+  set_features(p, resolve_window(causal, window_left, window_right), softcap,
+               sinks.has_value() ? &sinks_c : nullptr);
+  p.dsinks = sinks.has_value() ? dsinks_rows.data_ptr<float>() : nullptr;
+  if (softcap > 0) {  // P from t = tanh(s * scale / softcap) (apply_softcap); dS gains 1 - t^2
+    p.softcap_scale = float(softmax_scale / softcap);
+    p.scale_log2 = float(softcap * M_LOG2E);
+  }
   // delta and the base-2 lse, both written by the pre-pass, in one allocation
   auto row_stats = at::empty({2, q.size(0), q.size(1), q.size(2)}, f32);
   auto dq = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -1045,6 +1120,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                       launch_backward<T, D>(p, int(config), deterministic, stream));
     });
   });
+  if (sinks.has_value()) dsinks = dsinks_rows.sum(at::IntArrayRef{0, 2});
   return {dq, dk, dv, dsinks};
 }
 

@@ -110,6 +110,13 @@ __global__ void __launch_bounds__(128)
     p.delta[row] = sum;
     const float lse = p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i * p.lse_row_stride];
     p.lse2[row] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+    // The sink's share of d(loss)/d(sinks[h]): -P_sink * delta_i, P_sink = exp(sink - lse_i); one
+    // value a row, summed over the rows on the host (deterministic, the same every call).
+#if FLASHMOE_PLANT_BUG != 22  // planted: the sinks' gradient never accumulated
+    if (p.sinks != nullptr) {
+      p.dsinks[row] = lse == -INFINITY ? 0.f : -expf(p.sinks[h] - lse) * sum;
+    }
+#endif
   }
   if (zero_dq) {
     float* dq_row = p.dq_accum + row * D + lane * kPerLane;
@@ -148,9 +155,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
-  // The first query block whose last row sees a key of this block; the blocks before see none.
-  const int m_begin = p.causal ? max(0, n0 - offset) / BM : 0;
-  const int m_end = ceil_div(p.seqlen_q, BM);
+  // The query blocks some row of which sees a key of this block (query i sees keys
+  // i + offset - window_left <= j <= i + offset + window_right; causal: window_right 0).
+  const int m_begin = p.window_right >= 0 ? max(0, n0 - offset - p.window_right) / BM : 0;
+  const int m_end =
+      p.window_left >= 0
+          ? max(0, min(ceil_div(p.seqlen_q, BM), (n0 + BN - 1 - offset + p.window_left) / BM + 1))
+          : ceil_div(p.seqlen_q, BM);
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
@@ -232,7 +243,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       __syncthreads();  // Q, dO, lse and delta of this step have landed (K and V too, at first)
       // Keys past the end or above the causal diagonal: only the tail block and the diagonal
       // blocks need the per-element mask (rows past the end have P = 0 through their lse).
-      const bool need_mask = n0 + BN > p.seqlen_k || (p.causal && n0 + BN - 1 > m0 + offset);
+      const bool need_mask = n0 + BN > p.seqlen_k ||
+                             (p.window_right >= 0 && n0 + BN - 1 > m0 + offset + p.window_right) ||
+                             (p.window_left >= 0 && n0 < m0 + BM - 1 + offset - p.window_left);
 
       // S^T = K Q^T and dP^T = V dO^T: this warp's keys x its queries.
       float acc_s[KT][MN][4], acc_dp[KT][MN][4];
@@ -270,8 +283,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       // dS^T = P^T (dP^T - delta). The masked blocks (tail and diagonal) get their own copy of
       // the loop, and no exp2 sits behind a branch: a branch per element pinned each lse load to
       // its use, one shared-memory round trip per element (the loop's main stall).
-      auto p_and_ds = [&](auto mask) {
-        constexpr bool kMask = decltype(mask)::value;
+      // With a softcap the score is t = tanh(s * softcap_scale) (apply_softcap: scale_log2 holds
+      // the softcap) and dS gains the tanh's derivative, 1 - t^2 (the softmax scale comes in at
+      // the end, as without): a pass before this one leaves t in S^T and (dP^T - delta) (1 - t^2)
+      // in dP^T, so that this loop holds no more than without (kCapped: dS^T = P^T dP^T).
+      auto p_and_ds = [&](auto mask, auto capped) {
+        constexpr bool kMask = decltype(mask)::value, kCapped = decltype(capped)::value;
 #pragma unroll
         for (int kt = 0; kt < KT; ++kt)
 #pragma unroll
@@ -285,18 +302,42 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
               float prob = exp2f(fmaf(acc_s[kt][nt][e], p.scale_log2, (e & 1) ? -lse2.y : -lse2.x));
               if constexpr (kMask) {
                 const int key = n0 + key_row0 + kt * 16 + lane / 4 + (e >> 1) * 8;
-                if (key >= p.seqlen_k || (p.causal && key > m0 + col0 + (e & 1) + offset))
+                const int i = m0 + col0 + (e & 1);
+                if (key >= window_key_end(p, i, offset, p.seqlen_k) ||
+                    key < window_first_key(p, i, offset))
                   prob = 0.f;
               }
               acc_s[kt][nt][e] = prob;
-              acc_dp[kt][nt][e] = prob * (acc_dp[kt][nt][e] - ((e & 1) ? delta.y : delta.x));
+              acc_dp[kt][nt][e] = kCapped
+                                      ? prob * acc_dp[kt][nt][e]
+                                      : prob * (acc_dp[kt][nt][e] - ((e & 1) ? delta.y : delta.x));
             }
           }
       };
-      if (need_mask)
-        p_and_ds(BoolConstant<true>{});
-      else
-        p_and_ds(BoolConstant<false>{});
+      if (p.softcap > 0.f) {
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+          for (int nt = 0; nt < MN; ++nt) {
+            apply_softcap(acc_s[kt][nt], p);
+            const float2 delta =
+                *reinterpret_cast<const float2*>(sDelta + q_tile0 * 16 + nt * 8 + (lane & 3) * 2);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float t = acc_s[kt][nt][e];
+              acc_dp[kt][nt][e] =
+                  (acc_dp[kt][nt][e] - ((e & 1) ? delta.y : delta.x)) * (1.f - t * t);
+            }
+          }
+        if (need_mask)
+          p_and_ds(BoolConstant<true>{}, BoolConstant<true>{});
+        else
+          p_and_ds(BoolConstant<false>{}, BoolConstant<true>{});
+      } else if (need_mask) {
+        p_and_ds(BoolConstant<true>{}, BoolConstant<false>{});
+      } else {
+        p_and_ds(BoolConstant<false>{}, BoolConstant<false>{});
+      }
 
       if constexpr (kSplit == 1) {
         // Both to registers as 16-bit A operands (P^T for dV, dS^T for dK), and dS^T to shared
@@ -530,10 +571,11 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   const int hkv = h / p.heads_ratio;
   const int offset = p.seqlen_k - p.seqlen_q;
   int n_end = ceil_div(p.seqlen_k, BN);
-  if (p.causal) {
-    const int visible = min(m0 + BM, p.seqlen_q) - 1 + offset + 1;  // keys the last row sees
+  if (p.window_right >= 0) {  // causal: window_right 0
+    const int visible = window_key_end(p, min(m0 + BM, p.seqlen_q) - 1, offset, p.seqlen_k);
     n_end = min(n_end, visible <= 0 ? 0 : ceil_div(visible, BN));
   }
+  const int n_begin = window_first_block<BN>(p, m0, offset);
 #if FLASHMOE_PLANT_BUG == 6
   n_end = max(0, n_end - 1);  // planted: the last key block never reaches dQ
 #endif
@@ -576,7 +618,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       for (int e = 0; e < 4; ++e)
         acc_dq[mt][dt][e] = 0.f;
 
-  for (int n = 0; n < n_end; ++n) {
+  for (int n = n_begin; n < n_end; ++n) {
     load_kv_tile<D, BN, kThreads>(sK, k_base, p.k_row_stride, n * BN, p.seqlen_k, p.head_dim / 8,
                                   tid);
     load_kv_tile<D, BN, kThreads>(sV, v_base, p.v_row_stride, n * BN, p.seqlen_k, p.head_dim_v / 8,
@@ -616,21 +658,51 @@ __global__ void __launch_bounds__(Traits::kNThreads)
       }
     }
 
+    // dS = P (dP - delta), P from the (capped) score; each row's window bounds once per block. A
+    // select, not a branch around the exp2 (see the dK/dV kernel's p_and_ds); the capped loop is
+    // its own copy, so the plain one is what it was without a softcap.
+    auto p_and_ds = [&](auto capped) {
+      constexpr bool kCapped = decltype(capped)::value;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
+          const int key_end = window_key_end(p, i, offset, p.seqlen_k);
+          const int key_begin = window_first_key(p, i, offset);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+              const int key = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
+              float prob = exp2f(fmaf(acc_s[mt][nt][e], p.scale_log2, -lse2[mt][hh]));
+              if (key >= key_end || key < key_begin) prob = 0.f;
+              // kCapped: the pass before left (dP - delta) (1 - t^2) in dP
+              acc_dp[mt][nt][e] =
+                  kCapped ? prob * acc_dp[mt][nt][e] : prob * (acc_dp[mt][nt][e] - delta[mt][hh]);
+            }
+        }
+    };
+    if (p.softcap > 0.f) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          apply_softcap(acc_s[mt][nt], p);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float t = acc_s[mt][nt][e];
+            acc_dp[mt][nt][e] = (acc_dp[mt][nt][e] - delta[mt][e >> 1]) * (1.f - t * t);
+          }
+        }
+      p_and_ds(BoolConstant<true>{});
+    } else {
+      p_and_ds(BoolConstant<false>{});
+    }
+
     uint32_t ds_frag[MT][BN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hh = e >> 1;
-          const int i = m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8;
-          const int key = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
-          // A select, not a branch around the exp2 (see the dK/dV kernel's p_and_ds).
-          float prob = exp2f(fmaf(acc_s[mt][nt][e], p.scale_log2, -lse2[mt][hh]));
-          if (key >= p.seqlen_k || (p.causal && key > i + offset)) prob = 0.f;
-          acc_dp[mt][nt][e] = prob * (acc_dp[mt][nt][e] - delta[mt][hh]);
-        }
 #pragma unroll
       for (int j = 0; j < BN / 16; ++j) {
         ds_frag[mt][j][0] = pack2<T>(acc_dp[mt][2 * j][0], acc_dp[mt][2 * j][1]);

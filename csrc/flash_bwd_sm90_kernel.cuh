@@ -57,8 +57,13 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
-  const int m_begin = p.causal ? max(0, n0 - offset) / BM : 0;
-  const int m_end = ceil_div(p.seqlen_q, BM);
+  // The query blocks some row of which sees a key of this block (query i sees keys
+  // i + offset - window_left <= j <= i + offset + window_right; causal: window_right 0).
+  const int m_begin = p.window_right >= 0 ? max(0, n0 - offset - p.window_right) / BM : 0;
+  const int m_end =
+      p.window_left >= 0
+          ? max(0, min(ceil_div(p.seqlen_q, BM), (n0 + BN - 1 - offset + p.window_left) / BM + 1))
+          : ceil_div(p.seqlen_q, BM);
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
@@ -143,15 +148,18 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     sm90::commit_group();
     if (step + 1 < steps) issue_step(step + 1);  // lands while this step computes
 
-    // P^T = exp2(S^T * scale_log2 - lse2) with keys past the end and the causal mask at 0, then
-    // dS^T = P^T (dP^T - delta); the unmasked blocks skip the per-element mask.
-    const bool need_mask = n0 + BN > p.seqlen_k || (p.causal && n0 + BN - 1 > m0 + offset);
+    // P^T = exp2(S^T * scale_log2 - lse2) with keys past the end and outside the window (causal:
+    // its right edge 0) at 0, then dS^T = P^T (dP^T - delta); the unmasked blocks skip the
+    // per-element mask.
+    const bool need_mask = n0 + BN > p.seqlen_k ||
+                           (p.window_right >= 0 && n0 + BN - 1 > m0 + offset + p.window_right) ||
+                           (p.window_left >= 0 && n0 < m0 + BM - 1 + offset - p.window_left);
     const float* lse_buf = sLse + buf * BM;
     const float* delta_buf = sDelta + buf * BM;
-    sm90::wait_group<1>();
-    sm90::fence_operands(acc_s);
-    auto probs = [&](auto mask) {
-      constexpr bool kMask = decltype(mask)::value;
+    // kCapped: a pass before left t = tanh(s * softcap_scale) in S^T (apply_softcap: scale_log2
+    // holds the softcap) and (dP^T - delta) (1 - t^2) in dP^T, so dS^T = P^T dP^T here.
+    auto probs = [&](auto mask, auto capped) {
+      constexpr bool kMask = decltype(mask)::value, kCapped = decltype(capped)::value;
 #pragma unroll
       for (int nt = 0; nt < MT; ++nt) {
         const int col0 = nt * 8 + (lane & 3) * 2;
@@ -160,26 +168,51 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
         for (int e = 0; e < 4; ++e) {
           float prob = exp2f(fmaf(acc_s[nt][e], p.scale_log2, (e & 1) ? -lse2.y : -lse2.x));
           if constexpr (kMask) {
-            const int key = n0 + key_row0 + (e >> 1) * 8;
-            if (key >= p.seqlen_k || (p.causal && key > m0 + col0 + (e & 1) + offset)) prob = 0.f;
+            const int key = n0 + key_row0 + (e >> 1) * 8, i = m0 + col0 + (e & 1);
+            if (key >= window_key_end(p, i, offset, p.seqlen_k) ||
+                key < window_first_key(p, i, offset))
+              prob = 0.f;
           }
           acc_s[nt][e] = prob;
+          if constexpr (kCapped) acc_dp[nt][e] *= prob;
         }
       }
     };
-    if (need_mask)
-      probs(BoolConstant<true>{});
-    else
-      probs(BoolConstant<false>{});
-    sm90::wait_group<0>();
-    sm90::fence_operands(acc_dp);
+    if (p.softcap > 0.f) {  // both products first: dS needs t, which P replaces
+      sm90::wait_group<0>();
+      sm90::fence_operands(acc_s);
+      sm90::fence_operands(acc_dp);
 #pragma unroll
-    for (int nt = 0; nt < MT; ++nt) {
-      const int col0 = nt * 8 + (lane & 3) * 2;
-      const float2 delta = *reinterpret_cast<const float2*>(delta_buf + col0);
+      for (int nt = 0; nt < MT; ++nt) {
+        apply_softcap(acc_s[nt], p);
+        const float2 delta = *reinterpret_cast<const float2*>(delta_buf + nt * 8 + (lane & 3) * 2);
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - ((e & 1) ? delta.y : delta.x));
+        for (int e = 0; e < 4; ++e) {
+          const float t = acc_s[nt][e];
+          acc_dp[nt][e] = (acc_dp[nt][e] - ((e & 1) ? delta.y : delta.x)) * (1.f - t * t);
+        }
+      }
+      if (need_mask)
+        probs(BoolConstant<true>{}, BoolConstant<true>{});
+      else
+        probs(BoolConstant<false>{}, BoolConstant<true>{});
+    } else {  // P^T while dP^T is still running
+      sm90::wait_group<1>();
+      sm90::fence_operands(acc_s);
+      if (need_mask)
+        probs(BoolConstant<true>{}, BoolConstant<false>{});
+      else
+        probs(BoolConstant<false>{}, BoolConstant<false>{});
+      sm90::wait_group<0>();
+      sm90::fence_operands(acc_dp);
+#pragma unroll
+      for (int nt = 0; nt < MT; ++nt) {
+        const int col0 = nt * 8 + (lane & 3) * 2;
+        const float2 delta = *reinterpret_cast<const float2*>(delta_buf + col0);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - ((e & 1) ? delta.y : delta.x));
+      }
     }
     // Both to registers as 16-bit A operands (the fp32 P^T and dS^T die here).
     uint32_t p_frag[BM / 16][4], ds_frag[BM / 16][4];

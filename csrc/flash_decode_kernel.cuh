@@ -99,10 +99,16 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   auto row_query = [&](int r) { return t.query(r); };
   auto row_head = [&](int r) { return t.head(r); };
 
-  // The stages this split visits (query row i sees keys j <= i + len_k - seqlen_q when causal).
-  const int i_first = row_query(m0);
+  // The stages this split visits: those of some row's window (query row i sees keys
+  // j <= i + len_k - seqlen_q when causal; a window's left edge skips the stages below it).
+  const int i_first = row_query(m0), i_last = row_query(min(m0 + BM, t.rows_total) - 1);
+  const int offset = len_k - p.seqlen_q;
   const int n_block_max = t.kv_block_end<BM, BN>(p, m0);
-  const int n_lo = split * p.n_blocks_per_split;
+#if FLASHMOE_PLANT_BUG == 23
+  const int n_lo = split * p.n_blocks_per_split;  // planted: decode forgets the window's left edge
+#else
+  const int n_lo = window_first_block<BN>(p, i_first, offset) + split * p.n_blocks_per_split;
+#endif
   const int n_iters = max(0, min(n_block_max, n_lo + p.n_blocks_per_split) - n_lo);
   FLASHMOE_PHASE(decode_trace::start(n_iters);)
 #if FLASHMOE_PLANT_BUG == 1
@@ -192,8 +198,18 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
       mma_16816<T>(acc_s[1], q_frag[kk], bk[2], bk[3]);
     }
 
-    bool need_mask = key0 + kWarpKeys > len_k ||
-                     (p.causal && key0 + kWarpKeys - 1 > i_first + len_k - p.seqlen_q);
+#if FLASHMOE_PLANT_BUG != 21
+    if (p.softcap > 0.f) {
+      apply_softcap(acc_s[0], p);
+      apply_softcap(acc_s[1], p);
+    }
+#endif
+#if FLASHMOE_PLANT_BUG == 23
+    bool need_mask = key0 + kWarpKeys > window_key_end(p, i_first, offset, len_k);
+#else
+    bool need_mask = key0 + kWarpKeys > window_key_end(p, i_first, offset, len_k) ||
+                     key0 < window_first_key(p, i_last, offset);
+#endif
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || key0 < key_begin;
 #endif
@@ -204,13 +220,24 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
         for (int e = 0; e < 4; ++e) {
           const int col = key0 + nt * 8 + (lane & 3) * 2 + (e & 1);
           const int i = my_query[e >> 1];
-          bool masked = col >= len_k || (p.causal && col > i + len_k - p.seqlen_q);
+#if FLASHMOE_PLANT_BUG == 23
+          bool masked = col >= window_key_end(p, i, offset, len_k);
+#else
+          bool masked =
+              col >= window_key_end(p, i, offset, len_k) || col < window_first_key(p, i, offset);
+#endif
 #if FLASHMOE_PLANT_BUG == 1
           masked = masked || col < key_begin;
 #endif
           if (masked) acc_s[nt][e] = -INFINITY;
         }
     }
+#if FLASHMOE_PLANT_BUG == 21
+    if (p.softcap > 0.f) {  // planted: after the mask, so a masked key scores -softcap
+      apply_softcap(acc_s[0], p);
+      apply_softcap(acc_s[1], p);
+    }
+#endif
 
     // Online softmax over this warp's keys (base 2, scale folded in).
 #pragma unroll
@@ -317,18 +344,23 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
       out[e + 2] += weight[w] * x.z, out[e + 3] += weight[w] * x.w;
     }
   }
-  const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+  const int i = te.query(gr), h = te.head(gr);
+  float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+  float lse = poison ? NAN : sum > 0.f ? mx * float(M_LN2) + logf(sum) : -INFINITY;
+  if (p.sinks != nullptr && p.num_splits == 1 && row_valid) {  // split partials: when combined
+    float factor;
+    lse = fold_sink(lse, p.sinks[h], factor);
+    inv_sum *= factor;
+  }
 #pragma unroll
   for (int e = 0; e < kCols; ++e)
     out[e] *= inv_sum;
-  const float lse = poison ? NAN : sum > 0.f ? mx * float(M_LN2) + logf(sum) : -INFINITY;
   if (poison) {
 #pragma unroll
     for (int e = 0; e < kCols; ++e)
       out[e] = NAN;
   }
 
-  const int i = te.query(gr), h = te.head(gr);
   const int64_t lse_index = (int64_t(eb) * p.heads_q + h) * p.seqlen_q + i;
   const int64_t rows_all = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   FLASHMOE_PHASE(decode_trace::stamp(decode_trace::kReduced);)
@@ -383,9 +415,16 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
     const int hg = te.head(g), ig = te.query(g);
     const int64_t index = (int64_t(eb) * p.heads_q + hg) * p.seqlen_q + ig;
     float acc[4];
-    const float lse_row = combine_splits<4>(
+    float lse_row = combine_splits<4>(
         p.num_splits, [&](int s) { return p.lse_accum + s * rows_all + index; },
         [&](int s) { return p.o_accum + (s * rows_all + index) * p.head_dim_v + col; }, acc);
+    if (p.sinks != nullptr) {
+      float factor;
+      lse_row = fold_sink(lse_row, p.sinks[hg], factor);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc[e] *= factor;
+    }
     T* o_row =
         static_cast<T*>(p.o) + eb * p.o_batch_stride + hg * p.o_head_stride + ig * p.o_row_stride;
     *reinterpret_cast<uint2*>(o_row + col) =

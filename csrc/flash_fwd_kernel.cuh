@@ -56,13 +56,21 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
 
   auto row_query = [&](int r) { return t.query(r); };
 
-  // KV blocks this block visits: causal tiles above the diagonal are skipped, and the split owns
-  // blocks [n_lo, n_hi).
+  // KV blocks this block visits: those of some row's window (causal: the tiles above the diagonal
+  // are skipped; a window's left edge skips those below it), and the split owns blocks
+  // [n_lo, n_hi) of them.
   const int i_first = row_query(m0);
+  const int offset = len_k - t.len_q;
   const int n_block_max = t.kv_block_end<BM, BN>(p, m0);
-  // Keys below this are visible to every row of the tile: KV blocks that end there need no mask.
-  const int unmasked_end = p.causal ? min(len_k, i_first + len_k - t.len_q + 1) : len_k;
-  const int n_lo = split * p.n_blocks_per_split;
+  // Keys [unmasked_begin, unmasked_end) are visible to every row of the tile: KV blocks inside it
+  // need no mask.
+  const int unmasked_end = window_key_end(p, i_first, offset, len_k);
+  // ... and from the last row's left edge (window_first_key of it), recomputed where a window
+  // has one rather than held through the loop (config 4 has no register to spare).
+  auto unmasked_begin = [&] {
+    return window_first_key(p, row_query(min(m0 + BM, t.rows_total) - 1), offset);
+  };
+  const int n_lo = window_first_block<BN>(p, i_first, offset) + split * p.n_blocks_per_split;
   const int n_hi = min(n_block_max, n_lo + p.n_blocks_per_split);
 #if FLASHMOE_PLANT_BUG == 1
   const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
@@ -115,7 +123,12 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     cp_async_commit();
   }
 
-  for (int n = n_hi - 1; n >= n_lo; --n) {
+  // The loop's lower bound (the window's first block) goes through shared memory, not a register
+  // held through the loop: in a packed batch it cannot be recomputed cheaply (the sequence's
+  // lengths), and held, it spilled configuration 4's packed kernel at d=128.
+  __shared__ int loop_lo;
+  if (tid == 0) loop_lo = n_lo;
+  for (int n = n_hi - 1, more = n_hi > n_lo; more; --n) {
     const bool first = n == n_hi - 1;
     if (first) {
       cp_async_wait<1>();  // Q and K(n) have landed; V(n) may still be in flight
@@ -155,25 +168,35 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
       }
     }
 
-    bool need_mask = (n + 1) * BN > unmasked_end;
+#if FLASHMOE_PLANT_BUG != 21
+    if (p.softcap > 0.f) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          apply_softcap(acc_s[mt][nt], p);
+    }
+#endif
+    bool need_mask =
+        (n + 1) * BN > unmasked_end || (p.window_left >= 0 && n * BN < unmasked_begin());
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || n * BN < key_begin;
 #endif
     if (need_mask) {
-      // One key limit per row of this thread (the last visible key), so the row-to-query mapping
-      // (a division with packed GQA) runs 2 * MT times per masked tile, not once per element.
+      // The row-to-query mapping (a division with packed GQA) runs 2 * MT times per masked tile,
+      // not once per element; each element then compares its distance from the query's position
+      // with the window (outside_window).
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int i = row_query(m0 + warp_row0 + mt * 16 + lane / 4 + hh * 8);
-          const int last_key = p.causal ? min(len_k - 1, i + len_k - t.len_q) : len_k - 1;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
               const int col = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
-              bool masked = col > last_key;
+              bool masked = outside_window(p, col, i, offset, len_k);
 #if FLASHMOE_PLANT_BUG == 1
               masked = masked || col < key_begin;
 #endif
@@ -181,6 +204,15 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
             }
         }
     }
+#if FLASHMOE_PLANT_BUG == 21
+    if (p.softcap > 0.f) {  // planted: after the mask, so a masked key scores -softcap
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          apply_softcap(acc_s[mt][nt], p);
+    }
+#endif
 
     // Online softmax: rescale what was accumulated so far by exp2((m_old - m_new) * scale_log2).
     uint32_t p_frag[MT][BN / 16][4];
@@ -223,8 +255,9 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     }
 
     cp_async_wait<0>();
-    __syncthreads();  // V(n) has landed, and every warp is done reading K(n)
-    if (n > n_lo) {
+    __syncthreads();     // V(n) has landed, and every warp is done reading K(n)
+    more = n > loop_lo;  // (written before the first iteration's barriers)
+    if (more) {
 #if FLASHMOE_PLANT_BUG == 14
       load_kv(sK, k_base, p.k_row_stride, kChunks, n - 1);
 #else
@@ -266,11 +299,16 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     for (int hh = 0; hh < 2; ++hh) {
       const float sum = quad_sum(row_sum[mt][hh]);
       // A bad cache_seqlens value poisons its sequence: NaN out and lse.
-      const float inv = te.bad_len ? NAN : sum > 0.f ? 1.f / sum : 0.f;
-      const float lse = te.bad_len  ? NAN
-                        : sum > 0.f ? row_max[mt][hh] * p.softmax_scale + logf(sum)
-                                    : -INFINITY;
+      float inv = te.bad_len ? NAN : sum > 0.f ? 1.f / sum : 0.f;
+      float lse = te.bad_len  ? NAN
+                  : sum > 0.f ? row_max[mt][hh] * p.softmax_scale + logf(sum)
+                              : -INFINITY;
       const int row = warp_row0 + mt * 16 + lane / 4 + hh * 8, r = em0 + row;
+      if (p.sinks != nullptr && p.num_splits == 1) {  // split partials get theirs when combined
+        float factor;
+        lse = fold_sink(lse, p.sinks[out_head(r)], factor);
+        inv *= factor;
+      }
       if (p.num_splits == 1) {
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
@@ -343,11 +381,14 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 // `cols` reads the row's last kPerLane columns instead (inside the row) and writes those of its
 // own that exist; lanes wholly past it write nothing. (With kPerLane a power of two, 8 | cols keeps
 // every lane wholly inside or wholly past; at D = 192, 6 columns a lane, one lane can straddle.)
+// With `sinks` (fp32 [Hq], or null), row (b, h, i) of rows laid out [B, heads_q, seqlen_q] gains
+// exp(sinks[h]) in its denominator (fold_sink): the splits' partials leave it out.
 template <typename T, int D>
 __global__ void __launch_bounds__(128)
     split_kv_combine_kernel(const float* __restrict__ o_accum, const float* __restrict__ lse_accum,
                             T* __restrict__ out, float* __restrict__ lse, int num_splits,
-                            int64_t rows, int cols) {
+                            int64_t rows, int cols, const float* __restrict__ sinks, int heads_q,
+                            int seqlen_q) {
   constexpr int kPerLane = D / 32;
   static_assert(D % 64 == 0, "an even number of columns per lane");
   const int lane = threadIdx.x % 32;
@@ -356,9 +397,16 @@ __global__ void __launch_bounds__(128)
   const int first = lane * kPerLane;             // this lane's first column
   const int col0 = min(first, cols - kPerLane);  // where it reads (even: float2-aligned)
   float acc[kPerLane];
-  const float lse_row = combine_splits<kPerLane, kPerLane <= 4 ? 16 : 8>(
+  float lse_row = combine_splits<kPerLane, kPerLane <= 4 ? 16 : 8>(
       num_splits, [&](int s) { return lse_accum + s * rows + row; },
       [&](int s) { return o_accum + (s * rows + row) * cols + col0; }, acc);
+  if (sinks != nullptr) {
+    float factor;
+    lse_row = fold_sink(lse_row, sinks[row / seqlen_q % heads_q], factor);
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e)
+      acc[e] *= factor;
+  }
   T* dst = out + row * cols;
   if (first + kPerLane <= cols) {
 #pragma unroll

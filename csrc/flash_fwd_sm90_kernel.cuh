@@ -120,8 +120,10 @@ struct Sm90FwdTraits {
 };
 
 // One warpgroup's rows of a row block: the accumulators and the online softmax's state, and the
-// steps of the main loop. `buf` names which of the two K (V) buffers a step reads.
-template <typename Traits, typename T, bool kVarlen>
+// steps of the main loop. `buf` names which of the two K (V) buffers a step reads. kFeatures: the
+// instantiation that takes a window, a softcap and sinks (a call without them runs the other, whose
+// code is what it was before them: the features' code held registers the plain kernels lack).
+template <typename Traits, typename T, bool kVarlen, bool kFeatures>
 struct Sm90Rows {
   static constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   static constexpr int NT = BN / 8, DT = D / 8;
@@ -138,6 +140,8 @@ struct Sm90Rows {
 
   const AttentionParams& p;
   const TileCoords t;  // a copy: a reference to the caller's would give it an address
+  // Keys [unmasked_begin(), unmasked_end) are visible to every row of the block: key blocks
+  // inside need no mask (the left bound, a window's, recomputed rather than held).
   int m0, warp_row0, lane, unmasked_end, key_begin;
   uint64_t q_desc, k_desc, v_desc;
   float acc_o[DT][4];
@@ -149,7 +153,11 @@ struct Sm90Rows {
                                       int n_lo, int warp, int lane_, const T* sQ, const T* sK,
                                       const T* sV)
       : p(p_), t(t_), m0(m0_), warp_row0(warp * 16), lane(lane_) {
-    unmasked_end = p.causal ? min(t.len_k, t.query(m0) + t.len_k - t.len_q + 1) : t.len_k;
+    if constexpr (kFeatures) {
+      unmasked_end = window_key_end(p, t.query(m0), t.len_k - t.len_q, t.len_k);
+    } else {
+      unmasked_end = p.causal ? min(t.len_k, t.query(m0) + t.len_k - t.len_q + 1) : t.len_k;
+    }
     key_begin = 0;
 #if FLASHMOE_PLANT_BUG == 1
     key_begin = t.split > 0 ? n_lo * BN + 1 : 0;
@@ -217,30 +225,49 @@ struct Sm90Rows {
     rescale[hh] = 1.f;
     return row_max[hh] * p.scale_log2;
   }
+  __device__ __forceinline__ int unmasked_begin() const {
+    return window_first_key(p, t.query(min(m0 + BM, t.rows_total) - 1), t.len_k - t.len_q);
+  }
+  // A softcap's t = tanh(s * softcap_scale) in place of the scores (apply_softcap), before the
+  // mask as FlashAttention applies it.
+  __device__ __forceinline__ void cap_scores() {
+    if (p.softcap > 0.f) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        apply_softcap(acc_s[nt], p);
+    }
+  }
   // Masks S(n), folds it into the running max and sum and leaves P(n) in acc_s; `rescale` is
   // what the output accumulated so far must be multiplied by.
   __device__ __forceinline__ void softmax(int n, float (&rescale)[2]) {
+    constexpr bool kCapAfterMask = kFeatures && FLASHMOE_PLANT_BUG == 21;
+    if constexpr (kFeatures && !kCapAfterMask) cap_scores();
     bool need_mask = (n + 1) * BN > unmasked_end;
+    if constexpr (kFeatures) {
+      need_mask = need_mask || (p.window_left >= 0 && n * BN < unmasked_begin());
+    }
 #if FLASHMOE_PLANT_BUG == 1
     need_mask = need_mask || n * BN < key_begin;
 #endif
-    if constexpr (kMaskByChunks) {
-      if (need_mask) {
+    if constexpr (kMaskByChunks && !kCapAfterMask) {
+      // (the chunks bound the right edge only: a window's left one takes the per-element mask)
+      if (need_mask && (!kFeatures || p.window_left < 0)) {
         softmax_masked(n, rescale);
         return;
       }
     }
     if (need_mask) {
+      const int offset = t.len_k - t.len_q;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int i = t.query(m0 + warp_row0 + lane / 4 + hh * 8);
-        const int last_key = p.causal ? min(t.len_k - 1, i + t.len_k - t.len_q) : t.len_k - 1;
+        const int last_key = p.causal ? min(t.len_k - 1, i + offset) : t.len_k - 1;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
             const int col = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
-            bool masked = col > last_key;
+            bool masked = kFeatures ? outside_window(p, col, i, offset, t.len_k) : col > last_key;
 #if FLASHMOE_PLANT_BUG == 1
             masked = masked || col < key_begin;
 #endif
@@ -248,6 +275,7 @@ struct Sm90Rows {
           }
       }
     }
+    if constexpr (kCapAfterMask) cap_scores();  // planted: a masked key then scores -softcap
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float mx = row_max[hh];
@@ -277,6 +305,7 @@ struct Sm90Rows {
     static_assert(NT % kC == 0, "whole chunks of column groups");
     const int base = n * BN;
     auto last_key_of = [&](int r) {  // non-decreasing in r, packed GQA rows included
+      if constexpr (kFeatures) return window_key_end(p, t.query(r), t.len_k - t.len_q, t.len_k) - 1;
       return p.causal ? min(t.len_k - 1, t.query(r) + t.len_k - t.len_q) : t.len_k - 1;
     };
     const int r_first = m0 + warp_row0;
@@ -374,6 +403,8 @@ struct Sm90Rows {
   // the caller rather than held through the loop.
   // The rows' normaliser and log-sum-exp, in place of their sum and max: it needs only the last
   // softmax, so the caller runs it while the last P V is in flight. Before write_out.
+  // With sinks (one split), each row's sink joins its normaliser and log-sum-exp (fold_sink); the
+  // split partials get theirs when combined.
   __device__ __forceinline__ void finish_rows(const TileCoords& te) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -382,6 +413,14 @@ struct Sm90Rows {
       row_max[hh] = te.bad_len  ? NAN
                     : sum > 0.f ? row_max[hh] * p.softmax_scale + logf(sum)
                                 : -INFINITY;
+      if constexpr (kFeatures) {
+        const int r = (te.m_blocks - 1 - te.m_block) * BM + warp_row0 + lane / 4 + hh * 8;
+        if (p.sinks != nullptr && p.num_splits == 1 && r < te.rows_total) {
+          float factor;
+          row_max[hh] = fold_sink(row_max[hh], p.sinks[te.head(r)], factor);
+          row_sum[hh] *= factor;
+        }
+      }
     }
   }
   __device__ __forceinline__ void write_out(T* stage, const TileCoords& te) {
@@ -463,15 +502,18 @@ struct Sm90Rows {
 };
 
 // The block's place: its tile coordinates, first row and the key blocks [n_lo, n_hi) it visits
-// (from the last to the first: only the first ones visited need masks).
-template <typename Traits, bool kVarlen>
+// (from the last to the first: without a window only the first ones visited need masks).
+template <typename Traits, bool kVarlen, bool kFeatures>
 struct Sm90Block {
   TileCoords t;
   int m0, n_lo, n_hi;
   __device__ __forceinline__ Sm90Block(const AttentionParams& p, int block_x, int split)
       : t(TileCoords::of_block<Traits::kBlockM, kVarlen>(p, block_x, split)) {
     m0 = (t.m_blocks - 1 - t.m_block) * Traits::kBlockM;  // heavy (causal) row blocks first
+    // the window's first key block (0 without a left edge), then the split's share of them
     n_lo = t.split * p.n_blocks_per_split;
+    if constexpr (kFeatures)
+      n_lo += window_first_block<Traits::kBlockN>(p, t.query(m0), t.len_k - t.len_q);
     n_hi =
         min(t.kv_block_end<Traits::kBlockM, Traits::kBlockN>(p, m0), n_lo + p.n_blocks_per_split);
   }
@@ -518,7 +560,7 @@ static_assert(sizeof(Sm90Barriers) <= 128, "the mbarriers get 128 bytes after th
 // sits in buffer use % kStages for the (use / kStages)-th time, so waits for it to be full are on
 // parity (use / kStages) % 2 and waits for it to be empty on the other (a fresh barrier passes
 // the first).
-template <typename Traits, typename T, bool kVarlen>
+template <typename Traits, typename T, bool kVarlen, bool kFeatures>
 __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kMathWarps = Traits::kMathThreads / 32;
@@ -579,7 +621,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   };
   // A tile with work: rows of its sequence and key blocks to visit (both roles skip the others
   // alike, so their barrier counts stay in step).
-  auto has_work = [&](const Sm90Block<Traits, kVarlen>& blk) {
+  auto has_work = [&](const Sm90Block<Traits, kVarlen, kFeatures>& blk) {
     return !(kVarlen && blk.m0 >= blk.t.rows_total) && blk.n_hi > blk.n_lo;
   };
 
@@ -595,7 +637,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     const int tiles_x = tiles_per_split(), tiles = tiles_x * p.num_splits;
     int q_uses = 0, use = 0;
     for (int round = 0, tile = tile_of(0); tile < tiles; tile = tile_of(++round)) {
-      const Sm90Block<Traits, kVarlen> blk(p, tile % tiles_x, tile / tiles_x);
+      const Sm90Block<Traits, kVarlen, kFeatures> blk(p, tile % tiles_x, tile / tiles_x);
       if (!has_work(blk)) continue;
       FLASHMOE_PHASE(if (ptid == 0) phase_trace::stamp(round, phase_trace::kProducer);)
       // Q by TMA: one thread, one box of one head's queries m0.. (zeros past the end).
@@ -688,7 +730,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   int q_uses = 0, use = 0;
   for (int round = 0, tile = tile_of(0); tile < tiles; tile = tile_of(++round)) {
     const int block_x = tile % tiles_x, split = tile / tiles_x;
-    const Sm90Block<Traits, kVarlen> blk(p, block_x, split);
+    const Sm90Block<Traits, kVarlen, kFeatures> blk(p, block_x, split);
     if (kVarlen && blk.m0 >= blk.t.rows_total) continue;  // past its sequence: nothing to write
     const int n_lo = blk.n_lo, n_hi = blk.n_hi;
     // With three math warpgroups (192-row tiles), one whose 64 rows all lie past the tile's last
@@ -724,7 +766,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
     };)
     FLASHMOE_PHASE(mark(phase_trace::kTileStart);)
     FLASHMOE_PHASE(if (tracer) phase_trace::put(round, phase_trace::kKeyBlocks + wg, n_hi - n_lo);)
-    Sm90Rows<Traits, T, kVarlen> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
+    Sm90Rows<Traits, T, kVarlen, kFeatures> rows(p, blk.t, blk.m0, n_lo, warp, lane, sQ, sK, sV);
     float rescale[2];
     // The output's coordinates: recomputed (not held through the loop, which has no registers to
     // spare), while the last P V runs where there is one, so that their integer divisions do not
@@ -791,26 +833,27 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   FLASHMOE_PHASE(if (tid == 0) phase_trace::span(1);)
 }
 
-template <typename Traits, typename T, bool kVarlen>
+template <typename Traits, typename T, bool kVarlen, bool kFeatures>
 __device__ __forceinline__ void flash_fwd_sm90_entry(const AttentionParams& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  flash_fwd_sm90_block<Traits, T, kVarlen>(p);
+  flash_fwd_sm90_block<Traits, T, kVarlen, kFeatures>(p);
 #elif defined(__CUDA_ARCH__)
   __trap();  // wgmma exists on sm_90a only; the host never launches this elsewhere
 #endif
 }
 
-// One block per SM: the register budget is the SM's over the block's warpgroups.
-template <typename Traits, typename T>
+// One block per SM: the register budget is the SM's over the block's warpgroups. kFeatures: a
+// window, a softcap or sinks (Sm90Rows).
+template <typename Traits, typename T, bool kFeatures = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ AttentionParams p) {
-  flash_fwd_sm90_entry<Traits, T, /*kVarlen=*/false>(p);
+  flash_fwd_sm90_entry<Traits, T, /*kVarlen=*/false, kFeatures>(p);
 }
 
-template <typename Traits, typename T>
+template <typename Traits, typename T, bool kFeatures = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_varlen_kernel(const __grid_constant__ AttentionParams p) {
-  flash_fwd_sm90_entry<Traits, T, /*kVarlen=*/true>(p);
+  flash_fwd_sm90_entry<Traits, T, /*kVarlen=*/true, kFeatures>(p);
 }
 
 }  // namespace flashmoe::cuda

@@ -215,13 +215,14 @@ struct TileCoords {
   }
 
   // One past the last KV block of kBlockN keys that tile rows [m0, m0 + kBlockM) see: with a
-  // causal mask (bottom-right aligned: query i sees keys j <= i + len_k - seqlen_q) the blocks
-  // above the diagonal are skipped.
+  // causal mask (bottom-right aligned: query i sees keys j <= i + len_k - seqlen_q), or a window's
+  // right edge, the blocks past it are skipped.
   template <int kBlockM, int kBlockN>
   __device__ __forceinline__ int kv_block_end(const AttentionParams& p, int m0) const {
     int end = ceil_div(len_k, kBlockN);
-    if (p.causal) {
-      const int visible = query(min(m0 + kBlockM, rows_total) - 1) + len_k - len_q + 1;
+    if (p.window_right >= 0) {  // causal: window_right 0
+      const int visible =
+          query(min(m0 + kBlockM, rows_total) - 1) + len_k - len_q + p.window_right + 1;
       end = min(end, visible <= 0 ? 0 : ceil_div(visible, kBlockN));
     }
     return end;
@@ -564,6 +565,81 @@ __device__ __forceinline__ float combine_splits(int num_splits, LseAt lse_at, Pa
   for (int e = 0; e < kCols; ++e)
     out[e] = acc[e] * inv;
   return poisoned ? NAN : sum > 0.f ? m + logf(sum) : -INFINITY;
+}
+
+// ---- Local attention, soft-capping and sinks (the fields of AttentionParams and BwdParams) ----
+
+// The first key query i sees, i sitting at key position i + offset (offset = len_k - len_q):
+// i + offset - window_left, or 0 without a left edge (may be negative or past the keys: the row
+// then sees fewer keys, or none).
+template <typename Params>
+__device__ __forceinline__ int window_first_key(const Params& p, int i, int offset) {
+#if FLASHMOE_PLANT_BUG == 20
+  // planted: the left edge one key too far right (a query sees one key too few)
+  return p.window_left >= 0 ? i + offset - p.window_left + 1 : 0;
+#else
+  return p.window_left >= 0 ? i + offset - p.window_left : 0;
+#endif
+}
+
+// One past the last key query i sees: i + offset + window_right + 1 (causal: window_right 0),
+// capped at len_k; len_k without a right edge.
+template <typename Params>
+__device__ __forceinline__ int window_key_end(const Params& p, int i, int offset, int len_k) {
+  return p.window_right >= 0 ? min(len_k, i + offset + p.window_right + 1) : len_k;
+}
+
+// Whether query i does not see key `key` (past len_k, or outside its window): one distance and
+// compares, for the per-element masks whose registers are tight.
+template <typename Params>
+__device__ __forceinline__ bool outside_window(const Params& p, int key, int i, int offset,
+                                               int len_k) {
+  const int d = key - i - offset;  // how far right of the query's position the key sits
+#if FLASHMOE_PLANT_BUG == 20
+  const bool left_out = p.window_left >= 0 && d < 1 - p.window_left;  // planted, as above
+#else
+  const bool left_out = p.window_left >= 0 && d < -p.window_left;
+#endif
+  return key >= len_k || (p.window_right >= 0 && d > p.window_right) || left_out;
+}
+
+// The first KV block of kBlockN keys that query i sees (0 without a left edge).
+template <int kBlockN, typename Params>
+__device__ __forceinline__ int window_first_block(const Params& p, int i, int offset) {
+  return p.window_left >= 0 ? max(0, window_first_key(p, i, offset)) / kBlockN : 0;
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Soft-capping (Gemma 2's attn_logit_softcapping): a raw score x = q.k becomes
+// softcap * tanh(x * scale / softcap). The kernels keep t = tanh(x * softcap_scale) in place of
+// the score and the host folds softcap into the softmax's scale (softmax_scale = softcap,
+// scale_log2 = softcap * log2(e); softcap_scale = scale / softcap), so the softmax, the
+// log-sum-exp and the backward's P read t as they read a raw score, and the backward's
+// d tanh = 1 - t^2 needs t alone. Applied before the mask, as FlashAttention does.
+template <int N, typename Params>
+__device__ __forceinline__ void apply_softcap(float (&scores)[N], const Params& p) {
+#pragma unroll
+  for (int e = 0; e < N; ++e)
+    scores[e] = tanh_approx(scores[e] * p.softcap_scale);
+}
+
+// A learnable sink (gpt-oss): exp(sink) joins a row's softmax denominator with no value. Given the
+// row's log-sum-exp without it (-inf: the row saw no key; NaN: poisoned), returns the one with it
+// and sets `factor`, by which the row's normalised output is multiplied.
+__device__ __forceinline__ float fold_sink(float lse, float sink, float& factor) {
+  if (lse != lse) {
+    factor = NAN;
+    return NAN;
+  }
+  const float m = fmaxf(lse, sink);
+  const float total = m + logf(expf(lse - m) + expf(sink - m));
+  factor = expf(lse - total);
+  return total;
 }
 
 }  // namespace flashmoe::cuda

@@ -247,22 +247,6 @@ def head_dims_supported(head_dim: int, head_dim_v: int | None = None) -> bool:
     return head_dims_unsupported_reason(head_dim, head_dim_v) is None
 
 
-def features_unsupported_reason(
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    sinks: bool = False,
-    causal: bool = False,
-) -> str | None:
-    """Why the CUDA operators cannot take this window, softcap or sinks (whether any are passed)
-    yet, in the one line they raise before any kernel launch; None when they can (no window but
-    causal's, softcap 0, no sinks). The CPU implementation takes them all."""
-    left, right, softcap, _ = _features(window_size, softcap, None)
-    _check_bool("sinks", sinks)
-    _check_bool("causal", causal)
-    reason = torch.ops.flashmoe_science.cuda_features_problem(left, right, causal, softcap, sinks)
-    return reason or None
-
-
 def config_needs(config: int, kind: str = "prefill") -> str | None:
     """What a forced configuration of a case of this kind needs beyond a GPU, in a few words (a
     gate's rerun_needs); backward cases force backward configurations."""
@@ -310,8 +294,9 @@ def flash_attention_forward(
     1 to 7 force one (see CONFIGS and csrc/flash_api_cuda.cuh), which is how every configuration any
     architecture selects is gated on one card.
 
-    Local attention, soft-capping and sinks (FlashAttention's conventions; on the CPU for now, on
-    CUDA they raise a one-line error before any launch: features_unsupported_reason):
+    Local attention, soft-capping and sinks (FlashAttention's conventions; every operator, forward
+    and backward, on the CPU and on CUDA, where the mma.sync and decode kernels take them and a
+    forced wgmma configuration refuses them in one line):
     - window_size=(left, right): query i, at position p = i + Sk - Sq (the bottom-right alignment
       of causal), sees keys j with p - left <= j <= p + right; -1 leaves that side unbounded.
       causal=True sets right to 0 (as FlashAttention does), and (-1, 0) is causal. Mistral's and

@@ -70,16 +70,13 @@ def require_cuda_build(has_cuda_kernels):
     it; a forced tile configuration (forward or backward) this GPU or build cannot run skips,
     saying what it needs (ops.config_unsupported_reason, ops.backward_config_unsupported_reason),
     and so do head dims the CUDA kernels do not take (ops.head_dims_unsupported_reason: q's and
-    k's `head_dim`, v's `head_dim_v`, 0 for the same) and a window, softcap or sinks they do not
-    take yet (ops.features_unsupported_reason of `features`: a gate case, whose window, softcap,
-    sinks and causal are read)."""
+    k's `head_dim`, v's `head_dim_v`, 0 for the same)."""
 
     def require(
         config: int = 0,
         backward_config: int = 0,
         head_dim: int = 64,
         head_dim_v: int = 0,
-        features=None,
     ) -> None:
         if not has_cuda_kernels:
             pytest.fail(
@@ -89,19 +86,12 @@ def require_cuda_build(has_cuda_kernels):
         from flashmoe_science.ops import (
             backward_config_unsupported_reason,
             config_unsupported_reason,
-            features_unsupported_reason,
             head_dims_unsupported_reason,
         )
 
         capability = torch.cuda.get_device_capability()
-        feature_reason = None
-        if features is not None:
-            feature_reason = features_unsupported_reason(
-                features.window, features.softcap, features.sinks, features.causal
-            )
         reason = (
-            feature_reason
-            or head_dims_unsupported_reason(head_dim, head_dim_v or head_dim)
+            head_dims_unsupported_reason(head_dim, head_dim_v or head_dim)
             or config_unsupported_reason(config, capability)
             or backward_config_unsupported_reason(backward_config, capability)
         )

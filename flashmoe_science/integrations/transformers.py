@@ -34,8 +34,8 @@ it, or W - 1 on each side without the causal mask) becomes window_size=(W - 1, 0
 (W - 1, W - 1); `softcap` (Gemma 2's attn_logit_softcapping) is passed as it is; `s_aux`
 (gpt-oss's learnable sinks, one logit per query head) becomes sinks, in fp32, and trains. A
 sliding layer's cache holds the window's last tokens, bottom-right aligned like the queries, so
-the KV-cache path needs nothing more. On CUDA these raise the operators' "not yet on CUDA" line
-(ops.features_unsupported_reason) until the kernels take them. Not supported: attention dropout
+the KV-cache path needs nothing more. On CUDA the kernels take them too, forward and backward.
+Not supported: attention dropout
 while training (it raises).
 """
 

@@ -15,8 +15,6 @@ import torch
 from flashmoe_science.pipeline.bench import baselines, flex, measure, peers, targets, timing
 from flashmoe_science.pipeline.bench import matrix as benchmatrix
 from flashmoe_science.pipeline.bench import records as benchrecords
-from flashmoe_science.pipeline.bench import run as bench
-from flashmoe_science.pipeline.bench import summary as benchmd
 from flashmoe_science.pipeline.bench import target_measure as targetmeasure
 from flashmoe_science.pipeline.bench.records import LossRun, Measured, NotMeasured
 from flashmoe_science.pipeline.bench.target_cases import LossTarget
@@ -258,7 +256,6 @@ def kernel(ms: float):
 CONFIG = timing.TimingConfig(
     warmup_ms=0, rep_ms=1, min_warmup=0, min_reps=4, max_reps=4, estimate_calls=1
 )
-REFUSED = "window_size=(4095, 0) is not yet on CUDA: its kernels take window_size=(-1, -1)"
 
 
 @pytest.fixture
@@ -283,8 +280,7 @@ def fake_case(monkeypatch):
     monkeypatch.setattr(measure.peers, "availability", lambda device: {"fa3": (kernel(9.0), None)})
     monkeypatch.setattr(measure.peers, "peer_call", lambda fn, case, x: fn)
 
-    def run(case_id: str, device: str = "cpu", refused: str | None = None, **kwargs):
-        monkeypatch.setattr(measure, "features_refusal", lambda case, device: refused)
+    def run(case_id: str, device: str = "cpu", **kwargs):
         case = dataclasses.replace(parse_case_id(case_id), group="features")
         return measure.run_case(case, device, NamedTimer(), CONFIG, {}, True, **kwargs), flexed
 
@@ -331,58 +327,6 @@ def test_a_feature_case_times_flex_beside_ours_and_refuses_sdpa_and_the_peers(
     assert len(flexed) == 2 and isinstance(entry.ours, Measured)
 
 
-def test_a_feature_case_our_kernel_refuses_is_unsupported_not_failed(fake_case):
-    entry, flexed = fake_case("fwd-bf16-d128-h16-b1-s32768-causal-win4095_0", "cuda", REFUSED)
-    assert entry.ours == NotMeasured("unsupported", REFUSED)
-    # Flex's compile would cost the default run minutes for no ratio: not timed, and said why
-    assert entry.baselines["flex"] == NotMeasured("unsupported", measure.FLEX_NOT_TIMED)
-    assert flexed == [] and not bench._case_failed(entry)
-    named, flexed = fake_case(
-        "fwd-bf16-d128-h16-b1-s32768-causal-win4095_0", "cuda", REFUSED, refused_too=True
-    )
-    assert named.baselines["flex"].median_ms == 13.0 and named.baselines["flex"].ratio is None
-    row = benchmd._case_row(named, ["flex"], False)
-    assert row.startswith(f"| {named.id} | unsupported |") and "| 13 ms |" in row
-    # an error of ours still fails the run
-    failed = dataclasses.replace(entry, ours=NotMeasured("error", "RuntimeError: boom"))
-    assert bench._case_failed(failed)
-
-
-def test_head_against_base_leaves_out_the_cases_our_kernels_refuse(
-    fake_case, monkeypatch, tmp_path
-):
-    """A refused case has no time of ours: it is not sent to the workers (an older base would time
-    it without its features), and the run passes."""
-    refused, _ = fake_case("fwd-bf16-d128-h16-b1-s32768-causal-win4095_0", "cuda", REFUSED)
-    plain, _ = fake_case("fwd-bf16-d128-h16-b1-s32768-causal", "cuda")
-    ids = [refused.id, plain.id]
-    path = REPO_ROOT / "tests" / "fixtures" / "report" / "passing" / "bench.json"
-    record = dataclasses.replace(benchrecords.load(path), cases=[refused, plain], targets=None)
-    monkeypatch.setattr(bench, "run_matrix", lambda *args, **kwargs: record)
-    compared = []
-    monkeypatch.setattr(
-        bench.headbase, "compare", lambda record, cases, *rest: compared.extend(cases)
-    )
-    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
-    args = bench.parser().parse_args(["--base", "HEAD", *(f"--case={i}" for i in ids)])
-    cases_ = [parse_case_id(i) for i in ids]
-    assert bench.run_and_report(args, cases_, "cuda", CONFIG) == 0
-    assert [c.id for c in compared] == [plain.id]
-
-
-def test_the_refusal_is_the_operators_own_line_asked_before_any_launch():
-    """What a CUDA run records as ours for the feature cases and the training run today: the
-    operators' "not yet on CUDA" line (asked of the extension, so it holds on this CPU build)."""
-    sinks = parse_case_id("bwd-bf16-d128-h16-b1-s32768-causal-sinks")
-    reason = baselines.features_refusal(sinks, "cuda")
-    assert reason.startswith("sinks is not yet on CUDA")
-    assert baselines.features_refusal(sinks, "cpu") is None  # the CPU implementation takes them
-    assert baselines.features_refusal(parse_case_id(targets.twin_id(sinks.id)), "cuda") is None
-    loss = targetmeasure.loss_refusal(LossTarget(), "cuda")
-    assert loss.startswith("window_size=(31, 0) and softcap=0.5 are not yet on CUDA")
-    assert targetmeasure.loss_refusal(LossTarget(), "cpu") is None
-
-
 def test_our_call_passes_the_window_softcap_and_sinks():
     case = Case(
         "prefill", "bf16", 1, 2, 2, 48, 48, 32, True, window=(5, 0), softcap=3.0, sinks=True
@@ -425,15 +369,6 @@ def test_the_training_run_trains_both_models_from_one_initialisation_on_the_same
     doc = benchrecords.to_json(record)
     assert benchrecords.schema_errors({**_bench_doc(), "targets": [doc]}) == []
     assert benchrecords.target_from_json(json.loads(json.dumps(doc))) == record
-
-
-def test_where_our_kernels_refuse_the_model_eager_trains_alone(monkeypatch):
-    pytest.importorskip("transformers")
-    monkeypatch.setattr(targetmeasure, "loss_refusal", lambda target, device: REFUSED)
-    record = targetmeasure.run_loss(LossTarget(steps=2, layers=2), "cpu")
-    assert record.ours == NotMeasured("unsupported", REFUSED)
-    assert isinstance(record.eager, LossRun) and record.ratio is None
-    assert not bench._target_failed(record)
 
 
 def test_a_loss_that_stops_being_finite_is_an_error_record():

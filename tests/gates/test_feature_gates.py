@@ -1,8 +1,8 @@
 """The gates of local attention, soft-capping and sinks: the matrix holds what the issue asks (every
 window kind, each feature alone and combined, GQA, Sq != Sk, crossed with the sequence lengths on
 the GPU tier, a small subset on the CPU), the closed-form reference gradients agree with
-torch.autograd through the fp64 reference forward, the CUDA cases skip with the one-line reason
-until the kernels take the features, and each planted bug of the CPU implementation fails a gate.
+torch.autograd through the fp64 reference forward, and each planted bug fails a gate, in the CPU
+implementation and in the CUDA kernels.
 The gate cases themselves run in the gate modules (test_gates, test_grad_gates, test_varlen,
 test_paged)."""
 
@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 
-from flashmoe_science import ops
 from flashmoe_science.pipeline.cases import Case, make_inputs, make_output_grad, make_sinks
 from flashmoe_science.pipeline.gates import backward as grad_gates
 from flashmoe_science.pipeline.gates import forward as gates
@@ -80,7 +79,7 @@ def test_the_gpu_tier_crosses_the_sequence_lengths():
     cache length of the decode matrix meets the features; with larger-than-S windows."""
     pairs = {(s, s) for s in matrix.SEQLENS} | set(matrix.UNEQUAL)
     for kind in ("prefill", "backward"):
-        mine = [c for c in GPU if isinstance(c, Case) and c.kind == kind]
+        mine = [c for c in GPU if isinstance(c, Case) and c.kind == kind and not c.config]
         assert {(c.seqlen_q, c.seqlen_k) for c in mine} == pairs
         for combo in combos(mine):
             shapes = {(c.seqlen_q, c.seqlen_k) for c in mine if combos([c]) == {combo}}
@@ -95,20 +94,24 @@ def test_the_gpu_tier_crosses_the_sequence_lengths():
     assert {c.seqlen_k for c in decode} == set(matrix.DECODE_SEQLENS_K)
 
 
+@pytest.mark.parametrize("kind", ["prefill", "backward"])
+def test_every_forced_configuration_meets_every_combination(kind):
+    """The automatic choice runs one kernel family per card: forced, every configuration (the
+    mma.sync ones an L4 runs, the wgmma ones of a Hopper card, the decode kernel) meets each
+    combination of the features, on any GPU that can run it."""
+    from flashmoe_science.ops import BACKWARD_CONFIGS
+
+    configs = matrix.FORCED_CONFIGS if kind == "prefill" else BACKWARD_CONFIGS
+    forced = [c for c in GPU if isinstance(c, Case) and c.kind == kind and c.config]
+    for config in configs:
+        assert combos(c for c in forced if c.config == config) == combos(GPU), config
+    assert {c.head_dim for c in forced} == {64, 128}
+
+
 def test_the_cpu_tier_stays_small():
     """CI's CPU stage runs these (their seconds: benches/notes/harness.md)."""
     assert len(CPU) <= 24
     assert all(max(getattr(c, "seqlen_q", 0), getattr(c, "seqlen_k", 0)) <= 1000 for c in CPU)
-
-
-def test_cuda_cases_skip_with_the_reason_until_the_kernels_take_them():
-    """Every CUDA case of a feature skips (never passes) with the operators' one-line reason, and a
-    causal window of (-1, 0) or one larger than nothing is not a feature."""
-    for case in GPU:
-        reason = ops.features_unsupported_reason(case.window, case.softcap, case.sinks, case.causal)
-        assert reason and "not yet on CUDA" in reason, case.id
-    assert ops.features_unsupported_reason((-1, 0)) is None
-    assert ops.features_unsupported_reason((-1, 7), causal=True) is None
 
 
 @pytest.mark.parametrize(
@@ -191,7 +194,8 @@ FEATURE_PLANTS = {
             "dec-fp16-d64-h8-b3-q1-k300-splits3-lens300_0_77-win63_0-sinks",
             "paged-fp16-d64-h8kv2-q1-page16-splits7-lens0_1_17_65_300-win100_0-cap1-sinks",
         ),
-        ("fwd-fp16-d64-h4-b2-s65-causal-win16_0",),
+        # features without a window (on CUDA a small windowed prefill runs the decode kernel too)
+        ("fwd-bf16-d64-h4kv2-b2-q129-k17-causal-sinks",),
     ),
 }
 
@@ -203,12 +207,17 @@ def test_feature_plants_name_cpu_tier_cases():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "cuda"]
+)
 @pytest.mark.parametrize("bug", sorted(FEATURE_PLANTS))
-def test_planted_feature_bug_fails_its_gates_and_only_those(bug, run_planted):
-    """The CPU plant build with bug `bug` fails the gates of every case named for it, and passes
-    its control (a case without the feature the bug needs). One process: import and a few cases."""
+def test_planted_feature_bug_fails_its_gates_and_only_those(bug, device, run_planted):
+    """The plant build with bug `bug` fails the gates of every case named for it, and passes its
+    control (a case without the feature the bug needs): the CPU implementation's plants, and the
+    same bugs in the CUDA kernels (a build of the few kernels those cases run). One process:
+    import and a few cases."""
     caught, controls = FEATURE_PLANTS[bug]
-    results = run_planted(bug, FEATURE_PLANT_SCRIPT, "cpu", *caught, *controls)["results"]
+    results = run_planted(bug, FEATURE_PLANT_SCRIPT, device, *caught, *controls)["results"]
     for case_id in caught:
         assert any("gate" in f for f in results[case_id]), f"bug {bug} passed {case_id}"
     for case_id in controls:

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from flashmoe_science import _loader as loader
 from flashmoe_science.pipeline.cases import Case, make_inputs
 from flashmoe_science.pipeline.gates import forward as gates
 from flashmoe_science.pipeline.gates import matrix
@@ -36,9 +37,7 @@ def test_gate_cpu(case, record_gate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_gate_cuda(case, record_gate, require_cuda_build):
-    require_cuda_build(
-        case.config, head_dim=case.head_dim, head_dim_v=case.head_dim_v, features=case
-    )
+    require_cuda_build(case.config, head_dim=case.head_dim, head_dim_v=case.head_dim_v)
     _run(case, "cuda", record_gate)
 
 
@@ -66,16 +65,13 @@ def test_matrix_covers_the_issue():
 
 def test_the_issues_head_dims_are_gated():
     """Head dims 64, 96, 128, 192 and 256, q and k of 192 with v of 128 (DeepSeek's multi-head
-    latent attention), and 80 for the multiples of 8 that run padded onto a larger tile."""
-    assert set(matrix.HEAD_DIMS) == {
-        (64, 64),
-        (96, 96),
-        (128, 128),
-        (192, 192),
-        (256, 256),
-        (192, 128),
-        (80, 80),
-    }
+    latent attention), and for every CUDA tile wider than 64 a head dim that runs padded onto it
+    (80 on 128's, 160 on 192's; 96 on 128's and (192, 128) pad too)."""
+    named = {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
+    padded = set(matrix.HEAD_DIMS) - named
+    assert named <= set(matrix.HEAD_DIMS)
+    assert all(d == v and loader.tile_head_dim(d) != d for d, v in padded)
+    assert {loader.tile_head_dim(d) for d, _ in padded} == {128, 192}
     assert set(matrix.NEW_HEAD_DIMS) == set(matrix.HEAD_DIMS) - {(64, 64), (128, 128)}
 
 

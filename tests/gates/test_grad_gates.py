@@ -4,12 +4,21 @@ gates must catch; the autograd contract (opcheck, torch.compile, decode refuses,
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from flashmoe_science.pipeline.cases import Case, make_inputs
+from flashmoe_science.pipeline.cases import (
+    Case,
+    make_inputs,
+    make_output_grad,
+    make_sinks,
+    parse_case_id,
+)
 from flashmoe_science.pipeline.gates import backward as grad_gates
 from flashmoe_science.pipeline.gates import matrix
+from flashmoe_science.pipeline.gates.forward import features
 
 GPU_CASES = list(matrix.backward_cases("gpu"))
 CPU_CASES = list(matrix.backward_cases("cpu"))
@@ -37,7 +46,6 @@ def test_grad_gate_cuda(case, record_gate, require_cuda_build):
         backward_config=case.config,
         head_dim=case.head_dim,
         head_dim_v=case.head_dim_v,
-        features=case,
     )
     _run(case, "cuda", record_gate)
 
@@ -107,6 +115,36 @@ def test_a_wrong_gradient_fails_a_gate():
     assert not result.passed
     assert all("dv" in f for f in result.failures), result.failures
     assert any(f.startswith("gate 1: dv") for f in result.failures)
+
+
+def test_the_sink_gradients_floor_is_what_the_stored_output_costs():
+    """dsinks sums every row's -P_sink * delta, and a backward that reads the forward's stored
+    output takes delta from it rounded to the input dtype. On this case that rounding alone moves
+    dsinks past 2x PyTorch's error (PyTorch takes delta from fp32 probabilities): the reference
+    computed from the rounded output fails gate 2 without the stored output's floor and passes with
+    it, and a sink gradient three bounds off still fails."""
+    case = parse_case_id("bwd-bf16-d128-h2kv1-b1-s1000-causal-win4_0-cap1-sinks")
+    seed = case.seed()
+    q, k, v, _ = make_inputs(case, "cpu", seed)
+    dout = make_output_grad(case, "cpu")
+    scale = 1 / math.sqrt(case.head_dim)
+    options = {**features(case), "sinks": make_sinks(case, "cpu")}
+    ref = grad_gates.reference_grads(q, k, v, dout, True, scale, **options)
+    stored = grad_gates.reference_grads(
+        q, k, v, dout, True, scale, stored_dtype=torch.bfloat16, **options
+    )
+    pt = grad_gates.pytorch_lowp_grads(q, k, v, dout, True, scale, **options)
+
+    def gate(dsinks, floor_from=stored):
+        got = (*stored[:3], dsinks)
+        result = grad_gates.evaluate(case, "cpu", seed, got, ref, pt, [], floor_from)
+        return result.grads["dsinks"]
+
+    without = gate(stored[3], floor_from=None)
+    assert without.max_diff > without.bound  # the bound before the stored output's term
+    assert gate(stored[3]).max_diff <= gate(stored[3]).bound
+    off = gate(ref[3] + 3 * gate(ref[3]).bound)
+    assert off.max_diff > off.bound
 
 
 def test_nondeterminism_fails_a_deterministic_case():

@@ -340,6 +340,33 @@ def test_a_workload_that_dies_before_its_first_call_says_its_exception(
     )
 
 
+def test_the_workload_runs_every_feature_on_every_operator():
+    """Windows, softcap and sinks reach every CUDA path the sanitizer watches: prefill (split-KV
+    too), decode, paged, packed and the backward (deterministic too)."""
+    features = sanitize.feature_workload()
+    assert features and {c.id for c in features} <= {c.id for c in sanitize.workload_cases()}
+    kinds = {c.id.split("-")[0] for c in features}
+    assert kinds == {"fwd", "bwd", "dec", "varlen", "paged"}
+    assert any(getattr(c, "deterministic", False) for c in features)
+    assert all(c.window != (-1, -1) or c.softcap or c.sinks for c in features)
+
+
+def test_every_configuration_runs_the_features_under_the_sanitizer():
+    """Forced, each forward configuration (the wgmma ones' feature instantiations too) and each
+    backward one meets a window, a softcap and sinks, where the GPU runs it (and only there)."""
+    from flashmoe_science.ops import BACKWARD_CONFIGS
+    from flashmoe_science.pipeline.gates.matrix import FORCED_CONFIGS
+
+    forced = sanitize.forced_feature_workload(FORCED_CONFIGS, BACKWARD_CONFIGS)
+    for kind, configs in (("prefill", FORCED_CONFIGS), ("backward", BACKWARD_CONFIGS)):
+        for config in configs:
+            mine = [c for c in forced if c.kind == kind and c.config == config]
+            assert any(c.window != (-1, -1) for c in mine), (kind, config)
+            assert any(c.softcap for c in mine) and any(c.sinks for c in mine), (kind, config)
+    only_1 = sanitize.forced_feature_workload((1,), ())
+    assert only_1 and {(c.kind, c.config) for c in only_1} == {("prefill", 1)}
+
+
 def test_the_workload_module_run_as_a_script_lists_every_case():
     """`python -m ...sanitize --list` runs the module as __main__, as compute-sanitizer runs the
     workload: every function the cases need is defined before main() runs (a workload appended
@@ -371,20 +398,30 @@ def test_not_permitted_or_not_supported(text):
 # --------------------------------------------------------------------------------------------------
 
 
+def has_features(case) -> bool:
+    """A window, softcap or sinks (sanitize.feature_workload's calls, tested on their own)."""
+    return case.window != (-1, -1) or bool(case.softcap) or case.sinks
+
+
 def test_workload_covers_every_code_path():
     workload = sanitize.workload_cases()
     assert len({c.id for c in workload}) == len(workload)
     # packed and paged calls, the head dims past 128 and the padded ones: tests below
     cases = [
-        c for c in workload if isinstance(c, Case) and c.head_dim in (64, 128) and not c.head_dim_v
+        c
+        for c in workload
+        if isinstance(c, Case) and c.head_dim in (64, 128) and not c.head_dim_v
+        if not has_features(c)
     ]
     fwd = [c for c in cases if c.kind == "prefill"]
     dec = [c for c in cases if c.kind == "decode"]
     bwd = [c for c in cases if c.kind == "backward"]
     # racecheck's wall time grows with it (~0.1 s a call on an H100); 430 since configuration 6
     # (26 calls at head dim 64), 450 since configuration 7 (14 at head dim 128), 540 since head
-    # dims 192 and 256 (94), 575 since the padded head dims (34)
-    assert len(workload) <= 575
+    # dims 192 and 256 (94), 575 since the padded head dims (34), 600 since windows, softcap and
+    # sinks (the CPU gate tier's 20), 640 since every configuration forced with them (40; racecheck
+    # took 110 s over 592 calls on an H100)
+    assert len(workload) <= 640
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration this GPU runs (all of them, wgmma included, for an
@@ -470,7 +507,11 @@ def test_workload_covers_packed_batches():
     from flashmoe_science.pipeline.gates.varlen import VARLEN_CONFIGS, VarlenCase
 
     cases = sanitize.workload_cases()
-    varlen = [c for c in cases if isinstance(c, VarlenCase) and c.head_dim in (64, 128)]
+    varlen = [
+        c
+        for c in cases
+        if isinstance(c, VarlenCase) and c.head_dim in (64, 128) and not has_features(c)
+    ]
     configs = [c for c in sanitize.workload_configs() if c in VARLEN_CONFIGS]
     assert configs == [1, 2, 4, 5]  # listed without a GPU: all of them
     keys = {(c.dtype, c.head_dim, c.config, c.causal) for c in varlen}
@@ -510,7 +551,9 @@ def test_workload_covers_paged_decode():
     from flashmoe_science.pipeline.gates.paged import PagedCase, make_paged_inputs
 
     paged = [
-        c for c in sanitize.workload_cases() if isinstance(c, PagedCase) and c.head_dim in (64, 128)
+        c
+        for c in sanitize.workload_cases()
+        if isinstance(c, PagedCase) and c.head_dim in (64, 128) and not has_features(c)
     ]
     assert {(c.dtype, c.head_dim, c.page_size) for c in paged} == {
         (t, d, p) for t in ("fp16", "bf16") for d in (64, 128) for p in (16, 64, 256)

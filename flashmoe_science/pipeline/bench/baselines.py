@@ -146,14 +146,6 @@ def our_call(case: Case, x: Inputs) -> Callable[[], object]:
     )
 
 
-def features_refusal(case: Case, device: str) -> str | None:
-    """Why our kernels on `device` refuse the case's window, softcap or sinks (the operators' own
-    one line, asked before any launch); None where they take them (the CPU, or no features)."""
-    if device != "cuda" or not has_features(case):
-        return None
-    return ops().features_unsupported_reason(case.window, case.softcap, case.sinks, case.causal)
-
-
 def has_features(case: Case) -> bool:
     return case.window != (-1, -1) or bool(case.softcap) or case.sinks
 

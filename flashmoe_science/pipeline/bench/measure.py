@@ -33,7 +33,6 @@ from . import flex, peers, readfloor, stats
 from .baselines import (
     BASELINES,
     backend_context,
-    features_refusal,
     first_call,
     has_features,
     is_refusal,
@@ -278,14 +277,6 @@ def times_deterministic(case: Case) -> bool:
     )
 
 
-# The flex column of a case our kernel refuses, unless named with --case: Flex's compile costs
-# the default run minutes, and without our time there is no ratio to take.
-FLEX_NOT_TIMED = (
-    "not timed: our kernel refuses this case here, so there is no ratio to take (name the case "
-    "with --case to time FlexAttention anyway)"
-)
-
-
 def _beside_ours(result: Result, ours: Measured | None) -> Result:
     """A column other than ours: without raw samples (kept for our kernel only, for the history
     and the comparison), with its time over ours as its ratio."""
@@ -305,15 +296,12 @@ def run_case(
     baselines: bool,
     rounds: int = ROUNDS,
     say=None,
-    refused_too: bool = False,
 ) -> CaseRecord:
-    """One case measured into its record. A case whose window, softcap or sinks our kernels here
-    refuse records ours as "unsupported" with their reason, and its flex column is timed only when
-    `refused_too` (the case was named with --case); on the CPU, never (flex.NOT_ON_CPU)."""
+    """One case measured into its record. A case with a window, softcap or sinks times
+    FlexAttention beside ours (the flex column); on the CPU, never (flex.NOT_ON_CPU)."""
     x = make_inputs(case, device)
-    refusal = features_refusal(case, device)  # our kernels here do not take its features yet
-    calls = {} if refusal else {"ours": (our_call(case, x), None)}
-    if times_deterministic(case) and not refusal:
+    calls = {"ours": (our_call(case, x), None)}
+    if times_deterministic(case):
         deterministic = dataclasses.replace(case, deterministic=True)
         calls[DETERMINISTIC] = (our_call(deterministic, x), None)
     unsupported = {}
@@ -335,9 +323,7 @@ def run_case(
                 unsupported[name] = NotMeasured("unsupported", reason)
     if baselines and flex.applies(case):
         compared.append(flex.NAME)
-        if refusal and not refused_too:
-            fn, reason = None, FLEX_NOT_TIMED
-        elif device == "cpu":
+        if device == "cpu":
             fn, reason = None, flex.NOT_ON_CPU
         else:
             try:
@@ -373,7 +359,7 @@ def run_case(
         **case.to_dict(),
         flops=case.flops,
         bytes=case.bytes_moved,
-        ours=NotMeasured("unsupported", refusal) if refusal else measured.pop("ours"),
+        ours=measured.pop("ours"),
         baselines={},
         retakes=retakes,
         unstable=still or None,

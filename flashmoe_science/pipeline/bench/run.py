@@ -25,10 +25,8 @@ they import and the card runs them, else each case says why not ("not installed:
 automatic backward case also times our kernel with deterministic=True ("ours_deterministic").
 The cases with a sliding window, softcap or sinks (the "features" group: matrix.feature_cases)
 have FlexAttention under torch.compile as their baseline ("flex", pipeline.bench.flex; SDPA and
-the peers say why not). Where our kernels refuse those features (CUDA, until they take them) ours
-is "unsupported" with the operators' reason, which fails nothing and is left out of --base, and
-Flex is timed only for cases named with --case (in the default run its compile would cost minutes
-for no ratio); on the CPU backend it is not timed.
+the peers say why not); on the CPU backend it is not timed. A case our kernels refuse here (ours
+"unsupported") fails nothing and is left out of --base.
 
 Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton kernels that only read
 the case's K and V, timed in the same interleaved rounds as ours and the baselines
@@ -148,10 +146,8 @@ def run_matrix(
     baselines: bool,
     say=print,
     target_cases: Sequence[Target] = (),
-    named: bool = False,
 ) -> BenchRecord:
-    """Every case and target case measured into the run's record; `named`: the cases were named
-    with --case (a feature case our kernel refuses then still times FlexAttention)."""
+    """Every case and target case measured into the run's record."""
     timer = make_timer(device)
     gpu = machine.gpu_info(device)
     around = load.start()
@@ -183,9 +179,7 @@ def run_matrix(
         defines=list(_loader.env_defines()) or None,
     )
     for index, case in enumerate(cases, 1):
-        entry = run_case(
-            case, device, timer, config, ceilings, baselines, say=say, refused_too=named
-        )
+        entry = run_case(case, device, timer, config, ceilings, baselines, say=say)
         record.cases.append(entry)
         elapsed = time.monotonic() - start
         say(f"[{index}/{total}] {case.id} ... {_progress_text(entry)} ({elapsed:.1f} s elapsed)")
@@ -453,10 +447,9 @@ def run_and_report(
         config,
         baselines=not args.no_baselines,
         target_cases=target_cases,
-        named=bool(args.case),
     )
     if args.base or args.base_dir:
-        # a case our kernels refuse here (a feature not on this device yet) has no time to compare
+        # a case our kernels refuse here has no time to compare
         refused = {c.id for c in record.cases if _refused(c)}
         compared = [c for c in cases if c.id not in refused]
         record.comparison = headbase.compare(record, compared, device, args)
@@ -479,14 +472,13 @@ def _target_failed(target) -> bool:
 
 
 def _refused(case) -> bool:
-    """Our kernels refused the case (its window, softcap or sinks are not on this device yet)."""
+    """Our kernels refused the case here (ours "unsupported")."""
     return isinstance(case.ours, NotMeasured) and case.ours.status == "unsupported"
 
 
 def _case_failed(case) -> bool:
     """Our kernel failed on a matrix case: its default call, or its deterministic one. A refusal
-    ("unsupported": a window, softcap or sinks our kernels here do not take yet) is not a
-    failure; its targets say "not judged" with the reason."""
+    ("unsupported") is not a failure; its targets say "not judged" with the reason."""
     deterministic = case.ours_deterministic
     failed = isinstance(deterministic, NotMeasured) and deterministic.status == "error"
     return failed or not (isinstance(case.ours, Measured) or _refused(case))

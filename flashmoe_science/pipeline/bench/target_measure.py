@@ -606,14 +606,6 @@ def train_losses(model, tokens: torch.Tensor) -> LossRun | NotMeasured:
     return LossRun(sig(values[-1], 6), [sig(value, 6) for value in values], sig(seconds, 3))
 
 
-def loss_refusal(target: LossTarget, device: str) -> str | None:
-    """Why our kernels here refuse the model's window or softcap (None where they take them)."""
-    if device != "cuda":
-        return None
-    window = (target.window - 1, 0)  # a sliding_window of W tokens, as the integration passes it
-    return ops().features_unsupported_reason(window, target.softcap, False, True)
-
-
 def run_loss(target: LossTarget, device: str) -> LossRecord:
     """Both models trained on the same batches: eager's always, ours where our kernels take the
     model's window and softcap (else its record says why)."""
@@ -626,17 +618,15 @@ def run_loss(target: LossTarget, device: str) -> LossRecord:
     except Exception as exc:  # out of memory, a config transformers rejects: a record
         ours = eager = NotMeasured("error", f"building the models: {first_line(exc)}")
     else:
-        refusal = loss_refusal(target, device)
         runs = []
-        for model in (None if refusal else ours_model, eager_model):
+        for model in (ours_model, eager_model):
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # fp32 weights: ours computes in bf16
-                    runs.append(train_losses(model, tokens) if model is not None else None)
+                    runs.append(train_losses(model, tokens))
             except Exception as exc:  # a failure of either side is a record, not a crash
                 runs.append(NotMeasured("error", first_line(exc)))
-        ours = runs[0] or NotMeasured("unsupported", refusal)
-        eager = runs[1]
+        ours, eager = runs
         del ours_model, eager_model
     ratio = None
     if isinstance(ours, LossRun) and isinstance(eager, LossRun) and eager.final_loss:

@@ -28,16 +28,26 @@ UNEQUAL = (
 UNEQUAL_CPU = ((1, 1000), (1000, 1), (113, 203), (203, 113), (17, 1))
 GQA_RATIOS = (1, 4, 8)
 # The head dims (q's and k's, v's) of the models people run: GPT-2 and most others 64 or 128, Phi-3
-# 96, Gemma 256, DeepSeek's multi-head latent attention (prefill) 192 with v 128; 80 stands for the
-# other multiples of 8, which run padded onto the next larger tile.
-HEAD_DIMS = ((64, 64), (128, 128), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128))
+# 96, Gemma 256, DeepSeek's multi-head latent attention (prefill) 192 with v 128; 80 and 160 stand
+# for the other multiples of 8, which run padded onto the next larger tile (128's and 192's).
+HEAD_DIMS = (
+    (64, 64),
+    (128, 128),
+    (80, 80),
+    (96, 96),
+    (192, 192),
+    (256, 256),
+    (192, 128),
+    (160, 160),
+)
 # Those past 64 and 128, the first the kernels took: gated in blocks of their own after the
 # earlier cases, whose ids stay as they were. A CUDA case of head dims its kernels do not take
 # skips, saying so (ops.head_dims_unsupported_reason).
 NEW_HEAD_DIMS = HEAD_DIMS[2:]
 # The CPU tier's: 96 runs through its whole forward matrix already, and the CPU implementation is
-# the same code at every head dim, so a few cases of each of the others (NEW_HEAD_DIM_SHAPES_CPU).
-NEW_HEAD_DIMS_CPU = tuple(dims for dims in NEW_HEAD_DIMS if dims != (96, 96))
+# the same code at every head dim, so a few cases of each of the others (NEW_HEAD_DIM_SHAPES_CPU);
+# 160 pads a CUDA tile the CPU has not, and 80 stands for the padded dims there.
+NEW_HEAD_DIMS_CPU = tuple(dims for dims in NEW_HEAD_DIMS if dims not in ((96, 96), (160, 160)))
 # (Sq, Sk, causal, layout, forced split count) of the CPU tier's cases of a new head dim: rows
 # and keys past a 64-key block, Sq < Sk and Sq > Sk (rows that see no key), a strided view and
 # split-KV.
@@ -518,8 +528,7 @@ def feature_cases(tier: str, kind: str) -> Iterator[Case]:
     "decode"). tier "gpu": every (Sq, Sk) of the sequence-length matrix (the decode one for
     decode) with each combination of FEATURE_COMBOS, window, softcap, dtype, mask, head dim (64 and
     128), GQA ratio 1/4/8 and layout taken in turn; backward adds deterministic calls. tier "cpu":
-    FEATURE_*_CPU. The CUDA kernels take none of these yet: their CUDA cases skip, saying so
-    (ops.features_unsupported_reason)."""
+    FEATURE_*_CPU."""
     if kind == "decode":
         yield from _feature_decode_cases(tier)
         return
@@ -563,6 +572,40 @@ def feature_cases(tier: str, kind: str) -> Iterator[Case]:
             deterministic=kind == "backward" and index % 5 == 4,
         )
         yield _with_features(case, combo, index // len(FEATURE_COMBOS))
+    yield from _forced_feature_cases(kind)
+
+
+# The shapes of the features' forced cases: a tail block, Sq < Sk and a few blocks.
+FORCED_FEATURE_PAIRS = ((257, 257), (113, 203), (1000, 1000))
+
+
+def _forced_feature_cases(kind: str) -> Iterator[Case]:
+    """Each combination of FEATURE_COMBOS with every configuration forced (forward
+    FORCED_CONFIGS, backward ops.BACKWARD_CONFIGS): the automatic choice of this card runs one
+    family of kernels, so the others' windows, softcaps and sinks (the mma.sync kernels an L4 runs,
+    the wgmma ones of a Hopper card) are gated here on any card that can run them."""
+    from ...ops import BACKWARD_CONFIGS
+
+    configs = FORCED_CONFIGS if kind == "prefill" else BACKWARD_CONFIGS
+    variants = itertools.product(configs, FEATURE_COMBOS)
+    for index, (config, combo) in enumerate(variants):
+        seqlen_q, seqlen_k = FORCED_FEATURE_PAIRS[index % len(FORCED_FEATURE_PAIRS)]
+        head_dims = gated_head_dims(config) if kind == "prefill" else (64, 128)
+        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+        case = Case(
+            kind,
+            tuple(DTYPES)[index % len(DTYPES)],
+            batch,
+            hq,
+            hkv,
+            seqlen_q,
+            seqlen_k,
+            head_dims[(index // 2) % len(head_dims)],
+            bool(index // 3 % 2),
+            config=config,
+            deterministic=kind == "backward" and index % 4 == 3,
+        )
+        yield _with_features(case, combo, index)
 
 
 def _feature_decode_cases(tier: str) -> Iterator[Case]:

@@ -287,6 +287,8 @@ def _all_workload_cases() -> list:
         *varlen_workload(configs),
         *paged_workload(),
         *wide_head_dim_workload(configs),
+        *feature_workload(),
+        *forced_feature_workload(configs, workload_backward_configs()),
         *padded_head_dim_workload(configs),
     ]
 
@@ -378,6 +380,39 @@ def paged_workload() -> list:
 # forces 1 (it fits every card) and runs 2 through the automatic choice where it fits.
 WIDE_HEAD_DIMS = tuple(d for d in _loader.CUDA_HEAD_DIMS if d > 128)
 WIDE_FWD_SHAPES = ((65, 65, True, 0), (17, 257, False, 3), (257, 17, True, 1))
+
+
+def feature_workload() -> list:
+    """Sliding windows, softcap and sinks, alone and combined: the CPU gate tier's cases of them
+    (prefill with split-KV, decode and paged decode with splits, packed batches, the backward with
+    dQ by atomics and deterministic; at most 24 small calls), run on the GPU's kernels."""
+    from ..gates import matrix
+    from ..gates import paged as paged_gates
+    from ..gates import varlen as varlen_gates
+
+    every = [
+        *matrix.gate_cases("cpu"),
+        *matrix.backward_cases("cpu"),
+        *varlen_gates.varlen_cases("cpu"),
+        *paged_gates.paged_cases("cpu"),
+    ]
+    return [c for c in every if c.window != (-1, -1) or c.softcap or c.sinks]
+
+
+def forced_feature_workload(configs: Sequence[int], backward_configs: Sequence[int]) -> list:
+    """The features on every configuration this GPU runs, forced: the gate matrix's forced
+    feature cases (matrix._forced_feature_cases: each combination on each configuration) below
+    1000 keys. The CPU tier's small cases above run the decode kernel on a large GPU (its automatic
+    choice for a grid that leaves SMs idle), so without these the mma.sync and wgmma kernels'
+    feature instantiations would not be watched."""
+    from ..gates import matrix
+
+    return [
+        c
+        for kind, allowed in (("prefill", configs), ("backward", backward_configs))
+        for c in matrix._forced_feature_cases(kind)
+        if c.config in allowed and c.seqlen_k < 1000
+    ]
 
 
 def wide_head_dim_workload(configs: Sequence[int]) -> list:
