@@ -510,7 +510,7 @@ struct Sm90Block {
   __device__ __forceinline__ Sm90Block(const AttentionParams& p, int block_x, int split)
       : t(TileCoords::of_block<Traits::kBlockM, kVarlen>(p, block_x, split)) {
     m0 = (t.m_blocks - 1 - t.m_block) * Traits::kBlockM;  // heavy (causal) row blocks first
-    // the window's first key block (0 without a left edge), then the split's share of them
+    // the split's share of the key blocks, counted from the window's first (features only)
     n_lo = t.split * p.n_blocks_per_split;
     if constexpr (kFeatures)
       n_lo += window_first_block<Traits::kBlockN>(p, t.query(m0), t.len_k - t.len_q);

@@ -572,14 +572,14 @@ def feature_cases(tier: str, kind: str) -> Iterator[Case]:
             deterministic=kind == "backward" and index % 5 == 4,
         )
         yield _with_features(case, combo, index // len(FEATURE_COMBOS))
-    yield from _forced_feature_cases(kind)
+    yield from forced_feature_cases(kind)
 
 
 # The shapes of the features' forced cases: a tail block, Sq < Sk and a few blocks.
 FORCED_FEATURE_PAIRS = ((257, 257), (113, 203), (1000, 1000))
 
 
-def _forced_feature_cases(kind: str) -> Iterator[Case]:
+def forced_feature_cases(kind: str) -> Iterator[Case]:
     """Each combination of FEATURE_COMBOS with every configuration forced (forward
     FORCED_CONFIGS, backward ops.BACKWARD_CONFIGS): the automatic choice of this card runs one
     family of kernels, so the others' windows, softcaps and sinks (the mma.sync kernels an L4 runs,

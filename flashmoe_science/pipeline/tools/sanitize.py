@@ -401,7 +401,7 @@ def feature_workload() -> list:
 
 def forced_feature_workload(configs: Sequence[int], backward_configs: Sequence[int]) -> list:
     """The features on every configuration this GPU runs, forced: the gate matrix's forced
-    feature cases (matrix._forced_feature_cases: each combination on each configuration) below
+    feature cases (matrix.forced_feature_cases: each combination on each configuration) below
     1000 keys. The CPU tier's small cases above run the decode kernel on a large GPU (its automatic
     choice for a grid that leaves SMs idle), so without these the mma.sync and wgmma kernels'
     feature instantiations would not be watched."""
@@ -410,7 +410,7 @@ def forced_feature_workload(configs: Sequence[int], backward_configs: Sequence[i
     return [
         c
         for kind, allowed in (("prefill", configs), ("backward", backward_configs))
-        for c in matrix._forced_feature_cases(kind)
+        for c in matrix.forced_feature_cases(kind)
         if c.config in allowed and c.seqlen_k < 1000
     ]
 
