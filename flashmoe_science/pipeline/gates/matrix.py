@@ -557,22 +557,36 @@ def feature_cases(tier: str, kind: str) -> Iterator[Case]:
     pairs = [(s, s) for s in SEQLENS] + list(UNEQUAL)
     variants = itertools.product(pairs, FEATURE_COMBOS)
     for index, ((seqlen_q, seqlen_k), combo) in enumerate(variants):
-        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-        case = Case(
+        case = _turned_case(
             kind,
-            tuple(DTYPES)[index % len(DTYPES)],
-            batch,
-            hq,
-            hkv,
+            index,
             seqlen_q,
             seqlen_k,
-            (64, 128)[(index // 2) % 2],
-            bool(index // 3 % 2),
             layout="bshd" if index % 4 == 3 else "bhsd",
             deterministic=kind == "backward" and index % 5 == 4,
         )
         yield _with_features(case, combo, index // len(FEATURE_COMBOS))
     yield from forced_feature_cases(kind)
+
+
+def _turned_case(
+    kind: str, index: int, seqlen_q: int, seqlen_k: int, head_dims=(64, 128), **options
+) -> Case:
+    """The index-th feature case of a shape: dtype, GQA ratio (_heads), head dim and mask taken in
+    turn with `index`."""
+    batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+    return Case(
+        kind,
+        tuple(DTYPES)[index % len(DTYPES)],
+        batch,
+        hq,
+        hkv,
+        seqlen_q,
+        seqlen_k,
+        head_dims[(index // 2) % len(head_dims)],
+        bool(index // 3 % 2),
+        **options,
+    )
 
 
 # The shapes of the features' forced cases: a tail block, Sq < Sk and a few blocks.
@@ -590,18 +604,12 @@ def forced_feature_cases(kind: str) -> Iterator[Case]:
     variants = itertools.product(configs, FEATURE_COMBOS)
     for index, (config, combo) in enumerate(variants):
         seqlen_q, seqlen_k = FORCED_FEATURE_PAIRS[index % len(FORCED_FEATURE_PAIRS)]
-        head_dims = gated_head_dims(config) if kind == "prefill" else (64, 128)
-        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-        case = Case(
+        case = _turned_case(
             kind,
-            tuple(DTYPES)[index % len(DTYPES)],
-            batch,
-            hq,
-            hkv,
+            index,
             seqlen_q,
             seqlen_k,
-            head_dims[(index // 2) % len(head_dims)],
-            bool(index // 3 % 2),
+            gated_head_dims(config) if kind == "prefill" else (64, 128),
             config=config,
             deterministic=kind == "backward" and index % 4 == 3,
         )
