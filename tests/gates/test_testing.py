@@ -279,10 +279,36 @@ def test_a_gate_or_a_plant_marked_long_is_refused(tmp_path, extra):
 
 DEVICE_GATES = """
 import os
+import time
+from pathlib import Path
+
+def _wait_for_every_worker():
+    # a barrier: under xdist no worker runs these gates until every worker has reached one, so a
+    # worker that starts late still receives gates (the load scheduler gives them to whoever asks)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    started = Path(__file__).with_name("started")
+    started.mkdir(exist_ok=True)
+    (started / worker).touch()
+    deadline = time.monotonic() + 60
+    count = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    while len(list(started.iterdir())) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+@pytest.fixture(autouse=True)
+def _second_worker_starts_late():
+    # what a busy machine does: the second worker's first test starts a second after the first's
+    late = Path(__file__).with_name("late")
+    if os.environ.get("PYTEST_XDIST_WORKER") == "gw1" and not late.exists():
+        late.touch()
+        time.sleep(1)
+    yield
 
 @pytest.mark.gate
 @pytest.mark.parametrize("n", range(8))
 def test_device_gate(n, record_property):
+    _wait_for_every_worker()
     seen = os.environ.get("CUDA_VISIBLE_DEVICES")
     threads = (os.environ.get("OMP_NUM_THREADS"), os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"))
     record_property(
