@@ -161,13 +161,15 @@ def run_suite(
         + extra
     )
     reports = tmp_path / "reports"
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(suite)],
         cwd=suite,
         env=stage_env(reports, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **(env or {})),
         capture_output=True,
+        text=True,
         timeout=300,
     )
+    (tmp_path / "output.txt").write_text(done.stdout + done.stderr)
     return record(reports)
 
 
@@ -255,15 +257,25 @@ def test_long_plant(run_planted):
 """
 
 
+LEFT_OUT = "1 test marked `long` left out: `--long` runs them (the scheduled GPU CI run does)"
+
+
 def test_a_test_marked_long_runs_only_when_asked(tmp_path):
     rec = run_suite(tmp_path, extra=LONG_TEST)
     assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 4, "left out by default"
     assert rec["selection"]["long"] is False
+    assert LEFT_OUT in (tmp_path / "output.txt").read_text()  # and the run says so
+    # so do pytest-xdist workers, which collect and leave it out where their controller cannot
+    rec = run_suite(tmp_path, "-p", "xdist.plugin", "-n", "2", extra=LONG_TEST)
+    assert rec["tests"]["selected"] == 4 and LEFT_OUT in (tmp_path / "output.txt").read_text()
     for args, env in ((["--long"], None), ([], {gate_plugin.LONG_VAR: "1"})):
         rec = run_suite(tmp_path, *args, extra=LONG_TEST, env=env)
         assert rec["tests"]["selected"] == 5 and rec["selection"]["long"] is True, (args, env)
+        assert "left out" not in (tmp_path / "output.txt").read_text()
     rec = run_suite(tmp_path, "--long", "--gates-only", extra=LONG_TEST)
     assert rec["tests"]["selected"] == 3, "--gates-only keeps the gates alone"
+    run_suite(tmp_path, "--gates-only", extra=LONG_TEST)  # leaves out every other test anyway
+    assert "left out" not in (tmp_path / "output.txt").read_text()
 
 
 @pytest.mark.parametrize("extra", [LONG_GATE, LONG_PLANT], ids=["gate", "plant"])
@@ -449,10 +461,18 @@ def test_listed_ids_are_what_k_selects(tmp_path, gate_ids):
     narrowed = run_stage(tmp_path, "--list", "-k", one)
     assert narrowed.stdout.split() == [one]
     assert not (tmp_path / gate_plugin.RECORD).exists()  # --list runs nothing
-    run = run_stage(tmp_path, "--gates", "-k", one)
+    # a plugin that says which process ran pytest: the stage's own, a child of this test
+    (tmp_path / "whoran.py").write_text(
+        "import os\n\ndef pytest_sessionfinish(session):\n"
+        f"    open({str(tmp_path / 'ran')!r}, 'w').write(str(os.getppid()))\n"
+    )
+    run = run_stage(tmp_path, "--gates", "-k", one, "-p", "whoran", PYTHONPATH=str(tmp_path))
     assert run.returncode == exitcodes.OK, run.stdout + run.stderr
     assert "all gates passed (1 of 1)" in run.stdout
     assert " -n 0 " in run.stdout  # one case: no pytest-xdist workers to start
+    # nor a second process: the stage, which collected the selection already, runs it itself
+    assert "(1 tests: this process, no worker start-up)" in run.stdout
+    assert (tmp_path / "ran").read_text() == str(os.getpid())
     rec = record(tmp_path)
     assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 1
     assert rec["cases"][0]["case_id"] + "-cpu" == one
@@ -615,6 +635,16 @@ def test_the_stage_runs_pytest_with_the_report_plugins():
     ]
     serial = testing.pytest_command(["tests"], "0", [])
     assert "--dist" not in serial and serial[serial.index("-n") + 1] == "0"
+
+
+def test_only_the_whole_suite_goes_to_the_workers_uncollected():
+    """The stage collects a selection before it runs it, to run a small one in its own process;
+    the whole suite (or every gate) is known to be large and skips that collection."""
+    assert testing.is_whole_suite(None, [], ["--durations=80", "-x", "--long"])
+    assert not testing.is_whole_suite("fwd-fp16", [], [])
+    assert not testing.is_whole_suite(None, ["tests/bench/"], [])
+    for narrowing in (["-m", "gpu"], ["-mgpu"], ["--deselect", "tests/x.py::t"], ["--lf"]):
+        assert not testing.is_whole_suite(None, [], narrowing), narrowing
 
 
 def test_gates_take_no_paths(capsys):

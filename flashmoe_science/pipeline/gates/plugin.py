@@ -262,6 +262,7 @@ class GateRecorder:
         self.rows: list[dict] = []
         self.training: dict | None = None
         self.collection_errors = 0
+        self.long_left_out = 0  # tests marked long that this run leaves out (no --long)
         # worker id -> {"id", "cuda_visible_devices", "gpu", "gates", "tests"}
         self.workers: dict[str, dict] = {}
 
@@ -294,6 +295,8 @@ class GateRecorder:
         if isinstance(said, dict):
             worker["cuda_visible_devices"] = said.get("cuda_visible_devices")
             worker["gpu"] = said.get("gpu")
+            # every worker collects the whole selection: each leaves out the same tests
+            self.long_left_out = max(self.long_left_out, int(said.get("long_left_out") or 0))
         else:  # it crashed before its end: what it was given
             worker["cuda_visible_devices"] = given
 
@@ -309,6 +312,8 @@ class GateRecorder:
         drop = set() if config.getoption("long") else {id(item) for item in long_ones}
         if config.getoption("gates_only"):
             drop |= {id(item) for item in items if not item.get_closest_marker(MARKER)}
+        else:  # a gates-only run leaves out every other test, long or not: nothing to say
+            self.long_left_out = len(long_ones) if drop else 0
         if drop:
             config.hook.pytest_deselected(items=[item for item in items if id(item) in drop])
             items[:] = [item for item in items if id(item) not in drop]
@@ -366,9 +371,9 @@ class GateRecorder:
         here = {"cuda_visible_devices": os.environ.get(devices.VISIBLE_VAR), "gpu": None}
         if hasattr(
             config, "workerinput"
-        ):  # a worker: say which GPU it used, the rest is the controller's
+        ):  # a worker: say which GPU it used and what it left out, the rest is the controller's
             here["gpu"] = devices.gpu_name()
-            config.workeroutput[WORKER_OUTPUT] = here
+            config.workeroutput[WORKER_OUTPUT] = {**here, "long_left_out": self.long_left_out}
             return
         if config.option.collectonly:
             return
@@ -393,6 +398,14 @@ class GateRecorder:
             training=self.training,
             workers=self.workers.values(),
         )
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.long_left_out and not hasattr(self.config, "workerinput"):
+            n = self.long_left_out
+            terminalreporter.write_line(
+                f"{n:,} test{'' if n == 1 else 's'} marked `{LONG}` left out: `--long` runs them "
+                "(the scheduled GPU CI run does)"
+            )
 
     def reason(self, outcome: str, exitstatus: int, gates: dict, tests: dict) -> str | None:
         if outcome == GATES_SKIPPED_NEED_GPU:

@@ -14,10 +14,12 @@ and passed:
 Selections: `--gates` collects the gate module alone and keeps only the gates, so a test that is
 not a gate cannot mark a bisect step bad; `--list` prints the gate ids (what `-k` selects) and runs
 nothing: on a machine without a GPU only those it can run, unless `--all`. A selection of at most
-SERIAL_MAX_TESTS tests runs in one process: starting pytest-xdist workers (each imports torch and
-collects) costs more than such a run. A larger one runs on pytest-xdist workers spread over every
-GPU of the machine, one GPU each (devices.py). pytest runs with its plugin
-autoload off, so plugins installed in a reused interpreter (pytest-benchmark, ...) stay out.
+SERIAL_MAX_TESTS tests runs in this process, which collected it: starting pytest-xdist workers (each
+imports torch and collects), or even one more process, costs more than such a run. A larger one
+runs on pytest-xdist workers spread over every GPU of the machine, one GPU each (devices.py); the
+whole suite (no -k, no paths) goes to them without being collected here first. pytest runs with
+its plugin autoload off, so plugins installed in a reused interpreter (pytest-benchmark, ...) stay
+out.
 """
 
 from __future__ import annotations
@@ -193,11 +195,7 @@ class Collected:
     exit: int
     tests: int = 0
     gate_ids: list[str] = field(default_factory=list)
-    long_left_out: int = 0  # tests marked long that the selection leaves out (no --long)
     gpu_ids: set[str] = field(default_factory=set)  # the gate ids marked `gpu`
-
-    def pytest_deselected(self, items) -> None:
-        self.long_left_out += sum(1 for item in items if item.get_closest_marker(gate_plugin.LONG))
 
     def pytest_collection_finish(self, session) -> None:
         self.tests = len(session.items)
@@ -230,6 +228,42 @@ def collect(pytest_args: list[str]) -> Collected:
         os.environ.clear()
         os.environ.update(saved)
     return collected
+
+
+# pytest options that narrow a selection as -k and test paths do
+NARROWING = ("-m", "--deselect", "--lf", "--last-failed", "--sw", "--stepwise", "--ignore")
+
+
+def is_whole_suite(keyword: str | None, paths: list[str], pytest_args: list[str]) -> bool:
+    """Whether the selection is every test (or every gate): far more than SERIAL_MAX_TESTS, so
+    it runs on workers without being collected here first (on 2 cores that collection, torch and
+    every test module imported, held the workers back by 8 s)."""
+    narrowed = any(arg.startswith(NARROWING) for arg in pytest_args)
+    return keyword is None and not paths and not narrowed
+
+
+def run_here(pytest_argv: list[str], env: dict[str, str]) -> int:
+    """Run pytest in this process, which has imported torch and the extension and collected the
+    selection already: a second process would do all of that again before its first test (2-4 s
+    of a bisect step on 2 cores). Output is line-buffered, as PYTHONUNBUFFERED makes a child's, so
+    a failure reaches a piped log when instafail prints it."""
+    import pytest
+
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # None: a stand-in stdout
+    buffered = reconfigure is not None and not sys.stdout.line_buffering
+    if buffered:
+        reconfigure(line_buffering=True)
+    try:
+        with contextlib.chdir(REPO_ROOT):
+            return int(pytest.main(pytest_argv))
+    finally:
+        if buffered:
+            reconfigure(line_buffering=False)
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def list_gates(pytest_args: list[str], everything: bool = False) -> int:
@@ -314,39 +348,38 @@ def main(argv: list[str]) -> int:
         )
         return stopped(exitcodes.BUILD_FAILED, "this commit does not build")
 
-    collected = collect([*targets, *pytest_args])
-    if collected.exit == NO_TESTS_EXIT:
-        record = gate_plugin.write_record(
-            outcome=NO_TESTS_COLLECTED,
-            pytest_exit=collected.exit,
-            selected=selected,
-            reason="the selection matched no test",
-        )
-        return verdict(record, time.monotonic() - start, args.no_gates_ok)
     workers = args.workers
     gpus = devices.visible_devices()
     why = ""
+    if workers is None and is_whole_suite(args.keyword, paths, pytest_args):
+        workers = str(devices.worker_count(os.cpu_count(), gpus))
     if workers is None:
+        collected = collect([*targets, *pytest_args])
+        if collected.exit == NO_TESTS_EXIT:
+            record = gate_plugin.write_record(
+                outcome=NO_TESTS_COLLECTED,
+                pytest_exit=collected.exit,
+                selected=selected,
+                reason="the selection matched no test",
+            )
+            return verdict(record, time.monotonic() - start, args.no_gates_ok)
         small = collected.exit != 0 or collected.tests <= SERIAL_MAX_TESTS
         workers = "0" if small else str(devices.worker_count(os.cpu_count(), gpus))
         if small and collected.exit == 0:
-            why = f" ({collected.tests} tests: one process, no worker start-up)"
+            why = f" ({collected.tests} tests: this process, no worker start-up)"
     if workers.isdigit() and int(workers) > 0 and gpus:
         why = f" ({devices.placement_text(int(workers), gpus)})"
     cmd = pytest_command(targets, workers, pytest_args)
     print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
-    if collected.long_left_out and not args.gates:
-        print(
-            f"test: {_plural(collected.long_left_out, 'test')} marked `{gate_plugin.LONG}` left "
-            "out: `--long` runs them (the scheduled GPU CI run does)",
-            flush=True,
-        )
     env = isolated_env(dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else ""))
-    with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:  # pytest got the Ctrl-C too: let it write its record
-            rc = proc.wait()
+    if workers == "0":
+        rc = run_here(cmd[3:], env)
+    else:
+        with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
+            try:
+                rc = proc.wait()
+            except KeyboardInterrupt:  # pytest got the Ctrl-C too: let it write its record
+                rc = proc.wait()
     elapsed = time.monotonic() - start
     record = _read_record()
     if record is None:  # pytest stopped before its session ended (usage or internal error)
