@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -393,8 +395,10 @@ def test_each_sm90a_plant_fails_a_case_of_each_wgmma_configuration():
 # ---- the planted-bug scripts themselves ------------------------------------------------------
 
 
-def _plant_scripts() -> dict[str, str]:
-    """Every module-level `*PLANT_SCRIPT` string of the test modules, by `module.NAME`."""
+@functools.cache
+def plant_scripts() -> dict[str, str]:
+    """Every module-level `*PLANT_SCRIPT` string of the test modules, by `module.NAME` (read when
+    a test asks: parsing every test module cost each collecting process 0.4 s)."""
     scripts = {}
     for path in sorted(Path(__file__).parents[1].rglob("test_*.py")):
         for node in ast.parse(path.read_text()).body:
@@ -409,32 +413,48 @@ def _plant_scripts() -> dict[str, str]:
     return scripts
 
 
-PLANT_SCRIPTS = _plant_scripts()
-
-
 def test_plant_scripts_are_found():
     # decode, paged, varlen, backward and the sm_90a kernel each have one
-    assert len(PLANT_SCRIPTS) >= 5, sorted(PLANT_SCRIPTS)
+    assert len(plant_scripts()) >= 5, sorted(plant_scripts())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(PLANT_SCRIPTS))
-def test_plant_script_imports_resolve_in_its_process(name):
-    """The imports of a plant script resolve in the process `run_planted` starts (its working
+# Runs each script's imports (argv[1]: JSON, name -> import lines) and prints what failed.
+IMPORT_RUNNER = """
+import json, sys
+failed = {}
+for name, lines in json.loads(sys.argv[1]).items():
+    try:
+        exec(lines, {})
+    except Exception as exc:
+        failed[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(failed))
+"""
+
+
+def test_plant_script_imports_resolve_in_their_process():
+    """The imports of every plant script resolve in the process `run_planted` starts (its working
     directory and environment, not pytest's sys.path). Most scripts run only on a GPU, so without
-    this a broken import shows up first on the GPU machine."""
-    imports = [
-        ast.unparse(node)
-        for node in ast.parse(PLANT_SCRIPTS[name]).body
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-    ]
-    assert imports, f"{name} imports nothing"
+    this a broken import shows up first on the GPU machine. One process tries them all (torch is
+    imported once, not once a script), each script's imports on their own, and a planted broken
+    one shows that a failure is seen."""
+    imports = {
+        name: "\n".join(
+            ast.unparse(node)
+            for node in ast.parse(script).body
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        )
+        for name, script in plant_scripts().items()
+    }
+    assert all(imports.values()), [name for name, lines in imports.items() if not lines]
+    imports["planted.BROKEN"] = "from flashmoe_science.pipeline.gates import no_such_module"
     done = subprocess.run(
-        [sys.executable, "-c", "\n".join(imports)],
+        [sys.executable, "-c", IMPORT_RUNNER, json.dumps(imports)],
         cwd=REPO_ROOT,
         env=planted_process_env(0, "cpu"),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 0, f"{name}: {done.stderr.strip().splitlines()[-1:]}"
+    assert done.returncode == 0, done.stderr[-2000:]
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(failed) == ["planted.BROKEN"], failed
