@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import shutil
 import sys
@@ -320,12 +321,19 @@ def test_verdicts_apply_each_target_where_it_applies():
     assert found == {}, "no other verdicts (none for the model, none below 64 MiB)"
 
 
+@functools.cache
+def fixture_prefill_case():
+    """The fixture record's first prefill case, read and validated once (once a case, the module's
+    collection took 0.9 s)."""
+    record = benchrecords.load(FIXTURES / "passing" / "bench.json")
+    return next(c for c in record.cases if c.kind == "prefill")
+
+
 def matrix_case(case_id: str, ratios: dict[str, float | None], tflops: float = 100.0, **fields):
     """A case of the fixture's record renamed to `case_id`, with these baselines' ratios."""
     from flashmoe_science.pipeline.cases import parse_case_id
 
-    record = benchrecords.load(FIXTURES / "passing" / "bench.json")
-    case = copy.deepcopy(next(c for c in record.cases if c.kind == "prefill"))
+    case = copy.deepcopy(fixture_prefill_case())
     shape = parse_case_id(case_id)
     for name in ("kind", "dtype", "batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"):
         setattr(case, name, getattr(shape, name))
