@@ -59,7 +59,11 @@ def test_wheel_and_sdist_carry_the_kernel_sources(wheel):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_installed_wheel_works_outside_the_checkout_and_writes_nothing_there(wheel, tmp_path):
+    """Long (17 CPU-s on 2 cores: it compiles the CPU unit from the wheel's sources), so it runs in
+    the scheduled run; on every pull request cpu-ci.yml's CPU job runs the same check as a step
+    (python -m flashmoe_science.pipeline.build.wheelcheck; test_the_cpu_job_checks_the_wheel)."""
     # wheelcheck raises CheckFailed when the calls fail, build again after the prebuild, write
     # into the (empty) current directory, or leave no library under FLASHMOE_CACHE_DIR
     summary = wheelcheck.check(wheel, tmp_path)

@@ -190,6 +190,17 @@ def test_cpu_job_reuses_the_drivers_python_under_act():
     assert '"${ACT:-}"' in act_branch and '--python "$RUNNER_PYTHON"' in act_branch
 
 
+def test_the_cpu_job_checks_the_wheel():
+    """The installed-wheel test is marked long (tests/build/test_package.py): every pull request
+    still checks the wheel, in the CPU job after the tests, whatever they did, and under act
+    (.ci/run) too."""
+    steps = workflows()["cpu-ci.yml"]["jobs"]["cpu-tests"]["steps"]
+    runs = [str(s.get("run", "")).strip() for s in steps]
+    check = runs.index("python3 -m flashmoe_science.pipeline.build.wheelcheck")
+    assert check == runs.index("nox -s env build test") + 1
+    assert "if" not in steps[check]
+
+
 def test_setup_script_has_an_offline_mode():
     text = (ROOT / "scripts" / "setup_environment.sh").read_text()
     assert "--no-install)" in text and 'NO_INSTALL_VAR="FLASHMOE_SETUP_NO_INSTALL"' in text
