@@ -147,9 +147,13 @@ def test_checks_the_built_wheel_as_ci_does(release):
     assert f"{WHEELCHECK} --wheel dist/*.whl" in runs(check)
     # the CPU torch, never the multi-GB CUDA one
     assert "--cpu" in runs(check) and "download.pytorch.org/whl/cpu" in runs(check)
-    # .ci/run runs the same check, on a wheel it builds
+    # every pull request runs the same check, on a wheel it builds: cpu-ci.yml's CPU job (which
+    # .ci/run runs under act)
+    cpu_job = yaml.safe_load((WORKFLOWS / "cpu-ci.yml").read_text())
     assert re.search(
-        rf"^{re.escape(WHEELCHECK)}$", (ROOT / ".ci" / "run").read_text(), re.MULTILINE
+        rf"^python3? {re.escape(WHEELCHECK.removeprefix('python '))}$",
+        runs(cpu_job["jobs"]["cpu-tests"]),
+        re.MULTILINE,
     )
 
 
