@@ -158,6 +158,10 @@ def test_nondeterminism_fails_a_deterministic_case():
 
     result = grad_gates.check_case(case, "cpu", jitter)
     assert result.deterministic is False and not result.passed
+    assert "gradients differ over 3 calls" in " ".join(result.failures)
+    # the CPU twin has no shared accumulator (3 calls); a GPU's atomics get 10
+    assert len(calls) == grad_gates.determinism_repeats("cpu") == 3
+    assert grad_gates.determinism_repeats("cuda") == 10
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

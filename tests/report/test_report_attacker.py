@@ -171,26 +171,29 @@ def test_deep_nesting(folder, levels):
     assert code == exitcodes.USAGE and "env.json unreadable" in text.split("\n")[0]
 
 
-def test_twenty_thousand_failures(folder):
+def test_five_thousand_failures(folder):
+    """A flood past every bound of the report (its first line, the failing cases it lists, the
+    comment's size): 5,000 failing gates and failing checks. (20,000 took 9 s of the 2-core test
+    stage, the schema check of every entry, for nothing 5,000 does not show.)"""
     gates = _load(folder / "gates.json")
     template = gates["cases"][0]
     cases = []
-    for i in range(20_000):
+    for i in range(5_000):
         case = dict(template, case_id=f"fwd-fp16-d64-case{i}", outcome="failed")
         case["failures"] = [f"max diff {i} above bound <b>@team</b>"]
         cases.append(case)
     gates.update(cases=cases, outcome="failed")
     gates["gates"] = {
-        "selected": 20_000,
-        "ran": 20_000,
+        "selected": 5_000,
+        "ran": 5_000,
         "passed": 0,
-        "failed": 20_000,
+        "failed": 5_000,
         "skipped": 0,
     }
     _dump(gates, folder / "gates.json")
     env = _load(folder / "env.json")
     env["checks"] = [
-        {"name": f"check {i}", "status": "fail", "detail": "x", "fix": "y"} for i in range(20_000)
+        {"name": f"check {i}", "status": "fail", "detail": "x", "fix": "y"} for i in range(5_000)
     ]
     env["passed"] = False
     _dump(env, folder / "env.json")
@@ -199,7 +202,7 @@ def test_twenty_thousand_failures(folder):
     assert code == exitcodes.OK
     first = text.split("\n")[0]
     assert first.startswith("## ❌ flashmoe-science: ") and len(first) < 2_000
-    assert "20,000 gates failed" in first
+    assert "5,000 gates failed" in first
     assert "more failing cases" in text  # the first ones, then a count
 
 
