@@ -180,6 +180,7 @@ def run_history(
     return rc, log, summary, api.called("POST", "commits/")
 
 
+@pytest.mark.slow
 def test_each_push_adds_a_commit_with_its_bench_json_and_the_trend_grows(tmp_path, remote):
     for n in range(1, 7):
         doc = bench_doc(n)

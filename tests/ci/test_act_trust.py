@@ -298,6 +298,7 @@ def test_the_checkout_stand_in_checks_out_exactly_the_given_commit(tmp_path):
     assert f"checked out {parent}" in log
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("nvidia-smi") is not None,
     reason="a GPU machine runs the whole leg (scripts/act/gpu-job.sh does that, for an hour)",

@@ -197,6 +197,7 @@ def alive(pid: int) -> bool:
     return "State:\tZ" not in status
 
 
+@pytest.mark.slow
 def test_hook_cleans_the_runner_and_home_and_nothing_else(tree, processes):
     paths = fake_runner(tree)
     own, foreign = processes(own=True), processes(own=False)

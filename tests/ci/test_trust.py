@@ -826,6 +826,7 @@ def pip_shim(tmp_path: Path) -> tuple[Path, Path, Path]:
     return bindir, modules, log
 
 
+@pytest.mark.slow
 def test_the_gpu_jobs_setup_step_installs_nothing_from_an_index(tmp_path):
     """gpu-ci.yml's provisioning step, run as the runner runs it (bash -eo pipefail in the checkout,
     with the runner's interpreter), with a pip shim that records what it is asked to install:

@@ -358,6 +358,40 @@ def test_with_two_faked_gpus_both_workers_receive_gates_each_on_its_own(tmp_path
     }
 
 
+SLOW_LAST = """
+import os
+from pathlib import Path
+
+def _ran(name):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(Path(__file__).with_name(f"order-{worker}"), "a") as f:
+        f.write(name + "\\n")
+
+@pytest.mark.parametrize("n", range(6))
+def test_quick(n):
+    _ran(f"quick{n}")
+
+@pytest.mark.slow
+def test_slow():
+    _ran("slow")
+"""
+
+
+def test_workers_start_the_slow_tests_first(tmp_path):
+    """Work stealing takes from the end of a worker's queue: a slow test last in the collection
+    would start last and run alone at the stage's end. Workers put the tests marked slow first;
+    a run without workers keeps the collection's order."""
+    rec = run_suite(
+        tmp_path, "-p", "xdist.plugin", "-n", "2", "--dist", "worksteal", extra=SLOW_LAST
+    )
+    assert rec["outcome"] == "passed"
+    firsts = {path.read_text().split()[0] for path in (tmp_path / "suite").glob("order-gw*")}
+    assert "slow" in firsts, firsts
+    (tmp_path / "serial").mkdir()
+    run_suite(tmp_path / "serial", extra=SLOW_LAST)
+    assert (tmp_path / "serial" / "suite" / "order-main").read_text().split()[-1] == "slow"
+
+
 def test_without_gpus_the_workers_are_not_pinned_and_a_lone_process_says_so(tmp_path):
     rec = run_suite(
         tmp_path,
