@@ -79,6 +79,16 @@ def cpu_id(ids: list[str]) -> str:
     return next(i for i in ids if i.endswith("-cpu") and "-s1-" not in i and "-q1-" not in i)
 
 
+def forward_gate_id(device: str) -> str:
+    """A forward gate's id as tests/gates/test_gates.py parametrizes them, read from the matrix: the
+    stage's `--list --all` (the gate_ids fixture) costs a run of the command line of its own."""
+    from flashmoe_science.pipeline.gates import matrix
+
+    tier = "cpu" if device == "cpu" else "gpu"
+    case = next(c for c in matrix.gate_cases(tier) if c.kind != "decode" and c.seqlen_q > 1)
+    return f"{case.id}-{device}"
+
+
 # ---- the outcome of a session, from its counts --------------------------------------------------
 
 
@@ -372,8 +382,9 @@ def test_quick(n):
     _ran(f"quick{n}")
 
 @pytest.mark.slow
-def test_slow():
-    _ran("slow")
+@pytest.mark.parametrize("n", range(2))
+def test_slow(n):
+    _ran(f"slow{n}")
 """
 
 
@@ -386,10 +397,28 @@ def test_workers_start_the_slow_tests_first(tmp_path):
     )
     assert rec["outcome"] == "passed"
     firsts = {path.read_text().split()[0] for path in (tmp_path / "suite").glob("order-gw*")}
-    assert "slow" in firsts, firsts
+    assert firsts == {"slow0", "slow1"}, "each worker starts on a slow test"
     (tmp_path / "serial").mkdir()
     run_suite(tmp_path / "serial", extra=SLOW_LAST)
-    assert (tmp_path / "serial" / "suite" / "order-main").read_text().split()[-1] == "slow"
+    ran = (tmp_path / "serial" / "suite" / "order-main").read_text().split()
+    assert ran[-2:] == ["slow0", "slow1"]
+
+
+def test_each_workers_share_starts_with_its_part_of_the_slow_tests():
+    """The shares pytest-xdist's worksteal cuts (N // workers, then the rest likewise), each
+    headed by every `workers`-th slow test; nothing lost, nothing doubled."""
+    items = [f"s{i}" if i % 10 == 9 else f"f{i}" for i in range(50)]  # five slow: s9 ... s49
+    order = gate_plugin.slow_first(items, 3, lambda item: item.startswith("s"))
+    assert sorted(order) == sorted(items)
+    shares, left, start = [], len(order), 0
+    for share in range(3):
+        size = left // (3 - share)
+        shares.append(order[start : start + size])
+        left, start = left - size, start + size
+    assert [share[:2] for share in shares[:2]] == [["s9", "s39"], ["s19", "s49"]]
+    assert shares[2][0] == "s29" and not any(item.startswith("s") for item in shares[2][1:])
+    assert shares[0][2] == "f0", "the fast tests keep their order"
+    assert gate_plugin.slow_first(items, 1, lambda item: item.startswith("s")) == items
 
 
 def test_without_gpus_the_workers_are_not_pinned_and_a_lone_process_says_so(tmp_path):
@@ -438,9 +467,8 @@ def test_the_gpus_of_the_stage_and_each_workers_gpu():
 
 
 @pytest.mark.slow
-def test_a_cuda_selection_without_a_gpu_stops_a_bisect(tmp_path, gate_ids):
-    cuda = next(i for i in gate_ids if i.endswith("-cuda"))
-    run = run_stage(tmp_path, "--gates", "-k", cuda)
+def test_a_cuda_selection_without_a_gpu_stops_a_bisect(tmp_path):
+    run = run_stage(tmp_path, "--gates", "-k", forward_gate_id("cuda"))
     assert run.returncode == exitcodes.ENV_BROKEN, run.stdout + run.stderr
     assert ALL_PASSED not in run.stdout + run.stderr
     assert "every selected gate (1) was skipped" in run.stderr
@@ -491,6 +519,7 @@ def test_pytest_that_cannot_start_is_no_verdict(tmp_path):
 def test_listed_ids_are_what_k_selects(tmp_path, gate_ids):
     assert len(gate_ids) == len(set(gate_ids)) > 10
     assert all(i.endswith(("-cpu", "-cuda")) for i in gate_ids)
+    assert {forward_gate_id("cpu"), forward_gate_id("cuda")} <= set(gate_ids)  # the other tests'
     one = cpu_id(gate_ids)
     narrowed = run_stage(tmp_path, "--list", "-k", one)
     assert narrowed.stdout.split() == [one]
@@ -540,7 +569,7 @@ def pytest_configure(config):
 
 
 @pytest.mark.slow
-def test_plugins_of_the_interpreter_stay_out(tmp_path, gate_ids):
+def test_plugins_of_the_interpreter_stay_out(tmp_path):
     """A pytest plugin installed in the interpreter (an entry point, as pytest-benchmark's is)
     loads in a plain pytest run but not in the stage's."""
     site = tmp_path / "site"
@@ -567,7 +596,7 @@ def test_plugins_of_the_interpreter_stay_out(tmp_path, gate_ids):
     assert mark.exists(), plain.stdout  # the stray plugin is real: plain pytest loads it
     mark.unlink()
     run = run_stage(
-        tmp_path, "--gates", "-k", cpu_id(gate_ids), PYTHONPATH=path, STRAY_MARK=str(mark)
+        tmp_path, "--gates", "-k", forward_gate_id("cpu"), PYTHONPATH=path, STRAY_MARK=str(mark)
     )
     assert run.returncode == exitcodes.OK, run.stdout + run.stderr
     assert not mark.exists()

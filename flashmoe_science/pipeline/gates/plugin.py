@@ -318,12 +318,9 @@ class GateRecorder:
         if drop:
             config.hook.pytest_deselected(items=[item for item in items if id(item) in drop])
             items[:] = [item for item in items if id(item) not in drop]
-        if hasattr(config, "workerinput"):
-            # Slow tests first, in every worker's collection alike (pytest-xdist requires the same
-            # order in each): work stealing takes from the end of a worker's queue, so the long
-            # tests start early and the run ends on short ones. In collection order, a 17 s test
-            # reached late left one worker running it alone for the stage's last 12 s.
-            items.sort(key=lambda item: item.get_closest_marker(SLOW) is None)
+        workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+        if hasattr(config, "workerinput") and workers.isdigit():
+            items[:] = slow_first(items, int(workers), lambda item: item.get_closest_marker(SLOW))
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:
@@ -426,6 +423,29 @@ class GateRecorder:
         if outcome == TESTS_FAILED_OUTSIDE_GATES:
             return f"{tests['failed'] + tests['errors']} tests outside the gates failed"
         return None
+
+
+def slow_first(items: list, workers: int, is_slow) -> list:
+    """`items` reordered so that each worker's first share of a work-stealing run starts with an
+    equal part of the slow tests. pytest-xdist's worksteal cuts the collection (the same in every
+    worker) into `workers` contiguous shares, N // workers first, then what is left over the rest,
+    and an idle worker steals from the end of the longest queue (by count): a slow test at a
+    share's head starts early, the run ends on short ones. In collection order a 17 s test came
+    late and ran alone for the stage's last 12 s; all slow tests at the front went to one worker,
+    which ran them one after another."""
+    slow = [item for item in items if is_slow(item)]
+    if not slow or workers < 2:
+        return items
+    fast = [item for item in items if not is_slow(item)]
+    order, left, taken = [], len(items), 0
+    for share in range(workers):
+        size = left // (workers - share)
+        left -= size
+        mine = slow[share::workers]
+        more = max(0, size - len(mine))
+        order += mine + fast[taken : taken + more]
+        taken += more
+    return order + fast[taken:]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
