@@ -11,17 +11,21 @@ import sys
 from collections.abc import Callable, Sequence
 
 import pytest
-import torch
 
 from flashmoe_science import _loader as loader
-from flashmoe_science.pipeline.gates import kernels
 from flashmoe_science.pipeline.paths import REPO_ROOT
+
+# torch is imported where a hook or fixture needs it, not here: pytest-xdist's controller loads this
+# file before it starts the workers and collects nothing, so an import here held every worker back
+# by the 1.8 s it takes on 2 cores.
 
 pytest_plugins = ("flashmoe_science.pipeline.gates.plugin",)
 
 
 def cuda_build_loaded() -> bool:
     """True when a GPU is visible and the loaded extension has CUDA kernels."""
+    import torch
+
     if not torch.cuda.is_available():
         return False
     from flashmoe_science import ops
@@ -83,6 +87,8 @@ def require_cuda_build(has_cuda_kernels):
                 "a GPU is visible but the loaded build has no CUDA kernels: run `nox -s build`",
                 pytrace=False,
             )
+        import torch
+
         from flashmoe_science.ops import (
             backward_config_unsupported_reason,
             config_unsupported_reason,
@@ -147,6 +153,8 @@ def planted_process_env(bug: int, device: str, case_ids: Sequence[str] = ()) -> 
     else:
         env["FLASHMOE_BUILD_DEFINES"] = f"FLASHMOE_PLANT_BUG={bug}"
         if case_ids:
+            from flashmoe_science.pipeline.gates import kernels
+
             cases = [kernels.gate_case(case_id) for case_id in case_ids]
             env[loader.ONLY_VAR] = kernels.restriction_for_cases(cases).text()
     return env
@@ -177,6 +185,8 @@ def run_planted():
 
 
 def pytest_collection_modifyitems(config, items):
+    import torch
+
     skip_gpu = pytest.mark.skip(
         reason="needs a CUDA GPU and the CUDA build (nox -s build on a GPU machine)"
     )
