@@ -12,10 +12,19 @@ import warnings
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from flashmoe_science.integrations import transformers as integration
+from flashmoe_science.pipeline.bench import smallmodel
 
-from flashmoe_science.integrations import transformers as integration  # noqa: E402
-from flashmoe_science.pipeline.bench import smallmodel  # noqa: E402
+transformers = None  # imported by the first test (_transformers), not at collection
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _transformers():
+    """transformers, or every test here skipped without it. Imported when this module's first
+    test runs: at collection it cost each pytest-xdist worker 0.7 s before its first test."""
+    global transformers
+    transformers = pytest.importorskip("transformers")
+
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LENGTHS = (7, 3, 5, 1, 12)
