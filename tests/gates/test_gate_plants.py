@@ -126,6 +126,31 @@ def test_poisoned_outputs_fills_fresh_tensors_and_restores_the_settings(was_on):
         torch.use_deterministic_algorithms(False)
 
 
+POISON_WITHOUT_INDUCTOR = """
+import sys, torch
+from flashmoe_science.pipeline.gates import forward as gates
+with gates.poisoned_outputs():
+    assert torch.empty(5).isnan().all() and torch.are_deterministic_algorithms_enabled()
+assert not torch.are_deterministic_algorithms_enabled()
+print(sorted(name for name in sys.modules if name.startswith("torch._inductor")))
+"""
+
+
+def test_poisoned_outputs_imports_no_inductor():
+    """A gate's own process (a planted bug's, a bisect step's) poisons its outputs without
+    importing torch._inductor, which torch.use_deterministic_algorithms does for its config: 1.4 s
+    of each such process, for compiled code no gate runs."""
+    done = subprocess.run(
+        [sys.executable, "-c", POISON_WITHOUT_INDUCTOR],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "[]"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_nondeterminism_is_caught(device):
     calls = []

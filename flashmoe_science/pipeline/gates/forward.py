@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -333,13 +334,26 @@ def poisoned_outputs() -> Iterator[None]:
     was_on = torch.are_deterministic_algorithms_enabled()
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     was_filling = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    _deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
         yield
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = was_filling
-        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
+        _deterministic_algorithms(was_on, warn_only=was_warn_only)
+
+
+def _deterministic_algorithms(mode: bool, warn_only: bool) -> None:
+    """torch.use_deterministic_algorithms for eager operators. The public call also sets
+    inductor's config, importing torch._inductor and dynamo first: 1.4 s of every process that
+    runs a gate (each test worker, each planted-bug process, each bisect step), for compiled code
+    the gates never run. Where inductor is loaded already, the public call keeps its config in
+    step."""
+    flag = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if flag is None or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        flag(mode, warn_only=warn_only)
 
 
 def check_case(case: Case, device: str, attention_fn: AttentionFn | None = None) -> GateResult:
