@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .. import exitcodes
@@ -215,19 +216,28 @@ def collect(pytest_args: list[str]) -> Collected:
     collected = Collected(exit=-1)
     sink = io.StringIO()
     argv = [*PLUGINS, *pytest_args, "--collect-only", "-qq", "-p", "no:cacheprovider"]
+    with (
+        as_the_stage(isolated_env(dict(os.environ))),
+        contextlib.redirect_stdout(sink),
+        contextlib.redirect_stderr(sink),
+    ):
+        collected.exit = int(pytest.main(argv, plugins=[collected]))
+    return collected
+
+
+@contextlib.contextmanager
+def as_the_stage(env: dict[str, str]) -> Iterator[None]:
+    """Inside, this process has `env` for its environment and the repository root for its working
+    directory, as the stage's pytest runs; both restored on the way out."""
     saved = dict(os.environ)
-    os.environ.update(isolated_env({}))
+    os.environ.clear()
+    os.environ.update(env)
     try:
-        with (
-            contextlib.chdir(REPO_ROOT),
-            contextlib.redirect_stdout(sink),
-            contextlib.redirect_stderr(sink),
-        ):
-            collected.exit = int(pytest.main(argv, plugins=[collected]))
+        with contextlib.chdir(REPO_ROOT):
+            yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return collected
 
 
 # pytest options that narrow a selection as -k and test paths do
@@ -249,21 +259,16 @@ def run_here(pytest_argv: list[str], env: dict[str, str]) -> int:
     a failure reaches a piped log when instafail prints it."""
     import pytest
 
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
     reconfigure = getattr(sys.stdout, "reconfigure", None)  # None: a stand-in stdout
     buffered = reconfigure is not None and not sys.stdout.line_buffering
     if buffered:
         reconfigure(line_buffering=True)
     try:
-        with contextlib.chdir(REPO_ROOT):
+        with as_the_stage(env):
             return int(pytest.main(pytest_argv))
     finally:
         if buffered:
             reconfigure(line_buffering=False)
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def list_gates(pytest_args: list[str], everything: bool = False) -> int:
