@@ -535,6 +535,7 @@ def test_listed_ids_are_what_k_selects(tmp_path, gate_ids):
     assert " -n 0 " in run.stdout  # one case: no pytest-xdist workers to start
     # nor a second process: the stage, which collected the selection already, runs it itself
     assert "(1 tests: this process, no worker start-up)" in run.stdout
+    assert "warning" not in run.stdout, "the gate plugin, imported already, is not a warning"
     assert (tmp_path / "ran").read_text() == str(os.getpid())
     rec = record(tmp_path)
     assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 1
