@@ -35,7 +35,8 @@ A second run is fast: it checks what is installed and installs only what is miss
 
 torch is installed only when the venv cannot import one already. A torch that the interpreter
 (--python, or python3 on PATH) already holds is reused, as with --system-site-packages, so a GPU
-runner that provisions a CUDA torch once never downloads it again.
+runner that provisions a CUDA torch once never downloads it again. Before installing one, it checks
+that the venv's disk has room: about 6.5 GB for the CUDA build, 1.3 GB for the CPU build.
 
 Options:
   --venv DIR             The virtual environment to create or update (default: .venv in the repo
@@ -250,8 +251,10 @@ step_done
 
 # ---- 3. torch ----
 
+OR_CPU=", or pass --cpu"
+((!CPU)) || OR_CPU=""
 step "Installing torch" \
-  "if pip could not find '$TORCH_SPEC', pass --cpu, another --torch SPEC, or --torch-index-url URL"
+  "read pip's error above: if it could not find '$TORCH_SPEC', pass${OR_CPU:+ --cpu,} another --torch SPEC or --torch-index-url URL; if it ran out of disk space, free some on the disk that holds $VENV, or pass --venv DIR on another disk$OR_CPU"
 
 # torch_version [isolated]: the torch version the venv sees, or nothing. Reads metadata only,
 # which is fast; the environment check (step 6) imports it.
@@ -285,6 +288,21 @@ else:
 print("python=%d.%d" % sys.version_info[:2])
 EOF
   )
+}
+
+# What the venv grows by with torch and the tools, in MiB (measured: 5,789 MiB with the CUDA 13.0
+# build, its nvidia-* libraries 3.2 GiB of it; about 1 GiB with the CPU build), and some room for
+# pip's temporary files. A disk that cannot hold it fails here, before pip fills it.
+readonly NEED_MB_CUDA=6500 NEED_MB_CPU=1300
+check_free_space() {
+  local need=$NEED_MB_CUDA build="the CUDA build" free_kb
+  ((!CPU)) || { need=$NEED_MB_CPU; build="the CPU build"; }
+  free_kb="$(df -Pk "$VENV" 2>/dev/null | sed -n '2{s/^[^ ]* *[0-9]* *[0-9]* *\([0-9]*\).*/\1/p;}' || true)"
+  [[ "$free_kb" =~ ^[0-9]+$ ]] || return 0  # no df, or an output it cannot read: pip will tell
+  ((free_kb / 1024 < need)) || return 0
+  local next="free some on that disk, or pass --venv DIR on a disk with more"
+  ((CPU)) || next+="$OR_CPU (about $NEED_MB_CPU MiB; \`nox -s compile\` links against the CUDA build and cannot run beside it)"
+  die "$((free_kb / 1024)) MiB free on the disk that holds $VENV; $TORCH_SPEC ($build) with the tools needs about $need MiB" "$next"
 }
 
 OWN_TORCH="$(torch_version isolated)"
@@ -332,6 +350,7 @@ EOF
     if ((!CPU)) && ! command -v nvidia-smi >/dev/null; then
       info "(no NVIDIA driver here, no nvidia-smi: --cpu would install a much smaller build)"
     fi
+    check_free_space
     # Isolated, pip sees only the venv and installs into it alone.
     env "$ISOLATE_VAR=1" "$VENV_PY" -m pip install "${TORCH_INDEX[@]}" "$TORCH_SPEC"
     TORCH_CUDA="$("$VENV_PY" -W ignore -c 'import torch; print(torch.version.cuda or "")')"  # numpy comes in step 4

@@ -38,15 +38,21 @@ def venv(tmp_path_factory) -> Path:
     return root
 
 
-def run_setup(root: Path, tmp_path: Path, *args: str, tools=(), cuda_home=None) -> str:
-    """The script's output, with PATH holding the basic tools and `tools` (stand-ins that exit 0)."""
+def run_setup(
+    root: Path, tmp_path: Path, *args: str, tools=(), cuda_home=None, df=None, installs=True
+) -> str:
+    """The script's output, with PATH holding the basic tools, `tools` (stand-ins that exit 0) and,
+    where `df` is given, a df that prints it (without one, the script skips its disk check)."""
     bindir = tmp_path / "bin"
-    bindir.mkdir()
+    bindir.mkdir(parents=True)
     for name in TOOLS:
         (bindir / name).symlink_to(shutil.which(name))
     for name in tools:
         (bindir / name).write_text("#!/bin/sh\nexit 0\n")
         (bindir / name).chmod(0o755)
+    if df is not None:
+        (bindir / "df").write_text(f"#!/bin/sh\ncat <<'EOF'\n{df}EOF\n")
+        (bindir / "df").chmod(0o755)
     env = {"PATH": str(bindir), "HOME": str(tmp_path), "PYTHONPATH": str(root / "fake")}
     if cuda_home:
         env["CUDA_HOME"] = str(cuda_home)
@@ -59,8 +65,8 @@ def run_setup(root: Path, tmp_path: Path, *args: str, tools=(), cuda_home=None) 
         timeout=120,
     )
     assert done.returncode != 0  # the stand-in pip fails the install: the run stops there
-    assert "pip-args: install" in done.stdout, done.stdout + done.stderr
-    return done.stdout
+    assert ("pip-args: install" in done.stdout) == installs, done.stdout + done.stderr
+    return done.stdout + done.stderr
 
 
 def pip_args(out: str) -> list[str]:
@@ -121,3 +127,29 @@ def test_a_given_index_wins_and_cpu_and_cuda_exclude_each_other(venv, tmp_path):
         timeout=60,
     )
     assert done.returncode == 2 and "--cpu and --cuda exclude each other" in done.stderr
+
+
+def df_output(free_mib: int) -> str:
+    return (
+        "Filesystem     1024-blocks      Used Available Capacity Mounted on\n"
+        f"/dev/vda         263174212  23000000 {free_mib * 1024} 22% /\n"
+    )
+
+
+def test_a_disk_too_small_for_torch_fails_before_pip_and_says_what_to_do(venv, tmp_path):
+    """CI's install once died in pip with 'No space left on device' after 24 s, and the hint
+    spoke of torch versions. The check fails first, names the free space, the need and the way out."""
+    out = run_setup(venv, tmp_path / "cuda", tools=("nvcc",), df=df_output(287), installs=False)
+    assert (
+        "failed: 287 MiB free on the disk that holds "
+        f"{venv / 'venv'}; torch==2.14.1 (the CUDA build) with the tools needs about 6500 MiB"
+    ) in out
+    assert (
+        "next: free some on that disk, or pass --venv DIR on a disk with more, or pass --cpu" in out
+    )
+    # The CPU build needs less, and its way out does not offer --cpu again.
+    out = run_setup(venv, tmp_path / "cpu", df=df_output(1000), installs=False)
+    assert "torch==2.13.0 (the CPU build) with the tools needs about 1300 MiB" in out
+    assert "--cpu" not in out.split("next:")[1]
+    # Enough room: pip runs.
+    run_setup(venv, tmp_path / "room", tools=("nvcc",), df=df_output(80_000))
