@@ -362,6 +362,47 @@ def test_a_missing_validator_stops_the_run_before_anything_is_built_or_timed(
     assert bench.main(["--quick", "--backend", "cpu", "--list"]) == exitcodes.OK  # lists anyway
 
 
+@pytest.mark.parametrize(
+    ("args", "subset", "recorded"),
+    [
+        (["--pr"], "pull-request", False),
+        (["--quick"], "quick", False),
+        (["--case", "dec-*"], "cases", False),
+        ([], None, True),
+    ],
+)
+def test_only_a_run_of_the_whole_matrix_is_recorded_and_a_subset_says_which(
+    tmp_path, monkeypatch, args, subset, recorded
+):
+    """A pull request's bench (--pr) times one case per kernel family: bench.json says so (its
+    geomean targets are not judged), and only a run of the whole matrix enters the history that
+    later comparisons fall back to."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
+    monkeypatch.setattr(bench, "build_checkout", lambda device: None)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device, timer, config: {})
+    timed, stored = [], []
+    real_run_matrix = bench.run_matrix
+
+    def run_matrix(cases, device, config, **kwargs):
+        timed.extend(c.id for c in cases)
+        record = real_run_matrix([], device, config, baselines=False)
+        record.commit = benchrecords.Commit("0" * 40, dirty=False)
+        return record
+
+    monkeypatch.setattr(bench, "run_matrix", run_matrix)
+    monkeypatch.setattr(
+        history, "record_history", lambda record, folder: stored.append(1) or folder
+    )
+    assert bench.main([*args, "--backend", "cpu"]) == exitcodes.OK
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc.get("subset") == subset and bool(stored) == recorded
+    expected, _ = benchmatrix.select(
+        "cpu", "--quick" in args, args[1:] if "--case" in args else (), "--pr" in args
+    )
+    assert timed == [c.id for c in expected]
+
+
 def test_a_run_clears_the_previous_results_before_it_builds(tmp_path, monkeypatch):
     """A commit that does not build (exit 125) must not leave an older run's bench.json behind,
     where the report would read it as this commit's."""

@@ -115,6 +115,44 @@ def test_target_ids_are_selected_by_globs_and_ids():
         benchmatrix.select("cpu", patterns=["varlen-fp64-*"])
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_pull_requests_subset_is_one_case_of_each_kernel_family(device):
+    """`bench --pr`: every kernel family of the matrix (group, operator, head dims, GQA ratio,
+    forced configuration, features) exactly once, its bf16 causal case where it has one, and the
+    quick target cases; small enough for the pull request's minutes."""
+    matrix = benchmatrix.default_matrix(device)
+    cases, found = benchmatrix.select(device, pull_request=True)
+
+    def family(c):
+        gqa = c.heads_q // c.heads_kv
+        return (
+            c.group,
+            c.kind,
+            c.head_dim,
+            c.head_dim_v,
+            gqa,
+            c.config,
+            c.window,
+            c.softcap,
+            c.sinks,
+        )
+
+    assert sorted(map(family, cases)) == sorted(set(map(family, matrix)))
+    for case in cases:
+        kin = [c for c in matrix if family(c) == family(case)]
+        assert case.dtype == "bf16" or all(c.dtype != "bf16" for c in kin), case.id
+        assert case.causal or not any(c.causal for c in kin), case.id
+    assert [c.id for c in cases] == [c.id for c in matrix if c in cases], "the matrix's order"
+    assert [t.id for t in found] == list(benchmatrix.QUICK_TARGET_IDS[device])
+    assert len(cases) <= {"cuda": 32, "cpu": 20}[device]
+    if device == "cuda":  # the head dims of issue 47 and the forced backward are there
+        assert {"fwd-bf16-d192v128-h10-b8-s2048-causal", "bwd-bf16-d64-h32-b8-s2048-causal-cfg1",
+                "dec-bf16-d256-h16kv8-b1-q1-k32768"} <= {c.id for c in cases}  # fmt: skip
+    # a glob picks among the subset's cases
+    decode, _ = benchmatrix.select(device, patterns=["dec-*"], pull_request=True)
+    assert decode == [c for c in cases if c.kind == "decode"] and 1 < len(decode) < 5
+
+
 def test_bench_list_prints_the_targets(capsys, monkeypatch):
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     assert bench.main(["--backend", "cpu", "--list", "--case", "varlen-*"]) == exitcodes.OK
@@ -493,6 +531,33 @@ def test_an_h100_record_is_judged_by_the_h100_targets():
     }
     (step,) = [v for v in targets.verdicts(record) if v.what == targets.STEP_VS_SDPA]
     assert step.reason == f"set for the NVIDIA H200; this card is {H100}"
+
+
+def test_a_subset_of_the_matrix_judges_its_cases_and_not_the_geomeans():
+    """A pull request's bench (--pr), --quick or --case times a few cases of each group: their
+    geomean is not the matrix's, so it is shown, not judged; each case is still judged."""
+    record = on_card(bench_record(cases=CARD_MATRIX, found=[step_record(1.02)]), H200)
+    record.subset = benchrecords.PULL_REQUEST
+    found = {(v.id, v.what): v for v in targets.verdicts(record)}
+    whole = judged(on_card(bench_record(cases=CARD_MATRIX, found=[step_record(1.02)]), H200))
+    assert found.keys() == whole.keys()
+    for key, verdict in found.items():
+        if key[0].endswith(" cases"):  # a geomean
+            assert verdict.status == targets.NOT_JUDGED and verdict.ratio is not None
+            assert verdict.reason.startswith("the pull request's subset (--pr")
+            assert "judged over the whole matrix" in verdict.reason
+        else:
+            assert verdict.status == whole[key][0], key
+    text = benchmd.render_markdown(record)
+    assert (
+        "Cases: the pull request's subset (--pr: one case per kernel family), 6 matrix cases"
+        in text
+    )
+    doc = benchrecords.to_json(record)
+    assert doc["subset"] == "pull-request"
+    benchrecords.validate(doc, "bench.json")
+    assert benchrecords.from_json(doc).subset == "pull-request"
+    assert "subset" not in benchrecords.to_json(dataclasses.replace(record, subset=None))
 
 
 def test_a_wrong_card_key_fails_the_h200_check(monkeypatch):

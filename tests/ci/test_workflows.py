@@ -6,6 +6,7 @@ check-jsonschema on every change."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -297,6 +298,42 @@ def test_a_leg_that_reuses_mains_verdict_skips_build_test_and_bench():
         assert step["if"] == "${{ steps.select.outputs.mode != 'reuse' }}", name
     bench = next(s for s in steps(job) if s.get("name") == "bench")
     assert "steps.build.outcome == 'success'" in bench["if"], "no build, no bench"
+
+
+@pytest.mark.parametrize(
+    ("event", "has_base", "expected"),
+    [
+        ({"PR": "7", "BASE_REF": "main"}, True, "-s bench -- --pr --base origin/main"),
+        # act on a copy without history (scripts/act/gpu-job.sh): no base to compare with
+        ({"PR": "7", "BASE_REF": "main", "ACT": "true"}, False, "-s bench -- --pr"),
+        ({"PR": "", "BASE_REF": ""}, True, "-s bench --"),  # a push to main, the nightly run
+    ],
+)
+def test_a_pull_request_benches_one_case_per_family_against_its_base(
+    tmp_path, event, has_base, expected
+):
+    """The bench step's script, run with stand-ins for nox and git: a pull request times the --pr
+    subset against its base (the job's minutes); main's pushes and the scheduled run the whole
+    matrix, with the history it records."""
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    bench = next(s for s in steps(job) if s.get("name") == "bench")
+    assert bench["env"]["PR"] == "${{ needs.approve.outputs.pr }}"
+    assert bench["env"]["BASE_REF"] == "${{ needs.approve.outputs.base_ref }}"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nox").write_text('#!/bin/sh\necho "nox $*"\n')
+    (bindir / "git").write_text(f"#!/bin/sh\nexit {0 if has_base else 1}\n")
+    for tool in ("nox", "git"):
+        (bindir / tool).chmod(0o755)
+    done = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", bench["run"]],
+        env={"PATH": f"{bindir}:/usr/bin:/bin", **event},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"nox {expected}"
 
 
 def test_no_run_reads_what_a_pull_requests_run_wrote():

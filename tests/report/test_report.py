@@ -194,6 +194,21 @@ def test_a_bench_of_a_variant_build_says_so(tmp_path):
     assert "variant build" not in plain and "no extra defines" not in plain
 
 
+def test_a_pull_requests_bench_says_it_timed_one_case_per_family(tmp_path):
+    folder = tmp_path / "pr"
+    shutil.copytree(FIXTURES / "passing", folder)
+    bench = json.loads((folder / "bench.json").read_text())
+    bench["subset"] = "pull-request"
+    (folder / "bench.json").write_text(json.dumps(bench))
+    _, text = run_report(folder, tmp_path)
+    assert (
+        "**cases** the pull request's subset (--pr: one case per kernel family); the whole matrix "
+        "runs on pushes to main"
+    ) in text
+    _, plain = run_report(FIXTURES / "passing", tmp_path / "plain")
+    assert "**cases**" not in plain
+
+
 def test_build_failure_shows_log_tail(tmp_path):
     _, text = run_report(FIXTURES / "build_failed", tmp_path)
     assert "ninja: build stopped: subcommand failed." in text

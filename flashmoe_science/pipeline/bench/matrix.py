@@ -165,6 +165,42 @@ QUICK_IDS = {
 }
 
 
+def _family(case: Case) -> tuple:
+    """What a kernel change moves together: the group, the operator, the head dims, the GQA ratio,
+    a forced configuration and the features (dtype, causality and length do not pick a kernel
+    family; the cases along them share its code)."""
+    return (
+        case.group,
+        case.kind,
+        case.head_dim,
+        case.head_dim_v,
+        case.heads_q // case.heads_kv,
+        case.config,
+        case.window,
+        case.softcap,
+        case.sinks,
+    )
+
+
+def pull_request_cases(matrix: Sequence[Case]) -> list[Case]:
+    """The pull request's bench (`bench --pr`): one case for each kernel family of the matrix, its
+    bf16 case where it has one, causal where it has one, at its middle sequence length (decode: the
+    middle of its cache lengths and batches), in the matrix's order. A change to any family shows
+    against the base in minutes; pushes to main and the nightly run time the whole matrix."""
+    families: dict[tuple, list[Case]] = {}
+    for case in matrix:
+        families.setdefault(_family(case), []).append(case)
+    chosen = set()
+    for members in families.values():
+        if any(c.dtype == "bf16" for c in members):
+            members = [c for c in members if c.dtype == "bf16"]
+        if any(c.causal for c in members):
+            members = [c for c in members if c.causal]
+        members = sorted(members, key=lambda c: (c.seqlen_k, c.seqlen_q, c.batch))
+        chosen.add(members[(len(members) - 1) // 2].id)
+    return [c for c in matrix if c.id in chosen]
+
+
 def varlen_targets(total, shortest, longest, heads_for_dim, dtypes=("fp16", "bf16")):
     """Packed batches of `total` tokens, lengths mixed from shortest to longest, with the prefill
     sweep's heads (Hq == Hkv)."""
@@ -253,16 +289,17 @@ def select_cases(device: str, quick: bool = False, patterns: Sequence[str] = ())
 
 
 def select(
-    device: str, quick: bool = False, patterns: Sequence[str] = ()
+    device: str, quick: bool = False, patterns: Sequence[str] = (), pull_request: bool = False
 ) -> tuple[list[Case], list[Target]]:
-    """(matrix cases, target cases): the defaults or their --quick subsets, or those named by ids
-    or globs (in order), where a glob with --quick picks among the quick cases. A glob may match
-    either kind; one that matches nothing is an error."""
+    """(matrix cases, target cases): the defaults, their --quick subsets, the pull request's
+    (pull_request_cases and the quick target cases), or those named by ids or globs (in order),
+    where a glob with --quick or --pr picks among that subset's cases. A glob may match either
+    kind; one that matches nothing is an error."""
     matrix, targets = default_matrix(device), default_targets(device)
     by_id = {c.id: c for c in matrix}
     targets_by_id = {t.id: t for t in targets}
-    if quick:
-        matrix = [by_id[i] for i in QUICK_IDS[device]]
+    if quick or pull_request:
+        matrix = [by_id[i] for i in QUICK_IDS[device]] if quick else pull_request_cases(matrix)
         targets = [targets_by_id[i] for i in QUICK_TARGET_IDS[device]]
     if not patterns:
         return matrix, targets
@@ -275,7 +312,8 @@ def select(
             if not hits and not target_hits:
                 raise ValueError(
                     f"--case {pattern!r} matches nothing in the {device} "
-                    f"{'--quick subset' if quick else 'matrix'} (see --list)"
+                    f"{'--quick subset' if quick else '--pr subset' if pull_request else 'matrix'}"
+                    " (see --list)"
                 )
             chosen.update((c.id, c) for c in hits)
             chosen_targets.update((t.id, t) for t in target_hits)

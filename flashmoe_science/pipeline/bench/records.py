@@ -42,6 +42,13 @@ class InvalidBenchFile(ValueError):
 
 # Metadata of a field left out of the JSON when it is None (the schema has it as optional)
 OPTIONAL = {"omit_if_none": True}
+# The subsets of the matrix a run can time (BenchRecord.subset); the whole matrix is none of them
+QUICK, PULL_REQUEST, CASES = "quick", "pull-request", "cases"
+SUBSET_LABELS = {
+    QUICK: "the --quick subset",
+    PULL_REQUEST: "the pull request's subset (--pr: one case per kernel family)",
+    CASES: "the cases named by --case",
+}
 
 
 @dataclasses.dataclass
@@ -473,6 +480,9 @@ class BenchRecord:
     defines: list[str] | None = dataclasses.field(default=None, metadata=OPTIONAL)
     # the machine's load around the run (older records: none); a CPU run under load is not judged
     load: MachineLoad | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # the subset of the matrix timed (SUBSET_LABELS); left out for the whole matrix: only then are
+    # the matrix's geomean targets judged
+    subset: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 # --------------------------------------------------------------------------------------------------

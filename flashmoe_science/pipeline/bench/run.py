@@ -3,6 +3,7 @@ SDPA, and optionally the head of the tree against a base commit.
 
     python -m flashmoe_science bench              # default matrix (scaled down on the CPU backend)
     python -m flashmoe_science bench --quick      # a handful of cases, one per speed-target kind
+    python -m flashmoe_science bench --pr --base main   # a pull request's: one case per family
     python -m flashmoe_science bench --case 'dec-*'   # ids or globs; --list prints the selection
     python -m flashmoe_science bench --base main --fail-on-regression
     git bisect run nox -s bench -- --bisect CASE --max-ms T
@@ -268,10 +269,18 @@ def parser() -> argparse.ArgumentParser:
         description="Time our attention kernels against PyTorch SDPA; optionally the head against "
         "a base commit (--base), or one case against a limit for `git bisect run` (--bisect).",
     )
-    p.add_argument(
+    subset = p.add_mutually_exclusive_group()
+    subset.add_argument(
         "--quick",
         action="store_true",
         help="a handful of cases: 2 prefill, 1 decode, 1 small, 1 backward, 1 per speed-target kind",
+    )
+    subset.add_argument(
+        "--pr",
+        action="store_true",
+        help="the pull request's subset: one case per kernel family of the matrix (its bf16, causal "
+        "case at the middle length) and --quick's target cases; the matrix's geomean targets are "
+        "not judged on it (pushes to main and the nightly run time the whole matrix)",
     )
     p.add_argument(
         "--case",
@@ -418,7 +427,9 @@ def run(args) -> int:
         return headbase.worker_main(device, config)
     try:
         bisect_case = parse_case_id(args.bisect) if args.bisect else None
-        cases, target_cases = ([], []) if args.bisect else select(device, args.quick, args.case)
+        cases, target_cases = (
+            ([], []) if args.bisect else select(device, args.quick, args.case, args.pr)
+        )
     except ValueError as exc:
         raise Abort(exitcodes.USAGE, str(exc)) from exc
     if args.list:
@@ -448,14 +459,14 @@ def run_and_report(
         baselines=not args.no_baselines,
         target_cases=target_cases,
     )
+    record.subset = subset_of(args)
     if args.base or args.base_dir:
         # a case our kernels refuse here has no time to compare
         refused = {c.id for c in record.cases if _refused(c)}
         compared = [c for c in cases if c.id not in refused]
         record.comparison = headbase.compare(record, compared, device, args)
     # after the comparison, so a fallback to stored results never finds this very run
-    full_matrix = not args.quick and not args.case
-    if full_matrix and not args.no_history and record.commit and not record.commit.dirty:
+    if record.subset is None and not args.no_history and record.commit and not record.commit.dirty:
         stored = history.record_history(record, history.history_dir(args.history))
         print(f"bench: recorded in {stored}")
     out = paths.report_dir()
@@ -463,6 +474,15 @@ def run_and_report(
     (out / "bench.md").write_text(benchmd.render_markdown(record))
     print(f"bench: wrote {out / 'bench.json'} and {out / 'bench.md'}")
     return verdict_exit_code(record, args.fail_on_regression)
+
+
+def subset_of(args) -> str | None:
+    """Which subset of the matrix the run timed (BenchRecord.subset); None: the whole matrix."""
+    if args.case:
+        return benchrecords.CASES
+    if args.quick:
+        return benchrecords.QUICK
+    return benchrecords.PULL_REQUEST if args.pr else None
 
 
 def _target_failed(target) -> bool:

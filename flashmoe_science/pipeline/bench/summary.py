@@ -16,6 +16,7 @@ from .records import (
     NOT_INSTALLED,
     PEER_LABELS,
     PEER_NAMES,
+    SUBSET_LABELS,
     BenchRecord,
     CaseRecord,
     Comparison,
@@ -122,6 +123,16 @@ def _header_lines(record: BenchRecord) -> list[str]:
         f"{_num(matmul and matmul.tflops, '.3g')} TFLOP/s; "
         "% ceiling is decode against the copy, prefill against the matmul.",
         *_load_lines(record),
+        *_subset_lines(record),
+    ]
+
+
+def _subset_lines(record: BenchRecord) -> list[str]:
+    if not record.subset:
+        return []
+    return [
+        f"Cases: {SUBSET_LABELS[record.subset]}, {len(record.cases)} matrix cases; the matrix's "
+        "geomean targets are judged over the whole matrix (pushes to main, the nightly run)."
     ]
 
 

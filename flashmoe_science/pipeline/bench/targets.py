@@ -54,6 +54,7 @@ from . import stats
 from .records import (
     FLEX_NAME,
     PEER_NAMES,
+    SUBSET_LABELS,
     BenchRecord,
     CaseRecord,
     Gpu,
@@ -514,6 +515,11 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
         why_not = ""
         if here is None:
             why_not = _elsewhere(record.gpu, _cards(CARD_TARGETS))
+        elif record.subset:  # a geomean over a few cases is not the matrix's
+            why_not = (
+                f"{SUBSET_LABELS[record.subset]}: the geomean is judged over the whole matrix "
+                "(pushes to main, the nightly run)"
+            )
         elif measured < len(cases):  # a geomean without its hardest cases could pass
             why_not = f"{len(cases) - measured} of {len(cases)} cases have no {target.column} ratio"
         elif unstable:  # a disturbed ratio moves the geomean as much as a missing one

@@ -23,6 +23,7 @@ from ..bench.records import (
     NOT_ON_CPU,
     PEER_LABELS,
     PEER_NAMES,
+    SUBSET_LABELS,
 )
 from ..bench.summary import not_judged_line
 from ..bench.targets import UNSTABLE_MARK, unstable_note
@@ -203,6 +204,9 @@ def _bench_facts(bench: dict) -> list[str]:
     seen = load.describe(bench.get("load"))
     if seen:
         facts.append(md.text(seen))
+    subset = SUBSET_LABELS.get(bench.get("subset"))
+    if subset:
+        facts.append(f"**cases** {md.text(subset)}; the whole matrix runs on pushes to main")
     return facts
 
 
