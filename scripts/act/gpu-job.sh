@@ -40,9 +40,11 @@ Options:
   --python PATH   The interpreter with the CUDA torch (default: $FLASHMOE_RUNNER_PYTHON, else
                   /opt/torch/.venv/bin/python3).
   --event EVENT   push (default: a push to main; the job's approve step then needs no GitHub
-                  API), workflow_dispatch, or pull_request_target (a fake PR #1: approve calls
-                  the API, so pass -- --env FLASHMOE_GITHUB_API=URL of a stub, as
-                  tests/ci/test_act_trust.py runs one).
+                  API, and bench times the whole matrix), pull_request_target (a pull request's
+                  leg: a fake PR #1 from this repository, whose approve step asks a local
+                  stand-in of the API, scripts/act/api_stub.py, unless -- --env
+                  FLASHMOE_GITHUB_API=URL names another; bench times the --pr subset), or
+                  workflow_dispatch.
   --out DIR       Where logs, artifacts and the summary go (default: $OUT/gpu-ci-gpu when $OUT
                   is set, as on the device machine, so a run cut short still returns its log;
                   else build/act/gpu-ci-gpu). The log and the summary are written as they come.
@@ -191,9 +193,25 @@ if ((CHECK_ONLY)); then
   echo "== the machine is ready for the GPU job"
   exit 0
 fi
+THROWAWAY_GIT=0
+STUB_PID=""
+# shellcheck disable=SC2329 # invoked by the trap below
+cleanup() { # stop the API stand-in, remove a throwaway repository
+  [[ -z "$STUB_PID" ]] || kill "$STUB_PID" 2>/dev/null || true
+  ((!THROWAWAY_GIT)) || rm -rf .git
+}
+trap cleanup EXIT
+if [[ "$EVENT" == pull_request_target && " ${PASS[*]} " != *" FLASHMOE_GITHUB_API="* ]]; then
+  # No network here: the approve step's calls for the fake PR go to a local stand-in.
+  exec {STUB_FD}< <(exec python3 scripts/act/api_stub.py)
+  STUB_PID=$!
+  read -r -t 30 API_URL <&"$STUB_FD" || { echo "error: scripts/act/api_stub.py did not start" >&2; exit 3; }
+  echo "== the GitHub API for the fake PR #1: scripts/act/api_stub.py at $API_URL"
+  PASS=(--env "FLASHMOE_GITHUB_API=$API_URL" "${PASS[@]}")
+fi
 if [[ ! -e .git ]] && command -v git >/dev/null; then
   echo "== no .git here: a throwaway one-commit repository of this tree for the run"
-  trap 'rm -rf .git' EXIT
+  THROWAWAY_GIT=1
   git -c init.defaultBranch=main init -q
   git add -A
   git -c user.name=act -c user.email=act@localhost -c commit.gpgsign=false commit -q --no-verify \

@@ -9,6 +9,8 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -308,3 +310,62 @@ def test_gpu_job_help_names_the_legs_and_rejects_an_unknown_kind(tmp_path):
         [BASH, str(DRIVER), "--matrix", "gpu"], capture_output=True, text=True, env=env
     )
     assert matrix.returncode == 2 and "--matrix needs KEY:VALUE" in matrix.stderr
+
+
+def test_the_api_stand_in_lets_the_pull_requests_leg_run(tmp_path):
+    """gpu-job.sh --event pull_request_target on a machine with no network: the approve step asks
+    scripts/act/api_stub.py, which answers as for a PR with no label and no comments, and the leg
+    runs on the PR's head with its base; anything else it is asked is a 404."""
+    log = tmp_path / "calls.log"
+    stub = subprocess.Popen(
+        [sys.executable, str(ACT / "api_stub.py"), "--log", str(log)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = stub.stdout.readline().strip()
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url), url
+        sha = "ab" * 20
+        event = subprocess.run(
+            [sys.executable, str(ACT / "actlog.py"), "event", "pull_request_target", "o/r", sha],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        (tmp_path / "event.json").write_text(event)
+        env = {
+            **os.environ,
+            "GITHUB_EVENT_NAME": "pull_request_target",
+            "GITHUB_EVENT_PATH": str(tmp_path / "event.json"),
+            "GITHUB_REPOSITORY": "o/r",
+            "GITHUB_SHA": "cd" * 20,
+            "GITHUB_OUTPUT": str(tmp_path / "output"),
+            "FLASHMOE_GITHUB_API": url,
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "flashmoe_science.pipeline.ci.gpuci", "approve"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        outputs = dict(
+            line.split("=", 1) for line in (tmp_path / "output").read_text().split("\n") if line
+        )
+        assert (outputs["run"], outputs["sha"], outputs["pr"], outputs["base_ref"]) == (
+            "true",
+            sha,
+            "1",
+            "main",
+        )
+        calls = log.read_text().splitlines()
+        assert calls[0] == "DELETE /repos/o/r/issues/1/labels/safe-to-test"
+        assert calls[1].startswith("GET /repos/o/r/issues/1/comments")
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"{url}/repos/o/r/pulls/1", timeout=10)
+        assert missing.value.code == 404
+    finally:
+        stub.kill()
+        stub.wait()
