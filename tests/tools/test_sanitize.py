@@ -874,13 +874,27 @@ if [ "$1" = "--help" ]; then
   exit 0
 fi
 tool=memcheck
+share=""
 while [ $# -gt 0 ]; do
   if [ "$1" = "--tool" ]; then tool=$2; fi
+  if [ "$1" = "--share" ]; then share=$2; fi
   shift
 done
-echo "tool=$tool caching=${PYTORCH_NO_CUDA_MEMORY_CACHING:-on} defines=$FLASHMOE_BUILD_DEFINES" >> "$FAKE_DIR/calls"
-cat "$FAKE_DIR/$tool.txt"
-exit "$(cat "$FAKE_DIR/$tool.rc" 2>/dev/null || echo 0)"
+echo "tool=$tool caching=${PYTORCH_NO_CUDA_MEMORY_CACHING:-on} defines=$FLASHMOE_BUILD_DEFINES${share:+ share=$share}" >> "$FAKE_DIR/calls"
+name=$tool
+[ -z "$share" ] || name="$tool.$(echo "$share" | tr / o)"
+if [ -n "${FAKE_BARRIER:-}" ]; then  # wait until FAKE_BARRIER runs have started: they run at once
+  touch "$FAKE_DIR/started.$name"
+  i=0
+  while [ "$(ls "$FAKE_DIR" | grep -c '^started\\.')" -lt "$FAKE_BARRIER" ]; do
+    i=$((i + 1))
+    if [ "$i" -gt 300 ]; then echo "fake: $name waited alone"; exit 1; fi
+    sleep 0.1
+  done
+fi
+[ -f "$FAKE_DIR/$name.txt" ] || name=$tool  # a share's own answer, else the tool's
+cat "$FAKE_DIR/$name.txt"
+exit "$(cat "$FAKE_DIR/$name.rc" 2>/dev/null || echo 0)"
 """
 
 
@@ -1137,3 +1151,77 @@ def test_workload_covers_padded_head_dims_last():
         others = [c for c in padded if not isinstance(c, Case) and c.head_dim == dims[0]]
         expected = {PagedCase, VarlenCase} if dims[0] == dims[1] else set()
         assert {type(c) for c in others} == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs at once: racecheck in shares of the workload, the other tools beside it
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_plan_splits_racecheck_and_runs_the_longest_first():
+    tools = list(sanitize.TOOLS)
+    assert sanitize.plan(tools, 1) == [(t, (0, 1)) for t in tools]  # one after another
+    assert sanitize.plan(tools, 2) == [
+        ("racecheck", (0, 2)),
+        ("racecheck", (1, 2)),
+        *[(t, (0, 1)) for t in ("memcheck", "initcheck", "synccheck")],
+    ]
+    seven = sanitize.plan(tools, 7)
+    assert seven[:4] == [("racecheck", (k, 4)) for k in range(4)] and len(seven) == 7
+    assert sanitize.plan(["memcheck"], 7) == [("memcheck", (0, 1))]
+
+
+def test_the_workloads_shares_split_it_without_loss_or_overlap(capsys):
+    cases = sanitize.workload_cases()
+    shares = [sanitize.workload_share(cases, (k, 4)) for k in range(4)]
+    assert sorted(c.id for share in shares for c in share) == sorted(c.id for c in cases)
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    kinds = {type(c).__name__ + getattr(c, "kind", "") for c in cases}
+    assert all(
+        {type(c).__name__ + getattr(c, "kind", "") for c in share} == kinds for share in shares
+    )
+    assert sanitize.main(["--list", "--share", "2/4"]) == exitcodes.OK
+    assert capsys.readouterr().out.split() == [c.id for c in shares[1]]
+    with pytest.raises(SystemExit):
+        sanitize.main(["--list", "--share", "5/4"])
+
+
+def test_runs_go_at_once_and_each_tool_reports_over_its_shares(
+    isolated, fake_gpu, fake_sanitizer, monkeypatch, capsys
+):
+    """--jobs 7: racecheck's four shares and the three other tools start together (the stand-in
+    waits until all seven have started, else fails); a hazard in one share fails racecheck, with
+    the errors of every share summed, and each tool keeps one log."""
+    monkeypatch.setenv("FAKE_BARRIER", "7")
+    for tool in ("memcheck", "initcheck", "synccheck", "racecheck"):
+        fake_sanitizer(tool, CLEAN if tool != "racecheck" else RACECHECK_CLEAN)
+    fake = isolated / "fake"
+    (fake / "racecheck.3o4.txt").write_text(RACECHECK_HAZARD)
+    (fake / "racecheck.3o4.rc").write_text("99")
+    assert sanitize.main(["--jobs", "7"]) == exitcodes.GATE_FAILED
+    out = capsys.readouterr().out
+    assert "sanitize: 7 runs, 7 at a time (racecheck in 4 shares)" in out
+    assert "waited alone" not in (isolated / "reports" / "sanitize-racecheck.log").read_text()
+    calls = sorted((fake / "calls").read_text().splitlines())
+    assert [c for c in calls if "racecheck" in c] == [
+        f"tool=racecheck caching=on defines= share={k}/4" for k in range(1, 5)
+    ]
+    doc = json.loads((isolated / "reports" / "sanitize.json").read_text())
+    racecheck = doc["tools"]["racecheck"]
+    assert (racecheck["status"], racecheck["shares"], racecheck["errors"]) == ("fail", 4, 1)
+    assert racecheck["findings"][0]["check"] == "Potential RAW hazard on __shared__"
+    assert "--share 3/4" in racecheck["command"], "the command of the run that failed"
+    assert {t: doc["tools"][t]["status"] for t in ("memcheck", "initcheck", "synccheck")} == {
+        "memcheck": "pass", "initcheck": "pass", "synccheck": "pass"
+    }  # fmt: skip
+    assert doc["status"] == "fail" and out.strip().splitlines()[-1].startswith(
+        "sanitize: FAILED (racecheck) in "
+    )
+    logs = sorted(p.name for p in (isolated / "reports").glob("sanitize-*.log"))
+    assert logs == [
+        f"sanitize-{t}.log" for t in ("initcheck", "memcheck", "racecheck", "synccheck")
+    ]
+    log = (isolated / "reports" / "sanitize-racecheck.log").read_text()
+    assert [line.split(" (")[0] for line in log.splitlines() if line.startswith("=== share")] == [
+        f"=== share {k}/4" for k in range(1, 5)
+    ]

@@ -4,6 +4,7 @@ initcheck, synccheck and racecheck over a small workload that still reaches ever
     python -m flashmoe_science sanitize                      # all four tools (budget: 10 min, H100)
     python -m flashmoe_science sanitize --tool memcheck      # one tool (repeatable, or a,b)
     python -m flashmoe_science sanitize --tool memcheck --define FLASHMOE_PLANT_BUG=3
+    python -m flashmoe_science sanitize --jobs 1                # one tool after another
     python -m flashmoe_science.pipeline.tools.sanitize --list               # the workload's calls (case ids)
 
 The workload (`python -m flashmoe_science.pipeline.tools.sanitize --workload`, run under each tool) calls the
@@ -36,6 +37,11 @@ not reported. The extension is built before any tool starts, never under one. me
 kernel at its first error and the CUDA context is lost, so the workload stops at the first faulty
 call; the report is about that call.
 
+The runs go at once on the one GPU (--jobs, default half the cores, at most MAX_JOBS; plan):
+racecheck, the slowest, as SHARES of the workload (`--workload --share K/N`: every N-th call,
+workload_share), each other tool as one run; a tool's report merges its shares (merged_report), and
+its log holds each share's output in turn.
+
 Any finding fails the run: per tool, the check, the kernel, the source line, the thread and block,
 and the case, condensed from the tool's output (parse_sanitizer_output, a pure function); the full
 output is in <reports>/sanitize-<tool>.log. <reports>/sanitize.json holds, per tool, the status, the
@@ -52,6 +58,7 @@ may not instrument this GPU here; 255 no GPU.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import itertools
@@ -100,6 +107,10 @@ CASE_MARK = "sanitize-case: "
 DONE_MARK = "sanitize-done: "
 SHOWN_PER_TOOL = 3
 HEARTBEAT_S = 30.0
+# How many shares of the workload a tool's run is split into when several may run at once: racecheck
+# takes most of sanitize's time (benches/notes/harness.md), the others one process each.
+SHARES = {"racecheck": 4}
+MAX_JOBS = 7  # racecheck's shares and the three other tools, all at once
 
 # --------------------------------------------------------------------------------------------------
 # The workload
@@ -945,9 +956,11 @@ def sanitizer_command(
     print_limit: int = PRINT_LIMIT,
     kernel_filter: bool = True,
     offered: Sequence[str] = (),
+    share: tuple[int, int] = (0, 1),
 ) -> list[str]:
     """The one place the compute-sanitizer command line is put together. `offered`: the Hopper
-    options the installed tool lists (sanitize_coverage.offered_options)."""
+    options the installed tool lists (sanitize_coverage.offered_options); `share`: (k, n), the
+    workload's k-th of n shares (workload_share)."""
     command = [exe, "--tool", tool, "--error-exitcode", str(SANITIZER_ERROR_EXIT)]
     command += ["--print-limit", str(print_limit)]
     # The workload is the one process to watch; a stale build's nvcc children need no watching.
@@ -959,13 +972,34 @@ def sanitizer_command(
     if kernel_filter:  # torch's own kernels run uninstrumented: much faster
         for substring in KERNEL_SUBSTRINGS:
             command += ["--kernel-name", f"kns={substring}"]
-    return [
-        *command,
-        sys.executable,
-        "-m",
-        "flashmoe_science.pipeline.tools.sanitize",
-        "--workload",
-    ]
+    workload = [sys.executable, "-m", "flashmoe_science.pipeline.tools.sanitize", "--workload"]
+    if share[1] > 1:
+        workload += ["--share", f"{share[0] + 1}/{share[1]}"]
+    return [*command, *workload]
+
+
+def workload_share(cases: Sequence, share: tuple[int, int]) -> list:
+    """The k-th of n shares of the workload (0-based k): every n-th call from the k-th, so each
+    share holds calls of every part of it (forward, decode, backward, packed, paged)."""
+    k, n = share
+    return list(cases[k::n])
+
+
+def plan(tools: Sequence[str], jobs: int) -> list[tuple[str, tuple[int, int]]]:
+    """The runs of compute-sanitizer, (tool, share), longest first: with one job at a time each tool
+    runs once over the whole workload, in `tools`' order; with more, a tool splits into up to
+    SHARES[tool] shares (never more than the jobs)."""
+    if jobs <= 1:
+        return [(tool, (0, 1)) for tool in tools]
+    shares = {tool: min(SHARES.get(tool, 1), jobs) for tool in tools}
+    order = sorted(tools, key=lambda tool: -shares[tool])
+    return [(tool, (k, shares[tool])) for tool in order for k in range(shares[tool])]
+
+
+def default_jobs() -> int:
+    """Runs at once: half the cores (each run is a process instrumenting the GPU, plus its Python
+    driving the workload), at most MAX_JOBS."""
+    return max(1, min(MAX_JOBS, (os.cpu_count() or 1) // 2))
 
 
 def tool_env(tool: str, defines: Sequence[str]) -> dict[str, str]:
@@ -1029,9 +1063,33 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--print-limit", type=int, default=PRINT_LIMIT, help="errors each tool prints at most"
     )
+    p.add_argument(
+        "--jobs",
+        type=_jobs,
+        default=None,
+        metavar="N",
+        help="runs of compute-sanitizer at once on the one GPU, racecheck split into up to "
+        f"{SHARES['racecheck']} shares of the workload (default: half the cores, at most "
+        f"{MAX_JOBS}; 1: one tool after another)",
+    )
     p.add_argument("--list", action="store_true", help="print the workload's case ids and exit")
     p.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--share", type=_share, default=(0, 1), help=argparse.SUPPRESS)
     return p
+
+
+def _jobs(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--jobs takes a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _share(text: str) -> tuple[int, int]:
+    """'K/N' (1-based) -> (K - 1, N)."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+        raise argparse.ArgumentTypeError(f"--share takes K/N with 1 <= K <= N, got {text!r}")
+    return int(match[1]) - 1, int(match[2])
 
 
 def _say(text: str) -> None:
@@ -1087,10 +1145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
     if args.list:
-        print("\n".join(case.id for case in workload_cases()))
+        print("\n".join(case.id for case in workload_share(workload_cases(), args.share)))
         return exitcodes.OK
     if args.workload:
-        return run_workload()
+        return run_workload(workload_share(workload_cases(), args.share))
     return run(args, tools)
 
 
@@ -1152,9 +1210,30 @@ def run(args, tools: list[str]) -> int:
         "kernel_filter": None if args.all_kernels else list(KERNEL_SUBSTRINGS),
         "tools": {},
     }
+    jobs = args.jobs or default_jobs()
+    runs = plan(tools, jobs)
+    if jobs > 1 and len(runs) > 1:
+        split = ", ".join(
+            f"{t} in {n} shares" for t, n in sorted({(t, n) for t, (_, n) in runs}) if n > 1
+        )
+        _say(
+            f"sanitize: {len(runs)} runs, {min(jobs, len(runs))} at a time{f' ({split})' if split else ''}"
+        )
+    calls = workload_cases(restriction)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        done = list(
+            pool.map(
+                lambda run: _run_share(
+                    exe, *run, args, defines, len(workload_share(calls, run[1])), out, offered
+                ),
+                runs,
+            )
+        )
     results: list[tuple[str, ToolReport, str, float]] = []
     for tool in tools:
-        report, status, elapsed = _run_tool(exe, tool, args, defines, total, out, doc, offered)
+        report, status, elapsed = _tool_result(
+            tool, [r for r in done if r.tool == tool], args, out, doc, offered
+        )
         if status == "unusable":
             _say(_unusable_line(exe, report.unusable or "unusable"))
             _write(doc, out)
@@ -1186,18 +1265,37 @@ def run(args, tools: list[str]) -> int:
     return exitcodes.GATE_FAILED if failed else exitcodes.OK
 
 
-def _run_tool(
+@dataclasses.dataclass
+class ShareRun:
+    """One run of compute-sanitizer: a tool over one share of the workload."""
+
+    tool: str
+    share: tuple[int, int]
+    command: list[str]
+    log: Path
+    returncode: int | None
+    text: str
+    timed_out: bool
+    elapsed: float
+    report: ToolReport
+    status: str
+
+
+def _run_share(
     exe: str,
     tool: str,
+    share: tuple[int, int],
     args,
     defines: Sequence[str],
     total: int,
     out: Path,
-    doc: dict,
     offered: frozenset[str] | None,
-) -> tuple[ToolReport, str, float]:
-    command = sanitizer_command(exe, tool, args.print_limit, not args.all_kernels, offered or ())
-    log_path = out / f"sanitize-{tool}.log"
+) -> ShareRun:
+    kernel_filter = not args.all_kernels
+    command = sanitizer_command(exe, tool, args.print_limit, kernel_filter, offered or (), share)
+    k, n = share
+    name = tool if n == 1 else f"{tool} {k + 1}/{n}"
+    log_path = out / (f"sanitize-{tool}.log" if n == 1 else f"sanitize-{tool}.{k + 1}of{n}.log")
     started = time.monotonic()
     state = {"calls": 0, "said": started}
 
@@ -1207,9 +1305,9 @@ def _run_tool(
         now = time.monotonic()
         if now - state["said"] >= HEARTBEAT_S:
             state["said"] = now
-            _say(f"  {tool}: {state['calls']}/{total} calls, {now - started:.0f} s")
+            _say(f"  {name}: {state['calls']}/{total} calls, {now - started:.0f} s")
 
-    _say(f"  {tool}: running ({shlex.join(command[:3])} ...)")
+    _say(f"  {name}: running ({shlex.join(command[:3])} ...)")
     run = run_streaming(
         command,
         tool_env(tool, defines),
@@ -1218,23 +1316,68 @@ def _run_tool(
         timeout_s=args.timeout,
         on_line=progress,
     )
-    returncode, text, timed_out = run.returncode, run.text, run.timed_out
     elapsed = time.monotonic() - started
-    report = parse_sanitizer_output(tool, text)
-    status = tool_status(report, returncode, timed_out)
-    _say(f"  {tool}: {status} in {elapsed:.1f} s ({count_text(report)})")
+    report = parse_sanitizer_output(tool, run.text)
+    status = tool_status(report, run.returncode, run.timed_out)
+    _say(f"  {name}: {status} in {elapsed:.1f} s ({count_text(report)})")
+    return ShareRun(
+        tool, share, command, log_path, run.returncode, run.text, run.timed_out, elapsed, report,
+        status,
+    )  # fmt: skip
+
+
+# A tool's status over its shares: the first of these that any share has
+STATUS_ORDER = ("unusable", "timeout", "fail", "error", "pass")
+
+
+def merged_report(tool: str, reports: Sequence[ToolReport]) -> ToolReport:
+    """One tool's report over the shares of the workload its runs took."""
+    counted = [r.errors for r in reports if r.errors is not None]
+    return ToolReport(
+        tool,
+        errors=sum(counted) if counted else None,
+        warnings=sum(r.warnings for r in reports),
+        findings=[f for r in reports for f in r.findings],
+        unusable=next((r.unusable for r in reports if r.unusable), None),
+        cases_started=sum(r.cases_started for r in reports),
+        workload_done=all(r.workload_done for r in reports),
+    )
+
+
+def _tool_result(
+    tool: str,
+    shares: Sequence[ShareRun],
+    args,
+    out: Path,
+    doc: dict,
+    offered: frozenset[str] | None,
+) -> tuple[ToolReport, str, float]:
+    """Merge a tool's runs (its report, its one log) into doc["tools"][tool]."""
+    report = merged_report(tool, [r.report for r in shares])
+    status = min((r.status for r in shares), key=STATUS_ORDER.index)
+    first = next(r for r in shares if r.status == status)  # the run that says why
+    elapsed = max(r.elapsed for r in shares)
+    log_path = out / f"sanitize-{tool}.log"
+    if len(shares) > 1:  # one log per tool: the shares' in order, each under its command
+        with open(log_path, "w", encoding="utf-8") as log:
+            for run in shares:
+                k, n = run.share
+                log.write(f"=== share {k + 1}/{n} ({run.elapsed:.1f} s, {run.status})\n")
+                log.write(run.log.read_text(encoding="utf-8", errors="replace"))
+                run.log.unlink()
     doc["tools"][tool] = {
         "status": status,
         "elapsed_s": round(elapsed, 1),
-        "returncode": returncode,
+        "returncode": first.returncode,
         "errors": report.errors,
         "warnings": report.warnings,
         "calls_started": report.cases_started,
         "findings": [f.to_json() for f in merge_findings(report.findings)[:PRINT_LIMIT]],
         "coverage": sanitize_coverage.coverage(tool, offered),
-        "reason": _reason(report, status, returncode, args.timeout, text),
+        "reason": _reason(first.report, status, first.returncode, args.timeout, first.text),
         "log": paths_display(log_path),
-        "command": shlex.join(command),
+        "command": shlex.join(first.command),
+        "shares": len(shares),
     }
     return report, status, elapsed
 
