@@ -19,7 +19,15 @@ import torch
 from gitrepo import copy_project, git, reuse_this_build
 
 from flashmoe_science.pipeline import cases, exitcodes
-from flashmoe_science.pipeline.bench import baselines, headbase, history, measure, stats, timing
+from flashmoe_science.pipeline.bench import (
+    baselines,
+    headbase,
+    history,
+    measure,
+    stats,
+    targets,
+    timing,
+)
 from flashmoe_science.pipeline.bench import matrix as benchmatrix
 from flashmoe_science.pipeline.bench import records as benchrecords
 from flashmoe_science.pipeline.bench import run as bench
@@ -401,6 +409,10 @@ def test_only_a_run_of_the_whole_matrix_is_recorded_and_a_subset_says_which(
         "cpu", "--quick" in args, args[1:] if "--case" in args else (), "--pr" in args
     )
     assert timed == [c.id for c in expected]
+    # the groups whose geomean the selection cannot judge: some of their cases, not all
+    partial = doc.get("partial_groups")
+    assert partial == (targets.partial_groups(expected, benchmatrix.default_matrix("cpu")) or None)
+    assert bool(partial) == (subset in ("pull-request", "quick"))
 
 
 def test_a_run_clears_the_previous_results_before_it_builds(tmp_path, monkeypatch):

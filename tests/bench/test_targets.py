@@ -533,31 +533,49 @@ def test_an_h100_record_is_judged_by_the_h100_targets():
     assert step.reason == f"set for the NVIDIA H200; this card is {H100}"
 
 
-def test_a_subset_of_the_matrix_judges_its_cases_and_not_the_geomeans():
-    """A pull request's bench (--pr), --quick or --case times a few cases of each group: their
-    geomean is not the matrix's, so it is shown, not judged; each case is still judged."""
+def test_a_partial_groups_geomean_is_shown_not_judged_and_every_case_is_judged():
+    """A pull request's bench (--pr), --quick or --case may time a few cases of a group: their
+    geomean is not the matrix's, so it is shown, not judged; a group the run holds whole is
+    judged, and so is each case."""
     record = on_card(bench_record(cases=CARD_MATRIX, found=[step_record(1.02)]), H200)
     record.subset = benchrecords.PULL_REQUEST
+    record.partial_groups = ["prefill", "backward", "forward+backward"]
     found = {(v.id, v.what): v for v in targets.verdicts(record)}
     whole = judged(on_card(bench_record(cases=CARD_MATRIX, found=[step_record(1.02)]), H200))
     assert found.keys() == whole.keys()
     for key, verdict in found.items():
-        if key[0].endswith(" cases"):  # a geomean
+        if key[0].split(":")[0] in record.partial_groups:  # a partial group's geomean
             assert verdict.status == targets.NOT_JUDGED and verdict.ratio is not None
             assert verdict.reason.startswith("the pull request's subset (--pr")
-            assert "judged over the whole matrix" in verdict.reason
-        else:
+            assert "judged over all of the matrix's " in verdict.reason
+        else:  # each case, and a group the run holds whole (here: deterministic)
             assert verdict.status == whole[key][0], key
+    assert found["deterministic: 2 of 2 cases", "geomean ours / deterministic"].status == "met"
     text = benchmd.render_markdown(record)
     assert (
-        "Cases: the pull request's subset (--pr: one case per kernel family), 6 matrix cases"
-        in text
-    )
+        "Cases: the pull request's subset (--pr: one case per kernel family), 6 matrix cases; the "
+        "geomeans of prefill, backward, forward+backward are judged over all of the matrix's"
+    ) in text
     doc = benchrecords.to_json(record)
-    assert doc["subset"] == "pull-request"
+    assert (doc["subset"], doc["partial_groups"]) == ("pull-request", record.partial_groups)
     benchrecords.validate(doc, "bench.json")
-    assert benchrecords.from_json(doc).subset == "pull-request"
-    assert "subset" not in benchrecords.to_json(dataclasses.replace(record, subset=None))
+    back = benchrecords.from_json(doc)
+    assert (back.subset, back.partial_groups) == ("pull-request", record.partial_groups)
+    whole_run = dataclasses.replace(record, subset=None, partial_groups=None)
+    assert {"subset", "partial_groups"}.isdisjoint(benchrecords.to_json(whole_run))
+
+
+def test_a_group_is_partial_when_the_run_holds_some_of_its_matrix_cases_but_not_all():
+    gpu = benchmatrix.default_matrix("cuda")
+    pr, _ = benchmatrix.select("cuda", pull_request=True)
+    assert targets.partial_groups(pr, gpu) == list(targets.MATRIX_GROUPS)
+    assert targets.partial_groups(gpu, gpu) == []
+    # a bench of record split by --case over two calls judges each group where it is whole
+    first, _ = benchmatrix.select("cuda", patterns=["fwd-*", "dec-*"])
+    second, _ = benchmatrix.select("cuda", patterns=["bwd-*", "fwdbwd-*"])
+    assert targets.partial_groups(first, gpu) == [] and targets.partial_groups(second, gpu) == []
+    some_prefill = [c for c in gpu if c.id.startswith("fwd-bf16-d128-")]
+    assert targets.partial_groups(some_prefill, gpu) == ["prefill"]
 
 
 def test_a_wrong_card_key_fails_the_h200_check(monkeypatch):

@@ -480,9 +480,11 @@ class BenchRecord:
     defines: list[str] | None = dataclasses.field(default=None, metadata=OPTIONAL)
     # the machine's load around the run (older records: none); a CPU run under load is not judged
     load: MachineLoad | None = dataclasses.field(default=None, metadata=OPTIONAL)
-    # the subset of the matrix timed (SUBSET_LABELS); left out for the whole matrix: only then are
-    # the matrix's geomean targets judged
+    # the subset of the matrix timed (SUBSET_LABELS); left out for the whole matrix
     subset: str | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    # the geomean targets' groups (targets.MATRIX_GROUPS) of which the run timed some cases but
+    # not all of the matrix's: their geomeans are shown, not judged; left out when none
+    partial_groups: list[str] | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ from . import headbase, history, machine, stats, targets
 from . import records as benchrecords
 from . import summary as benchmd
 from .baselines import Abort, build_checkout, first_call, our_call
-from .matrix import select
+from .matrix import default_matrix, select
 from .measure import ROUNDS, run_case
 from .records import (
     BenchRecord,
@@ -460,6 +460,7 @@ def run_and_report(
         target_cases=target_cases,
     )
     record.subset = subset_of(args)
+    record.partial_groups = targets.partial_groups(cases, default_matrix(device)) or None
     if args.base or args.base_dir:
         # a case our kernels refuse here has no time to compare
         refused = {c.id for c in record.cases if _refused(c)}

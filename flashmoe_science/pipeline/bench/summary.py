@@ -130,9 +130,15 @@ def _header_lines(record: BenchRecord) -> list[str]:
 def _subset_lines(record: BenchRecord) -> list[str]:
     if not record.subset:
         return []
+    partial = ", ".join(record.partial_groups or ())
     return [
-        f"Cases: {SUBSET_LABELS[record.subset]}, {len(record.cases)} matrix cases; the matrix's "
-        "geomean targets are judged over the whole matrix (pushes to main, the nightly run)."
+        f"Cases: {SUBSET_LABELS[record.subset]}, {len(record.cases)} matrix cases"
+        + (
+            f"; the geomeans of {partial} are judged over all of the matrix's cases of each "
+            "(pushes to main, the nightly run)."
+            if partial
+            else "."
+        )
     ]
 
 

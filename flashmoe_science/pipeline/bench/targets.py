@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 
 from .. import gpukinds
 from ..masks import visible_pairs
@@ -470,6 +471,17 @@ def matrix_members(group: str, cases: list[CaseRecord]) -> list[CaseRecord]:
     return [c for c in auto if c.kind == "train"]
 
 
+def partial_groups(cases: Sequence, matrix: Sequence) -> list[str]:
+    """MATRIX_GROUPS of which `cases` hold some of `matrix`'s members but not all (cases and
+    matrix: CaseRecords or the Cases they are timed from)."""
+    return [
+        group
+        for group in MATRIX_GROUPS
+        if (timed := {c.id for c in matrix_members(group, cases)})
+        and timed != {c.id for c in matrix_members(group, matrix)}
+    ]
+
+
 def column_result(case: CaseRecord, column: str):
     if column == DETERMINISTIC:
         return case.ours_deterministic
@@ -515,10 +527,12 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
         why_not = ""
         if here is None:
             why_not = _elsewhere(record.gpu, _cards(CARD_TARGETS))
-        elif record.subset:  # a geomean over a few cases is not the matrix's
+        elif target.group in (
+            record.partial_groups or ()
+        ):  # a few cases' geomean: not the matrix's
+            timed = SUBSET_LABELS.get(record.subset or "", "a subset of the matrix")
             why_not = (
-                f"{SUBSET_LABELS[record.subset]}: the geomean is judged over the whole matrix "
-                "(pushes to main, the nightly run)"
+                f"{timed}: the geomean is judged over all of the matrix's {target.group} cases"
             )
         elif measured < len(cases):  # a geomean without its hardest cases could pass
             why_not = f"{len(cases) - measured} of {len(cases)} cases have no {target.column} ratio"
