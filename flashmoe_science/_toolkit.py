@@ -151,12 +151,15 @@ def run_streaming(
     heartbeat_s: float | None = None,
     on_silence: Callable[[float], None] | None = None,
     log_header: Sequence[str] = (),
+    stop: threading.Event | None = None,
 ) -> StreamResult:
     """Run `command` with stdout and stderr merged into `log_path` as they come.
 
     `on_line` sees every line (without its newline); `on_silence(elapsed_s)` is called after each
     `heartbeat_s` without a line. The child gets its own process group, which is killed when
     `timeout_s` passes or the caller is interrupted, so nvcc/ninja/the profiled process go too.
+    A caller in another thread than the one Ctrl-C reaches passes `stop`: once it is set, the group
+    is killed within a second and KeyboardInterrupt raised here.
     """
     start = time.monotonic()
     lines: list[str] = []
@@ -183,6 +186,8 @@ def run_streaming(
             last_event = start
             poll = min(1.0, heartbeat_s or 1.0)
             for line in _lines_with_timeouts(child, poll):
+                if stop is not None and stop.is_set():
+                    raise KeyboardInterrupt
                 now = time.monotonic()
                 if line is not None:
                     log.write(line + "\n")

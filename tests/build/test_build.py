@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -611,6 +612,37 @@ def test_streaming_kills_the_tool_on_timeout(tmp_path):
     )
     assert run.timed_out and run.returncode is None and run.text == "up\n"
     assert time.monotonic() - started < 10
+
+
+def test_streaming_in_a_thread_stops_its_tool_when_asked(tmp_path):
+    """sanitize runs its tools from worker threads, which Ctrl-C never reaches: the main thread
+    sets `stop`, and each run kills its tool's process group and raises KeyboardInterrupt."""
+    stop, raised = threading.Event(), []
+    pid_file = tmp_path / "pid"
+    script = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(30)"
+    )
+
+    def run() -> None:
+        try:
+            _toolkit.run_streaming(
+                [sys.executable, "-c", script], dict(os.environ), tmp_path / "tool.log", stop=stop
+            )
+        except KeyboardInterrupt:
+            raised.append(time.monotonic())
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    asked = time.monotonic()
+    stop.set()
+    worker.join(timeout=15)
+    assert raised and raised[0] - asked < 5, "the run raised soon after it was asked to stop"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the tool is gone
 
 
 def test_lock_excludes_a_second_builder(tmp_path):

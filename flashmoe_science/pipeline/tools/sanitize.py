@@ -69,6 +69,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -1220,15 +1221,30 @@ def run(args, tools: list[str]) -> int:
             f"sanitize: {len(runs)} runs, {min(jobs, len(runs))} at a time{f' ({split})' if split else ''}"
         )
     calls = workload_cases(restriction)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        done = list(
-            pool.map(
-                lambda run: _run_share(
-                    exe, *run, args, defines, len(workload_share(calls, run[1])), out, offered
-                ),
-                runs,
-            )
-        )
+    stop = threading.Event()  # Ctrl-C reaches this thread: the runs' threads then stop theirs
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+    try:
+        futures = [
+            pool.submit(
+                _run_share,
+                exe,
+                tool,
+                share,
+                args,
+                defines,
+                len(workload_share(calls, share)),
+                out,
+                offered,
+                stop,
+            )  # fmt: skip
+            for tool, share in runs
+        ]
+        done = [future.result() for future in futures]
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     results: list[tuple[str, ToolReport, str, float]] = []
     for tool in tools:
         report, status, elapsed = _tool_result(
@@ -1290,6 +1306,7 @@ def _run_share(
     total: int,
     out: Path,
     offered: frozenset[str] | None,
+    stop: threading.Event | None = None,
 ) -> ShareRun:
     kernel_filter = not args.all_kernels
     command = sanitizer_command(exe, tool, args.print_limit, kernel_filter, offered or (), share)
@@ -1315,6 +1332,7 @@ def _run_share(
         cwd=paths.REPO_ROOT,
         timeout_s=args.timeout,
         on_line=progress,
+        stop=stop,
     )
     elapsed = time.monotonic() - started
     report = parse_sanitizer_output(tool, run.text)
