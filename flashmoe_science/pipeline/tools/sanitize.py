@@ -1236,7 +1236,7 @@ def run(args, tools: list[str]) -> int:
                 out,
                 offered,
                 stop,
-            )  # fmt: skip
+            )
             for tool, share in runs
         ]
         done = [future.result() for future in futures]
