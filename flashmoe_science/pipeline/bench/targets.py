@@ -21,7 +21,9 @@ record's GPU name and compute capability (gpukinds.GpuKind.device_problem):
 - H100, where they were first set: prefill against cuDNN >= 1.05 geomean and >= 0.90 each; D=128,
   S >= 4096, non-causal at least 600 TFLOP/s; the small cases' latency at most SDPA default's;
   the backward against SDPA flash (FlashAttention-2) >= 1.0 geomean and >= 0.85 each.
-On another card or the CPU the card of record's geomeans show, not judged.
+On another card or the CPU the card of record's geomeans show, not judged; so does the geomean of
+a group the run holds only some of the matrix's cases of (BenchRecord.partial_groups: `bench --pr`,
+`--quick`, a `--case` selection), while each of its cases is judged.
 FlashAttention-3's and -4's time over ours (peer_geomeans) is reported beside them, never judged.
 
 The features' targets (the H200's), each case against its twin of the same shape in the same run
