@@ -126,6 +126,18 @@ def test_wrong_types_fail_their_section_only(folder):
     assert "Correctness gates" in text and "Benchmark" in text  # the others still render
 
 
+@pytest.mark.parametrize("subset", [["pull-request"], {"a": 1}, "<b>@team</b>", None])
+def test_a_bench_subset_of_any_shape_renders_safely(folder, subset):
+    bench = _load(folder / "bench.json")
+    bench["subset"] = subset
+    bench["partial_groups"] = [{"a": 1}]
+    _dump(bench, folder / "bench.json")
+    code, text = render(folder)
+    assert_safe(text, code)
+    assert "bench.json unreadable" in text.split("\n")[0]  # the schema names the subsets
+    assert "**cases**" not in text
+
+
 def test_a_section_whose_renderer_fails_fails_alone(folder, monkeypatch):
     render_module = importlib.import_module("flashmoe_science.pipeline.report.render")
 
