@@ -1167,26 +1167,34 @@ const char* forward_kernel_name(bool varlen) {
   }
 }
 
+// One line per kernel a forward configuration launches: the sm_90a kernels take the windows,
+// softcap and sinks as a template argument (fwd_sm90_kernel), so each is two kernels.
+template <typename Traits>
+void append_forward_launch(std::string& out, const std::string& dtype, bool varlen) {
+  const std::string head = std::string(forward_kernel_name<Traits>(varlen)) + "<" +
+                           demangled_name<Traits>() + ", " + dtype;
+  const std::string smem = ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
+  if constexpr (IsSm90Traits<Traits>::value) {
+    out += head + ", false" + smem + head + ", true" + smem;
+  } else {
+    out += head + smem;
+  }
+}
+
 template <typename T, int D>
 void append_kernel_launches(std::string& out) {
   const std::string dtype = demangled_name<T>();
   for (int config = 1; config <= kNumConfigs; ++config) {
     if (is_sm90a_config(config) && !is_wgmma_head_dim(D)) continue;
     visit_config<T, D>(config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
-                         using Traits = decltype(traits);
-                         out += std::string(forward_kernel_name<Traits>(false)) + "<" +
-                                demangled_name<Traits>() + ", " + dtype + ">\t" +
-                                std::to_string(Traits::kSmemBytes) + "\n";
+                         append_forward_launch<decltype(traits)>(out, dtype, false);
                        }));
   }
   // The packed-batch forward (configurations 1, 2, 4, 5) and the paged decode kernel.
   for (int config : {1, 2, kSm90Config, kSm90aConfig}) {
     if (is_sm90a_config(config) && !is_wgmma_head_dim(D)) continue;
     visit_config<T, D, /*kVarlen=*/true>(config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
-                                           using Traits = decltype(traits);
-                                           out += std::string(forward_kernel_name<Traits>(true)) +
-                                                  "<" + demangled_name<Traits>() + ", " + dtype +
-                                                  ">\t" + std::to_string(Traits::kSmemBytes) + "\n";
+                                           append_forward_launch<decltype(traits)>(out, dtype, true);
                                          }));
   }
   visit_paged_decode<T>(D, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {

@@ -1110,11 +1110,13 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     # offset check + the paged decode kernel + the combine kernel + 3 backward configurations with
     # and without dQ atomics + the dQ pass + the pre-pass) + at d=192 and 256, which have no wgmma
     # kernels and where configuration 4 is 1's kernel, 3 forward kernels + 2 packed-batch ones +
-    # the same others with 2 backward configurations + the dQ conversion)
+    # the same others with 2 backward configurations + the dQ conversion), + each sm_90a forward
+    # kernel's twin with windows, softcap and sinks (4 forward and 2 packed-batch ones)
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
     per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1
     assert table is not None
-    assert len(table) == 2 * (6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1)
+    assert len(table) == 2 * (6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 6)
+    assert sum(name.endswith(", true>") and "Sm90FwdTraits" in name for name in table) == 2 * 6
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]
