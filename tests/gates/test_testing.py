@@ -202,6 +202,27 @@ def test_a_failing_gate_and_a_failing_other_test_are_told_apart(tmp_path, capsys
     assert ALL_PASSED not in said
 
 
+JOB_FILES_TEST = """
+import os
+from pathlib import Path
+
+def test_writes_a_job_file():
+    for name in ("GITHUB_STEP_SUMMARY", "GITHUB_OUTPUT"):
+        if os.environ.get(name):  # what the report and the selection step do when it is set
+            Path(os.environ[name]).write_text("a test's report")
+"""
+
+
+def test_a_test_never_writes_the_jobs_summary_or_outputs(tmp_path):
+    """In a GitHub Actions job (the GPU test stage), a test that renders its fixtures' report
+    appended it to the job's own step summary; with two workers, as the stage runs."""
+    job = {name: tmp_path / name.lower() for name in ("GITHUB_STEP_SUMMARY", "GITHUB_OUTPUT")}
+    env = {name: str(path) for name, path in job.items()}
+    rec = run_suite(tmp_path, "-p", "xdist.plugin", "-n", "2", extra=JOB_FILES_TEST, env=env)
+    assert rec["outcome"] == "passed" and rec["tests"]["passed"] == 4
+    assert not any(path.exists() for path in job.values())
+
+
 TRAINING_TEST = """
 def test_training(record_property):
     record_property("training", {"ours": [4.6312, 3.2001], "sdpa": [4.6312, 3.2107]})

@@ -75,6 +75,8 @@ from . import devices
 
 SCHEMA = "flashmoe-science/gates/2"
 RECORD = "gates.json"
+# The files an Actions step appends to: its summary, outputs, environment, PATH and state
+JOB_FILE_VARS = ("GITHUB_STEP_SUMMARY", "GITHUB_OUTPUT", "GITHUB_ENV", "GITHUB_PATH", "GITHUB_STATE")
 MARKER = "gate"
 # The short training run's losses (tests/library/test_training.py), {"ours": [first, last], "sdpa":
 # [first, last]}: recorded beside the gates so a run's record and its verdict line carry them.
@@ -465,6 +467,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A test that runs a pipeline command in a GitHub Actions job (the GPU test stage) would append
+    # its fixtures' report to the job's own summary and outputs; workers inherit the removal.
+    for name in JOB_FILE_VARS:
+        os.environ.pop(name, None)
     config.addinivalue_line(
         "markers", f"{MARKER}: a correctness gate case (counted in reports/{RECORD})"
     )
