@@ -65,9 +65,9 @@ namespace flashmoe::cuda {
 //      registers (at d=64 it is configuration 5's kernel). sm_90a only, as 5. The choice at
 //      d=128 for non-causal heads of at least 4096 keys; slower than 5 on shorter or causal
 //      heads. No packed-batch variant.
-//   At d=192 and 256, 5 to 7 are one kernel: 128 x 112 (d=192) or 128 x 80 (d=256), two math
-//   warpgroups, K and V in two buffers of as many keys as fit beside Q (FlashAttention-3's tiles),
-//   the output written from registers (Sm90WideTraits). Not yet timed (prefill-sm90.md, v5.1).
+//   At d=192 and 256, 5 to 7 are one kernel: 128 x 96 (d=192) or 128 x 64 (d=256), two math
+//   warpgroups, K and V in two buffers, the output written from registers (Sm90WideTraits). Not
+//   yet timed (prefill-sm90.md, v5.1).
 //   5 to 7 take head dims 64, 128, 192 and 256, v's equal (kWgmmaHeadDims).
 //   Rejected: 8 warps x 128 x 64 at d=128 (one 16-row tile per warp): one block per SM, slower.
 constexpr int kNumConfigs = 7;
@@ -92,9 +92,7 @@ constexpr bool listed_head_dim(const int (&dims)[N], int head_dim) {
   }
   return false;
 }
-constexpr bool is_wgmma_head_dim(int head_dim) {
-  return listed_head_dim(kWgmmaHeadDims, head_dim);
-}
+constexpr bool is_wgmma_head_dim(int head_dim) { return listed_head_dim(kWgmmaHeadDims, head_dim); }
 constexpr bool is_wgmma_bwd_head_dim(int head_dim) {
   return listed_head_dim(kWgmmaBwdHeadDims, head_dim);
 }
@@ -137,14 +135,15 @@ using Config4Traits =
     std::conditional_t<(D <= 128), FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>,
                        Config1Traits<D>>;
 // The wgmma forward's tiles past d=128, one kernel for configurations 5 to 7: two math warpgroups
-// over 128 rows and two K/V buffers of as many keys as fit beside Q in 227 KB (Q 48 KB + 2 x 84
-// KB at d=192, 64 KB + 2 x 80 KB at d=256); FlashAttention-3's tiles. Two warpgroups, not three:
-// O alone takes 96 or 128 registers a thread.
+// over 128 rows (O alone takes 96 or 128 of a math thread's 224 registers) and two K/V buffers.
+// 96 and 64 keys, not FlashAttention-3's 112 and 80 (which fit the shared memory too): those
+// spilled here, whose producer keeps 56 registers to FA3's 24 (prefill-sm90.md, v5.1).
 template <int D>
-using Sm90WideTraits = Sm90FwdTraits<D, D == 192 ? 112 : 80, 2, 2>;
+using Sm90WideTraits = Sm90FwdTraits<D, D == 192 ? 96 : 64, 2, 2>;
 template <int D>
-using Sm90Config5Traits = std::conditional_t<
-    (D > 128), Sm90WideTraits<D>, Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>>;
+using Sm90Config5Traits =
+    std::conditional_t<(D > 128), Sm90WideTraits<D>,
+                       Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>>;
 template <int D>
 using Sm90Config6Traits =
     std::conditional_t<(D > 128), Sm90WideTraits<D>, Sm90FwdTraits<D, 128, 2, 3>>;
@@ -474,9 +473,9 @@ inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const
 // (zero-filled), not where they are a cache's unused rows (cache_seqlens), which may hold
 // anything. FLASHMOE_SM90_TMA=0 turns it off (the producer then copies with cp.async). The maps
 // are encoded on every call (two host calls of a few microseconds), not cached. From d=128 up Q
-// goes by TMA as well where K and V do and a tile's rows are one head's consecutive queries (`box_rows_q`
-// = the kernel's row tile): its cp.async sat on the producer's path from a tile's last S to the
-// next tile's first. At d=64, where Q was never late, TMA was slower
+// goes by TMA as well where K and V do and a tile's rows are one head's consecutive queries
+// (`box_rows_q` = the kernel's row tile): its cp.async sat on the producer's path from a tile's
+// last S to the next tile's first. At d=64, where Q was never late, TMA was slower
 // (benches/notes/prefill-sm90.md, v3.8).
 template <typename T>
 void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {

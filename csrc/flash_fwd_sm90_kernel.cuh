@@ -5,7 +5,7 @@
 // batch and the epilogue are the mma.sync kernel's, since wgmma leaves each warp's accumulators in
 // the mma.sync layout (wgmma_utils.cuh). Tiles live in shared memory in wgmma's 128-byte-swizzled
 // panel layout (swizzle_panels); K and V are in two buffers (three at D=128 with 128-key tiles;
-// at D=192 and 256 two of 112 and 80 keys, as many as fit beside Q);
+// two of 96 and 64 keys at D=192 and 256);
 // S(n) and P(n+1) V(n+1) go out together (FlashAttention-3's intra-warpgroup overlap), though
 // ptxas puts the wait for that P V above the softmax of S(n), which then runs after it (moving
 // the wait below gained nothing: benches/notes/prefill-sm90.md, v4.5).
@@ -14,11 +14,11 @@
 // mbarrier when its copies land; the math warpgroups (three at D=64, else two) wait on those,
 // give buffers back through other mbarriers, never meet at a block-wide barrier, and take the
 // producer's registers (setmaxnreg). The kernel is persistent (one block per SM walks the tiles),
-// copies K and V (from D=128 up each tile's Q too) with TMA where the host could encode their tensor
-// maps, and the math warpgroups take turns at the tensor cores (ping-pong with two, a round robin
-// with three). The steps live in Sm90Rows, the schedule in flash_fwd_sm90_block.
-// Compiled for sm_90a only: in every other device pass the kernel body is a trap, and the host
-// refuses the configuration (see the host API).
+// copies K and V (from D=128 up each tile's Q too) with TMA where the host could encode their
+// tensor maps, and the math warpgroups take turns at the tensor cores (ping-pong with two, a round
+// robin with three). The steps live in Sm90Rows, the schedule in flash_fwd_sm90_block. Compiled for
+// sm_90a only: in every other device pass the kernel body is a trap, and the host refuses the
+// configuration (see the host API).
 #pragma once
 
 #include "attention_params.h"
@@ -79,7 +79,7 @@ struct Sm90FwdTraits {
   // K and V buffers each. With three, or two of 176 keys, or past D=128, the output is written
   // from registers: its staging buffer would not fit beside them (at D=128 Q + 3 x (K + V) of 128
   // keys is 224 KB of the 227 KB, Q + 2 x (K + V) of 176 keys 213 KB; at D=256 Q + 2 x (K + V) of
-  // 80 keys 224 KB).
+  // 64 keys 192 KB, and the output's 64 KB more).
   static constexpr int kStages = kStages_;
   static constexpr bool kStagedOutput = kStages_ == 2 && kBlockN_ <= 128 && kHeadDim_ <= 128;
   // Unstaged output from D=128 up leaves in 8-byte stores, one whole 32-byte sector a lane pair.
@@ -105,8 +105,9 @@ struct Sm90FwdTraits {
       65536 / kNThreads / 8 * 8 > 255 ? 255 : 65536 / kNThreads / 8 * 8;
   // 48 leaves the producer unspilled; with three math warpgroups (512 threads, 128 registers
   // each at launch) 32 is what leaves them 160 (the producer then spills a little; 48 / 152
-  // moves the spills into the math warpgroups).
-  static constexpr int kProducerRegs = kWarpgroups_ == 3 ? 32 : 48;
+  // moves the spills into the math warpgroups). Past D=128, 56: the math warpgroups' share is
+  // 224 either way, and the producer's address arithmetic spilled at 48.
+  static constexpr int kProducerRegs = kWarpgroups_ == 3 ? 32 : kHeadDim_ > 128 ? 56 : 48;
   static constexpr int kMathRegs =
       (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8 > 240
           ? 240
@@ -202,8 +203,8 @@ struct Sm90Rows {
     for (int j = 0; j < BN / 16; ++j) {
 #if FLASHMOE_PLANT_BUG == 16
       if constexpr (D > 128) {  // planted: P V over O's first 128 columns only
-        sm90::mma_rs<128, T>(*reinterpret_cast<float(*)[16][4]>(&acc_o),
-                             p_frag[j], v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
+        sm90::mma_rs<128, T>(*reinterpret_cast<float (*)[16][4]>(&acc_o), p_frag[j],
+                             v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
         continue;
       }
 #endif
