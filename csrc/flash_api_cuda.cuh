@@ -428,8 +428,7 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, bool wgmma_ok, int
   }
   if (rows_per_head <= 64 || heads * ceil_div(rows_per_head, 128) < dev.sm_count) return 2;
   // A 9.0 GPU with the sm_90a build: the wgmma kernels, faster than config 4 there.
-  // (192 and 256 are forced only until the GPU gates pass: prefill-sm90.md, v5.1)
-  if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok && head_dim <= 128) {
+  if (dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok) {
     // 128-row tiles at d=64 where the causal mask leaves a 192-row tile the most idle work:
     // short heads with no more keys than query rows. Where the keys outnumber the rows the mask
     // covers little, and 192-row tiles win (see configuration 6 above).
