@@ -42,6 +42,8 @@ namespace flashmoe {
 //       head dim hold the next row's values instead of zeros, which leak into the scores
 //   15: the backward's delta (rowsum dO * O) is summed over q's and k's head dim, not v's: it
 //       reads past each row of o and dout where v's head dim is the smaller
+// and the wgmma forward's past head dim 128:
+//   16: P V issued as m64n128k16 at head dims 192 and 256: O's columns past 128 never accumulate
 // and the bugs of local attention, soft-capping and sinks (the CPU implementation's, and the CUDA
 // kernels': 20 in every mma.sync and decode kernel, forward and backward; 21 in the forward and
 // decode; 22 in the backward's pre-pass; 23 in the decode kernel, which forgets the left edge):

@@ -65,7 +65,10 @@ namespace flashmoe::cuda {
 //      registers (at d=64 it is configuration 5's kernel). sm_90a only, as 5. The choice at
 //      d=128 for non-causal heads of at least 4096 keys; slower than 5 on shorter or causal
 //      heads. No packed-batch variant.
-//   5 to 7 take head dims 64 and 128 only (kWgmmaHeadDims).
+//   At d=192 and 256, 5 to 7 are one kernel: 128 x 96 (d=192) or 128 x 64 (d=256), two math
+//   warpgroups, K and V in two buffers, the output written from registers (Sm90WideTraits). Not
+//   yet timed (prefill-sm90.md, v5.1).
+//   5 to 7 take head dims 64, 128, 192 and 256, v's equal (kWgmmaHeadDims).
 //   Rejected: 8 warps x 128 x 64 at d=128 (one 16-row tile per warp): one block per SM, slower.
 constexpr int kNumConfigs = 7;
 constexpr int kDecodeConfig = 3;
@@ -76,14 +79,22 @@ constexpr int kSm90aN176Config = 7;  // the same, 176-key tiles at d=128
 constexpr bool is_sm90a_config(int64_t config) {
   return config == kSm90aConfig || config == kSm90aM128Config || config == kSm90aN176Config;
 }
-// The head dims of the wgmma kernels (forward configurations 5 to 7, backward configuration 3);
-// the others run the mma.sync kernels on every GPU.
-constexpr int kWgmmaHeadDims[] = {64, 128};
-constexpr bool is_wgmma_head_dim(int head_dim) {
-  for (const int d : kWgmmaHeadDims) {
+// The head dims of the wgmma kernels, forward (configurations 5 to 7) and backward (configuration
+// 3); the others run the mma.sync kernels on every GPU. The texts are for the errors.
+constexpr int kWgmmaHeadDims[] = {64, 128, 192, 256};
+constexpr const char* kWgmmaHeadDimsText = "64, 128, 192 and 256";
+constexpr int kWgmmaBwdHeadDims[] = {64, 128};
+constexpr const char* kWgmmaBwdHeadDimsText = "64 and 128";
+template <size_t N>
+constexpr bool listed_head_dim(const int (&dims)[N], int head_dim) {
+  for (const int d : dims) {
     if (d == head_dim) return true;
   }
   return false;
+}
+constexpr bool is_wgmma_head_dim(int head_dim) { return listed_head_dim(kWgmmaHeadDims, head_dim); }
+constexpr bool is_wgmma_bwd_head_dim(int head_dim) {
+  return listed_head_dim(kWgmmaBwdHeadDims, head_dim);
 }
 // The tile head dim a call's kernels are instantiated at (cuda_tile_head_dim: q's and k's head dim
 // and v's, padded onto the narrowest built one that holds both), and whether the call may run the
@@ -94,6 +105,9 @@ int tile_head_dim(const Params& p) {
 }
 inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return head_dim == head_dim_v && is_wgmma_head_dim(int(head_dim));
+}
+inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
+  return head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim));
 }
 // Whether a configuration has a packed-batch (varlen) kernel: not the decode kernel, 6 or 7
 // (visit_config compiles none for them; ops.NO_PACKED_CONFIGS is the Python side's copy).
@@ -120,6 +134,23 @@ template <int D>
 using Config4Traits =
     std::conditional_t<(D <= 128), FwdTraits<D, 128, D == 128 ? 64 : 128, 4, /*kSm90Only=*/true>,
                        Config1Traits<D>>;
+// The wgmma forward's tiles past d=128, one kernel for configurations 5 to 7: two math warpgroups
+// over 128 rows (O alone takes 96 or 128 of a math thread's 224 registers) and two K/V buffers.
+// 96 and 64 keys, not FlashAttention-3's 112 and 80 (which fit the shared memory too): those
+// spilled here, whose producer keeps 56 registers to FA3's 24 (prefill-sm90.md, v5.1).
+template <int D>
+using Sm90WideTraits = Sm90FwdTraits<D, D == 192 ? 96 : 64, 2, 2>;
+template <int D>
+using Sm90Config5Traits =
+    std::conditional_t<(D > 128), Sm90WideTraits<D>,
+                       Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>>;
+template <int D>
+using Sm90Config6Traits =
+    std::conditional_t<(D > 128), Sm90WideTraits<D>, Sm90FwdTraits<D, 128, 2, 3>>;
+template <int D>
+using Sm90Config7Traits =
+    std::conditional_t<(D > 128), Sm90WideTraits<D>,
+                       Sm90FwdTraits<D, D == 128 ? 176 : 128, D == 64 ? 3 : 2, 2>>;
 // The decode kernel's: as many 32-key stages as fit 96 KB beyond d=128.
 template <int D>
 using DecodeConfig = DecodeTraits<D, D <= 128 ? 3 : 96 * 1024 / (2 * 32 * D * 2)>;
@@ -180,14 +211,15 @@ inline DeviceInfo device_info(int device) {
   return info;
 }
 
-// Refuses a forced wgmma configuration (`option`=`config`: the forward's config=5 or 6, the
+// Refuses a forced wgmma configuration (`option`=`config`: the forward's config=5 to 7, the
 // backward's backward_config=3) where it cannot run: a GPU other than compute capability 9.0, a
-// build without sm_90a, or a head dim the wgmma kernels do not take. `others` names the
-// configurations that can, for the message.
+// build without sm_90a, or head dims its kernels do not take (`head_dims_ok`; `head_dims` lists
+// those they do). `others` names the configurations that can, for the message.
 inline void check_wgmma_config(const char* option, int64_t config, const DeviceInfo& dev,
-                               const char* others, int64_t head_dim, int64_t head_dim_v) {
-  FLASHMOE_CHECK_VALUE(wgmma_head_dims(head_dim, head_dim_v), option, "=", config,
-                       " runs on wgmma, whose kernels take head_dim 64 and 128 (v's equal); ",
+                               const char* others, bool head_dims_ok, const char* head_dims,
+                               int64_t head_dim, int64_t head_dim_v) {
+  FLASHMOE_CHECK_VALUE(head_dims_ok, option, "=", config,
+                       " runs on wgmma, whose kernels take head_dim ", head_dims, " (v's equal); ",
                        "head_dim ", head_dim,
                        head_dim_v != head_dim ? " with v's " + std::to_string(head_dim_v) : "",
                        " runs ", option, " ", others, " (or 0, automatic)");
@@ -248,25 +280,26 @@ void visit_config(int config, F&& f, bool features = false) {
   } else if (config == kSm90aConfig) {
     if constexpr (kWgmma) {
       // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
-      // in three buffers), three at d64 (192-row tiles in turns, two buffers).
-      using Traits = Sm90FwdTraits<D, 128, D == 64 ? 3 : 2, D == 64 ? 2 : 3>;
+      // in three buffers), three at d64 (192-row tiles in turns, two buffers); past d128
+      // Sm90WideTraits.
+      using Traits = Sm90Config5Traits<D>;
       FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
                      fwd_sm90_kernel<Traits, T, kVarlen>(features));
     }
   } else if (config == kSm90aM128Config && !kVarlen) {
     if constexpr (kWgmma) {
-      // Two math warpgroups at both head dims (at d=128 the same type, so the same kernel, as
-      // 5). The dense kernel even in the packed-batch visit, which never comes here: no packed
+      // Two math warpgroups at every head dim (from d=128 up the same type, so the same kernel,
+      // as 5). The dense kernel even in the packed-batch visit, which never comes here: no packed
       // variant is compiled.
-      using Traits = Sm90FwdTraits<D, 128, 2, 3>;
+      using Traits = Sm90Config6Traits<D>;
       FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aM128Config, f, Traits,
                      fwd_sm90_kernel<Traits, T, false>(features));
     }
   } else if (config == kSm90aN176Config && !kVarlen) {
     if constexpr (kWgmma) {
-      // 176-key tiles at d=128, two K/V buffers; at d=64 configuration 5's type, so its kernel.
-      // No packed variant, as 6.
-      using Traits = Sm90FwdTraits<D, D == 128 ? 176 : 128, D == 64 ? 3 : 2, 2>;
+      // 176-key tiles at d=128, two K/V buffers; at the other head dims configuration 5's type,
+      // so its kernel. No packed variant, as 6.
+      using Traits = Sm90Config7Traits<D>;
       FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aN176Config, f, Traits,
                      fwd_sm90_kernel<Traits, T, false>(features));
     }
@@ -385,7 +418,8 @@ inline TileShape tile_shape_of(int config, int head_dim) {
 // `seqlen_k` its keys. Grids too small to fill the GPU take smaller row tiles (more blocks): the
 // 16-row decode tiles when even 64-row tiles leave SMs idle (one sequence of a few hundred
 // tokens, say).
-// `head_dim` is the tile's (tile_head_dim); `wgmma_ok` whether the call is unpadded at 64 or 128.
+// `head_dim` is the tile's (tile_head_dim); `wgmma_ok` whether the call is unpadded at a head dim
+// of the wgmma kernels (kWgmmaHeadDims).
 inline int choose_config(const DeviceInfo& dev, int head_dim, bool wgmma_ok, int64_t heads,
                          int rows_per_head, bool causal, int seqlen_k) {
   const bool small_smem = dev.major == 8 && dev.minor != 0;  // sm86, sm87, sm89: 100 KB per SM
@@ -427,19 +461,20 @@ inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const
                        " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
                        ".", dev.minor, ": use config ", others, " (or 0, automatic)");
   if (is_sm90a_config(config)) {
-    check_wgmma_config("config", config, dev, others, head_dim, head_dim_v);
+    check_wgmma_config("config", config, dev, others, wgmma_head_dims(head_dim, head_dim_v),
+                       kWgmmaHeadDimsText, head_dim, head_dim_v);
   }
   if (config != 0) check_config_fits(config, dev, cuda_tile_head_dim(head_dim, head_dim_v));
 }
 
-// Whether the sm_90a kernel's producer (boxes of its key tile, 128 or 176 rows) copies K and V with
+// Whether the sm_90a kernel's producer (boxes of its key tile, 80 to 176 rows) copies K and V with
 // TMA: it does where the key rows past a sequence's end are other keys or outside the tensor
 // (zero-filled), not where they are a cache's unused rows (cache_seqlens), which may hold
 // anything. FLASHMOE_SM90_TMA=0 turns it off (the producer then copies with cp.async). The maps
-// are encoded on every call (two host calls of a few microseconds), not cached. At d=128 Q goes by
-// TMA as well where K and V do and a tile's rows are one head's consecutive queries (`box_rows_q`
-// = the kernel's row tile): its cp.async sat on the producer's path from a tile's last S to the
-// next tile's first. At d=64, where Q was never late, TMA was slower
+// are encoded on every call (two host calls of a few microseconds), not cached. From d=128 up Q
+// goes by TMA as well where K and V do and a tile's rows are one head's consecutive queries
+// (`box_rows_q` = the kernel's row tile): its cp.async sat on the producer's path from a tile's
+// last S to the next tile's first. At d=64, where Q was never late, TMA was slower
 // (benches/notes/prefill-sm90.md, v3.8).
 template <typename T>
 void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {
@@ -455,7 +490,7 @@ void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {
                         p.k_head_stride, p.k_batch_stride, p.head_dim, box_rows_kv) &&
           encode_kv_map(p.tma_v, p.v, fp16, rows, p.heads_kv, batch, p.v_row_stride,
                         p.v_head_stride, p.v_batch_stride, p.head_dim_v, box_rows_kv);
-  p.q_tma = p.tma && p.head_dim == 128 && !packed && !p.pack_gqa &&
+  p.q_tma = p.tma && p.head_dim >= 128 && !packed && !p.pack_gqa &&
             encode_kv_map(p.tma_q, p.q, fp16, p.seqlen_q, p.heads_q, p.batch, p.q_row_stride,
                           p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q);
 }
@@ -980,7 +1015,7 @@ void visit_bwd_config(int config, F&& f) {
     using Traits = Bwd1Traits<D>;
     FLASHMOE_VISIT(only::bwd, T, D, 1, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
   } else if (config == kSm90aBwdConfig) {
-    if constexpr (is_wgmma_head_dim(D)) {
+    if constexpr (is_wgmma_bwd_head_dim(D)) {
       using Traits = Sm90BwdTraits<D>;
       FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
                      &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
@@ -1061,9 +1096,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                          dev.major, ".", dev.minor));
   // The tile's head dim: q's and k's, or padded onto the next built one (cuda_tile_head_dim).
   const int head_dim = int(cuda_tile_head_dim(q_in.size(3), v_in.size(3)));
-  const bool wgmma_ok = wgmma_head_dims(q_in.size(3), v_in.size(3));
+  const bool wgmma_ok = wgmma_bwd_head_dims(q_in.size(3), v_in.size(3));
   if (config == kSm90aBwdConfig) {
-    check_wgmma_config("backward_config", config, dev, "1 or 2", q_in.size(3), v_in.size(3));
+    check_wgmma_config("backward_config", config, dev, "1 or 2", wgmma_ok, kWgmmaBwdHeadDimsText,
+                       q_in.size(3), v_in.size(3));
   }
   const int smem_limit = dev.smem_per_block;
   if (config == 0) {
@@ -1218,7 +1254,7 @@ void append_kernel_launches(std::string& out) {
            std::to_string(Traits::kSmemBytes) + "\n";
   };
   for (int config = 1; config <= kNumBwdConfigs; ++config) {
-    if (config == kSm90aBwdConfig && !is_wgmma_head_dim(D)) continue;
+    if (config == kSm90aBwdConfig && !is_wgmma_bwd_head_dim(D)) continue;
     visit_bwd_config<T, D, true>(
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
     visit_bwd_config<T, D, false>(

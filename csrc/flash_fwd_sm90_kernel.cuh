@@ -4,20 +4,21 @@
 // read transposed from shared memory. Masking, the online softmax, split-KV partials, the packed
 // batch and the epilogue are the mma.sync kernel's, since wgmma leaves each warp's accumulators in
 // the mma.sync layout (wgmma_utils.cuh). Tiles live in shared memory in wgmma's 128-byte-swizzled
-// panel layout (swizzle_panels); K and V are in two buffers (three at D=128 with 128-key tiles);
+// panel layout (swizzle_panels); K and V are in two buffers (three at D=128 with 128-key tiles;
+// two of 96 and 64 keys at D=192 and 256);
 // S(n) and P(n+1) V(n+1) go out together (FlashAttention-3's intra-warpgroup overlap), though
 // ptxas puts the wait for that P V above the softmax of S(n), which then runs after it (moving
 // the wait below gained nothing: benches/notes/prefill-sm90.md, v4.5).
 //
 // Warp-specialized: a producer warpgroup issues every copy and signals each buffer through an
-// mbarrier when its copies land; the math warpgroups (two at D=128, three at D=64) wait on those,
+// mbarrier when its copies land; the math warpgroups (three at D=64, else two) wait on those,
 // give buffers back through other mbarriers, never meet at a block-wide barrier, and take the
 // producer's registers (setmaxnreg). The kernel is persistent (one block per SM walks the tiles),
-// copies K and V (at D=128 each tile's Q too) with TMA where the host could encode their tensor
-// maps, and the math warpgroups take turns at the tensor cores (ping-pong with two, a round robin
-// with three). The steps live in Sm90Rows, the schedule in flash_fwd_sm90_block.
-// Compiled for sm_90a only: in every other device pass the kernel body is a trap, and the host
-// refuses the configuration (see the host API).
+// copies K and V (from D=128 up each tile's Q too) with TMA where the host could encode their
+// tensor maps, and the math warpgroups take turns at the tensor cores (ping-pong with two, a round
+// robin with three). The steps live in Sm90Rows, the schedule in flash_fwd_sm90_block. Compiled for
+// sm_90a only: in every other device pass the kernel body is a trap, and the host refuses the
+// configuration (see the host API).
 #pragma once
 
 #include "attention_params.h"
@@ -75,15 +76,16 @@ struct Sm90FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarpgroups = kWarpgroups_;  // math warpgroups, plus one that only copies
-  // K and V buffers each. With three, or two of 176 keys, the output is written from registers:
-  // its staging buffer would not fit beside them at D=128 (Q + 3 x (K + V) of 128 keys is 224 KB
-  // of the 227 KB, Q + 2 x (K + V) of 176 keys 213 KB).
+  // K and V buffers each. With three, or two of 176 keys, or past D=128, the output is written
+  // from registers: its staging buffer would not fit beside them (at D=128 Q + 3 x (K + V) of 128
+  // keys is 224 KB of the 227 KB, Q + 2 x (K + V) of 176 keys 213 KB; at D=256 Q + 2 x (K + V) of
+  // 64 keys 192 KB, and the output's 64 KB more).
   static constexpr int kStages = kStages_;
-  static constexpr bool kStagedOutput = kStages_ == 2 && kBlockN_ <= 128;
-  // Unstaged output at D=128 leaves in 8-byte stores, one whole 32-byte sector a lane pair. At
-  // D=64 (configuration 6) the same stores were slower, so there each thread stores its own 4
+  static constexpr bool kStagedOutput = kStages_ == 2 && kBlockN_ <= 128 && kHeadDim_ <= 128;
+  // Unstaged output from D=128 up leaves in 8-byte stores, one whole 32-byte sector a lane pair.
+  // At D=64 (configuration 6) the same stores were slower, so there each thread stores its own 4
   // bytes (benches/notes/prefill-sm90.md, v3.9).
-  static constexpr bool kPairedStores = !kStagedOutput && kHeadDim == 128;
+  static constexpr bool kPairedStores = !kStagedOutput && kHeadDim >= 128;
   static constexpr int kBlockM = 64 * kWarpgroups_;
   static constexpr int kMathThreads = 128 * kWarpgroups_;
   static constexpr int kNThreads = kMathThreads + 128;
@@ -103,8 +105,9 @@ struct Sm90FwdTraits {
       65536 / kNThreads / 8 * 8 > 255 ? 255 : 65536 / kNThreads / 8 * 8;
   // 48 leaves the producer unspilled; with three math warpgroups (512 threads, 128 registers
   // each at launch) 32 is what leaves them 160 (the producer then spills a little; 48 / 152
-  // moves the spills into the math warpgroups).
-  static constexpr int kProducerRegs = kWarpgroups_ == 3 ? 32 : 48;
+  // moves the spills into the math warpgroups). Past D=128, 56: the math warpgroups' share is
+  // 224 either way, and the producer's address arithmetic spilled at 48.
+  static constexpr int kProducerRegs = kWarpgroups_ == 3 ? 32 : kHeadDim_ > 128 ? 56 : 48;
   static constexpr int kMathRegs =
       (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8 > 240
           ? 240
@@ -112,8 +115,10 @@ struct Sm90FwdTraits {
   static_assert(
       128 * kProducerRegs + kMathThreads * kMathRegs <= kLaunchRegs * kNThreads,
       "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
-  static_assert(kHeadDim % 64 == 0 && (kBlockN == 64 || kBlockN == 128 || kBlockN == 176),
-                "wgmma tiles: 64-column panels, N of 64, 128 or 176");
+  // (which N a wgmma takes: sm90::mma_ss, mma_rs)
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0,
+                "wgmma tiles: 64-column panels, keys in P V's 16-key steps");
+  static_assert(kSmemBytes <= 227 * 1024, "an sm_90 block has 227 KB of shared memory");
   static_assert(kStages == 2 || kStages == 3, "K and V in two or three buffers");
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kHeadDim * 2) % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle atom");
@@ -195,8 +200,16 @@ struct Sm90Rows {
     sm90::fence_operands(acc_o);
     sm90::fence();
 #pragma unroll
-    for (int j = 0; j < BN / 16; ++j)
+    for (int j = 0; j < BN / 16; ++j) {
+#if FLASHMOE_PLANT_BUG == 16
+      if constexpr (D > 128) {  // planted: P V over O's first 128 columns only
+        sm90::mma_rs<128, T>(*reinterpret_cast<float (*)[16][4]>(&acc_o), p_frag[j],
+                             v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
+        continue;
+      }
+#endif
       sm90::mma_rs<D, T>(acc_o, p_frag[j], v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
+    }
     sm90::commit_group();
   }
   // Waits until at most N groups are in flight; the accumulators they write are then readable.
@@ -565,10 +578,10 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kMathWarps = Traits::kMathThreads / 32;
   constexpr int kStages = Traits::kStages;
-  // Q by TMA where the host encoded its map (p.q_tma), at d=128 only: at d=64 Q was never late and
+  // Q by TMA where the host encoded its map (p.q_tma), from d=128 up: at d=64 Q was never late and
   // TMA was slower (benches/notes/prefill-sm90.md, v3.8, v4.7), so the d=64 kernels keep only the
   // cp.async copy.
-  constexpr bool kQByTma = D == 128;
+  constexpr bool kQByTma = D >= 128;
   auto stage_of = [](int use) { return use % kStages; };
   auto phase_of = [](int use) { return (use / kStages) & 1; };
 

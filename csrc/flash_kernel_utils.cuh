@@ -239,8 +239,7 @@ struct TileCoords {
     const int q_chunks = p.head_dim / 8;
 #endif
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + row0_q * p.q_row_stride;
-#pragma unroll
-    for (int c = tid; c < kRows * kChunks; c += kThreads) {
+    auto copy = [&](int c) {
       const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
       // (the wgmma kernels' panels are never padded: the host runs them at whole tiles only)
       const bool valid = gr < rows_total && (kPanels || ch < q_chunks);
@@ -248,6 +247,17 @@ struct TileCoords {
                          ? q_base + head(gr) * p.q_head_stride + query(gr) * p.q_row_stride + ch * 8
                          : q_base;
       cp_async_16(sQ + tile_offset<kHeadDim, kRows, kPanels>(r, ch), src, valid);
+    };
+    // Past 128 columns (the wgmma forward's producer, whose Q goes by TMA where it can) a loop
+    // kept rolled: the unrolled one's addresses spilled the producer's registers.
+    if constexpr (kPanels && kHeadDim > 128) {
+#pragma unroll 1
+      for (int c = tid; c < kRows * kChunks; c += kThreads)
+        copy(c);
+    } else {
+#pragma unroll
+      for (int c = tid; c < kRows * kChunks; c += kThreads)
+        copy(c);
     }
   }
 

@@ -194,6 +194,62 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
   "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "  \
   "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
 
+// The shapes of the wgmma forward past head dim 128: S over 96 keys (d=192; 64 at d=256), P V
+// over the whole head dim (192 or 256 columns of O).
+#define FLASHMOE_WGMMA_D_N96                                                                       \
+  FLASHMOE_WGMMA_D_N64, "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), \
+      "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), \
+      "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
+#define FLASHMOE_WGMMA_REGS_N96                                                                 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
+#define FLASHMOE_WGMMA_D_N192                                                            \
+  FLASHMOE_WGMMA_D_N176, "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), \
+      "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3])
+#define FLASHMOE_WGMMA_D_N256                                                            \
+  FLASHMOE_WGMMA_D_N192, "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), \
+      "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]),    \
+      "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]),    \
+      "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]),    \
+      "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),    \
+      "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]),    \
+      "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+#define FLASHMOE_WGMMA_REGS_N192                                                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+  "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "  \
+  "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "  \
+  "%92, %93, %94, %95}"
+#define FLASHMOE_WGMMA_REGS_N256                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "    \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "     \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "     \
+  "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "     \
+  "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "     \
+  "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, " \
+  "%109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "     \
+  "%124, %125, %126, %127}"
+// One K-major m64nNk16 with A and B from shared memory; A, B and SCALE: the operand numbers of
+// desc_a, desc_b and scale_d (those after the N / 2 accumulators), as strings.
+#define FLASHMOE_WGMMA_SS_K_MAJOR(N, TYPE, A, B, SCALE)                             \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE                           \
+               ", 0;\n"                                                             \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE      \
+               " " FLASHMOE_WGMMA_REGS_N##N ", %" A ", %" B ", p, 1, 1, 0, 0;\n}\n" \
+               : FLASHMOE_WGMMA_D_N##N                                              \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+// One m64nNk16 with A from registers and B MN-major; A: the four A operands' list, B and SCALE as
+// above.
+#define FLASHMOE_WGMMA_RS_WIDE(N, TYPE, A, B, SCALE)                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE                       \
+               ", 0;\n"                                                         \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE  \
+               " " FLASHMOE_WGMMA_REGS_N##N ", " A ", %" B ", p, 1, 1, 1;\n}\n" \
+               : FLASHMOE_WGMMA_D_N##N                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+
 #define FLASHMOE_WGMMA_SS_N176(TYPE)                                                            \
   asm volatile(                                                                                 \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                                              \
@@ -241,10 +297,14 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
 template <int N, typename T, bool kMnMajor = false>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,
                                        int scale_d) {
-  static_assert(N == 64 || N == 128 || (N == 176 && !kMnMajor),
-                "wgmma N: 64, 128 (or 176 K-major)");
+  static_assert(N == 64 || N == 128 || ((N == 96 || N == 176) && !kMnMajor),
+                "wgmma N: 64, 128 (or 96, 176 K-major)");
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 176 && kHalf) {
+  if constexpr (N == 96 && kHalf) {
+    FLASHMOE_WGMMA_SS_K_MAJOR(96, "f16", "48", "49", "50");
+  } else if constexpr (N == 96) {
+    FLASHMOE_WGMMA_SS_K_MAJOR(96, "bf16", "48", "49", "50");
+  } else if constexpr (N == 176 && kHalf) {
     FLASHMOE_WGMMA_SS_N176("f16");
   } else if constexpr (N == 176) {
     FLASHMOE_WGMMA_SS_N176("bf16");
@@ -269,9 +329,17 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, ui
 template <int N, typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4],
                                        uint64_t desc_b, int scale_d) {
-  static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
+  static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma N: 64, 128, 192 or 256");
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 64 && kHalf) {
+  if constexpr (N == 192 && kHalf) {
+    FLASHMOE_WGMMA_RS_WIDE(192, "f16", "{%96, %97, %98, %99}", "100", "101");
+  } else if constexpr (N == 192) {
+    FLASHMOE_WGMMA_RS_WIDE(192, "bf16", "{%96, %97, %98, %99}", "100", "101");
+  } else if constexpr (N == 256 && kHalf) {
+    FLASHMOE_WGMMA_RS_WIDE(256, "f16", "{%128, %129, %130, %131}", "132", "133");
+  } else if constexpr (N == 256) {
+    FLASHMOE_WGMMA_RS_WIDE(256, "bf16", "{%128, %129, %130, %131}", "132", "133");
+  } else if constexpr (N == 64 && kHalf) {
     FLASHMOE_WGMMA_RS_N64("f16");
   } else if constexpr (N == 64) {
     FLASHMOE_WGMMA_RS_N64("bf16");
@@ -282,6 +350,14 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
   }
 }
 
+#undef FLASHMOE_WGMMA_SS_K_MAJOR
+#undef FLASHMOE_WGMMA_RS_WIDE
+#undef FLASHMOE_WGMMA_D_N96
+#undef FLASHMOE_WGMMA_REGS_N96
+#undef FLASHMOE_WGMMA_D_N192
+#undef FLASHMOE_WGMMA_REGS_N192
+#undef FLASHMOE_WGMMA_D_N256
+#undef FLASHMOE_WGMMA_REGS_N256
 #undef FLASHMOE_WGMMA_SS_N64
 #undef FLASHMOE_WGMMA_SS_N176
 #undef FLASHMOE_WGMMA_REGS_N176

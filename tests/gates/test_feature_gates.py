@@ -105,7 +105,13 @@ def test_every_forced_configuration_meets_every_combination(kind):
     forced = [c for c in GPU if isinstance(c, Case) and c.kind == kind and c.config]
     for config in configs:
         assert combos(c for c in forced if c.config == config) == combos(GPU), config
-    assert {c.head_dim for c in forced} == {64, 128}
+    # (the wgmma forward past 128 is one kernel for 5 to 7: forced on 5 there, matrix.wide_wgmma_cases)
+    wide = {c.head_dim for c in forced if c.head_dim > 128}
+    assert {c.head_dim for c in forced} == {64, 128, *wide}
+    if kind == "prefill":
+        assert wide == set(matrix.WGMMA_WIDE_HEAD_DIMS)
+        assert {c.config for c in forced if c.head_dim in wide} == {5}
+        assert combos(c for c in forced if c.head_dim in wide) == combos(GPU)
 
 
 def test_the_cpu_tier_stays_small():

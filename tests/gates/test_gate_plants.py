@@ -417,6 +417,47 @@ def test_each_sm90a_plant_fails_a_case_of_each_wgmma_configuration():
             assert {c.id for c in mine} <= gpu_ids
 
 
+# The wgmma kernel past head dim 128 (configurations 5 to 7 one kernel there): plant 16 issues P V
+# as m64n128k16, so O's columns past 128 stay zero. It must fail every 192 and 256 case, forced
+# onto each of 5, 6 and 7, and pass the same configuration at 128, where it changes nothing.
+WIDE_SM90A_PLANT = (
+    (
+        "fwd-bf16-d256-h8kv1-b2-s1000-causal-cfg5",
+        "fwd-fp16-d192-h8kv1-b2-s1000-full-cfg5",
+        "fwd-fp16-d256-h8-b2-s257-causal-cfg6",
+        "fwd-bf16-d192-h8kv2-b2-s1000-full-cfg7",
+    ),
+    ("fwd-bf16-d128-h8-b2-s1000-causal-cfg5", "fwd-fp16-d128-h8-b2-s1000-full-cfg5"),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
+)
+def test_planted_narrow_pv_fails_the_wide_wgmma_gates_and_only_them(run_planted):
+    """Build the unit with -DFLASHMOE_PLANT_BUG=16 (P V issued with N = 128 at head dims 192 and
+    256): every wide case fails a gate, the 128 cases pass."""
+    failing, passing = WIDE_SM90A_PLANT
+    results = run_planted(16, SM90A_PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
+    assert sorted(results) == sorted((*failing, *passing))
+    for case_id in failing:
+        assert results[case_id], f"planted bug 16 passed the gates on {case_id}"
+    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+
+
+def test_the_wide_plants_cases_are_gate_cases_of_each_wgmma_configuration():
+    """Plant 16's cases are GPU gate cases: the failing ones at 192 and 256 on 5, 6 and 7, the
+    passing ones at 128."""
+    failing, passing = WIDE_SM90A_PLANT
+    gpu_ids = {c.id for c in matrix.gate_cases("gpu")}
+    assert {*failing, *passing} <= gpu_ids
+    wide = [parse_case_id(case_id) for case_id in failing]
+    assert {c.config for c in wide} == {5, 6, 7} and {c.head_dim for c in wide} == {192, 256}
+    assert all(parse_case_id(case_id).head_dim == 128 for case_id in passing)
+
+
 # ---- the planted-bug scripts themselves ------------------------------------------------------
 
 

@@ -113,11 +113,12 @@ def test_the_cpu_tier_runs_a_few_cases_of_each_new_head_dim(head_dims):
     assert {c.seqlen_q for c in CPU_CASES if c.head_dim == 96} >= set(matrix.SEQLENS_CPU)
 
 
-def _shapes(config: int) -> set[tuple]:
+def _shapes(config: int, wide: bool = False) -> set[tuple]:
+    """The forced prefill shapes of a configuration at 64 and 128 (with `wide`, past 128)."""
     return {
         (c.dtype, c.head_dim, c.causal, c.seqlen_q, c.seqlen_k)
         for c in GPU_CASES
-        if c.config == config and c.kind == "prefill"
+        if c.config == config and c.kind == "prefill" and (c.head_dim > 128) == wide
     }
 
 
@@ -130,7 +131,7 @@ def test_the_wgmma_configurations_meet_the_whole_matrix():
     assert set(matrix.FULL_MATRIX_CONFIGS) == SM90A_CONFIGS == {5, 6, 7}
     forced = _shapes(1)
     for config in SM90A_CONFIGS:
-        mine = [c for c in GPU_CASES if c.config == config]
+        mine = [c for c in GPU_CASES if c.config == config and c.head_dim <= 128]
         head_dims = matrix.gated_head_dims(config)
         assert _shapes(config) == {s for s in _shapes(0) | forced if s[1] in head_dims}
         assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
@@ -149,7 +150,11 @@ def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path(config):
     mine = [
         c
         for c in GPU_CASES
-        if c.kind == "decode" and c.cache_seqlens and c.seqlen_q > 16 and c.config == config
+        if c.kind == "decode"
+        and c.cache_seqlens
+        and c.seqlen_q > 16
+        and c.config == config
+        and c.head_dim <= 128
     ]
     assert {(c.dtype, c.head_dim, c.causal, c.seqlen_q) for c in mine} == {
         (t, d, m, q)
@@ -167,18 +172,48 @@ def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path(config):
     assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
 
 
+def test_the_wgmma_kernel_past_128_meets_the_whole_matrix():
+    """At 192 and 256 configurations 5 to 7 are one kernel: 5 goes through everything the
+    automatic choice does (every length, Sq != Sk both ways, dtypes, masks, GQA 1/4/8, strided
+    views) and the forced shapes with split-KV, ramped scores, every feature combination and the
+    cp.async path (many-row decode); 6 and 7 through the forced shapes, every one of them."""
+    wide = set(matrix.WGMMA_WIDE_HEAD_DIMS)
+    assert wide == {192, 256} and matrix.WGMMA_WIDE_MATRIX_CONFIG == 5
+    forced = {s for s in _shapes(1) if s[1] == 128}
+    as_wide = {(t, d, m, q, k) for t, _, m, q, k in forced for d in wide}
+    automatic = {s for s in _shapes(0, wide=True) if s[1] in wide}
+    assert as_wide <= _shapes(5, wide=True) and automatic <= _shapes(5, wide=True)
+    for config in (6, 7):
+        assert _shapes(config, wide=True) == as_wide
+    mine = [c for c in GPU_CASES if c.config == 5 and c.head_dim in wide]
+    assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
+    assert {c.layout for c in mine} == {"bhsd", "bshd"}
+    assert any(c.num_splits > 1 for c in mine)
+    assert {c.scores for c in mine} == {"normal", "rising", "falling"}
+    combos = {(c.window != (-1, -1), c.softcap > 0, c.sinks) for c in mine}
+    assert {(True, False, False), (False, True, False), (False, False, True)} <= combos
+    assert {(True, True, True)} <= combos
+    decode = [c for c in mine if c.kind == "decode"]
+    assert {(c.dtype, c.head_dim, c.causal) for c in decode} == {
+        (t, d, m) for t in ("fp16", "bf16") for d in wide for m in (False, True)
+    }
+    assert all(c.cache_seqlens and c.seqlen_q > 16 for c in decode)
+
+
 @pytest.mark.parametrize("config, head_dim", [(6, 64), (7, 128)])
 def test_configurations_6_and_7_are_gated_at_their_own_head_dim_only(config, head_dim):
     """At head dim 128 configuration 6 runs configuration 5's kernel (the same Sm90FwdTraits), and
     at 64 configuration 7 does, so the forced cases of each, prefill, ramped and many-row decode,
     are all at the head dim where its kernel is its own; every other configuration is gated at both
     head dims."""
+    wide = set(matrix.WGMMA_WIDE_HEAD_DIMS)  # one kernel for 5 to 7 there
     assert matrix.gated_head_dims(config) == (head_dim,)
-    assert {c.head_dim for c in GPU_CASES if c.config == config} == {head_dim}
+    assert {c.head_dim for c in GPU_CASES if c.config == config} == {head_dim} | wide
     for other in matrix.FORCED_CONFIGS:
         if other not in (6, 7):
             assert matrix.gated_head_dims(other) == (64, 128)
-            assert {c.head_dim for c in GPU_CASES if c.config == other} == {64, 128}
+            expected = {64, 128} | (wide if other == 5 else set())
+            assert {c.head_dim for c in GPU_CASES if c.config == other} == expected
     mine = [c for c in GPU_CASES if c.config == config]
     assert {c.kind for c in mine} == {"prefill", "decode"}
     assert {"rising", "falling"} <= {c.scores for c in mine}

@@ -420,8 +420,8 @@ def test_workload_covers_every_code_path():
     # (26 calls at head dim 64), 450 since configuration 7 (14 at head dim 128), 540 since head
     # dims 192 and 256 (94), 575 since the padded head dims (34), 600 since windows, softcap and
     # sinks (the CPU gate tier's 20), 640 since every configuration forced with them (40; racecheck
-    # took 110 s over 592 calls on an H100)
-    assert len(workload) <= 640
+    # took 110 s over 592 calls on an H100), 660 since the wgmma forward at 192 and 256 (20)
+    assert len(workload) <= 660
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration this GPU runs (all of them, wgmma included, for an
@@ -573,11 +573,12 @@ def test_workload_covers_paged_decode():
 
 def test_workload_covers_wide_head_dims():
     """Head dims 192 and 256, both dtypes: every mma.sync forward configuration the card runs
-    (1 at 192 only: at 256 it needs more shared memory than an sm86/sm89 block has) and the
-    automatic choice over odd lengths with forced and automatic splits, decode with a fused
-    combine over short caches, paged decode, packed batches and their backward, and the backward
-    (1 and automatic) with dQ by atomics and deterministic; appended, so the other calls keep
-    their order."""
+    (1 at 192 only: at 256 it needs more shared memory than an sm86/sm89 block has), the wgmma
+    one (5; 6 and 7 are its kernel there) and the automatic choice over odd lengths with forced
+    and automatic splits, decode with a fused combine over short caches, the wgmma kernel's
+    cp.async path (many query rows against a cache), paged decode, packed batches (on 5 too) and
+    their backward, and the backward (1 and automatic) with dQ by atomics and deterministic;
+    appended, so the other calls keep their order."""
     from flashmoe_science.pipeline.gates.paged import PagedCase
     from flashmoe_science.pipeline.gates.varlen import VarlenCase
 
@@ -590,7 +591,7 @@ def test_workload_covers_wide_head_dims():
     cases = [c for c in wide if isinstance(c, Case)]
     fwd = [c for c in cases if c.kind == "prefill"]
     assert {(c.dtype, c.head_dim, c.config) for c in fwd} == {
-        (t, d, k) for t, d in pairs for k in (0, 1, 2, 3, 4) if k != 1 or d == 192
+        (t, d, k) for t, d in pairs for k in (0, 1, 2, 3, 4, 5) if k != 1 or d == 192
     }
     for key in {(c.dtype, c.head_dim, c.config) for c in fwd}:
         mine = [c for c in fwd if (c.dtype, c.head_dim, c.config) == key]
@@ -602,6 +603,9 @@ def test_workload_covers_wide_head_dims():
     assert any(c.heads_q > c.heads_kv for c in fwd) and any(c.layout == "bshd" for c in fwd)
     dec = [c for c in cases if c.kind == "decode"]
     assert {(c.dtype, c.head_dim) for c in dec} == pairs
+    many_rows = [c for c in dec if c.config == 5]
+    assert {(c.dtype, c.head_dim) for c in many_rows} == pairs
+    assert all(c.seqlen_q > 16 and c.cache_seqlens for c in many_rows)
     assert all(
         any(c.num_splits == 7 and c.cache_seqlens for c in dec if (c.dtype, c.head_dim) == p)
         for p in pairs
@@ -616,7 +620,7 @@ def test_workload_covers_wide_head_dims():
     }
     varlen = [c for c in wide if isinstance(c, VarlenCase)]
     assert {(c.dtype, c.head_dim, c.config) for c in varlen} == {
-        (t, d, k) for t, d in pairs for k in (0, 2)
+        (t, d, k) for t, d in pairs for k in (0, 2, 5)
     }
     backward = [c for c in wide if isinstance(c, sanitize.VarlenBackward)]
     assert {(c.forward.dtype, c.forward.head_dim) for c in backward} == pairs

@@ -67,6 +67,25 @@ FULL_MATRIX_CONFIGS = (5, 6, 7)
 # configuration 5's kernel, and at d64 configuration 7 does, whose cases would only take the GPU's
 # time a second time.
 GATED_HEAD_DIMS = {6: (64,), 7: (128,)}
+# The wgmma forward's head dims past 128, where configurations 5 to 7 are one kernel (two math
+# warpgroups, 112 or 80 keys): gated in blocks of their own after the earlier cases, whose ids stay
+# as they were. Configuration 5 runs the whole sequence-length matrix, ramped scores, the features
+# and the cp.async path (many-row decode); 6 and 7, whose forced ids reach the same kernel, the
+# forced shapes (FORCED_SHAPES) only.
+WGMMA_WIDE_HEAD_DIMS = (192, 256)
+WGMMA_WIDE_MATRIX_CONFIG = 5
+WGMMA_WIDE_FORCED_CONFIGS = (5, 6, 7)
+# (Sq, Sk, forced splits) of every forced configuration: one row, a tail block, Sq != Sk, a few
+# blocks and split-KV.
+FORCED_SHAPES = (
+    (1, 1, 0),
+    (65, 65, 0),
+    (257, 257, 0),
+    (1000, 1000, 0),
+    (113, 203, 0),
+    (2048, 2047, 0),
+    (16, 2000, 5),
+)
 
 
 def gated_head_dims(config: int) -> tuple[int, ...]:
@@ -132,15 +151,7 @@ def forward_cases(tier: str) -> Iterator[Case]:
         for dtype in DTYPES:
             for head_dim in gated_head_dims(config):
                 for causal in (False, True):
-                    for seqlen_q, seqlen_k, splits in (
-                        (1, 1, 0),
-                        (65, 65, 0),
-                        (257, 257, 0),
-                        (1000, 1000, 0),
-                        (113, 203, 0),
-                        (2048, 2047, 0),
-                        (16, 2000, 5),
-                    ):
+                    for seqlen_q, seqlen_k, splits in FORCED_SHAPES:
                         if config in FULL_MATRIX_CONFIGS and (seqlen_q, seqlen_k) in pairs:
                             continue  # its full matrix below has the shape
                         batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
@@ -164,6 +175,66 @@ def forward_cases(tier: str) -> Iterator[Case]:
     yield from _new_head_dim_matrix("prefill", pairs)
     yield from _ramped_cases((0,), (1000, 1000), NEW_HEAD_DIMS)
     yield from feature_cases("gpu", "prefill")
+    yield from wide_wgmma_cases(pairs)
+
+
+def wide_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
+    """The wgmma forward at WGMMA_WIDE_HEAD_DIMS (GPU tier): every forced configuration over
+    FORCED_SHAPES, WGMMA_WIDE_MATRIX_CONFIG over every (Sq, Sk) of `pairs` (dtypes, masks, GQA
+    ratios 1/4/8, strided views), ramped scores and each feature combination; a card or build that
+    cannot run them skips, saying why."""
+    index = 0
+    for config in WGMMA_WIDE_FORCED_CONFIGS:
+        variants = itertools.product(DTYPES, WGMMA_WIDE_HEAD_DIMS, (False, True), FORCED_SHAPES)
+        for dtype, head_dim, causal, (seqlen_q, seqlen_k, splits) in variants:
+            if config == WGMMA_WIDE_MATRIX_CONFIG and (seqlen_q, seqlen_k) in pairs:
+                continue  # its full matrix below has the shape
+            batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+            yield Case(
+                "prefill",
+                dtype,
+                batch,
+                hq,
+                hkv,
+                seqlen_q,
+                seqlen_k,
+                head_dim,
+                causal,
+                config=config,
+                num_splits=splits,
+            )
+            index += 1
+    variants = itertools.product(DTYPES, WGMMA_WIDE_HEAD_DIMS, (False, True), pairs)
+    for dtype, head_dim, causal, (seqlen_q, seqlen_k) in variants:
+        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+        yield Case(
+            "prefill",
+            dtype,
+            batch,
+            hq,
+            hkv,
+            seqlen_q,
+            seqlen_k,
+            head_dim,
+            causal,
+            layout="bshd" if index % 4 == 3 else "bhsd",
+            config=WGMMA_WIDE_MATRIX_CONFIG,
+        )
+        index += 1
+    wide = tuple((d, d) for d in WGMMA_WIDE_HEAD_DIMS)
+    yield from _ramped_cases((WGMMA_WIDE_MATRIX_CONFIG,), (1000, 1000), wide)
+    variants = itertools.product(FORCED_FEATURE_PAIRS, FEATURE_COMBOS)
+    for index, ((seqlen_q, seqlen_k), combo) in enumerate(variants):
+        case = _turned_case(
+            "prefill",
+            index,
+            seqlen_q,
+            seqlen_k,
+            WGMMA_WIDE_HEAD_DIMS,
+            config=WGMMA_WIDE_MATRIX_CONFIG,
+            num_splits=3 if index % 5 == 4 else 0,
+        )
+        yield _with_features(case, combo, index)
 
 
 def _new_head_dim_matrix(kind: str, pairs: list[tuple[int, int]]) -> Iterator[Case]:
@@ -222,7 +293,8 @@ def _ramped_cases(
     factors after the first key block, so a wrong or skipped rescale of the output shows."""
     variants = itertools.product(configs, DTYPES, head_dims, (False, True), ("rising", "falling"))
     for index, (config, dtype, (head_dim, head_dim_v), causal, scores) in enumerate(variants):
-        if config and head_dim not in gated_head_dims(config):
+        # (past 128 the callers pass only the head dims they gate: wide_wgmma_cases)
+        if config and head_dim <= 128 and head_dim not in gated_head_dims(config):
             continue
         batch, hq, hkv = _heads(index, max(shape))
         case = Case(
@@ -291,6 +363,7 @@ def decode_cases(tier: str) -> Iterator[Case]:
             yield from _decode_sweep(gpu, (head_dims,))
         yield from many_row_decode_cases()
         yield from feature_cases("gpu", "decode")
+        yield from many_row_decode_cases(wide=True)
         return
     for index, (head_dim, head_dim_v) in enumerate(NEW_HEAD_DIMS_CPU):
         dtype = tuple(DTYPES)[index % len(DTYPES)]
@@ -356,15 +429,15 @@ MANY_ROW_DECODE_CONFIGS = (5, 6, 7)
 MANY_ROW_DECODE_HEADS = {65: (3, 48), 257: (3, 16)}
 
 
-def many_row_decode_cases() -> Iterator[Case]:
+def many_row_decode_cases(wide: bool = False) -> Iterator[Case]:
     """Decode of 65 and 257 query rows with mixed cache_seqlens (empty, one token, partial and
-    full 128-key tiles), both dtypes, head dims (gated_head_dims) and masks, GQA ratios 1/4/8
-    (none packed), with and without splits, on the wgmma kernels' cp.async path
-    (MANY_ROW_DECODE)."""
-    for config in MANY_ROW_DECODE_CONFIGS:
-        variants = itertools.product(
-            MANY_ROW_DECODE, DTYPES, gated_head_dims(config), (False, True)
-        )
+    full 128-key tiles), both dtypes, head dims (gated_head_dims; with `wide`,
+    WGMMA_WIDE_HEAD_DIMS on WGMMA_WIDE_MATRIX_CONFIG) and masks, GQA ratios 1/4/8 (none packed),
+    with and without splits, on the wgmma kernels' cp.async path (MANY_ROW_DECODE)."""
+    configs = (WGMMA_WIDE_MATRIX_CONFIG,) if wide else MANY_ROW_DECODE_CONFIGS
+    for config in configs:
+        head_dims = WGMMA_WIDE_HEAD_DIMS if wide else gated_head_dims(config)
+        variants = itertools.product(MANY_ROW_DECODE, DTYPES, head_dims, (False, True))
         for index, ((seqlen_q, seqlen_k, splits), dtype, head_dim, causal) in enumerate(variants):
             batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
             yield Case(

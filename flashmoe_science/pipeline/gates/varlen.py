@@ -6,8 +6,8 @@ alone (both gates, its log-sum-exp, determinism; see ragged.py) and against our 
 The case matrix: per-sequence lengths 0, 1, 17, 128, 1000 and 4096 (the CPU tier shorter), with
 Sq == Sk and Sq != Sk both ways per sequence, GQA 1/4/8, both dtypes, causal and not, head dims 64
 and 128 and those of matrix.NEW_HEAD_DIMS (v's differing included), and on CUDA each forward tile
-configuration forced; and windows, soft-capping and sinks (FEATURE_CASES), each window aligned per
-sequence.
+configuration forced (the wgmma one also at matrix.WGMMA_WIDE_HEAD_DIMS); and windows, soft-capping
+and sinks (FEATURE_CASES), each window aligned per sequence.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..cases import (
     ramp_keys,
 )
 from .forward import attention_pytorch_lowp, attention_reference, features, poisoned_outputs
-from .matrix import NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU
+from .matrix import NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU, WGMMA_WIDE_HEAD_DIMS, WGMMA_WIDE_MATRIX_CONFIG
 from .ragged import RaggedResult, case_seed
 
 
@@ -190,6 +190,35 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
             head_dim_v=head_dim_v,
         )
     yield from _feature_cases(gpu)
+    if gpu:
+        yield from _wide_wgmma_cases()
+
+
+def _wide_wgmma_cases() -> Iterator[VarlenCase]:
+    """The wgmma forward's packed kernel past head dim 128 (matrix.WGMMA_WIDE_HEAD_DIMS), forced:
+    every batch of the matrix with both dtypes and masks, then FEATURE_CASES."""
+    config = WGMMA_WIDE_MATRIX_CONFIG
+    variants = itertools.product(WGMMA_WIDE_HEAD_DIMS, DTYPES, (False, True), BATCHES)
+    for index, (head_dim, dtype, causal, (lengths_q, lengths_k)) in enumerate(variants):
+        ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+        yield VarlenCase(
+            dtype, head_dim, HEADS_Q, HEADS_Q // ratio, lengths_q, lengths_k, causal, config
+        )
+    for index, (batch, causal, window, softcap, sinks) in enumerate(FEATURE_CASES):
+        lengths_q, lengths_k = BATCHES[batch]
+        yield VarlenCase(
+            tuple(DTYPES)[index % len(DTYPES)],
+            WGMMA_WIDE_HEAD_DIMS[index % 2],
+            HEADS_Q,
+            HEADS_Q // GQA_RATIOS[index % len(GQA_RATIOS)],
+            lengths_q,
+            lengths_k,
+            causal,
+            config,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
 
 
 def _feature_cases(gpu: bool) -> Iterator[VarlenCase]:

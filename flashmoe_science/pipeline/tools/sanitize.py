@@ -428,18 +428,20 @@ def forced_feature_workload(configs: Sequence[int], backward_configs: Sequence[i
 
 
 def wide_head_dim_workload(configs: Sequence[int]) -> list:
-    """The kernels of WIDE_HEAD_DIMS per dtype: the mma.sync forward configurations this GPU runs
-    and the automatic choice over odd lengths (forced and automatic splits, GQA 4 and a strided
-    view), decode with a fused split combine over short caches, paged decode (a small and a large
-    block size), packed batches and their backward, and the backward (1 and automatic) with dQ by
-    atomics and deterministic."""
+    """The kernels of WIDE_HEAD_DIMS per dtype: the forward configurations this GPU runs (mma.sync,
+    and 5, the wgmma kernel of 5 to 7 there) and the automatic choice over odd lengths (forced and
+    automatic splits, GQA 4 and a strided view), decode with a fused split combine over short
+    caches, the wgmma kernel's cp.async path (many query rows against a cache), paged decode (a
+    small and a large block size), packed batches (the wgmma kernel's too) and their backward, and
+    the backward (1 and automatic) with dQ by atomics and deterministic."""
     from ..cases import Case
+    from ..gates.matrix import MANY_ROW_DECODE_HEADS
     from ..gates.paged import PagedCase
     from ..gates.varlen import VarlenCase
 
     cases: list = []
     for dtype, head_dim in itertools.product(("fp16", "bf16"), WIDE_HEAD_DIMS):
-        forced = [c for c in (1, 2, 3, 4) if c in configs and (c != 1 or head_dim <= 192)]
+        forced = [c for c in (1, 2, 3, 4, 5) if c in configs and (c != 1 or head_dim <= 192)]
         for index, (config, shape) in enumerate(itertools.product((0, *forced), WIDE_FWD_SHAPES)):
             seqlen_q, seqlen_k, causal, splits = shape
             cases.append(
@@ -474,10 +476,30 @@ def wide_head_dim_workload(configs: Sequence[int]) -> list:
                     cache_seqlens=lens,
                 )
             )
+        if 5 in configs:  # K, V and Q by cp.async: no TMA with cache lengths
+            batch, heads_q = MANY_ROW_DECODE_HEADS[65]
+            cases.append(
+                Case(
+                    "decode",
+                    dtype,
+                    batch,
+                    heads_q,
+                    heads_q // 4,
+                    65,
+                    300,
+                    head_dim,
+                    dtype == "bf16",
+                    num_splits=3 if dtype == "fp16" else 0,
+                    cache_seqlens=(0, 17, 300),
+                    config=5,
+                )
+            )
         page_size = 16 if dtype == "fp16" else 64
         cases.append(PagedCase(dtype, head_dim, 8, 2, 1, PAGED_LENGTHS, page_size, num_splits=3))
-        for config in (0, 2):
-            lengths_q, lengths_k = VARLEN_LENGTHS[config // 2]
+        for config in (0, 2, 5):
+            if config not in (0, *configs):
+                continue
+            lengths_q, lengths_k = VARLEN_LENGTHS[min(config // 2, 1)]
             cases.append(
                 VarlenCase(
                     dtype, head_dim, 4, 1 if config else 4, lengths_q, lengths_k, True, config
