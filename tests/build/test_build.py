@@ -916,9 +916,9 @@ def traits_smem(kernel: str) -> int:
     if match := re.search(r"Sm90FwdTraits<(\d+), (\d+), (\d+), (\d+)>", kernel):
         head_dim, block_n, warpgroups, stages = (int(g) for g in match.groups())
         # Q (64 rows a math warpgroup), K and V in `stages` buffers, with two stages of at most
-        # 128 keys the output's staging buffer (Q's size), then 128 bytes of mbarriers
+        # 128 keys up to d=128 the output's staging buffer (Q's size), then 128 bytes of mbarriers
         # (csrc/flash_fwd_sm90_kernel.cuh)
-        q_tiles = 2 if stages == 2 and block_n <= 128 else 1
+        q_tiles = 2 if stages == 2 and block_n <= 128 and head_dim <= 128 else 1
         return (q_tiles * 64 * warpgroups + 2 * stages * block_n) * head_dim * 2 + 128
     assert re.search(
         r"split_kv_combine|bwd_preprocess|bwd_convert_dq|varlen_offsets_check", kernel
@@ -1110,13 +1110,14 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     # offset check + the paged decode kernel + the combine kernel + 3 backward configurations with
     # and without dQ atomics + the dQ pass + the pre-pass) + at d=192 and 256, which have no wgmma
     # kernels and where configuration 4 is 1's kernel, 3 forward kernels + 2 packed-batch ones +
-    # the same others with 2 backward configurations + the dQ conversion), + each sm_90a forward
-    # kernel's twin with windows, softcap and sinks (4 forward and 2 packed-batch ones)
+    # the same others with 2 backward configurations + the dQ conversion) + at d=192 and 256 the
+    # wgmma forward (5 to 7 one kernel) and its packed-batch one, + each sm_90a forward kernel's
+    # twin with windows, softcap and sinks (6 forward and 4 packed-batch ones)
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
-    per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1
+    per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1 + 2
     assert table is not None
-    assert len(table) == 2 * (6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 6)
-    assert sum(name.endswith(", true>") and "Sm90FwdTraits" in name for name in table) == 2 * 6
+    assert len(table) == 2 * (6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 10)
+    assert sum(name.endswith(", true>") and "Sm90FwdTraits" in name for name in table) == 2 * 10
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]
