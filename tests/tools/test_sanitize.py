@@ -386,6 +386,31 @@ def test_the_workload_module_run_as_a_script_lists_every_case():
     assert any("-d192v128-" in case_id for case_id in listed)
 
 
+WORKLOAD_EXIT = """
+import atexit, sys
+from flashmoe_science.pipeline.tools import sanitize
+atexit.register(print, "interpreter teardown")
+sanitize.run_workload = lambda cases: print("sanitize-done: 0 calls") or {status}
+sys.exit(sanitize.main(["--workload"]))
+"""
+
+
+@pytest.mark.parametrize("status", [0, 1])
+def test_the_workload_leaves_without_the_interpreters_teardown(status):
+    """Under memcheck or initcheck with another sanitizer on the GPU, the workload's teardown
+    (torch's) aborted after every call had run clean; it leaves with its status, output flushed,
+    and runs no exit handler."""
+    done = subprocess.run(
+        [sys.executable, "-c", WORKLOAD_EXIT.format(status=status)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == status, done.stderr[-2000:]
+    assert done.stdout == "sanitize-done: 0 calls\n"
+
+
 @pytest.mark.parametrize("text", [NOT_SUPPORTED, ERROR_999, NO_PERMISSION])
 def test_not_permitted_or_not_supported(text):
     report = sanitize.parse_sanitizer_output("memcheck", text)
