@@ -1230,7 +1230,8 @@ void append_kernel_launches(std::string& out) {
   for (int config : {1, 2, kSm90Config, kSm90aConfig}) {
     if (is_sm90a_config(config) && !is_wgmma_head_dim(D)) continue;
     visit_config<T, D, /*kVarlen=*/true>(config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
-                                           append_forward_launch<decltype(traits)>(out, dtype, true);
+                                           append_forward_launch<decltype(traits)>(out, dtype,
+                                                                                   true);
                                          }));
   }
   visit_paged_decode<T>(D, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {

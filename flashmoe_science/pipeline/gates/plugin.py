@@ -76,7 +76,13 @@ from . import devices
 SCHEMA = "flashmoe-science/gates/2"
 RECORD = "gates.json"
 # The files an Actions step appends to: its summary, outputs, environment, PATH and state
-JOB_FILE_VARS = ("GITHUB_STEP_SUMMARY", "GITHUB_OUTPUT", "GITHUB_ENV", "GITHUB_PATH", "GITHUB_STATE")
+JOB_FILE_VARS = (
+    "GITHUB_STEP_SUMMARY",
+    "GITHUB_OUTPUT",
+    "GITHUB_ENV",
+    "GITHUB_PATH",
+    "GITHUB_STATE",
+)
 MARKER = "gate"
 # The short training run's losses (tests/library/test_training.py), {"ours": [first, last], "sdpa":
 # [first, last]}: recorded beside the gates so a run's record and its verdict line carry them.
