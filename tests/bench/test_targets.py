@@ -568,7 +568,7 @@ def test_a_partial_groups_geomean_is_shown_not_judged_and_every_case_is_judged()
 def test_a_group_is_partial_when_the_run_holds_some_of_its_matrix_cases_but_not_all():
     gpu = benchmatrix.default_matrix("cuda")
     pr, _ = benchmatrix.select("cuda", pull_request=True)
-    assert targets.partial_groups(pr, gpu) == list(targets.MATRIX_GROUPS)
+    assert targets.partial_groups(pr, gpu) == list(targets.TARGET_KEYS)
     assert targets.partial_groups(gpu, gpu) == []
     # a bench of record split by --case over two calls judges each group where it is whole
     first, _ = benchmatrix.select("cuda", patterns=["fwd-*", "dec-*"])
@@ -576,6 +576,51 @@ def test_a_group_is_partial_when_the_run_holds_some_of_its_matrix_cases_but_not_
     assert targets.partial_groups(first, gpu) == [] and targets.partial_groups(second, gpu) == []
     some_prefill = [c for c in gpu if c.id.startswith("fwd-bf16-d128-")]
     assert targets.partial_groups(some_prefill, gpu) == ["prefill"]
+    # a head dim's own target is judged where the run holds all of that head dim's cases
+    d256, _ = benchmatrix.select("cuda", patterns=["fwd-bf16-d256-h8-*"])
+    assert targets.partial_groups(d256, gpu) == ["prefill"]
+    assert targets.partial_groups(d256[1:], gpu) == ["prefill", "prefill d256"]
+
+
+def test_the_schema_names_every_target_key_a_partial_group_can_be():
+    enum = benchrecords.schema()["properties"]["partial_groups"]["items"]["enum"]
+    assert enum == list(targets.TARGET_KEYS)
+
+
+WIDE_MATRIX = [
+    matrix_case("fwd-bf16-d256-h8-b4-s4096-full", {"sdpa-cudnn": 0.97}, tflops=560.0),
+    matrix_case("fwd-bf16-d256-h8-b8-s2048-causal", {"sdpa-cudnn": 0.95}),
+    matrix_case("fwd-bf16-d96-h21-b4-s4096-full", {"sdpa-cudnn": 0.6}, tflops=300.0),
+    matrix_case("fwd-bf16-d192v128-h10-b8-s2048-full", {"sdpa-cudnn": 0.97}, head_dim_v=128),
+    matrix_case("bwd-bf16-d256-h8-b8-s2048-causal", {"sdpa-cudnn": 0.92}),
+    matrix_case("bwd-bf16-d96-h21-b8-s2048-causal", {"sdpa-cudnn": 0.5}),
+    matrix_case("bwd-bf16-d192v128-h10-b8-s2048-full", {"sdpa-cudnn": 0.89}, head_dim_v=128),
+]
+
+
+def test_an_h200_judges_each_wide_head_dim_by_its_own_geomean_and_d256_by_its_tflops():
+    """Issue 47's bars: at 96, 256 and (192, 128) a geomean of that head dim's cases alone,
+    prefill >= 0.95x cuDNN and the backward >= 0.90x (each case by the matrix's 0.85x), and d=256
+    at S >= 4096 non-causal against 550 TFLOP/s; none of them on an H100."""
+    record = on_card(bench_record(cases=[*CARD_MATRIX, *WIDE_MATRIX]), H200)
+    wide = {key: v for key, v in judged(record).items() if " d" in key[0] or "TFLOP" in key[1]}
+    assert wide == {
+        ("prefill d96: 1 of 1 cases", "geomean cuDNN / ours"): (targets.MISSED, 0.95),
+        ("prefill d256: 2 of 2 cases", "geomean cuDNN / ours"): (targets.MET, 0.95),
+        ("prefill d192v128: 1 of 1 cases", "geomean cuDNN / ours"): (targets.MET, 0.95),
+        ("backward d96: 1 of 1 cases", "geomean cuDNN / ours"): (targets.MISSED, 0.9),
+        ("backward d256: 1 of 1 cases", "geomean cuDNN / ours"): (targets.MET, 0.9),
+        ("backward d192v128: 1 of 1 cases", "geomean cuDNN / ours"): (targets.MISSED, 0.9),
+        ("fwd-bf16-d256-h8-b4-s4096-full", "TFLOP/s / 550"): (targets.MET, 1.0),
+    }
+    found = {(v.id, v.what): v for v in targets.verdicts(record)}
+    d256 = found["prefill d256: 2 of 2 cases", "geomean cuDNN / ours"]
+    assert d256.ratio == pytest.approx((0.97 * 0.95) ** 0.5)
+    # every case still meets the matrix's 0.85x on its own; the d96 ones miss it
+    assert found["fwd-bf16-d96-h21-b4-s4096-full", "cuDNN / ours"].status == targets.MISSED
+    h100 = judged(on_card(bench_record(cases=[*CARD_MATRIX, *WIDE_MATRIX]), H100))
+    assert not [key for key in h100 if " d" in key[0] or key[1] == "TFLOP/s / 550"]
+    assert h100["fwd-bf16-d128-h16-b4-s4096-full", "TFLOP/s / 600"][0] == targets.MET
 
 
 def test_a_wrong_card_key_fails_the_h200_check(monkeypatch):

@@ -14,7 +14,9 @@ The matrix's own targets (automatic configuration) and the training step's are s
 (CARD_TARGETS, keyed by gpukinds label) and judged only on a card of that kind, identified by the
 record's GPU name and compute capability (gpukinds.GpuKind.device_problem):
 - H200, the card of record: prefill S 512 to 16k, backward and forward+backward against cuDNN,
-  each >= 1.0 as a geomean; prefill and backward >= 0.85 in every case; deterministic=True at most
+  each >= 1.0 as a geomean; prefill and backward >= 0.85 in every case; at head dims 96, 256 and
+  (192, 128) a geomean of each alone (MatrixTarget.head_dims), prefill >= 0.95 and the backward
+  >= 0.90; D=256, S >= 4096, non-causal at least 550 TFLOP/s; deterministic=True at most
   1.15x the default's time in every backward case (ours / deterministic >= 1/1.15); the training
   step's tokens/s >= 1.0x SDPA's; the features' cases (feature_verdicts) and the Gemma-2-style
   training run (loss_verdict);
@@ -79,7 +81,9 @@ READ_FLOOR_TARGET = 0.90
 READ_FLOOR_MIN_BYTES = 64 * 2**20
 HOST_TARGET = 1.0
 PREFILL_MIN_SEQLEN = 512
-TFLOPS_MIN_SEQLEN = 4096  # D=128, S >= this, non-causal: the TFLOP/s target's cases
+TFLOPS_MIN_SEQLEN = (
+    4096  # S >= this, non-causal, at the card's head dim: the TFLOP/s target's cases
+)
 # The H100's targets
 PREFILL_GEOMEAN_TARGET = 1.05
 PREFILL_CASE_TARGET = 0.90
@@ -90,6 +94,13 @@ BACKWARD_CASE_TARGET = 0.85
 # The H200's
 H200_GEOMEAN_TARGET = 1.0
 H200_CASE_TARGET = 0.85
+# The H200's per head dim past 64 and 128 (the models people run: Phi-3's 96, Gemma's 256,
+# DeepSeek's 192 with v's 128), each a geomean over that head dim's cases alone
+H200_WIDE_PREFILL_TARGET = 0.95
+H200_WIDE_BACKWARD_TARGET = 0.90
+H200_WIDE_HEAD_DIMS = ((96, 96), (256, 256), (192, 128))
+H200_TFLOPS_TARGET = 550.0  # d=256, S >= 4096, non-causal
+H200_TFLOPS_HEAD_DIM = 256
 DETERMINISTIC_MAX_SLOWDOWN = 1.15  # deterministic=True's time over the default's, at most
 STEP_TARGET = 1.0
 # The features' (feature_verdicts) and the training run's (loss_verdict)
@@ -111,7 +122,13 @@ CONTIGUOUS_VS_FLOOR = "contiguous / read floor"
 OURS_VS_SDPA_HOST = "ours / SDPA per call"
 PREFILL_GEOMEAN = "geomean cuDNN / ours"
 PREFILL_VS_CUDNN = "cuDNN / ours"
-TFLOPS_VS_TARGET = "TFLOP/s / 600"
+
+
+def tflops_label(tflops: float) -> str:
+    return f"TFLOP/s / {tflops:.0f}"
+
+
+TFLOPS_VS_TARGET = tflops_label(TFLOPS_TARGET)
 SMALL_VS_DEFAULT = "SDPA default / ours"
 BACKWARD_GEOMEAN = "geomean SDPA flash / ours"
 BACKWARD_VS_FLASH = "SDPA flash / ours"
@@ -131,10 +148,10 @@ DETERMINISTIC = "deterministic"
 
 @dataclasses.dataclass(frozen=True)
 class MatrixTarget:
-    """One of a card's targets over a group of the matrix's automatic cases: each case's ratio of
-    `column` (a baseline: its time over ours; DETERMINISTIC: our time over the deterministic
-    one's), >= `geomean` as a geomean over the group and >= `each` in every case (None: no such
-    verdict)."""
+    """One of a card's targets over a group of the matrix's automatic cases (only those of
+    `head_dims`, (q's and k's, v's), where set): each case's ratio of `column` (a baseline: its
+    time over ours; DETERMINISTIC: our time over the deterministic one's), >= `geomean` as a
+    geomean over the group and >= `each` in every case (None: no such verdict)."""
 
     group: str  # one of MATRIX_GROUPS
     column: str
@@ -142,22 +159,37 @@ class MatrixTarget:
     label: str  # the ratio as the tables name it
     geomean: float | None
     each: float | None
+    head_dims: tuple[int, int] | None = None
 
     @property
     def geomean_label(self) -> str:
         return f"geomean {self.label}"
 
+    @property
+    def key(self) -> str:
+        """The group, or the group at its head dims as case ids write them ("prefill d256",
+        "prefill d192v128"): what a verdict and BenchRecord.partial_groups name."""
+        if self.head_dims is None:
+            return self.group
+        head_dim, head_dim_v = self.head_dims
+        return f"{self.group} d{head_dim}" + (f"v{head_dim_v}" if head_dim_v != head_dim else "")
+
 
 @dataclasses.dataclass(frozen=True)
 class CardTargets:
     """The targets set for one GPU kind (its CARD_TARGETS key, a gpukinds.KINDS label), judged on
-    a card of that kind alone: the matrix's, the TFLOP/s of long non-causal D=128 prefill, the
-    training step's, the features' (feature_verdicts) and the training run's final losses (the
-    largest relative difference allowed)."""
+    a card of that kind alone: the matrix's, the TFLOP/s of long non-causal prefill at
+    `tflops_head_dim`, the training step's, the features' (feature_verdicts) and the training
+    run's final losses (the largest relative difference allowed)."""
+
+    @property
+    def tflops_label(self) -> str:
+        return tflops_label(self.tflops or 0.0)
 
     matrix: tuple[MatrixTarget, ...]
     summary: str  # what they are, for the tables' headings
     tflops: float | None = None
+    tflops_head_dim: int = 128  # the head dim (q's, k's and v's) of the TFLOP/s target's cases
     step: float | None = None
     features: bool = False
     loss: float | None = None
@@ -198,12 +230,27 @@ CARD_TARGETS = {
                 1 / DETERMINISTIC_MAX_SLOWDOWN,
                 1 / DETERMINISTIC_MAX_SLOWDOWN,
             ),
+            *(
+                MatrixTarget(
+                    group, "sdpa-cudnn", "cuDNN", PREFILL_VS_CUDNN, target, None, head_dims
+                )
+                for group, target in (
+                    ("prefill", H200_WIDE_PREFILL_TARGET),
+                    ("backward", H200_WIDE_BACKWARD_TARGET),
+                )
+                for head_dims in H200_WIDE_HEAD_DIMS
+            ),
         ),
         f"prefill S >= {PREFILL_MIN_SEQLEN}, the backward and forward+backward against cuDNN, "
         f"a geomean of at least {H200_GEOMEAN_TARGET:.2f}x each, prefill and backward at least "
-        f"{H200_CASE_TARGET:.2f}x in every case; deterministic=True at most "
-        f"{DETERMINISTIC_MAX_SLOWDOWN:.2f}x the default's time in every backward case; the "
-        f"training step at least {STEP_TARGET:.2f}x SDPA's tokens/s",
+        f"{H200_CASE_TARGET:.2f}x in every case; at head dims 96, 256 and (192, 128) a geomean "
+        f"of their own, prefill at least {H200_WIDE_PREFILL_TARGET:.2f}x, the backward "
+        f"{H200_WIDE_BACKWARD_TARGET:.2f}x; D={H200_TFLOPS_HEAD_DIM} at S >= "
+        f"{TFLOPS_MIN_SEQLEN} non-causal against {H200_TFLOPS_TARGET:.0f} TFLOP/s; "
+        f"deterministic=True at most {DETERMINISTIC_MAX_SLOWDOWN:.2f}x the default's time in "
+        f"every backward case; the training step at least {STEP_TARGET:.2f}x SDPA's tokens/s",
+        tflops=H200_TFLOPS_TARGET,
+        tflops_head_dim=H200_TFLOPS_HEAD_DIM,
         step=STEP_TARGET,
         features=True,
         loss=LOSS_MAX_DIFFERENCE,
@@ -241,8 +288,12 @@ RECORD_CARD = "h200"
 MATRIX_CASE_LABELS = tuple(
     dict.fromkeys(
         [t.label for card in CARD_TARGETS.values() for t in card.matrix if t.each is not None]
-        + [TFLOPS_VS_TARGET]
+        + [card.tflops_label for card in CARD_TARGETS.values() if card.tflops]
     )
+)
+# What BenchRecord.partial_groups may name: the groups, then the head dims' targets
+TARGET_KEYS = tuple(
+    dict.fromkeys([*MATRIX_GROUPS, *(t.key for card in CARD_TARGETS.values() for t in card.matrix)])
 )
 MATRIX_LABELS = tuple(
     dict.fromkeys(
@@ -417,9 +468,14 @@ def _geomean(ratios: list[float | None]) -> float | None:
     return math.exp(sum(map(math.log, found)) / len(found)) if found else None
 
 
-def _tflops_case(case: CaseRecord) -> bool:
-    """A prefill case the TFLOP/s target covers: D=128, long, non-causal."""
-    return case.head_dim == 128 and case.seqlen_q >= TFLOPS_MIN_SEQLEN and not case.causal
+def _tflops_case(case: CaseRecord, head_dim: int) -> bool:
+    """A prefill case the TFLOP/s target covers: at its head dim (v's too), long, non-causal."""
+    return (
+        case.head_dim == head_dim
+        and not case.head_dim_v
+        and case.seqlen_q >= TFLOPS_MIN_SEQLEN
+        and not case.causal
+    )
 
 
 def card_kind(gpu: Gpu | None, cpu: bool = False) -> str | None:
@@ -473,14 +529,31 @@ def matrix_members(group: str, cases: list[CaseRecord]) -> list[CaseRecord]:
     return [c for c in auto if c.kind == "train"]
 
 
+def target_members(target: MatrixTarget, cases: Sequence) -> list:
+    """The automatic cases a target covers: its group's (matrix_members), at its head dims only
+    where it names them."""
+    members = matrix_members(target.group, cases)
+    if target.head_dims is None:
+        return members
+    return [c for c in members if (c.head_dim, c.head_dim_v or c.head_dim) == target.head_dims]
+
+
+# One target of each key, for partial_groups (the cards' targets of one key cover the same cases)
+_TARGET_OF_KEY = {
+    **{group: MatrixTarget(group, "", "", "", None, None) for group in MATRIX_GROUPS},
+    **{t.key: t for card in CARD_TARGETS.values() for t in card.matrix if t.head_dims},
+}
+
+
 def partial_groups(cases: Sequence, matrix: Sequence) -> list[str]:
-    """MATRIX_GROUPS of which `cases` hold some of `matrix`'s members but not all (cases and
-    matrix: CaseRecords or the Cases they are timed from)."""
+    """TARGET_KEYS (the groups, and a group at a target's head dims) of which `cases` hold some
+    of `matrix`'s members but not all (cases and matrix: CaseRecords or the Cases they are timed
+    from)."""
     return [
-        group
-        for group in MATRIX_GROUPS
-        if (timed := {c.id for c in matrix_members(group, cases)})
-        and timed != {c.id for c in matrix_members(group, matrix)}
+        key
+        for key in TARGET_KEYS
+        if (timed := {c.id for c in target_members(_TARGET_OF_KEY[key], cases)})
+        and timed != {c.id for c in target_members(_TARGET_OF_KEY[key], matrix)}
     ]
 
 
@@ -508,7 +581,7 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
     card = here or CARD_TARGETS[RECORD_CARD]
     found = []
     for target in card.matrix:
-        cases = matrix_members(target.group, record.cases)
+        cases = target_members(target, record.cases)
         if target.geomean is None or not cases:
             continue
         ratios = [column_ratio(c, target.column) for c in cases]
@@ -520,7 +593,7 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
             for c in cases
         )
         verdict = judge(
-            f"{target.group}: {measured} of {len(cases)} cases",
+            f"{target.key}: {measured} of {len(cases)} cases",
             target.geomean_label,
             _geomean(ratios),
             target.geomean,
@@ -529,13 +602,9 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
         why_not = ""
         if here is None:
             why_not = _elsewhere(record.gpu, _cards(CARD_TARGETS))
-        elif target.group in (
-            record.partial_groups or ()
-        ):  # a few cases' geomean: not the matrix's
+        elif target.key in (record.partial_groups or ()):  # a few cases' geomean: not the matrix's
             timed = SUBSET_LABELS.get(record.subset or "", "a subset of the matrix")
-            why_not = (
-                f"{timed}: the geomean is judged over all of the matrix's {target.group} cases"
-            )
+            why_not = f"{timed}: the geomean is judged over all of the matrix's {target.key} cases"
         elif measured < len(cases):  # a geomean without its hardest cases could pass
             why_not = f"{len(cases) - measured} of {len(cases)} cases have no {target.column} ratio"
         elif unstable:  # a disturbed ratio moves the geomean as much as a missing one
@@ -551,16 +620,20 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
     for target in card.matrix:
         if target.each is None:
             continue
-        for case in matrix_members(target.group, record.cases):
+        for case in target_members(target, record.cases):
             result = column_result(case, target.column)
             sides = (("ours", case.ours), (target.shown, result))
             ratio = column_ratio(case, target.column)
             found.append(judge(case.id, target.label, ratio, target.each, cpu, sides))
-            if target.group == "prefill" and card.tflops and _tflops_case(case):
+            if (
+                target.group == "prefill"
+                and card.tflops
+                and _tflops_case(case, card.tflops_head_dim)
+            ):
                 tflops = case.ours.tflops if isinstance(case.ours, Measured) else None
                 ratio = tflops / card.tflops if tflops else None
                 sides = (("ours", case.ours),)
-                found.append(judge(case.id, TFLOPS_VS_TARGET, ratio, 1.0, cpu, sides))
+                found.append(judge(case.id, card.tflops_label, ratio, 1.0, cpu, sides))
     return found
 
 
