@@ -52,9 +52,10 @@ namespace flashmoe {
 //       is attended to (forward)
 //   22: the sinks' gradient never accumulated (dsinks comes back 0)
 //   23: decode (flash_attention_decode, paged or not) forgets the window
-// -DFLASHMOE_PLANT_BUG=-1 compiles every plant of the CPU implementation (1, 2, 4-8, 13, 20-23) in
-// and picks one when the library loads, from $FLASHMOE_PLANT_BUG: one CPU build serves all of the
-// CPU plant tests. The CUDA kernels of such a build carry none.
+// -DFLASHMOE_PLANT_BUG=-1 compiles every plant in and picks one at run time, from
+// $FLASHMOE_PLANT_BUG: the CPU implementation's (1, 2, 4-8, 13, 20-23) when the library loads, the
+// CUDA kernels' (planted in flash_kernel_utils.cuh) before their first launch on a device. One
+// build serves all of the plant tests of a device.
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif

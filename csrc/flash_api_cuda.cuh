@@ -197,6 +197,22 @@ struct DeviceInfo {
   int smem_per_block = 0;  // the most shared memory a block may opt in to
 };
 
+// The plant build (-DFLASHMOE_PLANT_BUG=-1, attention_params.h): its kernels read their bug from
+// the device (planted), copied there from $FLASHMOE_PLANT_BUG once per device before the first
+// launch; every entry point reaches this through device_info, or calls it.
+inline void set_planted_bug(int device) {
+#if FLASHMOE_PLANT_BUG < 0
+  static std::array<bool, 64> done{};
+  if (done.at(device)) return;
+  const int bug = cpu::planted_bug();
+  c10::cuda::CUDAGuard guard(device);
+  C10_CUDA_CHECK(cudaMemcpyToSymbol(g_planted_bug, &bug, sizeof(bug)));
+  done.at(device) = true;
+#else
+  (void)device;
+#endif
+}
+
 inline DeviceInfo device_info(int device) {
   static std::array<DeviceInfo, 64> cache{};
   DeviceInfo& info = cache.at(device);
@@ -207,6 +223,7 @@ inline DeviceInfo device_info(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_block,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device));
+    set_planted_bug(device);
   }
   return info;
 }
@@ -687,6 +704,7 @@ inline std::tuple<at::Tensor, at::Tensor> split_kv_combine_cuda(const at::Tensor
   check_combine_inputs(out_partial, lse_partial, dtype);
   check_head_dims_cuda(out_partial.size(4), out_partial.size(4));
   c10::cuda::CUDAGuard guard(out_partial.device());
+  set_planted_bug(out_partial.device().index());
   auto o_acc = out_partial.contiguous();
   auto l_acc = lse_partial.contiguous();
   auto out = at::empty(o_acc.sizes().slice(1), o_acc.options().dtype(dtype));

@@ -95,11 +95,7 @@ __global__ void __launch_bounds__(128)
                     i * p.do_row_stride + lane * kPerLane;
   float sum = 0.f;
   // Over v's head dim: on a wider tile the lanes past it read nothing.
-#if FLASHMOE_PLANT_BUG == 15
-  const int width = p.head_dim;  // planted: o and dout summed over q's and k's width
-#else
-  const int width = p.head_dim_v;
-#endif
+  const int width = planted(15) ? p.head_dim : p.head_dim_v;  // planted: over q's and k's width
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e)
     if (lane * kPerLane + e < width) sum += float(o_row[e]) * float(do_row[e]);
@@ -112,11 +108,9 @@ __global__ void __launch_bounds__(128)
     p.lse2[row] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
     // The sink's share of d(loss)/d(sinks[h]): -P_sink * delta_i, P_sink = exp(sink - lse_i); one
     // value a row, summed over the rows on the host (deterministic, the same every call).
-#if FLASHMOE_PLANT_BUG != 22  // planted: the sinks' gradient never accumulated
-    if (p.sinks != nullptr) {
+    if (p.sinks != nullptr && !planted(22)) {  // planted 22: the sinks' gradient never accumulated
       p.dsinks[row] = lse == -INFINITY ? 0.f : -expf(p.sinks[h] - lse) * sum;
     }
-#endif
   }
   if (zero_dq) {
     float* dq_row = p.dq_accum + row * D + lane * kPerLane;
@@ -196,10 +190,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       for (int e = 0; e < 4; ++e)
         acc_dk[kt][dt][e] = acc_dv[kt][dt][e] = 0.f;
 
-  int group = p.heads_ratio;
-#if FLASHMOE_PLANT_BUG == 5
-  group = 1;  // planted: only the group's first query head reaches dK and dV
-#endif
+  // planted 5: only the group's first query head reaches dK and dV
+  const int group = planted(5) ? 1 : p.heads_ratio;
   // The steps run over (query head of the group, query block) in one sequence, so the next step's
   // Q and dO can be issued while this one computes dQ, whichever head it belongs to.
   const int m_count = max(0, m_end - m_begin), steps = group * m_count;
@@ -426,11 +418,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       __syncthreads();  // dS^T is whole; every warp is done with Q, dO, lse and delta
       if (step + 1 < steps) issue_step(step + 1);  // lands while dQ is computed
       if constexpr (kAtomicDq) {
-        bool add_dq = true;
-#if FLASHMOE_PLANT_BUG == 6
-        // planted: the last key block never reaches dQ
-        add_dq = opaque_block_x() != ceil_div(p.seqlen_k, BN) - 1;
-#endif
+        // planted 6: the last key block never reaches dQ
+        const bool add_dq = !planted(6) || opaque_block_x() != ceil_div(p.seqlen_k, BN) - 1;
         // dQ += dS K for this warp's query rows (and columns), added to dq_accum kChunk columns
         // at a time. Shared memory holds the next step's Q and dO by now, but dS^T and K stay
         // until the next sync.
@@ -494,10 +483,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
 
   // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, Dqk] and [B, Hkv, Sk, Dv], keys past
   // the end and a padded tile's columns past the head dims not written.
-  float dk_scale = p.softmax_scale;
-#if FLASHMOE_PLANT_BUG == 4
-  dk_scale = 1.f;  // planted: dS without the softmax scale
-#endif
+  const float dk_scale = planted(4) ? 1.f : p.softmax_scale;  // planted: dS without the scale
   const int64_t kv_row_base = int64_t(opaque_block_y()) * p.seqlen_k;  // y = b * heads_kv + hkv
   const int warp_col0 = kSplit == 1 ? 0 : opaque_thread_x() / 32 % kSplit * Traits::kWarpCols;
 #pragma unroll
@@ -536,10 +522,7 @@ __global__ void __launch_bounds__(256)
     flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, int64_t n, int width) {
   const int64_t i = (int64_t(blockIdx.x) * 256 + threadIdx.x) * 4;
   if (i >= n) return;
-  float scale = p.softmax_scale;
-#if FLASHMOE_PLANT_BUG == 4
-  scale = 1.f;  // planted: dS without the softmax scale
-#endif
+  const float scale = planted(4) ? 1.f : p.softmax_scale;  // planted: dS without the scale
   const int64_t row = i / width;
   const int col = int(i - row * width);  // 4 | width: the 4 values share the row
   if (col >= p.head_dim) return;
@@ -576,9 +559,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     n_end = min(n_end, visible <= 0 ? 0 : ceil_div(visible, BN));
   }
   const int n_begin = window_first_block<BN>(p, m0, offset);
-#if FLASHMOE_PLANT_BUG == 6
-  n_end = max(0, n_end - 1);  // planted: the last key block never reaches dQ
-#endif
+  if (planted(6)) n_end = max(0, n_end - 1);  // planted: the last key block never reaches dQ
 
   const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
   const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
@@ -729,10 +710,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (n_end == 0)
 
-  float scale = p.softmax_scale;
-#if FLASHMOE_PLANT_BUG == 4
-  scale = 1.f;  // planted: dS without the softmax scale
-#endif
+  const float scale = planted(4) ? 1.f : p.softmax_scale;  // planted: dS without the scale
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

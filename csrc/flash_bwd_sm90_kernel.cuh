@@ -74,10 +74,8 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
                                                   tid);
   cp_async_commit();
 
-  int group = p.heads_ratio;
-#if FLASHMOE_PLANT_BUG == 5
-  group = 1;  // planted: only the group's first query head reaches dK and dV
-#endif
+  // planted 5: only the group's first query head reaches dK and dV
+  const int group = planted(5) ? 1 : p.heads_ratio;
   const int m_count = max(0, m_end - m_begin), steps = group * m_count;
   auto step_head = [&](int step) { return hkv * p.heads_ratio + step / m_count; };
   auto step_m0 = [&](int step) { return (m_begin + step % m_count) * BM; };
@@ -253,11 +251,8 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     sm90::commit_group();
 
     if constexpr (kAtomicDq) {
-      bool add_dq = true;
-#if FLASHMOE_PLANT_BUG == 6
-      // planted: the last key block never reaches dQ
-      add_dq = int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
-#endif
+      // planted 6: the last key block never reaches dQ
+      const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
       sm90::fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
       __syncthreads();            // dS^T is whole (both warpgroups' keys)
       float acc_dq[8][4];
@@ -299,10 +294,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
 
   // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, D], keys past the end not written.
-  float dk_scale = p.softmax_scale;
-#if FLASHMOE_PLANT_BUG == 4
-  dk_scale = 1.f;  // planted: dS without the softmax scale
-#endif
+  const float dk_scale = planted(4) ? 1.f : p.softmax_scale;     // planted: dS without the scale
   const int64_t kv_row_base = int64_t(blockIdx.y) * p.seqlen_k;  // y = b * heads_kv + hkv
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {

@@ -104,16 +104,12 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
   const int i_first = row_query(m0), i_last = row_query(min(m0 + BM, t.rows_total) - 1);
   const int offset = len_k - p.seqlen_q;
   const int n_block_max = t.kv_block_end<BM, BN>(p, m0);
-#if FLASHMOE_PLANT_BUG == 23
-  const int n_lo = split * p.n_blocks_per_split;  // planted: decode forgets the window's left edge
-#else
-  const int n_lo = window_first_block<BN>(p, i_first, offset) + split * p.n_blocks_per_split;
-#endif
+  // planted 23: decode forgets the window's left edge
+  const int n_lo =
+      (planted(23) ? 0 : window_first_block<BN>(p, i_first, offset)) + split * p.n_blocks_per_split;
   const int n_iters = max(0, min(n_block_max, n_lo + p.n_blocks_per_split) - n_lo);
   FLASHMOE_PHASE(decode_trace::start(n_iters);)
-#if FLASHMOE_PLANT_BUG == 1
-  const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
-#endif
+  const int key_begin = planted(1) && split > 0 ? n_lo * BN + 1 : 0;  // planted 1
 
   // A paged cache's batch stride is its page stride: the sequence is found through its row of the
   // block table instead.
@@ -198,21 +194,13 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
       mma_16816<T>(acc_s[1], q_frag[kk], bk[2], bk[3]);
     }
 
-#if FLASHMOE_PLANT_BUG != 21
-    if (p.softcap > 0.f) {
+    if (p.softcap > 0.f && !planted(21)) {
       apply_softcap(acc_s[0], p);
       apply_softcap(acc_s[1], p);
     }
-#endif
-#if FLASHMOE_PLANT_BUG == 23
-    bool need_mask = key0 + kWarpKeys > window_key_end(p, i_first, offset, len_k);
-#else
     bool need_mask = key0 + kWarpKeys > window_key_end(p, i_first, offset, len_k) ||
-                     key0 < window_first_key(p, i_last, offset);
-#endif
-#if FLASHMOE_PLANT_BUG == 1
-    need_mask = need_mask || key0 < key_begin;
-#endif
+                     (!planted(23) && key0 < window_first_key(p, i_last, offset));
+    need_mask = need_mask || (planted(1) && key0 < key_begin);
     if (need_mask) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -220,24 +208,16 @@ __device__ __forceinline__ void flash_decode_block(const AttentionParams& p) {
         for (int e = 0; e < 4; ++e) {
           const int col = key0 + nt * 8 + (lane & 3) * 2 + (e & 1);
           const int i = my_query[e >> 1];
-#if FLASHMOE_PLANT_BUG == 23
-          bool masked = col >= window_key_end(p, i, offset, len_k);
-#else
-          bool masked =
-              col >= window_key_end(p, i, offset, len_k) || col < window_first_key(p, i, offset);
-#endif
-#if FLASHMOE_PLANT_BUG == 1
-          masked = masked || col < key_begin;
-#endif
+          bool masked = col >= window_key_end(p, i, offset, len_k) ||
+                        (!planted(23) && col < window_first_key(p, i, offset));
+          masked = masked || (planted(1) && col < key_begin);
           if (masked) acc_s[nt][e] = -INFINITY;
         }
     }
-#if FLASHMOE_PLANT_BUG == 21
-    if (p.softcap > 0.f) {  // planted: after the mask, so a masked key scores -softcap
+    if (p.softcap > 0.f && planted(21)) {  // planted: after the mask, a masked key scores -softcap
       apply_softcap(acc_s[0], p);
       apply_softcap(acc_s[1], p);
     }
-#endif
 
     // Online softmax over this warp's keys (base 2, scale folded in).
 #pragma unroll

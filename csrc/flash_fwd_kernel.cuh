@@ -72,9 +72,7 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
   };
   const int n_lo = window_first_block<BN>(p, i_first, offset) + split * p.n_blocks_per_split;
   const int n_hi = min(n_block_max, n_lo + p.n_blocks_per_split);
-#if FLASHMOE_PLANT_BUG == 1
-  const int key_begin = split > 0 ? n_lo * BN + 1 : 0;
-#endif
+  const int key_begin = planted(1) && split > 0 ? n_lo * BN + 1 : 0;  // planted 1
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + t.row0_k * p.k_row_stride +
                     hkv * p.k_head_stride;
@@ -113,11 +111,8 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     // KV blocks run from the last to the first, so only the first one visited (the sequence tail
     // or the diagonal) needs masking, as in FA2. The first V goes out with Q and K: a block with
     // few KV blocks (short sequences) then waits for memory once, not twice, before its first P V.
-#if FLASHMOE_PLANT_BUG == 14
-    load_kv(sK, k_base, p.k_row_stride, kChunks, n_hi - 1);  // planted: k at the tile's width too
-#else
-    load_kv(sK, k_base, p.k_row_stride, p.head_dim / 8, n_hi - 1);
-#endif
+    // planted 14: k at the tile's width too
+    load_kv(sK, k_base, p.k_row_stride, planted(14) ? kChunks : p.head_dim / 8, n_hi - 1);
     cp_async_commit();
     load_kv(sV, v_base, p.v_row_stride, p.head_dim_v / 8, n_hi - 1);
     cp_async_commit();
@@ -168,20 +163,16 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
       }
     }
 
-#if FLASHMOE_PLANT_BUG != 21
-    if (p.softcap > 0.f) {
+    if (p.softcap > 0.f && !planted(21)) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
           apply_softcap(acc_s[mt][nt], p);
     }
-#endif
     bool need_mask =
         (n + 1) * BN > unmasked_end || (p.window_left >= 0 && n * BN < unmasked_begin());
-#if FLASHMOE_PLANT_BUG == 1
-    need_mask = need_mask || n * BN < key_begin;
-#endif
+    need_mask = need_mask || (planted(1) && n * BN < key_begin);
     if (need_mask) {
       // The row-to-query mapping (a division with packed GQA) runs 2 * MT times per masked tile,
       // not once per element; each element then compares its distance from the query's position
@@ -197,22 +188,18 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
             for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
               const int col = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
               bool masked = outside_window(p, col, i, offset, len_k);
-#if FLASHMOE_PLANT_BUG == 1
-              masked = masked || col < key_begin;
-#endif
+              masked = masked || (planted(1) && col < key_begin);
               if (masked) acc_s[mt][nt][e] = -INFINITY;
             }
         }
     }
-#if FLASHMOE_PLANT_BUG == 21
-    if (p.softcap > 0.f) {  // planted: after the mask, so a masked key scores -softcap
+    if (p.softcap > 0.f && planted(21)) {  // planted: after the mask, a masked key scores -softcap
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
           apply_softcap(acc_s[mt][nt], p);
     }
-#endif
 
     // Online softmax: rescale what was accumulated so far by exp2((m_old - m_new) * scale_log2).
     uint32_t p_frag[MT][BN / 16][4];
@@ -258,11 +245,8 @@ __device__ __forceinline__ void flash_fwd_block(const AttentionParams& p) {
     __syncthreads();     // V(n) has landed, and every warp is done reading K(n)
     more = n > loop_lo;  // (written before the first iteration's barriers)
     if (more) {
-#if FLASHMOE_PLANT_BUG == 14
-      load_kv(sK, k_base, p.k_row_stride, kChunks, n - 1);
-#else
-      load_kv(sK, k_base, p.k_row_stride, p.head_dim / 8, n - 1);  // arrives during P V
-#endif
+      // arrives during P V (planted 14: at the tile's width)
+      load_kv(sK, k_base, p.k_row_stride, planted(14) ? kChunks : p.head_dim / 8, n - 1);
       cp_async_commit();
     }
 

@@ -163,17 +163,12 @@ struct Sm90Rows {
     } else {
       unmasked_end = p.causal ? min(t.len_k, t.query(m0) + t.len_k - t.len_q + 1) : t.len_k;
     }
-    key_begin = 0;
-#if FLASHMOE_PLANT_BUG == 1
-    key_begin = t.split > 0 ? n_lo * BN + 1 : 0;
-#endif
+    key_begin = planted(1) && t.split > 0 ? n_lo * BN + 1 : 0;  // planted 1
     (void)n_lo;
     // This warp's warpgroup owns rows [64 * (warp / 4), + 64) of the block.
     q_desc = sm90::desc_k_major(smem_u32(sQ + (warp / 4) * 64 * 64));
     k_desc = sm90::desc_k_major(smem_u32(sK));
-#if FLASHMOE_PLANT_BUG == 10
-    k_desc = (k_desc & ~(uint64_t(3) << 62)) | (uint64_t(2) << 62);  // planted: K 64B-swizzled
-#endif
+    if (planted(10)) k_desc = (k_desc & ~(uint64_t(3) << 62)) | (uint64_t(2) << 62);  // K 64B
     v_desc = sm90::desc_mn_major<BN>(smem_u32(sV));
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt)
@@ -201,13 +196,13 @@ struct Sm90Rows {
     sm90::fence();
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) {
-#if FLASHMOE_PLANT_BUG == 16
-      if constexpr (D > 128) {  // planted: P V over O's first 128 columns only
-        sm90::mma_rs<128, T>(*reinterpret_cast<float (*)[16][4]>(&acc_o), p_frag[j],
-                             v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
-        continue;
+      if constexpr (D > 128) {
+        if (planted(16)) {  // planted: P V over O's first 128 columns only
+          sm90::mma_rs<128, T>(*reinterpret_cast<float (*)[16][4]>(&acc_o), p_frag[j],
+                               v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
+          continue;
+        }
       }
-#endif
       sm90::mma_rs<D, T>(acc_o, p_frag[j], v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
     }
     sm90::commit_group();
@@ -253,18 +248,18 @@ struct Sm90Rows {
   // Masks S(n), folds it into the running max and sum and leaves P(n) in acc_s; `rescale` is
   // what the output accumulated so far must be multiplied by.
   __device__ __forceinline__ void softmax(int n, float (&rescale)[2]) {
-    constexpr bool kCapAfterMask = kFeatures && FLASHMOE_PLANT_BUG == 21;
-    if constexpr (kFeatures && !kCapAfterMask) cap_scores();
+    const bool cap_after_mask = kFeatures && planted(21);  // planted 21
+    if constexpr (kFeatures) {
+      if (!cap_after_mask) cap_scores();
+    }
     bool need_mask = (n + 1) * BN > unmasked_end;
     if constexpr (kFeatures) {
       need_mask = need_mask || (p.window_left >= 0 && n * BN < unmasked_begin());
     }
-#if FLASHMOE_PLANT_BUG == 1
-    need_mask = need_mask || n * BN < key_begin;
-#endif
-    if constexpr (kMaskByChunks && !kCapAfterMask) {
+    need_mask = need_mask || (planted(1) && n * BN < key_begin);
+    if constexpr (kMaskByChunks) {
       // (the chunks bound the right edge only: a window's left one takes the per-element mask)
-      if (need_mask && (!kFeatures || p.window_left < 0)) {
+      if (need_mask && !cap_after_mask && (!kFeatures || p.window_left < 0)) {
         softmax_masked(n, rescale);
         return;
       }
@@ -281,14 +276,14 @@ struct Sm90Rows {
           for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
             const int col = n * BN + nt * 8 + (lane & 3) * 2 + (e & 1);
             bool masked = kFeatures ? outside_window(p, col, i, offset, t.len_k) : col > last_key;
-#if FLASHMOE_PLANT_BUG == 1
-            masked = masked || col < key_begin;
-#endif
+            masked = masked || (planted(1) && col < key_begin);
             if (masked) acc_s[nt][e] = -INFINITY;
           }
       }
     }
-    if constexpr (kCapAfterMask) cap_scores();  // planted: a masked key then scores -softcap
+    if constexpr (kFeatures) {
+      if (cap_after_mask) cap_scores();  // planted: a masked key then scores -softcap
+    }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float mx = row_max[hh];
@@ -324,10 +319,8 @@ struct Sm90Rows {
     const int r_first = m0 + warp_row0;
     int lo = last_key_of(r_first) - base;             // columns <= lo: visible to all 16 rows
     const int hi = last_key_of(r_first + 15) - base;  // columns > hi: masked for all 16 rows
-#if FLASHMOE_PLANT_BUG == 1
-    lo = -1;  // every chunk tested element by element, where the planted test is
-#endif
-    int lk[2];  // this thread's rows' last visible column, less its own first column
+    if (planted(1)) lo = -1;  // every chunk tested element by element, where the planted test is
+    int lk[2];                // this thread's rows' last visible column, less its own first column
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
       lk[hh] = last_key_of(m0 + warp_row0 + lane / 4 + hh * 8) - base - (lane & 3) * 2;
@@ -341,9 +334,7 @@ struct Sm90Rows {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             bool masked = nt * 8 + (e & 1) > lk[e >> 1];
-#if FLASHMOE_PLANT_BUG == 1
-            masked = masked || base + nt * 8 + (lane & 3) * 2 + (e & 1) < key_begin;
-#endif
+            masked = masked || (planted(1) && base + nt * 8 + (lane & 3) * 2 + (e & 1) < key_begin);
             if (masked) acc_s[nt][e] = -INFINITY;
           }
       }
@@ -387,9 +378,7 @@ struct Sm90Rows {
     if constexpr (kLazy) {
       any_moved = __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f);
     }
-#if FLASHMOE_PLANT_BUG == 12
-    any_moved = false;  // planted: the output is never rescaled when the running max moves
-#endif
+    if (planted(12)) any_moved = false;  // planted: never rescaled when the running max moves
     if (any_moved) {
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt)
@@ -535,9 +524,7 @@ struct Sm90Block {
   __device__ __forceinline__ void load(T* tiles, const T* base, int64_t row_stride, int n, int buf,
                                        int tid) const {
     constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
-#if FLASHMOE_PLANT_BUG == 11
-    if (n * BN + BN > t.len_k) return;  // planted: the last, partial key tile is never copied
-#endif
+    if (planted(11) && n * BN + BN > t.len_k) return;  // planted: the last, partial tile not copied
     // (the host runs these kernels only unpadded: every chunk of a row is the tensor's)
     load_kv_tile<D, BN, Traits::kLoadThreads, /*kPanels=*/true>(
         tiles + buf * BN * D, base, row_stride, n * BN, t.len_k, D / 8, tid);
@@ -678,10 +665,8 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
         const int s = stage_of(use), empty_parity = phase_of(use) ^ 1;
         if (p.tma) {
           if (ptid != 0) continue;
-          bool copy = true;
-#if FLASHMOE_PLANT_BUG == 11
-          copy = n * BN + BN <= blk.t.len_k;  // planted: the last, partial box is never copied
-#endif
+          // planted 11: the last, partial box is never copied
+          const bool copy = !planted(11) || n * BN + BN <= blk.t.len_k;
           sm90::mbar_wait(&bar.k_empty[s], empty_parity);
           sm90::mbar_arrive_expect_tx(&bar.k_full[s], copy ? kBytes : 0);
           if (copy) {
@@ -726,11 +711,9 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   // (benches/notes/prefill-sm90.md, v4.4, v4.6).
   // Waits until the producer's copies into a buffer landed, then makes them visible to wgmma.
   auto wait_full = [&](uint64_t* full, int use) {
-#if FLASHMOE_PLANT_BUG == 9
-    // planted: the first warpgroup skips its wait for the first K tile. (It issues first: the
+    // planted 9: the first warpgroup skips its wait for the first K tile. (It issues first: the
     // second, skipping it, would still read after the first waited, which hides the bug.)
-    if (wg == 0 && use == 0) return;
-#endif
+    if (planted(9) && wg == 0 && use == 0) return;
     sm90::mbar_wait(full, phase_of(use));
     sm90::fence_proxy_async();
   };

@@ -25,6 +25,16 @@
 
 namespace flashmoe::cuda {
 
+// Whether this build's kernels carry planted bug `bug` (attention_params.h): a constant, so an
+// unplanted build compiles the planted branches away, except in the plant build (-1), whose kernels
+// read the bug the host copied into g_planted_bug (set_planted_bug) from $FLASHMOE_PLANT_BUG.
+#if FLASHMOE_PLANT_BUG < 0
+__device__ int g_planted_bug;
+__device__ __forceinline__ bool planted(int bug) { return g_planted_bug == bug; }
+#else
+__host__ __device__ constexpr bool planted(int bug) { return FLASHMOE_PLANT_BUG == bug; }
+#endif
+
 #if FLASHMOE_PHASE_TRACE
 // The GPU's nanosecond timer, one for all SMs: the traces' time line (its tick is coarse;
 // clock64 times a phase within a block).
@@ -233,11 +243,8 @@ struct TileCoords {
   template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, typename T>
   __device__ __forceinline__ void load_q(T* sQ, const AttentionParams& p, int m0, int tid) const {
     constexpr int kChunks = kHeadDim / 8;
-#if FLASHMOE_PLANT_BUG == 14
-    const int q_chunks = kChunks;  // planted: q copied at the tile's width (its tail not zeroed)
-#else
-    const int q_chunks = p.head_dim / 8;
-#endif
+    // planted 14: q copied at the tile's width (its tail not zeroed)
+    const int q_chunks = planted(14) ? kChunks : p.head_dim / 8;
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + row0_q * p.q_row_stride;
     auto copy = [&](int c) {
       const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
@@ -307,11 +314,8 @@ struct TileCoords {
       t.row0_q = q0;
       t.row0_k = k0;
       t.len_q = min(q1 - q0, p.seqlen_q);
-#if FLASHMOE_PLANT_BUG == 7
-      t.len_k = min(min(k1 - k0 + 1, p.total_k - k0), p.seqlen_k + 1);  // planted: one key long
-#else
-      t.len_k = min(k1 - k0, p.seqlen_k);
-#endif
+      t.len_k = planted(7) ? min(min(k1 - k0 + 1, p.total_k - k0), p.seqlen_k + 1)  // one key long
+                           : min(k1 - k0, p.seqlen_k);
       t.rows_total = t.len_q * t.group;
     }
     return t;
@@ -403,15 +407,13 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* base, int64_t row
       const bool valid = row_valid && column_valid;
       const T* from = src + pass * kRowsPerPass * row_stride + column * kPassChunks * 8;
       T* to = dst + pass * kRowsPerPass * kPitch + column * kColumnStep;
-#if FLASHMOE_PLANT_BUG == 3
-      // Rows past the sequence end are read, 4 GiB past where they would lie (outside any
-      // allocation), instead of zero-filled: a plain 16-byte load, so memcheck must report it.
-      if (!row_valid) {
+      // Planted 3: rows past the sequence end are read, 4 GiB past where they would lie (outside
+      // any allocation), instead of zero-filled: a plain 16-byte load, so memcheck must report it.
+      if (planted(3) && !row_valid) {
         *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(
             reinterpret_cast<const char*>(from) + (int64_t(1) << 32));
         continue;
       }
-#endif
       l2.copy(to, valid ? from : base, valid);
     }
   }
@@ -438,11 +440,8 @@ __device__ __forceinline__ void load_kv_tiles_paged(T* k_tile, T* v_tile, const 
   const int r = tid / kPassChunks, ch = tid % kPassChunks;
   const int in_page_mask = (1 << p.page_shift) - 1;
   auto page_of = [&](int row) {
-#if FLASHMOE_PLANT_BUG == 8
-    const int page = row >> p.page_shift;  // planted: the logical page, the block table ignored
-#else
-    const int page = table_row[row >> p.page_shift];
-#endif
+    // planted 8: the logical page, the block table ignored
+    const int page = planted(8) ? row >> p.page_shift : table_row[row >> p.page_shift];
     bad_page |= unsigned(page) >= unsigned(p.num_pages);
     return min(max(page, 0), p.num_pages - 1);
   };
@@ -559,14 +558,11 @@ __device__ __forceinline__ float combine_splits(int num_splits, LseAt lse_at, Pa
 #pragma unroll
       for (int e = 0; e < kCols; ++e)
         acc[e] += w * x[j][e];
-#if FLASHMOE_PLANT_BUG == 2
-      // Planted: split 0 is counted twice in the output.
-      if (s0 + j == 0) {
+      if (planted(2) && s0 + j == 0) {  // planted: split 0 is counted twice in the output
 #pragma unroll
         for (int e = 0; e < kCols; ++e)
           acc[e] += w * x[j][e];
       }
-#endif
     }
     m = m_new;
   }
@@ -584,12 +580,8 @@ __device__ __forceinline__ float combine_splits(int num_splits, LseAt lse_at, Pa
 // then sees fewer keys, or none).
 template <typename Params>
 __device__ __forceinline__ int window_first_key(const Params& p, int i, int offset) {
-#if FLASHMOE_PLANT_BUG == 20
-  // planted: the left edge one key too far right (a query sees one key too few)
-  return p.window_left >= 0 ? i + offset - p.window_left + 1 : 0;
-#else
-  return p.window_left >= 0 ? i + offset - p.window_left : 0;
-#endif
+  // planted 20: the left edge one key too far right (a query sees one key too few)
+  return p.window_left >= 0 ? i + offset - p.window_left + (planted(20) ? 1 : 0) : 0;
 }
 
 // One past the last key query i sees: i + offset + window_right + 1 (causal: window_right 0),
@@ -605,11 +597,7 @@ template <typename Params>
 __device__ __forceinline__ bool outside_window(const Params& p, int key, int i, int offset,
                                                int len_k) {
   const int d = key - i - offset;  // how far right of the query's position the key sits
-#if FLASHMOE_PLANT_BUG == 20
-  const bool left_out = p.window_left >= 0 && d < 1 - p.window_left;  // planted, as above
-#else
-  const bool left_out = p.window_left >= 0 && d < -p.window_left;
-#endif
+  const bool left_out = p.window_left >= 0 && d < (planted(20) ? 1 : 0) - p.window_left;
   return key >= len_k || (p.window_right >= 0 && d > p.window_right) || left_out;
 }
 

@@ -92,9 +92,10 @@ CUDA_DEFINE = "FLASHMOE_WITH_CUDA"
 # the device passes' __CUDA_ARCH_FEAT_SM90_ALL).
 SM90A_ARCH = "9.0a"
 SM90A_DEFINE = "FLASHMOE_SM90A"
-# The CPU plant build: every plant of the CPU implementation compiled in, one picked at load time
-# from $FLASHMOE_PLANT_BUG (csrc/attention_params.h). Its CUDA kernels would carry none.
-CPU_PLANT_DEFINE = "FLASHMOE_PLANT_BUG=-1"
+# The plant build: every plant compiled in, one picked at run time from $FLASHMOE_PLANT_BUG
+# (csrc/attention_params.h), the CPU implementation's and the CUDA kernels' alike: one build serves
+# every plant test of a device.
+PLANT_DEFINE = "FLASHMOE_PLANT_BUG=-1"
 
 CHILD_MARK = "FLASHMOE_BUILD_CHILD:"  # prefix of the child's own status lines in the log
 
@@ -259,13 +260,6 @@ def resolve_config(
     if problem is None and not archs:
         problem = "no GPU visible and TORCH_CUDA_ARCH_LIST unset"
     if problem is None:
-        if CPU_PLANT_DEFINE in defines:
-            raise ConfigError(
-                f"-D{CPU_PLANT_DEFINE} plants the CPU implementation only, and this build is CUDA "
-                f"({arch_source}): build it with backend=cpu, or plant one bug with "
-                "-DFLASHMOE_PLANT_BUG=N",
-                USAGE,
-            )
         if wants_sm90a and not targets_sm90a(archs):
             raise ConfigError(
                 f"-D{SM90A_DEFINE} without the sm_90a target ({arch_source}): build with "

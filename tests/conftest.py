@@ -132,12 +132,11 @@ def planted_process_env(bug: int, device: str, case_ids: Sequence[str] = ()) -> 
     """The environment of a planted-bug process: its build carries bug `bug`, and the CPU device
     hides the GPU. Its working directory is the repository root.
 
-    On the CPU device every plant runs on the one CPU plant build (all CPU plants compiled in, the
-    bug picked at load time from FLASHMOE_PLANT_BUG), built for the CPU even where a job's
-    TORCH_CUDA_ARCH_LIST asks every build for CUDA: one compile of the small unit serves them all.
-    On the cuda device the build holds only the kernels the gates of `case_ids` run
-    (FLASHMOE_BUILD_ONLY, gates.kernels.restriction_for_cases): a few kernels instead of the unit's
-    every one.
+    Every plant of a device runs on that device's one plant build (every plant compiled in, the bug
+    picked at run time from FLASHMOE_PLANT_BUG): the CPU's small unit, built for the CPU even where
+    a job's TORCH_CUDA_ARCH_LIST asks every build for CUDA, and on the cuda device the whole CUDA
+    unit, compiled once for all of its plants rather than a restricted unit per plant (each paid
+    the host side's compile again). `case_ids`: the cases the process runs (kept for callers).
     """
     env = dict(os.environ)
     env.pop("FLASHMOE_PLANT_BUG", None)
@@ -148,15 +147,8 @@ def planted_process_env(bug: int, device: str, case_ids: Sequence[str] = ()) -> 
         return env
     if device == "cpu":
         env.pop("TORCH_CUDA_ARCH_LIST", None)
-        env["FLASHMOE_BUILD_DEFINES"] = loader.CPU_PLANT_DEFINE
-        env["FLASHMOE_PLANT_BUG"] = str(bug)
-    else:
-        env["FLASHMOE_BUILD_DEFINES"] = f"FLASHMOE_PLANT_BUG={bug}"
-        if case_ids:
-            from flashmoe_science.pipeline.gates import kernels
-
-            cases = [kernels.gate_case(case_id) for case_id in case_ids]
-            env[loader.ONLY_VAR] = kernels.restriction_for_cases(cases).text()
+    env["FLASHMOE_BUILD_DEFINES"] = loader.PLANT_DEFINE
+    env["FLASHMOE_PLANT_BUG"] = str(bug)
     return env
 
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -365,18 +366,14 @@ def test_auto_with_arch_list_builds_cuda(cuda_machine, monkeypatch):
     )
 
 
-def test_the_cpu_plant_build_is_refused_for_cuda_and_built_for_the_cpu(cuda_machine, monkeypatch):
-    """Every CPU plant in one build, picked at load time: a CUDA build of it would run unplanted
-    kernels under a planted_bug() that says otherwise, so it is refused in one line."""
+def test_the_plant_build_is_one_build_for_each_device(cuda_machine, monkeypatch):
+    """Every plant in one build, picked at run time: its CUDA kernels carry every CUDA plant
+    (csrc/flash_kernel_utils.cuh, planted), so the build resolves for CUDA and for the CPU alike."""
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
-    with pytest.raises(loader.ConfigError) as refused:
-        build.resolve_config("auto", defines=[loader.CPU_PLANT_DEFINE])
-    assert str(refused.value).startswith(
-        "-DFLASHMOE_PLANT_BUG=-1 plants the CPU implementation only, and this build is CUDA "
-        "(TORCH_CUDA_ARCH_LIST=9.0a): build it with backend=cpu"
-    )
+    config = build.resolve_config("auto", defines=[loader.PLANT_DEFINE])
+    assert config.backend == "cuda" and config.defines[0] == "FLASHMOE_PLANT_BUG=-1"
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
-    config = build.resolve_config("auto", defines=[loader.CPU_PLANT_DEFINE])
+    config = build.resolve_config("cpu", defines=[loader.PLANT_DEFINE])
     assert config.backend == "cpu" and config.defines == ("FLASHMOE_PLANT_BUG=-1",)
 
 
@@ -1159,6 +1156,64 @@ def test_strict_build_fails_on_a_serialized_wgmma_pipeline(monkeypatch, capsys, 
     assert build.main([]) == exitcodes.OK
     kernels[3]["performance_loss"] = None
     assert build.main(["--strict"]) == exitcodes.OK
+
+
+class FakeChild:
+    """subprocess.Popen's stand-in: records the command and environment, writes `output` to the
+    child's stdout and exits with `code`."""
+
+    calls: typing.ClassVar[list] = []
+
+    def __init__(self, command, stdout, env, code=0, output="", **_kwargs):
+        FakeChild.calls.append((command, env))
+        stdout.write(output)
+        self.code = code
+
+    def wait(self):
+        return self.code
+
+    def kill(self):
+        self.code = -9
+
+
+def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
+    monkeypatch, capsys, tmp_path
+):
+    """`build --plants` (the GPU job's build step) compiles the plant unit in a child beside its
+    own build, for the same backend and targets, whose report goes to a folder of its own; a
+    plant unit that fails fails the step with its log's end and what it breaks."""
+    config = build.resolve_config("cpu")
+    monkeypatch.setattr(build, "resolve_config", lambda *a, **k: config)
+    monkeypatch.setattr(
+        build,
+        "build",
+        lambda config, force=False, quiet=False: build.BuildResult(
+            config, tmp_path / "lib.so", False, 0.1, [], tmp_path, {}
+        ),
+    )
+    monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "root"))
+    monkeypatch.setenv(loader.ONLY_VAR, "op=fwd")
+    FakeChild.calls = []
+    monkeypatch.setattr(build.subprocess, "Popen", FakeChild)
+    assert build.main(["--backend", "cpu", "--arch", "8.9", "--plants"]) == exitcodes.OK
+    ((command, env),) = FakeChild.calls
+    assert command[1:] == [
+        "-m", "flashmoe_science", "build", "--backend", "cpu", "--quiet", "--arch", "8.9",
+        "--define", "FLASHMOE_PLANT_BUG=-1",
+    ]  # fmt: skip
+    assert env["FLASHMOE_REPORTS_DIR"] == str(tmp_path / "root" / "plants-reports")
+    assert loader.ONLY_VAR not in env  # the plant unit is whole
+    assert "build: the plant unit (-DFLASHMOE_PLANT_BUG=-1) done in" in capsys.readouterr().out
+    assert build.main(["--backend", "cpu"]) == exitcodes.OK and len(FakeChild.calls) == 1
+
+    def failing(command, stdout, env, **kwargs):
+        return FakeChild(command, stdout, env, code=125, output="x.cu(3): error: planted\n")
+
+    monkeypatch.setattr(build.subprocess, "Popen", failing)
+    assert build.main(["--backend", "cpu", "--plants"]) == 125
+    err = capsys.readouterr().err
+    assert "build: the plant unit (-DFLASHMOE_PLANT_BUG=-1) FAILED after" in err
+    assert "the planted-bug tests cannot load it" in err and "x.cu(3): error: planted" in err
 
 
 def test_build_builds_the_library_the_other_commands_load(monkeypatch):

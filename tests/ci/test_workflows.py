@@ -239,6 +239,8 @@ def test_the_gpu_job_is_a_matrix_of_the_gpu_kinds_each_built_for_its_card():
     # the build stage takes the arch from TORCH_CUDA_ARCH_LIST when no --arch is given
     build = next(s["run"] for s in steps(job) if s.get("name") == "build")
     assert "--arch" not in build
+    # the planted-bug tests' unit is built here, beside the job's, not in the test stage
+    assert build.split() == ["nox", "-s", "build", "--", "--backend", "cuda", "--plants"]
 
 
 def test_the_gate_needs_every_leg_and_reads_each_legs_result():

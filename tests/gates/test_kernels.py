@@ -1,5 +1,5 @@
-"""The kernels a gate case runs (flashmoe_science.pipeline.gates.kernels) and the restricted build a
-planted-bug process gets from its cases (conftest.planted_process_env)."""
+"""The kernels a gate case runs (flashmoe_science.pipeline.gates.kernels) and the restricted builds
+that hold them (a sanitizer run over a few kernels, `build --only`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import dataclasses
 import inspect
 
 import pytest
-from conftest import planted_process_env
 
 from flashmoe_science import _loader
 from flashmoe_science.pipeline.cases import parse_case_id
@@ -159,16 +158,3 @@ def test_every_gate_case_is_found_by_its_id():
         assert kernels.gate_case(case.id) == case
     with pytest.raises(ValueError, match="no varlen or paged gate case has the id 'varlen-x'"):
         kernels.gate_case("varlen-x")
-
-
-def test_a_plant_process_on_cuda_builds_only_its_cases_kernels(monkeypatch):
-    """On the cuda device a planted build holds the kernels its cases run; the CPU device (the
-    CPU-only unit) and the unplanted build (bug 0, the checkout's own) are never restricted, and a
-    restriction the test run itself has is not inherited."""
-    monkeypatch.setenv(_loader.ONLY_VAR, "op=paged")
-    env = planted_process_env(9, "cuda", SM90A_PLANT_CASES)
-    assert env[_loader.ONLY_VAR] == "op=fwd_sm90a,combine head_dim=64,128 config=5,6,7"
-    assert env["FLASHMOE_BUILD_DEFINES"] == "FLASHMOE_PLANT_BUG=9"
-    for bug, device in ((9, "cpu"), (0, "cuda")):
-        assert _loader.ONLY_VAR not in planted_process_env(bug, device, SM90A_PLANT_CASES)
-    assert planted_process_env(9, "cpu", SM90A_PLANT_CASES)["CUDA_VISIBLE_DEVICES"] == ""

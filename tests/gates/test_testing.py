@@ -736,24 +736,29 @@ def test_gates_take_no_paths(capsys):
     assert "leave out tests/bench/" in capsys.readouterr().err
 
 
-def test_cpu_plants_share_one_cpu_build_even_where_the_job_asks_for_cuda(monkeypatch):
-    """A CPU-device plant builds the small CPU unit with every CPU plant in it (the bug picked at
-    load time), not a whole CUDA unit per bug because the GPU job sets TORCH_CUDA_ARCH_LIST; a
-    CUDA-device plant keeps its own compile-time bug and the job's targets."""
+def test_the_plants_of_a_device_share_one_build_even_where_the_job_asks_for_cuda(monkeypatch):
+    """A CPU-device plant builds the small CPU unit with every plant in it (the bug picked at run
+    time), not a whole CUDA unit per bug because the GPU job sets TORCH_CUDA_ARCH_LIST; the
+    CUDA-device plants share one CUDA unit with every plant in it, for the job's targets, whole
+    (a restriction the test run has is not inherited)."""
     from conftest import planted_process_env
 
     from flashmoe_science import _loader as loader
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
-    cpu = {bug: planted_process_env(bug, "cpu") for bug in (4, 8)}
-    assert {env["FLASHMOE_BUILD_DEFINES"] for env in cpu.values()} == {loader.CPU_PLANT_DEFINE}
-    assert [env["FLASHMOE_PLANT_BUG"] for env in cpu.values()] == ["4", "8"]
-    assert all(
-        "TORCH_CUDA_ARCH_LIST" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
-        for env in cpu.values()
-    )
+    monkeypatch.setenv(loader.ONLY_VAR, "op=paged")
+    for device in ("cpu", "cuda"):
+        envs = {
+            bug: planted_process_env(bug, device, ("fwd-bf16-d64-h8-b2-s257-full",))
+            for bug in (4, 9)
+        }
+        assert {env["FLASHMOE_BUILD_DEFINES"] for env in envs.values()} == {loader.PLANT_DEFINE}
+        assert [env["FLASHMOE_PLANT_BUG"] for env in envs.values()] == ["4", "9"]
+        assert all(loader.ONLY_VAR not in env for env in envs.values())
+    cpu = planted_process_env(4, "cpu")
+    assert "TORCH_CUDA_ARCH_LIST" not in cpu and cpu["CUDA_VISIBLE_DEVICES"] == ""
     cuda = planted_process_env(4, "cuda")
-    assert cuda["FLASHMOE_BUILD_DEFINES"] == "FLASHMOE_PLANT_BUG=4"
-    assert cuda["TORCH_CUDA_ARCH_LIST"] == "9.0a" and "FLASHMOE_PLANT_BUG" not in cuda
+    assert cuda["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+    assert cuda.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
     honest = planted_process_env(0, "cpu")
     assert "FLASHMOE_BUILD_DEFINES" not in honest and honest["TORCH_CUDA_ARCH_LIST"] == "9.0a"

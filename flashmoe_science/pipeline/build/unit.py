@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -35,7 +36,7 @@ from ..._loader import (
 )
 from .. import exitcodes
 from ..cli import program
-from ..paths import report_dir, require_gpu_from_env
+from ..paths import REPORTS_VAR, report_dir, require_gpu_from_env
 from ..provenance import clear_outputs, provenance
 from .compiler_output import (
     compiler_warnings,
@@ -332,7 +333,62 @@ def _parser() -> argparse.ArgumentParser:
         default=require_gpu_from_env(),
         help="build the CUDA unit or fail (default: FLASHMOE_REQUIRE_GPU=1)",
     )
+    parser.add_argument(
+        "--plants",
+        action="store_true",
+        help=f"also build the plant unit beside this one (-D{_loader.PLANT_DEFINE}: every planted "
+        "bug in, picked at run time), which the planted-bug tests load; the GPU job's build step "
+        "passes it so its test stage compiles nothing",
+    )
     return parser
+
+
+@dataclasses.dataclass
+class PlantBuild:
+    """The plant unit's build, a child process running beside this one's."""
+
+    process: subprocess.Popen
+    log: Path
+    start: float
+
+
+def start_plant_build(args: argparse.Namespace, backend: str) -> PlantBuild:
+    """`build --define PLANT_DEFINE` for the same backend and targets, quiet, in a child whose
+    report (build.json) goes to a folder of its own: the report directory holds this build's."""
+    root = _loader.build_root()
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "plants.log"
+    command = [sys.executable, "-m", "flashmoe_science", "build", "--backend", backend, "--quiet"]
+    for arch in args.arch or ():
+        command += ["--arch", arch]
+    command += ["--define", _loader.PLANT_DEFINE]
+    env = {**os.environ, REPORTS_VAR: str(root / "plants-reports")}
+    env.pop(_loader.ONLY_VAR, None)
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+    return PlantBuild(process, log, time.perf_counter())
+
+
+def finish_plant_build(plants: PlantBuild) -> int:
+    """Waits for the plant unit's build; says how it went, its log's last lines where it failed."""
+    code = plants.process.wait()
+    elapsed = time.perf_counter() - plants.start
+    where = _loader.display_path(plants.log)
+    if code == 0:
+        print(
+            f"build: the plant unit (-D{_loader.PLANT_DEFINE}) done in {elapsed:.1f} s; log {where}"
+        )
+        return exitcodes.OK
+    tail = "\n".join(_read_text(plants.log).splitlines()[-12:])
+    print(
+        f"build: the plant unit (-D{_loader.PLANT_DEFINE}) FAILED after {elapsed:.1f} s (exit "
+        f"{code}); the planted-bug tests cannot load it. Its log, {where}, ends:\n{tail}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return code if code > 0 else exitcodes.BUILD_FAILED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,19 +415,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(describe(config), flush=True)
     if config.backend == "cpu" and args.backend == "auto":
         print(f"  {config.reason}", flush=True)
+    plants = start_plant_build(args, config.backend) if args.plants else None
     try:
         result = build(config, force=args.force, quiet=args.quiet)
-    except BuildError as exc:
+    except (BuildError, ConfigError) as exc:
         sys.stdout.flush()
-        print(
-            f"build: FAILED after {time.perf_counter() - start:.1f} s\n{exc}",
-            file=sys.stderr,
-            flush=True,
+        failed = (
+            f"FAILED after {time.perf_counter() - start:.1f} s\n"
+            if isinstance(exc, BuildError)
+            else ""
         )
+        print(f"build: {failed}{exc}", file=sys.stderr, flush=True)
+        if plants:
+            plants.process.kill()
+            plants.process.wait()
         return exc.exit_code
-    except ConfigError as exc:
-        print(f"build: {exc}", file=sys.stderr)
-        return exc.exit_code
+    if plants and (code := finish_plant_build(plants)) != exitcodes.OK:
+        return code
     elapsed = time.perf_counter() - start
     print(
         f"build: done in {elapsed:.1f} s" if result.cold else f"build: up to date ({elapsed:.1f} s)"
