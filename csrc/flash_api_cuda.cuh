@@ -117,9 +117,9 @@ inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return (head_dim == head_dim_v && is_wgmma_head_dim(int(head_dim))) ||
          wgmma_narrow_v(head_dim, head_dim_v);
 }
-// The head dims the automatic choice runs on the wgmma forward (choose_config).
+// The head dims the automatic choice runs on the wgmma forward (choose_config): all it takes.
 inline bool wgmma_chosen(int64_t head_dim, int64_t head_dim_v) {
-  return head_dim == head_dim_v && wgmma_head_dims(head_dim, head_dim_v);
+  return wgmma_head_dims(head_dim, head_dim_v);
 }
 inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim));
