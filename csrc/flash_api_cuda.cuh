@@ -1291,9 +1291,8 @@ void append_kernel_launches(std::string& out) {
   // The wgmma forward of v's 128 under q's and k's 192 (5 to 7 one kernel), dense and packed.
   if constexpr (D == 192) {
     for (const bool varlen : {false, true}) {
-      auto append = FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
-        append_forward_launch<decltype(traits)>(out, dtype, varlen);
-      });
+      auto append = FLASHMOE_TRAITS_ONLY(
+          [&](auto, auto traits) { append_forward_launch<decltype(traits)>(out, dtype, varlen); });
       if (varlen) {
         visit_config<T, D, true>(kSm90aConfig, append, false, /*narrow_v=*/true);
       } else {

@@ -95,7 +95,7 @@ struct Sm90FwdTiles {
   static constexpr int kNThreads = kMathThreads + 128;
   static constexpr int kNWarps = kNThreads / 32;
   static constexpr int kChunks = kHeadDimV / 8;  // the output's 16-byte chunks a row
-  static constexpr int kLoadThreads = 128;  // the producer warpgroup
+  static constexpr int kLoadThreads = 128;       // the producer warpgroup
   // Q, kStages K and V buffers, the output's staging buffer (two stages only), then the
   // mbarriers (Sm90Barriers).
   static constexpr int kTileBytes =
@@ -115,9 +115,9 @@ struct Sm90FwdTiles {
   // 224 either way, and the producer's address arithmetic spilled at 48. With v narrower than q
   // and k, 64: its two copy shapes spilled at 56 (the math warpgroups keep 216).
   static constexpr int kProducerRegs = kWarpgroups_ == 3         ? 32
-                                      : kHeadDimV_ != kHeadDim_ ? 64
-                                      : kHeadDim_ > 128         ? 56
-                                                                : 48;
+                                       : kHeadDimV_ != kHeadDim_ ? 64
+                                       : kHeadDim_ > 128         ? 56
+                                                                 : 48;
   static constexpr int kMathRegs =
       (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8 > 240
           ? 240
@@ -232,8 +232,7 @@ struct Sm90Rows {
         continue;
       }
 #endif
-      sm90::mma_rs<DV, T>(acc_o, p_frag[j], v_desc + buf * kVTileStep + sm90::mn_major_step(j),
-                          1);
+      sm90::mma_rs<DV, T>(acc_o, p_frag[j], v_desc + buf * kVTileStep + sm90::mn_major_step(j), 1);
     }
     sm90::commit_group();
   }

@@ -205,7 +205,7 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
 // S over 112 keys: v's 128 under q's and k's 192 (Sm90NarrowVTraits).
-#define FLASHMOE_WGMMA_D_N112                                                          \
+#define FLASHMOE_WGMMA_D_N112                                                           \
   FLASHMOE_WGMMA_D_N96, "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
       "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3])
 #define FLASHMOE_WGMMA_REGS_N112                                                                \

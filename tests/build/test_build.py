@@ -883,7 +883,9 @@ def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch, capsys):
 # --------------------------------------------------------------------------------------------------
 
 
-def sm90_fwd_smem(head_dim: int, head_dim_v: int, block_n: int, warpgroups: int, stages: int) -> int:
+def sm90_fwd_smem(
+    head_dim: int, head_dim_v: int, block_n: int, warpgroups: int, stages: int
+) -> int:
     """Sm90FwdTiles::kSmemBytes: Q (64 rows a math warpgroup), K and V in `stages` buffers, with
     two stages of at most 128 keys up to d=128 the output's staging buffer, then 128 bytes of
     mbarriers (csrc/flash_fwd_sm90_kernel.cuh)."""

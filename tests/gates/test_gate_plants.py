@@ -471,6 +471,8 @@ DV_SM90A_PLANT = (
     ),
     ("fwd-fp16-d192-h8kv1-b2-s1000-causal-cfg5", "fwd-bf16-d128-h8-b2-s1000-causal-cfg5"),
 )
+
+
 def _check_plant(run_planted, bug: int, plant: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
     failing, passing = plant
     results = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda", *failing, *passing)["results"]

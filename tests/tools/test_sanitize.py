@@ -1181,7 +1181,9 @@ def test_workload_covers_padded_head_dims_last():
         }
         assert any(c.num_splits > 1 for c in fwd)
         assert all(c.num_splits > 1 for c in fwd if c.config == 5)
-        decode = [(c.num_splits, c.config, bool(c.cache_seqlens)) for c in mine if c.kind == "decode"]
+        decode = [
+            (c.num_splits, c.config, bool(c.cache_seqlens)) for c in mine if c.kind == "decode"
+        ]
         assert decode == [*([(0, 5, True)] if wgmma else []), (7, 0, True)]
         bwd = {(c.config, c.deterministic) for c in mine if c.kind == "backward"}
         assert bwd == {(0, False), (0, True), (1, False), (1, True)}

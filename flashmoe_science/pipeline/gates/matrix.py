@@ -252,7 +252,9 @@ def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
     combination; a card or build that cannot run them skips, saying why."""
     index = 0
     for config in WGMMA_WIDE_FORCED_CONFIGS:
-        dims = WGMMA_DV_HEAD_DIMS if config == WGMMA_WIDE_MATRIX_CONFIG else WGMMA_DV_MATRIX_HEAD_DIMS
+        dims = (
+            WGMMA_DV_HEAD_DIMS if config == WGMMA_WIDE_MATRIX_CONFIG else WGMMA_DV_MATRIX_HEAD_DIMS
+        )
         variants = itertools.product(DTYPES, dims, (False, True), FORCED_SHAPES)
         for dtype, (head_dim, head_dim_v), causal, (seqlen_q, seqlen_k, splits) in variants:
             matrix_dims = (head_dim, head_dim_v) in WGMMA_DV_MATRIX_HEAD_DIMS
@@ -303,7 +305,9 @@ def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
             config=WGMMA_WIDE_MATRIX_CONFIG,
             num_splits=3 if index % 5 == 4 else 0,
         )
-        head_dim, head_dim_v = WGMMA_DV_MATRIX_HEAD_DIMS[(index // 2) % len(WGMMA_DV_MATRIX_HEAD_DIMS)]
+        head_dim, head_dim_v = WGMMA_DV_MATRIX_HEAD_DIMS[
+            (index // 2) % len(WGMMA_DV_MATRIX_HEAD_DIMS)
+        ]
         case = dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v)
         yield _with_features(case, combo, index)
 
@@ -513,9 +517,12 @@ def many_row_decode_cases(
         head_dims = WGMMA_WIDE_HEAD_DIMS if wide else gated_head_dims(config)
         pairs = dims or tuple((d, d) for d in head_dims)
         variants = itertools.product(MANY_ROW_DECODE, DTYPES, pairs, (False, True))
-        for index, ((seqlen_q, seqlen_k, splits), dtype, (head_dim, head_dim_v), causal) in enumerate(
-            variants
-        ):
+        for index, (
+            (seqlen_q, seqlen_k, splits),
+            dtype,
+            (head_dim, head_dim_v),
+            causal,
+        ) in enumerate(variants):
             batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
             yield Case(
                 "decode",
@@ -538,7 +545,10 @@ def gate_cases(tier: str) -> list[Case]:
     cases = list(forward_cases(tier)) + list(decode_cases(tier))
     if tier == "gpu":  # after every earlier case: the wgmma forward of narrow v
         pairs = [(s, s) for s in SEQLENS] + list(UNEQUAL)
-        cases += [*dv_padded_wgmma_cases(pairs), *many_row_decode_cases(dims=WGMMA_DV_MATRIX_HEAD_DIMS)]
+        cases += [
+            *dv_padded_wgmma_cases(pairs),
+            *many_row_decode_cases(dims=WGMMA_DV_MATRIX_HEAD_DIMS),
+        ]
     return cases
 
 
