@@ -463,8 +463,8 @@ def test_the_wide_plants_cases_are_gate_cases_of_each_wgmma_configuration():
 # 192 with v's 192 and 128 run other kernels and pass.
 DV_SM90A_PLANT = (
     (
-        "fwd-fp16-d192v128-h8-b2-s1000-full-cfg5",
-        "fwd-bf16-d192v128-h8-b2-s1000-causal-cfg5",
+        "fwd-fp16-d192v128-h8kv2-b2-s1000-full-cfg5",
+        "fwd-bf16-d192v128-h8kv2-b2-s1000-causal-cfg5",
         "fwd-fp16-d192v128-h8-b2-s1000-causal-cfg6",
         "fwd-bf16-d192v128-h8kv1-b2-s1000-full-cfg7",
         "dec-fp16-d192v128-h48-b3-q65-k300-full-cfg5-lens0_1_101",
