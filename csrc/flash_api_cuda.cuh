@@ -66,9 +66,11 @@ namespace flashmoe::cuda {
 //      d=128 for non-causal heads of at least 4096 keys; slower than 5 on shorter or causal
 //      heads. No packed-batch variant.
 //   At d=192 and 256, 5 to 7 are one kernel: 128 x 96 (d=192) or 128 x 64 (d=256), two math
-//   warpgroups, K and V in two buffers, the output written from registers (Sm90WideTraits). Not
-//   yet timed (prefill-sm90.md, v5.1).
-//   5 to 7 take head dims 64, 128, 192 and 256, v's equal (kWgmmaHeadDims).
+//   warpgroups, K and V in two buffers, the output written from registers (Sm90WideTraits).
+//   With v's head dim 128 under q's and k's 192 (DeepSeek-V3's latent attention prefill) 5 to 7
+//   are one kernel too: 128 x 112, V and the output 128 wide (Sm90NarrowVTraits).
+//   5 to 7 take head dims 64, 128, 192 and 256, v's equal, and 192 with v's 128
+//   (wgmma_head_dims).
 //   Rejected: 8 warps x 128 x 64 at d=128 (one 16-row tile per warp): one block per SM, slower.
 constexpr int kNumConfigs = 7;
 constexpr int kDecodeConfig = 3;
@@ -82,7 +84,7 @@ constexpr bool is_sm90a_config(int64_t config) {
 // The head dims of the wgmma kernels, forward (configurations 5 to 7) and backward (configuration
 // 3); the others run the mma.sync kernels on every GPU. The texts are for the errors.
 constexpr int kWgmmaHeadDims[] = {64, 128, 192, 256};
-constexpr const char* kWgmmaHeadDimsText = "64, 128, 192 and 256";
+constexpr const char* kWgmmaHeadDimsText = "64, 128, 192 and 256 (v's equal), or 192 with v's 128";
 constexpr int kWgmmaBwdHeadDims[] = {64, 128};
 constexpr const char* kWgmmaBwdHeadDimsText = "64 and 128";
 template <size_t N>
@@ -103,8 +105,21 @@ template <typename Params>
 int tile_head_dim(const Params& p) {
   return int(cuda_tile_head_dim(p.head_dim, p.head_dim_v));
 }
+// v's 128 under q's and k's 192: the wgmma forward's kernel of narrow V (Sm90NarrowVTraits).
+inline bool wgmma_narrow_v(int64_t head_dim, int64_t head_dim_v) {
+  return head_dim == 192 && head_dim_v == 128;
+}
+template <typename Params>
+bool wgmma_narrow_v(const Params& p) {
+  return wgmma_narrow_v(p.head_dim, p.head_dim_v);
+}
 inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v) {
-  return head_dim == head_dim_v && is_wgmma_head_dim(int(head_dim));
+  return (head_dim == head_dim_v && is_wgmma_head_dim(int(head_dim))) ||
+         wgmma_narrow_v(head_dim, head_dim_v);
+}
+// The head dims the automatic choice runs on the wgmma forward (choose_config): all it takes.
+inline bool wgmma_chosen(int64_t head_dim, int64_t head_dim_v) {
+  return wgmma_head_dims(head_dim, head_dim_v);
 }
 inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim));
@@ -140,6 +155,11 @@ using Config4Traits =
 // spilled here, whose producer keeps 56 registers to FA3's 24 (prefill-sm90.md, v5.1).
 template <int D>
 using Sm90WideTraits = Sm90FwdTraits<D, D == 192 ? 96 : 64, 2, 2>;
+// v's 128 under q's and k's 192: V and O (64 registers a thread, not 96) are narrower, so
+// 112-key tiles fit (Q 48 KB + 2 x (K 42 KB + V 28 KB) = 188 KB). 128 keys (208 KB) fit too, but
+// their producer spilled at 56 registers and their math warpgroups at 216; at 112 the producer
+// keeps 64 (prefill-sm90.md, v5.2).
+using Sm90NarrowVTraits = Sm90FwdDvTraits<192, 128, 112, 2, 2>;
 template <int D>
 using Sm90Config5Traits =
     std::conditional_t<(D > 128), Sm90WideTraits<D>,
@@ -270,12 +290,27 @@ auto fwd_kernel() {
   }
 }
 
+// The wgmma forward's kernel of v's 128 under q's and k's 192, one for configurations 5 to 7.
+template <typename T, int D, bool kVarlen, int kConfig, typename F>
+void visit_narrow_v(F& f, bool features) {
+  if constexpr (D == 192) {
+    using Traits = Sm90NarrowVTraits;
+    FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kConfig, f, Traits,
+                   fwd_sm90_kernel<Traits, T, kVarlen>(features));
+  } else {  // the host refuses these first (wgmma_head_dims)
+    TORCH_CHECK(false, "flashmoe_science: no config=", kConfig, " kernel for head_dim ", D,
+                " with v's 128");
+  }
+}
+
 // Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration). kVarlen: the
 // forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3, 6 or 7).
 // `features`: a window, softcap or sinks, which the wgmma kernels take in an instantiation of
-// their own (the others take them at run time).
+// their own (the others take them at run time). `narrow_v`: v's 128 under q's and k's 192
+// (wgmma_narrow_v), which configurations 5 to 7 run on a kernel of their own (the others on the
+// 192 tile, v zero-padded).
 template <typename T, int D, bool kVarlen = false, typename F>
-void visit_config(int config, F&& f, bool features = false) {
+void visit_config(int config, F&& f, bool features = false, bool narrow_v = false) {
   // The kVarlen visit compiles no kernel for these (the `!kVarlen` branches below).
   static_assert(!has_packed_variant(kDecodeConfig) && !has_packed_variant(kSm90aM128Config) &&
                 !has_packed_variant(kSm90aN176Config));
@@ -294,6 +329,8 @@ void visit_config(int config, F&& f, bool features = false) {
   } else if (is_sm90a_config(config) && !kWgmma) {
     // The host refuses these first (check_wgmma_config); no wgmma kernel is compiled for D.
     TORCH_CHECK(false, "flashmoe_science: no config=", config, " kernel for head_dim ", D);
+  } else if (config == kSm90aConfig && narrow_v) {
+    visit_narrow_v<T, D, kVarlen, kSm90aConfig>(f, features);
   } else if (config == kSm90aConfig) {
     if constexpr (kWgmma) {
       // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
@@ -303,6 +340,8 @@ void visit_config(int config, F&& f, bool features = false) {
       FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
                      fwd_sm90_kernel<Traits, T, kVarlen>(features));
     }
+  } else if (config == kSm90aM128Config && !kVarlen && narrow_v) {
+    visit_narrow_v<T, D, false, kSm90aM128Config>(f, features);
   } else if (config == kSm90aM128Config && !kVarlen) {
     if constexpr (kWgmma) {
       // Two math warpgroups at every head dim (from d=128 up the same type, so the same kernel,
@@ -312,6 +351,8 @@ void visit_config(int config, F&& f, bool features = false) {
       FLASHMOE_VISIT(only::fwd_sm90a, T, D, kSm90aM128Config, f, Traits,
                      fwd_sm90_kernel<Traits, T, false>(features));
     }
+  } else if (config == kSm90aN176Config && !kVarlen && narrow_v) {
+    visit_narrow_v<T, D, false, kSm90aN176Config>(f, features);
   } else if (config == kSm90aN176Config && !kVarlen) {
     if constexpr (kWgmma) {
       // 176-key tiles at d=128, two K/V buffers; at the other head dims configuration 5's type,
@@ -328,9 +369,10 @@ void visit_config(int config, F&& f, bool features = false) {
 }
 
 template <typename T, bool kVarlen = false, typename F>
-void visit_kernel(int head_dim, int config, F&& f, bool features = false) {
-  with_head_dim(head_dim,
-                [&](auto d) { visit_config<T, decltype(d)::value, kVarlen>(config, f, features); });
+void visit_kernel(int head_dim, int config, F&& f, bool features = false, bool narrow_v = false) {
+  with_head_dim(head_dim, [&](auto d) {
+    visit_config<T, decltype(d)::value, kVarlen>(config, f, features, narrow_v);
+  });
 }
 
 // The decode kernel against a paged cache (p.block_table).
@@ -421,13 +463,13 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
 struct TileShape {
   int block_m, block_n, smem_bytes;
 };
-inline TileShape tile_shape_of(int config, int head_dim) {
+inline TileShape tile_shape_of(int config, int head_dim, bool narrow_v = false) {
   TileShape shape{};
   auto read = FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
     using Traits = decltype(traits);
     shape = {Traits::kBlockM, Traits::kBlockN, Traits::kSmemBytes};
   });
-  visit_kernel<__half>(head_dim, config, read);
+  visit_kernel<__half>(head_dim, config, read, false, narrow_v);
   return shape;
 }
 
@@ -462,8 +504,9 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, bool wgmma_ok, int
 
 // Refuses a forced configuration whose kernel needs more shared memory than a block of this GPU
 // may have (configurations 1 and 4 at d=256 on an sm86/sm89 GPU); 2 and 3 fit every GPU.
-inline void check_config_fits(int64_t config, const DeviceInfo& dev, int64_t head_dim) {
-  const int bytes = tile_shape_of(int(config), int(head_dim)).smem_bytes;
+inline void check_config_fits(int64_t config, const DeviceInfo& dev, int64_t head_dim,
+                              bool narrow_v) {
+  const int bytes = tile_shape_of(int(config), int(head_dim), narrow_v).smem_bytes;
   FLASHMOE_CHECK_VALUE(bytes <= dev.smem_per_block, "config=", config, " needs ", bytes,
                        " bytes of shared memory per block at head_dim ", head_dim,
                        "; this GPU allows ", dev.smem_per_block,
@@ -481,7 +524,10 @@ inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const
     check_wgmma_config("config", config, dev, others, wgmma_head_dims(head_dim, head_dim_v),
                        kWgmmaHeadDimsText, head_dim, head_dim_v);
   }
-  if (config != 0) check_config_fits(config, dev, cuda_tile_head_dim(head_dim, head_dim_v));
+  if (config != 0) {
+    check_config_fits(config, dev, cuda_tile_head_dim(head_dim, head_dim_v),
+                      is_sm90a_config(config) && wgmma_narrow_v(head_dim, head_dim_v));
+  }
 }
 
 // Whether the sm_90a kernel's producer (boxes of its key tile, 80 to 176 rows) copies K and V with
@@ -523,13 +569,15 @@ template <typename Traits>
 struct IsSm90Traits : std::false_type {};
 template <int D, int BN, int kWarpgroups, int kStages>
 struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups, kStages>> : std::true_type {};
+template <int D, int DV, int BN, int kWarpgroups, int kStages>
+struct IsSm90Traits<Sm90FwdDvTraits<D, DV, BN, kWarpgroups, kStages>> : std::true_type {};
 
 template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
                       cudaStream_t stream) {
   AttentionParams p = params;
   if (kBuiltSm90a && is_sm90a_config(config)) {
-    const TileShape tile = tile_shape_of(config, tile_head_dim(p));
+    const TileShape tile = tile_shape_of(config, tile_head_dim(p), wgmma_narrow_v(p));
     use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n);
   }
   auto launch = [&](auto kernel, auto traits) {
@@ -547,29 +595,33 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
   };
   const int tile_d = tile_head_dim(p);
   if (p.cu_seqlens_q != nullptr) {
-    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_features(p));
+    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_features(p), wgmma_narrow_v(p));
   } else if (p.block_table != nullptr) {
     visit_paged_decode<T>(tile_d, launch);
   } else {
-    visit_kernel<T>(tile_d, config, launch, has_features(p));
+    visit_kernel<T>(tile_d, config, launch, has_features(p), wgmma_narrow_v(p));
   }
 }
 
 // Blocks of one kernel resident per SM (registers, shared memory and threads), as CUDA computes
-// it; the split heuristic's unit of work. Cached per device, dtype, head_dim and configuration.
+// it; the split heuristic's unit of work. Cached per device, dtype, head_dim (and narrow v) and
+// configuration.
 template <typename T>
-int blocks_per_sm(int device, int head_dim, int config) {
+int blocks_per_sm(int device, int head_dim, int config, bool narrow_v) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, int, int>, int> cache;
+  static std::map<std::tuple<int, int, int, bool>, int> cache;
   std::lock_guard<std::mutex> lock(mutex);
-  int& blocks = cache[{device, head_dim, config}];
+  int& blocks = cache[{device, head_dim, config, narrow_v}];
   if (blocks == 0) {
-    visit_kernel<T>(head_dim, config, [&](auto kernel, auto traits) {
-      using Traits = decltype(traits);
-      allow_dynamic_smem(kernel, Traits::kSmemBytes);
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &blocks, kernel, Traits::kNThreads, Traits::kSmemBytes));
-    });
+    visit_kernel<T>(
+        head_dim, config,
+        [&](auto kernel, auto traits) {
+          using Traits = decltype(traits);
+          allow_dynamic_smem(kernel, Traits::kSmemBytes);
+          C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+              &blocks, kernel, Traits::kNThreads, Traits::kSmemBytes));
+        },
+        false, narrow_v);
     blocks = std::max(blocks, 1);
   }
   return blocks;
@@ -727,14 +779,15 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   const int64_t grid_x = int64_t(p.batch) * (p.pack_gqa ? p.heads_kv : p.heads_q);
   const int tile_d = tile_head_dim(p);
   if (config == 0) {
-    const bool wgmma_ok = wgmma_head_dims(p.head_dim, p.head_dim_v);
+    const bool wgmma_ok = wgmma_chosen(p.head_dim, p.head_dim_v);
     config = choose_config(dev, tile_d, wgmma_ok, grid_x, rows_per_head, causal, p.seqlen_k);
     // With a window, softcap or sinks, the wgmma kernel of two math warpgroups over 128-key tiles:
     // the feature instantiations of the others (three warpgroups, 176 keys) spill
     // (benches/notes/features.md).
     if (is_sm90a_config(config) && has_features(p)) config = kSm90aM128Config;
   }
-  const TileShape tile = tile_shape_of(int(config), tile_d);
+  const bool narrow_v = is_sm90a_config(config) && wgmma_narrow_v(p);
+  const TileShape tile = tile_shape_of(int(config), tile_d, narrow_v);
   const int m_blocks = ceil_div(rows_per_head, tile.block_m);
   // Launch order (benches/notes/prefill-sm80.md, v2.5): the row blocks of a head side by
   // side share its K and V in L2, which pays for short and unmasked sequences; long causal ones
@@ -750,8 +803,8 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   } else if (splits == 0) {
     const int resident =
         q.scalar_type() == at::kHalf
-            ? blocks_per_sm<__half>(q.device().index(), tile_d, int(config))
-            : blocks_per_sm<__nv_bfloat16>(q.device().index(), tile_d, int(config));
+            ? blocks_per_sm<__half>(q.device().index(), tile_d, int(config), narrow_v)
+            : blocks_per_sm<__nv_bfloat16>(q.device().index(), tile_d, int(config), narrow_v);
     splits = num_splits_heuristic(tiles, dev.sm_count * resident, n_blocks, kMaxSplits);
   }
   p.num_splits = splits;
@@ -920,11 +973,12 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
   const int64_t grid_x = batch * p.heads_q;
   const int tile_d = tile_head_dim(p);
   if (config == 0) {
-    const bool wgmma_ok = wgmma_head_dims(p.head_dim, p.head_dim_v);
+    const bool wgmma_ok = wgmma_chosen(p.head_dim, p.head_dim_v);
     config = packed_variant_of(
         choose_config(dev, tile_d, wgmma_ok, grid_x, p.seqlen_q, causal, p.seqlen_k));
   }
-  const TileShape tile = tile_shape_of(int(config), tile_d);
+  const TileShape tile =
+      tile_shape_of(int(config), tile_d, is_sm90a_config(config) && wgmma_narrow_v(p));
   const int m_blocks = ceil_div(p.seqlen_q, tile.block_m);
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
   FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "batch ", batch, " x heads ",
@@ -1251,6 +1305,18 @@ void append_kernel_launches(std::string& out) {
                                            append_forward_launch<decltype(traits)>(out, dtype,
                                                                                    true);
                                          }));
+  }
+  // The wgmma forward of v's 128 under q's and k's 192 (5 to 7 one kernel), dense and packed.
+  if constexpr (D == 192) {
+    for (const bool varlen : {false, true}) {
+      auto append = FLASHMOE_TRAITS_ONLY(
+          [&](auto, auto traits) { append_forward_launch<decltype(traits)>(out, dtype, varlen); });
+      if (varlen) {
+        visit_config<T, D, true>(kSm90aConfig, append, false, /*narrow_v=*/true);
+      } else {
+        visit_config<T, D>(kSm90aConfig, append, false, /*narrow_v=*/true);
+      }
+    }
   }
   visit_paged_decode<T>(D, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
                           using Traits = decltype(traits);

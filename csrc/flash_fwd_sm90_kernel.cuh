@@ -5,7 +5,8 @@
 // batch and the epilogue are the mma.sync kernel's, since wgmma leaves each warp's accumulators in
 // the mma.sync layout (wgmma_utils.cuh). Tiles live in shared memory in wgmma's 128-byte-swizzled
 // panel layout (swizzle_panels); K and V are in two buffers (three at D=128 with 128-key tiles;
-// two of 96 and 64 keys at D=192 and 256);
+// two of 96 and 64 keys at D=192 and 256, of 112 with v's 128 under q's and k's 192, where V
+// and O are 128 wide);
 // S(n) and P(n+1) V(n+1) go out together (FlashAttention-3's intra-warpgroup overlap), though
 // ptxas puts the wait for that P V above the softmax of S(n), which then runs after it (moving
 // the wait below gained nothing: benches/notes/prefill-sm90.md, v4.5).
@@ -71,9 +72,12 @@ __device__ __forceinline__ void span(int end) {  // end: 0 at the block's start,
 #endif
 }  // namespace phase_trace
 
-template <int kHeadDim_, int kBlockN_, int kWarpgroups_, int kStages_>
-struct Sm90FwdTraits {
+// The tiles of a wgmma forward kernel: q's and k's head dim kHeadDim, v's and the output's
+// kHeadDimV (Sm90FwdTraits where they are equal, Sm90FwdDvTraits where v is narrower).
+template <int kHeadDim_, int kHeadDimV_, int kBlockN_, int kWarpgroups_, int kStages_>
+struct Sm90FwdTiles {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarpgroups = kWarpgroups_;  // math warpgroups, plus one that only copies
   // K and V buffers each. With three, or two of 176 keys, or past D=128, the output is written
@@ -90,12 +94,14 @@ struct Sm90FwdTraits {
   static constexpr int kMathThreads = 128 * kWarpgroups_;
   static constexpr int kNThreads = kMathThreads + 128;
   static constexpr int kNWarps = kNThreads / 32;
-  static constexpr int kChunks = kHeadDim / 8;
-  static constexpr int kLoadThreads = 128;  // the producer warpgroup
+  static constexpr int kChunks = kHeadDimV / 8;  // the output's 16-byte chunks a row
+  static constexpr int kLoadThreads = 128;       // the producer warpgroup
   // Q, kStages K and V buffers, the output's staging buffer (two stages only), then the
   // mbarriers (Sm90Barriers).
   static constexpr int kTileBytes =
-      ((kStagedOutput ? 2 : 1) * kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2;
+      (kBlockM * kHeadDim + kStages * kBlockN * (kHeadDim + kHeadDimV) +
+       (kStagedOutput ? kBlockM * kHeadDimV : 0)) *
+      2;
   static constexpr int kSmemBytes = kTileBytes + 128;
   // setmaxnreg moves registers only inside the block's own allocation, which is fixed at launch:
   // kNThreads x the launch bound's registers (the SM's 64K shared out, a multiple of 8 each).
@@ -106,8 +112,12 @@ struct Sm90FwdTraits {
   // 48 leaves the producer unspilled; with three math warpgroups (512 threads, 128 registers
   // each at launch) 32 is what leaves them 160 (the producer then spills a little; 48 / 152
   // moves the spills into the math warpgroups). Past D=128, 56: the math warpgroups' share is
-  // 224 either way, and the producer's address arithmetic spilled at 48.
-  static constexpr int kProducerRegs = kWarpgroups_ == 3 ? 32 : kHeadDim_ > 128 ? 56 : 48;
+  // 224 either way, and the producer's address arithmetic spilled at 48. With v narrower than q
+  // and k, 64: its two copy shapes spilled at 56 (the math warpgroups keep 216).
+  static constexpr int kProducerRegs = kWarpgroups_ == 3         ? 32
+                                       : kHeadDimV_ != kHeadDim_ ? 64
+                                       : kHeadDim_ > 128         ? 56
+                                                                 : 48;
   static constexpr int kMathRegs =
       (kLaunchRegs * kNThreads - 128 * kProducerRegs) / kMathThreads / 8 * 8 > 240
           ? 240
@@ -116,13 +126,21 @@ struct Sm90FwdTraits {
       128 * kProducerRegs + kMathThreads * kMathRegs <= kLaunchRegs * kNThreads,
       "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
   // (which N a wgmma takes: sm90::mma_ss, mma_rs)
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0,
+  static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kBlockN % 16 == 0,
                 "wgmma tiles: 64-column panels, keys in P V's 16-key steps");
+  static_assert(kHeadDimV <= kHeadDim, "v no wider than q and k");
   static_assert(kSmemBytes <= 227 * 1024, "an sm_90 block has 227 KB of shared memory");
   static_assert(kStages == 2 || kStages == 3, "K and V in two or three buffers");
-  static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kHeadDim * 2) % 1024 == 0,
+  static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kHeadDim * 2) % 1024 == 0 &&
+                    (kBlockN * kHeadDimV * 2) % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle atom");
 };
+template <int kHeadDim_, int kBlockN_, int kWarpgroups_, int kStages_>
+struct Sm90FwdTraits : Sm90FwdTiles<kHeadDim_, kHeadDim_, kBlockN_, kWarpgroups_, kStages_> {};
+// v narrower than q and k (DeepSeek-V3's latent attention prefill: 192 and 128): V's buffers, P V
+// and the output at kHeadDimV.
+template <int kHeadDim_, int kHeadDimV_, int kBlockN_, int kWarpgroups_, int kStages_>
+struct Sm90FwdDvTraits : Sm90FwdTiles<kHeadDim_, kHeadDimV_, kBlockN_, kWarpgroups_, kStages_> {};
 
 // One warpgroup's rows of a row block: the accumulators and the online softmax's state, and the
 // steps of the main loop. `buf` names which of the two K (V) buffers a step reads. kFeatures: the
@@ -130,9 +148,12 @@ struct Sm90FwdTraits {
 // code is what it was before them: the features' code held registers the plain kernels lack).
 template <typename Traits, typename T, bool kVarlen, bool kFeatures>
 struct Sm90Rows {
-  static constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
-  static constexpr int NT = BN / 8, DT = D / 8;
-  static constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);  // the next buffer
+  static constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimV;
+  static constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN;
+  static constexpr int NT = BN / 8, DT = DV / 8;  // S's and O's 8-column groups
+  // the next K buffer, the next V buffer
+  static constexpr uint64_t kTileStep = uint64_t((BN * D * 2) >> 4);
+  static constexpr uint64_t kVTileStep = uint64_t((BN * DV * 2) >> 4);
   // Lazy rescale (see softmax) where the softmax is in the math warpgroups' critical path: with
   // three warpgroups (D=64). Under ping-pong (two) the softmax already hides under the other
   // warpgroup's matmuls, and the vote only adds work (benches/notes/prefill-sm90.md, v3.2).
@@ -170,6 +191,9 @@ struct Sm90Rows {
     k_desc = sm90::desc_k_major(smem_u32(sK));
     if (planted(10)) k_desc = (k_desc & ~(uint64_t(3) << 62)) | (uint64_t(2) << 62);  // K 64B
     v_desc = sm90::desc_mn_major<BN>(smem_u32(sV));
+    if constexpr (DV != D) {
+      if (planted(17)) v_desc = sm90::desc_mn_major<BN>(smem_u32(sK));  // planted: V from K's
+    }
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
@@ -190,20 +214,20 @@ struct Sm90Rows {
     }
     sm90::commit_group();
   }
-  // O += P V, one m64n(D)k16 wgmma per 16 keys with P from registers, as one commit group.
+  // O += P V, one m64n(DV)k16 wgmma per 16 keys with P from registers, as one commit group.
   __device__ __forceinline__ void issue_pv(int buf) {
     sm90::fence_operands(acc_o);
     sm90::fence();
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) {
-      if constexpr (D > 128) {
+      if constexpr (DV > 128) {
         if (planted(16)) {  // planted: P V over O's first 128 columns only
           sm90::mma_rs<128, T>(*reinterpret_cast<float (*)[16][4]>(&acc_o), p_frag[j],
-                               v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
+                               v_desc + buf * kVTileStep + sm90::mn_major_step(j), 1);
           continue;
         }
       }
-      sm90::mma_rs<D, T>(acc_o, p_frag[j], v_desc + buf * kTileStep + sm90::mn_major_step(j), 1);
+      sm90::mma_rs<DV, T>(acc_o, p_frag[j], v_desc + buf * kVTileStep + sm90::mn_major_step(j), 1);
     }
     sm90::commit_group();
   }
@@ -442,7 +466,7 @@ struct Sm90Rows {
       if (kStaged && p.num_splits == 1) {
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
-          *reinterpret_cast<uint32_t*>(sQ + swizzle<D>(row, dt) + (lane & 3) * 2) =
+          *reinterpret_cast<uint32_t*>(sQ + swizzle<DV>(row, dt) + (lane & 3) * 2) =
               pack2<T>(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
       }
       if (!kStaged && !Traits::kPairedStores && p.num_splits == 1 && r < te.rows_total) {
@@ -481,7 +505,7 @@ struct Sm90Rows {
       if (p.num_splits == 1) {
         if ((lane & 3) == 0) p.lse[lse_index] = lse;
       } else {
-        float* o_row = p.o_accum + (te.split * rows_all + lse_index) * D;
+        float* o_row = p.o_accum + (te.split * rows_all + lse_index) * DV;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
           *reinterpret_cast<float2*>(o_row + dt * 8 + (lane & 3) * 2) =
@@ -497,7 +521,7 @@ struct Sm90Rows {
         const int row = warp_row0 + c / kChunks, ch = c % kChunks, r = em0 + row;
         if (r >= te.rows_total) continue;
         *reinterpret_cast<uint4*>(o_row_of(r) + ch * 8) =
-            *reinterpret_cast<const uint4*>(sQ + swizzle<D>(row, ch));
+            *reinterpret_cast<const uint4*>(sQ + swizzle<DV>(row, ch));
       }
     }
   }
@@ -519,11 +543,12 @@ struct Sm90Block {
     n_hi =
         min(t.kv_block_end<Traits::kBlockM, Traits::kBlockN>(p, m0), n_lo + p.n_blocks_per_split);
   }
-  // Copies K(n) or V(n) into buffer `buf` of `tiles`, spread over kLoadThreads threads.
-  template <typename T>
+  // Copies K(n) or V(n) (kD: k's or v's tile width) into buffer `buf` of `tiles`, spread over
+  // kLoadThreads threads.
+  template <int kD, typename T>
   __device__ __forceinline__ void load(T* tiles, const T* base, int64_t row_stride, int n, int buf,
                                        int tid) const {
-    constexpr int D = Traits::kHeadDim, BN = Traits::kBlockN;
+    constexpr int D = kD, BN = Traits::kBlockN;
     if (planted(11) && n * BN + BN > t.len_k) return;  // planted: the last, partial tile not copied
     // (the host runs these kernels only unpadded: every chunk of a row is the tensor's)
     load_kv_tile<D, BN, Traits::kLoadThreads, /*kPanels=*/true>(
@@ -562,7 +587,8 @@ static_assert(sizeof(Sm90Barriers) <= 128, "the mbarriers get 128 bytes after th
 // the first).
 template <typename Traits, typename T, bool kVarlen, bool kFeatures>
 __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
+  constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimV;
+  constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int kMathWarps = Traits::kMathThreads / 32;
   constexpr int kStages = Traits::kStages;
   // Q by TMA where the host encoded its map (p.q_tma), from d=128 up: at d=64 Q was never late and
@@ -576,7 +602,7 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   T* sQ = reinterpret_cast<T*>(smem_buf);
   T* sK = sQ + BM * D;
   T* sV = sK + kStages * BN * D;
-  T* sO = sV + kStages * BN * D;  // the output's staging (Traits::kStagedOutput)
+  T* sO = sV + kStages * BN * DV;  // the output's staging (Traits::kStagedOutput)
   Sm90Barriers& bar =
       *reinterpret_cast<Sm90Barriers*>(reinterpret_cast<char*>(smem_buf) + Traits::kTileBytes);
 
@@ -628,7 +654,8 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
   if (warp >= kMathWarps) {  // the producer
     sm90::setmaxnreg_dec<Traits::kProducerRegs>();
     const int ptid = tid - Traits::kMathThreads;
-    constexpr uint32_t kBytes = BN * D * 2;  // a whole TMA box, zero-filled past the tensor
+    // whole TMA boxes of K and V, zero-filled past the tensor
+    constexpr uint32_t kBytes = BN * D * 2, kVBytes = BN * DV * 2;
     if (p.tma && ptid == 0) {
       sm90::prefetch_tensor_map(p.tma_k);
       sm90::prefetch_tensor_map(p.tma_v);
@@ -674,17 +701,17 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
                               bb);
           }
           sm90::mbar_wait(&bar.v_empty[s], empty_parity);
-          sm90::mbar_arrive_expect_tx(&bar.v_full[s], copy ? kBytes : 0);
+          sm90::mbar_arrive_expect_tx(&bar.v_full[s], copy ? kVBytes : 0);
           if (copy) {
-            sm90::tma_load_5d(sV + s * BN * D, p.tma_v, &bar.v_full[s], 0, row0 + n * BN, 0, hkv,
+            sm90::tma_load_5d(sV + s * BN * DV, p.tma_v, &bar.v_full[s], 0, row0 + n * BN, 0, hkv,
                               bb);
           }
         } else {
           sm90::mbar_wait(&bar.k_empty[s], empty_parity);
-          blk.load(sK, k_base, p.k_row_stride, n, s, ptid);
+          blk.template load<D>(sK, k_base, p.k_row_stride, n, s, ptid);
           sm90::mbar_arrive_on_copies(&bar.k_full[s]);
           sm90::mbar_wait(&bar.v_empty[s], empty_parity);
-          blk.load(sV, v_base, p.v_row_stride, n, s, ptid);
+          blk.template load<DV>(sV, v_base, p.v_row_stride, n, s, ptid);
           sm90::mbar_arrive_on_copies(&bar.v_full[s]);
         }
       }

@@ -204,6 +204,14 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
+// S over 112 keys: v's 128 under q's and k's 192 (Sm90NarrowVTraits).
+#define FLASHMOE_WGMMA_D_N112                                                           \
+  FLASHMOE_WGMMA_D_N96, "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+      "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3])
+#define FLASHMOE_WGMMA_REGS_N112                                                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}"
 #define FLASHMOE_WGMMA_D_N192                                                            \
   FLASHMOE_WGMMA_D_N176, "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), \
       "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3])
@@ -297,10 +305,14 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
 template <int N, typename T, bool kMnMajor = false>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,
                                        int scale_d) {
-  static_assert(N == 64 || N == 128 || ((N == 96 || N == 176) && !kMnMajor),
-                "wgmma N: 64, 128 (or 96, 176 K-major)");
+  static_assert(N == 64 || N == 128 || ((N == 96 || N == 112 || N == 176) && !kMnMajor),
+                "wgmma N: 64, 128 (or 96, 112, 176 K-major)");
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 96 && kHalf) {
+  if constexpr (N == 112 && kHalf) {
+    FLASHMOE_WGMMA_SS_K_MAJOR(112, "f16", "56", "57", "58");
+  } else if constexpr (N == 112) {
+    FLASHMOE_WGMMA_SS_K_MAJOR(112, "bf16", "56", "57", "58");
+  } else if constexpr (N == 96 && kHalf) {
     FLASHMOE_WGMMA_SS_K_MAJOR(96, "f16", "48", "49", "50");
   } else if constexpr (N == 96) {
     FLASHMOE_WGMMA_SS_K_MAJOR(96, "bf16", "48", "49", "50");
@@ -353,6 +365,8 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 #undef FLASHMOE_WGMMA_SS_K_MAJOR
 #undef FLASHMOE_WGMMA_RS_WIDE
 #undef FLASHMOE_WGMMA_D_N96
+#undef FLASHMOE_WGMMA_D_N112
+#undef FLASHMOE_WGMMA_REGS_N112
 #undef FLASHMOE_WGMMA_REGS_N96
 #undef FLASHMOE_WGMMA_D_N192
 #undef FLASHMOE_WGMMA_REGS_N192

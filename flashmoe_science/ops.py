@@ -141,8 +141,8 @@ CONFIGS = {
     2: "64x64 tiles, 4 warps",
     3: "decode kernel: 16 rows, 4 warps splitting the keys",
     4: "128x64 tiles at d128, 128x128 at d64, 4 warps (sm_90 and newer)",
-    5: "128x128 tiles (192x128 at d64, 128x96 at d192, 128x64 at d256), 2 (3 at d64) warpgroups, "
-    "wgmma (sm_90a build on a 9.0 GPU)",
+    5: "128x128 tiles (192x128 at d64, 128x96 at d192, 128x64 at d256, 128x112 at d192 with v's "
+    "128), 2 (3 at d64) warpgroups, wgmma (sm_90a build on a 9.0 GPU)",
     6: "128x128 tiles at d64 and d128 (d128 and up: config 5's kernel), 2 warpgroups, wgmma "
     "(sm_90a build on a 9.0 GPU)",
     7: "128x176 tiles at d128 (other head dims: config 5's kernel), 2 warpgroups, wgmma (sm_90a "

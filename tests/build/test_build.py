@@ -880,6 +880,18 @@ def test_missing_unit_is_a_build_failure(tmp_path, monkeypatch, capsys):
 # --------------------------------------------------------------------------------------------------
 
 
+def sm90_fwd_smem(
+    head_dim: int, head_dim_v: int, block_n: int, warpgroups: int, stages: int
+) -> int:
+    """Sm90FwdTiles::kSmemBytes: Q (64 rows a math warpgroup), K and V in `stages` buffers, with
+    two stages of at most 128 keys up to d=128 the output's staging buffer, then 128 bytes of
+    mbarriers (csrc/flash_fwd_sm90_kernel.cuh)."""
+    rows = 64 * warpgroups
+    staged = stages == 2 and block_n <= 128 and head_dim <= 128
+    tiles = rows * head_dim + stages * block_n * (head_dim + head_dim_v)
+    return (tiles + (rows * head_dim_v if staged else 0)) * 2 + 128
+
+
 def traits_smem(kernel: str) -> int:
     """The shared memory a kernel's traits ask for, by the formulas of csrc/flash_fwd_kernel.cuh
     (FwdTraits::kSmemBytes), csrc/flash_fwd_sm90_kernel.cuh (Sm90FwdTraits), csrc/flash_decode_kernel.cuh
@@ -912,11 +924,9 @@ def traits_smem(kernel: str) -> int:
         return (2 * block_n + 4 * block_m) * head_dim * 2 + block_n * block_m * 2 + 4 * block_m * 4
     if match := re.search(r"Sm90FwdTraits<(\d+), (\d+), (\d+), (\d+)>", kernel):
         head_dim, block_n, warpgroups, stages = (int(g) for g in match.groups())
-        # Q (64 rows a math warpgroup), K and V in `stages` buffers, with two stages of at most
-        # 128 keys up to d=128 the output's staging buffer (Q's size), then 128 bytes of mbarriers
-        # (csrc/flash_fwd_sm90_kernel.cuh)
-        q_tiles = 2 if stages == 2 and block_n <= 128 and head_dim <= 128 else 1
-        return (q_tiles * 64 * warpgroups + 2 * stages * block_n) * head_dim * 2 + 128
+        return sm90_fwd_smem(head_dim, head_dim, block_n, warpgroups, stages)
+    if match := re.search(r"Sm90FwdDvTraits<(\d+), (\d+), (\d+), (\d+), (\d+)>", kernel):
+        return sm90_fwd_smem(*(int(g) for g in match.groups()))
     assert re.search(
         r"split_kv_combine|bwd_preprocess|bwd_convert_dq|varlen_offsets_check", kernel
     ), kernel
@@ -1109,12 +1119,14 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     # kernels and where configuration 4 is 1's kernel, 3 forward kernels + 2 packed-batch ones +
     # the same others with 2 backward configurations + the dQ conversion) + at d=192 and 256 the
     # wgmma forward (5 to 7 one kernel) and its packed-batch one, + each sm_90a forward kernel's
-    # twin with windows, softcap and sinks (6 forward and 4 packed-batch ones)
+    # twin with windows, softcap and sinks (6 forward and 4 packed-batch ones), + at d=192 with
+    # v's 128 the wgmma forward of narrow V (5 to 7 one kernel), dense and packed, with their twins
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
     per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1 + 2
     assert table is not None
-    assert len(table) == 2 * (6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 10)
+    assert len(table) == 2 * (6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 10 + 4)
     assert sum(name.endswith(", true>") and "Sm90FwdTraits" in name for name in table) == 2 * 10
+    assert sum(name.endswith(", true>") and "Sm90FwdDvTraits" in name for name in table) == 2 * 2
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]

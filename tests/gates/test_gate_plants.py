@@ -458,6 +458,50 @@ def test_the_wide_plants_cases_are_gate_cases_of_each_wgmma_configuration():
     assert all(parse_case_id(case_id).head_dim == 128 for case_id in passing)
 
 
+# Plant 17 (P V reads K's buffers where v's 128 sits under q's and k's 192): the failing cases are
+# (192, 128) on 5, 6 and 7 (one kernel) and its packed-batch and cp.async (many-row decode) paths;
+# 192 with v's 192 and 128 run other kernels and pass.
+DV_SM90A_PLANT = (
+    (
+        "fwd-fp16-d192v128-h8kv2-b2-s1000-full-cfg5",
+        "fwd-bf16-d192v128-h8kv2-b2-s1000-causal-cfg5",
+        "fwd-fp16-d192v128-h8-b2-s1000-causal-cfg6",
+        "fwd-bf16-d192v128-h8kv1-b2-s1000-full-cfg7",
+        "dec-fp16-d192v128-h48-b3-q65-k300-full-cfg5-lens0_1_101",
+    ),
+    ("fwd-fp16-d192-h8kv1-b2-s1000-causal-cfg5", "fwd-bf16-d128-h8-b2-s1000-causal-cfg5"),
+)
+
+
+def _check_plant(run_planted, bug: int, plant: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
+    failing, passing = plant
+    results = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
+    assert sorted(results) == sorted((*failing, *passing))
+    for case_id in failing:
+        assert results[case_id], f"planted bug {bug} passed the gates on {case_id}"
+    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
+)
+def test_planted_v_from_k_fails_the_narrow_v_wgmma_gates_and_only_them(run_planted):
+    """Build the unit with -DFLASHMOE_PLANT_BUG=17 (P V reads K's buffers at v's 128 under q's and
+    k's 192): every (192, 128) case fails a gate, the others pass."""
+    _check_plant(run_planted, 17, DV_SM90A_PLANT)
+
+
+def test_the_narrow_v_plants_cases_are_gate_cases():
+    """Plant 17's cases are GPU gate cases, the failing ones (192, 128) on 5, 6 and 7."""
+    failing, passing = DV_SM90A_PLANT
+    assert {*failing, *passing} <= {c.id for c in matrix.gate_cases("gpu")}
+    narrow = [parse_case_id(case_id) for case_id in failing]
+    assert {c.config for c in narrow} == {5, 6, 7}
+    assert {(c.head_dim, c.value_head_dim) for c in narrow} == {(192, 128)}
+
+
 # ---- the planted-bug scripts themselves ------------------------------------------------------
 
 

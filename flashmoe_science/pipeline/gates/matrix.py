@@ -75,6 +75,14 @@ GATED_HEAD_DIMS = {6: (64,), 7: (128,)}
 WGMMA_WIDE_HEAD_DIMS = (192, 256)
 WGMMA_WIDE_MATRIX_CONFIG = 5
 WGMMA_WIDE_FORCED_CONFIGS = (5, 6, 7)
+# The wgmma forward's head dims (q's and k's, v's) of v narrower than q and k (DeepSeek's latent
+# attention prefill: a kernel of its own, one for 5 to 7), gated in blocks of their own after
+# every earlier case. Configuration 5 runs them on FORCED_SHAPES and WGMMA_DV_MATRIX_HEAD_DIMS
+# over the whole sequence-length matrix, ramped scores, the features and the cp.async path
+# (many-row decode); 6 and 7 the forced shapes at WGMMA_DV_MATRIX_HEAD_DIMS. (Padded head dims
+# are to join both: prefill-sm90.md, v5.2.)
+WGMMA_DV_HEAD_DIMS = ((192, 128),)
+WGMMA_DV_MATRIX_HEAD_DIMS = ((192, 128),)
 # (Sq, Sk, forced splits) of every forced configuration: one row, a tail block, Sq != Sk, a few
 # blocks and split-KV.
 FORCED_SHAPES = (
@@ -234,6 +242,73 @@ def wide_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
             config=WGMMA_WIDE_MATRIX_CONFIG,
             num_splits=3 if index % 5 == 4 else 0,
         )
+        yield _with_features(case, combo, index)
+
+
+def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
+    """The wgmma forward at WGMMA_DV_HEAD_DIMS (GPU tier): FORCED_SHAPES on configuration 5 at
+    each, on 6 and 7 at WGMMA_DV_MATRIX_HEAD_DIMS, which 5 runs over every (Sq, Sk) of `pairs`
+    (dtypes, masks, GQA ratios 1/4/8, strided views), with ramped scores and each feature
+    combination; a card or build that cannot run them skips, saying why."""
+    index = 0
+    for config in WGMMA_WIDE_FORCED_CONFIGS:
+        dims = (
+            WGMMA_DV_HEAD_DIMS if config == WGMMA_WIDE_MATRIX_CONFIG else WGMMA_DV_MATRIX_HEAD_DIMS
+        )
+        variants = itertools.product(DTYPES, dims, (False, True), FORCED_SHAPES)
+        for dtype, (head_dim, head_dim_v), causal, (seqlen_q, seqlen_k, splits) in variants:
+            matrix_dims = (head_dim, head_dim_v) in WGMMA_DV_MATRIX_HEAD_DIMS
+            if config == WGMMA_WIDE_MATRIX_CONFIG and matrix_dims and (seqlen_q, seqlen_k) in pairs:
+                continue  # its full matrix below has the shape
+            batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+            yield Case(
+                "prefill",
+                dtype,
+                batch,
+                hq,
+                hkv,
+                seqlen_q,
+                seqlen_k,
+                head_dim,
+                causal,
+                config=config,
+                num_splits=splits,
+                head_dim_v=head_dim_v,
+            )
+            index += 1
+    variants = itertools.product(DTYPES, WGMMA_DV_MATRIX_HEAD_DIMS, (False, True), pairs)
+    for dtype, (head_dim, head_dim_v), causal, (seqlen_q, seqlen_k) in variants:
+        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+        yield Case(
+            "prefill",
+            dtype,
+            batch,
+            hq,
+            hkv,
+            seqlen_q,
+            seqlen_k,
+            head_dim,
+            causal,
+            layout="bshd" if index % 4 == 3 else "bhsd",
+            config=WGMMA_WIDE_MATRIX_CONFIG,
+            head_dim_v=head_dim_v,
+        )
+        index += 1
+    yield from _ramped_cases((WGMMA_WIDE_MATRIX_CONFIG,), (1000, 1000), WGMMA_DV_MATRIX_HEAD_DIMS)
+    variants = itertools.product(FORCED_FEATURE_PAIRS, FEATURE_COMBOS)
+    for index, ((seqlen_q, seqlen_k), combo) in enumerate(variants):
+        case = _turned_case(
+            "prefill",
+            index,
+            seqlen_q,
+            seqlen_k,
+            config=WGMMA_WIDE_MATRIX_CONFIG,
+            num_splits=3 if index % 5 == 4 else 0,
+        )
+        head_dim, head_dim_v = WGMMA_DV_MATRIX_HEAD_DIMS[
+            (index // 2) % len(WGMMA_DV_MATRIX_HEAD_DIMS)
+        ]
+        case = dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v)
         yield _with_features(case, combo, index)
 
 
@@ -429,16 +504,25 @@ MANY_ROW_DECODE_CONFIGS = (5, 6, 7)
 MANY_ROW_DECODE_HEADS = {65: (3, 48), 257: (3, 16)}
 
 
-def many_row_decode_cases(wide: bool = False) -> Iterator[Case]:
+def many_row_decode_cases(
+    wide: bool = False, dims: tuple[tuple[int, int], ...] = ()
+) -> Iterator[Case]:
     """Decode of 65 and 257 query rows with mixed cache_seqlens (empty, one token, partial and
     full 128-key tiles), both dtypes, head dims (gated_head_dims; with `wide`,
-    WGMMA_WIDE_HEAD_DIMS on WGMMA_WIDE_MATRIX_CONFIG) and masks, GQA ratios 1/4/8 (none packed),
-    with and without splits, on the wgmma kernels' cp.async path (MANY_ROW_DECODE)."""
-    configs = (WGMMA_WIDE_MATRIX_CONFIG,) if wide else MANY_ROW_DECODE_CONFIGS
+    WGMMA_WIDE_HEAD_DIMS on WGMMA_WIDE_MATRIX_CONFIG; with `dims`, those (q's and k's, v's) on it)
+    and masks, GQA ratios 1/4/8 (none packed), with and without splits, on the wgmma kernels'
+    cp.async path (MANY_ROW_DECODE)."""
+    configs = (WGMMA_WIDE_MATRIX_CONFIG,) if wide or dims else MANY_ROW_DECODE_CONFIGS
     for config in configs:
         head_dims = WGMMA_WIDE_HEAD_DIMS if wide else gated_head_dims(config)
-        variants = itertools.product(MANY_ROW_DECODE, DTYPES, head_dims, (False, True))
-        for index, ((seqlen_q, seqlen_k, splits), dtype, head_dim, causal) in enumerate(variants):
+        pairs = dims or tuple((d, d) for d in head_dims)
+        variants = itertools.product(MANY_ROW_DECODE, DTYPES, pairs, (False, True))
+        for index, (
+            (seqlen_q, seqlen_k, splits),
+            dtype,
+            (head_dim, head_dim_v),
+            causal,
+        ) in enumerate(variants):
             batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
             yield Case(
                 "decode",
@@ -453,11 +537,19 @@ def many_row_decode_cases(wide: bool = False) -> Iterator[Case]:
                 num_splits=splits,
                 cache_seqlens=_mixed_lengths(seqlen_k, batch, index),
                 config=config,
+                head_dim_v=head_dim_v,
             )
 
 
 def gate_cases(tier: str) -> list[Case]:
-    return list(forward_cases(tier)) + list(decode_cases(tier))
+    cases = list(forward_cases(tier)) + list(decode_cases(tier))
+    if tier == "gpu":  # after every earlier case: the wgmma forward of narrow v
+        pairs = [(s, s) for s in SEQLENS] + list(UNEQUAL)
+        cases += [
+            *dv_padded_wgmma_cases(pairs),
+            *many_row_decode_cases(dims=WGMMA_DV_MATRIX_HEAD_DIMS),
+        ]
+    return cases
 
 
 @functools.cache

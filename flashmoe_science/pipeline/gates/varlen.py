@@ -29,7 +29,13 @@ from ..cases import (
     ramp_keys,
 )
 from .forward import attention_pytorch_lowp, attention_reference, features, poisoned_outputs
-from .matrix import NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU, WGMMA_WIDE_HEAD_DIMS, WGMMA_WIDE_MATRIX_CONFIG
+from .matrix import (
+    NEW_HEAD_DIMS,
+    NEW_HEAD_DIMS_CPU,
+    WGMMA_DV_MATRIX_HEAD_DIMS,
+    WGMMA_WIDE_HEAD_DIMS,
+    WGMMA_WIDE_MATRIX_CONFIG,
+)
 from .ragged import RaggedResult, case_seed
 
 
@@ -192,6 +198,7 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
     yield from _feature_cases(gpu)
     if gpu:
         yield from _wide_wgmma_cases()
+        yield from _dv_padded_wgmma_cases()
 
 
 def _wide_wgmma_cases() -> Iterator[VarlenCase]:
@@ -218,6 +225,45 @@ def _wide_wgmma_cases() -> Iterator[VarlenCase]:
             window=window,
             softcap=softcap,
             sinks=sinks,
+        )
+
+
+def _dv_padded_wgmma_cases() -> Iterator[VarlenCase]:
+    """The wgmma forward's packed kernel at matrix.WGMMA_DV_MATRIX_HEAD_DIMS (v narrower than q and
+    k), forced: every batch of the matrix with both dtypes and masks, then FEATURE_CASES."""
+    config = WGMMA_WIDE_MATRIX_CONFIG
+    variants = itertools.product(WGMMA_DV_MATRIX_HEAD_DIMS, DTYPES, (False, True), BATCHES)
+    for index, ((head_dim, head_dim_v), dtype, causal, (lengths_q, lengths_k)) in enumerate(
+        variants
+    ):
+        ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
+        yield VarlenCase(
+            dtype,
+            head_dim,
+            HEADS_Q,
+            HEADS_Q // ratio,
+            lengths_q,
+            lengths_k,
+            causal,
+            config,
+            head_dim_v=head_dim_v,
+        )
+    for index, (batch, causal, window, softcap, sinks) in enumerate(FEATURE_CASES):
+        lengths_q, lengths_k = BATCHES[batch]
+        head_dim, head_dim_v = WGMMA_DV_MATRIX_HEAD_DIMS[index % len(WGMMA_DV_MATRIX_HEAD_DIMS)]
+        yield VarlenCase(
+            tuple(DTYPES)[index % len(DTYPES)],
+            head_dim,
+            HEADS_Q,
+            HEADS_Q // GQA_RATIOS[index % len(GQA_RATIOS)],
+            lengths_q,
+            lengths_k,
+            causal,
+            config,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            head_dim_v=head_dim_v,
         )
 
 
