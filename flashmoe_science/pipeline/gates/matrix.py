@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from ..cases import DTYPES, Case
 
@@ -186,79 +186,20 @@ def forward_cases(tier: str) -> Iterator[Case]:
     yield from wide_wgmma_cases(pairs)
 
 
-def wide_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
-    """The wgmma forward at WGMMA_WIDE_HEAD_DIMS (GPU tier): every forced configuration over
-    FORCED_SHAPES, WGMMA_WIDE_MATRIX_CONFIG over every (Sq, Sk) of `pairs` (dtypes, masks, GQA
-    ratios 1/4/8, strided views), ramped scores and each feature combination; a card or build that
-    cannot run them skips, saying why."""
+def _wgmma_shape_cases(
+    forced_dims: Callable[[int], Sequence[tuple[int, int]]],
+    matrix_dims: Sequence[tuple[int, int]],
+    pairs: list[tuple[int, int]],
+) -> Iterator[Case]:
+    """The wgmma forward at head dims (q's and k's, v's) of its own: each forced configuration
+    over FORCED_SHAPES at `forced_dims(config)`, then WGMMA_WIDE_MATRIX_CONFIG over every (Sq, Sk)
+    of `pairs` at `matrix_dims` (dtypes, masks, GQA ratios 1/4/8, strided views)."""
     index = 0
     for config in WGMMA_WIDE_FORCED_CONFIGS:
-        variants = itertools.product(DTYPES, WGMMA_WIDE_HEAD_DIMS, (False, True), FORCED_SHAPES)
-        for dtype, head_dim, causal, (seqlen_q, seqlen_k, splits) in variants:
-            if config == WGMMA_WIDE_MATRIX_CONFIG and (seqlen_q, seqlen_k) in pairs:
-                continue  # its full matrix below has the shape
-            batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-            yield Case(
-                "prefill",
-                dtype,
-                batch,
-                hq,
-                hkv,
-                seqlen_q,
-                seqlen_k,
-                head_dim,
-                causal,
-                config=config,
-                num_splits=splits,
-            )
-            index += 1
-    variants = itertools.product(DTYPES, WGMMA_WIDE_HEAD_DIMS, (False, True), pairs)
-    for dtype, head_dim, causal, (seqlen_q, seqlen_k) in variants:
-        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-        yield Case(
-            "prefill",
-            dtype,
-            batch,
-            hq,
-            hkv,
-            seqlen_q,
-            seqlen_k,
-            head_dim,
-            causal,
-            layout="bshd" if index % 4 == 3 else "bhsd",
-            config=WGMMA_WIDE_MATRIX_CONFIG,
-        )
-        index += 1
-    wide = tuple((d, d) for d in WGMMA_WIDE_HEAD_DIMS)
-    yield from _ramped_cases((WGMMA_WIDE_MATRIX_CONFIG,), (1000, 1000), wide)
-    variants = itertools.product(FORCED_FEATURE_PAIRS, FEATURE_COMBOS)
-    for index, ((seqlen_q, seqlen_k), combo) in enumerate(variants):
-        case = _turned_case(
-            "prefill",
-            index,
-            seqlen_q,
-            seqlen_k,
-            WGMMA_WIDE_HEAD_DIMS,
-            config=WGMMA_WIDE_MATRIX_CONFIG,
-            num_splits=3 if index % 5 == 4 else 0,
-        )
-        yield _with_features(case, combo, index)
-
-
-def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
-    """The wgmma forward at WGMMA_DV_HEAD_DIMS (GPU tier): FORCED_SHAPES on configuration 5 at
-    each, on 6 and 7 at WGMMA_DV_MATRIX_HEAD_DIMS, which 5 runs over every (Sq, Sk) of `pairs`
-    (dtypes, masks, GQA ratios 1/4/8, strided views), with ramped scores and each feature
-    combination; a card or build that cannot run them skips, saying why."""
-    index = 0
-    for config in WGMMA_WIDE_FORCED_CONFIGS:
-        dims = (
-            WGMMA_DV_HEAD_DIMS if config == WGMMA_WIDE_MATRIX_CONFIG else WGMMA_DV_MATRIX_HEAD_DIMS
-        )
-        variants = itertools.product(DTYPES, dims, (False, True), FORCED_SHAPES)
+        variants = itertools.product(DTYPES, forced_dims(config), (False, True), FORCED_SHAPES)
         for dtype, (head_dim, head_dim_v), causal, (seqlen_q, seqlen_k, splits) in variants:
-            matrix_dims = (head_dim, head_dim_v) in WGMMA_DV_MATRIX_HEAD_DIMS
-            if config == WGMMA_WIDE_MATRIX_CONFIG and matrix_dims and (seqlen_q, seqlen_k) in pairs:
+            in_matrix = (head_dim, head_dim_v) in matrix_dims and (seqlen_q, seqlen_k) in pairs
+            if config == WGMMA_WIDE_MATRIX_CONFIG and in_matrix:
                 continue  # its full matrix below has the shape
             batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
             yield Case(
@@ -276,7 +217,7 @@ def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
                 head_dim_v=head_dim_v,
             )
             index += 1
-    variants = itertools.product(DTYPES, WGMMA_DV_MATRIX_HEAD_DIMS, (False, True), pairs)
+    variants = itertools.product(DTYPES, matrix_dims, (False, True), pairs)
     for dtype, (head_dim, head_dim_v), causal, (seqlen_q, seqlen_k) in variants:
         batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
         yield Case(
@@ -294,6 +235,40 @@ def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
             head_dim_v=head_dim_v,
         )
         index += 1
+
+
+def wide_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
+    """The wgmma forward at WGMMA_WIDE_HEAD_DIMS (GPU tier): every forced configuration over
+    FORCED_SHAPES, WGMMA_WIDE_MATRIX_CONFIG over every (Sq, Sk) of `pairs`, ramped scores and each
+    feature combination; a card or build that cannot run them skips, saying why."""
+    wide = tuple((d, d) for d in WGMMA_WIDE_HEAD_DIMS)
+    yield from _wgmma_shape_cases(lambda config: wide, wide, pairs)
+    yield from _ramped_cases((WGMMA_WIDE_MATRIX_CONFIG,), (1000, 1000), wide)
+    variants = itertools.product(FORCED_FEATURE_PAIRS, FEATURE_COMBOS)
+    for index, ((seqlen_q, seqlen_k), combo) in enumerate(variants):
+        case = _turned_case(
+            "prefill",
+            index,
+            seqlen_q,
+            seqlen_k,
+            WGMMA_WIDE_HEAD_DIMS,
+            config=WGMMA_WIDE_MATRIX_CONFIG,
+            num_splits=3 if index % 5 == 4 else 0,
+        )
+        yield _with_features(case, combo, index)
+
+
+def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
+    """The wgmma forward at WGMMA_DV_HEAD_DIMS (GPU tier): FORCED_SHAPES on configuration 5 at
+    each, on 6 and 7 at WGMMA_DV_MATRIX_HEAD_DIMS, which 5 runs over every (Sq, Sk) of `pairs`,
+    with ramped scores and each feature combination; a card or build that cannot run them skips,
+    saying why."""
+
+    def forced_dims(config: int) -> Sequence[tuple[int, int]]:
+        matrix_config = config == WGMMA_WIDE_MATRIX_CONFIG
+        return WGMMA_DV_HEAD_DIMS if matrix_config else WGMMA_DV_MATRIX_HEAD_DIMS
+
+    yield from _wgmma_shape_cases(forced_dims, WGMMA_DV_MATRIX_HEAD_DIMS, pairs)
     yield from _ramped_cases((WGMMA_WIDE_MATRIX_CONFIG,), (1000, 1000), WGMMA_DV_MATRIX_HEAD_DIMS)
     variants = itertools.product(FORCED_FEATURE_PAIRS, FEATURE_COMBOS)
     for index, ((seqlen_q, seqlen_k), combo) in enumerate(variants):

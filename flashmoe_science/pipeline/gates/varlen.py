@@ -202,37 +202,21 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
 
 
 def _wide_wgmma_cases() -> Iterator[VarlenCase]:
-    """The wgmma forward's packed kernel past head dim 128 (matrix.WGMMA_WIDE_HEAD_DIMS), forced:
-    every batch of the matrix with both dtypes and masks, then FEATURE_CASES."""
-    config = WGMMA_WIDE_MATRIX_CONFIG
-    variants = itertools.product(WGMMA_WIDE_HEAD_DIMS, DTYPES, (False, True), BATCHES)
-    for index, (head_dim, dtype, causal, (lengths_q, lengths_k)) in enumerate(variants):
-        ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
-        yield VarlenCase(
-            dtype, head_dim, HEADS_Q, HEADS_Q // ratio, lengths_q, lengths_k, causal, config
-        )
-    for index, (batch, causal, window, softcap, sinks) in enumerate(FEATURE_CASES):
-        lengths_q, lengths_k = BATCHES[batch]
-        yield VarlenCase(
-            tuple(DTYPES)[index % len(DTYPES)],
-            WGMMA_WIDE_HEAD_DIMS[index % 2],
-            HEADS_Q,
-            HEADS_Q // GQA_RATIOS[index % len(GQA_RATIOS)],
-            lengths_q,
-            lengths_k,
-            causal,
-            config,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-        )
+    """The wgmma forward's packed kernel past head dim 128 (matrix.WGMMA_WIDE_HEAD_DIMS), forced."""
+    return _forced_wgmma_cases(tuple((d, d) for d in WGMMA_WIDE_HEAD_DIMS))
 
 
 def _dv_padded_wgmma_cases() -> Iterator[VarlenCase]:
     """The wgmma forward's packed kernel at matrix.WGMMA_DV_MATRIX_HEAD_DIMS (v narrower than q and
-    k), forced: every batch of the matrix with both dtypes and masks, then FEATURE_CASES."""
+    k), forced."""
+    return _forced_wgmma_cases(WGMMA_DV_MATRIX_HEAD_DIMS)
+
+
+def _forced_wgmma_cases(dims: tuple[tuple[int, int], ...]) -> Iterator[VarlenCase]:
+    """The wgmma forward's packed kernel (WGMMA_WIDE_MATRIX_CONFIG) at head dims (q's and k's,
+    v's) `dims`: every batch of the matrix with both dtypes and masks, then FEATURE_CASES."""
     config = WGMMA_WIDE_MATRIX_CONFIG
-    variants = itertools.product(WGMMA_DV_MATRIX_HEAD_DIMS, DTYPES, (False, True), BATCHES)
+    variants = itertools.product(dims, DTYPES, (False, True), BATCHES)
     for index, ((head_dim, head_dim_v), dtype, causal, (lengths_q, lengths_k)) in enumerate(
         variants
     ):
@@ -250,7 +234,7 @@ def _dv_padded_wgmma_cases() -> Iterator[VarlenCase]:
         )
     for index, (batch, causal, window, softcap, sinks) in enumerate(FEATURE_CASES):
         lengths_q, lengths_k = BATCHES[batch]
-        head_dim, head_dim_v = WGMMA_DV_MATRIX_HEAD_DIMS[index % len(WGMMA_DV_MATRIX_HEAD_DIMS)]
+        head_dim, head_dim_v = dims[index % len(dims)]
         yield VarlenCase(
             tuple(DTYPES)[index % len(DTYPES)],
             head_dim,
