@@ -226,6 +226,11 @@ inline void set_planted_bug(int device) {
   if (done.at(device)) return;
   const int bug = cpu::planted_bug();
   c10::cuda::CUDAGuard guard(device);
+  // Not inside a graph capture, where a synchronous copy is refused: a later call outside one
+  // sets it (the kernels read it when they run, replays included).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device), &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;
   C10_CUDA_CHECK(cudaMemcpyToSymbol(g_planted_bug, &bug, sizeof(bug)));
   done.at(device) = true;
 #else
