@@ -147,6 +147,32 @@ def workload_backward_configs() -> list[int]:
     return [c for c in BACKWARD_CONFIGS if backward_config_supported(c, capability, archs)]
 
 
+def many_row_decode_case(
+    dtype: str, head_dim: int, seqlen_q: int, causal: bool, splits: int, config: int
+):
+    """A decode Case of many query rows (GQA 4, unpacked) against a cache with lengths 0, short
+    and full: on the wgmma kernels the producer then copies K, V and Q with cp.async, not TMA
+    (matrix.MANY_ROW_DECODE)."""
+    from ..cases import Case
+    from ..gates.matrix import MANY_ROW_DECODE_HEADS
+
+    batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
+    return Case(
+        "decode",
+        dtype,
+        batch,
+        heads_q,
+        heads_q // 4,
+        seqlen_q,
+        300,
+        head_dim,
+        causal,
+        num_splits=splits,
+        cache_seqlens=(0, 17, 300),
+        config=config,
+    )
+
+
 def workload_cases(restriction: _loader.Restriction | None = None) -> list:
     """Every forward kernel instantiation (dtype x head dim x tile configuration) with and without
     the causal mask over odd lengths, then the decode paths, the backward, packed batches and paged
@@ -182,7 +208,7 @@ def case_needs(case) -> set:
 
 def _all_workload_cases() -> list:
     from ..cases import Case
-    from ..gates.matrix import MANY_ROW_DECODE_CONFIGS, MANY_ROW_DECODE_HEADS, gated_head_dims
+    from ..gates.matrix import MANY_ROW_DECODE_CONFIGS, gated_head_dims
 
     configs = workload_configs()
     cases = []
@@ -253,23 +279,7 @@ def _all_workload_cases() -> list:
     ):
         if head_dim not in gated_head_dims(config):
             continue
-        batch, heads_q = MANY_ROW_DECODE_HEADS[seqlen_q]
-        cases.append(
-            Case(
-                "decode",
-                dtype,
-                batch,
-                heads_q,
-                heads_q // 4,
-                seqlen_q,
-                300,
-                head_dim,
-                causal,
-                num_splits=splits,
-                cache_seqlens=(0, 17, 300),
-                config=config,
-            )
-        )
+        cases.append(many_row_decode_case(dtype, head_dim, seqlen_q, causal, splits, config))
     # The backward: every configuration, with dQ by atomics and deterministic, over odd lengths
     # (keys and queries past a block's end, rows that see no key), GQA 4 and a strided view.
     backward = ((65, 65, 4, 1, False), (129, 257, 8, 2, True), (257, 17, 2, 2, True))
@@ -435,7 +445,6 @@ def wide_head_dim_workload(configs: Sequence[int]) -> list:
     small and a large block size), packed batches (the wgmma kernel's too) and their backward, and
     the backward (1 and automatic) with dQ by atomics and deterministic."""
     from ..cases import Case
-    from ..gates.matrix import MANY_ROW_DECODE_HEADS
     from ..gates.paged import PagedCase
     from ..gates.varlen import VarlenCase
 
@@ -477,23 +486,8 @@ def wide_head_dim_workload(configs: Sequence[int]) -> list:
                 )
             )
         if 5 in configs:  # K, V and Q by cp.async: no TMA with cache lengths
-            batch, heads_q = MANY_ROW_DECODE_HEADS[65]
-            cases.append(
-                Case(
-                    "decode",
-                    dtype,
-                    batch,
-                    heads_q,
-                    heads_q // 4,
-                    65,
-                    300,
-                    head_dim,
-                    dtype == "bf16",
-                    num_splits=3 if dtype == "fp16" else 0,
-                    cache_seqlens=(0, 17, 300),
-                    config=5,
-                )
-            )
+            splits = 3 if dtype == "fp16" else 0
+            cases.append(many_row_decode_case(dtype, head_dim, 65, dtype == "bf16", splits, 5))
         page_size = 16 if dtype == "fp16" else 64
         cases.append(PagedCase(dtype, head_dim, 8, 2, 1, PAGED_LENGTHS, page_size, num_splits=3))
         for config in (0, 2, 5):
