@@ -81,9 +81,7 @@ READ_FLOOR_TARGET = 0.90
 READ_FLOOR_MIN_BYTES = 64 * 2**20
 HOST_TARGET = 1.0
 PREFILL_MIN_SEQLEN = 512
-TFLOPS_MIN_SEQLEN = (
-    4096  # S >= this, non-causal, at the card's head dim: the TFLOP/s target's cases
-)
+TFLOPS_MIN_SEQLEN = 4096  # S >= this, non-causal: the TFLOP/s target's cases
 # The H100's targets
 PREFILL_GEOMEAN_TARGET = 1.05
 PREFILL_CASE_TARGET = 0.90
@@ -124,11 +122,11 @@ PREFILL_GEOMEAN = "geomean cuDNN / ours"
 PREFILL_VS_CUDNN = "cuDNN / ours"
 
 
-def tflops_label(tflops: float) -> str:
+def tflops_target_label(tflops: float) -> str:
     return f"TFLOP/s / {tflops:.0f}"
 
 
-TFLOPS_VS_TARGET = tflops_label(TFLOPS_TARGET)
+TFLOPS_VS_TARGET = tflops_target_label(TFLOPS_TARGET)
 SMALL_VS_DEFAULT = "SDPA default / ours"
 BACKWARD_GEOMEAN = "geomean SDPA flash / ours"
 BACKWARD_VS_FLASH = "SDPA flash / ours"
@@ -182,10 +180,6 @@ class CardTargets:
     `tflops_head_dim`, the training step's, the features' (feature_verdicts) and the training
     run's final losses (the largest relative difference allowed)."""
 
-    @property
-    def tflops_label(self) -> str:
-        return tflops_label(self.tflops or 0.0)
-
     matrix: tuple[MatrixTarget, ...]
     summary: str  # what they are, for the tables' headings
     tflops: float | None = None
@@ -193,6 +187,10 @@ class CardTargets:
     step: float | None = None
     features: bool = False
     loss: float | None = None
+
+    @property
+    def tflops_label(self) -> str:
+        return tflops_target_label(self.tflops or 0.0)
 
 
 CARD_TARGETS = {
