@@ -162,20 +162,8 @@ def forward_cases(tier: str) -> Iterator[Case]:
                     for seqlen_q, seqlen_k, splits in FORCED_SHAPES:
                         if config in FULL_MATRIX_CONFIGS and (seqlen_q, seqlen_k) in pairs:
                             continue  # its full matrix below has the shape
-                        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-                        yield Case(
-                            "prefill",
-                            dtype,
-                            batch,
-                            hq,
-                            hkv,
-                            seqlen_q,
-                            seqlen_k,
-                            head_dim,
-                            causal,
-                            config=config,
-                            num_splits=splits,
-                        )
+                        shape = (seqlen_q, seqlen_k, splits)
+                        yield _forced_shape_case(index, dtype, head_dim, causal, shape, config)
                         index += 1
         if config in FULL_MATRIX_CONFIGS:
             yield from matrix(config)
@@ -184,6 +172,35 @@ def forward_cases(tier: str) -> Iterator[Case]:
     yield from _ramped_cases((0,), (1000, 1000), NEW_HEAD_DIMS)
     yield from feature_cases("gpu", "prefill")
     yield from wide_wgmma_cases(pairs)
+
+
+def _forced_shape_case(
+    index: int,
+    dtype: str,
+    head_dim: int,
+    causal: bool,
+    shape: tuple[int, int, int],
+    config: int,
+    head_dim_v: int = 0,
+) -> Case:
+    """A prefill case of FORCED_SHAPES ((Sq, Sk, splits)) on a forced configuration, its batch
+    and heads from its place in the matrix (`index`)."""
+    seqlen_q, seqlen_k, splits = shape
+    batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+    return Case(
+        "prefill",
+        dtype,
+        batch,
+        hq,
+        hkv,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        causal,
+        config=config,
+        num_splits=splits,
+        head_dim_v=head_dim_v,
+    )
 
 
 def _wgmma_shape_cases(
@@ -201,21 +218,8 @@ def _wgmma_shape_cases(
             in_matrix = (head_dim, head_dim_v) in matrix_dims and (seqlen_q, seqlen_k) in pairs
             if config == WGMMA_WIDE_MATRIX_CONFIG and in_matrix:
                 continue  # its full matrix below has the shape
-            batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-            yield Case(
-                "prefill",
-                dtype,
-                batch,
-                hq,
-                hkv,
-                seqlen_q,
-                seqlen_k,
-                head_dim,
-                causal,
-                config=config,
-                num_splits=splits,
-                head_dim_v=head_dim_v,
-            )
+            shape = (seqlen_q, seqlen_k, splits)
+            yield _forced_shape_case(index, dtype, head_dim, causal, shape, config, head_dim_v)
             index += 1
     variants = itertools.product(DTYPES, matrix_dims, (False, True), pairs)
     for dtype, (head_dim, head_dim_v), causal, (seqlen_q, seqlen_k) in variants:
