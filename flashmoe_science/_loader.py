@@ -732,6 +732,21 @@ def nvcc_threads(config: BuildConfig) -> int:
     return max(1, min(threads, int(max_jobs))) if max_jobs.isdigit() else threads
 
 
+def nvcc_split_compile(config: BuildConfig) -> int | None:
+    """The plant unit's nvcc splits its optimizer and ptxas over the machine's cores but one (the
+    production unit's nvcc, beside it): one process of ~300 s on the H100's host, the GPU job's
+    longest build (benches/notes/harness.md v5.11). Never above MAX_JOBS. The production unit
+    keeps whole-module optimization: a split there moves the SASS of 50 kernels, which only the
+    gates and a bench on a GPU may accept."""
+    if PLANT_DEFINE not in config.defines:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    split = max(1, (cores or 1) - 1)
+    max_jobs = os.environ.get("MAX_JOBS", "")
+    split = max(1, min(split, int(max_jobs))) if max_jobs.isdigit() else split
+    return split if split > 1 else None
+
+
 def portable_flags(config: BuildConfig) -> dict[str, list[str]]:
     """compile_flags with the two machine-specific prefixes in them (the checkout's sources and
     torch's site-packages, in include paths and the linker's -L folders) written as placeholders:
@@ -1136,6 +1151,8 @@ def _child_command(config: BuildConfig) -> tuple[list[str], dict[str, str]]:
     flags = compile_flags(config)
     if config.backend == "cuda":
         flags["cuda_cflags"] += ["--threads", str(nvcc_threads(config))]
+        if split := nvcc_split_compile(config):
+            flags["cuda_cflags"].append(f"--split-compile={split}")
     spec = {
         "name": config.name,
         "sources": [str(config.source)],

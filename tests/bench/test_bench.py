@@ -282,6 +282,7 @@ def run_bench(
 
 
 @pytest.mark.slow
+@pytest.mark.cpu
 def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path):
     # --retakes 0: the plumbing, not the figures (a loaded machine would retake every case twice)
     done = run_bench(

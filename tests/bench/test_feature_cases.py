@@ -178,6 +178,7 @@ def test_the_flex_mask_follows_the_bottom_right_alignment():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu
 def test_compiled_flex_on_the_cpu_computes_what_its_eager_implementation_does():
     """The bench's call under torch.compile (a window and a softcap: the CPU's compiled Flex has no
     backward and no log-sum-exp), against Flex's eager result. Slow: inductor's first compile on

@@ -565,6 +565,23 @@ def test_nvcc_threads_follow_archs_and_max_jobs(cuda_machine, monkeypatch):
     assert loader.nvcc_threads(config) == 1
 
 
+def test_only_the_plant_unit_splits_its_compile_over_the_cores(cuda_machine, monkeypatch):
+    """The plant unit (no production kernel in it) splits nvcc's optimizer over the cores but
+    one, never above MAX_JOBS, and outside the build's hash; the production unit never splits."""
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    production = build.resolve_config("cuda", arch_list="9.0a")
+    plants = build.resolve_config("cuda", arch_list="9.0a", defines=[loader.PLANT_DEFINE])
+    assert loader.nvcc_split_compile(production) is None
+    assert loader.nvcc_split_compile(plants) == 15
+    monkeypatch.setenv("MAX_JOBS", "4")
+    assert loader.nvcc_split_compile(plants) == 4
+    monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("MAX_JOBS")
+    assert loader.nvcc_split_compile(plants) is None, "one thread: no split"
+    assert "--split-compile" not in " ".join(loader.compile_flags(plants)["cuda_cflags"])
+
+
 # --------------------------------------------------------------------------------------------------
 # Streaming, locking
 # --------------------------------------------------------------------------------------------------

@@ -338,6 +338,39 @@ def test_a_pull_request_benches_one_case_per_family_against_its_base(
     assert done.stdout.splitlines()[-1] == f"nox {expected}"
 
 
+@pytest.mark.parametrize(
+    ("event", "expected"),
+    [
+        ("pull_request_target", "nox -s test -- --require-gpu --no-cpu-twins"),
+        ("push", "nox -s test -- --require-gpu --no-cpu-twins"),
+        ("schedule", "nox -s test -- --require-gpu"),
+    ],
+)
+def test_the_gpu_test_stage_leaves_the_cpu_twins_to_cpu_ci_but_on_schedule(
+    tmp_path, event, expected
+):
+    """The test step's script, run with a stand-in for nox: CPU CI runs the CPU implementation's
+    tests on every pull request and push (cpu-ci.yml), so the GPU leg leaves them out there; the
+    scheduled run keeps them on the GPU machine's torch."""
+    assert {"pull_request", "push"} <= set(triggers(load("cpu-ci.yml")))
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    test = next(s for s in steps(job) if s.get("name") == "test")
+    assert test["env"]["EVENT"] == "${{ github.event_name }}"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nox").write_text('#!/bin/sh\necho "nox $*"\n')
+    (bindir / "nox").chmod(0o755)
+    done = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", test["run"]],
+        env={"PATH": f"{bindir}:/usr/bin:/bin", "EVENT": event},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == expected
+
+
 def test_no_run_reads_what_a_pull_requests_run_wrote():
     """No cache anywhere (a pull request's run could write one another run reads); the only job
     that writes to the repository (main's verdicts and bench history) runs after main's pushes."""

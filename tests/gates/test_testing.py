@@ -314,6 +314,42 @@ def test_a_gate_or_a_plant_marked_long_is_refused(tmp_path, extra):
         assert (rec["outcome"], rec["pytest_exit"]) == ("error", 4), rec
 
 
+# ---- the CPU twins: CPU CI's, left out of the GPU job's stage ---------------------------------
+
+TWINS = """
+@pytest.mark.gate
+@pytest.mark.parametrize("case", ["c3"], ids=lambda c: f"{c}-cpu")
+def test_cpu_gate(case, record_property):
+    record_property("gate", {"case_id": case, "max_diff": 0.0, "ratio": 1.0})
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_on_a_device(device):
+    pass
+
+@pytest.mark.cpu
+def test_marked_cpu():
+    pass
+"""
+TWINS_LEFT_OUT = "3 CPU twin tests left out (--no-cpu-twins): CPU CI runs them"
+
+
+def test_no_cpu_twins_leaves_out_what_runs_the_cpu_implementation_alone(tmp_path):
+    """The CPU gate case, the test on device cpu and the test marked cpu go; the CUDA twin, the
+    other gates and tests stay; the run says how many it left out, under xdist too."""
+    rec = run_suite(tmp_path, extra=TWINS)
+    assert rec["tests"]["selected"] == 8 and rec["gates"]["selected"] == 4
+    assert "CPU twin" not in (tmp_path / "output.txt").read_text()
+    for workers in ([], ["-p", "xdist.plugin", "-n", "2"]):
+        rec = run_suite(tmp_path, "--no-cpu-twins", *workers, extra=TWINS)
+        assert rec["outcome"] == "passed", rec
+        assert (rec["tests"]["selected"], rec["gates"]["selected"]) == (5, 3), workers
+        assert [c["case_id"] for c in rec["cases"]] == ["c1", "c2"]
+        assert TWINS_LEFT_OUT in (tmp_path / "output.txt").read_text(), workers
+    rec = run_suite(tmp_path, "--no-cpu-twins", "--long", extra=TWINS + LONG_TEST)
+    assert rec["tests"]["selected"] == 6, "--long keeps the long test, the twins still go"
+    assert "marked `long` left out" not in (tmp_path / "output.txt").read_text()
+
+
 # ---- every GPU of the machine: a worker per GPU --------------------------------------------------
 
 DEVICE_GATES = """

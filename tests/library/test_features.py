@@ -273,6 +273,7 @@ def test_opcheck_with_window_softcap_and_sinks():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu
 def test_torch_compile_trains_with_the_features():
     """torch.compile(fullgraph=True) of forward and backward with a window, softcap and sinks gives
     eager's gradients, the sinks' included, bit for bit (deterministic)."""

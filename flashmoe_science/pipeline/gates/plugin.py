@@ -11,6 +11,10 @@ FLASHMOE_LONG_TESTS=1): pull requests and pushes leave it out, the scheduled GPU
 No gate and no planted-bug test may be marked `long`: those run on every pull request, and a
 session that collects one is a usage error.
 
+`--no-cpu-twins` deselects the tests that run only the CPU implementation (cpu_twin): gate cases
+on the CPU, tests parametrized on device "cpu", tests marked `cpu`. The GPU job's test stage passes
+it on pull requests and pushes, where CPU CI runs those tests on the same commit.
+
 At the end of every session (on the controller under pytest-xdist; never for --collect-only) the
 plugin writes gates.json, and the test stage writes the same record itself when pytest never got
 that far (the build failed, pytest could not start). Schema "flashmoe-science/gates/2":
@@ -89,6 +93,7 @@ MARKER = "gate"
 TRAINING = "training"
 LONG = "long"  # the marker of a test that runs only in the scheduled GPU CI run
 SLOW = "slow"  # the marker of a test that takes more than a few seconds: workers start those first
+CPU = "cpu"  # the marker of a test of the CPU implementation alone (cpu_twin)
 LONG_VAR = "FLASHMOE_LONG_TESTS"  # "1": select the tests marked long, as --long does
 # The fixture every planted-bug test builds its variant with (tests/conftest.py): such a test is
 # what proves a gate, so it never leaves the pull request's run.
@@ -171,6 +176,19 @@ def selection(
 
 def long_from_env() -> bool:
     return os.environ.get(LONG_VAR, "") == "1"
+
+
+def cpu_twin(item) -> bool:
+    """Whether a test runs the CPU implementation alone, whatever the machine: marked `cpu`,
+    parametrized on device "cpu", or a gate case on the CPU (every gate id ends in its device)."""
+    if item.get_closest_marker(CPU):
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return False
+    if callspec.params.get("device") == "cpu":
+        return True
+    return bool(item.get_closest_marker(MARKER)) and callspec.id.endswith("-cpu")
 
 
 def kept_short(item) -> str | None:
@@ -272,6 +290,7 @@ class GateRecorder:
         self.training: dict | None = None
         self.collection_errors = 0
         self.long_left_out = 0  # tests marked long that this run leaves out (no --long)
+        self.twins_left_out = 0  # CPU twins this run leaves out (--no-cpu-twins)
         # worker id -> {"id", "cuda_visible_devices", "gpu", "gates", "tests"}
         self.workers: dict[str, dict] = {}
 
@@ -306,6 +325,7 @@ class GateRecorder:
             worker["gpu"] = said.get("gpu")
             # every worker collects the whole selection: each leaves out the same tests
             self.long_left_out = max(self.long_left_out, int(said.get("long_left_out") or 0))
+            self.twins_left_out = max(self.twins_left_out, int(said.get("twins_left_out") or 0))
         else:  # it crashed before its end: what it was given
             worker["cuda_visible_devices"] = given
 
@@ -319,10 +339,14 @@ class GateRecorder:
                     f"on every pull request. Remove the marker (make the test shorter instead)"
                 )
         drop = set() if config.getoption("long") else {id(item) for item in long_ones}
+        if config.getoption("no_cpu_twins"):
+            twins = {id(item) for item in items if cpu_twin(item)}
+            self.twins_left_out = len(twins)
+            drop |= twins
         if config.getoption("gates_only"):
             drop |= {id(item) for item in items if not item.get_closest_marker(MARKER)}
         else:  # a gates-only run leaves out every other test, long or not: nothing to say
-            self.long_left_out = len(long_ones) if drop else 0
+            self.long_left_out = 0 if config.getoption("long") else len(long_ones)
         if drop:
             config.hook.pytest_deselected(items=[item for item in items if id(item) in drop])
             items[:] = [item for item in items if id(item) not in drop]
@@ -385,7 +409,11 @@ class GateRecorder:
             config, "workerinput"
         ):  # a worker: say which GPU it used and what it left out, the rest is the controller's
             here["gpu"] = devices.gpu_name()
-            config.workeroutput[WORKER_OUTPUT] = {**here, "long_left_out": self.long_left_out}
+            config.workeroutput[WORKER_OUTPUT] = {
+                **here,
+                "long_left_out": self.long_left_out,
+                "twins_left_out": self.twins_left_out,
+            }
             return
         if config.option.collectonly:
             return
@@ -412,6 +440,12 @@ class GateRecorder:
         )
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.twins_left_out and not hasattr(self.config, "workerinput"):
+            n = self.twins_left_out
+            terminalreporter.write_line(
+                f"{n:,} CPU twin test{'' if n == 1 else 's'} left out (--no-cpu-twins): CPU CI "
+                "runs them; run the stage without it for them here"
+            )
         if self.long_left_out and not hasattr(self.config, "workerinput"):
             n = self.long_left_out
             terminalreporter.write_line(
@@ -464,6 +498,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run only the correctness gates (tests marked `gate`); other tests are deselected",
     )
     parser.addoption(
+        "--no-cpu-twins",
+        action="store_true",
+        default=False,
+        help="leave out the tests of the CPU implementation alone (CPU gate cases, tests on device "
+        f"cpu or marked `{CPU}`): the GPU job's, where CPU CI runs them on the same commit",
+    )
+    parser.addoption(
         "--long",
         action="store_true",
         default=long_from_env(),
@@ -479,5 +520,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.pop(name, None)
     config.addinivalue_line(
         "markers", f"{MARKER}: a correctness gate case (counted in reports/{RECORD})"
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{CPU}: tests the CPU implementation alone, on any machine (--no-cpu-twins leaves it out)",
     )
     config.pluginmanager.register(GateRecorder(config), "flashmoe-gate-recorder")
