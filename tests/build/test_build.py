@@ -1197,6 +1197,12 @@ class FakeChild:
         FakeChild.calls.append((command, env))
         stdout.write(output)
         self.code = code
+        if code == 0 and FakeChild.own_s is not None:  # the child's report, as its build writes it
+            reports = Path(env["FLASHMOE_REPORTS_DIR"])
+            reports.mkdir(parents=True, exist_ok=True)
+            (reports / "build.json").write_text(json.dumps({"elapsed_s": FakeChild.own_s}))
+
+    own_s: typing.ClassVar[float | None] = None
 
     def wait(self):
         return self.code
@@ -1223,6 +1229,7 @@ def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "root"))
     monkeypatch.setenv(loader.ONLY_VAR, "op=fwd")
     FakeChild.calls = []
+    monkeypatch.setattr(FakeChild, "own_s", 137.6)
     monkeypatch.setattr(build.subprocess, "Popen", FakeChild)
     assert build.main(["--backend", "cpu", "--arch", "8.9", "--plants"]) == exitcodes.OK
     ((command, env),) = FakeChild.calls
@@ -1232,7 +1239,10 @@ def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
     ]  # fmt: skip
     assert env["FLASHMOE_REPORTS_DIR"] == str(tmp_path / "root" / "plants-reports")
     assert loader.ONLY_VAR not in env  # the plant unit is whole
-    assert "build: the plant unit (-DFLASHMOE_PLANT_BUG=-1) done in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # each unit's own time: the wait for the child ends with this build, not with the child's
+    assert "build: this unit done in" in out
+    assert "build: the plant unit (-DFLASHMOE_PLANT_BUG=-1) done in 137.6 s" in out
     assert build.main(["--backend", "cpu"]) == exitcodes.OK and len(FakeChild.calls) == 1
 
     def failing(command, stdout, env, **kwargs):
