@@ -3,11 +3,13 @@ head-against-base machinery, all on the CPU (no GPU needed)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ import pytest
 import torch
 from gitrepo import copy_project, git, reuse_this_build
 
-from flashmoe_science.pipeline import cases, exitcodes
+from flashmoe_science.pipeline import cases, exitcodes, paths
 from flashmoe_science.pipeline.bench import (
     baselines,
     headbase,
@@ -33,6 +35,7 @@ from flashmoe_science.pipeline.bench import records as benchrecords
 from flashmoe_science.pipeline.bench import run as bench
 from flashmoe_science.pipeline.bench import summary as benchmd
 from flashmoe_science.pipeline.bench.flex import NOT_ON_CPU
+from flashmoe_science.pipeline.build import unit as build
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 
@@ -1072,6 +1075,53 @@ def flash_attention_forward(*args, **kwargs):  # planted by tests/bench/test_ben
     __import__("time").sleep(0.2)
     return _unplanted_forward(*args, **kwargs)
 """
+
+
+class _Started(Exception):
+    """Raised by a stand-in for start_base_build once it has seen its arguments."""
+
+
+def test_the_build_steps_base_is_the_one_the_bench_builds(monkeypatch, tmp_path):
+    """`build --base REF` (headbase.start_prebuild) builds REF in the very tree, build root,
+    report dir, log and environment that `bench --base REF` uses, so the bench finds it made;
+    nothing where REF is unknown or its kernel sources are these (the bench reuses this build)."""
+    monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "root"))
+    head = build.resolve_config("cpu")
+    tree = tmp_path / "root" / "worktrees" / "ab12"
+    (tree / "flashmoe_science" / "pipeline" / "bench").mkdir(parents=True)
+    (tree / "flashmoe_science" / "pipeline" / "bench" / "run.py").write_text("")
+    shutil.copytree(head.sources_dir, tree / "csrc")
+    sha = "ab12" * 10
+    monkeypatch.setattr(headbase, "resolve_ref", lambda ref: sha if ref == "main" else "")
+    monkeypatch.setattr(headbase, "commit_has_bench", lambda sha: True)
+    monkeypatch.setattr(headbase, "prepare_worktree", lambda sha: tree)
+    said: list[str] = []
+    assert headbase.start_prebuild("nope", head, said.append) is None
+    assert "no such commit here" in said[-1]
+    assert headbase.start_prebuild("main", head, said.append) is None, "same sources"
+    assert "its kernel sources are these" in said[-1]
+
+    (tree / "csrc" / "flashmoe_science.cu").write_text(head.source.read_text() + "// base\n")
+    seen = []
+
+    def started(tree, env, log_path):
+        seen.append((tree, env["FLASHMOE_BUILD_ROOT"], env[paths.REPORTS_VAR], log_path))
+        raise _Started
+
+    monkeypatch.setattr(headbase, "start_base_build", started)
+    with pytest.raises(_Started):
+        headbase.start_prebuild("main", head, said.append)
+    args = argparse.Namespace(base_defines=None, warmup_ms=None, rep_ms=None)
+    with pytest.raises(_Started):  # the bench's own build of the base, as compare() starts it
+        headbase.compare_with_tree(tree, sha, [], "cpu", args, say=said.append)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    build_root, reports = paths.base_dirs(tree, sha)
+    assert seen[0] == (
+        tree,
+        str(build_root),
+        str(reports),
+        reports.parent / f"{sha[:12]}.build.log",
+    )
 
 
 @pytest.mark.slow

@@ -1255,6 +1255,45 @@ def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
     assert "the planted-bug tests cannot load it" in err and "x.cu(3): error: planted" in err
 
 
+def test_the_base_builds_beside_and_its_failure_is_the_benchs_to_report(
+    monkeypatch, capsys, tmp_path
+):
+    """`build --base REF` waits for REF's build (started by headbase.start_prebuild) and says its
+    own time; a base that does not build warns and leaves the step green (the bench falls back to
+    a stored run and says why), where a broken plant unit fails it."""
+    config = build.resolve_config("cpu")
+    monkeypatch.setattr(build, "resolve_config", lambda *a, **k: config)
+    monkeypatch.setattr(
+        build,
+        "build",
+        lambda config, force=False, quiet=False: build.BuildResult(
+            config, tmp_path / "lib.so", False, 0.1, [], tmp_path, {}
+        ),
+    )
+    asked = []
+
+    def start_base(ref, head, code=0):
+        asked.append((ref, head))
+        log = tmp_path / "base.log"
+        with log.open("w") as out:
+            child = FakeChild(["build"], out, {"FLASHMOE_REPORTS_DIR": str(tmp_path / "r")}, code)
+        (log.parent / "base.log").write_text("x.cu(9): error: base\n" if code else "")
+        return build.BesideBuild("the base 0123abcd4567 (main)", child, log, 0.0, tmp_path / "r")
+
+    monkeypatch.setattr(FakeChild, "own_s", 88.0)
+    monkeypatch.setattr(build, "start_base_build", start_base)
+    assert build.main(["--backend", "cpu", "--base", "main"]) == exitcodes.OK
+    assert asked == [("main", config)]
+    out = capsys.readouterr().out
+    assert "build: the base 0123abcd4567 (main) done in 88.0 s" in out
+    monkeypatch.setattr(build, "start_base_build", lambda ref, head: start_base(ref, head, 2))
+    assert build.main(["--backend", "cpu", "--base", "main"]) == exitcodes.OK
+    err = capsys.readouterr().err
+    assert "WARNING: the base 0123abcd4567 (main) did not build (exit 2" in err
+    assert "the bench step will try again and say why" in err and "x.cu(9): error: base" in err
+    assert build.main(["--backend", "cpu"]) == exitcodes.OK and len(asked) == 2
+
+
 def test_build_builds_the_library_the_other_commands_load(monkeypatch):
     """`build` with FLASHMOE_BUILD_DEFINES set builds the variant that test, bench and sanitize then
     load (it built the plain library before, and the first of them compiled again); --define

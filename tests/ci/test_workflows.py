@@ -240,7 +240,8 @@ def test_the_gpu_job_is_a_matrix_of_the_gpu_kinds_each_built_for_its_card():
     build = next(s["run"] for s in steps(job) if s.get("name") == "build")
     assert "--arch" not in build
     # the planted-bug tests' unit is built here, beside the job's, not in the test stage
-    assert build.split() == ["nox", "-s", "build", "--", "--backend", "cuda", "--plants"]
+    # (the script itself: test_a_pull_requests_build_step_builds_its_base_beside)
+    assert "args=(--backend cuda --plants)" in build
 
 
 def test_the_gate_needs_every_leg_and_reads_each_legs_result():
@@ -336,6 +337,39 @@ def test_a_pull_request_benches_one_case_per_family_against_its_base(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == f"nox {expected}"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"BASE_REF": "main"}, "nox -s build -- --backend cuda --plants --base origin/main"),
+        ({"BASE_REF": ""}, "nox -s build -- --backend cuda --plants"),
+    ],
+    ids=["pull-request", "push-or-schedule"],
+)
+def test_a_pull_requests_build_step_builds_its_base_beside(tmp_path, env, expected):
+    """The build step's script, run with a stand-in for nox: a pull request's base (what its bench
+    step compares with, the same `origin/` ref) builds beside the head and the plant unit."""
+    job = load("gpu-ci.yml")["jobs"]["gpu"]
+    step = next(s for s in steps(job) if s.get("name") == "build")
+    bench = next(s for s in steps(job) if s.get("name") == "bench")
+    assert step["env"]["BASE_REF"] == bench["env"]["BASE_REF"]
+    assert (
+        '--base "origin/$BASE_REF"' in step["run"] and '--base "origin/$BASE_REF"' in bench["run"]
+    )
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nox").write_text('#!/bin/sh\necho "nox $*"\n')
+    (bindir / "nox").chmod(0o755)
+    done = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
+        env={"PATH": f"{bindir}:/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == expected
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ that there is none, with the reason either way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -294,22 +295,73 @@ def reuse_head_build(tree: Path, env: dict) -> bool:
     return _loader.reuse_build(config, tree / "csrc", Path(env["FLASHMOE_BUILD_ROOT"]))
 
 
-def build_base(tree: Path, env: dict, log_path: Path, say=print) -> None:
-    if reuse_head_build(tree, env):
-        say("bench: the base's kernel sources are the head's: it reuses the head's build")
-    say(f"bench: building the base in {tree} into {env['FLASHMOE_BUILD_ROOT']} (log {log_path})")
+def start_base_build(tree: Path, env: dict, log_path: Path) -> subprocess.Popen:
+    """The base's `python -m flashmoe_science build`, run in its tree with its environment (the
+    command every version of the package has had), output to `log_path`."""
     with open(log_path, "w") as log:
-        code = subprocess.call(
+        return subprocess.Popen(
             [sys.executable, "-m", "flashmoe_science", "build"],
             cwd=tree,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
+
+
+def base_build_failed(code: int, log_path: Path) -> BaseUnavailable:
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    tail = " | ".join(lines[-3:])[:400]
+    return BaseUnavailable(f"the base does not build (exit {code}): {tail}; log: {log_path}")
+
+
+def build_base(tree: Path, env: dict, log_path: Path, say=print) -> None:
+    if reuse_head_build(tree, env):
+        say("bench: the base's kernel sources are the head's: it reuses the head's build")
+    say(f"bench: building the base in {tree} into {env['FLASHMOE_BUILD_ROOT']} (log {log_path})")
+    code = start_base_build(tree, env, log_path).wait()
     if code != 0:
-        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-        tail = " | ".join(lines[-3:])[:400]
-        raise BaseUnavailable(f"the base does not build (exit {code}): {tail}; log: {log_path}")
+        raise base_build_failed(code, log_path)
+
+
+@dataclasses.dataclass
+class Prebuild:
+    """The base's build started ahead of the bench (start_prebuild)."""
+
+    sha: str
+    process: subprocess.Popen
+    log: Path
+    reports: Path  # its report dir: the build.json the bench's base side writes too
+
+
+def start_prebuild(ref: str, head: _loader.BuildConfig, say=print) -> Prebuild | None:
+    """`build --base REF`: REF's worktree and build started exactly as `bench --base REF` makes
+    them (the same tree, build root, environment and command), so that the bench finds the base
+    built. None, with the reason said, where there is nothing to build ahead: REF unknown or
+    without a bench command (the bench says so again), or kernel sources that hash as the head's
+    (the bench reuses the head's build)."""
+    sha = resolve_ref(ref)
+    if not sha:
+        say(f"build: --base {ref}: no such commit here, nothing built for the bench's comparison")
+        return None
+    if not commit_has_bench(sha):
+        say(f"build: --base {ref}: {sha[:12]} has no bench command, nothing built for it")
+        return None
+    try:
+        tree = prepare_worktree(sha)
+    except BaseUnavailable as exc:
+        say(f"build: --base {ref}: {exc}")
+        return None
+    theirs = dataclasses.replace(head, sources_dir=tree / "csrc")
+    if theirs.source.exists() and _loader.source_hash(theirs) == _loader.source_hash(head):
+        say(f"build: --base {ref}: its kernel sources are these; the bench reuses this build")
+        return None
+    build_root, reports = base_dirs(tree, sha)
+    reports.mkdir(parents=True, exist_ok=True)
+    log = reports.parent / f"{build_root.name}.log"
+    say(f"build: the base {sha[:12]} ({ref}) builds beside, for the bench (log {log})")
+    process = start_base_build(tree, side_env(tree, build_root, reports), log)
+    return Prebuild(sha, process, log, reports)
 
 
 def base_dirs(tree: Path, sha: str | None) -> tuple[Path, Path]:

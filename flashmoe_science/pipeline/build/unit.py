@@ -334,6 +334,15 @@ def _parser() -> argparse.ArgumentParser:
         help="build the CUDA unit or fail (default: FLASHMOE_REQUIRE_GPU=1)",
     )
     parser.add_argument(
+        "--base",
+        metavar="REF",
+        default=None,
+        help="also build REF's unit beside this one, in the worktree and build root `bench --base "
+        "REF` uses, so the bench finds it built; nothing when REF's kernel sources are these. Its "
+        "failure is the bench's to report: this step warns and goes on (the GPU job passes it "
+        "when a pull request changes csrc/)",
+    )
+    parser.add_argument(
         "--plants",
         action="store_true",
         help=f"also build the plant unit beside this one (-D{_loader.PLANT_DEFINE}: every planted "
@@ -344,16 +353,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 @dataclasses.dataclass
-class PlantBuild:
-    """The plant unit's build, a child process running beside this one's."""
+class BesideBuild:
+    """A build in a child process beside this one's: the plant unit, or the bench's base."""
 
+    what: str  # "the plant unit (-D...)", "the base 0123abcd4567"
     process: subprocess.Popen
     log: Path
     start: float
     reports: Path  # the child's report folder: its build.json says how long its own build took
 
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
-def start_plant_build(args: argparse.Namespace, backend: str) -> PlantBuild:
+
+def start_plant_build(args: argparse.Namespace, backend: str) -> BesideBuild:
     """`build --define PLANT_DEFINE` for the same backend and targets, quiet, in a child whose
     report (build.json) goes to a folder of its own: the report directory holds this build's."""
     root = _loader.build_root()
@@ -370,26 +384,53 @@ def start_plant_build(args: argparse.Namespace, backend: str) -> PlantBuild:
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
-    return PlantBuild(process, log, time.perf_counter(), reports)
+    what = f"the plant unit (-D{_loader.PLANT_DEFINE})"
+    return BesideBuild(what, process, log, time.perf_counter(), reports)
 
 
-def finish_plant_build(plants: PlantBuild) -> int:
-    """Waits for the plant unit's build; says how it went (its own time, from its report: the wait
-    ends when this build does, which may be long after), its log's last lines where it failed."""
-    code = plants.process.wait()
-    elapsed = time.perf_counter() - plants.start
-    where = _loader.display_path(plants.log)
+def start_base_build(ref: str, config: _loader.BuildConfig) -> BesideBuild | None:
+    """REF's unit as `bench --base REF` builds it (headbase.start_prebuild), so the bench step
+    finds it built; None where there is nothing to build ahead (the reason is said)."""
+    from ..bench import headbase  # imports torch, as this command does anyway
+
+    start = time.perf_counter()
+    base = headbase.start_prebuild(ref, config)
+    if base is None:
+        return None
+    what = f"the base {base.sha[:12]} ({ref})"
+    return BesideBuild(what, base.process, base.log, start, base.reports)
+
+
+def _own_time(beside: BesideBuild, waited: float) -> float:
+    """The child's own build time, from its report; the wait's where it has none."""
+    try:
+        return float(json.loads((beside.reports / REPORT_NAME).read_text())["elapsed_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return waited
+
+
+def finish_beside(beside: BesideBuild, required: bool = True) -> int:
+    """Waits for a build beside this one; says how it went (its own time: the wait ends when this
+    build does, which may be long after), its log's last lines where it failed. A failure fails
+    the step only where `required`."""
+    code = beside.process.wait()
+    waited = time.perf_counter() - beside.start
+    where = _loader.display_path(beside.log)
     if code == 0:
-        try:
-            own = float(json.loads((plants.reports / REPORT_NAME).read_text())["elapsed_s"])
-        except (OSError, ValueError, KeyError, TypeError):
-            own = elapsed
-        print(f"build: the plant unit (-D{_loader.PLANT_DEFINE}) done in {own:.1f} s; log {where}")
+        print(f"build: {beside.what} done in {_own_time(beside, waited):.1f} s; log {where}")
         return exitcodes.OK
-    tail = "\n".join(_read_text(plants.log).splitlines()[-12:])
+    tail = "\n".join(_read_text(beside.log).splitlines()[-12:])
+    if not required:
+        print(
+            f"build: WARNING: {beside.what} did not build (exit {code}, {waited:.1f} s): the bench "
+            f"step will try again and say why. Its log, {where}, ends:\n{tail}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return exitcodes.OK
     print(
-        f"build: the plant unit (-D{_loader.PLANT_DEFINE}) FAILED after {elapsed:.1f} s (exit "
-        f"{code}); the planted-bug tests cannot load it. Its log, {where}, ends:\n{tail}",
+        f"build: {beside.what} FAILED after {waited:.1f} s (exit {code}); the planted-bug tests "
+        f"cannot load it. Its log, {where}, ends:\n{tail}",
         file=sys.stderr,
         flush=True,
     )
@@ -421,6 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.backend == "cpu" and args.backend == "auto":
         print(f"  {config.reason}", flush=True)
     plants = start_plant_build(args, config.backend) if args.plants else None
+    base = start_base_build(args.base, config) if args.base else None
+    beside = [b for b in (plants, base) if b]
     try:
         result = build(config, force=args.force, quiet=args.quiet)
     except (BuildError, ConfigError) as exc:
@@ -431,14 +474,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             else ""
         )
         print(f"build: {failed}{exc}", file=sys.stderr, flush=True)
-        if plants:
-            plants.process.kill()
-            plants.process.wait()
+        for child in beside:
+            child.kill()
         return exc.exit_code
-    if plants:
+    if beside:
         print(f"build: this unit done in {time.perf_counter() - start:.1f} s", flush=True)
-        if (code := finish_plant_build(plants)) != exitcodes.OK:
-            return code
+    if base:  # its failure is the bench's to report (it falls back to a stored run)
+        finish_beside(base, required=False)
+    if plants and (code := finish_beside(plants)) != exitcodes.OK:
+        return code
     elapsed = time.perf_counter() - start
     print(
         f"build: done in {elapsed:.1f} s" if result.cold else f"build: up to date ({elapsed:.1f} s)"
