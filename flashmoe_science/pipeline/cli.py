@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"{program()}: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return exitcodes.USAGE
-    # help and listings run nothing: no stage row (a listing would replace the run's own)
-    if name not in stages.ORDER or {"-h", "--help", "--list"} & set(rest):
+    # help and listings run nothing: no stage row (a listing would replace the run's own); nor
+    # do a background run's start and wait (its child records the run's own row)
+    if name not in stages.ORDER or {"-h", "--help", "--list", "--background", "--wait"} & set(rest):
         return _run(name, rest)
     with stages.timed_stage(name) as stage:
         stage.exit_code = _run(name, rest)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from gitrepo import copy_project, git, reuse_this_build
 
-from flashmoe_science.pipeline import cases, exitcodes, paths
+from flashmoe_science.pipeline import basetree, cases, exitcodes, paths
 from flashmoe_science.pipeline.bench import (
     baselines,
     headbase,
@@ -1082,7 +1082,7 @@ class _Started(Exception):
 
 
 def test_the_build_steps_base_is_the_one_the_bench_builds(monkeypatch, tmp_path):
-    """`build --base REF` (headbase.start_prebuild) builds REF in the very tree, build root,
+    """`build --base REF` (basetree.start_prebuild) builds REF in the very tree, build root,
     report dir, log and environment that `bench --base REF` uses, so the bench finds it made;
     nothing where REF is unknown or its kernel sources are these (the bench reuses this build)."""
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "root"))
@@ -1092,13 +1092,13 @@ def test_the_build_steps_base_is_the_one_the_bench_builds(monkeypatch, tmp_path)
     (tree / "flashmoe_science" / "pipeline" / "bench" / "run.py").write_text("")
     shutil.copytree(head.sources_dir, tree / "csrc")
     sha = "ab12" * 10
-    monkeypatch.setattr(headbase, "resolve_ref", lambda ref: sha if ref == "main" else "")
-    monkeypatch.setattr(headbase, "commit_has_bench", lambda sha: True)
-    monkeypatch.setattr(headbase, "prepare_worktree", lambda sha: tree)
+    monkeypatch.setattr(basetree, "resolve_ref", lambda ref: sha if ref == "main" else "")
+    monkeypatch.setattr(basetree, "commit_has_bench", lambda sha: True)
+    monkeypatch.setattr(basetree, "prepare_worktree", lambda sha: tree)
     said: list[str] = []
-    assert headbase.start_prebuild("nope", head, said.append) is None
+    assert basetree.start_prebuild("nope", head, said.append) is None
     assert "no such commit here" in said[-1]
-    assert headbase.start_prebuild("main", head, said.append) is None, "same sources"
+    assert basetree.start_prebuild("main", head, said.append) is None, "same sources"
     assert "its kernel sources are these" in said[-1]
 
     (tree / "csrc" / "flashmoe_science.cu").write_text(head.source.read_text() + "// base\n")
@@ -1108,9 +1108,10 @@ def test_the_build_steps_base_is_the_one_the_bench_builds(monkeypatch, tmp_path)
         seen.append((tree, env["FLASHMOE_BUILD_ROOT"], env[paths.REPORTS_VAR], log_path))
         raise _Started
 
+    monkeypatch.setattr(basetree, "start_base_build", started)
     monkeypatch.setattr(headbase, "start_base_build", started)
     with pytest.raises(_Started):
-        headbase.start_prebuild("main", head, said.append)
+        basetree.start_prebuild("main", head, said.append)
     args = argparse.Namespace(base_defines=None, warmup_ms=None, rep_ms=None)
     with pytest.raises(_Started):  # the bench's own build of the base, as compare() starts it
         headbase.compare_with_tree(tree, sha, [], "cpu", args, say=said.append)

@@ -1258,7 +1258,7 @@ def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
 def test_the_base_builds_beside_and_its_failure_is_the_benchs_to_report(
     monkeypatch, capsys, tmp_path
 ):
-    """`build --base REF` waits for REF's build (started by headbase.start_prebuild) and says its
+    """`build --base REF` waits for REF's build (started by basetree.start_prebuild) and says its
     own time; a base that does not build warns and leaves the step green (the bench falls back to
     a stored run and says why), where a broken plant unit fails it."""
     config = build.resolve_config("cpu")

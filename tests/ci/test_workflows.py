@@ -422,11 +422,28 @@ def test_no_run_reads_what_a_pull_requests_run_wrote():
     assert '--run-url "$RUN_URL"' in step["run"], "each verdict links main's run"
 
 
-def test_sanitize_runs_only_when_csrc_changed():
+def test_sanitize_runs_only_when_csrc_changed_beside_the_test_stage_and_before_the_bench():
+    """Started before the test stage (it needs the build, not a quiet GPU), waited for after it
+    and before the bench (which needs the GPU to itself); the wait's step carries the verdict."""
     job = load("gpu-ci.yml")["jobs"]["gpu"]
-    sanitize = next(s for s in steps(job) if s.get("run", "").strip() == "nox -s sanitize")
-    assert "steps.changes.outputs.csrc == 'true'" in sanitize["if"]
-    assert sanitize["continue-on-error"] is False
+    names = [s.get("name") for s in steps(job)]
+    start = next(s for s in steps(job) if s.get("id") == "sanitize_start")
+    wait = next(s for s in steps(job) if s.get("id") == "sanitize")
+    assert start["run"].strip() == "nox -s sanitize -- --background"
+    assert wait["run"].strip() == "nox -s sanitize -- --wait"
+    assert "steps.changes.outputs.csrc == 'true'" in start["if"]
+    assert "steps.build.outcome == 'success'" in start["if"]
+    assert (
+        "steps.sanitize_start.outcome == 'success'" in wait["if"] and "!cancelled()" in wait["if"]
+    )
+    assert wait["continue-on-error"] is False
+    assert (
+        names.index("build")
+        < names.index(start["name"])
+        < names.index("test")
+        < names.index(wait["name"])
+        < names.index("bench")
+    )
 
 
 def test_report_job_never_checks_out_or_runs_pr_code():

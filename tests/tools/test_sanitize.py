@@ -882,6 +882,45 @@ def test_no_gpu_exits_255_with_one_line(isolated, monkeypatch, capsys):
     assert len(out) == 1 and "no GPU" in out[0]
 
 
+def test_a_background_run_is_waited_for_with_its_output_and_status(isolated):
+    """`sanitize --background` returns at once; `sanitize --wait` (a later CI step) prints the
+    run's output and exits with its status (255 here: no GPU in the child), and the stage row is
+    the run's own, written once by the child (start and wait write none)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, "-m", "flashmoe_science", "sanitize"]
+    started = subprocess.run(
+        [*command, "--background", "--tool", "memcheck"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, env=env,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert "started in the background" in started.stdout and "sanitize --wait" in started.stdout
+    waited = subprocess.run(
+        [*command, "--wait"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=env
+    )
+    assert waited.returncode == exitcodes.ENV_BROKEN, waited.stdout + waited.stderr
+    assert "the background run ended with exit 255" in waited.stdout
+    assert "torch sees no GPU" in waited.stdout, "the run's own output, printed by the wait"
+    reports = isolated / "reports"
+    state = json.loads((reports / "sanitize-background.json").read_text())
+    assert state["argv"] == ["sanitize", "--tool", "memcheck"] and state["exit"] == 255
+    stage = json.loads((reports / "stages.json").read_text())["stages"]["sanitize"]
+    assert stage["exit_code"] == 255 and stage["seconds"] < 60
+
+
+def test_a_wait_with_nothing_started_or_a_run_that_died_says_so(isolated, capsys, monkeypatch):
+    assert sanitize.main(["--wait"]) == exitcodes.USAGE
+    assert "nothing was started in the background" in capsys.readouterr().err
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs, and no exit status recorded: killed
+    reports = isolated / "reports"
+    reports.mkdir(exist_ok=True)
+    (reports / "sanitize-background.json").write_text(json.dumps({"pid": gone.pid, "argv": []}))
+    (reports / "sanitize-background.log").write_text("sanitize: memcheck ...\n")
+    assert sanitize.main(["--wait"]) == exitcodes.ENV_BROKEN
+    out, err = capsys.readouterr()
+    assert "ended without an exit status" in err and "sanitize: memcheck ..." in out
+
+
 def test_missing_tool_exits_126_with_one_line(isolated, fake_gpu, no_cuda_tools, capsys):
     assert cli.main(["sanitize", "--tool", "memcheck"]) == exitcodes.TOOL_MISSING
     out = capsys.readouterr().out.strip().splitlines()

@@ -34,7 +34,7 @@ from ..._loader import (
     parse_arch_list,
     resolve_config,
 )
-from .. import exitcodes
+from .. import basetree, exitcodes
 from ..cli import program
 from ..paths import REPORTS_VAR, report_dir, require_gpu_from_env
 from ..provenance import clear_outputs, provenance
@@ -389,12 +389,10 @@ def start_plant_build(args: argparse.Namespace, backend: str) -> BesideBuild:
 
 
 def start_base_build(ref: str, config: _loader.BuildConfig) -> BesideBuild | None:
-    """REF's unit as `bench --base REF` builds it (headbase.start_prebuild), so the bench step
+    """REF's unit as `bench --base REF` builds it (basetree.start_prebuild), so the bench step
     finds it built; None where there is nothing to build ahead (the reason is said)."""
-    from ..bench import headbase  # imports torch, as this command does anyway
-
     start = time.perf_counter()
-    base = headbase.start_prebuild(ref, config)
+    base = basetree.start_prebuild(ref, config)
     if base is None:
         return None
     what = f"the base {base.sha[:12]} ({ref})"

@@ -77,7 +77,7 @@ from typing import Any
 
 from ... import _loader
 from ..._toolkit import find_cuda_tool, run_streaming
-from .. import exitcodes, paths
+from .. import background, exitcodes, paths
 from ..cli import program
 from ..provenance import clear_outputs, provenance
 from . import sanitize_coverage
@@ -1110,6 +1110,18 @@ def parser() -> argparse.ArgumentParser:
         f"{SHARES['racecheck']} shares of the workload (default: half the cores, at most "
         f"{MAX_JOBS}; 1: one tool after another)",
     )
+    when = p.add_mutually_exclusive_group()
+    when.add_argument(
+        "--background",
+        action="store_true",
+        help="start the run detached and return at once (the GPU job starts it before its test "
+        "stage, beside it); `--wait` waits for it (pipeline/background.py)",
+    )
+    when.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the run --background started, print its output and exit with its status",
+    )
     p.add_argument("--list", action="store_true", help="print the workload's case ids and exit")
     p.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--share", type=_share, default=(0, 1), help=argparse.SUPPRESS)
@@ -1185,6 +1197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         print("\n".join(case.id for case in workload_share(workload_cases(), args.share)))
         return exitcodes.OK
+    if args.wait:
+        return background.wait("sanitize")
+    if args.background:
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--background"]
+        return background.start("sanitize", ["sanitize", *rest], f"{program()} sanitize --wait")
     if args.workload:
         status = run_workload(workload_share(workload_cases(), args.share))
         # Out without the interpreter's teardown: with another sanitizer on the GPU, torch's exit

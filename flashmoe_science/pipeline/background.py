@@ -1,0 +1,166 @@
+"""A pipeline command run in the background of a CI job, to be waited for by a later step.
+
+GitHub Actions runs a job's steps one after another; a stage that needs the build but neither a
+quiet GPU nor the test stage's results (`sanitize`) can run beside the test stage this way: one
+step starts it (`--background`) and returns at once, a later step (`--wait`) waits for it, prints
+its output and exits with its status. The run's state is reports/<name>-background.json
+({"pid", "argv", "started", "exit"}), its output reports/<name>-background.log: both travel with
+the job's reports. The child is a session of its own, so the starting step's end does not stop
+it; the runner stops it at the job's end if nothing waited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import _loader
+from . import exitcodes, paths
+
+POLL_S = 2.0
+PROGRESS_S = 30.0  # how often a wait says it is still waiting
+
+
+def state_path(name: str) -> Path:
+    return paths.report_dir() / f"{name}-background.json"
+
+
+def log_path(name: str) -> Path:
+    return paths.report_dir() / f"{name}-background.log"
+
+
+def _write_state(name: str, state: dict) -> None:
+    path = state_path(name)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(state) + "\n")
+    tmp.replace(path)
+
+
+def _read_state(name: str) -> dict | None:
+    try:
+        return json.loads(state_path(name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def start(name: str, argv: Sequence[str], wait_hint: str) -> int:
+    """Start `python -m flashmoe_science <argv>` detached, through `child` (which records its exit
+    status); returns at once. `wait_hint`: the command that waits for it."""
+    log = log_path(name)
+    command = [sys.executable, "-m", "flashmoe_science.pipeline.background", "child", name, *argv]
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    _write_state(name, {"pid": process.pid, "argv": list(argv), "started": time.time()})
+    print(
+        f"{name}: started in the background (pid {process.pid}), output to "
+        f"{_loader.display_path(log)}; `{wait_hint}` waits for it",
+        flush=True,
+    )
+    return exitcodes.OK
+
+
+def child(name: str, argv: Sequence[str]) -> int:
+    """Runs the command in this process's session and records its exit status for `wait`."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    code = subprocess.call([sys.executable, "-m", "flashmoe_science", *argv], env=env)
+    state = _read_state(name) or {"argv": list(argv)}
+    _write_state(name, {**state, "exit": code, "ended": time.time()})
+    return code
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait(name: str, timeout_s: float | None = None) -> int:
+    """Waits for the background run of `name`, prints its output and returns its exit status."""
+    state = _read_state(name)
+    if state is None:
+        print(
+            f"{name}: nothing was started in the background ({_loader.display_path(state_path(name))} "
+            f"missing): start it with --background first, or run it without --wait",
+            file=sys.stderr,
+            flush=True,
+        )
+        return exitcodes.USAGE
+    begin = time.monotonic()
+    said = begin
+    while "exit" not in state:
+        if not _alive(int(state["pid"])):
+            state = _read_state(name) or state
+            if "exit" in state:
+                break
+            print(
+                f"{name}: the background run (pid {state['pid']}) ended without an exit status "
+                f"(killed?); its output, {_loader.display_path(log_path(name))}, follows",
+                file=sys.stderr,
+                flush=True,
+            )
+            _print_log(name)
+            return exitcodes.ENV_BROKEN
+        now = time.monotonic()
+        if timeout_s is not None and now - begin > timeout_s:
+            print(
+                f"{name}: still running after {timeout_s:.0f} s of waiting; stopped waiting (its "
+                f"output so far follows)",
+                file=sys.stderr,
+                flush=True,
+            )
+            _print_log(name)
+            return exitcodes.ENV_BROKEN
+        if now - said >= PROGRESS_S:
+            ran = time.time() - float(state.get("started", time.time()))
+            print(f"{name}: still running in the background ({ran:.0f} s so far)", flush=True)
+            said = now
+        time.sleep(POLL_S)
+        state = _read_state(name) or state
+    waited = time.monotonic() - begin
+    ran = float(state.get("ended", 0)) - float(state.get("started", 0))
+    print(
+        f"{name}: the background run ended with exit {state['exit']} after {ran:.1f} s "
+        f"({waited:.1f} s of it waited for here); its output:",
+        flush=True,
+    )
+    _print_log(name)
+    return int(state["exit"])
+
+
+def _print_log(name: str) -> None:
+    try:
+        sys.stdout.write(log_path(name).read_text(errors="replace"))
+    except OSError:
+        print(f"({_loader.display_path(log_path(name))} unreadable)")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) >= 2 and args[0] == "child":
+        return child(args[1], args[2:])
+    print(
+        "usage: python -m flashmoe_science.pipeline.background child NAME ARGS... (started by a "
+        "command's --background)",
+        file=sys.stderr,
+    )
+    return exitcodes.USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
