@@ -69,8 +69,9 @@ namespace flashmoe::cuda {
 //   warpgroups, K and V in two buffers, the output written from registers (Sm90WideTraits).
 //   With v's head dim 128 under q's and k's 192 (DeepSeek-V3's latent attention prefill) 5 to 7
 //   are one kernel too: 128 x 112, V and the output 128 wide (Sm90NarrowVTraits).
-//   5 to 7 take head dims 64, 128, 192 and 256, v's equal, and 192 with v's 128
-//   (wgmma_head_dims).
+//   5 to 7 take head dims 64, 128, 192 and 256, v's equal, and 192 with v's 128; 5 also runs
+//   its 128 tile at the narrower multiples of 8 it holds (80, 96, v's 64 under 128, ...), their
+//   columns zero-filled in shared memory (Sm90PaddedTraits; wgmma_head_dims).
 //   Rejected: 8 warps x 128 x 64 at d=128 (one 16-row tile per warp): one block per SM, slower.
 constexpr int kNumConfigs = 7;
 constexpr int kDecodeConfig = 3;
@@ -84,7 +85,9 @@ constexpr bool is_sm90a_config(int64_t config) {
 // The head dims of the wgmma kernels, forward (configurations 5 to 7) and backward (configuration
 // 3); the others run the mma.sync kernels on every GPU. The texts are for the errors.
 constexpr int kWgmmaHeadDims[] = {64, 128, 192, 256};
-constexpr const char* kWgmmaHeadDimsText = "64, 128, 192 and 256 (v's equal), or 192 with v's 128";
+constexpr const char* kWgmmaHeadDimsText =
+    "64, 128, 192 and 256 (v's equal), or 192 with v's 128 (config 5 also every multiple of 8 up "
+    "to 128, padded)";
 constexpr int kWgmmaBwdHeadDims[] = {64, 128};
 constexpr const char* kWgmmaBwdHeadDimsText = "64 and 128";
 template <size_t N>
@@ -113,13 +116,35 @@ template <typename Params>
 bool wgmma_narrow_v(const Params& p) {
   return wgmma_narrow_v(p.head_dim, p.head_dim_v);
 }
-inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v) {
+// Head dims that the 128 tile holds but not both 128 (80, 96, 112, v's 64 under 128, ...): the
+// wgmma forward runs them on configuration 5's 128 tile, padded (Sm90PaddedTraits).
+inline bool wgmma_padded(int64_t head_dim, int64_t head_dim_v) {
+  return cuda_tile_head_dim(head_dim, head_dim_v) == 128 && (head_dim != 128 || head_dim_v != 128);
+}
+// Which wgmma forward kernel a call's head dims take, where a configuration 5 to 7 runs it.
+enum class Sm90Tile { kWhole, kNarrowV, kPadded };
+inline Sm90Tile sm90_tile(int64_t head_dim, int64_t head_dim_v) {
+  return wgmma_narrow_v(head_dim, head_dim_v) ? Sm90Tile::kNarrowV
+         : wgmma_padded(head_dim, head_dim_v) ? Sm90Tile::kPadded
+                                              : Sm90Tile::kWhole;
+}
+template <typename Params>
+Sm90Tile sm90_tile(const Params& p) {
+  return sm90_tile(p.head_dim, p.head_dim_v);
+}
+// The head dims the wgmma forward's tiles run whole (v's equal, or v's 128 under 192).
+inline bool wgmma_whole_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return (head_dim == head_dim_v && is_wgmma_head_dim(int(head_dim))) ||
          wgmma_narrow_v(head_dim, head_dim_v);
 }
+// The head dims configuration `config` (5 to 7) runs on wgmma: 5 the padded ones too.
+inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v, int64_t config) {
+  return wgmma_whole_head_dims(head_dim, head_dim_v) ||
+         (config == kSm90aConfig && wgmma_padded(head_dim, head_dim_v));
+}
 // The head dims the automatic choice runs on the wgmma forward (choose_config): all it takes.
 inline bool wgmma_chosen(int64_t head_dim, int64_t head_dim_v) {
-  return wgmma_head_dims(head_dim, head_dim_v);
+  return wgmma_whole_head_dims(head_dim, head_dim_v);
 }
 inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim));
@@ -308,6 +333,18 @@ void visit_narrow_v(F& f, bool features) {
   }
 }
 
+// The wgmma forward's 128 tile run at narrower head dims (wgmma_padded): configuration 5 only.
+template <typename T, int D, bool kVarlen, typename F>
+void visit_padded(F& f, bool features) {
+  if constexpr (D == 128) {
+    using Traits = Sm90PaddedTraits<Sm90Config5Traits<128>>;
+    FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
+                   fwd_sm90_kernel<Traits, T, kVarlen>(features));
+  } else {  // the host refuses these first (wgmma_padded)
+    TORCH_CHECK(false, "flashmoe_science: no padded config=", kSm90aConfig, " kernel at tile ", D);
+  }
+}
+
 // Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration). kVarlen: the
 // forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3, 6 or 7).
 // `features`: a window, softcap or sinks, which the wgmma kernels take in an instantiation of
@@ -315,7 +352,8 @@ void visit_narrow_v(F& f, bool features) {
 // (wgmma_narrow_v), which configurations 5 to 7 run on a kernel of their own (the others on the
 // 192 tile, v zero-padded).
 template <typename T, int D, bool kVarlen = false, typename F>
-void visit_config(int config, F&& f, bool features = false, bool narrow_v = false) {
+void visit_config(int config, F&& f, bool features = false, Sm90Tile tile = Sm90Tile::kWhole) {
+  const bool narrow_v = tile == Sm90Tile::kNarrowV;
   // The kVarlen visit compiles no kernel for these (the `!kVarlen` branches below).
   static_assert(!has_packed_variant(kDecodeConfig) && !has_packed_variant(kSm90aM128Config) &&
                 !has_packed_variant(kSm90aN176Config));
@@ -336,6 +374,8 @@ void visit_config(int config, F&& f, bool features = false, bool narrow_v = fals
     TORCH_CHECK(false, "flashmoe_science: no config=", config, " kernel for head_dim ", D);
   } else if (config == kSm90aConfig && narrow_v) {
     visit_narrow_v<T, D, kVarlen, kSm90aConfig>(f, features);
+  } else if (config == kSm90aConfig && tile == Sm90Tile::kPadded) {
+    visit_padded<T, D, kVarlen>(f, features);
   } else if (config == kSm90aConfig) {
     if constexpr (kWgmma) {
       // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
@@ -374,9 +414,10 @@ void visit_config(int config, F&& f, bool features = false, bool narrow_v = fals
 }
 
 template <typename T, bool kVarlen = false, typename F>
-void visit_kernel(int head_dim, int config, F&& f, bool features = false, bool narrow_v = false) {
+void visit_kernel(int head_dim, int config, F&& f, bool features = false,
+                  Sm90Tile tile = Sm90Tile::kWhole) {
   with_head_dim(head_dim, [&](auto d) {
-    visit_config<T, decltype(d)::value, kVarlen>(config, f, features, narrow_v);
+    visit_config<T, decltype(d)::value, kVarlen>(config, f, features, tile);
   });
 }
 
@@ -438,18 +479,25 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // The 5-D map {64 columns, rows, head_dim / 64 panels, heads, batch} of a K or V tensor whose
 // boxes {64, box_rows, head_dim / 64, 1, 1} land in shared memory in swizzle_panels' layout
-// (128-byte swizzle). False if the driver refuses it (the caller then copies with cp.async).
+// (128-byte swizzle). `by_panel` (a padded tile, Sm90PaddedTraits): the map {head_dim columns,
+// rows, 1, heads, batch} of boxes {64, box_rows, 1, 1, 1}, one a panel of the tile, whose columns
+// past head_dim TMA zero-fills (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE). False if the driver refuses
+// it (the caller then copies with cp.async).
 inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16, int64_t rows,
                           int64_t heads, int64_t batch, int64_t row_stride, int64_t head_stride,
-                          int64_t batch_stride, int head_dim, int box_rows) {
+                          int64_t batch_stride, int head_dim, int box_rows, bool by_panel = false) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
-  const cuuint64_t dims[5] = {64, cuuint64_t(rows), cuuint64_t(head_dim / 64), cuuint64_t(heads),
+  // planted 18: a padded tile's map spans the tile's width, past the tensor's rows
+  const int width = cpu::planted(18) && by_panel ? (head_dim + 63) / 64 * 64 : head_dim;
+  const cuuint64_t dims[5] = {cuuint64_t(by_panel ? width : 64), cuuint64_t(rows),
+                              cuuint64_t(by_panel ? 1 : head_dim / 64), cuuint64_t(heads),
                               cuuint64_t(batch)};
   // Bytes; a dimension of extent 1 still needs a valid stride.
   const cuuint64_t strides[4] = {cuuint64_t(row_stride * 2), 128, cuuint64_t(head_stride * 2),
                                  cuuint64_t(std::max<int64_t>(batch_stride, 8) * 2)};
-  const cuuint32_t box[5] = {64, cuuint32_t(box_rows), cuuint32_t(head_dim / 64), 1, 1};
+  const cuuint32_t box[5] = {64, cuuint32_t(box_rows), cuuint32_t(by_panel ? 1 : head_dim / 64), 1,
+                             1};
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   static_assert(sizeof(CUtensorMap) == 128, "AttentionParams holds 128-byte tensor maps");
   const CUresult done =
@@ -468,13 +516,13 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
 struct TileShape {
   int block_m, block_n, smem_bytes;
 };
-inline TileShape tile_shape_of(int config, int head_dim, bool narrow_v = false) {
+inline TileShape tile_shape_of(int config, int head_dim, Sm90Tile tile = Sm90Tile::kWhole) {
   TileShape shape{};
   auto read = FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
     using Traits = decltype(traits);
     shape = {Traits::kBlockM, Traits::kBlockN, Traits::kSmemBytes};
   });
-  visit_kernel<__half>(head_dim, config, read, false, narrow_v);
+  visit_kernel<__half>(head_dim, config, read, false, tile);
   return shape;
 }
 
@@ -510,8 +558,8 @@ inline int choose_config(const DeviceInfo& dev, int head_dim, bool wgmma_ok, int
 // Refuses a forced configuration whose kernel needs more shared memory than a block of this GPU
 // may have (configurations 1 and 4 at d=256 on an sm86/sm89 GPU); 2 and 3 fit every GPU.
 inline void check_config_fits(int64_t config, const DeviceInfo& dev, int64_t head_dim,
-                              bool narrow_v) {
-  const int bytes = tile_shape_of(int(config), int(head_dim), narrow_v).smem_bytes;
+                              Sm90Tile tile) {
+  const int bytes = tile_shape_of(int(config), int(head_dim), tile).smem_bytes;
   FLASHMOE_CHECK_VALUE(bytes <= dev.smem_per_block, "config=", config, " needs ", bytes,
                        " bytes of shared memory per block at head_dim ", head_dim,
                        "; this GPU allows ", dev.smem_per_block,
@@ -526,12 +574,13 @@ inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const
                        " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
                        ".", dev.minor, ": use config ", others, " (or 0, automatic)");
   if (is_sm90a_config(config)) {
-    check_wgmma_config("config", config, dev, others, wgmma_head_dims(head_dim, head_dim_v),
+    check_wgmma_config("config", config, dev, others,
+                       wgmma_head_dims(head_dim, head_dim_v, config),
                        kWgmmaHeadDimsText, head_dim, head_dim_v);
   }
   if (config != 0) {
     check_config_fits(config, dev, cuda_tile_head_dim(head_dim, head_dim_v),
-                      is_sm90a_config(config) && wgmma_narrow_v(head_dim, head_dim_v));
+                      is_sm90a_config(config) ? sm90_tile(head_dim, head_dim_v) : Sm90Tile::kWhole);
   }
 }
 
@@ -544,8 +593,9 @@ inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const
 // (`box_rows_q` = the kernel's row tile): its cp.async sat on the producer's path from a tile's
 // last S to the next tile's first. At d=64, where Q was never late, TMA was slower
 // (benches/notes/prefill-sm90.md, v3.8).
+// `by_panel`: a padded tile's maps (encode_kv_map).
 template <typename T>
-void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {
+void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv, bool by_panel) {
   static const bool allowed = [] {
     const char* env = std::getenv("FLASHMOE_SM90_TMA");
     return env == nullptr || std::strcmp(env, "0") != 0;
@@ -555,12 +605,12 @@ void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv) {
   const int64_t rows = packed ? p.total_k : p.seqlen_k, batch = packed ? 1 : p.batch;
   const bool fp16 = std::is_same_v<T, __half>;
   p.tma = encode_kv_map(p.tma_k, p.k, fp16, rows, p.heads_kv, batch, p.k_row_stride,
-                        p.k_head_stride, p.k_batch_stride, p.head_dim, box_rows_kv) &&
+                        p.k_head_stride, p.k_batch_stride, p.head_dim, box_rows_kv, by_panel) &&
           encode_kv_map(p.tma_v, p.v, fp16, rows, p.heads_kv, batch, p.v_row_stride,
-                        p.v_head_stride, p.v_batch_stride, p.head_dim_v, box_rows_kv);
+                        p.v_head_stride, p.v_batch_stride, p.head_dim_v, box_rows_kv, by_panel);
   p.q_tma = p.tma && p.head_dim >= 128 && !packed && !p.pack_gqa &&
             encode_kv_map(p.tma_q, p.q, fp16, p.seqlen_q, p.heads_q, p.batch, p.q_row_stride,
-                          p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q);
+                          p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q, by_panel);
 }
 
 // A window (other than causal's), a softcap or sinks: the wgmma forward's kernels take them in an
@@ -576,14 +626,16 @@ template <int D, int BN, int kWarpgroups, int kStages>
 struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups, kStages>> : std::true_type {};
 template <int D, int DV, int BN, int kWarpgroups, int kStages>
 struct IsSm90Traits<Sm90FwdDvTraits<D, DV, BN, kWarpgroups, kStages>> : std::true_type {};
+template <typename Tiles>
+struct IsSm90Traits<Sm90PaddedTraits<Tiles>> : std::true_type {};
 
 template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
                       cudaStream_t stream) {
   AttentionParams p = params;
   if (kBuiltSm90a && is_sm90a_config(config)) {
-    const TileShape tile = tile_shape_of(config, tile_head_dim(p), wgmma_narrow_v(p));
-    use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n);
+    const TileShape tile = tile_shape_of(config, tile_head_dim(p), sm90_tile(p));
+    use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n, sm90_tile(p) == Sm90Tile::kPadded);
   }
   auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
@@ -600,11 +652,11 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
   };
   const int tile_d = tile_head_dim(p);
   if (p.cu_seqlens_q != nullptr) {
-    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_features(p), wgmma_narrow_v(p));
+    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_features(p), sm90_tile(p));
   } else if (p.block_table != nullptr) {
     visit_paged_decode<T>(tile_d, launch);
   } else {
-    visit_kernel<T>(tile_d, config, launch, has_features(p), wgmma_narrow_v(p));
+    visit_kernel<T>(tile_d, config, launch, has_features(p), sm90_tile(p));
   }
 }
 
@@ -612,11 +664,11 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
 // it; the split heuristic's unit of work. Cached per device, dtype, head_dim (and narrow v) and
 // configuration.
 template <typename T>
-int blocks_per_sm(int device, int head_dim, int config, bool narrow_v) {
+int blocks_per_sm(int device, int head_dim, int config, Sm90Tile tile) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, int, int, bool>, int> cache;
+  static std::map<std::tuple<int, int, int, int>, int> cache;
   std::lock_guard<std::mutex> lock(mutex);
-  int& blocks = cache[{device, head_dim, config, narrow_v}];
+  int& blocks = cache[{device, head_dim, config, int(tile)}];
   if (blocks == 0) {
     visit_kernel<T>(
         head_dim, config,
@@ -626,7 +678,7 @@ int blocks_per_sm(int device, int head_dim, int config, bool narrow_v) {
           C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
               &blocks, kernel, Traits::kNThreads, Traits::kSmemBytes));
         },
-        false, narrow_v);
+        false, tile);
     blocks = std::max(blocks, 1);
   }
   return blocks;
@@ -791,8 +843,8 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
     // (benches/notes/features.md).
     if (is_sm90a_config(config) && has_features(p)) config = kSm90aM128Config;
   }
-  const bool narrow_v = is_sm90a_config(config) && wgmma_narrow_v(p);
-  const TileShape tile = tile_shape_of(int(config), tile_d, narrow_v);
+  const Sm90Tile sm90 = is_sm90a_config(config) ? sm90_tile(p) : Sm90Tile::kWhole;
+  const TileShape tile = tile_shape_of(int(config), tile_d, sm90);
   const int m_blocks = ceil_div(rows_per_head, tile.block_m);
   // Launch order (benches/notes/prefill-sm80.md, v2.5): the row blocks of a head side by
   // side share its K and V in L2, which pays for short and unmasked sequences; long causal ones
@@ -808,8 +860,8 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   } else if (splits == 0) {
     const int resident =
         q.scalar_type() == at::kHalf
-            ? blocks_per_sm<__half>(q.device().index(), tile_d, int(config), narrow_v)
-            : blocks_per_sm<__nv_bfloat16>(q.device().index(), tile_d, int(config), narrow_v);
+            ? blocks_per_sm<__half>(q.device().index(), tile_d, int(config), sm90)
+            : blocks_per_sm<__nv_bfloat16>(q.device().index(), tile_d, int(config), sm90);
     splits = num_splits_heuristic(tiles, dev.sm_count * resident, n_blocks, kMaxSplits);
   }
   p.num_splits = splits;
@@ -983,7 +1035,7 @@ inline std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(
         choose_config(dev, tile_d, wgmma_ok, grid_x, p.seqlen_q, causal, p.seqlen_k));
   }
   const TileShape tile =
-      tile_shape_of(int(config), tile_d, is_sm90a_config(config) && wgmma_narrow_v(p));
+      tile_shape_of(int(config), tile_d, is_sm90a_config(config) ? sm90_tile(p) : Sm90Tile::kWhole);
   const int m_blocks = ceil_div(p.seqlen_q, tile.block_m);
   p.row_blocks_fastest = !(causal && m_blocks >= 32);
   FLASHMOE_CHECK_VALUE(grid_x * m_blocks < (int64_t(1) << 31), "batch ", batch, " x heads ",
@@ -1317,9 +1369,21 @@ void append_kernel_launches(std::string& out) {
       auto append = FLASHMOE_TRAITS_ONLY(
           [&](auto, auto traits) { append_forward_launch<decltype(traits)>(out, dtype, varlen); });
       if (varlen) {
-        visit_config<T, D, true>(kSm90aConfig, append, false, /*narrow_v=*/true);
+        visit_config<T, D, true>(kSm90aConfig, append, false, Sm90Tile::kNarrowV);
       } else {
-        visit_config<T, D>(kSm90aConfig, append, false, /*narrow_v=*/true);
+        visit_config<T, D>(kSm90aConfig, append, false, Sm90Tile::kNarrowV);
+      }
+    }
+  }
+  // The wgmma forward's 128 tile run padded (configuration 5), dense and packed.
+  if constexpr (D == 128) {
+    for (const bool varlen : {false, true}) {
+      auto append = FLASHMOE_TRAITS_ONLY(
+          [&](auto, auto traits) { append_forward_launch<decltype(traits)>(out, dtype, varlen); });
+      if (varlen) {
+        visit_config<T, D, true>(kSm90aConfig, append, false, Sm90Tile::kPadded);
+      } else {
+        visit_config<T, D>(kSm90aConfig, append, false, Sm90Tile::kPadded);
       }
     }
   }

@@ -94,6 +94,7 @@ struct Sm90FwdTiles {
   static constexpr int kMathThreads = 128 * kWarpgroups_;
   static constexpr int kNThreads = kMathThreads + 128;
   static constexpr int kNWarps = kNThreads / 32;
+  static constexpr bool kPadded = false;          // Sm90PaddedTraits
   static constexpr int kChunks = kHeadDimV / 8;  // the output's 16-byte chunks a row
   static constexpr int kLoadThreads = 128;       // the producer warpgroup
   // Q, kStages K and V buffers, the output's staging buffer (two stages only), then the
@@ -137,6 +138,15 @@ struct Sm90FwdTiles {
 };
 template <int kHeadDim_, int kBlockN_, int kWarpgroups_, int kStages_>
 struct Sm90FwdTraits : Sm90FwdTiles<kHeadDim_, kHeadDim_, kBlockN_, kWarpgroups_, kStages_> {};
+// A tile run at narrower head dims (q's, k's and v's multiples of 8 below the tile's), their
+// columns zero-filled in shared memory: TMA maps of the tensor's real width copied a 64-column
+// panel a box (TMA zero-fills past the width), cp.async copies by the tensor's chunks, the output
+// and split partials stored at v's head dim. Its own instantiation, so that the tiles run unpadded
+// keep their code (every guard below is `if constexpr (Traits::kPadded)`).
+template <typename Tiles>
+struct Sm90PaddedTraits : Tiles {
+  static constexpr bool kPadded = true;
+};
 // v narrower than q and k (DeepSeek-V3's latent attention prefill: 192 and 128): V's buffers, P V
 // and the output at kHeadDimV.
 template <int kHeadDim_, int kHeadDimV_, int kBlockN_, int kWarpgroups_, int kStages_>
@@ -472,9 +482,13 @@ struct Sm90Rows {
       if (!kStaged && !Traits::kPairedStores && p.num_splits == 1 && r < te.rows_total) {
         T* o_row = o_row_of(r) + (lane & 3) * 2;
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
+        for (int dt = 0; dt < DT; ++dt) {
+          if constexpr (Traits::kPadded) {
+            if (dt * 8 >= p.head_dim_v) break;  // the padding's columns stay in the tile
+          }
           *reinterpret_cast<uint32_t*>(o_row + dt * 8) =
               pack2<T>(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
+        }
       }
       if (Traits::kPairedStores && p.num_splits == 1) {
         // 8 bytes a thread, a whole 32-byte sector a lane pair: lanes 2i and 2i + 1 of a quad
@@ -494,8 +508,12 @@ struct Sm90Rows {
         if (r < te.rows_total) {  // one branch and one address for the row's stores
           T* o_row = o_row_of(r) + (lane & 2) * 2 + odd * 8;
 #pragma unroll
-          for (int dt = 0; dt < DT; dt += 2)
+          for (int dt = 0; dt < DT; dt += 2) {
+            if constexpr (Traits::kPadded) {
+              if ((dt + odd) * 8 >= p.head_dim_v) continue;
+            }
             *reinterpret_cast<uint2*>(o_row + dt * 8) = pairs[dt / 2];
+          }
         }
       }
       if (r >= te.rows_total) continue;
@@ -505,9 +523,14 @@ struct Sm90Rows {
       if (p.num_splits == 1) {
         if ((lane & 3) == 0) p.lse[lse_index] = lse;
       } else {
-        float* o_row = p.o_accum + (te.split * rows_all + lse_index) * DV;
+        // the partials' rows are v's head dim wide, as split_kv_combine reads them
+        const int width = Traits::kPadded ? p.head_dim_v : DV;
+        float* o_row = p.o_accum + (te.split * rows_all + lse_index) * width;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
+          if constexpr (Traits::kPadded) {
+            if (dt * 8 >= p.head_dim_v) break;
+          }
           *reinterpret_cast<float2*>(o_row + dt * 8 + (lane & 3) * 2) =
               make_float2(acc_o[dt][2 * hh] * inv, acc_o[dt][2 * hh + 1] * inv);
         }
@@ -520,6 +543,9 @@ struct Sm90Rows {
       for (int c = lane; c < 16 * kChunks; c += 32) {
         const int row = warp_row0 + c / kChunks, ch = c % kChunks, r = em0 + row;
         if (r >= te.rows_total) continue;
+        if constexpr (Traits::kPadded) {
+          if (ch * 8 >= p.head_dim_v) continue;
+        }
         *reinterpret_cast<uint4*>(o_row_of(r) + ch * 8) =
             *reinterpret_cast<const uint4*>(sQ + swizzle<DV>(row, ch));
       }
@@ -543,16 +569,18 @@ struct Sm90Block {
     n_hi =
         min(t.kv_block_end<Traits::kBlockM, Traits::kBlockN>(p, m0), n_lo + p.n_blocks_per_split);
   }
-  // Copies K(n) or V(n) (kD: k's or v's tile width) into buffer `buf` of `tiles`, spread over
-  // kLoadThreads threads.
+  // Copies K(n) or V(n) (kD: k's or v's tile width; `width`: the tensor's, whose 16-byte chunks
+  // are copied and those past it zero-filled where the tile is padded) into buffer `buf` of
+  // `tiles`, spread over kLoadThreads threads.
   template <int kD, typename T>
-  __device__ __forceinline__ void load(T* tiles, const T* base, int64_t row_stride, int n, int buf,
-                                       int tid) const {
+  __device__ __forceinline__ void load(T* tiles, const T* base, int64_t row_stride, int width,
+                                       int n, int buf, int tid) const {
     constexpr int D = kD, BN = Traits::kBlockN;
     if (planted(11) && n * BN + BN > t.len_k) return;  // planted: the last, partial tile not copied
-    // (the host runs these kernels only unpadded: every chunk of a row is the tensor's)
+    // unpadded, every chunk of a row is the tensor's
+    const int chunks = Traits::kPadded ? width / 8 : D / 8;
     load_kv_tile<D, BN, Traits::kLoadThreads, /*kPanels=*/true>(
-        tiles + buf * BN * D, base, row_stride, n * BN, t.len_k, D / 8, tid);
+        tiles + buf * BN * D, base, row_stride, n * BN, t.len_k, chunks, tid);
   }
   template <typename T>
   __device__ __forceinline__ const T* k_base(const AttentionParams& p) const {
@@ -565,6 +593,21 @@ struct Sm90Block {
            t.hkv * p.v_head_stride;
   }
 };
+
+// A tile of kRows rows and kCols columns by TMA from row `row` of one head: one box of all its
+// 64-column panels, or where the tile is padded (its map the tensor's real width) one box a
+// panel, TMA zero-filling the columns past that width. The same bytes land either way.
+template <bool kByPanel, int kCols, int kRows, typename T>
+__device__ __forceinline__ void tma_tile(T* dst, const void* map, uint64_t* bar, int row, int head,
+                                         int batch) {
+  if constexpr (kByPanel) {
+#pragma unroll
+    for (int c = 0; c < kCols / 64; ++c)
+      sm90::tma_load_5d(dst + c * kRows * 64, map, bar, c * 64, row, 0, head, batch);
+  } else {
+    sm90::tma_load_5d(dst, map, bar, 0, row, 0, head, batch);
+  }
+}
 
 // The warp-specialized kernel's mbarriers, after the tiles: Q landed / free again, K and V
 // landed in a buffer (the producer's 128 threads arrive as their copies land, or with TMA one
@@ -673,13 +716,14 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
           sm90::mbar_wait(&bar.q_empty, (q_uses & 1) ^ 1);
           FLASHMOE_PHASE(phase_trace::stamp(round, phase_trace::kProducer + 1);)
           sm90::mbar_arrive_expect_tx(&bar.q_full, uint32_t(BM) * D * 2);
-          sm90::tma_load_5d(sQ, p.tma_q, &bar.q_full, 0, blk.m0, 0, blk.t.head(blk.m0), blk.t.b);
+          tma_tile<Traits::kPadded, D, BM>(sQ, p.tma_q, &bar.q_full, blk.m0, blk.t.head(blk.m0),
+                                           blk.t.b);
         }
         ++q_uses;
       } else {
         sm90::mbar_wait(&bar.q_empty, (q_uses++ & 1) ^ 1);
         FLASHMOE_PHASE(if (ptid == 0) phase_trace::stamp(round, phase_trace::kProducer + 1);)
-        blk.t.template load_q<D, BM, 128, /*kPanels=*/true>(sQ, p, blk.m0, ptid);
+        blk.t.template load_q<D, BM, 128, /*kPanels=*/true, Traits::kPadded>(sQ, p, blk.m0, ptid);
         sm90::mbar_arrive_on_copies(&bar.q_full);
       }
       FLASHMOE_PHASE(if (ptid == 0) phase_trace::stamp(round, phase_trace::kProducer + 2);)
@@ -697,21 +741,21 @@ __device__ __forceinline__ void flash_fwd_sm90_block(const AttentionParams& p) {
           sm90::mbar_wait(&bar.k_empty[s], empty_parity);
           sm90::mbar_arrive_expect_tx(&bar.k_full[s], copy ? kBytes : 0);
           if (copy) {
-            sm90::tma_load_5d(sK + s * BN * D, p.tma_k, &bar.k_full[s], 0, row0 + n * BN, 0, hkv,
-                              bb);
+            tma_tile<Traits::kPadded, D, BN>(sK + s * BN * D, p.tma_k, &bar.k_full[s],
+                                             row0 + n * BN, hkv, bb);
           }
           sm90::mbar_wait(&bar.v_empty[s], empty_parity);
           sm90::mbar_arrive_expect_tx(&bar.v_full[s], copy ? kVBytes : 0);
           if (copy) {
-            sm90::tma_load_5d(sV + s * BN * DV, p.tma_v, &bar.v_full[s], 0, row0 + n * BN, 0, hkv,
-                              bb);
+            tma_tile<Traits::kPadded, DV, BN>(sV + s * BN * DV, p.tma_v, &bar.v_full[s],
+                                              row0 + n * BN, hkv, bb);
           }
         } else {
           sm90::mbar_wait(&bar.k_empty[s], empty_parity);
-          blk.template load<D>(sK, k_base, p.k_row_stride, n, s, ptid);
+          blk.template load<D>(sK, k_base, p.k_row_stride, p.head_dim, n, s, ptid);
           sm90::mbar_arrive_on_copies(&bar.k_full[s]);
           sm90::mbar_wait(&bar.v_empty[s], empty_parity);
-          blk.template load<DV>(sV, v_base, p.v_row_stride, n, s, ptid);
+          blk.template load<DV>(sV, v_base, p.v_row_stride, p.head_dim_v, n, s, ptid);
           sm90::mbar_arrive_on_copies(&bar.v_full[s]);
         }
       }

@@ -240,7 +240,9 @@ struct TileCoords {
 
   // Issues the cp.async copies of the tile's Q rows [m0, m0 + kRows) into a swizzled shared tile;
   // rows past the end, and the columns past q's head dim on a wider tile, are zero-filled.
-  template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, typename T>
+  // kPanels: the wgmma forward's panel layout, whose tiles are whole unless kPadded.
+  template <int kHeadDim, int kRows, int kThreads, bool kPanels = false, bool kPadded = !kPanels,
+            typename T>
   __device__ __forceinline__ void load_q(T* sQ, const AttentionParams& p, int m0, int tid) const {
     constexpr int kChunks = kHeadDim / 8;
     // planted 14: q copied at the tile's width (its tail not zeroed)
@@ -248,8 +250,7 @@ struct TileCoords {
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + row0_q * p.q_row_stride;
     auto copy = [&](int c) {
       const int r = c / kChunks, ch = c % kChunks, gr = m0 + r;
-      // (the wgmma kernels' panels are never padded: the host runs them at whole tiles only)
-      const bool valid = gr < rows_total && (kPanels || ch < q_chunks);
+      const bool valid = gr < rows_total && (!kPadded || ch < q_chunks);
       const T* src = valid
                          ? q_base + head(gr) * p.q_head_stride + query(gr) * p.q_row_stride + ch * 8
                          : q_base;
