@@ -106,12 +106,16 @@ def test_every_forced_configuration_meets_every_combination(kind):
     for config in configs:
         assert combos(c for c in forced if c.config == config) == combos(GPU), config
     # (the wgmma forward past 128 is one kernel for 5 to 7: forced on 5 there, matrix.wide_wgmma_cases)
+    # (and so is the 128 tile run padded: matrix.padded_wgmma_cases)
     wide = {c.head_dim for c in forced if c.head_dim > 128}
-    assert {c.head_dim for c in forced} == {64, 128, *wide}
+    padded = {c.head_dim for c in forced if c.head_dim not in (64, 128) and c.head_dim < 128}
+    assert {c.head_dim for c in forced} == {64, 128, *wide, *padded}
     if kind == "prefill":
         assert wide == set(matrix.WGMMA_WIDE_HEAD_DIMS)
-        assert {c.config for c in forced if c.head_dim in wide} == {5}
-        assert combos(c for c in forced if c.head_dim in wide) == combos(GPU)
+        assert padded == {d for d, _ in matrix.WGMMA_PADDED_MATRIX_HEAD_DIMS}
+        for dims in (wide, padded):
+            assert {c.config for c in forced if c.head_dim in dims} == {5}
+            assert combos(c for c in forced if c.head_dim in dims) == combos(GPU)
 
 
 def test_the_cpu_tier_stays_small():

@@ -502,6 +502,39 @@ def test_the_narrow_v_plants_cases_are_gate_cases():
     assert {(c.head_dim, c.value_head_dim) for c in narrow} == {(192, 128)}
 
 
+# Plant 18 (a padded tile's TMA maps as wide as the tile, not the tensor): K's columns past 80 or
+# 96 then hold the next row's values, which leak into the scores of every padded case copied by
+# TMA; the many-row decode (cache lengths: cp.async, no TMA) and the whole 128 tile pass.
+PADDED_SM90A_PLANT = (
+    (
+        "fwd-fp16-d96-h8kv2-b2-s1000-full-cfg5",
+        "fwd-bf16-d96-h8kv2-b2-s1000-causal-cfg5",
+        "fwd-bf16-d80-h8-b2-s1000-full-cfg5",
+    ),
+    ("dec-fp16-d96-h48-b3-q65-k300-full-cfg5-lens0_1_101", "fwd-bf16-d128-h8-b2-s1000-causal-cfg5"),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
+)
+def test_planted_tile_wide_maps_fail_the_padded_wgmma_gates_and_only_them(run_planted):
+    """With FLASHMOE_PLANT_BUG=18 (a padded tile's TMA maps span the tile, not the tensor) every
+    padded case copied by TMA fails a gate; the cp.async path and the whole tile pass."""
+    _check_plant(run_planted, 18, PADDED_SM90A_PLANT)
+
+
+def test_the_padded_plants_cases_are_gate_cases():
+    """Plant 18's cases are GPU gate cases: the failing ones padded on configuration 5."""
+    failing, passing = PADDED_SM90A_PLANT
+    assert {*failing, *passing} <= {c.id for c in matrix.gate_cases("gpu")}
+    padded = [parse_case_id(case_id) for case_id in failing]
+    assert {c.config for c in padded} == {5}
+    assert {(c.head_dim, c.value_head_dim) for c in padded} <= set(matrix.WGMMA_PADDED_HEAD_DIMS)
+
+
 # ---- the planted-bug scripts themselves ------------------------------------------------------
 
 

@@ -46,7 +46,9 @@ def test_matrix_covers_the_issue():
     Sq != Sk both ways, GQA ratios 1/4/8, non-contiguous views and every tile configuration."""
     seqlens = {c.seqlen_q for c in GPU_CASES if c.seqlen_q == c.seqlen_k}
     assert set(matrix.SEQLENS) <= seqlens
-    assert {(c.head_dim, c.value_head_dim) for c in GPU_CASES} == set(matrix.HEAD_DIMS)
+    # (the padded wgmma tile's gates add v's 64 under 128, which pads V alone)
+    dims = set(matrix.HEAD_DIMS) | set(matrix.WGMMA_PADDED_HEAD_DIMS)
+    assert {(c.head_dim, c.value_head_dim) for c in GPU_CASES} == dims
     assert {c.dtype for c in GPU_CASES} == {"fp16", "bf16"}
     assert {c.causal for c in GPU_CASES} == {False, True}
     assert any(c.seqlen_q < c.seqlen_k for c in GPU_CASES) and any(
@@ -113,12 +115,17 @@ def test_the_cpu_tier_runs_a_few_cases_of_each_new_head_dim(head_dims):
     assert {c.seqlen_q for c in CPU_CASES if c.head_dim == 96} >= set(matrix.SEQLENS_CPU)
 
 
+def _whole(case) -> bool:
+    """A case at 64 or 128 whole (not the 128 tile run padded)."""
+    return case.head_dim in (64, 128) and case.value_head_dim == case.head_dim
+
+
 def _shapes(config: int, wide: bool = False) -> set[tuple]:
     """The forced prefill shapes of a configuration at 64 and 128 (with `wide`, past 128)."""
     return {
         (c.dtype, c.head_dim, c.causal, c.seqlen_q, c.seqlen_k)
         for c in GPU_CASES
-        if c.config == config and c.kind == "prefill" and (c.head_dim > 128) == wide
+        if c.config == config and c.kind == "prefill" and (c.head_dim > 128 if wide else _whole(c))
     }
 
 
@@ -131,7 +138,7 @@ def test_the_wgmma_configurations_meet_the_whole_matrix():
     assert set(matrix.FULL_MATRIX_CONFIGS) == SM90A_CONFIGS == {5, 6, 7}
     forced = _shapes(1)
     for config in SM90A_CONFIGS:
-        mine = [c for c in GPU_CASES if c.config == config and c.head_dim <= 128]
+        mine = [c for c in GPU_CASES if c.config == config and _whole(c)]
         head_dims = matrix.gated_head_dims(config)
         assert _shapes(config) == {s for s in _shapes(0) | forced if s[1] in head_dims}
         assert {c.heads_q // c.heads_kv for c in mine} == {1, 4, 8}
@@ -154,7 +161,7 @@ def test_decode_with_many_query_rows_reaches_the_wgmma_copy_path(config):
         and c.cache_seqlens
         and c.seqlen_q > 16
         and c.config == config
-        and c.head_dim <= 128
+        and _whole(c)
     ]
     assert {(c.dtype, c.head_dim, c.causal, c.seqlen_q) for c in mine} == {
         (t, d, m, q)
@@ -200,6 +207,40 @@ def test_the_wgmma_kernel_past_128_meets_the_whole_matrix():
     assert all(c.cache_seqlens and c.seqlen_q > 16 for c in decode)
 
 
+def test_the_padded_wgmma_tile_meets_the_whole_matrix():
+    """Configuration 5's 128 tile run padded (80, 96, v's 64 under 128): 96 goes through
+    everything the automatic choice does (every length, Sq != Sk both ways, dtypes, masks, GQA
+    1/4/8, strided views), ramped scores, every feature combination and the cp.async path
+    (many-row decode); each padded head dims through the forced shapes with split-KV. 6 and 7 take
+    none of them (their kernels run whole tiles only)."""
+    padded = set(matrix.WGMMA_PADDED_HEAD_DIMS)
+    assert padded == {(96, 96), (80, 80), (128, 64)} and matrix.WGMMA_PADDED_CONFIGS == (5,)
+    mine = [c for c in GPU_CASES if c.config and (c.head_dim, c.value_head_dim) in padded]
+    assert {c.config for c in mine} == {5}
+    forced = {(c.seqlen_q, c.seqlen_k) for c in mine if c.kind == "prefill"}
+    for dims in padded:
+        at = {(c.seqlen_q, c.seqlen_k) for c in mine if (c.head_dim, c.value_head_dim) == dims}
+        assert {(q, k) for q, k, _ in matrix.FORCED_SHAPES} <= at, dims
+    assert {(s, s) for s in matrix.SEQLENS} <= forced
+    ninety_six = [c for c in mine if c.head_dim == 96]
+    assert {c.heads_q // c.heads_kv for c in ninety_six} == {1, 4, 8}
+    assert {c.layout for c in ninety_six} == {"bhsd", "bshd"}
+    assert any(c.num_splits > 1 for c in mine)
+    assert {c.scores for c in ninety_six} == {"normal", "rising", "falling"}
+    combos = {(c.window != (-1, -1), c.softcap > 0, c.sinks) for c in ninety_six}
+    assert {
+        (True, False, False),
+        (False, True, False),
+        (False, False, True),
+        (True, True, True),
+    } <= combos
+    decode = [c for c in ninety_six if c.kind == "decode"]
+    assert {(c.dtype, c.causal) for c in decode} == {
+        (t, m) for t in ("fp16", "bf16") for m in (False, True)
+    }
+    assert all(c.cache_seqlens and c.seqlen_q > 16 for c in decode)
+
+
 @pytest.mark.parametrize("config, head_dim", [(6, 64), (7, 128)])
 def test_configurations_6_and_7_are_gated_at_their_own_head_dim_only(config, head_dim):
     """At head dim 128 configuration 6 runs configuration 5's kernel (the same Sm90FwdTraits), and
@@ -212,7 +253,8 @@ def test_configurations_6_and_7_are_gated_at_their_own_head_dim_only(config, hea
     for other in matrix.FORCED_CONFIGS:
         if other not in (6, 7):
             assert matrix.gated_head_dims(other) == (64, 128)
-            expected = {64, 128} | (wide if other == 5 else set())
+            padded = {d for d, _ in matrix.WGMMA_PADDED_HEAD_DIMS}  # 5 alone runs them
+            expected = {64, 128} | (wide | padded if other == 5 else set())
             assert {c.head_dim for c in GPU_CASES if c.config == other} == expected
     mine = [c for c in GPU_CASES if c.config == config]
     assert {c.kind for c in mine} == {"prefill", "decode"}

@@ -1212,7 +1212,7 @@ def test_workload_covers_padded_head_dims_last():
     for dims in sanitize.PADDED_HEAD_DIMS:
         mine = [c for c in padded if isinstance(c, Case) and (c.head_dim, c.value_head_dim) == dims]
         fwd = [c for c in mine if c.kind == "prefill"]
-        wgmma = dims in sanitize.WGMMA_DV_FORCED and 5 in sanitize.workload_configs()
+        wgmma = dims in sanitize.WGMMA_PADDED_FORCED and 5 in sanitize.workload_configs()
         assert {c.config for c in fwd} == {
             0,
             *[k for k in (1, 2, 4) if k in sanitize.workload_configs()],

@@ -79,10 +79,16 @@ WGMMA_WIDE_FORCED_CONFIGS = (5, 6, 7)
 # attention prefill: a kernel of its own, one for 5 to 7), gated in blocks of their own after
 # every earlier case. Configuration 5 runs them on FORCED_SHAPES and WGMMA_DV_MATRIX_HEAD_DIMS
 # over the whole sequence-length matrix, ramped scores, the features and the cp.async path
-# (many-row decode); 6 and 7 the forced shapes at WGMMA_DV_MATRIX_HEAD_DIMS. (Padded head dims
-# are to join both: prefill-sm90.md, v5.2.)
+# (many-row decode); 6 and 7 the forced shapes at WGMMA_DV_MATRIX_HEAD_DIMS.
 WGMMA_DV_HEAD_DIMS = ((192, 128),)
 WGMMA_DV_MATRIX_HEAD_DIMS = ((192, 128),)
+# The wgmma forward's 128 tile run padded (configuration 5 alone takes them: Sm90PaddedTraits),
+# gated after every earlier case: FORCED_SHAPES at each, and 96 (Phi-3) over the whole
+# sequence-length matrix, ramped scores, the features and the cp.async path (many-row decode).
+# v's 64 under 128 pads V alone: its second panel's boxes lie wholly past the tensor.
+WGMMA_PADDED_CONFIGS = (5,)
+WGMMA_PADDED_HEAD_DIMS = ((96, 96), (80, 80), (128, 64))
+WGMMA_PADDED_MATRIX_HEAD_DIMS = ((96, 96),)
 # (Sq, Sk, forced splits) of every forced configuration: one row, a tail block, Sq != Sk, a few
 # blocks and split-KV.
 FORCED_SHAPES = (
@@ -207,12 +213,13 @@ def _wgmma_shape_cases(
     forced_dims: Callable[[int], Sequence[tuple[int, int]]],
     matrix_dims: Sequence[tuple[int, int]],
     pairs: list[tuple[int, int]],
+    configs: Sequence[int] = WGMMA_WIDE_FORCED_CONFIGS,
 ) -> Iterator[Case]:
-    """The wgmma forward at head dims (q's and k's, v's) of its own: each forced configuration
-    over FORCED_SHAPES at `forced_dims(config)`, then WGMMA_WIDE_MATRIX_CONFIG over every (Sq, Sk)
-    of `pairs` at `matrix_dims` (dtypes, masks, GQA ratios 1/4/8, strided views)."""
+    """The wgmma forward at head dims (q's and k's, v's) of its own: each forced configuration of
+    `configs` over FORCED_SHAPES at `forced_dims(config)`, then WGMMA_WIDE_MATRIX_CONFIG over
+    every (Sq, Sk) of `pairs` at `matrix_dims` (dtypes, masks, GQA ratios 1/4/8, strided views)."""
     index = 0
-    for config in WGMMA_WIDE_FORCED_CONFIGS:
+    for config in configs:
         variants = itertools.product(DTYPES, forced_dims(config), (False, True), FORCED_SHAPES)
         for dtype, (head_dim, head_dim_v), causal, (seqlen_q, seqlen_k, splits) in variants:
             in_matrix = (head_dim, head_dim_v) in matrix_dims and (seqlen_q, seqlen_k) in pairs
@@ -274,6 +281,24 @@ def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
 
     yield from _wgmma_shape_cases(forced_dims, WGMMA_DV_MATRIX_HEAD_DIMS, pairs)
     yield from _ramped_cases((WGMMA_WIDE_MATRIX_CONFIG,), (1000, 1000), WGMMA_DV_MATRIX_HEAD_DIMS)
+    yield from _feature_cases_at(WGMMA_DV_MATRIX_HEAD_DIMS)
+
+
+def padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
+    """The wgmma forward's 128 tile run padded (GPU tier): FORCED_SHAPES on configuration 5 at
+    WGMMA_PADDED_HEAD_DIMS, which it runs over every (Sq, Sk) of `pairs` at
+    WGMMA_PADDED_MATRIX_HEAD_DIMS, with ramped scores and each feature combination; a card or
+    build that cannot run them skips, saying why."""
+    dims = WGMMA_PADDED_MATRIX_HEAD_DIMS
+    forced = lambda config: WGMMA_PADDED_HEAD_DIMS  # noqa: E731
+    yield from _wgmma_shape_cases(forced, dims, pairs, configs=WGMMA_PADDED_CONFIGS)
+    yield from _ramped_cases((WGMMA_WIDE_MATRIX_CONFIG,), (1000, 1000), dims)
+    yield from _feature_cases_at(dims)
+
+
+def _feature_cases_at(dims: Sequence[tuple[int, int]]) -> Iterator[Case]:
+    """Each feature combination over FORCED_FEATURE_PAIRS on WGMMA_WIDE_MATRIX_CONFIG, the head
+    dims (q's and k's, v's) taking turns from `dims`."""
     variants = itertools.product(FORCED_FEATURE_PAIRS, FEATURE_COMBOS)
     for index, ((seqlen_q, seqlen_k), combo) in enumerate(variants):
         case = _turned_case(
@@ -284,9 +309,7 @@ def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
             config=WGMMA_WIDE_MATRIX_CONFIG,
             num_splits=3 if index % 5 == 4 else 0,
         )
-        head_dim, head_dim_v = WGMMA_DV_MATRIX_HEAD_DIMS[
-            (index // 2) % len(WGMMA_DV_MATRIX_HEAD_DIMS)
-        ]
+        head_dim, head_dim_v = dims[(index // 2) % len(dims)]
         case = dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v)
         yield _with_features(case, combo, index)
 
@@ -347,8 +370,10 @@ def _ramped_cases(
     factors after the first key block, so a wrong or skipped rescale of the output shows."""
     variants = itertools.product(configs, DTYPES, head_dims, (False, True), ("rising", "falling"))
     for index, (config, dtype, (head_dim, head_dim_v), causal, scores) in enumerate(variants):
-        # (past 128 the callers pass only the head dims they gate: wide_wgmma_cases)
-        if config and head_dim <= 128 and head_dim not in gated_head_dims(config):
+        # (other tiles than 64 and 128 whole: the callers pass only those they gate,
+        # wide_wgmma_cases, padded_wgmma_cases)
+        whole = head_dim in (64, 128) and head_dim_v == head_dim
+        if config and whole and head_dim not in gated_head_dims(config):
             continue
         batch, hq, hkv = _heads(index, max(shape))
         case = Case(
@@ -522,11 +547,13 @@ def many_row_decode_cases(
 
 def gate_cases(tier: str) -> list[Case]:
     cases = list(forward_cases(tier)) + list(decode_cases(tier))
-    if tier == "gpu":  # after every earlier case: the wgmma forward of narrow v
+    if tier == "gpu":  # after every earlier case: the wgmma forward of narrow v, then padded
         pairs = [(s, s) for s in SEQLENS] + list(UNEQUAL)
         cases += [
             *dv_padded_wgmma_cases(pairs),
             *many_row_decode_cases(dims=WGMMA_DV_MATRIX_HEAD_DIMS),
+            *padded_wgmma_cases(pairs),
+            *many_row_decode_cases(dims=WGMMA_PADDED_MATRIX_HEAD_DIMS),
         ]
     return cases
 

@@ -33,6 +33,7 @@ from .matrix import (
     NEW_HEAD_DIMS,
     NEW_HEAD_DIMS_CPU,
     WGMMA_DV_MATRIX_HEAD_DIMS,
+    WGMMA_PADDED_HEAD_DIMS,
     WGMMA_WIDE_HEAD_DIMS,
     WGMMA_WIDE_MATRIX_CONFIG,
 )
@@ -199,6 +200,7 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
     if gpu:
         yield from _wide_wgmma_cases()
         yield from _dv_padded_wgmma_cases()
+        yield from _forced_wgmma_cases(WGMMA_PADDED_HEAD_DIMS)  # the 128 tile run padded
 
 
 def _wide_wgmma_cases() -> Iterator[VarlenCase]:

@@ -525,8 +525,9 @@ def wide_head_dim_workload(configs: Sequence[int]) -> list:
 # 128 tile, v's 128 under q's and k's 192 on the 192 tile. Their copies zero-fill the tile's
 # columns past each tensor's head dim and their stores leave them out, in every kernel family.
 PADDED_HEAD_DIMS = ((80, 80), (96, 96), (192, 128))
-# Those the wgmma forward (configuration 5) runs as well: v's 128 under q's and k's 192.
-WGMMA_DV_FORCED = ((192, 128),)
+# Those the wgmma forward (configuration 5) runs as well: v's 128 under q's and k's 192 (a kernel
+# of its own), 80 and 96 (its 128 tile run padded: Sm90PaddedTraits).
+WGMMA_PADDED_FORCED = ((192, 128), (80, 80), (96, 96))
 
 
 def padded_head_dim_workload(configs: Sequence[int]) -> list:
@@ -534,8 +535,8 @@ def padded_head_dim_workload(configs: Sequence[int]) -> list:
     automatic choice, with forced splits (the partials and the combine); decode with a fused
     combine; the backward (1 and automatic) with dQ by atomics and deterministic; paged decode
     and packed batches where v's head dim is q's (their cases have one head dim). v's 128 under
-    q's and k's 192 runs on the wgmma forward's kernel of its own too, where this GPU runs
-    configuration 5 (WGMMA_DV_FORCED: TMA with split partials, cp.async with cache lengths)."""
+    q's and k's 192, 80 and 96 run on the wgmma forward too, where this GPU runs configuration 5
+    (WGMMA_PADDED_FORCED: TMA with split partials, cp.async with cache lengths)."""
     from ..cases import Case
     from ..gates.paged import PagedCase
     from ..gates.varlen import VarlenCase
@@ -544,7 +545,7 @@ def padded_head_dim_workload(configs: Sequence[int]) -> list:
     for head_dim, head_dim_v in PADDED_HEAD_DIMS:
         dims = {"head_dim": head_dim, "head_dim_v": head_dim_v}
         forced = [c for c in (1, 2, 4) if c in configs]
-        if (head_dim, head_dim_v) in WGMMA_DV_FORCED and 5 in configs:
+        if (head_dim, head_dim_v) in WGMMA_PADDED_FORCED and 5 in configs:
             forced.append(5)
             cases.append(
                 Case(
