@@ -142,9 +142,10 @@ inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v, int64_t config
   return wgmma_whole_head_dims(head_dim, head_dim_v) ||
          (config == kSm90aConfig && wgmma_padded(head_dim, head_dim_v));
 }
-// The head dims the automatic choice runs on the wgmma forward (choose_config): all it takes.
+// The head dims the automatic choice runs on the wgmma forward (choose_config): all it takes, the
+// padded ones on configuration 5 (run_forward).
 inline bool wgmma_chosen(int64_t head_dim, int64_t head_dim_v) {
-  return wgmma_whole_head_dims(head_dim, head_dim_v);
+  return wgmma_whole_head_dims(head_dim, head_dim_v) || wgmma_padded(head_dim, head_dim_v);
 }
 inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim));
@@ -842,6 +843,8 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
     // the feature instantiations of the others (three warpgroups, 176 keys) spill
     // (benches/notes/features.md).
     if (is_sm90a_config(config) && has_features(p)) config = kSm90aM128Config;
+    // A padded tile is configuration 5's alone (its 128 tile, Sm90PaddedTraits).
+    if (is_sm90a_config(config) && wgmma_padded(p.head_dim, p.head_dim_v)) config = kSm90aConfig;
   }
   const Sm90Tile sm90 = is_sm90a_config(config) ? sm90_tile(p) : Sm90Tile::kWhole;
   const TileShape tile = tile_shape_of(int(config), tile_d, sm90);
