@@ -255,18 +255,7 @@ def wide_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
     wide = tuple((d, d) for d in WGMMA_WIDE_HEAD_DIMS)
     yield from _wgmma_shape_cases(lambda config: wide, wide, pairs)
     yield from _ramped_cases((WGMMA_WIDE_MATRIX_CONFIG,), (1000, 1000), wide)
-    variants = itertools.product(FORCED_FEATURE_PAIRS, FEATURE_COMBOS)
-    for index, ((seqlen_q, seqlen_k), combo) in enumerate(variants):
-        case = _turned_case(
-            "prefill",
-            index,
-            seqlen_q,
-            seqlen_k,
-            WGMMA_WIDE_HEAD_DIMS,
-            config=WGMMA_WIDE_MATRIX_CONFIG,
-            num_splits=3 if index % 5 == 4 else 0,
-        )
-        yield _with_features(case, combo, index)
+    yield from _feature_cases_at(wide)
 
 
 def dv_padded_wgmma_cases(pairs: list[tuple[int, int]]) -> Iterator[Case]:
