@@ -575,8 +575,7 @@ inline void check_config_for_device(int64_t config, const DeviceInfo& dev, const
                        " is built for compute capability 9.0 and newer; this GPU is ", dev.major,
                        ".", dev.minor, ": use config ", others, " (or 0, automatic)");
   if (is_sm90a_config(config)) {
-    check_wgmma_config("config", config, dev, others,
-                       wgmma_head_dims(head_dim, head_dim_v, config),
+    check_wgmma_config("config", config, dev, others, wgmma_head_dims(head_dim, head_dim_v, config),
                        kWgmmaHeadDimsText, head_dim, head_dim_v);
   }
   if (config != 0) {

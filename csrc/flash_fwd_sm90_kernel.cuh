@@ -94,7 +94,7 @@ struct Sm90FwdTiles {
   static constexpr int kMathThreads = 128 * kWarpgroups_;
   static constexpr int kNThreads = kMathThreads + 128;
   static constexpr int kNWarps = kNThreads / 32;
-  static constexpr bool kPadded = false;          // Sm90PaddedTraits
+  static constexpr bool kPadded = false;         // Sm90PaddedTraits
   static constexpr int kChunks = kHeadDimV / 8;  // the output's 16-byte chunks a row
   static constexpr int kLoadThreads = 128;       // the producer warpgroup
   // Q, kStages K and V buffers, the output's staging buffer (two stages only), then the
