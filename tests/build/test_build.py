@@ -1213,12 +1213,9 @@ class FakeChild:
         self.code = -9
 
 
-def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
-    monkeypatch, capsys, tmp_path
-):
-    """`build --plants` (the GPU job's build step) compiles the plant unit in a child beside its
-    own build, for the same backend and targets, whose report goes to a folder of its own; a
-    plant unit that fails fails the step with its log's end and what it breaks."""
+@pytest.fixture
+def built_in_no_time(monkeypatch, tmp_path):
+    """`build`'s own unit (the CPU one) configured and built at once: a test of what it runs beside."""
     config = build.resolve_config("cpu")
     monkeypatch.setattr(build, "resolve_config", lambda *a, **k: config)
     monkeypatch.setattr(
@@ -1228,6 +1225,15 @@ def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
             config, tmp_path / "lib.so", False, 0.1, [], tmp_path, {}
         ),
     )
+    return config
+
+
+def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
+    monkeypatch, capsys, tmp_path, built_in_no_time
+):
+    """`build --plants` (the GPU job's build step) compiles the plant unit in a child beside its
+    own build, for the same backend and targets, whose report goes to a folder of its own; a
+    plant unit that fails fails the step with its log's end and what it breaks."""
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "root"))
     monkeypatch.setenv(loader.ONLY_VAR, "op=fwd")
     FakeChild.calls = []
@@ -1258,20 +1264,11 @@ def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
 
 
 def test_the_base_builds_beside_and_its_failure_is_the_benchs_to_report(
-    monkeypatch, capsys, tmp_path
+    monkeypatch, capsys, tmp_path, built_in_no_time
 ):
     """`build --base REF` waits for REF's build (started by basetree.start_prebuild) and says its
     own time; a base that does not build warns and leaves the step green (the bench falls back to
     a stored run and says why), where a broken plant unit fails it."""
-    config = build.resolve_config("cpu")
-    monkeypatch.setattr(build, "resolve_config", lambda *a, **k: config)
-    monkeypatch.setattr(
-        build,
-        "build",
-        lambda config, force=False, quiet=False: build.BuildResult(
-            config, tmp_path / "lib.so", False, 0.1, [], tmp_path, {}
-        ),
-    )
     asked = []
 
     def start_base(ref, head, code=0):
@@ -1285,7 +1282,7 @@ def test_the_base_builds_beside_and_its_failure_is_the_benchs_to_report(
     monkeypatch.setattr(FakeChild, "own_s", 88.0)
     monkeypatch.setattr(build, "start_base_build", start_base)
     assert build.main(["--backend", "cpu", "--base", "main"]) == exitcodes.OK
-    assert asked == [("main", config)]
+    assert asked == [("main", built_in_no_time)]
     out = capsys.readouterr().out
     assert "build: the base 0123abcd4567 (main) done in 88.0 s" in out
     monkeypatch.setattr(build, "start_base_build", lambda ref, head: start_base(ref, head, 2))

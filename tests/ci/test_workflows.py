@@ -339,6 +339,24 @@ def test_a_pull_request_benches_one_case_per_family_against_its_base(
     assert done.stdout.splitlines()[-1] == f"nox {expected}"
 
 
+def run_with_nox_stand_in(tmp_path, script: str, env: dict) -> str:
+    """Runs a step's script as the runner's bash does, with `nox` a stand-in that prints its
+    command line; returns that line."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nox").write_text('#!/bin/sh\necho "nox $*"\n')
+    (bindir / "nox").chmod(0o755)
+    done = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", script],
+        env={"PATH": f"{bindir}:/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()[-1]
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
@@ -357,19 +375,7 @@ def test_a_pull_requests_build_step_builds_its_base_beside(tmp_path, env, expect
     assert (
         '--base "origin/$BASE_REF"' in step["run"] and '--base "origin/$BASE_REF"' in bench["run"]
     )
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "nox").write_text('#!/bin/sh\necho "nox $*"\n')
-    (bindir / "nox").chmod(0o755)
-    done = subprocess.run(
-        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
-        env={"PATH": f"{bindir}:/usr/bin:/bin", **env},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == expected
+    assert run_with_nox_stand_in(tmp_path, step["run"], env) == expected
 
 
 @pytest.mark.parametrize(
@@ -390,19 +396,7 @@ def test_the_gpu_test_stage_leaves_the_cpu_twins_to_cpu_ci_but_on_schedule(
     job = load("gpu-ci.yml")["jobs"]["gpu"]
     test = next(s for s in steps(job) if s.get("name") == "test")
     assert test["env"]["EVENT"] == "${{ github.event_name }}"
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "nox").write_text('#!/bin/sh\necho "nox $*"\n')
-    (bindir / "nox").chmod(0o755)
-    done = subprocess.run(
-        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", test["run"]],
-        env={"PATH": f"{bindir}:/usr/bin:/bin", "EVENT": event},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == expected
+    assert run_with_nox_stand_in(tmp_path, test["run"], {"EVENT": event}) == expected
 
 
 def test_no_run_reads_what_a_pull_requests_run_wrote():

@@ -188,9 +188,10 @@ def _forced_shape_case(
     shape: tuple[int, int, int],
     config: int,
     head_dim_v: int = 0,
+    layout: str = "bhsd",
 ) -> Case:
-    """A prefill case of FORCED_SHAPES ((Sq, Sk, splits)) on a forced configuration, its batch
-    and heads from its place in the matrix (`index`)."""
+    """A prefill case of a shape ((Sq, Sk, splits)) on a forced configuration, its batch and heads
+    from its place in the matrix (`index`)."""
     seqlen_q, seqlen_k, splits = shape
     batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
     return Case(
@@ -203,6 +204,7 @@ def _forced_shape_case(
         seqlen_k,
         head_dim,
         causal,
+        layout=layout,
         config=config,
         num_splits=splits,
         head_dim_v=head_dim_v,
@@ -230,21 +232,10 @@ def _wgmma_shape_cases(
             index += 1
     variants = itertools.product(DTYPES, matrix_dims, (False, True), pairs)
     for dtype, (head_dim, head_dim_v), causal, (seqlen_q, seqlen_k) in variants:
-        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
-        yield Case(
-            "prefill",
-            dtype,
-            batch,
-            hq,
-            hkv,
-            seqlen_q,
-            seqlen_k,
-            head_dim,
-            causal,
-            layout="bshd" if index % 4 == 3 else "bhsd",
-            config=WGMMA_WIDE_MATRIX_CONFIG,
-            head_dim_v=head_dim_v,
-        )
+        layout = "bshd" if index % 4 == 3 else "bhsd"
+        shape = (seqlen_q, seqlen_k, 0)
+        config = WGMMA_WIDE_MATRIX_CONFIG
+        yield _forced_shape_case(index, dtype, head_dim, causal, shape, config, head_dim_v, layout)
         index += 1
 
 
