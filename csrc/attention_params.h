@@ -47,8 +47,8 @@ namespace flashmoe {
 // and the wgmma forward's of v narrower than q and k:
 //   17: P V reads its V from K's buffers where v's head dim is 128 under q's and k's 192
 // and the wgmma forward's 128 tile run padded (Sm90PaddedTraits):
-//   18: its TMA maps span the tile's width, not the tensor's (the host's encode_kv_map): the
-//       columns past the head dim hold the next row's values instead of zeros
+//   18: each panel's TMA box copied from the first panel's columns (its column coordinate left
+//       at 0): the tile's columns past 64 hold q's and k's first columns, not theirs or zeros
 // and the bugs of local attention, soft-capping and sinks (the CPU implementation's, and the CUDA
 // kernels': 20 in every mma.sync and decode kernel, forward and backward; 21 in the forward and
 // decode; 22 in the backward's pre-pass; 23 in the decode kernel, which forgets the left edge):

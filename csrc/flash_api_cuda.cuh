@@ -489,9 +489,7 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
                           int64_t batch_stride, int head_dim, int box_rows, bool by_panel = false) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
-  // planted 18: a padded tile's map spans the tile's width, past the tensor's rows
-  const int width = cpu::planted(18) && by_panel ? (head_dim + 63) / 64 * 64 : head_dim;
-  const cuuint64_t dims[5] = {cuuint64_t(by_panel ? width : 64), cuuint64_t(rows),
+  const cuuint64_t dims[5] = {cuuint64_t(by_panel ? head_dim : 64), cuuint64_t(rows),
                               cuuint64_t(by_panel ? 1 : head_dim / 64), cuuint64_t(heads),
                               cuuint64_t(batch)};
   // Bytes; a dimension of extent 1 still needs a valid stride.

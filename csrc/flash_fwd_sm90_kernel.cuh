@@ -602,8 +602,11 @@ __device__ __forceinline__ void tma_tile(T* dst, const void* map, uint64_t* bar,
                                          int batch) {
   if constexpr (kByPanel) {
 #pragma unroll
-    for (int c = 0; c < kCols / 64; ++c)
-      sm90::tma_load_5d(dst + c * kRows * 64, map, bar, c * 64, row, 0, head, batch);
+    for (int c = 0; c < kCols / 64; ++c) {
+      // planted 18: every panel's box from the first panel's columns
+      const int column = planted(18) ? 0 : c * 64;
+      sm90::tma_load_5d(dst + c * kRows * 64, map, bar, column, row, 0, head, batch);
+    }
   } else {
     sm90::tma_load_5d(dst, map, bar, 0, row, 0, head, batch);
   }

@@ -502,9 +502,10 @@ def test_the_narrow_v_plants_cases_are_gate_cases():
     assert {(c.head_dim, c.value_head_dim) for c in narrow} == {(192, 128)}
 
 
-# Plant 18 (a padded tile's TMA maps as wide as the tile, not the tensor): K's columns past 80 or
-# 96 then hold the next row's values, which leak into the scores of every padded case copied by
-# TMA; the many-row decode (cache lengths: cp.async, no TMA) and the whole 128 tile pass.
+# Plant 18 (a padded tile's TMA boxes all at the first panel's columns): K's columns 64 to 127
+# then hold its columns 0 to 63, not its own and zeros, which changes the scores of every padded
+# case copied by TMA; the many-row decode (cache lengths: cp.async, no TMA) and the whole 128
+# tile (one box for both panels) pass.
 PADDED_SM90A_PLANT = (
     (
         "fwd-fp16-d96-h8kv2-b2-s1000-full-cfg5",
@@ -521,8 +522,8 @@ PADDED_SM90A_PLANT = (
     not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
 )
 def test_planted_tile_wide_maps_fail_the_padded_wgmma_gates_and_only_them(run_planted):
-    """With FLASHMOE_PLANT_BUG=18 (a padded tile's TMA maps span the tile, not the tensor) every
-    padded case copied by TMA fails a gate; the cp.async path and the whole tile pass."""
+    """With FLASHMOE_PLANT_BUG=18 (a padded tile's panels all copied from its first) every padded
+    case copied by TMA fails a gate; the cp.async path and the whole tile pass."""
     _check_plant(run_planted, 18, PADDED_SM90A_PLANT)
 
 
