@@ -3,9 +3,10 @@
 GitHub Actions runs a job's steps one after another; a stage that needs the build but neither a
 quiet GPU nor the test stage's results (`sanitize`) can run beside the test stage this way: one
 step starts it (`--background`) and returns at once, a later step (`--wait`) waits for it, prints
-its output and exits with its status. The run's state is reports/<name>-background.json
-({"pid", "argv", "started", "exit"}), its output reports/<name>-background.log: both travel with
-the job's reports. The child is a session of its own, so the starting step's end does not stop
+its output and exits with its status. The start writes reports/<name>-background.json ({"pid",
+"argv", "started"}), the run its exit to <name>-background-exit.json ({"exit", "ended"}: a file
+of its own, so a run that ends at once cannot race the start's write) and its output to
+<name>-background.log; all travel with the job's reports. The child is a session of its own, so the starting step's end does not stop
 it; the runner stops it at the job's end if nothing waited.
 """
 
@@ -30,20 +31,23 @@ def state_path(name: str) -> Path:
     return paths.report_dir() / f"{name}-background.json"
 
 
+def exit_path(name: str) -> Path:
+    return paths.report_dir() / f"{name}-background-exit.json"
+
+
 def log_path(name: str) -> Path:
     return paths.report_dir() / f"{name}-background.log"
 
 
-def _write_state(name: str, state: dict) -> None:
-    path = state_path(name)
+def _write(path: Path, doc: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(state) + "\n")
+    tmp.write_text(json.dumps(doc) + "\n")
     tmp.replace(path)
 
 
-def _read_state(name: str) -> dict | None:
+def _read(path: Path) -> dict | None:
     try:
-        return json.loads(state_path(name).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
@@ -52,6 +56,7 @@ def start(name: str, argv: Sequence[str], wait_hint: str) -> int:
     """Start `python -m flashmoe_science <argv>` detached, through `child` (which records its exit
     status); returns at once. `wait_hint`: the command that waits for it."""
     log = log_path(name)
+    exit_path(name).unlink(missing_ok=True)
     command = [sys.executable, "-m", "flashmoe_science.pipeline.background", "child", name, *argv]
     with log.open("w") as out:
         process = subprocess.Popen(
@@ -61,7 +66,7 @@ def start(name: str, argv: Sequence[str], wait_hint: str) -> int:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    _write_state(name, {"pid": process.pid, "argv": list(argv), "started": time.time()})
+    _write(state_path(name), {"pid": process.pid, "argv": list(argv), "started": time.time()})
     print(
         f"{name}: started in the background (pid {process.pid}), output to "
         f"{_loader.display_path(log)}; `{wait_hint}` waits for it",
@@ -74,8 +79,7 @@ def child(name: str, argv: Sequence[str]) -> int:
     """Runs the command in this process's session and records its exit status for `wait`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     code = subprocess.call([sys.executable, "-m", "flashmoe_science", *argv], env=env)
-    state = _read_state(name) or {"argv": list(argv)}
-    _write_state(name, {**state, "exit": code, "ended": time.time()})
+    _write(exit_path(name), {"exit": code, "ended": time.time()})
     return code
 
 
@@ -89,9 +93,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def wait(name: str, timeout_s: float | None = None) -> int:
-    """Waits for the background run of `name`, prints its output and returns its exit status."""
-    state = _read_state(name)
+def wait(name: str) -> int:
+    """Waits for the background run of `name`, prints its output and returns its exit status (the
+    CI step's own time limit bounds the wait)."""
+    state = _read(state_path(name))
     if state is None:
         print(
             f"{name}: nothing was started in the background ({_loader.display_path(state_path(name))} "
@@ -102,10 +107,11 @@ def wait(name: str, timeout_s: float | None = None) -> int:
         return exitcodes.USAGE
     begin = time.monotonic()
     said = begin
-    while "exit" not in state:
+    ended = _read(exit_path(name))
+    while ended is None:
         if not _alive(int(state["pid"])):
-            state = _read_state(name) or state
-            if "exit" in state:
+            ended = _read(exit_path(name))
+            if ended is not None:
                 break
             print(
                 f"{name}: the background run (pid {state['pid']}) ended without an exit status "
@@ -116,30 +122,22 @@ def wait(name: str, timeout_s: float | None = None) -> int:
             _print_log(name)
             return exitcodes.ENV_BROKEN
         now = time.monotonic()
-        if timeout_s is not None and now - begin > timeout_s:
-            print(
-                f"{name}: still running after {timeout_s:.0f} s of waiting; stopped waiting (its "
-                f"output so far follows)",
-                file=sys.stderr,
-                flush=True,
-            )
-            _print_log(name)
-            return exitcodes.ENV_BROKEN
         if now - said >= PROGRESS_S:
             ran = time.time() - float(state.get("started", time.time()))
             print(f"{name}: still running in the background ({ran:.0f} s so far)", flush=True)
             said = now
         time.sleep(POLL_S)
-        state = _read_state(name) or state
+        ended = _read(exit_path(name))
     waited = time.monotonic() - begin
-    ran = float(state.get("ended", 0)) - float(state.get("started", 0))
+    # (a run over before its start was recorded has no span to tell)
+    ran = max(0.0, float(ended.get("ended", 0)) - float(state.get("started", 0)))
     print(
-        f"{name}: the background run ended with exit {state['exit']} after {ran:.1f} s "
+        f"{name}: the background run ended with exit {ended['exit']} after {ran:.1f} s "
         f"({waited:.1f} s of it waited for here); its output:",
         flush=True,
     )
     _print_log(name)
-    return int(state["exit"])
+    return int(ended["exit"])
 
 
 def _print_log(name: str) -> None:

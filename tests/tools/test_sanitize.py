@@ -902,7 +902,8 @@ def test_a_background_run_is_waited_for_with_its_output_and_status(isolated):
     assert "torch sees no GPU" in waited.stdout, "the run's own output, printed by the wait"
     reports = isolated / "reports"
     state = json.loads((reports / "sanitize-background.json").read_text())
-    assert state["argv"] == ["sanitize", "--tool", "memcheck"] and state["exit"] == 255
+    assert state["argv"] == ["sanitize", "--tool", "memcheck"]
+    assert json.loads((reports / "sanitize-background-exit.json").read_text())["exit"] == 255
     stage = json.loads((reports / "stages.json").read_text())["stages"]["sanitize"]
     assert stage["exit_code"] == 255 and stage["seconds"] < 60
 
@@ -919,6 +920,23 @@ def test_a_wait_with_nothing_started_or_a_run_that_died_says_so(isolated, capsys
     assert sanitize.main(["--wait"]) == exitcodes.ENV_BROKEN
     out, err = capsys.readouterr()
     assert "ended without an exit status" in err and "sanitize: memcheck ..." in out
+
+
+def test_a_run_that_ended_before_its_start_was_recorded_is_still_waited_for(isolated, capsys):
+    """The run's exit has a file of its own: a run over before the starting step wrote its pid
+    (the record written last) still gives the wait its status, not "killed"."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    reports = isolated / "reports"
+    reports.mkdir(exist_ok=True)
+    (reports / "sanitize-background-exit.json").write_text(json.dumps({"exit": 1, "ended": 9.0}))
+    (reports / "sanitize-background.json").write_text(
+        json.dumps({"pid": gone.pid, "argv": [], "started": 10.0})
+    )
+    (reports / "sanitize-background.log").write_text("sanitize: memcheck FAIL\n")
+    assert sanitize.main(["--wait"]) == exitcodes.GATE_FAILED == 1
+    out = capsys.readouterr().out
+    assert "ended with exit 1" in out and "sanitize: memcheck FAIL" in out
 
 
 def test_missing_tool_exits_126_with_one_line(isolated, fake_gpu, no_cuda_tools, capsys):

@@ -339,8 +339,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="also build REF's unit beside this one, in the worktree and build root `bench --base "
         "REF` uses, so the bench finds it built; nothing when REF's kernel sources are these. Its "
-        "failure is the bench's to report: this step warns and goes on (the GPU job passes it "
-        "when a pull request changes csrc/)",
+        "failure is the bench's to report: this step warns and goes on (the GPU job passes a "
+        "pull request's base)",
     )
     parser.add_argument(
         "--plants",
