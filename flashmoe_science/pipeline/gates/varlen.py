@@ -182,6 +182,17 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
         (False, True) if gpu else (True,),
         BATCHES if gpu else BATCHES_CPU[1:],
     )
+    yield from _head_dim_cases(variants)
+    yield from _feature_cases(gpu)
+    if gpu:
+        yield from _wide_wgmma_cases()
+        yield from _dv_padded_wgmma_cases()
+        yield from _forced_wgmma_cases(WGMMA_PADDED_HEAD_DIMS)  # the 128 tile run padded
+
+
+def _head_dim_cases(variants, config: int = 0) -> Iterator[VarlenCase]:
+    """A case for each ((head_dim, head_dim_v), dtype, causal, (lengths_q, lengths_k)) of
+    `variants`, the GQA ratio taken in turn, on `config` (0: automatic)."""
     for index, ((head_dim, head_dim_v), dtype, causal, (lengths_q, lengths_k)) in enumerate(
         variants
     ):
@@ -194,13 +205,9 @@ def _cases(tier: str) -> Iterator[VarlenCase]:
             lengths_q,
             lengths_k,
             causal,
+            config,
             head_dim_v=head_dim_v,
         )
-    yield from _feature_cases(gpu)
-    if gpu:
-        yield from _wide_wgmma_cases()
-        yield from _dv_padded_wgmma_cases()
-        yield from _forced_wgmma_cases(WGMMA_PADDED_HEAD_DIMS)  # the 128 tile run padded
 
 
 def _wide_wgmma_cases() -> Iterator[VarlenCase]:
@@ -218,22 +225,7 @@ def _forced_wgmma_cases(dims: tuple[tuple[int, int], ...]) -> Iterator[VarlenCas
     """The wgmma forward's packed kernel (WGMMA_WIDE_MATRIX_CONFIG) at head dims (q's and k's,
     v's) `dims`: every batch of the matrix with both dtypes and masks, then FEATURE_CASES."""
     config = WGMMA_WIDE_MATRIX_CONFIG
-    variants = itertools.product(dims, DTYPES, (False, True), BATCHES)
-    for index, ((head_dim, head_dim_v), dtype, causal, (lengths_q, lengths_k)) in enumerate(
-        variants
-    ):
-        ratio = GQA_RATIOS[index % len(GQA_RATIOS)]
-        yield VarlenCase(
-            dtype,
-            head_dim,
-            HEADS_Q,
-            HEADS_Q // ratio,
-            lengths_q,
-            lengths_k,
-            causal,
-            config,
-            head_dim_v=head_dim_v,
-        )
+    yield from _head_dim_cases(itertools.product(dims, DTYPES, (False, True), BATCHES), config)
     for index, (batch, causal, window, softcap, sinks) in enumerate(FEATURE_CASES):
         lengths_q, lengths_k = BATCHES[batch]
         head_dim, head_dim_v = dims[index % len(dims)]
