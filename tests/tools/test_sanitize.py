@@ -1113,13 +1113,15 @@ def test_cli_lists_the_command():
 
 
 def _sanitize(
-    tmp_path: Path, *args: str, only: str = ""
+    tmp_path: Path, *args: str, only: str = "", plant: int = 0
 ) -> tuple[subprocess.CompletedProcess, dict | None]:
     env = dict(os.environ, FLASHMOE_REPORTS_DIR=str(tmp_path))
     env.pop("FLASHMOE_BUILD_DEFINES", None)
     env.pop(_loader.ONLY_VAR, None)
     if only:
         env[_loader.ONLY_VAR] = only
+    if plant:  # the plant unit's choice (with --define PLANT_DEFINE)
+        env["FLASHMOE_PLANT_BUG"] = str(plant)
     run = subprocess.run(
         [sys.executable, "-m", "flashmoe_science", "sanitize", *args],
         cwd=REPO_ROOT,
@@ -1139,14 +1141,12 @@ def _sanitize(
 def test_planted_out_of_bounds_read_fails_memcheck(tmp_path):
     """FLASHMOE_PLANT_BUG=3 reads the KV rows past the sequence end, far out of bounds, instead of
     zero-filling them: memcheck reports it and the command exits 1. memcheck stops at the first
-    faulty call, the workload's first; the build holds only that call's kernels, and the workload
-    runs the calls this build holds, in the same order, that one first."""
+    faulty call, the workload's first (which reaches the plant). The plant unit the GPU job's
+    build step made (`build --plants`: every plant in, picked by $FLASHMOE_PLANT_BUG at run time)
+    serves, so nothing compiles here."""
     first = sanitize.workload_cases(_loader.Restriction())[0]
-    only = kernels.restriction_for(sanitize.case_needs(first))
-    assert sanitize.workload_cases(only)[0] == first
-    run, doc = _sanitize(
-        tmp_path, "--tool", "memcheck", "--define", "FLASHMOE_PLANT_BUG=3", only=only.text()
-    )
+    assert first.kind == "prefill" and first.seqlen_k % 64, "a partial key tile: plant 3's read"
+    run, doc = _sanitize(tmp_path, "--tool", "memcheck", "--define", _loader.PLANT_DEFINE, plant=3)
     assert run.returncode == exitcodes.GATE_FAILED, run.stdout[-3000:] + run.stderr[-3000:]
     assert doc is not None and doc["tools"]["memcheck"]["status"] == "fail"
     findings = doc["tools"]["memcheck"]["findings"]
