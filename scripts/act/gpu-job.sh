@@ -33,6 +33,9 @@ torch interpreter, PYTHONPATH included); without history the csrc/ check says "c
 runs without --base; the upload goes to OUT/artifacts/gpu-ci-reports-KIND/ and an act-only step
 checks it as pr-report.yml would read it. A tree without .git gets a throwaway one-commit repository for
 the run (removed at the end): the tests that copy the checkout with `git ls-files` need one.
+A tree that differs from its HEAD (uncommitted changes, a copy laid over another commit's .git)
+runs as a snapshot commit of itself (scripts/act/tree-commit.sh, kept under refs/act/snapshot),
+never as HEAD.
 
 Options:
   --kind KIND     The leg: h100 (default), h200 or l4 (flashmoe_science/pipeline/gpukinds.py);
@@ -216,6 +219,15 @@ if [[ ! -e .git ]] && command -v git >/dev/null; then
   git add -A
   git -c user.name=act -c user.email=act@localhost -c commit.gpgsign=false commit -q --no-verify \
     -m "act: snapshot of the working tree"
+fi
+if [[ -e .git ]] && ((!THROWAWAY_GIT)); then
+  # The job checks out a commit (the fake event's head): the tree's own, not a HEAD it differs from.
+  ACT_HEAD_SHA="$(bash scripts/act/tree-commit.sh)"
+  export ACT_HEAD_SHA
+  if [[ "$ACT_HEAD_SHA" != "$(git rev-parse --verify -q HEAD || true)" ]]; then
+    echo "== this tree differs from HEAD ($(git rev-parse --short HEAD 2>/dev/null || echo none)):" \
+      "the job runs a snapshot commit of it, ${ACT_HEAD_SHA:0:12} (refs/act/snapshot)"
+  fi
 fi
 echo "== running the job's $KIND leg"
 rc=0

@@ -33,6 +33,8 @@ push, workflow_dispatch or workflow_run; --event FILE gives the payload instead.
   * Steps see ACT=true (the workflows' act-only steps check the report artifact), RUNNER_PYTHON and
     FLASHMOE_RUNNER_PYTHON (the interpreter whose torch the job reuses, as a GPU runner's .env sets
     it), and GITHUB_REPOSITORY.
+  * The event's commit is HEAD, or \$ACT_HEAD_SHA when set (gpu-job.sh sets it to
+    scripts/act/tree-commit.sh's snapshot when the tree differs from HEAD).
   * At the end it prints the job's step summary (what each step wrote to \$GITHUB_STEP_SUMMARY; act
     deletes the file with the workspace, and reports it in its log) and exits with act's status.
 
@@ -188,7 +190,9 @@ rm -rf "$OUT/act.jsonl" "$OUT/event.json" "$OUT/step-summary.md" "$OUT/artifacts
 mkdir -p "$OUT/artifacts"
 if [[ -n "$ARTIFACTS_FROM" ]]; then cp -R "$ARTIFACTS_FROM/." "$OUT/artifacts/"; fi
 REPOSITORY="${GITHUB_REPOSITORY:-local/flashmoe-science}"
-SHA="$(git rev-parse --verify -q HEAD 2>/dev/null)" || SHA="$(printf '0%.0s' {1..40})"
+# The event's commit: ACT_HEAD_SHA (gpu-job.sh's snapshot of a tree that differs from HEAD), else HEAD.
+SHA="${ACT_HEAD_SHA:-}"
+[[ -n "$SHA" ]] || SHA="$(git rev-parse --verify -q HEAD 2>/dev/null)" || SHA="$(printf '0%.0s' {1..40})"
 if [[ -n "$EVENT_FILE" ]]; then
   cp "$EVENT_FILE" "$OUT/event.json"
 else

