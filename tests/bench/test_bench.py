@@ -405,8 +405,11 @@ def test_only_a_run_of_the_whole_matrix_is_recorded_and_a_subset_says_which(
     timed, stored = [], []
     real_run_matrix = bench.run_matrix
 
+    flex_columns = []
+
     def run_matrix(cases, device, config, **kwargs):
         timed.extend(c.id for c in cases)
+        flex_columns.append(kwargs["flex_column"])
         record = real_run_matrix([], device, config, baselines=False)
         record.commit = benchrecords.Commit("0" * 40, dirty=False)
         return record
@@ -422,6 +425,7 @@ def test_only_a_run_of_the_whole_matrix_is_recorded_and_a_subset_says_which(
         "cpu", "--quick" in args, args[1:] if "--case" in args else (), "--pr" in args
     )
     assert timed == [c.id for c in expected]
+    assert flex_columns == [subset != "pull-request"]  # a pull request compiles no FlexAttention
     # the groups whose geomean the selection cannot judge: some of their cases, not all
     partial = doc.get("partial_groups")
     assert partial == (targets.partial_groups(expected, benchmatrix.default_matrix("cpu")) or None)

@@ -322,6 +322,11 @@ def test_a_feature_case_times_flex_beside_ours_and_refuses_sdpa_and_the_peers(
         "building FlexAttention's block mask: RuntimeError: CUDA out of memory. Tried to "
         "allocate 1 GiB",
     )
+    # the pull request's subset compiles no Flex: its feature cases are compared head vs base
+    compiled = len(flexed)
+    entry, flexed = fake_case("fwd-bf16-d128-h2-b1-s512-causal-win127_0", "cuda", flex_column=False)
+    assert entry.baselines["flex"] == NotMeasured("unsupported", flex.NOT_ON_PR)
+    assert len(flexed) == compiled
     # the CPU backend does not compile Flex for a figure that says nothing about a GPU
     entry, flexed = fake_case("fwd-bf16-d128-h2-b1-s512-causal-win127_0")
     assert entry.baselines["flex"] == NotMeasured("unsupported", flex.NOT_ON_CPU)

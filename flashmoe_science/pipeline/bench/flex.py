@@ -39,6 +39,15 @@ NOT_ON_CPU = (
     "nothing about a GPU's; it is timed on CUDA"
 )
 
+# The flex column in the pull request's subset (`bench --pr`): FlexAttention's compiles cost that
+# run about 40 s of its 8 feature cases' 67 s on an H100 (harness.md v5.13), for issue 48's
+# targets, which pushes to main and the nightly run judge; a pull request's feature cases are
+# there to be compared head against base.
+NOT_ON_PR = (
+    "not timed in the pull request's subset (--pr): its compiles cost the run ~40 s; pushes to "
+    "main and the nightly run time it"
+)
+
 
 def applies(case: Case) -> bool:
     """Whether a case has the flex column: a window, softcap or sinks, of a kind Flex runs."""

@@ -296,9 +296,11 @@ def run_case(
     baselines: bool,
     rounds: int = ROUNDS,
     say=None,
+    flex_column: bool = True,
 ) -> CaseRecord:
     """One case measured into its record. A case with a window, softcap or sinks times
-    FlexAttention beside ours (the flex column); on the CPU, never (flex.NOT_ON_CPU)."""
+    FlexAttention beside ours (the flex column); on the CPU, never (flex.NOT_ON_CPU), nor where
+    `flex_column` is off (the pull request's subset: flex.NOT_ON_PR)."""
     x = make_inputs(case, device)
     calls = {"ours": (our_call(case, x), None)}
     if times_deterministic(case):
@@ -325,6 +327,8 @@ def run_case(
         compared.append(flex.NAME)
         if device == "cpu":
             fn, reason = None, flex.NOT_ON_CPU
+        elif not flex_column:
+            fn, reason = None, flex.NOT_ON_PR
         else:
             try:
                 fn, reason = flex.flex_call(case, x, device)

@@ -26,7 +26,7 @@ they import and the card runs them, else each case says why not ("not installed:
 automatic backward case also times our kernel with deterministic=True ("ours_deterministic").
 The cases with a sliding window, softcap or sinks (the "features" group: matrix.feature_cases)
 have FlexAttention under torch.compile as their baseline ("flex", pipeline.bench.flex; SDPA and
-the peers say why not); on the CPU backend it is not timed. A case our kernels refuse here (ours
+the peers say why not); on the CPU backend it is not timed, nor in the pull request's subset. A case our kernels refuse here (ours
 "unsupported") fails nothing and is left out of --base.
 
 Read floor (decode cases on CUDA, "read_floor"): the fastest of a few Triton kernels that only read
@@ -147,8 +147,10 @@ def run_matrix(
     baselines: bool,
     say=print,
     target_cases: Sequence[Target] = (),
+    flex_column: bool = True,
 ) -> BenchRecord:
-    """Every case and target case measured into the run's record."""
+    """Every case and target case measured into the run's record; `flex_column` off leaves
+    FlexAttention out (the pull request's subset)."""
     timer = make_timer(device)
     gpu = machine.gpu_info(device)
     around = load.start()
@@ -180,7 +182,9 @@ def run_matrix(
         defines=list(_loader.env_defines()) or None,
     )
     for index, case in enumerate(cases, 1):
-        entry = run_case(case, device, timer, config, ceilings, baselines, say=say)
+        entry = run_case(
+            case, device, timer, config, ceilings, baselines, say=say, flex_column=flex_column
+        )
         record.cases.append(entry)
         elapsed = time.monotonic() - start
         say(f"[{index}/{total}] {case.id} ... {_progress_text(entry)} ({elapsed:.1f} s elapsed)")
@@ -280,7 +284,8 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the pull request's subset: one case per kernel family of the matrix (its bf16, causal "
         "case at the middle length) and --quick's target cases; the matrix's geomean targets are "
-        "not judged on it (pushes to main and the nightly run time the whole matrix)",
+        "not judged on it, and its feature cases time no FlexAttention (pushes to main and the "
+        "nightly run time the whole matrix, FlexAttention included)",
     )
     p.add_argument(
         "--case",
@@ -458,6 +463,7 @@ def run_and_report(
         config,
         baselines=not args.no_baselines,
         target_cases=target_cases,
+        flex_column=not args.pr,
     )
     record.subset = subset_of(args)
     record.partial_groups = targets.partial_groups(cases, default_matrix(device)) or None
