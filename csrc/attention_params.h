@@ -49,6 +49,9 @@ namespace flashmoe {
 // and the wgmma forward's 128 tile run padded (Sm90PaddedTraits):
 //   18: each panel's TMA box copied from the first panel's columns (its column coordinate left
 //       at 0): the tile's columns past 64 hold q's and k's first columns, not theirs or zeros
+// and the wgmma backward's 128 tile run padded (Sm90BwdPaddedTraits):
+//   19: q, k, v and dO copied at the tile's width: the tile's columns past their head dims hold
+//       the next row's values instead of zeros, which leak into S, dP and every gradient
 // and the bugs of local attention, soft-capping and sinks (the CPU implementation's, and the CUDA
 // kernels': 20 in every mma.sync and decode kernel, forward and backward; 21 in the forward and
 // decode; 22 in the backward's pre-pass; 23 in the decode kernel, which forgets the left edge):

@@ -89,7 +89,8 @@ constexpr const char* kWgmmaHeadDimsText =
     "64, 128, 192 and 256 (v's equal), or 192 with v's 128 (config 5 also every multiple of 8 up "
     "to 128, padded)";
 constexpr int kWgmmaBwdHeadDims[] = {64, 128};
-constexpr const char* kWgmmaBwdHeadDimsText = "64 and 128";
+constexpr const char* kWgmmaBwdHeadDimsText =
+    "64 and 128, or every multiple of 8 up to 128 padded onto the 128 tile";
 template <size_t N>
 constexpr bool listed_head_dim(const int (&dims)[N], int head_dim) {
   for (const int d : dims) {
@@ -147,8 +148,11 @@ inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v, int64_t config
 inline bool wgmma_chosen(int64_t head_dim, int64_t head_dim_v) {
   return wgmma_whole_head_dims(head_dim, head_dim_v) || wgmma_padded(head_dim, head_dim_v);
 }
+// The head dims the wgmma backward (configuration 3) runs: 64 and 128 whole, and those the 128
+// tile holds padded (wgmma_padded: Sm90BwdPaddedTraits), as the forward's configuration 5 does.
 inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
-  return head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim));
+  return (head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim))) ||
+         wgmma_padded(head_dim, head_dim_v);
 }
 // Whether a configuration has a packed-batch (varlen) kernel: not the decode kernel, 6 or 7
 // (visit_config compiles none for them; ops.NO_PACKED_CONFIGS is the Python side's copy).
@@ -1138,12 +1142,22 @@ using Bwd1Traits = BwdTraits<D, 64, bwd1_keys(D), 4>;
 template <int D>
 using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 
+// `padded`: the call's head dims are narrower than the tile D (configuration 3 then runs
+// Sm90BwdPaddedTraits; the mma.sync kernels take any head dims the tile holds).
 template <typename T, int D, bool kAtomicDq, typename F>
-void visit_bwd_config(int config, F&& f) {
+void visit_bwd_config(int config, F&& f, bool padded = false) {
   if (config == 1) {
     using Traits = Bwd1Traits<D>;
     FLASHMOE_VISIT(only::bwd, T, D, 1, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
   } else if (config == kSm90aBwdConfig) {
+    if constexpr (D == 128) {
+      if (padded) {
+        using Traits = Sm90BwdPaddedTraits<Sm90BwdTraits<D>>;
+        FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                       &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+        return;
+      }
+    }
     if constexpr (is_wgmma_bwd_head_dim(D)) {
       using Traits = Sm90BwdTraits<D>;
       FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
@@ -1184,8 +1198,9 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  const bool padded = p.head_dim != D || p.head_dim_v != D;
   if (deterministic) {
-    visit_bwd_config<T, D, false>(config, launch_dkdv);
+    visit_bwd_config<T, D, false>(config, launch_dkdv, padded);
     using DqTraits = BwdDqConfig<D>;
     auto kernel = &flash_bwd_dq_kernel<DqTraits, T>;
     allow_dynamic_smem(kernel, DqTraits::kSmemBytes);
@@ -1193,7 +1208,7 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     kernel<<<grid, DqTraits::kNThreads, DqTraits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
-    visit_bwd_config<T, D, true>(config, launch_dkdv);
+    visit_bwd_config<T, D, true>(config, launch_dkdv, padded);
     const int64_t n = rows * D;  // dq_accum is the tile's D wide
     flash_bwd_convert_dq_kernel<T>
         <<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)), 256, 0, stream>>>(p, n, D);
@@ -1315,6 +1330,13 @@ std::string demangled_name() {
 }
 
 template <typename Traits>
+struct IsSm90BwdTraits : std::false_type {};
+template <int D>
+struct IsSm90BwdTraits<Sm90BwdTraits<D>> : std::true_type {};
+template <typename Tiles>
+struct IsSm90BwdTraits<Sm90BwdPaddedTraits<Tiles>> : std::true_type {};
+
+template <typename Traits>
 struct IsDecodeTraits : std::false_type {};
 template <int D, int kStages>
 struct IsDecodeTraits<DecodeTraits<D, kStages>> : std::true_type {};
@@ -1401,9 +1423,8 @@ void append_kernel_launches(std::string& out) {
   // deterministic dQ pass; the pre-pass and the dQ conversion take none.
   auto dkdv = [&](auto kernel_traits, const char* atomic) {
     using Traits = decltype(kernel_traits);
-    const char* name = std::is_same_v<Traits, Sm90BwdTraits<Traits::kHeadDim>>
-                           ? "flashmoe::cuda::flash_bwd_sm90_kernel<"
-                           : "flashmoe::cuda::flash_bwd_dkdv_kernel<";
+    const char* name = IsSm90BwdTraits<Traits>::value ? "flashmoe::cuda::flash_bwd_sm90_kernel<"
+                                                      : "flashmoe::cuda::flash_bwd_dkdv_kernel<";
     out += name + demangled_name<Traits>() + ", " + dtype + ", " + atomic + ">\t" +
            std::to_string(Traits::kSmemBytes) + "\n";
   };
@@ -1413,6 +1434,12 @@ void append_kernel_launches(std::string& out) {
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
     visit_bwd_config<T, D, false>(
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
+    if (config == kSm90aBwdConfig && D == 128) {  // the tile run padded too
+      visit_bwd_config<T, D, true>(
+          config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), true);
+      visit_bwd_config<T, D, false>(
+          config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }), true);
+    }
   }
   out += "flashmoe::cuda::flash_bwd_dq_kernel<" + demangled_name<BwdDqConfig<D>>() + ", " + dtype +
          ">\t" + std::to_string(BwdDqConfig<D>::kSmemBytes) + "\n";

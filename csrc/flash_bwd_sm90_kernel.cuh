@@ -37,12 +37,23 @@ struct Sm90BwdTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kBlockM * 2) % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle atom");
+  static constexpr bool kPadded = false;
+};
+// The tile run at narrower head dims (80, 96, 112, v's 64 under 128, ...: wgmma_bwd_padded): q's,
+// k's, v's and dO's columns past their head dims zero-filled in shared memory (cp.async copies the
+// tensors' chunks), so every product over them adds zeros; dK and dV stored at their own widths,
+// dQ's atomics only for q's columns. Every guard is `if constexpr (kPadded)`: the kernels run whole
+// keep their code.
+template <typename Tiles>
+struct Sm90BwdPaddedTraits : Tiles {
+  static constexpr bool kPadded = true;
 };
 
 template <typename Traits, typename T, bool kAtomicDq>
 __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int MT = BM / 8, DT = D / 8, kThreads = Traits::kNThreads;
+  constexpr bool kPadded = Traits::kPadded;
 
   extern __shared__ __align__(1024) uint4 smem_buf[];
   T* sK = reinterpret_cast<T*>(smem_buf);
@@ -67,11 +78,16 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  // (the host runs this kernel only unpadded: every chunk of a row is the tensor's)
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, D / 8,
-                                                  tid);
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, D / 8,
-                                                  tid);
+  // The tensors' 16-byte chunks a row: the tile's own unless padded, whose columns past a head
+  // dim load_kv_tile zero-fills (planted 19: copied at the tile's width, the next row's columns
+  // in them).
+  const bool tile_wide = !kPadded || planted(19);
+  const int qk_chunks = tile_wide ? D / 8 : p.head_dim / 8;
+  const int v_chunks = tile_wide ? D / 8 : p.head_dim_v / 8;
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k,
+                                                  qk_chunks, tid);
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k,
+                                                  v_chunks, tid);
   cp_async_commit();
 
   // planted 5: only the group's first query head reaches dK and dV
@@ -86,9 +102,9 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
     const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
     load_kv_tile<D, BM, kThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0, p.seqlen_q,
-                                        D / 8, tid);
+                                        qk_chunks, tid);
     load_kv_tile<D, BM, kThreads, true>(sdO + buf * BM * D, do_base, p.do_row_stride, m0,
-                                        p.seqlen_q, D / 8, tid);
+                                        p.seqlen_q, v_chunks, tid);
     cp_async_commit();
     if (tid < BM) {
       const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + tid;
@@ -280,9 +296,13 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
           if (i >= p.seqlen_q) continue;
           float* dq_row = p.dq_accum + (row_base + i) * D + pd * 64 + (lane & 3) * 2;
 #pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
+          for (int nt = 0; nt < 8; ++nt) {
+            if constexpr (kPadded) {  // dQ's columns past q's head dim: K's zeros, never read
+              if (pd * 64 + nt * 8 >= p.head_dim) continue;
+            }
             atomicAdd(reinterpret_cast<float2*>(dq_row + nt * 8),
                       make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]));
+          }
         }
       }
     } else {
@@ -293,21 +313,27 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
 
-  // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, D], keys past the end not written.
+  // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, head dim], keys past the end not
+  // written (padded: nor the tile's columns past each head dim).
   const float dk_scale = planted(4) ? 1.f : p.softmax_scale;     // planted: dS without the scale
   const int64_t kv_row_base = int64_t(blockIdx.y) * p.seqlen_k;  // y = b * heads_kv + hkv
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + key_row0 + hh * 8;
     if (key >= p.seqlen_k) continue;
-    T* dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * D + (lane & 3) * 2;
-    T* dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * D + (lane & 3) * 2;
+    const int dk_width = kPadded ? p.head_dim : D, dv_width = kPadded ? p.head_dim_v : D;
+    T* dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * dk_width + (lane & 3) * 2;
+    T* dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * dv_width + (lane & 3) * 2;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
-      *reinterpret_cast<uint32_t*>(dk_row + dt * 8) =
-          pack2<T>(acc_dk[dt][2 * hh] * dk_scale, acc_dk[dt][2 * hh + 1] * dk_scale);
-      *reinterpret_cast<uint32_t*>(dv_row + dt * 8) =
-          pack2<T>(acc_dv[dt][2 * hh], acc_dv[dt][2 * hh + 1]);
+      if (!kPadded || dt * 8 < dk_width) {
+        *reinterpret_cast<uint32_t*>(dk_row + dt * 8) =
+            pack2<T>(acc_dk[dt][2 * hh] * dk_scale, acc_dk[dt][2 * hh + 1] * dk_scale);
+      }
+      if (!kPadded || dt * 8 < dv_width) {
+        *reinterpret_cast<uint32_t*>(dv_row + dt * 8) =
+            pack2<T>(acc_dv[dt][2 * hh], acc_dv[dt][2 * hh + 1]);
+      }
     }
   }
 }

@@ -57,8 +57,10 @@ def test_matrix_covers_the_issue():
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     assert set(matrix.SEQLENS) <= {c.seqlen_q for c in GPU_CASES if c.seqlen_q == c.seqlen_k}
+    # (v's 64 under 128 only forced, with the padded tiles)
+    head_dims = {*matrix.HEAD_DIMS, *matrix.PADDED_FORCED_BACKWARD}
     assert {(c.head_dim, c.value_head_dim, c.dtype, c.causal) for c in GPU_CASES} == {
-        (*d, t, m) for d in matrix.HEAD_DIMS for t in ("fp16", "bf16") for m in (False, True)
+        (*d, t, m) for d in head_dims for t in ("fp16", "bf16") for m in (False, True)
     }
     expected = {(s, s) for s in matrix.SEQLENS} | set(matrix.UNEQUAL)
     for head_dims in matrix.HEAD_DIMS:  # the whole sequence matrix, and deterministic calls
@@ -79,7 +81,16 @@ def test_matrix_covers_the_issue():
         assert {(c.dtype, c.causal) for c in forced} == {
             (t, m) for t in ("fp16", "bf16") for m in (False, True)
         }
-    assert {c.head_dim for c in GPU_CASES if c.config} == {64, 128, 192, 256}
+    # the padded tiles on every backward configuration (3: the wgmma tile padded), both dtypes
+    # and masks, one deterministic call of 3 each
+    for dims in matrix.PADDED_FORCED_BACKWARD:
+        forced = [c for c in GPU_CASES if c.config and (c.head_dim, c.value_head_dim) == dims]
+        assert {c.config for c in forced} == set(matrix.PADDED_BACKWARD_CONFIGS)
+        assert {(c.dtype, c.causal) for c in forced if c.config == 3} == {
+            (t, m) for t in ("fp16", "bf16") for m in (False, True)
+        }
+        assert any(c.deterministic for c in forced if c.config == 3)
+    assert {c.head_dim for c in GPU_CASES if c.config} == {64, 80, 96, 128, 192, 256}
     assert any(c.deterministic for c in GPU_CASES) and any(c.deterministic for c in CPU_CASES)
     assert len({c.id for c in GPU_CASES}) == len(GPU_CASES)
 
@@ -227,6 +238,50 @@ def test_planted_backward_bug_fails_a_gate(device, bug, run_planted):
     assert sorted(result["results"]) == sorted(case_ids)
     for case_id, failures in result["results"].items():
         assert failures, f"planted bug {bug} passed the gates on {case_id}"
+
+
+# Plant 19 (the wgmma backward's padded tile copying q, k, v and dO at the tile's width): every
+# padded case forced onto configuration 3 fails, deterministic (its dK/dV kernel without dQ's
+# atomics) included; the whole tile on 3 and the padded head dims on the mma.sync configuration 2
+# pass.
+PADDED_SM90A_BACKWARD_PLANT = (
+    (
+        "bwd-fp16-d96-h8kv1-b2-s257-full-cfg3",
+        "bwd-bf16-d96-h8kv1-b1-q2048-k2047-causal-cfg3-det",
+        "bwd-bf16-d80-h8kv2-b2-q113-k203-full-cfg3",
+        "bwd-fp16-d128v64-h8-b2-s1000-causal-cfg3",
+    ),
+    ("bwd-bf16-d128-h8-b2-s1000-full-cfg3", "bwd-bf16-d96-h8kv2-b2-s65-causal-cfg2"),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_planted_tile_wide_copies_fail_the_padded_wgmma_backward_and_only_it(run_planted):
+    """With FLASHMOE_PLANT_BUG=19 every padded case on configuration 3 fails a gradient gate; the
+    whole 128 tile and the mma.sync path at the same head dims pass."""
+    from flashmoe_science import ops
+
+    if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
+        pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
+    failing, passing = PADDED_SM90A_BACKWARD_PLANT
+    results = run_planted(19, PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
+    assert sorted(results) == sorted((*failing, *passing))
+    for case_id in failing:
+        assert results[case_id], f"planted bug 19 passed the gates on {case_id}"
+    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+
+
+def test_the_padded_backward_plants_cases_are_gate_cases():
+    """Plant 19's cases are GPU gate cases: the failing ones padded on configuration 3."""
+    from flashmoe_science.pipeline.cases import parse_case_id
+
+    failing, passing = PADDED_SM90A_BACKWARD_PLANT
+    ids = {c.id for c in matrix.backward_cases("gpu")}
+    assert {*failing, *passing} <= ids
+    padded = [parse_case_id(case_id) for case_id in failing]
+    assert {c.config for c in padded} == {3} and any(c.deterministic for c in padded)
+    assert all((c.head_dim, c.value_head_dim) != (128, 128) for c in padded)
 
 
 # ---- the autograd contract --------------------------------------------------------------------

@@ -552,6 +552,13 @@ FORCED_PAIRS = ((1, 1), (65, 65), (257, 257), (1000, 1000), (113, 203), (2048, 2
 # an sm86/sm89 block has, and 3 (wgmma) takes 64 and 128 only: both run through the automatic
 # choice where they can.
 WIDE_FORCED_BACKWARD = ((192, 1), (256, 1))
+# The wgmma backward's 128 tile run padded (configuration 3: Sm90BwdPaddedTraits), which the
+# automatic choice of a Hopper card now takes at 80, 96, 112, v's 64 under 128, ...: each forced
+# on the forced shapes, with the mma.sync configurations those head dims ran before (2, and 1 as
+# an L4 runs it), so every card's choice stays gated on one card. Appended after every earlier
+# case, whose ids stay as they were.
+PADDED_FORCED_BACKWARD = ((96, 96), (80, 80), (128, 64))
+PADDED_BACKWARD_CONFIGS = (1, 2, 3)
 DETERMINISTIC_PAIRS = ((129, 129), (1000, 1000), (203, 113))
 DETERMINISTIC_PAIRS_CPU = ((129, 129), (203, 113))
 
@@ -604,6 +611,21 @@ def backward_cases(tier: str) -> Iterator[Case]:
     for (head_dim, config), dtype, causal, (seqlen_q, seqlen_k) in variants:
         yield case(dtype, head_dim, causal, seqlen_q, seqlen_k, config=config)
     yield from feature_cases("gpu", "backward")
+    variants = itertools.product(
+        PADDED_FORCED_BACKWARD, PADDED_BACKWARD_CONFIGS, DTYPES, (False, True)
+    )
+    for index, ((head_dim, head_dim_v), config, dtype, causal) in enumerate(variants):
+        seqlen_q, seqlen_k = FORCED_PAIRS[index % len(FORCED_PAIRS)]
+        yield case(
+            dtype,
+            head_dim,
+            causal,
+            seqlen_q,
+            seqlen_k,
+            config=config,
+            head_dim_v=head_dim_v,
+            deterministic=config == 3 and index % 4 == 3,
+        )
 
 
 # ---- local attention, soft-capping and sinks ------------------------------------------------------

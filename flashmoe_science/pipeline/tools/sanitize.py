@@ -528,12 +528,15 @@ PADDED_HEAD_DIMS = ((80, 80), (96, 96), (192, 128))
 # Those the wgmma forward (configuration 5) runs as well: v's 128 under q's and k's 192 (a kernel
 # of its own), 80 and 96 (its 128 tile run padded: Sm90PaddedTraits).
 WGMMA_PADDED_FORCED = ((192, 128), (80, 80), (96, 96))
+# Those the wgmma backward (configuration 3) runs, its 128 tile padded (Sm90BwdPaddedTraits).
+WGMMA_BWD_PADDED_FORCED = ((80, 80), (96, 96))
 
 
 def padded_head_dim_workload(configs: Sequence[int]) -> list:
     """PADDED_HEAD_DIMS in bf16: the mma.sync forward configurations this GPU runs and the
     automatic choice, with forced splits (the partials and the combine); decode with a fused
-    combine; the backward (1 and automatic) with dQ by atomics and deterministic; paged decode
+    combine; the backward (automatic, 1, 2, and 3 at 80 and 96 where this GPU runs it: the
+    wgmma backward's tile padded) with dQ by atomics and deterministic; paged decode
     and packed batches where v's head dim is q's (their cases have one head dim). v's 128 under
     q's and k's 192, 80 and 96 run on the wgmma forward too, where this GPU runs configuration 5
     (WGMMA_PADDED_FORCED: TMA with split partials, cp.async with cache lengths)."""
@@ -595,7 +598,12 @@ def padded_head_dim_workload(configs: Sequence[int]) -> list:
                 **dims,
             )
         )
-        for config, deterministic in itertools.product((0, 1), (False, True)):
+        # 0: on a Hopper card with the sm_90a build, 80 and 96 run the wgmma backward's 128 tile
+        # padded (Sm90BwdPaddedTraits), so 2 (their mma.sync kernel elsewhere) is forced too
+        backward = (0, 1, *(c for c in (2, 3) if c in workload_backward_configs()))
+        if (head_dim, head_dim_v) not in WGMMA_BWD_PADDED_FORCED:
+            backward = tuple(c for c in backward if c != 3)
+        for config, deterministic in itertools.product(backward, (False, True)):
             cases.append(
                 Case(
                     "backward",
