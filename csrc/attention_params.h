@@ -67,6 +67,11 @@ namespace flashmoe {
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
 #endif
+// The wgmma backward's dQ staged in shared memory and added by TMA reduce-add instead of per-thread
+// atomics: off unless built with -DFLASHMOE_BWD_DQ_TMA=1 (benches/notes/backward.md, bwd v4.2).
+#ifndef FLASHMOE_BWD_DQ_TMA
+#define FLASHMOE_BWD_DQ_TMA 0
+#endif
 
 constexpr int kMaxSplits = 128;
 // Backward tile configurations (`backward_config=`): see csrc/flash_api_cuda.cuh.
@@ -203,6 +208,11 @@ struct BwdParams {
   const float* sinks;
   float* dsinks;
   float softcap_scale;
+#if FLASHMOE_BWD_DQ_TMA
+  // The wgmma backward's dQ by TMA reduce-add (-DFLASHMOE_BWD_DQ_TMA=1, an experiment: backward.md
+  // bwd v4.2): the 3-D map {head dim columns, Sq rows, B * Hq} of dq_accum, boxes {32, 64, 1}.
+  alignas(64) unsigned char dq_map[128];
+#endif
 };
 
 FLASHMOE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }

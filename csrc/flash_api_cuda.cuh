@@ -512,6 +512,26 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
   return done == CUDA_SUCCESS;
 }
 
+#if FLASHMOE_BWD_DQ_TMA
+// The 3-D map {head_dim columns, rows, heads} of dq_accum (fp32, contiguous) whose boxes {32, 64,
+// 1} the wgmma backward reduce-adds from shared memory (128-byte swizzle). False if the driver
+// refuses it (the caller then runs the deterministic dQ pass instead).
+inline bool encode_dq_map(unsigned char (&map)[128], float* base, int64_t rows, int64_t heads,
+                          int head_dim) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads)};
+  const cuuint64_t strides[2] = {cuuint64_t(head_dim * 4), cuuint64_t(rows * head_dim * 4)};
+  const cuuint32_t box[3] = {32, 64, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult done = encode(
+      reinterpret_cast<CUtensorMap*>(map), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, strides,
+      box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return done == CUDA_SUCCESS;
+}
+#endif
+
 // The row and key tiles of configuration `config` at `head_dim` and the shared memory its kernel
 // asks for: its kernel's traits, as visit_config chooses them (the same for both dtypes and for the
 // packed-batch kernels), so the grid, the split count and the TMA boxes cannot disagree with the
@@ -1287,6 +1307,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   auto dv = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dq_accum;  // the tile's head dim wide (a padded head dim's columns are the kernels')
   if (!deterministic) dq_accum = at::empty({q.size(0), q.size(1), q.size(2), head_dim}, f32);
+#if FLASHMOE_BWD_DQ_TMA
+  if (!deterministic && config == kSm90aBwdConfig &&
+      !encode_dq_map(p.dq_map, dq_accum.data_ptr<float>(), q.size(2), q.size(0) * q.size(1),
+                     head_dim)) {
+    deterministic = true;  // no map: dQ by the deterministic pass, which needs none
+  }
+#endif
   p.delta = row_stats.data_ptr<float>();
   p.lse2 = p.delta + q.size(0) * q.size(1) * q.size(2);
   p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();

@@ -33,7 +33,9 @@ struct Sm90BwdTraits {
   // buffers each).
   static constexpr int kTileBytes =
       (2 * kBlockN + 4 * kBlockM) * kHeadDim * 2 + kBlockN * kBlockM * 2;
-  static constexpr int kSmemBytes = kTileBytes + 4 * kBlockM * 4;
+  // With FLASHMOE_BWD_DQ_TMA each warpgroup's 64 x 64 fp32 dQ tile, staged for its TMA reduce-add.
+  static constexpr int kDqStageBytes = FLASHMOE_BWD_DQ_TMA ? 2 * 64 * 64 * 4 : 0;
+  static constexpr int kSmemBytes = kTileBytes + 4 * kBlockM * 4 + kDqStageBytes;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kBlockM * 2) % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle atom");
@@ -63,6 +65,9 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   T* sdS = sdO + 2 * BM * D;                              // dS^T: [BN keys][BM queries]
   float* sLse = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM]
   float* sDelta = sLse + 2 * BM;                          // [2][BM]
+  // FLASHMOE_BWD_DQ_TMA: [2 warpgroups][2 boxes of 32 columns][64 rows][32], 128-byte swizzled
+  // rows (1024-byte aligned: every region before it is a multiple of 1024 bytes)
+  float* sDq = sDelta + 2 * BM;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
   const int n0 = blockIdx.x * BN;
@@ -288,6 +293,42 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
       sm90::fence_operands(acc_dq);
       sm90::fence_operands(acc_dv);
       sm90::fence_operands(acc_dk);
+#if FLASHMOE_BWD_DQ_TMA
+      // This warpgroup's 64 x 64 dQ tile through shared memory (two boxes of 32 columns, rows of
+      // 128 bytes whose 16-byte chunks are swizzled by the row, as the map's 128-byte swizzle
+      // reads them), then one TMA reduce-add a box into dq_accum: rows past Sq lie outside the
+      // map and are left alone. The leader waits until the previous step's reduce has read the
+      // tile before anyone writes it again.
+      float* stage = sDq + wg * 64 * 64;
+      const bool leader = tid % 128 == 0;
+      if (leader) sm90::bulk_wait_group_read<0>();
+      sm90::warpgroup_sync(1 + wg);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = row_in_wg + hh * 8;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int chunk = (nt & 3) * 2 + (lane & 3) / 2;  // 16-byte chunk of the box's row
+          float* dst =
+              stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ (row & 7)) * 4 + (lane & 1) * 2;
+          *reinterpret_cast<float2*>(dst) = make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
+        }
+      }
+      sm90::fence_proxy_async();  // the tile's stores, visible to the TMA unit
+      sm90::warpgroup_sync(1 + wg);
+      if (leader && add_dq) {
+        const int bh = b * p.heads_q + step_head(step);
+#pragma unroll
+        for (int box = 0; box < 2; ++box) {
+          if constexpr (kPadded) {  // dQ's columns past q's head dim: K's zeros, never read
+            if (pd * 64 + box * 32 >= p.head_dim) continue;
+          }
+          sm90::tma_reduce_add_3d(p.dq_map, stage + box * 64 * 32, pd * 64 + box * 32, m0 + pq * 64,
+                                  bh);
+        }
+        sm90::bulk_commit_group();
+      }
+#else
       if (add_dq) {
         const int64_t row_base = (int64_t(b) * p.heads_q + step_head(step)) * p.seqlen_q;
 #pragma unroll
@@ -305,6 +346,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
           }
         }
       }
+#endif
     } else {
       sm90::wait_group<0>();
       sm90::fence_operands(acc_dv);
@@ -312,6 +354,11 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     }
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
+#if FLASHMOE_BWD_DQ_TMA
+  if constexpr (kAtomicDq) {
+    if (tid % 128 == 0) sm90::bulk_wait_group<0>();  // its dQ reduces done before the block ends
+  }
+#endif
 
   // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, head dim], keys past the end not
   // written (padded: nor the tile's columns past each head dim).

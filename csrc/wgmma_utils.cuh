@@ -116,6 +116,35 @@ __device__ __forceinline__ void tma_load_5d(void* smem, const void* map, uint64_
       "r"(smem_u32(bar))
       : "memory");
 }
+// One TMA reduce-add of a 3-D box of fp32 from shared memory (laid out as the map's box and
+// swizzle) into the map's tensor, in the issuing thread's bulk group: elements of the box outside
+// the tensor are left alone.
+template <int N = 0>
+__device__ __forceinline__ void tma_reduce_add_3d(const void* map, const void* smem, int c0, int c1,
+                                                  int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], "
+      "[%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(smem)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Until at most N of this thread's bulk groups are still reading their shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Until at most N of this thread's bulk groups are still in flight (their writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// The 128 threads of one warpgroup at named barrier `id` (0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
 template <int N = 0>
 __device__ __forceinline__ void prefetch_tensor_map(const void* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
