@@ -72,6 +72,11 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_DQ_TMA
 #define FLASHMOE_BWD_DQ_TMA 0
 #endif
+// The wgmma backward's per-row lse and delta copied by cp.async with the step's tiles instead of
+// loaded and stored by the first warpgroup: off unless -DFLASHMOE_BWD_STATS_CP_ASYNC=1 (bwd v4.3).
+#ifndef FLASHMOE_BWD_STATS_CP_ASYNC
+#define FLASHMOE_BWD_STATS_CP_ASYNC 0
+#endif
 
 constexpr int kMaxSplits = 128;
 // Backward tile configurations (`backward_config=`): see csrc/flash_api_cuda.cuh.

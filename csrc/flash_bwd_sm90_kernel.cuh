@@ -110,6 +110,21 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
                                         qk_chunks, tid);
     load_kv_tile<D, BM, kThreads, true>(sdO + buf * BM * D, do_base, p.do_row_stride, m0,
                                         p.seqlen_q, v_chunks, tid);
+#if FLASHMOE_BWD_STATS_CP_ASYNC
+    // The rows' lse and delta by cp.async in the tiles' group: the first warpgroup no longer
+    // waits a global load's latency here every step (rows past the end still stored directly).
+    if (tid < BM) {
+      const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + tid;
+      if (m0 + tid < p.seqlen_q) {
+        cp_async_4(sLse + buf * BM + tid, p.lse2 + row);
+        cp_async_4(sDelta + buf * BM + tid, p.delta + row);
+      } else {
+        sLse[buf * BM + tid] = INFINITY;
+        sDelta[buf * BM + tid] = 0.f;
+      }
+    }
+    cp_async_commit();
+#else
     cp_async_commit();
     if (tid < BM) {
       const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + tid;
@@ -117,6 +132,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
       sLse[buf * BM + tid] = valid ? p.lse2[row] : INFINITY;
       sDelta[buf * BM + tid] = valid ? p.delta[row] : 0.f;
     }
+#endif
   };
 
   // Descriptors. S^T: this warpgroup's 64 keys of K (V) as A, the step's Q (dO) as B, K-major.

@@ -57,6 +57,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
 
 // Copies 16 bytes, or writes 16 zero bytes when `valid` is false (rows past the sequence end), so
 // out-of-range rows are never read and never leave garbage (0 * NaN) in the tile.
+// One 4-byte asynchronous copy (cp.async.ca: the sizes under 16 go through L1).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const int src_size = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
