@@ -6,8 +6,11 @@ step starts it (`--background`) and returns at once, a later step (`--wait`) wai
 its output and exits with its status. The start writes reports/<name>-background.json ({"pid",
 "argv", "started"}), the run its exit to <name>-background-exit.json ({"exit", "ended"}: a file
 of its own, so a run that ends at once cannot race the start's write) and its output to
-<name>-background.log; all travel with the job's reports. The child is a session of its own, so the starting step's end does not stop
-it; the runner stops it at the job's end if nothing waited.
+<name>-background.log; all travel with the job's reports. The child is a session of its own, so
+the starting step's end does not stop it; the runner stops it at the job's end if nothing waited.
+It runs at a lower CPU priority (NICENESS more than the job's): the step it runs beside is the
+one the pull request waits on (the test stage's compiles slowed 2-2.4x beside seven sanitizer
+processes at equal priority on an H100's 16 cores: benches/notes/harness.md v5.13).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from .. import _loader
 from . import exitcodes, paths
 
 POLL_S = 2.0
+NICENESS = 10  # added to the job's; the kernel caps it at 19
 PROGRESS_S = 30.0  # how often a wait says it is still waiting
 
 
@@ -78,6 +82,8 @@ def start(name: str, argv: Sequence[str], wait_hint: str) -> int:
 def child(name: str, argv: Sequence[str]) -> int:
     """Runs the command in this process's session and records its exit status for `wait`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    niceness = os.nice(NICENESS)  # the command's processes inherit it
+    print(f"{name}: running in the background at niceness {niceness}", flush=True)
     code = subprocess.call([sys.executable, "-m", "flashmoe_science", *argv], env=env)
     _write(exit_path(name), {"exit": code, "ended": time.time()})
     return code

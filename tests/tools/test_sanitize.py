@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flashmoe_science import _loader
-from flashmoe_science.pipeline import cli, exitcodes
+from flashmoe_science.pipeline import background, cli, exitcodes
 from flashmoe_science.pipeline.cases import Case
 from flashmoe_science.pipeline.gates import kernels, matrix
 from flashmoe_science.pipeline.paths import REPO_ROOT
@@ -901,6 +901,9 @@ def test_a_background_run_is_waited_for_with_its_output_and_status(isolated):
     assert waited.returncode == exitcodes.ENV_BROKEN, waited.stdout + waited.stderr
     assert "the background run ended with exit 255" in waited.stdout
     assert "torch sees no GPU" in waited.stdout, "the run's own output, printed by the wait"
+    # below the job's priority, so the test stage beside it keeps the CPU
+    expected = min(19, os.nice(0) + background.NICENESS)
+    assert f"running in the background at niceness {expected}" in waited.stdout
     reports = isolated / "reports"
     state = json.loads((reports / "sanitize-background.json").read_text())
     assert state["argv"] == ["sanitize", "--tool", "memcheck"]
