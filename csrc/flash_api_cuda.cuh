@@ -1412,30 +1412,21 @@ void append_kernel_launches(std::string& out) {
                                                                                    true);
                                          }));
   }
-  // The wgmma forward of v's 128 under q's and k's 192 (5 to 7 one kernel), dense and packed.
-  if constexpr (D == 192) {
+  // The wgmma forward's tiles of their own, dense and packed: v's 128 under q's and k's 192 (5 to 7
+  // one kernel), and configuration 5's 128 tile run padded.
+  auto append_tile = [&](Sm90Tile tile) {
     for (const bool varlen : {false, true}) {
       auto append = FLASHMOE_TRAITS_ONLY(
           [&](auto, auto traits) { append_forward_launch<decltype(traits)>(out, dtype, varlen); });
       if (varlen) {
-        visit_config<T, D, true>(kSm90aConfig, append, false, Sm90Tile::kNarrowV);
+        visit_config<T, D, true>(kSm90aConfig, append, false, tile);
       } else {
-        visit_config<T, D>(kSm90aConfig, append, false, Sm90Tile::kNarrowV);
+        visit_config<T, D>(kSm90aConfig, append, false, tile);
       }
     }
-  }
-  // The wgmma forward's 128 tile run padded (configuration 5), dense and packed.
-  if constexpr (D == 128) {
-    for (const bool varlen : {false, true}) {
-      auto append = FLASHMOE_TRAITS_ONLY(
-          [&](auto, auto traits) { append_forward_launch<decltype(traits)>(out, dtype, varlen); });
-      if (varlen) {
-        visit_config<T, D, true>(kSm90aConfig, append, false, Sm90Tile::kPadded);
-      } else {
-        visit_config<T, D>(kSm90aConfig, append, false, Sm90Tile::kPadded);
-      }
-    }
-  }
+  };
+  if constexpr (D == 192) append_tile(Sm90Tile::kNarrowV);
+  if constexpr (D == 128) append_tile(Sm90Tile::kPadded);
   visit_paged_decode<T>(D, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
                           using Traits = decltype(traits);
                           out += "flashmoe::cuda::flash_decode_paged_kernel<" +
