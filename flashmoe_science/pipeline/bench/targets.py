@@ -509,9 +509,15 @@ def step_cards() -> str:
     return _cards(kind for kind, card in CARD_TARGETS.items() if card.step)
 
 
-def _elsewhere(gpu: Gpu | None, cards: str) -> str:
-    """Why a card's target is not judged here."""
-    return f"set for the {cards}; this card is {gpu.name if gpu else 'the CPU'}"
+def _elsewhere(gpu: Gpu | None, cards: str, verdict: Verdict | None = None) -> str:
+    """Why a card's target is not judged here, and on another GPU what the ratio is against the card
+    of record's target (`verdict`, judged by it before it was set aside: a run on the card at hand
+    reads the card of record's verdicts without redoing them by hand). The CPU's timings say
+    nothing of a GPU's, so they get none."""
+    why = f"set for the {cards}; this card is {gpu.name if gpu else 'the CPU'}"
+    if gpu is not None and verdict is not None and verdict.status in (MET, MISSED):
+        why += f"; against the {gpukinds.kind_of(RECORD_CARD).card}'s: {verdict.status}"
+    return why
 
 
 def matrix_members(group: str, cases: list[CaseRecord]) -> list[CaseRecord]:
@@ -599,7 +605,7 @@ def matrix_verdicts(record: BenchRecord) -> list[Verdict]:
         )
         why_not = ""
         if here is None:
-            why_not = _elsewhere(record.gpu, _cards(CARD_TARGETS))
+            why_not = _elsewhere(record.gpu, _cards(CARD_TARGETS), verdict)
         elif target.key in (record.partial_groups or ()):  # a few cases' geomean: not the matrix's
             timed = SUBSET_LABELS.get(record.subset or "", "a subset of the matrix")
             why_not = f"{timed}: the geomean is judged over all of the matrix's {target.key} cases"
@@ -737,7 +743,7 @@ def feature_verdicts(record: BenchRecord) -> list[Verdict]:
         for label, ratio, goal, sides in feature_ratios(case, by_id.get(twin_id(case.id))):
             verdict = judge(case.id, label, ratio, goal, cpu, sides)
             if (card is None or not card.features) and verdict.status != NOT_JUDGED:
-                reason = _elsewhere(record.gpu, feature_cards())
+                reason = _elsewhere(record.gpu, feature_cards(), verdict)
                 verdict = dataclasses.replace(verdict, status=NOT_JUDGED, reason=reason)
             found.append(verdict)
     return found
@@ -753,7 +759,7 @@ def loss_verdict(target: LossRecord, cpu: bool, gpu: Gpu | None) -> Verdict:
     sides = (("ours", target.ours), ("eager", target.eager))
     verdict = judge(target.id, LOSS_AGREEMENT, agreement, 1 - allowed, False, sides)
     if (card is None or card.loss is None) and verdict.status != NOT_JUDGED:
-        reason = _elsewhere(gpu, feature_cards())
+        reason = _elsewhere(gpu, feature_cards(), verdict)
         verdict = dataclasses.replace(verdict, status=NOT_JUDGED, reason=reason)
     return verdict
 
@@ -765,7 +771,7 @@ def step_verdict(target: StepRecord, cpu: bool, gpu: Gpu | None) -> Verdict:
     goal = (card and card.step) or STEP_TARGET  # off the cards that set one: shown beside it
     verdict = judge(target.id, STEP_VS_SDPA, target.ratio, goal, cpu, sides)
     if (card is None or card.step is None) and verdict.status != NOT_JUDGED:
-        reason = _elsewhere(gpu, step_cards())
+        reason = _elsewhere(gpu, step_cards(), verdict)
         verdict = dataclasses.replace(verdict, status=NOT_JUDGED, reason=reason)
     return verdict
 
