@@ -88,9 +88,10 @@ constexpr int kWgmmaHeadDims[] = {64, 128, 192, 256};
 constexpr const char* kWgmmaHeadDimsText =
     "64, 128, 192 and 256 (v's equal), or 192 with v's 128 (config 5 also every multiple of 8 up "
     "to 128, padded)";
-constexpr int kWgmmaBwdHeadDims[] = {64, 128};
+constexpr int kWgmmaBwdHeadDims[] = {64, 128, 192, 256};
 constexpr const char* kWgmmaBwdHeadDimsText =
-    "64 and 128, or every multiple of 8 up to 128 padded onto the 128 tile";
+    "64, 128, 192 and 256 (v's equal), or 192 with v's 128, or every multiple of 8 up to 128 "
+    "padded onto the 128 tile";
 template <size_t N>
 constexpr bool listed_head_dim(const int (&dims)[N], int head_dim) {
   for (const int d : dims) {
@@ -148,11 +149,19 @@ inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v, int64_t config
 inline bool wgmma_chosen(int64_t head_dim, int64_t head_dim_v) {
   return wgmma_whole_head_dims(head_dim, head_dim_v) || wgmma_padded(head_dim, head_dim_v);
 }
-// The head dims the wgmma backward (configuration 3) runs: 64 and 128 whole, and those the 128
-// tile holds padded (wgmma_padded: Sm90BwdPaddedTraits), as the forward's configuration 5 does.
+// The head dims the wgmma backward (configuration 3) runs: 64, 128, 192 and 256 whole, v's 128
+// under 192 (those two Sm90BwdWideTraits), and those the 128 tile holds padded (wgmma_padded:
+// Sm90BwdPaddedTraits), as the forward's configuration 5 does.
 inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return (head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim))) ||
-         wgmma_padded(head_dim, head_dim_v);
+         wgmma_narrow_v(head_dim, head_dim_v) || wgmma_padded(head_dim, head_dim_v);
+}
+// Those the automatic choice runs on it: not yet 192, 256 and v's 128 under 192, whose kernel
+// (Sm90BwdWideTraits) is gated forced until a bench on a Hopper card times it against
+// configuration 2 (benches/notes/backward.md, bwd v5).
+inline bool wgmma_bwd_chosen(int64_t head_dim, int64_t head_dim_v) {
+  return wgmma_bwd_head_dims(head_dim, head_dim_v) &&
+         cuda_tile_head_dim(head_dim, head_dim_v) <= 128;
 }
 // Whether a configuration has a packed-batch (varlen) kernel: not the decode kernel, 6 or 7
 // (visit_config compiles none for them; ops.NO_PACKED_CONFIGS is the Python side's copy).
@@ -1147,8 +1156,9 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 //      At d=192 and 256, 64 keys, two warps a 16 keys splitting the columns (FA2's 64 x 64 tile
 //      with 8 warps): 112.5 and 144.5 KB, sm80 and sm90.
 //   3: 128 keys x 128 queries (d=64) or 64 queries (d=128) a step on wgmma, 2 warpgroups
-//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 to 7, and
-//      head dims 64 and 128 only.
+//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 to 7; at
+//      192, 256 and v's 128 under 192, 64 keys x 64 queries with dK and dV transposed
+//      (Sm90BwdWideTraits).
 // The automatic choice takes 3 on a 9.0 GPU with the sm_90a build at the head dims it takes
 // (faster than 2 there: benches/notes/backward.md, bwd v4), else 2 where it fits the card's shared
 // memory, else 1. The deterministic dQ pass runs 64 x 64 tiles with 4 warps (64 x 32 at d=256,
@@ -1163,7 +1173,8 @@ template <int D>
 using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 
 // `padded`: the call's head dims are narrower than the tile D (configuration 3 then runs
-// Sm90BwdPaddedTraits; the mma.sync kernels take any head dims the tile holds).
+// Sm90BwdPaddedTraits at 128 and v's 128 under 192 at 192; the mma.sync kernels take any head
+// dims the tile holds).
 template <typename T, int D, bool kAtomicDq, typename F>
 void visit_bwd_config(int config, F&& f, bool padded = false) {
   if (config == 1) {
@@ -1178,7 +1189,19 @@ void visit_bwd_config(int config, F&& f, bool padded = false) {
         return;
       }
     }
-    if constexpr (is_wgmma_bwd_head_dim(D)) {
+    if constexpr (D == 192) {
+      if (padded) {  // v's 128 (the host takes no other head dims onto this tile)
+        using Traits = Sm90BwdWideTraits<D, 128>;
+        FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                       &flash_bwd_sm90_wide_kernel<Traits, T, kAtomicDq>);
+        return;
+      }
+    }
+    if constexpr (D == 192 || D == 256) {
+      using Traits = Sm90BwdWideTraits<D, D>;
+      FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                     &flash_bwd_sm90_wide_kernel<Traits, T, kAtomicDq>);
+    } else if constexpr (is_wgmma_bwd_head_dim(D)) {
       using Traits = Sm90BwdTraits<D>;
       FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
                      &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
@@ -1261,15 +1284,16 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   // The tile's head dim: q's and k's, or padded onto the next built one (cuda_tile_head_dim).
   const int head_dim = int(cuda_tile_head_dim(q_in.size(3), v_in.size(3)));
   const bool wgmma_ok = wgmma_bwd_head_dims(q_in.size(3), v_in.size(3));
+  const bool wgmma_auto = wgmma_bwd_chosen(q_in.size(3), v_in.size(3));
   if (config == kSm90aBwdConfig) {
     check_wgmma_config("backward_config", config, dev, "1 or 2", wgmma_ok, kWgmmaBwdHeadDimsText,
                        q_in.size(3), v_in.size(3));
   }
   const int smem_limit = dev.smem_per_block;
   if (config == 0) {
-    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok ? kSm90aBwdConfig
-             : bwd_smem_bytes(2, head_dim, deterministic) <= smem_limit  ? 2
-                                                                         : 1;
+    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_auto ? kSm90aBwdConfig
+             : bwd_smem_bytes(2, head_dim, deterministic) <= smem_limit    ? 2
+                                                                           : 1;
   }
   FLASHMOE_CHECK_VALUE(bwd_smem_bytes(int(config), head_dim, deterministic) <= smem_limit,
                        "backward_config=", config, " needs ",
@@ -1362,6 +1386,10 @@ template <int D>
 struct IsSm90BwdTraits<Sm90BwdTraits<D>> : std::true_type {};
 template <typename Tiles>
 struct IsSm90BwdTraits<Sm90BwdPaddedTraits<Tiles>> : std::true_type {};
+template <typename Traits>
+struct IsSm90BwdWideTraits : std::false_type {};
+template <int D, int DV>
+struct IsSm90BwdWideTraits<Sm90BwdWideTraits<D, DV>> : std::true_type {};
 
 template <typename Traits>
 struct IsDecodeTraits : std::false_type {};
@@ -1441,8 +1469,10 @@ void append_kernel_launches(std::string& out) {
   // deterministic dQ pass; the pre-pass and the dQ conversion take none.
   auto dkdv = [&](auto kernel_traits, const char* atomic) {
     using Traits = decltype(kernel_traits);
-    const char* name = IsSm90BwdTraits<Traits>::value ? "flashmoe::cuda::flash_bwd_sm90_kernel<"
-                                                      : "flashmoe::cuda::flash_bwd_dkdv_kernel<";
+    const char* name = IsSm90BwdWideTraits<Traits>::value
+                           ? "flashmoe::cuda::flash_bwd_sm90_wide_kernel<"
+                       : IsSm90BwdTraits<Traits>::value ? "flashmoe::cuda::flash_bwd_sm90_kernel<"
+                                                        : "flashmoe::cuda::flash_bwd_dkdv_kernel<";
     out += name + demangled_name<Traits>() + ", " + dtype + ", " + atomic + ">\t" +
            std::to_string(Traits::kSmemBytes) + "\n";
   };
@@ -1452,7 +1482,7 @@ void append_kernel_launches(std::string& out) {
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
     visit_bwd_config<T, D, false>(
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
-    if (config == kSm90aBwdConfig && D == 128) {  // the tile run padded too
+    if (config == kSm90aBwdConfig && (D == 128 || D == 192)) {  // padded, v's 128 under 192
       visit_bwd_config<T, D, true>(
           config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), true);
       visit_bwd_config<T, D, false>(

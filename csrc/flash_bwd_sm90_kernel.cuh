@@ -412,4 +412,345 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #endif
 }
 
+// ---- Past head dim 128: the roles turned around (Sm90BwdWideTraits) --------------------------
+// Keys in wgmma's M (above) would keep D registers of dK and dV per thread for the whole walk,
+// 192 or 256: more than a thread has. So here the step's 64 queries are M, as in the forward, and
+// dK and dV are computed transposed, the head dim in M (FlashAttention-3's layout past 128):
+//   S = Q K_w^T and dP = dO V_w^T   warpgroup w's 32 of the block's 64 keys, K-major
+//   P and dS, elementwise           rows = queries, in the mma.sync layout; both stored to shared
+//                                   memory as [query][key] (fp32 P and dS die there)
+//   dV^T += dO^T P                  warpgroup 0: v's head dim in 64-row tiles, dO and P MN-major
+//   dK^T += Q^T dS                  warpgroup 1: q's head dim likewise, Q and dS MN-major
+//   dQ = dS K                       dS K-major, K MN-major, 64 columns of dQ a chunk: the chunks
+//                                   shared out so that both warpgroups issue as many MMAs a step
+// A thread holds 64 x 64 / 128 = 32 accumulators a tile of dV^T (dK^T) for the whole walk: 128 at
+// d=256, 96 at 192, 64 at v's 128 (warpgroup 0 then takes two chunks of dQ to warpgroup 1's one).
+// dK and dV leave through shared memory, transposed back to rows of keys.
+template <int kHeadDim_, int kHeadDimV_>
+struct Sm90BwdWideTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kBlockN = 64;  // keys per block: 32 per warpgroup in S and dP
+  static constexpr int kBlockM = 64;  // queries per step
+  static constexpr int kNThreads = 256;
+  // K, V, Q and dO (two buffers each), P and dS [kBlockM][kBlockN], lse and delta (two buffers
+  // each). dK and dV are staged in Q's and dO's buffers at the end.
+  static constexpr int kTileBytes =
+      (kBlockN + 2 * kBlockM) * (kHeadDim + kHeadDimV) * 2 + 2 * kBlockM * kBlockN * 2;
+  static constexpr int kSmemBytes = kTileBytes + 4 * kBlockM * 4;
+  // Rows of the staged dK (dV): padded by 8 elements, so the transposing stores hit 32 banks.
+  static constexpr int kStagePitch = kHeadDim + 8, kStagePitchV = kHeadDimV + 8;
+  static_assert((kHeadDim == 192 || kHeadDim == 256) &&
+                    (kHeadDimV == kHeadDim || (kHeadDim == 192 && kHeadDimV == 128)),
+                "head dims 192 and 256 (v's equal), or 192 with v's 128");
+  static_assert(kBlockN * (kStagePitch + kStagePitchV) <= 2 * kBlockM * (kHeadDim + kHeadDimV),
+                "dK and dV must fit Q's and dO's buffers");
+  static constexpr bool kPadded = false;
+};
+
+// kRole: the warpgroup's (0: dV^T, 1: dK^T) where the two hold different numbers of tiles (v's
+// 128 under 192: each warpgroup runs its own copy of the walk, so no wgmma sits in a branch that
+// splits a warpgroup's accumulators); -1 where they are equal (one copy, the role read at run
+// time).
+template <typename Traits, typename T, bool kAtomicDq, int kRole>
+__device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
+  constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimV;
+  constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN, kThreads = Traits::kNThreads;
+  constexpr int kTilesK = D / 64, kTilesV = DV / 64;
+  static_assert(kRole >= 0 || kTilesK == kTilesV, "a role per warpgroup where the tiles differ");
+  constexpr int kTiles = kRole == 0 ? kTilesV : kTilesK;  // this warpgroup's
+  // dQ's 64-column chunks [0, kDqSplit) are warpgroup 0's (dV^T's), the rest warpgroup 1's (dK^T's)
+  constexpr int kDqSplit = (2 * kTilesK - kTilesV) / 2;
+
+  extern __shared__ __align__(1024) uint4 smem_buf[];
+  T* sK = reinterpret_cast<T*>(smem_buf);
+  T* sV = sK + BN * D;
+  T* sQ = sV + BN * DV;                                   // [2][BM x D]
+  T* sdO = sQ + 2 * BM * D;                               // [2][BM x DV]
+  T* sP = sdO + 2 * BM * DV;                              // [BM queries][BN keys]
+  T* sdS = sP + BM * BN;                                  // [BM queries][BN keys]
+  float* sLse = reinterpret_cast<float*>(sdS + BM * BN);  // [2][BM]
+  float* sDelta = sLse + 2 * BM;                          // [2][BM]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wg = kRole >= 0 ? kRole : warp / 4;
+  const int n0 = blockIdx.x * BN;
+  const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
+  const int offset = p.seqlen_k - p.seqlen_q;
+  const int m_begin = p.window_right >= 0 ? max(0, n0 - offset - p.window_right) / BM : 0;
+  const int m_end =
+      p.window_left >= 0
+          ? max(0, min(ceil_div(p.seqlen_q, BM), (n0 + BN - 1 - offset + p.window_left) / BM + 1))
+          : ceil_div(p.seqlen_q, BM);
+
+  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, D / 8,
+                                                  tid);
+  load_kv_tile<DV, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k,
+                                                   DV / 8, tid);
+  cp_async_commit();
+
+  const int group = planted(5) ? 1 : p.heads_ratio;
+  const int m_count = max(0, m_end - m_begin), steps = group * m_count;
+  auto step_head = [&](int step) { return hkv * p.heads_ratio + step / m_count; };
+  auto step_m0 = [&](int step) { return (m_begin + step % m_count) * BM; };
+  auto issue_step = [&](int step) {
+    const int buf = step & 1, h = step_head(step), m0 = step_m0(step);
+    const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+    const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+    load_kv_tile<D, BM, kThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0, p.seqlen_q,
+                                        D / 8, tid);
+    load_kv_tile<DV, BM, kThreads, true>(sdO + buf * BM * DV, do_base, p.do_row_stride, m0,
+                                         p.seqlen_q, DV / 8, tid);
+    cp_async_commit();
+    if (tid < BM) {
+      const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + tid;
+      const bool valid = m0 + tid < p.seqlen_q;
+      sLse[buf * BM + tid] = valid ? p.lse2[row] : INFINITY;
+      sDelta[buf * BM + tid] = valid ? p.delta[row] : 0.f;
+    }
+  };
+
+  // Descriptors. S and dP: the step's Q (dO) as A, this warpgroup's 32 keys of K (V) as B, both
+  // K-major. dV^T (dK^T): dO^T's (Q^T's) 64-column panel t as A and P (dS) as B, both MN-major (the
+  // queries are the reduction). dQ: dS as A, K-major, and K's panel c as B, MN-major.
+  const uint64_t q_desc = sm90::desc_k_major(smem_u32(sQ));
+  const uint64_t do_desc = sm90::desc_k_major(smem_u32(sdO));
+  const uint64_t k_desc = sm90::desc_k_major(smem_u32(sK + wg * 32 * 64));
+  const uint64_t v_desc = sm90::desc_k_major(smem_u32(sV + wg * 32 * 64));
+  constexpr uint64_t kQBufStep = uint64_t((BM * D * 2) >> 4),
+                     kDoBufStep = uint64_t((BM * DV * 2) >> 4);
+  // Warpgroup 0 accumulates dV^T from dO and P, warpgroup 1 dK^T from Q and dS.
+  const uint64_t kv_a_desc =
+      wg == 0 ? sm90::desc_mn_major<BM>(smem_u32(sdO)) : sm90::desc_mn_major<BM>(smem_u32(sQ));
+  const uint64_t kv_a_buf_step = wg == 0 ? kDoBufStep : kQBufStep;
+  constexpr uint64_t kPanelStep = uint64_t((BM * 64 * 2) >> 4);  // the next 64-column panel
+  const uint64_t kv_b_desc = sm90::desc_mn_major<BM>(smem_u32(wg == 0 ? sP : sdS));
+  const uint64_t ds_desc = sm90::desc_k_major(smem_u32(sdS));
+  const uint64_t kt_desc = sm90::desc_mn_major<BN>(smem_u32(sK));
+  constexpr uint64_t kKPanelStep = uint64_t((BN * 64 * 2) >> 4);
+  const int dq_first = wg == 0 ? 0 : kDqSplit, dq_last = wg == 0 ? kDqSplit : kTilesK;
+
+  const int row_in_wg = 16 * (warp % 4) + lane / 4;  // + 8 * (e / 2): accumulator rows
+  const int key_col0 = 32 * wg + (lane & 3) * 2;     // + 8 * nt + e % 2: S's and dP's columns
+
+  float acc[kTiles][8][4];  // dV^T (warpgroup 0) or dK^T (1): tile t is head-dim rows [64t, 64t+64)
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc[t][nt][e] = 0.f;
+
+  if (steps > 0) issue_step(0);
+  for (int step = 0; step < steps; ++step) {
+    const int buf = step & 1, m0 = step_m0(step);
+    cp_async_wait<0>();
+    sm90::fence_proxy_async();
+    __syncthreads();  // the step's tiles have landed; step - 1 is done with buf ^ 1, P and dS
+
+    float acc_s[4][4], acc_dp[4][4];
+    sm90::fence_operands(acc_s);
+    sm90::fence_operands(acc_dp);
+    sm90::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      sm90::mma_ss<32, T>(acc_s, q_desc + buf * kQBufStep + sm90::k_major_step<BM>(kk),
+                          k_desc + sm90::k_major_step<BN>(kk), kk > 0);
+    sm90::commit_group();
+#pragma unroll
+    for (int kk = 0; kk < DV / 16; ++kk)
+      sm90::mma_ss<32, T>(acc_dp, do_desc + buf * kDoBufStep + sm90::k_major_step<BM>(kk),
+                          v_desc + sm90::k_major_step<BN>(kk), kk > 0);
+    sm90::commit_group();
+    if (step + 1 < steps) issue_step(step + 1);
+
+    // P = exp2(S * scale_log2 - lse2) with keys past the end and outside the window at 0, then
+    // dS = P (dP - delta); this thread's rows are queries row_in_wg and row_in_wg + 8.
+    const bool need_mask = n0 + BN > p.seqlen_k ||
+                           (p.window_right >= 0 && n0 + BN - 1 > m0 + offset + p.window_right) ||
+                           (p.window_left >= 0 && n0 < m0 + BM - 1 + offset - p.window_left);
+    const float lse[2] = {sLse[buf * BM + row_in_wg], sLse[buf * BM + row_in_wg + 8]};
+    const float delta[2] = {sDelta[buf * BM + row_in_wg], sDelta[buf * BM + row_in_wg + 8]};
+    auto probs = [&](auto mask, auto capped) {
+      constexpr bool kMask = decltype(mask)::value, kCapped = decltype(capped)::value;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float prob = exp2f(fmaf(acc_s[nt][e], p.scale_log2, -lse[e >> 1]));
+          if constexpr (kMask) {
+            const int key = n0 + key_col0 + nt * 8 + (e & 1);
+            const int i = m0 + row_in_wg + (e >> 1) * 8;
+            if (key >= window_key_end(p, i, offset, p.seqlen_k) ||
+                key < window_first_key(p, i, offset))
+              prob = 0.f;
+          }
+          acc_s[nt][e] = prob;
+          if constexpr (kCapped) acc_dp[nt][e] *= prob;
+        }
+    };
+    if (p.softcap > 0.f) {  // both products first: dS needs t, which P replaces
+      sm90::wait_group<0>();
+      sm90::fence_operands(acc_s);
+      sm90::fence_operands(acc_dp);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        apply_softcap(acc_s[nt], p);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float t = acc_s[nt][e];
+          acc_dp[nt][e] = (acc_dp[nt][e] - delta[e >> 1]) * (1.f - t * t);
+        }
+      }
+      if (need_mask)
+        probs(BoolConstant<true>{}, BoolConstant<true>{});
+      else
+        probs(BoolConstant<false>{}, BoolConstant<true>{});
+    } else {  // P while dP is still running
+      sm90::wait_group<1>();
+      sm90::fence_operands(acc_s);
+      if (need_mask)
+        probs(BoolConstant<true>{}, BoolConstant<false>{});
+      else
+        probs(BoolConstant<false>{}, BoolConstant<false>{});
+      sm90::wait_group<0>();
+      sm90::fence_operands(acc_dp);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - delta[e >> 1]);
+    }
+    // P and dS to shared memory as [query][key] (conflict-free: the 8 rows of one store
+    // instruction land in 8 different chunks).
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int at = swizzle_panels<BM>(row_in_wg + 8 * hh, 4 * wg + nt) + (lane & 3) * 2;
+        *reinterpret_cast<uint32_t*>(sP + at) = pack2<T>(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + at) =
+            pack2<T>(acc_dp[nt][2 * hh], acc_dp[nt][2 * hh + 1]);
+      }
+    sm90::fence_proxy_async();  // this thread's P and dS stores, visible to the tensor cores
+    __syncthreads();            // P and dS are whole (both warpgroups' keys)
+
+    // dV^T += dO^T P (warpgroup 0), dK^T += Q^T dS (1): the step's queries as the reduction.
+    // planted 24: dK^T's every tile reads Q's first panel (the columns of dK past 64 wrong)
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+      sm90::fence_operands(acc[t]);
+    sm90::fence();
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      const int panel = wg == 1 && planted(24) ? 0 : t;
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        sm90::mma_ss<64, T, /*kMnMajor=*/true>(
+            acc[t], kv_a_desc + buf * kv_a_buf_step + panel * kPanelStep + sm90::mn_major_step(kk),
+            kv_b_desc + sm90::mn_major_step(kk), 1);
+    }
+    sm90::commit_group();
+
+    if constexpr (kAtomicDq) {
+      // planted 6: the last key block never reaches dQ
+      const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
+      const int64_t row_base = (int64_t(b) * p.heads_q + step_head(step)) * p.seqlen_q;
+#pragma unroll
+      for (int c = 0; c < kTilesK; ++c) {
+        if (c < dq_first || c >= dq_last) continue;
+        float acc_dq[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc_dq[nt][e] = 0.f;
+        sm90::fence_operands(acc_dq);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          sm90::mma_ss<64, T, /*kMnMajor=*/false, /*kMnMajorB=*/true>(
+              acc_dq, ds_desc + sm90::k_major_step<BM>(kk),
+              kt_desc + c * kKPanelStep + sm90::mn_major_step(kk), kk > 0);
+        sm90::commit_group();
+        sm90::wait_group<0>();
+        sm90::fence_operands(acc_dq);
+        if (add_dq) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i = m0 + row_in_wg + hh * 8;
+            if (i >= p.seqlen_q) continue;
+            float* dq_row = p.dq_accum + (row_base + i) * D + c * 64 + (lane & 3) * 2;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+              atomicAdd(reinterpret_cast<float2*>(dq_row + nt * 8),
+                        make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]));
+          }
+        }
+      }
+    }
+    sm90::wait_group<0>();
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+      sm90::fence_operands(acc[t]);
+  }
+  cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
+  __syncthreads();     // every warpgroup is done with Q's and dO's buffers
+
+  // dK^T (dV^T) transposed into shared memory as rows of keys, then copied out in 16-byte
+  // chunks: contiguous [B, Hkv, Sk, head dim], keys past the end not written.
+  const float dk_scale = planted(4) ? 1.f : p.softmax_scale;
+  T* sdK = sQ;
+  T* sdV = sdK + BN * Traits::kStagePitch;
+  T* stage = wg == 0 ? sdV : sdK;
+  const int pitch = wg == 0 ? Traits::kStagePitchV : Traits::kStagePitch;
+  const float scale = wg == 0 ? 1.f : dk_scale;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {  // keys `key` and key + 1 of head-dim row d
+        const int d = 64 * t + row_in_wg + 8 * hh, key = nt * 8 + (lane & 3) * 2;
+        const uint32_t two = pack2<T>(acc[t][nt][2 * hh] * scale, acc[t][nt][2 * hh + 1] * scale);
+        auto* rows = reinterpret_cast<uint16_t*>(stage);
+        rows[key * pitch + d] = uint16_t(two & 0xFFFFu);
+        rows[(key + 1) * pitch + d] = uint16_t(two >> 16);
+      }
+  }
+  __syncthreads();
+  const int64_t kv_row_base = int64_t(blockIdx.y) * p.seqlen_k;  // y = b * heads_kv + hkv
+  auto copy_out = [&](const T* from, int from_pitch, void* to, int width) {
+    const int chunks = width / 8;
+    for (int c = tid; c < BN * chunks; c += kThreads) {
+      const int key = c / chunks, chunk = c % chunks;
+      if (n0 + key >= p.seqlen_k) continue;
+      *reinterpret_cast<uint4*>(static_cast<T*>(to) + (kv_row_base + n0 + key) * width +
+                                chunk * 8) =
+          *reinterpret_cast<const uint4*>(from + key * from_pitch + chunk * 8);
+    }
+  };
+  copy_out(sdK, Traits::kStagePitch, p.dk, D);
+  copy_out(sdV, Traits::kStagePitchV, p.dv, DV);
+}
+
+template <typename Traits, typename T, bool kAtomicDq>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (Traits::kHeadDim == Traits::kHeadDimV) {
+    flash_bwd_sm90_wide_block<Traits, T, kAtomicDq, -1>(p);
+  } else if (threadIdx.x < 128) {
+    flash_bwd_sm90_wide_block<Traits, T, kAtomicDq, 0>(p);
+  } else {
+    flash_bwd_sm90_wide_block<Traits, T, kAtomicDq, 1>(p);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // wgmma exists on sm_90a only; the host never launches this elsewhere
+#endif
+}
+
 }  // namespace flashmoe::cuda

@@ -186,6 +186,13 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
 
 // The asm of one m64nNk16 wgmma for both input types (TYPE: "f16" or "bf16"), over d[N/8][4]:
 // the N/2 accumulators are operands %0 to %(N/2 - 1), in FLASHMOE_WGMMA_D_N* order.
+// S and dP over a warpgroup's 32 keys: the wgmma backward past head dim 128 (Sm90BwdWideTraits).
+#define FLASHMOE_WGMMA_D_N32                                                                    \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),     \
+      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define FLASHMOE_WGMMA_REGS_N32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FLASHMOE_WGMMA_D_N64                                                                    \
   "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),     \
       "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
@@ -329,15 +336,26 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
 
 // d (+)= A B for one m64nNk16 step. mma_ss: A and B from shared memory (descriptors), both
 // K-major, or with kMnMajor both MN-major (transposed: the backward's dQ = dS K, dS^T and K as
-// stored). mma_rs: A from registers (the mma.sync A fragment of the warp's 16 rows), B MN-major
+// stored), or with kMnMajorB alone A K-major and B MN-major (the wide backward's dQ: dS as
+// stored, K). mma_rs: A from registers (the mma.sync A fragment of the warp's 16 rows), B MN-major
 // (transposed). scale_d = 0 overwrites d instead of adding to it.
-template <int N, typename T, bool kMnMajor = false>
+template <int N, typename T, bool kMnMajor = false, bool kMnMajorB = kMnMajor>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,
                                        int scale_d) {
-  static_assert(N == 64 || N == 128 || ((N == 96 || N == 112 || N == 176) && !kMnMajor),
-                "wgmma N: 64, 128 (or 96, 112, 176 K-major)");
+  static_assert(N == 64 || N == 128 || ((N == 32 || N == 96 || N == 112 || N == 176) && !kMnMajor),
+                "wgmma N: 64, 128 (or 32, 96, 112, 176 K-major)");
+  static_assert(kMnMajorB == kMnMajor || (N == 64 && !kMnMajor),
+                "A K-major with B MN-major: m64n64k16 only");
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 112 && kHalf) {
+  if constexpr (N == 32 && kHalf) {
+    FLASHMOE_WGMMA_SS_K_MAJOR(32, "f16", "16", "17", "18");
+  } else if constexpr (N == 32) {
+    FLASHMOE_WGMMA_SS_K_MAJOR(32, "bf16", "16", "17", "18");
+  } else if constexpr (N == 64 && kHalf && kMnMajorB && !kMnMajor) {
+    FLASHMOE_WGMMA_SS_N64("f16", "0, 1");
+  } else if constexpr (N == 64 && kMnMajorB && !kMnMajor) {
+    FLASHMOE_WGMMA_SS_N64("bf16", "0, 1");
+  } else if constexpr (N == 112 && kHalf) {
     FLASHMOE_WGMMA_SS_K_MAJOR(112, "f16", "56", "57", "58");
   } else if constexpr (N == 112) {
     FLASHMOE_WGMMA_SS_K_MAJOR(112, "bf16", "56", "57", "58");
@@ -393,6 +411,8 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 
 #undef FLASHMOE_WGMMA_SS_K_MAJOR
 #undef FLASHMOE_WGMMA_RS_WIDE
+#undef FLASHMOE_WGMMA_D_N32
+#undef FLASHMOE_WGMMA_REGS_N32
 #undef FLASHMOE_WGMMA_D_N96
 #undef FLASHMOE_WGMMA_D_N112
 #undef FLASHMOE_WGMMA_REGS_N112

@@ -447,8 +447,9 @@ def test_workload_covers_every_code_path():
     # sinks (the CPU gate tier's 20), 640 since every configuration forced with them (40; racecheck
     # took 110 s over 592 calls on an H100), 660 since the wgmma forward at 192 and 256 (20), 665
     # since its kernel of v's 128 under 192 (2), 670 since the 128 tile padded (the forward's 2
-    # and 80 and 96 on backward configurations 2 and 3, the wgmma backward's tile padded: 8)
-    assert len(workload) <= 670
+    # and 80 and 96 on backward configurations 2 and 3, the wgmma backward's tile padded: 8), 682
+    # since the wgmma backward past 128 (12)
+    assert len(workload) <= 682
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration this GPU runs (all of them, wgmma included, for an
@@ -651,6 +652,30 @@ def test_workload_covers_wide_head_dims():
     }
     backward = [c for c in wide if isinstance(c, sanitize.VarlenBackward)]
     assert {(c.forward.dtype, c.forward.head_dim) for c in backward} == pairs
+
+
+def test_workload_covers_the_wide_wgmma_backward_last():
+    """Backward configuration 3 past 128 (Sm90BwdWideTraits) where the card runs it: each of its
+    kernels (192, 256, v's 128 under 192; both dtypes; dQ by atomics and deterministic), causal
+    with rows that see no key, GQA, and the window, softcap and sinks; the workload's last block."""
+    from flashmoe_science.pipeline.gates import matrix
+
+    workload = sanitize.workload_cases()
+    wide = sanitize.wide_wgmma_backward_workload()
+    if 3 not in sanitize.workload_backward_configs():
+        assert wide == []
+        return
+    assert workload[len(workload) - len(wide) :] == wide
+    assert {(c.head_dim, c.value_head_dim, c.dtype, c.deterministic) for c in wide} == {
+        (*dims, t, det)
+        for dims in matrix.WGMMA_WIDE_FORCED_BACKWARD
+        for t in ("fp16", "bf16")
+        for det in (False, True)
+    }
+    assert all(c.config == 3 and c.heads_q > c.heads_kv for c in wide)
+    assert any(c.causal and c.seqlen_q > c.seqlen_k for c in wide)
+    featured = [c for c in wide if c.softcap and c.sinks and c.window != (-1, -1)]
+    assert {c.head_dim for c in featured} == {192, 256} and any(c.deterministic for c in featured)
 
 
 @pytest.fixture(scope="module")
@@ -1224,13 +1249,15 @@ def test_workload_covers_padded_head_dims_last():
     card runs and the automatic choice, split partials and their combine, decode with a fused
     combine, the backward (automatic, 1, 2 and the wgmma one where the card runs them, atomic and
     deterministic dQ), and paged decode and
-    packed batches where v's head dim is q's; appended after the wide head dims."""
+    packed batches where v's head dim is q's; appended after the wide head dims, before the wide
+    wgmma backward's block."""
     from flashmoe_science.pipeline.gates.paged import PagedCase
     from flashmoe_science.pipeline.gates.varlen import VarlenCase
 
     workload = sanitize.workload_cases()
     padded = sanitize.padded_head_dim_workload(sanitize.workload_configs())
-    assert workload[-len(padded) :] == padded
+    end = len(workload) - len(sanitize.wide_wgmma_backward_workload())
+    assert workload[end - len(padded) : end] == padded
     assert sanitize.PADDED_HEAD_DIMS == ((80, 80), (96, 96), (192, 128))
     for dims in sanitize.PADDED_HEAD_DIMS:
         mine = [c for c in padded if isinstance(c, Case) and (c.head_dim, c.value_head_dim) == dims]

@@ -559,6 +559,11 @@ WIDE_FORCED_BACKWARD = ((192, 1), (256, 1))
 # case, whose ids stay as they were.
 PADDED_FORCED_BACKWARD = ((96, 96), (80, 80), (128, 64))
 PADDED_BACKWARD_CONFIGS = (1, 2, 3)
+# The wgmma backward past 128 (configuration 3 runs Sm90BwdWideTraits there; the automatic choice
+# does not take it yet): forced on every forced shape, both dtypes and masks, with a deterministic
+# call and a windowed, soft-capped call with sinks of each (its own mask and softcap code).
+# Appended after every earlier case.
+WGMMA_WIDE_FORCED_BACKWARD = ((192, 192), (256, 256), (192, 128))
 DETERMINISTIC_PAIRS = ((129, 129), (1000, 1000), (203, 113))
 DETERMINISTIC_PAIRS_CPU = ((129, 129), (203, 113))
 
@@ -626,6 +631,23 @@ def backward_cases(tier: str) -> Iterator[Case]:
             head_dim_v=head_dim_v,
             deterministic=config == 3 and index % 4 == 3,
         )
+    variants = itertools.product(WGMMA_WIDE_FORCED_BACKWARD, DTYPES, (False, True), FORCED_PAIRS)
+    for index, ((head_dim, head_dim_v), dtype, causal, (seqlen_q, seqlen_k)) in enumerate(variants):
+        yield case(
+            dtype,
+            head_dim,
+            causal,
+            seqlen_q,
+            seqlen_k,
+            config=3,
+            head_dim_v=head_dim_v,
+            deterministic=index % len(FORCED_PAIRS) == 4,
+        )
+    for index, ((head_dim, head_dim_v), causal) in enumerate(
+        itertools.product(WGMMA_WIDE_FORCED_BACKWARD, (False, True))
+    ):
+        forced = case("bf16", head_dim, causal, 257, 257, config=3, head_dim_v=head_dim_v)
+        yield _with_features(forced, ("window", "softcap", "sinks"), index)
 
 
 # ---- local attention, soft-capping and sinks ------------------------------------------------------

@@ -312,6 +312,7 @@ def _all_workload_cases() -> list:
         *feature_workload(),
         *forced_feature_workload(configs, workload_backward_configs()),
         *padded_head_dim_workload(configs),
+        *wide_wgmma_backward_workload(),
     ]
 
 
@@ -518,6 +519,42 @@ def wide_head_dim_workload(configs: Sequence[int]) -> list:
                     deterministic=deterministic,
                 )
             )
+    return cases
+
+
+def wide_wgmma_backward_workload() -> list:
+    """The wgmma backward past 128 (backward configuration 3 at 192, 256 and v's 128 under 192:
+    Sm90BwdWideTraits) where this GPU runs it: each of its kernels (both dtypes, dQ by atomics
+    and deterministic), causal with rows that see no key, GQA 4, and a window, softcap and sinks
+    on a third of the calls; appended after every other block."""
+    from ..cases import Case
+    from ..gates.matrix import WGMMA_WIDE_FORCED_BACKWARD
+
+    if 3 not in workload_backward_configs():
+        return []
+    cases = []
+    variants = itertools.product(WGMMA_WIDE_FORCED_BACKWARD, ("fp16", "bf16"), (False, True))
+    for index, ((head_dim, head_dim_v), dtype, deterministic) in enumerate(variants):
+        featured = index % 3 == 1
+        cases.append(
+            Case(
+                "backward",
+                dtype,
+                1,
+                8,
+                2,
+                129,
+                257 if deterministic else 65,
+                head_dim,
+                not featured,
+                config=3,
+                deterministic=deterministic,
+                head_dim_v=head_dim_v,
+                window=(16, 3) if featured else (-1, -1),
+                softcap=5.0 if featured else 0.0,
+                sinks=featured,
+            )
+        )
     return cases
 
 
