@@ -73,13 +73,8 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
-  // The query blocks some row of which sees a key of this block (query i sees keys
-  // i + offset - window_left <= j <= i + offset + window_right; causal: window_right 0).
-  const int m_begin = p.window_right >= 0 ? max(0, n0 - offset - p.window_right) / BM : 0;
-  const int m_end =
-      p.window_left >= 0
-          ? max(0, min(ceil_div(p.seqlen_q, BM), (n0 + BN - 1 - offset + p.window_left) / BM + 1))
-          : ceil_div(p.seqlen_q, BM);
+  const int2 query_blocks = bwd_query_blocks<BM, BN>(p, n0, offset);
+  const int m_begin = query_blocks.x, m_end = query_blocks.y;
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
@@ -186,9 +181,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     // P^T = exp2(S^T * scale_log2 - lse2) with keys past the end and outside the window (causal:
     // its right edge 0) at 0, then dS^T = P^T (dP^T - delta); the unmasked blocks skip the
     // per-element mask.
-    const bool need_mask = n0 + BN > p.seqlen_k ||
-                           (p.window_right >= 0 && n0 + BN - 1 > m0 + offset + p.window_right) ||
-                           (p.window_left >= 0 && n0 < m0 + BM - 1 + offset - p.window_left);
+    const bool need_mask = bwd_step_needs_mask<BM, BN>(p, n0, m0, offset);
     const float* lse_buf = sLse + buf * BM;
     const float* delta_buf = sDelta + buf * BM;
     // kCapped: a pass before left t = tanh(s * softcap_scale) in S^T (apply_softcap: scale_log2
@@ -477,11 +470,8 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;
-  const int m_begin = p.window_right >= 0 ? max(0, n0 - offset - p.window_right) / BM : 0;
-  const int m_end =
-      p.window_left >= 0
-          ? max(0, min(ceil_div(p.seqlen_q, BM), (n0 + BN - 1 - offset + p.window_left) / BM + 1))
-          : ceil_div(p.seqlen_q, BM);
+  const int2 query_blocks = bwd_query_blocks<BM, BN>(p, n0, offset);
+  const int m_begin = query_blocks.x, m_end = query_blocks.y;
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
@@ -569,9 +559,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
 
     // P = exp2(S * scale_log2 - lse2) with keys past the end and outside the window at 0, then
     // dS = P (dP - delta); this thread's rows are queries row_in_wg and row_in_wg + 8.
-    const bool need_mask = n0 + BN > p.seqlen_k ||
-                           (p.window_right >= 0 && n0 + BN - 1 > m0 + offset + p.window_right) ||
-                           (p.window_left >= 0 && n0 < m0 + BM - 1 + offset - p.window_left);
+    const bool need_mask = bwd_step_needs_mask<BM, BN>(p, n0, m0, offset);
     const float lse[2] = {sLse[buf * BM + row_in_wg], sLse[buf * BM + row_in_wg + 8]};
     const float delta[2] = {sDelta[buf * BM + row_in_wg], sDelta[buf * BM + row_in_wg + 8]};
     auto probs = [&](auto mask, auto capped) {
