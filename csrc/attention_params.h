@@ -61,7 +61,7 @@ namespace flashmoe {
 //   22: the sinks' gradient never accumulated (dsinks comes back 0)
 //   23: decode (flash_attention_decode, paged or not) forgets the window
 // and the wgmma backward's past head dim 128 (Sm90BwdWideTraits):
-//   24: every tile of dK^T reads Q's first 64-column panel: dK's columns past 64 come out wrong
+//   25: every tile of dK^T reads Q's first 64-column panel: dK's columns past 64 come out wrong
 // -DFLASHMOE_PLANT_BUG=-1 compiles every plant in and picks one at run time, from
 // $FLASHMOE_PLANT_BUG: the CPU implementation's (1, 2, 4-8, 13, 20-23) when the library loads, the
 // CUDA kernels' (planted in flash_kernel_utils.cuh) before their first launch on a device. One

@@ -627,14 +627,14 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     __syncthreads();            // P and dS are whole (both warpgroups' keys)
 
     // dV^T += dO^T P (warpgroup 0), dK^T += Q^T dS (1): the step's queries as the reduction.
-    // planted 24: dK^T's every tile reads Q's first panel (the columns of dK past 64 wrong)
+    // planted 25: dK^T's every tile reads Q's first panel (the columns of dK past 64 wrong)
 #pragma unroll
     for (int t = 0; t < kTiles; ++t)
       sm90::fence_operands(acc[t]);
     sm90::fence();
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) {
-      const int panel = wg == 1 && planted(24) ? 0 : t;
+      const int panel = wg == 1 && planted(25) ? 0 : t;
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
         sm90::mma_ss<64, T, /*kMnMajor=*/true>(

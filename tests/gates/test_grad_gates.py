@@ -299,7 +299,7 @@ def test_the_padded_backward_plants_cases_are_gate_cases():
     assert all((c.head_dim, c.value_head_dim) != (128, 128) for c in padded)
 
 
-# Plant 24 (the wgmma backward past 128 reading Q's first panel for every tile of dK^T): every case
+# Plant 25 (the wgmma backward past 128 reading Q's first panel for every tile of dK^T): every case
 # forced onto configuration 3 at 192, 256 and v's 128 under 192 fails, deterministic included; the
 # same head dims on the mma.sync configuration 2 and the 128 tile on 3 pass.
 WIDE_SM90A_BACKWARD_PLANT = (
@@ -315,22 +315,22 @@ WIDE_SM90A_BACKWARD_PLANT = (
 @pytest.mark.slow
 @pytest.mark.gpu
 def test_planted_first_panel_fails_the_wide_wgmma_backward_and_only_it(run_planted):
-    """With FLASHMOE_PLANT_BUG=24 every wide case on configuration 3 fails a gradient gate; the
+    """With FLASHMOE_PLANT_BUG=25 every wide case on configuration 3 fails a gradient gate; the
     128 tile on 3 and the automatic choice at 256 pass."""
     from flashmoe_science import ops
 
     if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
         pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
     failing, passing = WIDE_SM90A_BACKWARD_PLANT
-    results = run_planted(24, PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
+    results = run_planted(25, PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
     assert sorted(results) == sorted((*failing, *passing))
     for case_id in failing:
-        assert results[case_id], f"planted bug 24 passed the gates on {case_id}"
+        assert results[case_id], f"planted bug 25 passed the gates on {case_id}"
     assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
 
 
 def test_the_backward_plants_cases_are_gate_cases():
-    """Plant 24's cases are GPU gate cases, its failing ones forced onto configuration 3 past 128
+    """Plant 25's cases are GPU gate cases, its failing ones forced onto configuration 3 past 128
     (each wide kernel: 192, 256, v's 128 under 192), a deterministic one among them; plants 4 to 6
     reach the wide kernel too, on gate cases of its own."""
     from flashmoe_science.pipeline.cases import parse_case_id
