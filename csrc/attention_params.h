@@ -79,6 +79,12 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_STATS_CP_ASYNC
 #define FLASHMOE_BWD_STATS_CP_ASYNC 0
 #endif
+// The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
+// running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:
+// benches/notes/features.md, fv4).
+#ifndef FLASHMOE_FWD_SOFTCAP_FIXED_MAX
+#define FLASHMOE_FWD_SOFTCAP_FIXED_MAX 0
+#endif
 
 constexpr int kMaxSplits = 128;
 // Backward tile configurations (`backward_config=`): see csrc/flash_api_cuda.cuh.

@@ -184,6 +184,14 @@ struct Sm90Rows {
   float acc_s[NT][4];
   uint32_t p_frag[BN / 16][4];
   float row_max[2], row_sum[2];
+  // A softcap bounds every score: t = tanh(.) lies in [-1, 1], so exp2(t * scale_log2) lies in
+  // [2^-c, 2^c], c = softcap * log2(e). Up to kFixedMaxLog2, fp32 sums and bf16's 8-bit exponent
+  // hold that whole range, so the exponentials subtract a fixed max of 0: no row max, no rescale
+  // (fp16 P would overflow past 2^16: it keeps the running max). FLASHMOE_FWD_SOFTCAP_FIXED_MAX.
+  static constexpr bool kMayFixMax =
+      kFeatures && FLASHMOE_FWD_SOFTCAP_FIXED_MAX && std::is_same_v<T, __nv_bfloat16>;
+  static constexpr float kFixedMaxLog2 = 80.f;  // 2^80 a term: a sum of 2^40 keys stays finite
+  bool fixed_max = false;
 
   __device__ __forceinline__ Sm90Rows(const AttentionParams& p_, const TileCoords& t_, int m0_,
                                       int n_lo, int warp, int lane_, const T* sQ, const T* sK,
@@ -211,6 +219,10 @@ struct Sm90Rows {
         acc_o[dt][e] = 0.f;
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
+    if constexpr (kMayFixMax) {
+      fixed_max = p.softcap > 0.f && p.scale_log2 <= kFixedMaxLog2;
+      if (fixed_max) row_max[0] = row_max[1] = 0.f;  // finish_rows: lse = log(sum)
+    }
   }
 
   // S = Q K^T, one m64n(BN)k16 wgmma per 16 columns of the head dim, as one commit group.
@@ -320,11 +332,16 @@ struct Sm90Rows {
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      float mx = row_max[hh];
+      float max_scaled = 0.f;
+      if (kMayFixMax && fixed_max) {
+        rescale[hh] = 1.f;
+      } else {
+        float mx = row_max[hh];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
-      const float max_scaled = fold_max(hh, quad_max(mx), rescale);
+        for (int nt = 0; nt < NT; ++nt)
+          mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
+        max_scaled = fold_max(hh, quad_max(mx), rescale);
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -372,16 +389,22 @@ struct Sm90Rows {
             if (masked) acc_s[nt][e] = -INFINITY;
           }
       }
+      if (kMayFixMax && fixed_max) continue;
 #pragma unroll
       for (int nt = c * kC; nt < c * kC + kC; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
           mx[hh] = fmaxf(mx[hh], fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
     }
-    float max_scaled[2];
+    float max_scaled[2] = {0.f, 0.f};
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-      max_scaled[hh] = fold_max(hh, quad_max(mx[hh]), rescale);
+    for (int hh = 0; hh < 2; ++hh) {
+      if (kMayFixMax && fixed_max) {
+        rescale[hh] = 1.f;
+      } else {
+        max_scaled[hh] = fold_max(hh, quad_max(mx[hh]), rescale);
+      }
+    }
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (c * kC * 8 > hi) {
@@ -408,6 +431,7 @@ struct Sm90Rows {
   __device__ __forceinline__ void rescale_o(const float (&rescale)[2]) {
     // Lazy: past the first key blocks the max rarely moves (see softmax), and the warp skips
     // the multiplies when none of its rows did.
+    if (kMayFixMax && fixed_max) return;  // the max never moves
     bool any_moved = true;
     if constexpr (kLazy) {
       any_moved = __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f);
