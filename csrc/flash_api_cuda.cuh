@@ -1173,8 +1173,8 @@ template <int D>
 using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 
 // `padded`: the call's head dims are narrower than the tile D (configuration 3 then runs
-// Sm90BwdPaddedTraits at 128 and v's 128 under 192 at 192; the mma.sync kernels take any head
-// dims the tile holds).
+// Sm90BwdPaddedTraits at 128, and Sm90BwdWideTraits<192, 128> at 192, v's 128 being the one it
+// takes there; the mma.sync kernels take any head dims the tile holds).
 template <typename T, int D, bool kAtomicDq, typename F>
 void visit_bwd_config(int config, F&& f, bool padded = false) {
   if (config == 1) {
