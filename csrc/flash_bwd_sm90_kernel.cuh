@@ -646,7 +646,9 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     if constexpr (kAtomicDq) {
       // planted 6: the last key block never reaches dQ
       const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
+#if !FLASHMOE_BWD_DQ_TMA
       const int64_t row_base = (int64_t(b) * p.heads_q + step_head(step)) * p.seqlen_q;
+#endif
 #pragma unroll
       for (int c = 0; c < kTilesK; ++c) {
         if (c < dq_first || c >= dq_last) continue;
@@ -666,6 +668,39 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
         sm90::commit_group();
         sm90::wait_group<0>();
         sm90::fence_operands(acc_dq);
+#if FLASHMOE_BWD_DQ_TMA
+        // The 64 x 64 chunk through shared memory (two boxes of 32 columns, rows of 128 bytes
+        // whose 16-byte chunks are swizzled by the row, as the map reads them), then one TMA
+        // reduce-add a box into dq_accum (rows past Sq lie outside the map). The stage is this
+        // step's dO buffer (warpgroup 0) or Q buffer (1): their last reader, the warpgroup's own
+        // dV^T (dK^T), is done (wait_group above), and step + 2's copies into them wait for the
+        // reads (bulk_wait_group_read at the end of the step, before the next barrier).
+        float* stage = reinterpret_cast<float*>(wg == 0 ? sdO + buf * BM * DV : sQ + buf * BM * D);
+        const bool leader = tid % 128 == 0;
+        if (leader) sm90::bulk_wait_group_read<0>();  // the previous chunk's reduce has read it
+        sm90::warpgroup_sync(1 + wg);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = row_in_wg + hh * 8;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            const int chunk = (nt & 3) * 2 + (lane & 3) / 2;  // 16-byte chunk of the box's row
+            float* dst =
+                stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ (row & 7)) * 4 + (lane & 1) * 2;
+            *reinterpret_cast<float2*>(dst) =
+                make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
+          }
+        }
+        sm90::fence_proxy_async();  // the chunk's stores, visible to the TMA unit
+        sm90::warpgroup_sync(1 + wg);
+        if (leader && add_dq) {
+          const int bh = b * p.heads_q + step_head(step);
+#pragma unroll
+          for (int box = 0; box < 2; ++box)
+            sm90::tma_reduce_add_3d(p.dq_map, stage + box * 64 * 32, c * 64 + box * 32, m0, bh);
+          sm90::bulk_commit_group();
+        }
+#else
         if (add_dq) {
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
@@ -678,7 +713,13 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
                         make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]));
           }
         }
+#endif
       }
+#if FLASHMOE_BWD_DQ_TMA
+      // this step's reduces have read their stages before step + 2's copies may land there (the
+      // next step's barrier orders every warpgroup's wait before any copy is issued)
+      if (tid % 128 == 0) sm90::bulk_wait_group_read<0>();
+#endif
     }
     sm90::wait_group<0>();
 #pragma unroll
@@ -686,7 +727,12 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
       sm90::fence_operands(acc[t]);
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
-  __syncthreads();     // every warpgroup is done with Q's and dO's buffers
+#if FLASHMOE_BWD_DQ_TMA
+  if constexpr (kAtomicDq) {
+    if (tid % 128 == 0) sm90::bulk_wait_group<0>();  // its dQ reduces done before the block ends
+  }
+#endif
+  __syncthreads();  // every warpgroup is done with Q's and dO's buffers
 
   // dK^T (dV^T) transposed into shared memory as rows of keys, then copied out in 16-byte
   // chunks: contiguous [B, Hkv, Sk, head dim], keys past the end not written.
