@@ -49,6 +49,8 @@ namespace flashmoe {
 // and the wgmma forward's 128 tile run padded (Sm90PaddedTraits):
 //   18: each panel's TMA box copied from the first panel's columns (its column coordinate left
 //       at 0): the tile's columns past 64 hold q's and k's first columns, not theirs or zeros
+//   26: with its MMAs over 96 columns (head dims up to 96), S's last 16-column step reads columns
+//       96-111 (zeros) in place of 80-95: a head dim of 96 loses them, one of 80 has none there
 // and the bugs of local attention, soft-capping and sinks (the CPU implementation's, and the CUDA
 // kernels': 20 in every mma.sync and decode kernel, forward and backward; 21 in the forward and
 // decode; 22 in the backward's pre-pass; 23 in the decode kernel, which forgets the left edge):

@@ -1138,14 +1138,17 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     # wgmma forward (5 to 7 one kernel) and its packed-batch one, + each sm_90a forward kernel's
     # twin with windows, softcap and sinks (6 forward and 4 packed-batch ones), + at d=192 with
     # v's 128 the wgmma forward of narrow V (5 to 7 one kernel), dense and packed, with their twins,
-    # + configuration 5's 128 tile run padded, dense and packed, with their twins
+    # + configuration 5's 128 tile run padded, dense and packed, with their twins, its MMAs over the
+    # whole tile and over 96 columns
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
     per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1 + 2
     assert table is not None
-    assert len(table) == 2 * (6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 10 + 4 + 4)
-    assert sum(name.endswith(", true>") and "Sm90FwdTraits" in name for name in table) == 2 * 12
+    assert len(table) == 2 * (6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 10 + 4 + 2 * 4)
+    # (the padded tiles' twins among them: a padded tile names its Sm90FwdTraits)
+    assert sum(name.endswith(", true>") and "Sm90FwdTraits" in name for name in table) == 2 * 13
     assert sum(name.endswith(", true>") and "Sm90FwdDvTraits" in name for name in table) == 2 * 2
-    assert sum("Sm90PaddedTraits" in name for name in table) == 2 * 4
+    assert sum("Sm90PaddedTraits" in name for name in table) == 2 * 8
+    assert sum("Sm90PaddedTraits" in name and ", 96>" in name for name in table) == 2 * 4
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]
     ours = [k for k in kernels if k["kernel"] in table]
