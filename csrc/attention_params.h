@@ -52,6 +52,10 @@ namespace flashmoe {
 // and the wgmma backward's 128 tile run padded (Sm90BwdPaddedTraits):
 //   19: q, k, v and dO copied at the tile's width: the tile's columns past their head dims hold
 //       the next row's values instead of zeros, which leak into S, dP and every gradient
+// and the wgmma forward's padded 128 tile with its MMAs over 96 columns (Sm90PaddedTraits<...,
+// 96>):
+//   26: with its MMAs over 96 columns (head dims up to 96), S's last 16-column step reads columns
+//       96-111 (zeros) in place of 80-95: a head dim of 96 loses them, one of 80 has none there
 // and the bugs of local attention, soft-capping and sinks (the CPU implementation's, and the CUDA
 // kernels': 20 in every mma.sync and decode kernel, forward and backward; 21 in the forward and
 // decode; 22 in the backward's pre-pass; 23 in the decode kernel, which forgets the left edge):

@@ -123,12 +123,17 @@ bool wgmma_narrow_v(const Params& p) {
 inline bool wgmma_padded(int64_t head_dim, int64_t head_dim_v) {
   return cuda_tile_head_dim(head_dim, head_dim_v) == 128 && (head_dim != 128 || head_dim_v != 128);
 }
-// Which wgmma forward kernel a call's head dims take, where a configuration 5 to 7 runs it.
-enum class Sm90Tile { kWhole, kNarrowV, kPadded };
+// Which wgmma forward kernel a call's head dims take, where a configuration 5 to 7 runs it: the
+// padded 128 tile's MMAs span 96 columns where every head dim is at most 96 (kPadded96).
+enum class Sm90Tile { kWhole, kNarrowV, kPadded, kPadded96 };
 inline Sm90Tile sm90_tile(int64_t head_dim, int64_t head_dim_v) {
-  return wgmma_narrow_v(head_dim, head_dim_v) ? Sm90Tile::kNarrowV
-         : wgmma_padded(head_dim, head_dim_v) ? Sm90Tile::kPadded
-                                              : Sm90Tile::kWhole;
+  return wgmma_narrow_v(head_dim, head_dim_v)   ? Sm90Tile::kNarrowV
+         : !wgmma_padded(head_dim, head_dim_v)  ? Sm90Tile::kWhole
+         : std::max(head_dim, head_dim_v) <= 96 ? Sm90Tile::kPadded96
+                                                : Sm90Tile::kPadded;
+}
+inline bool is_padded(Sm90Tile tile) {
+  return tile == Sm90Tile::kPadded || tile == Sm90Tile::kPadded96;
 }
 template <typename Params>
 Sm90Tile sm90_tile(const Params& p) {
@@ -347,10 +352,17 @@ void visit_narrow_v(F& f, bool features) {
   }
 }
 
-// The wgmma forward's 128 tile run at narrower head dims (wgmma_padded): configuration 5 only.
+// The wgmma forward's 128 tile run at narrower head dims (wgmma_padded): configuration 5 only;
+// `mma96`: its MMAs over 96 columns (Sm90Tile::kPadded96).
 template <typename T, int D, bool kVarlen, typename F>
-void visit_padded(F& f, bool features) {
+void visit_padded(F& f, bool features, bool mma96) {
   if constexpr (D == 128) {
+    if (mma96) {
+      using Traits = Sm90PaddedTraits<Sm90Config5Traits<128>, 96>;
+      FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
+                     fwd_sm90_kernel<Traits, T, kVarlen>(features));
+      return;
+    }
     using Traits = Sm90PaddedTraits<Sm90Config5Traits<128>>;
     FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
                    fwd_sm90_kernel<Traits, T, kVarlen>(features));
@@ -388,8 +400,8 @@ void visit_config(int config, F&& f, bool features = false, Sm90Tile tile = Sm90
     TORCH_CHECK(false, "flashmoe_science: no config=", config, " kernel for head_dim ", D);
   } else if (config == kSm90aConfig && narrow_v) {
     visit_narrow_v<T, D, kVarlen, kSm90aConfig>(f, features);
-  } else if (config == kSm90aConfig && tile == Sm90Tile::kPadded) {
-    visit_padded<T, D, kVarlen>(f, features);
+  } else if (config == kSm90aConfig && is_padded(tile)) {
+    visit_padded<T, D, kVarlen>(f, features, tile == Sm90Tile::kPadded96);
   } else if (config == kSm90aConfig) {
     if constexpr (kWgmma) {
       // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
@@ -657,8 +669,8 @@ template <int D, int BN, int kWarpgroups, int kStages>
 struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups, kStages>> : std::true_type {};
 template <int D, int DV, int BN, int kWarpgroups, int kStages>
 struct IsSm90Traits<Sm90FwdDvTraits<D, DV, BN, kWarpgroups, kStages>> : std::true_type {};
-template <typename Tiles>
-struct IsSm90Traits<Sm90PaddedTraits<Tiles>> : std::true_type {};
+template <typename Tiles, int kMmaHeadDim>
+struct IsSm90Traits<Sm90PaddedTraits<Tiles, kMmaHeadDim>> : std::true_type {};
 
 template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
@@ -666,7 +678,7 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
   AttentionParams p = params;
   if (kBuiltSm90a && is_sm90a_config(config)) {
     const TileShape tile = tile_shape_of(config, tile_head_dim(p), sm90_tile(p));
-    use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n, sm90_tile(p) == Sm90Tile::kPadded);
+    use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n, is_padded(sm90_tile(p)));
   }
   auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
@@ -1455,6 +1467,7 @@ void append_kernel_launches(std::string& out) {
   };
   if constexpr (D == 192) append_tile(Sm90Tile::kNarrowV);
   if constexpr (D == 128) append_tile(Sm90Tile::kPadded);
+  if constexpr (D == 128) append_tile(Sm90Tile::kPadded96);  // its MMAs over 96 columns
   visit_paged_decode<T>(D, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
                           using Traits = decltype(traits);
                           out += "flashmoe::cuda::flash_decode_paged_kernel<" +

@@ -94,7 +94,10 @@ struct Sm90FwdTiles {
   static constexpr int kMathThreads = 128 * kWarpgroups_;
   static constexpr int kNThreads = kMathThreads + 128;
   static constexpr int kNWarps = kNThreads / 32;
-  static constexpr bool kPadded = false;         // Sm90PaddedTraits
+  static constexpr bool kPadded = false;  // Sm90PaddedTraits
+  // The head dims the MMAs span (S's reduction, O's columns): the tile's, or fewer on a padded
+  // tile whose columns past them are zeros (Sm90PaddedTraits).
+  static constexpr int kMmaHeadDim = kHeadDim_, kMmaHeadDimV = kHeadDimV_;
   static constexpr int kChunks = kHeadDimV / 8;  // the output's 16-byte chunks a row
   static constexpr int kLoadThreads = 128;       // the producer warpgroup
   // Q, kStages K and V buffers, the output's staging buffer (two stages only), then the
@@ -143,9 +146,15 @@ struct Sm90FwdTraits : Sm90FwdTiles<kHeadDim_, kHeadDim_, kBlockN_, kWarpgroups_
 // panel a box (TMA zero-fills past the width), cp.async copies by the tensor's chunks, the output
 // and split partials stored at v's head dim. Its own instantiation, so that the tiles run unpadded
 // keep their code (every guard below is `if constexpr (Traits::kPadded)`).
-template <typename Tiles>
+// kMmaHeadDim: the columns the MMAs span, 96 where q's, k's and v's head dims are all at most 96
+// (80, 88, 96: S's reduction over 6 of the 8 16-column steps and P V over 96 columns of O, a
+// quarter of the tile's products left out, all of them zeros), else the tile's.
+template <typename Tiles, int kMmaHeadDim_ = Tiles::kHeadDim>
 struct Sm90PaddedTraits : Tiles {
   static constexpr bool kPadded = true;
+  static constexpr int kMmaHeadDim = kMmaHeadDim_, kMmaHeadDimV = kMmaHeadDim_;
+  static_assert(kMmaHeadDim % 32 == 0 && kMmaHeadDim <= Tiles::kHeadDimV,
+                "the MMAs span whole 32-column steps of the tile");
 };
 // v narrower than q and k (DeepSeek-V3's latent attention prefill: 192 and 128): V's buffers, P V
 // and the output at kHeadDimV.
@@ -229,8 +238,12 @@ struct Sm90Rows {
   __device__ __forceinline__ void issue_s(int buf) {
     sm90::fence_operands(acc_s);
     sm90::fence();
+    // planted 26: a 96-column padded tile's last step reads columns 96-111 (zeros) in place of
+    // 80-95, so a head dim of 96 loses them and one of 80 does not
+    constexpr int kSteps = Traits::kMmaHeadDim / 16;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk0 = 0; kk0 < kSteps; ++kk0) {
+      const int kk = kSteps == 6 && kk0 == kSteps - 1 && planted(26) ? kSteps : kk0;
       sm90::mma_ss<BN, T>(acc_s, q_desc + sm90::k_major_step<BM>(kk),
                           k_desc + buf * kTileStep + sm90::k_major_step<BN>(kk), kk > 0);
     }
@@ -248,6 +261,12 @@ struct Sm90Rows {
                                v_desc + buf * kVTileStep + sm90::mn_major_step(j), 1);
           continue;
         }
+      }
+      if constexpr (Traits::kMmaHeadDimV != DV) {  // O's columns past it: zeros, never touched
+        constexpr int kCols = Traits::kMmaHeadDimV;
+        sm90::mma_rs<kCols, T>(*reinterpret_cast<float (*)[kCols / 8][4]>(&acc_o), p_frag[j],
+                               v_desc + buf * kVTileStep + sm90::mn_major_step(j), 1);
+        continue;
       }
       sm90::mma_rs<DV, T>(acc_o, p_frag[j], v_desc + buf * kVTileStep + sm90::mn_major_step(j), 1);
     }
@@ -439,7 +458,7 @@ struct Sm90Rows {
     if (planted(12)) any_moved = false;  // planted: never rescaled when the running max moves
     if (any_moved) {
 #pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
+      for (int dt = 0; dt < Traits::kMmaHeadDimV / 8; ++dt)  // (the rest: zeros)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           acc_o[dt][e] *= rescale[e >> 1];

@@ -231,7 +231,8 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
   "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
 
 // The shapes of the wgmma forward past head dim 128: S over 96 keys (d=192; 64 at d=256), P V
-// over the whole head dim (192 or 256 columns of O).
+// over the whole head dim (192 or 256 columns of O); P V over 96 columns of the padded 128 tile
+// (Sm90PaddedTraits at head dims up to 96).
 #define FLASHMOE_WGMMA_D_N96                                                                       \
   FLASHMOE_WGMMA_D_N64, "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), \
       "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), \
@@ -388,9 +389,14 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, ui
 template <int N, typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4],
                                        uint64_t desc_b, int scale_d) {
-  static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma N: 64, 128, 192 or 256");
+  static_assert(N == 64 || N == 96 || N == 128 || N == 192 || N == 256,
+                "wgmma N: 64, 96, 128, 192 or 256");
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 192 && kHalf) {
+  if constexpr (N == 96 && kHalf) {
+    FLASHMOE_WGMMA_RS_WIDE(96, "f16", "{%48, %49, %50, %51}", "52", "53");
+  } else if constexpr (N == 96) {
+    FLASHMOE_WGMMA_RS_WIDE(96, "bf16", "{%48, %49, %50, %51}", "52", "53");
+  } else if constexpr (N == 192 && kHalf) {
     FLASHMOE_WGMMA_RS_WIDE(192, "f16", "{%96, %97, %98, %99}", "100", "101");
   } else if constexpr (N == 192) {
     FLASHMOE_WGMMA_RS_WIDE(192, "bf16", "{%96, %97, %98, %99}", "100", "101");
