@@ -132,22 +132,20 @@ def forward_cases(tier: str) -> Iterator[Case]:
             for head_dim in head_dims if config == 0 else gated_head_dims(config):
                 for causal in (False, True):
                     for seqlen_q, seqlen_k in pairs:
-                        batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+                        heads = None
                         if not gpu and max(seqlen_q, seqlen_k) >= 512:
-                            batch, hq, hkv = 1, 4, (1, 4, 2)[index % 3]
+                            heads = 1, 4, (1, 4, 2)[index % 3]
                         layout = "bshd" if index % 4 == 3 else "bhsd"
-                        yield Case(
-                            "prefill",
+                        shape = (seqlen_q, seqlen_k, 0)
+                        yield _prefill_case(
+                            index,
                             dtype,
-                            batch,
-                            hq,
-                            hkv,
-                            seqlen_q,
-                            seqlen_k,
                             head_dim,
                             causal,
+                            shape,
+                            config,
                             layout=layout,
-                            config=config,
+                            heads=heads,
                         )
                         index += 1
 
@@ -169,7 +167,7 @@ def forward_cases(tier: str) -> Iterator[Case]:
                         if config in FULL_MATRIX_CONFIGS and (seqlen_q, seqlen_k) in pairs:
                             continue  # its full matrix below has the shape
                         shape = (seqlen_q, seqlen_k, splits)
-                        yield _forced_shape_case(index, dtype, head_dim, causal, shape, config)
+                        yield _prefill_case(index, dtype, head_dim, causal, shape, config)
                         index += 1
         if config in FULL_MATRIX_CONFIGS:
             yield from matrix(config)
@@ -180,7 +178,7 @@ def forward_cases(tier: str) -> Iterator[Case]:
     yield from wide_wgmma_cases(pairs)
 
 
-def _forced_shape_case(
+def _prefill_case(
     index: int,
     dtype: str,
     head_dim: int,
@@ -189,11 +187,12 @@ def _forced_shape_case(
     config: int,
     head_dim_v: int = 0,
     layout: str = "bhsd",
+    heads: tuple[int, int, int] | None = None,
 ) -> Case:
-    """A prefill case of a shape ((Sq, Sk, splits)) on a forced configuration, its batch and heads
-    from its place in the matrix (`index`)."""
+    """A prefill case of a shape ((Sq, Sk, splits)) on a configuration (0: automatic), its batch
+    and heads from its place in the matrix (`index`) unless `heads` gives them."""
     seqlen_q, seqlen_k, splits = shape
-    batch, hq, hkv = _heads(index, max(seqlen_q, seqlen_k))
+    batch, hq, hkv = heads or _heads(index, max(seqlen_q, seqlen_k))
     return Case(
         "prefill",
         dtype,
@@ -228,14 +227,14 @@ def _wgmma_shape_cases(
             if config == WGMMA_WIDE_MATRIX_CONFIG and in_matrix:
                 continue  # its full matrix below has the shape
             shape = (seqlen_q, seqlen_k, splits)
-            yield _forced_shape_case(index, dtype, head_dim, causal, shape, config, head_dim_v)
+            yield _prefill_case(index, dtype, head_dim, causal, shape, config, head_dim_v)
             index += 1
     variants = itertools.product(DTYPES, matrix_dims, (False, True), pairs)
     for dtype, (head_dim, head_dim_v), causal, (seqlen_q, seqlen_k) in variants:
         layout = "bshd" if index % 4 == 3 else "bhsd"
         shape = (seqlen_q, seqlen_k, 0)
         config = WGMMA_WIDE_MATRIX_CONFIG
-        yield _forced_shape_case(index, dtype, head_dim, causal, shape, config, head_dim_v, layout)
+        yield _prefill_case(index, dtype, head_dim, causal, shape, config, head_dim_v, layout)
         index += 1
 
 
