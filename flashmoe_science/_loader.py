@@ -732,19 +732,24 @@ def nvcc_threads(config: BuildConfig) -> int:
     return max(1, min(threads, int(max_jobs))) if max_jobs.isdigit() else threads
 
 
-def nvcc_split_compile(config: BuildConfig) -> int | None:
-    """The plant unit's nvcc splits its optimizer and ptxas over the machine's cores but one (the
-    production unit's nvcc, beside it): one process of ~300 s on the H100's host, the GPU job's
-    longest build (benches/notes/harness.md v5.11). Never above MAX_JOBS. The production unit
-    keeps whole-module optimization: a split there moves the SASS of 50 kernels, which only the
-    gates and a bench on a GPU may accept."""
-    if PLANT_DEFINE not in config.defines:
-        return None
+def nvcc_split_flags(config: BuildConfig) -> list[str]:
+    """nvcc's flags that spread one unit's compile over the machine's cores (never above
+    MAX_JOBS; outside the build's hash, as they leave its kernels what they are):
+    - the production unit splits ptxas alone, over every core: ptxas assembles each kernel on
+      its own, so the SASS is the same with or without the split (186 sm_90a kernels compared,
+      benches/notes/harness.md v5.15), and the build is shorter by its ptxas time (137 -> 111 s
+      on 2 cores);
+    - the plant unit, built beside it, splits nvcc's optimizer too, over the cores but one. That
+      split moves the SASS of ~50 kernels (harness.md v5.11): the plant tests accept it, the
+      production unit would need the gates and a bench on a GPU."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    split = max(1, (cores or 1) - 1)
+    plants = PLANT_DEFINE in config.defines
+    split = max(1, (cores or 1) - plants)
     max_jobs = os.environ.get("MAX_JOBS", "")
     split = max(1, min(split, int(max_jobs))) if max_jobs.isdigit() else split
-    return split if split > 1 else None
+    if split == 1:
+        return []
+    return [f"--split-compile={split}"] if plants else [f"-Xptxas=--split-compile={split}"]
 
 
 def portable_flags(config: BuildConfig) -> dict[str, list[str]]:
@@ -1151,8 +1156,7 @@ def _child_command(config: BuildConfig) -> tuple[list[str], dict[str, str]]:
     flags = compile_flags(config)
     if config.backend == "cuda":
         flags["cuda_cflags"] += ["--threads", str(nvcc_threads(config))]
-        if split := nvcc_split_compile(config):
-            flags["cuda_cflags"].append(f"--split-compile={split}")
+        flags["cuda_cflags"] += nvcc_split_flags(config)
     spec = {
         "name": config.name,
         "sources": [str(config.source)],

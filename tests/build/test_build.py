@@ -565,21 +565,29 @@ def test_nvcc_threads_follow_archs_and_max_jobs(cuda_machine, monkeypatch):
     assert loader.nvcc_threads(config) == 1
 
 
-def test_only_the_plant_unit_splits_its_compile_over_the_cores(cuda_machine, monkeypatch):
-    """The plant unit (no production kernel in it) splits nvcc's optimizer over the cores but
-    one, never above MAX_JOBS, and outside the build's hash; the production unit never splits."""
+def test_the_production_unit_splits_ptxas_and_the_plant_unit_the_whole_compile(
+    cuda_machine, monkeypatch
+):
+    """The production unit splits ptxas alone (its SASS stays what it is) over every core; the
+    plant unit, built beside it, splits nvcc's optimizer too over the cores but one. Never above
+    MAX_JOBS, never on one thread, and outside the build's hash."""
     monkeypatch.delenv("MAX_JOBS", raising=False)
     monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     production = build.resolve_config("cuda", arch_list="9.0a")
     plants = build.resolve_config("cuda", arch_list="9.0a", defines=[loader.PLANT_DEFINE])
-    assert loader.nvcc_split_compile(production) is None
-    assert loader.nvcc_split_compile(plants) == 15
+    assert loader.nvcc_split_flags(production) == ["-Xptxas=--split-compile=16"]
+    assert loader.nvcc_split_flags(plants) == ["--split-compile=15"]
     monkeypatch.setenv("MAX_JOBS", "4")
-    assert loader.nvcc_split_compile(plants) == 4
+    assert loader.nvcc_split_flags(production) == ["-Xptxas=--split-compile=4"]
+    assert loader.nvcc_split_flags(plants) == ["--split-compile=4"]
     monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("MAX_JOBS")
-    assert loader.nvcc_split_compile(plants) is None, "one thread: no split"
-    assert "--split-compile" not in " ".join(loader.compile_flags(plants)["cuda_cflags"])
+    assert loader.nvcc_split_flags(production) == ["-Xptxas=--split-compile=2"]
+    assert loader.nvcc_split_flags(plants) == [], "one thread: no split"
+    monkeypatch.setenv("MAX_JOBS", "1")
+    assert loader.nvcc_split_flags(production) == []
+    for config in (production, plants):
+        assert "split-compile" not in " ".join(loader.compile_flags(config)["cuda_cflags"])
 
 
 # --------------------------------------------------------------------------------------------------
