@@ -57,6 +57,8 @@ namespace flashmoe {
 //       is attended to (forward)
 //   22: the sinks' gradient never accumulated (dsinks comes back 0)
 //   23: decode (flash_attention_decode, paged or not) forgets the window
+// and the wgmma forward's plain instantiation, which sinks alone run (has_score_features):
+//   27: its rows' epilogue leaves the sinks out (one split: their normaliser and lse lack them)
 // -DFLASHMOE_PLANT_BUG=-1 compiles every plant in and picks one at run time, from
 // $FLASHMOE_PLANT_BUG: the CPU implementation's (1, 2, 4-8, 13, 20-23) when the library loads, the
 // CUDA kernels' (planted in flash_kernel_utils.cuh) before their first launch on a device. One
