@@ -66,6 +66,8 @@ namespace flashmoe {
 //   23: decode (flash_attention_decode, paged or not) forgets the window
 // and the wgmma backward's past head dim 128 (Sm90BwdWideTraits):
 //   25: every tile of dK^T reads Q's first 64-column panel: dK's columns past 64 come out wrong
+// and the wgmma forward's plain instantiation, which sinks alone run (has_score_features):
+//   27: its rows' epilogue leaves the sinks out (one split: their normaliser and lse lack them)
 // -DFLASHMOE_PLANT_BUG=-1 compiles every plant in and picks one at run time, from
 // $FLASHMOE_PLANT_BUG: the CPU implementation's (1, 2, 4-8, 13, 20-23) when the library loads, the
 // CUDA kernels' (planted in flash_kernel_utils.cuh) before their first launch on a device. One

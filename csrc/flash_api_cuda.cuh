@@ -318,7 +318,7 @@ inline void check_wgmma_config(const char* option, int64_t config, const DeviceI
                        "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
 }
 
-// `features`: the instantiation that takes a window, a softcap or sinks (Sm90Rows).
+// `features`: the instantiation that takes a window or a softcap (Sm90Rows; sinks run in every one).
 template <typename Traits, typename T, bool kVarlen>
 auto fwd_sm90_kernel(bool features) {
   if constexpr (kVarlen) {
@@ -373,7 +373,7 @@ void visit_padded(F& f, bool features, bool mma96) {
 
 // Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration). kVarlen: the
 // forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3, 6 or 7).
-// `features`: a window, softcap or sinks, which the wgmma kernels take in an instantiation of
+// `features`: a window or a softcap, which the wgmma kernels take in an instantiation of
 // their own (the others take them at run time). `narrow_v`: v's 128 under q's and k's 192
 // (wgmma_narrow_v), which configurations 5 to 7 run on a kernel of their own (the others on the
 // 192 tile, v zero-padded).
@@ -656,10 +656,11 @@ void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv, boo
                           p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q, by_panel);
 }
 
-// A window (other than causal's), a softcap or sinks: the wgmma forward's kernels take them in an
-// instantiation of their own (fwd_sm90_kernel).
-inline bool has_features(const AttentionParams& p) {
-  return p.window_left >= 0 || p.window_right > 0 || p.softcap > 0 || p.sinks != nullptr;
+// A window (other than causal's) or a softcap: the wgmma forward's kernels take them in an
+// instantiation of their own (fwd_sm90_kernel). Sinks touch only the rows' epilogue, which every
+// instantiation runs, so sinks alone keep the plain kernel and its automatic configuration.
+inline bool has_score_features(const AttentionParams& p) {
+  return p.window_left >= 0 || p.window_right > 0 || p.softcap > 0;
 }
 
 // The sm_90a kernels, which are persistent (one block per SM walks the tiles).
@@ -695,11 +696,11 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
   };
   const int tile_d = tile_head_dim(p);
   if (p.cu_seqlens_q != nullptr) {
-    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_features(p), sm90_tile(p));
+    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_score_features(p), sm90_tile(p));
   } else if (p.block_table != nullptr) {
     visit_paged_decode<T>(tile_d, launch);
   } else {
-    visit_kernel<T>(tile_d, config, launch, has_features(p), sm90_tile(p));
+    visit_kernel<T>(tile_d, config, launch, has_score_features(p), sm90_tile(p));
   }
 }
 
@@ -881,10 +882,10 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   if (config == 0) {
     const bool wgmma_ok = wgmma_chosen(p.head_dim, p.head_dim_v);
     config = choose_config(dev, tile_d, wgmma_ok, grid_x, rows_per_head, causal, p.seqlen_k);
-    // With a window, softcap or sinks, the wgmma kernel of two math warpgroups over 128-key tiles:
+    // With a window or softcap, the wgmma kernel of two math warpgroups over 128-key tiles:
     // the feature instantiations of the others (three warpgroups, 176 keys) spill
     // (benches/notes/features.md).
-    if (is_sm90a_config(config) && has_features(p)) config = kSm90aM128Config;
+    if (is_sm90a_config(config) && has_score_features(p)) config = kSm90aM128Config;
     // A padded tile is configuration 5's alone (its 128 tile, Sm90PaddedTraits).
     if (is_sm90a_config(config) && wgmma_padded(p.head_dim, p.head_dim_v)) config = kSm90aConfig;
   }

@@ -163,8 +163,9 @@ struct Sm90FwdDvTraits : Sm90FwdTiles<kHeadDim_, kHeadDimV_, kBlockN_, kWarpgrou
 
 // One warpgroup's rows of a row block: the accumulators and the online softmax's state, and the
 // steps of the main loop. `buf` names which of the two K (V) buffers a step reads. kFeatures: the
-// instantiation that takes a window, a softcap and sinks (a call without them runs the other, whose
-// code is what it was before them: the features' code held registers the plain kernels lack).
+// instantiation that takes a window and a softcap (a call without them runs the other, whose main
+// loop is what it was before them: the features' code held registers the plain kernels lack).
+// Sinks, in the rows' epilogue only (finish_rows), run in both.
 template <typename Traits, typename T, bool kVarlen, bool kFeatures>
 struct Sm90Rows {
   static constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimV;
@@ -492,13 +493,13 @@ struct Sm90Rows {
       row_max[hh] = te.bad_len  ? NAN
                     : sum > 0.f ? row_max[hh] * p.softmax_scale + logf(sum)
                                 : -INFINITY;
-      if constexpr (kFeatures) {
-        const int r = (te.m_blocks - 1 - te.m_block) * BM + warp_row0 + lane / 4 + hh * 8;
-        if (p.sinks != nullptr && p.num_splits == 1 && r < te.rows_total) {
-          float factor;
-          row_max[hh] = fold_sink(row_max[hh], p.sinks[te.head(r)], factor);
-          row_sum[hh] *= factor;
-        }
+      // Every instantiation: sinks alone run the plain kernel (has_score_features).
+      const int r = (te.m_blocks - 1 - te.m_block) * BM + warp_row0 + lane / 4 + hh * 8;
+      const bool drop_sink = !kFeatures && planted(27);  // planted 27
+      if (p.sinks != nullptr && p.num_splits == 1 && r < te.rows_total && !drop_sink) {
+        float factor;
+        row_max[hh] = fold_sink(row_max[hh], p.sinks[te.head(r)], factor);
+        row_sum[hh] *= factor;
       }
     }
   }
@@ -956,7 +957,7 @@ __device__ __forceinline__ void flash_fwd_sm90_entry(const AttentionParams& p) {
 }
 
 // One block per SM: the register budget is the SM's over the block's warpgroups. kFeatures: a
-// window, a softcap or sinks (Sm90Rows).
+// window or a softcap (Sm90Rows; sinks run in both).
 template <typename Traits, typename T, bool kFeatures = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ AttentionParams p) {
