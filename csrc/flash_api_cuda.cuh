@@ -318,7 +318,8 @@ inline void check_wgmma_config(const char* option, int64_t config, const DeviceI
                        "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
 }
 
-// `features`: the instantiation that takes a window or a softcap (Sm90Rows; sinks run in every one).
+// `features`: the instantiation that takes a window or a softcap (Sm90Rows; sinks run in every
+// one).
 template <typename Traits, typename T, bool kVarlen>
 auto fwd_sm90_kernel(bool features) {
   if constexpr (kVarlen) {

@@ -294,9 +294,7 @@ def _feature_cases_at(dims: Sequence[tuple[int, int]]) -> Iterator[Case]:
     # Sinks alone on one split: the plain instantiation's rows' epilogue folds them (split KV
     # leaves them to the combine, which the cases above cover).
     index = len(FORCED_FEATURE_PAIRS) * len(FEATURE_COMBOS)
-    case = _turned_case(
-        "prefill", index, 1000, 1000, config=WGMMA_WIDE_MATRIX_CONFIG, num_splits=1
-    )
+    case = _turned_case("prefill", index, 1000, 1000, config=WGMMA_WIDE_MATRIX_CONFIG, num_splits=1)
     head_dim, head_dim_v = dims[-1]
     case = dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v)
     yield _with_features(case, ("sinks",), index)
