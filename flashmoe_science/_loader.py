@@ -858,6 +858,8 @@ def _install_build(src: Path, library_name: str, dest: Path, record: dict) -> No
     """A finished build's files from `src` into `dest`, with `record` as its build.json (written
     last and removed first, so a half-done copy never looks up to date). Each file goes in under a
     temporary name and is renamed into place: a process that has the old library loaded keeps it."""
+    if not (src / library_name).is_file():  # never a build.json without its library
+        raise FileNotFoundError(f"no {library_name} in {src} to install")
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "build.json").unlink(missing_ok=True)
     for name in (library_name, *REUSED_FILES):
@@ -899,9 +901,11 @@ def _keep_previous(config: BuildConfig) -> None:
     if record is None or not record.get("hash"):
         return
     slot = previous_dir(config) / str(record["hash"])[:20]
+    if slot.exists() and not slot.is_dir():  # an empty file an earlier version's touch() made
+        slot.unlink()
     if not (slot / "build.json").is_file():
         _install_build(config.build_dir, library.name, slot, record)
-    slot.touch()
+    os.utime(slot)  # the most recently used
     slots = sorted(previous_dir(config).iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in slots[KEEP_PREVIOUS:]:
         shutil.rmtree(old, ignore_errors=True)
@@ -915,11 +919,13 @@ def _restore_previous(config: BuildConfig, digest: str) -> dict | None:
     record = finished_build(slot, library.name)
     if record is None or record.get("hash") != digest:
         return None
+    # Used now, before the current build is kept: that keeping drops the least recently used
+    # slot, which would otherwise be this one when it is the oldest (a bisect's first step back).
+    os.utime(slot)
     _keep_previous(config)
     _install_build(slot, library.name, config.build_dir, record)
     for stale in config.build_dir.glob("*.o"):  # the other sources' object: ninja must not see it
         stale.unlink()
-    slot.touch()
     return read_record(config)
 
 

@@ -806,9 +806,10 @@ def test_reuse_build_gives_a_tree_with_the_same_sources_the_build(tiny_unit, tmp
     assert not loader.reuse_build(with_define, theirs, tmp_path / "defined.build")
 
 
-def test_sources_built_before_are_restored_not_compiled_again(tiny_unit, monkeypatch):
-    """A git bisect or a branch switch goes back to sources built before: their build comes back
-    from <key>.previous, the KEEP_PREVIOUS most recently used kept."""
+def _unit_builder(tiny_unit, monkeypatch):
+    """(config, build_with, compiled): the tiny unit's builds, their compile faked (the library
+    names the sources' hash); build_with(factor) builds the sources with that factor and checks
+    the library in place is theirs; `compiled` lists the hashes compiled."""
     compiled = []
 
     def fake_compile(config, digest, start, say, heartbeat_s):
@@ -834,6 +835,13 @@ def test_sources_built_before_are_restored_not_compiled_again(tiny_unit, monkeyp
         assert result.record["hash"] == digest
         return result.cold, digest, said
 
+    return config, build_with, compiled
+
+
+def test_sources_built_before_are_restored_not_compiled_again(tiny_unit, monkeypatch):
+    """A git bisect or a branch switch goes back to sources built before: their build comes back
+    from <key>.previous, the KEEP_PREVIOUS most recently used kept."""
+    config, build_with, compiled = _unit_builder(tiny_unit, monkeypatch)
     assert build_with(2)[0] and build_with(3)[0]  # two sources, two compiles
     (config.build_dir / "flashmoe_science.o").write_bytes(b"the object of kFactor = 3")
     cold, digest_2, said = build_with(2)  # back to the first: restored, nothing compiled
@@ -854,6 +862,32 @@ def test_sources_built_before_are_restored_not_compiled_again(tiny_unit, monkeyp
     record = json.loads((slot / "build.json").read_text())
     loader.write_json(slot / "build.json", {**record, "hash": "another"})  # damaged: not trusted
     assert build_with(2)[0]
+
+
+def test_the_oldest_kept_build_comes_back_whole(tiny_unit, monkeypatch):
+    """Back to the least recently used of KEEP_PREVIOUS kept builds (a bisect's first step back):
+    keeping the current build must not drop the slot being restored, whose library comes back
+    (the restore's check of the library is build_with's)."""
+    config, build_with, compiled = _unit_builder(tiny_unit, monkeypatch)
+    for factor in range(2, 3 + loader.KEEP_PREVIOUS):  # 2 .. 5: slots 2, 3 and 4 kept
+        build_with(factor)
+    cold, digest_2, said = build_with(2)
+    assert not cold and "restored from" in said[0] and len(compiled) == loader.KEEP_PREVIOUS + 1
+    kept = {p.name for p in loader.previous_dir(config).iterdir()}
+    assert all(p.is_dir() for p in loader.previous_dir(config).iterdir())
+    assert len(kept) == loader.KEEP_PREVIOUS and digest_2[:20] in kept  # 2 used last, kept
+    assert not build_with(5)[0]  # and the build it replaced, kept in its turn
+
+
+def test_a_slot_that_is_not_a_folder_is_replaced(tiny_unit, monkeypatch):
+    """A kept build's slot left as an empty file (an earlier version touched a slot it had just
+    dropped) does not stop the next build: it is replaced by the build it names."""
+    config, build_with, compiled = _unit_builder(tiny_unit, monkeypatch)
+    _, digest_2, _ = build_with(2)
+    loader.previous_dir(config).mkdir()
+    (loader.previous_dir(config) / digest_2[:20]).write_bytes(b"")
+    assert build_with(3)[0]
+    assert not build_with(2)[0] and len(compiled) == 2  # kept whole when 3 was built
 
 
 @pytest.mark.slow
