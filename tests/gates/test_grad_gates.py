@@ -105,6 +105,13 @@ def test_matrix_covers_the_issue():
         featured = [c for c in forced if c.softcap]
         assert {c.causal for c in featured} == {False, True}
         assert all(c.sinks and c.window != (-1, -1) for c in featured)
+        # configuration 2, which a Hopper card's automatic choice no longer runs there, forced
+        mma_sync = [
+            c for c in GPU_CASES if c.config == 2 and (c.head_dim, c.value_head_dim) == dims
+        ]
+        assert {(c.dtype, c.causal) for c in mma_sync} == {
+            (t, m) for t in ("fp16", "bf16") for m in (False, True)
+        }
     assert {c.head_dim for c in GPU_CASES if c.config} == {64, 80, 96, 128, 192, 256}
     assert any(c.deterministic for c in GPU_CASES) and any(c.deterministic for c in CPU_CASES)
     assert len({c.id for c in GPU_CASES}) == len(GPU_CASES)
