@@ -161,13 +161,6 @@ inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return (head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim))) ||
          wgmma_narrow_v(head_dim, head_dim_v) || wgmma_padded(head_dim, head_dim_v);
 }
-// Those the automatic choice runs on it: not yet 192, 256 and v's 128 under 192, whose kernel
-// (Sm90BwdWideTraits) is gated forced until a bench on a Hopper card times it against
-// configuration 2 (benches/notes/backward.md, bwd v5).
-inline bool wgmma_bwd_chosen(int64_t head_dim, int64_t head_dim_v) {
-  return wgmma_bwd_head_dims(head_dim, head_dim_v) &&
-         cuda_tile_head_dim(head_dim, head_dim_v) <= 128;
-}
 // Whether a configuration has a packed-batch (varlen) kernel: not the decode kernel, 6 or 7
 // (visit_config compiles none for them; ops.NO_PACKED_CONFIGS is the Python side's copy).
 constexpr bool has_packed_variant(int64_t config) {
@@ -1174,9 +1167,9 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 //      192, 256 and v's 128 under 192, 64 keys x 64 queries with dK and dV transposed
 //      (Sm90BwdWideTraits).
 // The automatic choice takes 3 on a 9.0 GPU with the sm_90a build at the head dims it takes
-// (faster than 2 there: benches/notes/backward.md, bwd v4), else 2 where it fits the card's shared
-// memory, else 1. The deterministic dQ pass runs 64 x 64 tiles with 4 warps (64 x 32 at d=256,
-// within 99 KB).
+// (faster than 2 there: benches/notes/backward.md, bwd v4 and v5), else 2 where it fits the card's
+// shared memory, else 1. The deterministic dQ pass runs 64 x 64 tiles with 4 warps (64 x 32 at
+// d=256, within 99 KB).
 constexpr int kSm90aBwdConfig = 3;
 template <int D>
 using BwdDqConfig = BwdDqTraits<D, 64, D >= 256 ? 32 : 64, 4>;
@@ -1298,16 +1291,15 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   // The tile's head dim: q's and k's, or padded onto the next built one (cuda_tile_head_dim).
   const int head_dim = int(cuda_tile_head_dim(q_in.size(3), v_in.size(3)));
   const bool wgmma_ok = wgmma_bwd_head_dims(q_in.size(3), v_in.size(3));
-  const bool wgmma_auto = wgmma_bwd_chosen(q_in.size(3), v_in.size(3));
   if (config == kSm90aBwdConfig) {
     check_wgmma_config("backward_config", config, dev, "1 or 2", wgmma_ok, kWgmmaBwdHeadDimsText,
                        q_in.size(3), v_in.size(3));
   }
   const int smem_limit = dev.smem_per_block;
   if (config == 0) {
-    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_auto ? kSm90aBwdConfig
-             : bwd_smem_bytes(2, head_dim, deterministic) <= smem_limit    ? 2
-                                                                           : 1;
+    config = dev.major == 9 && dev.minor == 0 && kBuiltSm90a && wgmma_ok ? kSm90aBwdConfig
+             : bwd_smem_bytes(2, head_dim, deterministic) <= smem_limit  ? 2
+                                                                         : 1;
   }
   FLASHMOE_CHECK_VALUE(bwd_smem_bytes(int(config), head_dim, deterministic) <= smem_limit,
                        "backward_config=", config, " needs ",

@@ -105,6 +105,13 @@ def test_matrix_covers_the_issue():
         featured = [c for c in forced if c.softcap]
         assert {c.causal for c in featured} == {False, True}
         assert all(c.sinks and c.window != (-1, -1) for c in featured)
+        # configuration 2, which a Hopper card's automatic choice no longer runs there, forced
+        mma_sync = [
+            c for c in GPU_CASES if c.config == 2 and (c.head_dim, c.value_head_dim) == dims
+        ]
+        assert {(c.dtype, c.causal) for c in mma_sync} == {
+            (t, m) for t in ("fp16", "bf16") for m in (False, True)
+        }
     assert {c.head_dim for c in GPU_CASES if c.config} == {64, 80, 96, 128, 192, 256}
     assert any(c.deterministic for c in GPU_CASES) and any(c.deterministic for c in CPU_CASES)
     assert len({c.id for c in GPU_CASES}) == len(GPU_CASES)
@@ -307,14 +314,15 @@ def test_the_padded_backward_plants_cases_are_gate_cases():
 
 # Plant 25 (the wgmma backward past 128 reading Q's first panel for every tile of dK^T): every case
 # forced onto configuration 3 at 192, 256 and v's 128 under 192 fails, deterministic included; the
-# same head dims on the mma.sync configuration 2 and the 128 tile on 3 pass.
+# same head dims on the mma.sync configuration 2 (forced: a Hopper card's automatic choice there is
+# 3) and the 128 tile on 3 pass.
 WIDE_SM90A_BACKWARD_PLANT = (
     (
         "bwd-fp16-d192-h8-b2-s1000-full-cfg3",
         "bwd-bf16-d256-h8kv2-b2-q113-k203-causal-cfg3-det",
         "bwd-bf16-d192v128-h8kv1-b1-q2048-k2047-causal-cfg3",
     ),
-    ("bwd-bf16-d128-h8-b2-s1000-full-cfg3", "bwd-bf16-d256-h8-b2-s256-full"),
+    ("bwd-bf16-d128-h8-b2-s1000-full-cfg3", "bwd-bf16-d192-h8-b2-s1000-causal-cfg2"),
 )
 
 
@@ -322,7 +330,7 @@ WIDE_SM90A_BACKWARD_PLANT = (
 @pytest.mark.gpu
 def test_planted_first_panel_fails_the_wide_wgmma_backward_and_only_it(run_planted):
     """With FLASHMOE_PLANT_BUG=25 every wide case on configuration 3 fails a gradient gate; the
-    128 tile on 3 and the automatic choice at 256 pass."""
+    128 tile on 3 and configuration 2 at 192 pass."""
     _check_wgmma_backward_plant(run_planted, 25, WIDE_SM90A_BACKWARD_PLANT)
 
 

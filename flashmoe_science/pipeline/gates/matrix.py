@@ -554,8 +554,8 @@ def cpu_tier_ids() -> frozenset[str]:
 FORCED_PAIRS = ((1, 1), (65, 65), (257, 257), (1000, 1000), (113, 203), (2048, 2047))
 # The head dims past 128 the CUDA kernels take, each with backward configuration 1 forced: its
 # warps share their keys (16 keys among 2 or 4 warps), and the automatic choice takes it only
-# where 2 does not fit (sm86/sm89), so an H100 gates it only here. 2 runs through the automatic
-# choice; 3 (the wgmma kernel past 128, not yet the automatic choice) is forced in a block of its
+# where 2 does not fit (sm86/sm89), so an H100 gates it only here. 2 and 3 (the wgmma kernel past
+# 128, the automatic choice of a Hopper card with the sm_90a build) are forced in blocks of their
 # own below (WGMMA_WIDE_FORCED_BACKWARD).
 WIDE_FORCED_BACKWARD = ((192, 1), (256, 1))
 # The wgmma backward's 128 tile run padded (configuration 3: Sm90BwdPaddedTraits), which the
@@ -565,11 +565,14 @@ WIDE_FORCED_BACKWARD = ((192, 1), (256, 1))
 # case, whose ids stay as they were.
 PADDED_FORCED_BACKWARD = ((96, 96), (80, 80), (128, 64))
 PADDED_BACKWARD_CONFIGS = (1, 2, 3)
-# The wgmma backward past 128 (configuration 3 runs Sm90BwdWideTraits there; the automatic choice
-# does not take it yet): forced on every forced shape, both dtypes and masks, with a deterministic
-# call and a windowed, soft-capped call with sinks of each (its own mask and softcap code).
-# Appended after every earlier case.
+# The wgmma backward past 128 (configuration 3 runs Sm90BwdWideTraits there): forced on every
+# forced shape, both dtypes and masks, with a deterministic call and a windowed, soft-capped call
+# with sinks of each (its own mask and softcap code). Appended after every earlier case.
 WGMMA_WIDE_FORCED_BACKWARD = ((192, 192), (256, 256), (192, 128))
+# Configuration 2 at those head dims, which a Hopper card's automatic choice no longer runs: each
+# dtype and mask forced on the forced shapes in turn (the automatic cases of a card without the
+# sm_90a build run it over the whole matrix). Appended after the above.
+WIDE_MMA_SYNC_FORCED_BACKWARD_CONFIG = 2
 DETERMINISTIC_PAIRS = ((129, 129), (1000, 1000), (203, 113))
 DETERMINISTIC_PAIRS_CPU = ((129, 129), (203, 113))
 
@@ -654,6 +657,18 @@ def backward_cases(tier: str) -> Iterator[Case]:
     ):
         forced = case("bf16", head_dim, causal, 257, 257, config=3, head_dim_v=head_dim_v)
         yield _with_features(forced, ("window", "softcap", "sinks"), index)
+    variants = itertools.product(WGMMA_WIDE_FORCED_BACKWARD, DTYPES, (False, True))
+    for index, ((head_dim, head_dim_v), dtype, causal) in enumerate(variants):
+        seqlen_q, seqlen_k = FORCED_PAIRS[index % len(FORCED_PAIRS)]
+        yield case(
+            dtype,
+            head_dim,
+            causal,
+            seqlen_q,
+            seqlen_k,
+            config=WIDE_MMA_SYNC_FORCED_BACKWARD_CONFIG,
+            head_dim_v=head_dim_v,
+        )
 
 
 # ---- local attention, soft-capping and sinks ------------------------------------------------------
