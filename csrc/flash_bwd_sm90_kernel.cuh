@@ -67,7 +67,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   float* sDelta = sLse + 2 * BM;                          // [2][BM]
   // FLASHMOE_BWD_DQ_TMA: [2 warpgroups][2 boxes of 32 columns][64 rows][32], 128-byte swizzled
   // rows (1024-byte aligned: every region before it is a multiple of 1024 bytes)
-  float* sDq = sDelta + 2 * BM;
+  [[maybe_unused]] float* sDq = sDelta + 2 * BM;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
   const int n0 = blockIdx.x * BN;
