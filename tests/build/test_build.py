@@ -1159,12 +1159,13 @@ def test_ptxas_13_advice_before_its_entries_goes_to_the_entry_of_that_run():
 
 
 def newest_cuda_build() -> Path | None:
-    """The library of this checkout's newest successful full CUDA build (nox -s build on a GPU
-    machine, nox -s compile elsewhere), if any: a planted or restricted (`--only`) build, which
-    carries defines, holds other kernels."""
+    """The library of this checkout's newest successful full CUDA build of these very sources
+    (nox -s build on a GPU machine, nox -s compile elsewhere), if any: a planted or restricted
+    (`--only`) build, which carries defines, holds other kernels, and a build of other sources (a
+    branch switched away from) other ones."""
     records = []
     for path in loader.build_root().glob("*/build.json"):
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, RuntimeError, loader.ConfigError):
             record = json.loads(path.read_text())
             library = Path(str(record.get("so_path")))
             if (
@@ -1172,12 +1173,21 @@ def newest_cuda_build() -> Path | None:
                 and record.get("status") == "ok"
                 and not record.get("defines")
                 and library.exists()
+                and is_current_build(record)
             ):
                 records.append((path.stat().st_mtime, library))
     return max(records)[1] if records else None
 
 
-@pytest.mark.skipif(newest_cuda_build() is None, reason="no CUDA build here (nox -s build/compile)")
+def is_current_build(record: dict) -> bool:
+    """Whether a build's record hashes as the checkout's sources would now, on its own archs."""
+    config = loader.resolve_config("cuda", arch_list=record.get("arch_list"), only="")
+    return record.get("hash") == loader.source_hash(config)
+
+
+@pytest.mark.skipif(
+    newest_cuda_build() is None, reason="no CUDA build of these sources here (nox -s build/compile)"
+)
 def test_dynamic_smem_is_what_each_launch_asks_for():
     library = newest_cuda_build()
     table = build.launch_table(library)
