@@ -275,15 +275,21 @@ PADDED_SM90A_BACKWARD_PLANT = (
 def test_planted_tile_wide_copies_fail_the_padded_wgmma_backward_and_only_it(run_planted):
     """With FLASHMOE_PLANT_BUG=19 every padded case on configuration 3 fails a gradient gate; the
     whole 128 tile and the mma.sync path at the same head dims pass."""
+    _check_wgmma_backward_plant(run_planted, 19, PADDED_SM90A_BACKWARD_PLANT)
+
+
+def _check_wgmma_backward_plant(run_planted, bug: int, plant) -> None:
+    """Plant `bug` fails a gradient gate on every case of plant[0] and on none of plant[1] (the
+    wgmma backward, configuration 3: an sm_90a build on a 9.0 GPU, else a skip)."""
     from flashmoe_science import ops
 
     if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
         pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
-    failing, passing = PADDED_SM90A_BACKWARD_PLANT
-    results = run_planted(19, PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
+    failing, passing = plant
+    results = run_planted(bug, PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
     assert sorted(results) == sorted((*failing, *passing))
     for case_id in failing:
-        assert results[case_id], f"planted bug 19 passed the gates on {case_id}"
+        assert results[case_id], f"planted bug {bug} passed the gates on {case_id}"
     assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
 
 
@@ -317,16 +323,7 @@ WIDE_SM90A_BACKWARD_PLANT = (
 def test_planted_first_panel_fails_the_wide_wgmma_backward_and_only_it(run_planted):
     """With FLASHMOE_PLANT_BUG=25 every wide case on configuration 3 fails a gradient gate; the
     128 tile on 3 and the automatic choice at 256 pass."""
-    from flashmoe_science import ops
-
-    if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
-        pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
-    failing, passing = WIDE_SM90A_BACKWARD_PLANT
-    results = run_planted(25, PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
-    assert sorted(results) == sorted((*failing, *passing))
-    for case_id in failing:
-        assert results[case_id], f"planted bug 25 passed the gates on {case_id}"
-    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+    _check_wgmma_backward_plant(run_planted, 25, WIDE_SM90A_BACKWARD_PLANT)
 
 
 def test_the_backward_plants_cases_are_gate_cases():

@@ -548,9 +548,9 @@ def cpu_tier_ids() -> frozenset[str]:
 FORCED_PAIRS = ((1, 1), (65, 65), (257, 257), (1000, 1000), (113, 203), (2048, 2047))
 # The head dims past 128 the CUDA kernels take, each with backward configuration 1 forced: its
 # warps share their keys (16 keys among 2 or 4 warps), and the automatic choice takes it only
-# where 2 does not fit (sm86/sm89), so an H100 gates it only here. 2 needs more shared memory than
-# an sm86/sm89 block has, and 3 (wgmma) takes 64 and 128 only: both run through the automatic
-# choice where they can.
+# where 2 does not fit (sm86/sm89), so an H100 gates it only here. 2 runs through the automatic
+# choice; 3 (the wgmma kernel past 128, not yet the automatic choice) is forced in a block of its
+# own below (WGMMA_WIDE_FORCED_BACKWARD).
 WIDE_FORCED_BACKWARD = ((192, 1), (256, 1))
 # The wgmma backward's 128 tile run padded (configuration 3: Sm90BwdPaddedTraits), which the
 # automatic choice of a Hopper card now takes at 80, 96, 112, v's 64 under 128, ...: each forced

@@ -503,23 +503,30 @@ def wide_head_dim_workload(configs: Sequence[int]) -> list:
         lengths_q, lengths_k = VARLEN_LENGTHS[1]
         cases.append(VarlenBackward(VarlenCase(dtype, head_dim, 4, 1, lengths_q, lengths_k, False)))
         for config, deterministic in itertools.product((0, 1), (False, True)):
-            cases.append(
-                Case(
-                    "backward",
-                    dtype,
-                    1,
-                    8,
-                    2,
-                    129,
-                    257 if deterministic else 65,
-                    head_dim,
-                    True,
-                    layout="bshd" if config else "bhsd",
-                    config=config,
-                    deterministic=deterministic,
-                )
-            )
+            layout = "bshd" if config else "bhsd"
+            cases.append(small_backward_case(dtype, head_dim, config, deterministic, layout=layout))
     return cases
+
+
+def small_backward_case(dtype: str, head_dim: int, config: int, deterministic: bool, **options):
+    """A backward call of the workload's head-dim blocks: GQA 4 (8 query heads on 2), 129 queries
+    against 65 keys (causal: rows that see no key), or against 257 keys deterministic."""
+    from ..cases import Case
+
+    options.setdefault("causal", True)
+    return Case(
+        "backward",
+        dtype,
+        1,
+        8,
+        2,
+        129,
+        257 if deterministic else 65,
+        head_dim=head_dim,
+        config=config,
+        deterministic=deterministic,
+        **options,
+    )
 
 
 def wide_wgmma_backward_workload() -> list:
@@ -527,7 +534,6 @@ def wide_wgmma_backward_workload() -> list:
     Sm90BwdWideTraits) where this GPU runs it: each of its kernels (both dtypes, dQ by atomics
     and deterministic), causal with rows that see no key, GQA 4, and a window, softcap and sinks
     on a third of the calls; appended after every other block."""
-    from ..cases import Case
     from ..gates.matrix import WGMMA_WIDE_FORCED_BACKWARD
 
     if 3 not in workload_backward_configs():
@@ -537,18 +543,12 @@ def wide_wgmma_backward_workload() -> list:
     for index, ((head_dim, head_dim_v), dtype, deterministic) in enumerate(variants):
         featured = index % 3 == 1
         cases.append(
-            Case(
-                "backward",
+            small_backward_case(
                 dtype,
-                1,
-                8,
-                2,
-                129,
-                257 if deterministic else 65,
                 head_dim,
-                not featured,
-                config=3,
-                deterministic=deterministic,
+                3,
+                deterministic,
+                causal=not featured,
                 head_dim_v=head_dim_v,
                 window=(16, 3) if featured else (-1, -1),
                 softcap=5.0 if featured else 0.0,
@@ -642,19 +642,7 @@ def padded_head_dim_workload(configs: Sequence[int]) -> list:
             backward = tuple(c for c in backward if c != 3)
         for config, deterministic in itertools.product(backward, (False, True)):
             cases.append(
-                Case(
-                    "backward",
-                    "bf16",
-                    1,
-                    8,
-                    2,
-                    129,
-                    257 if deterministic else 65,
-                    causal=True,
-                    config=config,
-                    deterministic=deterministic,
-                    **dims,
-                )
+                small_backward_case("bf16", head_dim, config, deterministic, head_dim_v=head_dim_v)
             )
         if head_dim == head_dim_v:
             cases.append(PagedCase("bf16", head_dim, 8, 2, 1, PAGED_LENGTHS, 16, num_splits=3))
