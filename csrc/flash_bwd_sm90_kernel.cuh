@@ -404,6 +404,13 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wg = kRole >= 0 ? kRole : warp / 4;
+  // the block's barrier: named where each warpgroup runs its own copy (sm90::block_sync)
+  auto sync_block = [] {
+    if constexpr (kRole >= 0)
+      sm90::block_sync<kThreads>();
+    else
+      __syncthreads();
+  };
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;
@@ -476,7 +483,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     const int buf = step & 1, m0 = step_m0(step);
     cp_async_wait<0>();
     sm90::fence_proxy_async();
-    __syncthreads();  // the step's tiles have landed; step - 1 is done with buf ^ 1, P and dS
+    sync_block();  // the step's tiles have landed; step - 1 is done with buf ^ 1, P and dS
 
     float acc_s[4][4], acc_dp[4][4];
     sm90::fence_operands(acc_s);
@@ -561,7 +568,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
             pack2<T>(acc_dp[nt][2 * hh], acc_dp[nt][2 * hh + 1]);
       }
     sm90::fence_proxy_async();  // this thread's P and dS stores, visible to the tensor cores
-    __syncthreads();            // P and dS are whole (both warpgroups' keys)
+    sync_block();               // P and dS are whole (both warpgroups' keys)
 
     // dV^T += dO^T P (warpgroup 0), dK^T += Q^T dS (1): the step's queries as the reduction.
     // planted 25: dK^T's every tile reads Q's first panel (the columns of dK past 64 wrong)
@@ -623,7 +630,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
       sm90::fence_operands(acc[t]);
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
-  __syncthreads();     // every warpgroup is done with Q's and dO's buffers
+  sync_block();        // every warpgroup is done with Q's and dO's buffers
 
   // dK^T (dV^T) transposed into shared memory as rows of keys, then copied out in 16-byte
   // chunks: contiguous [B, Hkv, Sk, head dim], keys past the end not written.
@@ -646,7 +653,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
         rows[(key + 1) * pitch + d] = uint16_t(two >> 16);
       }
   }
-  __syncthreads();
+  sync_block();
   const int64_t kv_row_base = int64_t(blockIdx.y) * p.seqlen_k;  // y = b * heads_kv + hkv
   auto copy_out = [&](const T* from, int from_pitch, void* to, int width) {
     const int chunks = width / 8;

@@ -116,6 +116,15 @@ __device__ __forceinline__ void tma_load_5d(void* smem, const void* map, uint64_
       "r"(smem_u32(bar))
       : "memory");
 }
+// Every thread of a block whose warpgroups run different copies of one walk (the wide backward
+// where v's width differs from q's): a __syncthreads() there sits in code that diverges across the
+// block, which CUDA leaves undefined (and synccheck reports); a named barrier with the block's
+// thread count is defined from any site, as the forward's turns are.
+constexpr int kBlockBarrier = 3;
+template <int kThreads>
+__device__ __forceinline__ void block_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kBlockBarrier), "n"(kThreads) : "memory");
+}
 template <int N = 0>
 __device__ __forceinline__ void prefetch_tensor_map(const void* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
