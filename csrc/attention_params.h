@@ -49,6 +49,13 @@ namespace flashmoe {
 // and the wgmma forward's 128 tile run padded (Sm90PaddedTraits):
 //   18: each panel's TMA box copied from the first panel's columns (its column coordinate left
 //       at 0): the tile's columns past 64 hold q's and k's first columns, not theirs or zeros
+// and the wgmma backward's 128 tile run padded (Sm90BwdPaddedTraits):
+//   19: q, k, v and dO copied at the tile's width: the tile's columns past their head dims hold
+//       the next row's values instead of zeros, which leak into S, dP and every gradient
+// and the wgmma forward's padded 128 tile with its MMAs over 96 columns (Sm90PaddedTraits<...,
+// 96>):
+//   26: with its MMAs over 96 columns (head dims up to 96), S's last 16-column step reads columns
+//       96-111 (zeros) in place of 80-95: a head dim of 96 loses them, one of 80 has none there
 // and the bugs of local attention, soft-capping and sinks (the CPU implementation's, and the CUDA
 // kernels': 20 in every mma.sync and decode kernel, forward and backward; 21 in the forward and
 // decode; 22 in the backward's pre-pass; 23 in the decode kernel, which forgets the left edge):
@@ -57,12 +64,32 @@ namespace flashmoe {
 //       is attended to (forward)
 //   22: the sinks' gradient never accumulated (dsinks comes back 0)
 //   23: decode (flash_attention_decode, paged or not) forgets the window
+// and the wgmma backward's past head dim 128 (Sm90BwdWideTraits):
+//   25: every tile of dK^T reads Q's first 64-column panel: dK's columns past 64 come out wrong
+// and the wgmma forward's plain instantiation, which sinks alone run (has_score_features):
+//   27: its rows' epilogue leaves the sinks out (one split: their normaliser and lse lack them)
 // -DFLASHMOE_PLANT_BUG=-1 compiles every plant in and picks one at run time, from
 // $FLASHMOE_PLANT_BUG: the CPU implementation's (1, 2, 4-8, 13, 20-23) when the library loads, the
 // CUDA kernels' (planted in flash_kernel_utils.cuh) before their first launch on a device. One
 // build serves all of the plant tests of a device.
 #ifndef FLASHMOE_PLANT_BUG
 #define FLASHMOE_PLANT_BUG 0
+#endif
+// The wgmma backward's dQ staged in shared memory and added by TMA reduce-add instead of per-thread
+// atomics: off unless built with -DFLASHMOE_BWD_DQ_TMA=1 (benches/notes/backward.md, bwd v4.2).
+#ifndef FLASHMOE_BWD_DQ_TMA
+#define FLASHMOE_BWD_DQ_TMA 0
+#endif
+// The wgmma backward's per-row lse and delta copied by cp.async with the step's tiles instead of
+// loaded and stored by the first warpgroup: off unless -DFLASHMOE_BWD_STATS_CP_ASYNC=1 (bwd v4.3).
+#ifndef FLASHMOE_BWD_STATS_CP_ASYNC
+#define FLASHMOE_BWD_STATS_CP_ASYNC 0
+#endif
+// The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
+// running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:
+// benches/notes/features.md, fv4).
+#ifndef FLASHMOE_FWD_SOFTCAP_FIXED_MAX
+#define FLASHMOE_FWD_SOFTCAP_FIXED_MAX 0
 #endif
 
 constexpr int kMaxSplits = 128;
@@ -200,6 +227,11 @@ struct BwdParams {
   const float* sinks;
   float* dsinks;
   float softcap_scale;
+#if FLASHMOE_BWD_DQ_TMA
+  // The wgmma backward's dQ by TMA reduce-add (-DFLASHMOE_BWD_DQ_TMA=1, an experiment: backward.md
+  // bwd v4.2): the 3-D map {head dim columns, Sq rows, B * Hq} of dq_accum, boxes {32, 64, 1}.
+  alignas(64) unsigned char dq_map[128];
+#endif
 };
 
 FLASHMOE_HOST_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -88,8 +88,10 @@ constexpr int kWgmmaHeadDims[] = {64, 128, 192, 256};
 constexpr const char* kWgmmaHeadDimsText =
     "64, 128, 192 and 256 (v's equal), or 192 with v's 128 (config 5 also every multiple of 8 up "
     "to 128, padded)";
-constexpr int kWgmmaBwdHeadDims[] = {64, 128};
-constexpr const char* kWgmmaBwdHeadDimsText = "64 and 128";
+constexpr int kWgmmaBwdHeadDims[] = {64, 128, 192, 256};
+constexpr const char* kWgmmaBwdHeadDimsText =
+    "64, 128, 192 and 256 (v's equal), or 192 with v's 128, or every multiple of 8 up to 128 "
+    "padded onto the 128 tile";
 template <size_t N>
 constexpr bool listed_head_dim(const int (&dims)[N], int head_dim) {
   for (const int d : dims) {
@@ -121,12 +123,17 @@ bool wgmma_narrow_v(const Params& p) {
 inline bool wgmma_padded(int64_t head_dim, int64_t head_dim_v) {
   return cuda_tile_head_dim(head_dim, head_dim_v) == 128 && (head_dim != 128 || head_dim_v != 128);
 }
-// Which wgmma forward kernel a call's head dims take, where a configuration 5 to 7 runs it.
-enum class Sm90Tile { kWhole, kNarrowV, kPadded };
+// Which wgmma forward kernel a call's head dims take, where a configuration 5 to 7 runs it: the
+// padded 128 tile's MMAs span 96 columns where every head dim is at most 96 (kPadded96).
+enum class Sm90Tile { kWhole, kNarrowV, kPadded, kPadded96 };
 inline Sm90Tile sm90_tile(int64_t head_dim, int64_t head_dim_v) {
-  return wgmma_narrow_v(head_dim, head_dim_v) ? Sm90Tile::kNarrowV
-         : wgmma_padded(head_dim, head_dim_v) ? Sm90Tile::kPadded
-                                              : Sm90Tile::kWhole;
+  return wgmma_narrow_v(head_dim, head_dim_v)   ? Sm90Tile::kNarrowV
+         : !wgmma_padded(head_dim, head_dim_v)  ? Sm90Tile::kWhole
+         : std::max(head_dim, head_dim_v) <= 96 ? Sm90Tile::kPadded96
+                                                : Sm90Tile::kPadded;
+}
+inline bool is_padded(Sm90Tile tile) {
+  return tile == Sm90Tile::kPadded || tile == Sm90Tile::kPadded96;
 }
 template <typename Params>
 Sm90Tile sm90_tile(const Params& p) {
@@ -147,8 +154,12 @@ inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v, int64_t config
 inline bool wgmma_chosen(int64_t head_dim, int64_t head_dim_v) {
   return wgmma_whole_head_dims(head_dim, head_dim_v) || wgmma_padded(head_dim, head_dim_v);
 }
+// The head dims the wgmma backward (configuration 3) runs: 64, 128, 192 and 256 whole, v's 128
+// under 192 (those two Sm90BwdWideTraits), and those the 128 tile holds padded (wgmma_padded:
+// Sm90BwdPaddedTraits), as the forward's configuration 5 does.
 inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
-  return head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim));
+  return (head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim))) ||
+         wgmma_narrow_v(head_dim, head_dim_v) || wgmma_padded(head_dim, head_dim_v);
 }
 // Whether a configuration has a packed-batch (varlen) kernel: not the decode kernel, 6 or 7
 // (visit_config compiles none for them; ops.NO_PACKED_CONFIGS is the Python side's copy).
@@ -300,7 +311,8 @@ inline void check_wgmma_config(const char* option, int64_t config, const DeviceI
                        "`python -m flashmoe_science build --arch 9.0a` (the default on an H100)");
 }
 
-// `features`: the instantiation that takes a window, a softcap or sinks (Sm90Rows).
+// `features`: the instantiation that takes a window or a softcap (Sm90Rows; sinks run in every
+// one).
 template <typename Traits, typename T, bool kVarlen>
 auto fwd_sm90_kernel(bool features) {
   if constexpr (kVarlen) {
@@ -334,10 +346,17 @@ void visit_narrow_v(F& f, bool features) {
   }
 }
 
-// The wgmma forward's 128 tile run at narrower head dims (wgmma_padded): configuration 5 only.
+// The wgmma forward's 128 tile run at narrower head dims (wgmma_padded): configuration 5 only;
+// `mma96`: its MMAs over 96 columns (Sm90Tile::kPadded96).
 template <typename T, int D, bool kVarlen, typename F>
-void visit_padded(F& f, bool features) {
+void visit_padded(F& f, bool features, bool mma96) {
   if constexpr (D == 128) {
+    if (mma96) {
+      using Traits = Sm90PaddedTraits<Sm90Config5Traits<128>, 96>;
+      FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
+                     fwd_sm90_kernel<Traits, T, kVarlen>(features));
+      return;
+    }
     using Traits = Sm90PaddedTraits<Sm90Config5Traits<128>>;
     FLASHMOE_VISIT(kVarlen ? only::varlen : only::fwd_sm90a, T, D, kSm90aConfig, f, Traits,
                    fwd_sm90_kernel<Traits, T, kVarlen>(features));
@@ -348,7 +367,7 @@ void visit_padded(F& f, bool features) {
 
 // Calls f(kernel, Traits{}) with the kernel of one (dtype, head_dim, configuration). kVarlen: the
 // forward kernel's packed-batch instantiation (configurations 1, 2, 4 and 5; never 3, 6 or 7).
-// `features`: a window, softcap or sinks, which the wgmma kernels take in an instantiation of
+// `features`: a window or a softcap, which the wgmma kernels take in an instantiation of
 // their own (the others take them at run time). `narrow_v`: v's 128 under q's and k's 192
 // (wgmma_narrow_v), which configurations 5 to 7 run on a kernel of their own (the others on the
 // 192 tile, v zero-padded).
@@ -375,8 +394,8 @@ void visit_config(int config, F&& f, bool features = false, Sm90Tile tile = Sm90
     TORCH_CHECK(false, "flashmoe_science: no config=", config, " kernel for head_dim ", D);
   } else if (config == kSm90aConfig && narrow_v) {
     visit_narrow_v<T, D, kVarlen, kSm90aConfig>(f, features);
-  } else if (config == kSm90aConfig && tile == Sm90Tile::kPadded) {
-    visit_padded<T, D, kVarlen>(f, features);
+  } else if (config == kSm90aConfig && is_padded(tile)) {
+    visit_padded<T, D, kVarlen>(f, features, tile == Sm90Tile::kPadded96);
   } else if (config == kSm90aConfig) {
     if constexpr (kWgmma) {
       // A producer warpgroup, and two math warpgroups at d128 (128-row tiles, ping-pong, K and V
@@ -508,6 +527,26 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
   return done == CUDA_SUCCESS;
 }
 
+#if FLASHMOE_BWD_DQ_TMA
+// The 3-D map {head_dim columns, rows, heads} of dq_accum (fp32, contiguous) whose boxes {32, 64,
+// 1} the wgmma backward reduce-adds from shared memory (128-byte swizzle). False if the driver
+// refuses it (the caller then runs the deterministic dQ pass instead).
+inline bool encode_dq_map(unsigned char (&map)[128], float* base, int64_t rows, int64_t heads,
+                          int head_dim) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads)};
+  const cuuint64_t strides[2] = {cuuint64_t(head_dim * 4), cuuint64_t(rows * head_dim * 4)};
+  const cuuint32_t box[3] = {32, 64, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult done = encode(
+      reinterpret_cast<CUtensorMap*>(map), CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, strides,
+      box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return done == CUDA_SUCCESS;
+}
+#endif
+
 // The row and key tiles of configuration `config` at `head_dim` and the shared memory its kernel
 // asks for: its kernel's traits, as visit_config chooses them (the same for both dtypes and for the
 // packed-batch kernels), so the grid, the split count and the TMA boxes cannot disagree with the
@@ -611,10 +650,11 @@ void use_tma_if_it_fits(AttentionParams& p, int box_rows_q, int box_rows_kv, boo
                           p.q_head_stride, p.q_batch_stride, p.head_dim, box_rows_q, by_panel);
 }
 
-// A window (other than causal's), a softcap or sinks: the wgmma forward's kernels take them in an
-// instantiation of their own (fwd_sm90_kernel).
-inline bool has_features(const AttentionParams& p) {
-  return p.window_left >= 0 || p.window_right > 0 || p.softcap > 0 || p.sinks != nullptr;
+// A window (other than causal's) or a softcap: the wgmma forward's kernels take them in an
+// instantiation of their own (fwd_sm90_kernel). Sinks touch only the rows' epilogue, which every
+// instantiation runs, so sinks alone keep the plain kernel and its automatic configuration.
+inline bool has_score_features(const AttentionParams& p) {
+  return p.window_left >= 0 || p.window_right > 0 || p.softcap > 0;
 }
 
 // The sm_90a kernels, which are persistent (one block per SM walks the tiles).
@@ -624,8 +664,8 @@ template <int D, int BN, int kWarpgroups, int kStages>
 struct IsSm90Traits<Sm90FwdTraits<D, BN, kWarpgroups, kStages>> : std::true_type {};
 template <int D, int DV, int BN, int kWarpgroups, int kStages>
 struct IsSm90Traits<Sm90FwdDvTraits<D, DV, BN, kWarpgroups, kStages>> : std::true_type {};
-template <typename Tiles>
-struct IsSm90Traits<Sm90PaddedTraits<Tiles>> : std::true_type {};
+template <typename Tiles, int kMmaHeadDim>
+struct IsSm90Traits<Sm90PaddedTraits<Tiles, kMmaHeadDim>> : std::true_type {};
 
 template <typename T>
 void launch_attention(const AttentionParams& params, int config, int grid_x, int m_blocks,
@@ -633,7 +673,7 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
   AttentionParams p = params;
   if (kBuiltSm90a && is_sm90a_config(config)) {
     const TileShape tile = tile_shape_of(config, tile_head_dim(p), sm90_tile(p));
-    use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n, sm90_tile(p) == Sm90Tile::kPadded);
+    use_tma_if_it_fits<T>(p, tile.block_m, tile.block_n, is_padded(sm90_tile(p)));
   }
   auto launch = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
@@ -650,11 +690,11 @@ void launch_attention(const AttentionParams& params, int config, int grid_x, int
   };
   const int tile_d = tile_head_dim(p);
   if (p.cu_seqlens_q != nullptr) {
-    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_features(p), sm90_tile(p));
+    visit_kernel<T, /*kVarlen=*/true>(tile_d, config, launch, has_score_features(p), sm90_tile(p));
   } else if (p.block_table != nullptr) {
     visit_paged_decode<T>(tile_d, launch);
   } else {
-    visit_kernel<T>(tile_d, config, launch, has_features(p), sm90_tile(p));
+    visit_kernel<T>(tile_d, config, launch, has_score_features(p), sm90_tile(p));
   }
 }
 
@@ -836,10 +876,10 @@ inline std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, Atten
   if (config == 0) {
     const bool wgmma_ok = wgmma_chosen(p.head_dim, p.head_dim_v);
     config = choose_config(dev, tile_d, wgmma_ok, grid_x, rows_per_head, causal, p.seqlen_k);
-    // With a window, softcap or sinks, the wgmma kernel of two math warpgroups over 128-key tiles:
+    // With a window or softcap, the wgmma kernel of two math warpgroups over 128-key tiles:
     // the feature instantiations of the others (three warpgroups, 176 keys) spill
     // (benches/notes/features.md).
-    if (is_sm90a_config(config) && has_features(p)) config = kSm90aM128Config;
+    if (is_sm90a_config(config) && has_score_features(p)) config = kSm90aM128Config;
     // A padded tile is configuration 5's alone (its 128 tile, Sm90PaddedTraits).
     if (is_sm90a_config(config) && wgmma_padded(p.head_dim, p.head_dim_v)) config = kSm90aConfig;
   }
@@ -1123,12 +1163,13 @@ inline std::tuple<at::Tensor, at::Tensor> paged_fwd_cuda(
 //      At d=192 and 256, 64 keys, two warps a 16 keys splitting the columns (FA2's 64 x 64 tile
 //      with 8 warps): 112.5 and 144.5 KB, sm80 and sm90.
 //   3: 128 keys x 128 queries (d=64) or 64 queries (d=128) a step on wgmma, 2 warpgroups
-//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 to 7, and
-//      head dims 64 and 128 only.
+//      (flash_bwd_sm90_kernel.cuh): sm_90a only, like the forward's configurations 5 to 7; at
+//      192, 256 and v's 128 under 192, 64 keys x 64 queries with dK and dV transposed
+//      (Sm90BwdWideTraits).
 // The automatic choice takes 3 on a 9.0 GPU with the sm_90a build at the head dims it takes
-// (faster than 2 there: benches/notes/backward.md, bwd v4), else 2 where it fits the card's shared
-// memory, else 1. The deterministic dQ pass runs 64 x 64 tiles with 4 warps (64 x 32 at d=256,
-// within 99 KB).
+// (faster than 2 there: benches/notes/backward.md, bwd v4 and v5), else 2 where it fits the card's
+// shared memory, else 1. The deterministic dQ pass runs 64 x 64 tiles with 4 warps (64 x 32 at
+// d=256, within 99 KB).
 constexpr int kSm90aBwdConfig = 3;
 template <int D>
 using BwdDqConfig = BwdDqTraits<D, 64, D >= 256 ? 32 : 64, 4>;
@@ -1138,13 +1179,36 @@ using Bwd1Traits = BwdTraits<D, 64, bwd1_keys(D), 4>;
 template <int D>
 using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 
+// `padded`: the call's head dims are narrower than the tile D (configuration 3 then runs
+// Sm90BwdPaddedTraits at 128, and Sm90BwdWideTraits<192, 128> at 192, v's 128 being the one it
+// takes there; the mma.sync kernels take any head dims the tile holds).
 template <typename T, int D, bool kAtomicDq, typename F>
-void visit_bwd_config(int config, F&& f) {
+void visit_bwd_config(int config, F&& f, bool padded = false) {
   if (config == 1) {
     using Traits = Bwd1Traits<D>;
     FLASHMOE_VISIT(only::bwd, T, D, 1, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
   } else if (config == kSm90aBwdConfig) {
-    if constexpr (is_wgmma_bwd_head_dim(D)) {
+    if constexpr (D == 128) {
+      if (padded) {
+        using Traits = Sm90BwdPaddedTraits<Sm90BwdTraits<D>>;
+        FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                       &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+        return;
+      }
+    }
+    if constexpr (D == 192) {
+      if (padded) {  // v's 128 (the host takes no other head dims onto this tile)
+        using Traits = Sm90BwdWideTraits<D, 128>;
+        FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                       &flash_bwd_sm90_wide_kernel<Traits, T, kAtomicDq>);
+        return;
+      }
+    }
+    if constexpr (D == 192 || D == 256) {
+      using Traits = Sm90BwdWideTraits<D, D>;
+      FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                     &flash_bwd_sm90_wide_kernel<Traits, T, kAtomicDq>);
+    } else if constexpr (is_wgmma_bwd_head_dim(D)) {
       using Traits = Sm90BwdTraits<D>;
       FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
                      &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
@@ -1184,8 +1248,9 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
+  const bool padded = p.head_dim != D || p.head_dim_v != D;
   if (deterministic) {
-    visit_bwd_config<T, D, false>(config, launch_dkdv);
+    visit_bwd_config<T, D, false>(config, launch_dkdv, padded);
     using DqTraits = BwdDqConfig<D>;
     auto kernel = &flash_bwd_dq_kernel<DqTraits, T>;
     allow_dynamic_smem(kernel, DqTraits::kSmemBytes);
@@ -1193,7 +1258,7 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     kernel<<<grid, DqTraits::kNThreads, DqTraits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
-    visit_bwd_config<T, D, true>(config, launch_dkdv);
+    visit_bwd_config<T, D, true>(config, launch_dkdv, padded);
     const int64_t n = rows * D;  // dq_accum is the tile's D wide
     flash_bwd_convert_dq_kernel<T>
         <<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)), 256, 0, stream>>>(p, n, D);
@@ -1272,6 +1337,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   auto dv = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dq_accum;  // the tile's head dim wide (a padded head dim's columns are the kernels')
   if (!deterministic) dq_accum = at::empty({q.size(0), q.size(1), q.size(2), head_dim}, f32);
+#if FLASHMOE_BWD_DQ_TMA
+  if (!deterministic && config == kSm90aBwdConfig &&
+      !encode_dq_map(p.dq_map, dq_accum.data_ptr<float>(), q.size(2), q.size(0) * q.size(1),
+                     head_dim)) {
+    deterministic = true;  // no map: dQ by the deterministic pass, which needs none
+  }
+#endif
   p.delta = row_stats.data_ptr<float>();
   p.lse2 = p.delta + q.size(0) * q.size(1) * q.size(2);
   p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
@@ -1313,6 +1385,17 @@ std::string demangled_name() {
   std::free(name);
   return result;
 }
+
+template <typename Traits>
+struct IsSm90BwdTraits : std::false_type {};
+template <int D>
+struct IsSm90BwdTraits<Sm90BwdTraits<D>> : std::true_type {};
+template <typename Tiles>
+struct IsSm90BwdTraits<Sm90BwdPaddedTraits<Tiles>> : std::true_type {};
+template <typename Traits>
+struct IsSm90BwdWideTraits : std::false_type {};
+template <int D, int DV>
+struct IsSm90BwdWideTraits<Sm90BwdWideTraits<D, DV>> : std::true_type {};
 
 template <typename Traits>
 struct IsDecodeTraits : std::false_type {};
@@ -1363,30 +1446,22 @@ void append_kernel_launches(std::string& out) {
                                                                                    true);
                                          }));
   }
-  // The wgmma forward of v's 128 under q's and k's 192 (5 to 7 one kernel), dense and packed.
-  if constexpr (D == 192) {
+  // The wgmma forward's tiles of their own, dense and packed: v's 128 under q's and k's 192 (5 to 7
+  // one kernel), and configuration 5's 128 tile run padded.
+  auto append_tile = [&](Sm90Tile tile) {
     for (const bool varlen : {false, true}) {
       auto append = FLASHMOE_TRAITS_ONLY(
           [&](auto, auto traits) { append_forward_launch<decltype(traits)>(out, dtype, varlen); });
       if (varlen) {
-        visit_config<T, D, true>(kSm90aConfig, append, false, Sm90Tile::kNarrowV);
+        visit_config<T, D, true>(kSm90aConfig, append, false, tile);
       } else {
-        visit_config<T, D>(kSm90aConfig, append, false, Sm90Tile::kNarrowV);
+        visit_config<T, D>(kSm90aConfig, append, false, tile);
       }
     }
-  }
-  // The wgmma forward's 128 tile run padded (configuration 5), dense and packed.
-  if constexpr (D == 128) {
-    for (const bool varlen : {false, true}) {
-      auto append = FLASHMOE_TRAITS_ONLY(
-          [&](auto, auto traits) { append_forward_launch<decltype(traits)>(out, dtype, varlen); });
-      if (varlen) {
-        visit_config<T, D, true>(kSm90aConfig, append, false, Sm90Tile::kPadded);
-      } else {
-        visit_config<T, D>(kSm90aConfig, append, false, Sm90Tile::kPadded);
-      }
-    }
-  }
+  };
+  if constexpr (D == 192) append_tile(Sm90Tile::kNarrowV);
+  if constexpr (D == 128) append_tile(Sm90Tile::kPadded);
+  if constexpr (D == 128) append_tile(Sm90Tile::kPadded96);  // its MMAs over 96 columns
   visit_paged_decode<T>(D, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) {
                           using Traits = decltype(traits);
                           out += "flashmoe::cuda::flash_decode_paged_kernel<" +
@@ -1401,9 +1476,10 @@ void append_kernel_launches(std::string& out) {
   // deterministic dQ pass; the pre-pass and the dQ conversion take none.
   auto dkdv = [&](auto kernel_traits, const char* atomic) {
     using Traits = decltype(kernel_traits);
-    const char* name = std::is_same_v<Traits, Sm90BwdTraits<Traits::kHeadDim>>
-                           ? "flashmoe::cuda::flash_bwd_sm90_kernel<"
-                           : "flashmoe::cuda::flash_bwd_dkdv_kernel<";
+    const char* name = IsSm90BwdWideTraits<Traits>::value
+                           ? "flashmoe::cuda::flash_bwd_sm90_wide_kernel<"
+                       : IsSm90BwdTraits<Traits>::value ? "flashmoe::cuda::flash_bwd_sm90_kernel<"
+                                                        : "flashmoe::cuda::flash_bwd_dkdv_kernel<";
     out += name + demangled_name<Traits>() + ", " + dtype + ", " + atomic + ">\t" +
            std::to_string(Traits::kSmemBytes) + "\n";
   };
@@ -1413,6 +1489,12 @@ void append_kernel_launches(std::string& out) {
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
     visit_bwd_config<T, D, false>(
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
+    if (config == kSm90aBwdConfig && (D == 128 || D == 192)) {  // padded, v's 128 under 192
+      visit_bwd_config<T, D, true>(
+          config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), true);
+      visit_bwd_config<T, D, false>(
+          config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }), true);
+    }
   }
   out += "flashmoe::cuda::flash_bwd_dq_kernel<" + demangled_name<BwdDqConfig<D>>() + ", " + dtype +
          ">\t" + std::to_string(BwdDqConfig<D>::kSmemBytes) + "\n";

@@ -149,13 +149,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
-  // The query blocks some row of which sees a key of this block (query i sees keys
-  // i + offset - window_left <= j <= i + offset + window_right; causal: window_right 0).
-  const int m_begin = p.window_right >= 0 ? max(0, n0 - offset - p.window_right) / BM : 0;
-  const int m_end =
-      p.window_left >= 0
-          ? max(0, min(ceil_div(p.seqlen_q, BM), (n0 + BN - 1 - offset + p.window_left) / BM + 1))
-          : ceil_div(p.seqlen_q, BM);
+  const int2 query_blocks = bwd_query_blocks<BM, BN>(p, n0, offset);
+  const int m_begin = query_blocks.x, m_end = query_blocks.y;
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
@@ -235,9 +230,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const BwdParams& p) {
       __syncthreads();  // Q, dO, lse and delta of this step have landed (K and V too, at first)
       // Keys past the end or above the causal diagonal: only the tail block and the diagonal
       // blocks need the per-element mask (rows past the end have P = 0 through their lse).
-      const bool need_mask = n0 + BN > p.seqlen_k ||
-                             (p.window_right >= 0 && n0 + BN - 1 > m0 + offset + p.window_right) ||
-                             (p.window_left >= 0 && n0 < m0 + BM - 1 + offset - p.window_left);
+      const bool need_mask = bwd_step_needs_mask<BM, BN>(p, n0, m0, offset);
 
       // S^T = K Q^T and dP^T = V dO^T: this warp's keys x its queries.
       float acc_s[KT][MN][4], acc_dp[KT][MN][4];

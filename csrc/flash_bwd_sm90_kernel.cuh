@@ -33,16 +33,29 @@ struct Sm90BwdTraits {
   // buffers each).
   static constexpr int kTileBytes =
       (2 * kBlockN + 4 * kBlockM) * kHeadDim * 2 + kBlockN * kBlockM * 2;
-  static constexpr int kSmemBytes = kTileBytes + 4 * kBlockM * 4;
+  // With FLASHMOE_BWD_DQ_TMA each warpgroup's 64 x 64 fp32 dQ tile, staged for its TMA reduce-add.
+  static constexpr int kDqStageBytes = FLASHMOE_BWD_DQ_TMA ? 2 * 64 * 64 * 4 : 0;
+  static constexpr int kSmemBytes = kTileBytes + 4 * kBlockM * 4 + kDqStageBytes;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kBlockM * 2) % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle atom");
+  static constexpr bool kPadded = false;
+};
+// The tile run at narrower head dims (80, 96, 112, v's 64 under 128, ...: wgmma_bwd_padded): q's,
+// k's, v's and dO's columns past their head dims zero-filled in shared memory (cp.async copies the
+// tensors' chunks), so every product over them adds zeros; dK and dV stored at their own widths,
+// dQ's atomics only for q's columns. Every guard is `if constexpr (kPadded)`: the kernels run whole
+// keep their code.
+template <typename Tiles>
+struct Sm90BwdPaddedTraits : Tiles {
+  static constexpr bool kPadded = true;
 };
 
 template <typename Traits, typename T, bool kAtomicDq>
 __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int MT = BM / 8, DT = D / 8, kThreads = Traits::kNThreads;
+  constexpr bool kPadded = Traits::kPadded;
 
   extern __shared__ __align__(1024) uint4 smem_buf[];
   T* sK = reinterpret_cast<T*>(smem_buf);
@@ -52,26 +65,29 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   T* sdS = sdO + 2 * BM * D;                              // dS^T: [BN keys][BM queries]
   float* sLse = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM]
   float* sDelta = sLse + 2 * BM;                          // [2][BM]
+  // FLASHMOE_BWD_DQ_TMA: [2 warpgroups][2 boxes of 32 columns][64 rows][32], 128-byte swizzled
+  // rows (1024-byte aligned: every region before it is a multiple of 1024 bytes)
+  [[maybe_unused]] float* sDq = sDelta + 2 * BM;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
-  // The query blocks some row of which sees a key of this block (query i sees keys
-  // i + offset - window_left <= j <= i + offset + window_right; causal: window_right 0).
-  const int m_begin = p.window_right >= 0 ? max(0, n0 - offset - p.window_right) / BM : 0;
-  const int m_end =
-      p.window_left >= 0
-          ? max(0, min(ceil_div(p.seqlen_q, BM), (n0 + BN - 1 - offset + p.window_left) / BM + 1))
-          : ceil_div(p.seqlen_q, BM);
+  const int2 query_blocks = bwd_query_blocks<BM, BN>(p, n0, offset);
+  const int m_begin = query_blocks.x, m_end = query_blocks.y;
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
-  // (the host runs this kernel only unpadded: every chunk of a row is the tensor's)
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, D / 8,
-                                                  tid);
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k, D / 8,
-                                                  tid);
+  // The tensors' 16-byte chunks a row: the tile's own unless padded, whose columns past a head
+  // dim load_kv_tile zero-fills (planted 19: copied at the tile's width, the next row's columns
+  // in them).
+  const bool tile_wide = !kPadded || planted(19);
+  const int qk_chunks = tile_wide ? D / 8 : p.head_dim / 8;
+  const int v_chunks = tile_wide ? D / 8 : p.head_dim_v / 8;
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k,
+                                                  qk_chunks, tid);
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k,
+                                                  v_chunks, tid);
   cp_async_commit();
 
   // planted 5: only the group's first query head reaches dK and dV
@@ -86,9 +102,24 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
     const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
     load_kv_tile<D, BM, kThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0, p.seqlen_q,
-                                        D / 8, tid);
+                                        qk_chunks, tid);
     load_kv_tile<D, BM, kThreads, true>(sdO + buf * BM * D, do_base, p.do_row_stride, m0,
-                                        p.seqlen_q, D / 8, tid);
+                                        p.seqlen_q, v_chunks, tid);
+#if FLASHMOE_BWD_STATS_CP_ASYNC
+    // The rows' lse and delta by cp.async in the tiles' group: the first warpgroup no longer
+    // waits a global load's latency here every step (rows past the end still stored directly).
+    if (tid < BM) {
+      const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + tid;
+      if (m0 + tid < p.seqlen_q) {
+        cp_async_4(sLse + buf * BM + tid, p.lse2 + row);
+        cp_async_4(sDelta + buf * BM + tid, p.delta + row);
+      } else {
+        sLse[buf * BM + tid] = INFINITY;
+        sDelta[buf * BM + tid] = 0.f;
+      }
+    }
+    cp_async_commit();
+#else
     cp_async_commit();
     if (tid < BM) {
       const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + tid;
@@ -96,6 +127,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
       sLse[buf * BM + tid] = valid ? p.lse2[row] : INFINITY;
       sDelta[buf * BM + tid] = valid ? p.delta[row] : 0.f;
     }
+#endif
   };
 
   // Descriptors. S^T: this warpgroup's 64 keys of K (V) as A, the step's Q (dO) as B, K-major.
@@ -149,9 +181,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     // P^T = exp2(S^T * scale_log2 - lse2) with keys past the end and outside the window (causal:
     // its right edge 0) at 0, then dS^T = P^T (dP^T - delta); the unmasked blocks skip the
     // per-element mask.
-    const bool need_mask = n0 + BN > p.seqlen_k ||
-                           (p.window_right >= 0 && n0 + BN - 1 > m0 + offset + p.window_right) ||
-                           (p.window_left >= 0 && n0 < m0 + BM - 1 + offset - p.window_left);
+    const bool need_mask = bwd_step_needs_mask<BM, BN>(p, n0, m0, offset);
     const float* lse_buf = sLse + buf * BM;
     const float* delta_buf = sDelta + buf * BM;
     // kCapped: a pass before left t = tanh(s * softcap_scale) in S^T (apply_softcap: scale_log2
@@ -272,6 +302,42 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
       sm90::fence_operands(acc_dq);
       sm90::fence_operands(acc_dv);
       sm90::fence_operands(acc_dk);
+#if FLASHMOE_BWD_DQ_TMA
+      // This warpgroup's 64 x 64 dQ tile through shared memory (two boxes of 32 columns, rows of
+      // 128 bytes whose 16-byte chunks are swizzled by the row, as the map's 128-byte swizzle
+      // reads them), then one TMA reduce-add a box into dq_accum: rows past Sq lie outside the
+      // map and are left alone. The leader waits until the previous step's reduce has read the
+      // tile before anyone writes it again.
+      float* stage = sDq + wg * 64 * 64;
+      const bool leader = tid % 128 == 0;
+      if (leader) sm90::bulk_wait_group_read<0>();
+      sm90::warpgroup_sync(1 + wg);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = row_in_wg + hh * 8;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int chunk = (nt & 3) * 2 + (lane & 3) / 2;  // 16-byte chunk of the box's row
+          float* dst =
+              stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ (row & 7)) * 4 + (lane & 1) * 2;
+          *reinterpret_cast<float2*>(dst) = make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
+        }
+      }
+      sm90::fence_proxy_async();  // the tile's stores, visible to the TMA unit
+      sm90::warpgroup_sync(1 + wg);
+      if (leader && add_dq) {
+        const int bh = b * p.heads_q + step_head(step);
+#pragma unroll
+        for (int box = 0; box < 2; ++box) {
+          if constexpr (kPadded) {  // dQ's columns past q's head dim: K's zeros, never read
+            if (pd * 64 + box * 32 >= p.head_dim) continue;
+          }
+          sm90::tma_reduce_add_3d(p.dq_map, stage + box * 64 * 32, pd * 64 + box * 32, m0 + pq * 64,
+                                  bh);
+        }
+        sm90::bulk_commit_group();
+      }
+#else
       if (add_dq) {
         const int64_t row_base = (int64_t(b) * p.heads_q + step_head(step)) * p.seqlen_q;
 #pragma unroll
@@ -280,11 +346,16 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
           if (i >= p.seqlen_q) continue;
           float* dq_row = p.dq_accum + (row_base + i) * D + pd * 64 + (lane & 3) * 2;
 #pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
+          for (int nt = 0; nt < 8; ++nt) {
+            if constexpr (kPadded) {  // dQ's columns past q's head dim: K's zeros, never read
+              if (pd * 64 + nt * 8 >= p.head_dim) continue;
+            }
             atomicAdd(reinterpret_cast<float2*>(dq_row + nt * 8),
                       make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]));
+          }
         }
       }
+#endif
     } else {
       sm90::wait_group<0>();
       sm90::fence_operands(acc_dv);
@@ -292,22 +363,33 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     }
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
+#if FLASHMOE_BWD_DQ_TMA
+  if constexpr (kAtomicDq) {
+    if (tid % 128 == 0) sm90::bulk_wait_group<0>();  // its dQ reduces done before the block ends
+  }
+#endif
 
-  // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, D], keys past the end not written.
+  // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, head dim], keys past the end not
+  // written (padded: nor the tile's columns past each head dim).
   const float dk_scale = planted(4) ? 1.f : p.softmax_scale;     // planted: dS without the scale
   const int64_t kv_row_base = int64_t(blockIdx.y) * p.seqlen_k;  // y = b * heads_kv + hkv
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + key_row0 + hh * 8;
     if (key >= p.seqlen_k) continue;
-    T* dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * D + (lane & 3) * 2;
-    T* dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * D + (lane & 3) * 2;
+    const int dk_width = kPadded ? p.head_dim : D, dv_width = kPadded ? p.head_dim_v : D;
+    T* dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * dk_width + (lane & 3) * 2;
+    T* dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * dv_width + (lane & 3) * 2;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
-      *reinterpret_cast<uint32_t*>(dk_row + dt * 8) =
-          pack2<T>(acc_dk[dt][2 * hh] * dk_scale, acc_dk[dt][2 * hh + 1] * dk_scale);
-      *reinterpret_cast<uint32_t*>(dv_row + dt * 8) =
-          pack2<T>(acc_dv[dt][2 * hh], acc_dv[dt][2 * hh + 1]);
+      if (!kPadded || dt * 8 < dk_width) {
+        *reinterpret_cast<uint32_t*>(dk_row + dt * 8) =
+            pack2<T>(acc_dk[dt][2 * hh] * dk_scale, acc_dk[dt][2 * hh + 1] * dk_scale);
+      }
+      if (!kPadded || dt * 8 < dv_width) {
+        *reinterpret_cast<uint32_t*>(dv_row + dt * 8) =
+            pack2<T>(acc_dv[dt][2 * hh], acc_dv[dt][2 * hh + 1]);
+      }
     }
   }
 }
@@ -318,6 +400,395 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   flash_bwd_sm90_block<Traits, T, kAtomicDq>(p);
+#elif defined(__CUDA_ARCH__)
+  __trap();  // wgmma exists on sm_90a only; the host never launches this elsewhere
+#endif
+}
+
+// ---- Past head dim 128: the roles turned around (Sm90BwdWideTraits) --------------------------
+// Keys in wgmma's M (above) would keep D registers of dK and dV per thread for the whole walk,
+// 192 or 256: more than a thread has. So here the step's 64 queries are M, as in the forward, and
+// dK and dV are computed transposed, the head dim in M (FlashAttention-3's layout past 128):
+//   S = Q K_w^T and dP = dO V_w^T   warpgroup w's 32 of the block's 64 keys, K-major
+//   P and dS, elementwise           rows = queries, in the mma.sync layout; both stored to shared
+//                                   memory as [query][key] (fp32 P and dS die there)
+//   dV^T += dO^T P                  warpgroup 0: v's head dim in 64-row tiles, dO and P MN-major
+//   dK^T += Q^T dS                  warpgroup 1: q's head dim likewise, Q and dS MN-major
+//   dQ = dS K                       dS K-major, K MN-major, 64 columns of dQ a chunk: the chunks
+//                                   shared out so that both warpgroups issue as many MMAs a step
+// A thread holds 64 x 64 / 128 = 32 accumulators a tile of dV^T (dK^T) for the whole walk: 128 at
+// d=256, 96 at 192, 64 at v's 128 (warpgroup 0 then takes two chunks of dQ to warpgroup 1's one).
+// dK and dV leave through shared memory, transposed back to rows of keys.
+template <int kHeadDim_, int kHeadDimV_>
+struct Sm90BwdWideTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kBlockN = 64;  // keys per block: 32 per warpgroup in S and dP
+  static constexpr int kBlockM = 64;  // queries per step
+  static constexpr int kNThreads = 256;
+  // K, V, Q and dO (two buffers each), P and dS [kBlockM][kBlockN], lse and delta (two buffers
+  // each). dK and dV are staged in Q's and dO's buffers at the end.
+  static constexpr int kTileBytes =
+      (kBlockN + 2 * kBlockM) * (kHeadDim + kHeadDimV) * 2 + 2 * kBlockM * kBlockN * 2;
+  static constexpr int kSmemBytes = kTileBytes + 4 * kBlockM * 4;
+  // Rows of the staged dK (dV): padded by 8 elements, so the transposing stores hit 32 banks.
+  static constexpr int kStagePitch = kHeadDim + 8, kStagePitchV = kHeadDimV + 8;
+  static_assert((kHeadDim == 192 || kHeadDim == 256) &&
+                    (kHeadDimV == kHeadDim || (kHeadDim == 192 && kHeadDimV == 128)),
+                "head dims 192 and 256 (v's equal), or 192 with v's 128");
+  static_assert(kBlockN * (kStagePitch + kStagePitchV) <= 2 * kBlockM * (kHeadDim + kHeadDimV),
+                "dK and dV must fit Q's and dO's buffers");
+  static constexpr bool kPadded = false;
+};
+
+// kRole: the warpgroup's (0: dV^T, 1: dK^T) where the two hold different numbers of tiles (v's
+// 128 under 192: each warpgroup runs its own copy of the walk, so no wgmma sits in a branch that
+// splits a warpgroup's accumulators); -1 where they are equal (one copy, the role read at run
+// time).
+template <typename Traits, typename T, bool kAtomicDq, int kRole>
+__device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
+  constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimV;
+  constexpr int BM = Traits::kBlockM, BN = Traits::kBlockN, kThreads = Traits::kNThreads;
+  constexpr int kTilesK = D / 64, kTilesV = DV / 64;
+  static_assert(kRole >= 0 || kTilesK == kTilesV, "a role per warpgroup where the tiles differ");
+  constexpr int kTiles = kRole == 0 ? kTilesV : kTilesK;  // this warpgroup's
+  // dQ's 64-column chunks [0, kDqSplit) are warpgroup 0's (dV^T's), the rest warpgroup 1's (dK^T's)
+  constexpr int kDqSplit = (2 * kTilesK - kTilesV) / 2;
+
+  extern __shared__ __align__(1024) uint4 smem_buf[];
+  T* sK = reinterpret_cast<T*>(smem_buf);
+  T* sV = sK + BN * D;
+  T* sQ = sV + BN * DV;                                   // [2][BM x D]
+  T* sdO = sQ + 2 * BM * D;                               // [2][BM x DV]
+  T* sP = sdO + 2 * BM * DV;                              // [BM queries][BN keys]
+  T* sdS = sP + BM * BN;                                  // [BM queries][BN keys]
+  float* sLse = reinterpret_cast<float*>(sdS + BM * BN);  // [2][BM]
+  float* sDelta = sLse + 2 * BM;                          // [2][BM]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wg = kRole >= 0 ? kRole : warp / 4;
+  // the block's barrier: named where each warpgroup runs its own copy (sm90::block_sync)
+  auto sync_block = [] {
+    if constexpr (kRole >= 0)
+      sm90::block_sync<kThreads>();
+    else
+      __syncthreads();
+  };
+  const int n0 = blockIdx.x * BN;
+  const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
+  const int offset = p.seqlen_k - p.seqlen_q;
+  const int2 query_blocks = bwd_query_blocks<BM, BN>(p, n0, offset);
+  const int m_begin = query_blocks.x, m_end = query_blocks.y;
+
+  const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + hkv * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + hkv * p.v_head_stride;
+  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k, D / 8,
+                                                  tid);
+  load_kv_tile<DV, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k,
+                                                   DV / 8, tid);
+  cp_async_commit();
+
+  const int group = planted(5) ? 1 : p.heads_ratio;
+  const int m_count = max(0, m_end - m_begin), steps = group * m_count;
+  auto step_head = [&](int step) { return hkv * p.heads_ratio + step / m_count; };
+  auto step_m0 = [&](int step) { return (m_begin + step % m_count) * BM; };
+  auto issue_step = [&](int step) {
+    const int buf = step & 1, h = step_head(step), m0 = step_m0(step);
+    const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+    const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+    load_kv_tile<D, BM, kThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0, p.seqlen_q,
+                                        D / 8, tid);
+    load_kv_tile<DV, BM, kThreads, true>(sdO + buf * BM * DV, do_base, p.do_row_stride, m0,
+                                         p.seqlen_q, DV / 8, tid);
+    cp_async_commit();
+    if (tid < BM) {
+      const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + tid;
+      const bool valid = m0 + tid < p.seqlen_q;
+      sLse[buf * BM + tid] = valid ? p.lse2[row] : INFINITY;
+      sDelta[buf * BM + tid] = valid ? p.delta[row] : 0.f;
+    }
+  };
+
+  // Descriptors. S and dP: the step's Q (dO) as A, this warpgroup's 32 keys of K (V) as B, both
+  // K-major. dV^T (dK^T): dO^T's (Q^T's) 64-column panel t as A and P (dS) as B, both MN-major (the
+  // queries are the reduction). dQ: dS as A, K-major, and K's panel c as B, MN-major.
+  const uint64_t q_desc = sm90::desc_k_major(smem_u32(sQ));
+  const uint64_t do_desc = sm90::desc_k_major(smem_u32(sdO));
+  const uint64_t k_desc = sm90::desc_k_major(smem_u32(sK + wg * 32 * 64));
+  const uint64_t v_desc = sm90::desc_k_major(smem_u32(sV + wg * 32 * 64));
+  constexpr uint64_t kQBufStep = uint64_t((BM * D * 2) >> 4),
+                     kDoBufStep = uint64_t((BM * DV * 2) >> 4);
+  // Warpgroup 0 accumulates dV^T from dO and P, warpgroup 1 dK^T from Q and dS.
+  const uint64_t kv_a_desc =
+      wg == 0 ? sm90::desc_mn_major<BM>(smem_u32(sdO)) : sm90::desc_mn_major<BM>(smem_u32(sQ));
+  const uint64_t kv_a_buf_step = wg == 0 ? kDoBufStep : kQBufStep;
+  constexpr uint64_t kPanelStep = uint64_t((BM * 64 * 2) >> 4);  // the next 64-column panel
+  const uint64_t kv_b_desc = sm90::desc_mn_major<BM>(smem_u32(wg == 0 ? sP : sdS));
+  const uint64_t ds_desc = sm90::desc_k_major(smem_u32(sdS));
+  const uint64_t kt_desc = sm90::desc_mn_major<BN>(smem_u32(sK));
+  constexpr uint64_t kKPanelStep = uint64_t((BN * 64 * 2) >> 4);
+  const int dq_first = wg == 0 ? 0 : kDqSplit, dq_last = wg == 0 ? kDqSplit : kTilesK;
+
+  const int row_in_wg = 16 * (warp % 4) + lane / 4;  // + 8 * (e / 2): accumulator rows
+  const int key_col0 = 32 * wg + (lane & 3) * 2;     // + 8 * nt + e % 2: S's and dP's columns
+
+  float acc[kTiles][8][4];  // dV^T (warpgroup 0) or dK^T (1): tile t is head-dim rows [64t, 64t+64)
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc[t][nt][e] = 0.f;
+
+  if (steps > 0) issue_step(0);
+  for (int step = 0; step < steps; ++step) {
+    const int buf = step & 1, m0 = step_m0(step);
+    cp_async_wait<0>();
+    sm90::fence_proxy_async();
+    sync_block();  // the step's tiles have landed; step - 1 is done with buf ^ 1, P and dS
+
+    float acc_s[4][4], acc_dp[4][4];
+    sm90::fence_operands(acc_s);
+    sm90::fence_operands(acc_dp);
+    sm90::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      sm90::mma_ss<32, T>(acc_s, q_desc + buf * kQBufStep + sm90::k_major_step<BM>(kk),
+                          k_desc + sm90::k_major_step<BN>(kk), kk > 0);
+    sm90::commit_group();
+#pragma unroll
+    for (int kk = 0; kk < DV / 16; ++kk)
+      sm90::mma_ss<32, T>(acc_dp, do_desc + buf * kDoBufStep + sm90::k_major_step<BM>(kk),
+                          v_desc + sm90::k_major_step<BN>(kk), kk > 0);
+    sm90::commit_group();
+    if (step + 1 < steps) issue_step(step + 1);
+
+    // P = exp2(S * scale_log2 - lse2) with keys past the end and outside the window at 0, then
+    // dS = P (dP - delta); this thread's rows are queries row_in_wg and row_in_wg + 8.
+    const bool need_mask = bwd_step_needs_mask<BM, BN>(p, n0, m0, offset);
+    const float lse[2] = {sLse[buf * BM + row_in_wg], sLse[buf * BM + row_in_wg + 8]};
+    const float delta[2] = {sDelta[buf * BM + row_in_wg], sDelta[buf * BM + row_in_wg + 8]};
+    auto probs = [&](auto mask, auto capped) {
+      constexpr bool kMask = decltype(mask)::value, kCapped = decltype(capped)::value;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float prob = exp2f(fmaf(acc_s[nt][e], p.scale_log2, -lse[e >> 1]));
+          if constexpr (kMask) {
+            const int key = n0 + key_col0 + nt * 8 + (e & 1);
+            const int i = m0 + row_in_wg + (e >> 1) * 8;
+            if (key >= window_key_end(p, i, offset, p.seqlen_k) ||
+                key < window_first_key(p, i, offset))
+              prob = 0.f;
+          }
+          acc_s[nt][e] = prob;
+          if constexpr (kCapped) acc_dp[nt][e] *= prob;
+        }
+    };
+    if (p.softcap > 0.f) {  // both products first: dS needs t, which P replaces
+      sm90::wait_group<0>();
+      sm90::fence_operands(acc_s);
+      sm90::fence_operands(acc_dp);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        apply_softcap(acc_s[nt], p);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float t = acc_s[nt][e];
+          acc_dp[nt][e] = (acc_dp[nt][e] - delta[e >> 1]) * (1.f - t * t);
+        }
+      }
+      if (need_mask)
+        probs(BoolConstant<true>{}, BoolConstant<true>{});
+      else
+        probs(BoolConstant<false>{}, BoolConstant<true>{});
+    } else {  // P while dP is still running
+      sm90::wait_group<1>();
+      sm90::fence_operands(acc_s);
+      if (need_mask)
+        probs(BoolConstant<true>{}, BoolConstant<false>{});
+      else
+        probs(BoolConstant<false>{}, BoolConstant<false>{});
+      sm90::wait_group<0>();
+      sm90::fence_operands(acc_dp);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - delta[e >> 1]);
+    }
+    // P and dS to shared memory as [query][key] (conflict-free: the 8 rows of one store
+    // instruction land in 8 different chunks).
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int at = swizzle_panels<BM>(row_in_wg + 8 * hh, 4 * wg + nt) + (lane & 3) * 2;
+        *reinterpret_cast<uint32_t*>(sP + at) = pack2<T>(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + at) =
+            pack2<T>(acc_dp[nt][2 * hh], acc_dp[nt][2 * hh + 1]);
+      }
+    sm90::fence_proxy_async();  // this thread's P and dS stores, visible to the tensor cores
+    sync_block();               // P and dS are whole (both warpgroups' keys)
+
+    // dV^T += dO^T P (warpgroup 0), dK^T += Q^T dS (1): the step's queries as the reduction.
+    // planted 25: dK^T's every tile reads Q's first panel (the columns of dK past 64 wrong)
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+      sm90::fence_operands(acc[t]);
+    sm90::fence();
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      const int panel = wg == 1 && planted(25) ? 0 : t;
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        sm90::mma_ss<64, T, /*kMnMajor=*/true>(
+            acc[t], kv_a_desc + buf * kv_a_buf_step + panel * kPanelStep + sm90::mn_major_step(kk),
+            kv_b_desc + sm90::mn_major_step(kk), 1);
+    }
+    sm90::commit_group();
+
+    if constexpr (kAtomicDq) {
+      // planted 6: the last key block never reaches dQ
+      const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
+#if !FLASHMOE_BWD_DQ_TMA
+      const int64_t row_base = (int64_t(b) * p.heads_q + step_head(step)) * p.seqlen_q;
+#endif
+#pragma unroll
+      for (int c = 0; c < kTilesK; ++c) {
+        if (c < dq_first || c >= dq_last) continue;
+        float acc_dq[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc_dq[nt][e] = 0.f;
+        sm90::fence_operands(acc_dq);
+        sm90::fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          sm90::mma_ss<64, T, /*kMnMajor=*/false, /*kMnMajorB=*/true>(
+              acc_dq, ds_desc + sm90::k_major_step<BM>(kk),
+              kt_desc + c * kKPanelStep + sm90::mn_major_step(kk), kk > 0);
+        sm90::commit_group();
+        sm90::wait_group<0>();
+        sm90::fence_operands(acc_dq);
+#if FLASHMOE_BWD_DQ_TMA
+        // The 64 x 64 chunk through shared memory (two boxes of 32 columns, rows of 128 bytes
+        // whose 16-byte chunks are swizzled by the row, as the map reads them), then one TMA
+        // reduce-add a box into dq_accum (rows past Sq lie outside the map). The stage is this
+        // step's dO buffer (warpgroup 0) or Q buffer (1): their last reader, the warpgroup's own
+        // dV^T (dK^T), is done (wait_group above), and step + 2's copies into them wait for the
+        // reads (bulk_wait_group_read at the end of the step, before the next barrier).
+        float* stage = reinterpret_cast<float*>(wg == 0 ? sdO + buf * BM * DV : sQ + buf * BM * D);
+        const bool leader = tid % 128 == 0;
+        if (leader) sm90::bulk_wait_group_read<0>();  // the previous chunk's reduce has read it
+        sm90::warpgroup_sync(1 + wg);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = row_in_wg + hh * 8;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            const int chunk = (nt & 3) * 2 + (lane & 3) / 2;  // 16-byte chunk of the box's row
+            float* dst =
+                stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ (row & 7)) * 4 + (lane & 1) * 2;
+            *reinterpret_cast<float2*>(dst) =
+                make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
+          }
+        }
+        sm90::fence_proxy_async();  // the chunk's stores, visible to the TMA unit
+        sm90::warpgroup_sync(1 + wg);
+        if (leader && add_dq) {
+          const int bh = b * p.heads_q + step_head(step);
+#pragma unroll
+          for (int box = 0; box < 2; ++box)
+            sm90::tma_reduce_add_3d(p.dq_map, stage + box * 64 * 32, c * 64 + box * 32, m0, bh);
+          sm90::bulk_commit_group();
+        }
+#else
+        if (add_dq) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int i = m0 + row_in_wg + hh * 8;
+            if (i >= p.seqlen_q) continue;
+            float* dq_row = p.dq_accum + (row_base + i) * D + c * 64 + (lane & 3) * 2;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+              atomicAdd(reinterpret_cast<float2*>(dq_row + nt * 8),
+                        make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]));
+          }
+        }
+#endif
+      }
+#if FLASHMOE_BWD_DQ_TMA
+      // this step's reduces have read their stages before step + 2's copies may land there (the
+      // next step's barrier orders every warpgroup's wait before any copy is issued)
+      if (tid % 128 == 0) sm90::bulk_wait_group_read<0>();
+#endif
+    }
+    sm90::wait_group<0>();
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+      sm90::fence_operands(acc[t]);
+  }
+  cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
+#if FLASHMOE_BWD_DQ_TMA
+  if constexpr (kAtomicDq) {
+    if (tid % 128 == 0) sm90::bulk_wait_group<0>();  // its dQ reduces done before the block ends
+  }
+#endif
+  sync_block();  // every warpgroup is done with Q's and dO's buffers
+
+  // dK^T (dV^T) transposed into shared memory as rows of keys, then copied out in 16-byte
+  // chunks: contiguous [B, Hkv, Sk, head dim], keys past the end not written.
+  const float dk_scale = planted(4) ? 1.f : p.softmax_scale;
+  T* sdK = sQ;
+  T* sdV = sdK + BN * Traits::kStagePitch;
+  T* stage = wg == 0 ? sdV : sdK;
+  const int pitch = wg == 0 ? Traits::kStagePitchV : Traits::kStagePitch;
+  const float scale = wg == 0 ? 1.f : dk_scale;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {  // keys `key` and key + 1 of head-dim row d
+        const int d = 64 * t + row_in_wg + 8 * hh, key = nt * 8 + (lane & 3) * 2;
+        const uint32_t two = pack2<T>(acc[t][nt][2 * hh] * scale, acc[t][nt][2 * hh + 1] * scale);
+        auto* rows = reinterpret_cast<uint16_t*>(stage);
+        rows[key * pitch + d] = uint16_t(two & 0xFFFFu);
+        rows[(key + 1) * pitch + d] = uint16_t(two >> 16);
+      }
+  }
+  sync_block();
+  const int64_t kv_row_base = int64_t(blockIdx.y) * p.seqlen_k;  // y = b * heads_kv + hkv
+  auto copy_out = [&](const T* from, int from_pitch, void* to, int width) {
+    const int chunks = width / 8;
+    for (int c = tid; c < BN * chunks; c += kThreads) {
+      const int key = c / chunks, chunk = c % chunks;
+      if (n0 + key >= p.seqlen_k) continue;
+      *reinterpret_cast<uint4*>(static_cast<T*>(to) + (kv_row_base + n0 + key) * width +
+                                chunk * 8) =
+          *reinterpret_cast<const uint4*>(from + key * from_pitch + chunk * 8);
+    }
+  };
+  copy_out(sdK, Traits::kStagePitch, p.dk, D);
+  copy_out(sdV, Traits::kStagePitchV, p.dv, DV);
+}
+
+template <typename Traits, typename T, bool kAtomicDq>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_sm90_wide_kernel(const __grid_constant__ BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (Traits::kHeadDim == Traits::kHeadDimV) {
+    flash_bwd_sm90_wide_block<Traits, T, kAtomicDq, -1>(p);
+  } else if (threadIdx.x < 128) {
+    flash_bwd_sm90_wide_block<Traits, T, kAtomicDq, 0>(p);
+  } else {
+    flash_bwd_sm90_wide_block<Traits, T, kAtomicDq, 1>(p);
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // wgmma exists on sm_90a only; the host never launches this elsewhere
 #endif

@@ -94,7 +94,10 @@ struct Sm90FwdTiles {
   static constexpr int kMathThreads = 128 * kWarpgroups_;
   static constexpr int kNThreads = kMathThreads + 128;
   static constexpr int kNWarps = kNThreads / 32;
-  static constexpr bool kPadded = false;         // Sm90PaddedTraits
+  static constexpr bool kPadded = false;  // Sm90PaddedTraits
+  // The head dims the MMAs span (S's reduction, O's columns): the tile's, or fewer on a padded
+  // tile whose columns past them are zeros (Sm90PaddedTraits).
+  static constexpr int kMmaHeadDim = kHeadDim_, kMmaHeadDimV = kHeadDimV_;
   static constexpr int kChunks = kHeadDimV / 8;  // the output's 16-byte chunks a row
   static constexpr int kLoadThreads = 128;       // the producer warpgroup
   // Q, kStages K and V buffers, the output's staging buffer (two stages only), then the
@@ -143,9 +146,15 @@ struct Sm90FwdTraits : Sm90FwdTiles<kHeadDim_, kHeadDim_, kBlockN_, kWarpgroups_
 // panel a box (TMA zero-fills past the width), cp.async copies by the tensor's chunks, the output
 // and split partials stored at v's head dim. Its own instantiation, so that the tiles run unpadded
 // keep their code (every guard below is `if constexpr (Traits::kPadded)`).
-template <typename Tiles>
+// kMmaHeadDim: the columns the MMAs span, 96 where q's, k's and v's head dims are all at most 96
+// (80, 88, 96: S's reduction over 6 of the 8 16-column steps and P V over 96 columns of O, a
+// quarter of the tile's products left out, all of them zeros), else the tile's.
+template <typename Tiles, int kMmaHeadDim_ = Tiles::kHeadDim>
 struct Sm90PaddedTraits : Tiles {
   static constexpr bool kPadded = true;
+  static constexpr int kMmaHeadDim = kMmaHeadDim_, kMmaHeadDimV = kMmaHeadDim_;
+  static_assert(kMmaHeadDim % 32 == 0 && kMmaHeadDim <= Tiles::kHeadDimV,
+                "the MMAs span whole 32-column steps of the tile");
 };
 // v narrower than q and k (DeepSeek-V3's latent attention prefill: 192 and 128): V's buffers, P V
 // and the output at kHeadDimV.
@@ -154,8 +163,9 @@ struct Sm90FwdDvTraits : Sm90FwdTiles<kHeadDim_, kHeadDimV_, kBlockN_, kWarpgrou
 
 // One warpgroup's rows of a row block: the accumulators and the online softmax's state, and the
 // steps of the main loop. `buf` names which of the two K (V) buffers a step reads. kFeatures: the
-// instantiation that takes a window, a softcap and sinks (a call without them runs the other, whose
-// code is what it was before them: the features' code held registers the plain kernels lack).
+// instantiation that takes a window and a softcap (a call without them runs the other, whose main
+// loop is what it was before them: the features' code held registers the plain kernels lack).
+// Sinks, in the rows' epilogue only (finish_rows), run in both.
 template <typename Traits, typename T, bool kVarlen, bool kFeatures>
 struct Sm90Rows {
   static constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimV;
@@ -184,6 +194,14 @@ struct Sm90Rows {
   float acc_s[NT][4];
   uint32_t p_frag[BN / 16][4];
   float row_max[2], row_sum[2];
+  // A softcap bounds every score: t = tanh(.) lies in [-1, 1], so exp2(t * scale_log2) lies in
+  // [2^-c, 2^c], c = softcap * log2(e). Up to kFixedMaxLog2, fp32 sums and bf16's 8-bit exponent
+  // hold that whole range, so the exponentials subtract a fixed max of 0: no row max, no rescale
+  // (fp16 P would overflow past 2^16: it keeps the running max). FLASHMOE_FWD_SOFTCAP_FIXED_MAX.
+  static constexpr bool kMayFixMax =
+      kFeatures && FLASHMOE_FWD_SOFTCAP_FIXED_MAX && std::is_same_v<T, __nv_bfloat16>;
+  static constexpr float kFixedMaxLog2 = 80.f;  // 2^80 a term: a sum of 2^40 keys stays finite
+  bool fixed_max = false;
 
   __device__ __forceinline__ Sm90Rows(const AttentionParams& p_, const TileCoords& t_, int m0_,
                                       int n_lo, int warp, int lane_, const T* sQ, const T* sK,
@@ -211,14 +229,22 @@ struct Sm90Rows {
         acc_o[dt][e] = 0.f;
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
+    if constexpr (kMayFixMax) {
+      fixed_max = p.softcap > 0.f && p.scale_log2 <= kFixedMaxLog2;
+      if (fixed_max) row_max[0] = row_max[1] = 0.f;  // finish_rows: lse = log(sum)
+    }
   }
 
   // S = Q K^T, one m64n(BN)k16 wgmma per 16 columns of the head dim, as one commit group.
   __device__ __forceinline__ void issue_s(int buf) {
     sm90::fence_operands(acc_s);
     sm90::fence();
+    // planted 26: a 96-column padded tile's last step reads columns 96-111 (zeros) in place of
+    // 80-95, so a head dim of 96 loses them and one of 80 does not
+    constexpr int kSteps = Traits::kMmaHeadDim / 16;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk0 = 0; kk0 < kSteps; ++kk0) {
+      const int kk = kSteps == 6 && kk0 == kSteps - 1 && planted(26) ? kSteps : kk0;
       sm90::mma_ss<BN, T>(acc_s, q_desc + sm90::k_major_step<BM>(kk),
                           k_desc + buf * kTileStep + sm90::k_major_step<BN>(kk), kk > 0);
     }
@@ -236,6 +262,12 @@ struct Sm90Rows {
                                v_desc + buf * kVTileStep + sm90::mn_major_step(j), 1);
           continue;
         }
+      }
+      if constexpr (Traits::kMmaHeadDimV != DV) {  // O's columns past it: zeros, never touched
+        constexpr int kCols = Traits::kMmaHeadDimV;
+        sm90::mma_rs<kCols, T>(*reinterpret_cast<float (*)[kCols / 8][4]>(&acc_o), p_frag[j],
+                               v_desc + buf * kVTileStep + sm90::mn_major_step(j), 1);
+        continue;
       }
       sm90::mma_rs<DV, T>(acc_o, p_frag[j], v_desc + buf * kVTileStep + sm90::mn_major_step(j), 1);
     }
@@ -320,11 +352,16 @@ struct Sm90Rows {
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      float mx = row_max[hh];
+      float max_scaled = 0.f;
+      if (kMayFixMax && fixed_max) {
+        rescale[hh] = 1.f;
+      } else {
+        float mx = row_max[hh];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
-      const float max_scaled = fold_max(hh, quad_max(mx), rescale);
+        for (int nt = 0; nt < NT; ++nt)
+          mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
+        max_scaled = fold_max(hh, quad_max(mx), rescale);
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -372,16 +409,22 @@ struct Sm90Rows {
             if (masked) acc_s[nt][e] = -INFINITY;
           }
       }
+      if (kMayFixMax && fixed_max) continue;
 #pragma unroll
       for (int nt = c * kC; nt < c * kC + kC; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
           mx[hh] = fmaxf(mx[hh], fmaxf(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]));
     }
-    float max_scaled[2];
+    float max_scaled[2] = {0.f, 0.f};
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-      max_scaled[hh] = fold_max(hh, quad_max(mx[hh]), rescale);
+    for (int hh = 0; hh < 2; ++hh) {
+      if (kMayFixMax && fixed_max) {
+        rescale[hh] = 1.f;
+      } else {
+        max_scaled[hh] = fold_max(hh, quad_max(mx[hh]), rescale);
+      }
+    }
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (c * kC * 8 > hi) {
@@ -408,6 +451,7 @@ struct Sm90Rows {
   __device__ __forceinline__ void rescale_o(const float (&rescale)[2]) {
     // Lazy: past the first key blocks the max rarely moves (see softmax), and the warp skips
     // the multiplies when none of its rows did.
+    if (kMayFixMax && fixed_max) return;  // the max never moves
     bool any_moved = true;
     if constexpr (kLazy) {
       any_moved = __any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f);
@@ -415,7 +459,7 @@ struct Sm90Rows {
     if (planted(12)) any_moved = false;  // planted: never rescaled when the running max moves
     if (any_moved) {
 #pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
+      for (int dt = 0; dt < Traits::kMmaHeadDimV / 8; ++dt)  // (the rest: zeros)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           acc_o[dt][e] *= rescale[e >> 1];
@@ -449,13 +493,13 @@ struct Sm90Rows {
       row_max[hh] = te.bad_len  ? NAN
                     : sum > 0.f ? row_max[hh] * p.softmax_scale + logf(sum)
                                 : -INFINITY;
-      if constexpr (kFeatures) {
-        const int r = (te.m_blocks - 1 - te.m_block) * BM + warp_row0 + lane / 4 + hh * 8;
-        if (p.sinks != nullptr && p.num_splits == 1 && r < te.rows_total) {
-          float factor;
-          row_max[hh] = fold_sink(row_max[hh], p.sinks[te.head(r)], factor);
-          row_sum[hh] *= factor;
-        }
+      // Every instantiation: sinks alone run the plain kernel (has_score_features).
+      const int r = (te.m_blocks - 1 - te.m_block) * BM + warp_row0 + lane / 4 + hh * 8;
+      const bool drop_sink = !kFeatures && planted(27);  // planted 27
+      if (p.sinks != nullptr && p.num_splits == 1 && r < te.rows_total && !drop_sink) {
+        float factor;
+        row_max[hh] = fold_sink(row_max[hh], p.sinks[te.head(r)], factor);
+        row_sum[hh] *= factor;
       }
     }
   }
@@ -913,7 +957,7 @@ __device__ __forceinline__ void flash_fwd_sm90_entry(const AttentionParams& p) {
 }
 
 // One block per SM: the register budget is the SM's over the block's warpgroups. kFeatures: a
-// window, a softcap or sinks (Sm90Rows).
+// window or a softcap (Sm90Rows; sinks run in both).
 template <typename Traits, typename T, bool kFeatures = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ AttentionParams p) {

@@ -57,6 +57,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
 
 // Copies 16 bytes, or writes 16 zero bytes when `valid` is false (rows past the sequence end), so
 // out-of-range rows are never read and never leave garbage (0 * NaN) in the tile.
+// One 4-byte asynchronous copy (cp.async.ca: the sizes under 16 go through L1).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const int src_size = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
@@ -606,6 +610,28 @@ __device__ __forceinline__ bool outside_window(const Params& p, int key, int i, 
 template <int kBlockN, typename Params>
 __device__ __forceinline__ int window_first_block(const Params& p, int i, int offset) {
   return p.window_left >= 0 ? max(0, window_first_key(p, i, offset)) / kBlockN : 0;
+}
+
+// The backward's walk over the queries of the key block [n0, n0 + kBlockN): the query blocks of
+// kBlockM rows some row of which sees one of its keys (query i sees keys i + offset - window_left
+// <= j <= i + offset + window_right; causal: window_right 0), as [x, y).
+template <int kBlockM, int kBlockN, typename Params>
+__device__ __forceinline__ int2 bwd_query_blocks(const Params& p, int n0, int offset) {
+  const int begin = p.window_right >= 0 ? max(0, n0 - offset - p.window_right) / kBlockM : 0;
+  const int end = p.window_left >= 0
+                      ? max(0, min(ceil_div(p.seqlen_q, kBlockM),
+                                   (n0 + kBlockN - 1 - offset + p.window_left) / kBlockM + 1))
+                      : ceil_div(p.seqlen_q, kBlockM);
+  return make_int2(begin, end);
+}
+
+// Whether a backward step (the query block at m0, the key block at n0) needs the per-element
+// mask: keys past the end, or a key outside some row's window.
+template <int kBlockM, int kBlockN, typename Params>
+__device__ __forceinline__ bool bwd_step_needs_mask(const Params& p, int n0, int m0, int offset) {
+  return n0 + kBlockN > p.seqlen_k ||
+         (p.window_right >= 0 && n0 + kBlockN - 1 > m0 + offset + p.window_right) ||
+         (p.window_left >= 0 && n0 < m0 + kBlockM - 1 + offset - p.window_left);
 }
 
 __device__ __forceinline__ float tanh_approx(float x) {

@@ -116,6 +116,44 @@ __device__ __forceinline__ void tma_load_5d(void* smem, const void* map, uint64_
       "r"(smem_u32(bar))
       : "memory");
 }
+// One TMA reduce-add of a 3-D box of fp32 from shared memory (laid out as the map's box and
+// swizzle) into the map's tensor, in the issuing thread's bulk group: elements of the box outside
+// the tensor are left alone.
+template <int N = 0>
+__device__ __forceinline__ void tma_reduce_add_3d(const void* map, const void* smem, int c0, int c1,
+                                                  int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], "
+      "[%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(smem)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Until at most N of this thread's bulk groups are still reading their shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Until at most N of this thread's bulk groups are still in flight (their writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// The 128 threads of one warpgroup at named barrier `id` (0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+// Every thread of a block whose warpgroups run different copies of one walk (the wide backward
+// where v's width differs from q's): a __syncthreads() there sits in code that diverges across the
+// block, which CUDA leaves undefined (and synccheck reports); a named barrier with the block's
+// thread count is defined from any site, as the forward's turns are.
+constexpr int kBlockBarrier = 3;
+template <int kThreads>
+__device__ __forceinline__ void block_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kBlockBarrier), "n"(kThreads) : "memory");
+}
 template <int N = 0>
 __device__ __forceinline__ void prefetch_tensor_map(const void* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
@@ -157,6 +195,13 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
 
 // The asm of one m64nNk16 wgmma for both input types (TYPE: "f16" or "bf16"), over d[N/8][4]:
 // the N/2 accumulators are operands %0 to %(N/2 - 1), in FLASHMOE_WGMMA_D_N* order.
+// S and dP over a warpgroup's 32 keys: the wgmma backward past head dim 128 (Sm90BwdWideTraits).
+#define FLASHMOE_WGMMA_D_N32                                                                    \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),     \
+      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define FLASHMOE_WGMMA_REGS_N32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FLASHMOE_WGMMA_D_N64                                                                    \
   "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),     \
       "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
@@ -195,7 +240,8 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
   "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
 
 // The shapes of the wgmma forward past head dim 128: S over 96 keys (d=192; 64 at d=256), P V
-// over the whole head dim (192 or 256 columns of O).
+// over the whole head dim (192 or 256 columns of O); P V over 96 columns of the padded 128 tile
+// (Sm90PaddedTraits at head dims up to 96).
 #define FLASHMOE_WGMMA_D_N96                                                                       \
   FLASHMOE_WGMMA_D_N64, "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), \
       "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), \
@@ -300,15 +346,26 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
 
 // d (+)= A B for one m64nNk16 step. mma_ss: A and B from shared memory (descriptors), both
 // K-major, or with kMnMajor both MN-major (transposed: the backward's dQ = dS K, dS^T and K as
-// stored). mma_rs: A from registers (the mma.sync A fragment of the warp's 16 rows), B MN-major
+// stored), or with kMnMajorB alone A K-major and B MN-major (the wide backward's dQ: dS as
+// stored, K). mma_rs: A from registers (the mma.sync A fragment of the warp's 16 rows), B MN-major
 // (transposed). scale_d = 0 overwrites d instead of adding to it.
-template <int N, typename T, bool kMnMajor = false>
+template <int N, typename T, bool kMnMajor = false, bool kMnMajorB = kMnMajor>
 __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b,
                                        int scale_d) {
-  static_assert(N == 64 || N == 128 || ((N == 96 || N == 112 || N == 176) && !kMnMajor),
-                "wgmma N: 64, 128 (or 96, 112, 176 K-major)");
+  static_assert(N == 64 || N == 128 || ((N == 32 || N == 96 || N == 112 || N == 176) && !kMnMajor),
+                "wgmma N: 64, 128 (or 32, 96, 112, 176 K-major)");
+  static_assert(kMnMajorB == kMnMajor || (N == 64 && !kMnMajor),
+                "A K-major with B MN-major: m64n64k16 only");
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 112 && kHalf) {
+  if constexpr (N == 32 && kHalf) {
+    FLASHMOE_WGMMA_SS_K_MAJOR(32, "f16", "16", "17", "18");
+  } else if constexpr (N == 32) {
+    FLASHMOE_WGMMA_SS_K_MAJOR(32, "bf16", "16", "17", "18");
+  } else if constexpr (N == 64 && kHalf && kMnMajorB && !kMnMajor) {
+    FLASHMOE_WGMMA_SS_N64("f16", "0, 1");
+  } else if constexpr (N == 64 && kMnMajorB && !kMnMajor) {
+    FLASHMOE_WGMMA_SS_N64("bf16", "0, 1");
+  } else if constexpr (N == 112 && kHalf) {
     FLASHMOE_WGMMA_SS_K_MAJOR(112, "f16", "56", "57", "58");
   } else if constexpr (N == 112) {
     FLASHMOE_WGMMA_SS_K_MAJOR(112, "bf16", "56", "57", "58");
@@ -341,9 +398,14 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t desc_a, ui
 template <int N, typename T>
 __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4],
                                        uint64_t desc_b, int scale_d) {
-  static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma N: 64, 128, 192 or 256");
+  static_assert(N == 64 || N == 96 || N == 128 || N == 192 || N == 256,
+                "wgmma N: 64, 96, 128, 192 or 256");
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  if constexpr (N == 192 && kHalf) {
+  if constexpr (N == 96 && kHalf) {
+    FLASHMOE_WGMMA_RS_WIDE(96, "f16", "{%48, %49, %50, %51}", "52", "53");
+  } else if constexpr (N == 96) {
+    FLASHMOE_WGMMA_RS_WIDE(96, "bf16", "{%48, %49, %50, %51}", "52", "53");
+  } else if constexpr (N == 192 && kHalf) {
     FLASHMOE_WGMMA_RS_WIDE(192, "f16", "{%96, %97, %98, %99}", "100", "101");
   } else if constexpr (N == 192) {
     FLASHMOE_WGMMA_RS_WIDE(192, "bf16", "{%96, %97, %98, %99}", "100", "101");
@@ -364,6 +426,8 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 
 #undef FLASHMOE_WGMMA_SS_K_MAJOR
 #undef FLASHMOE_WGMMA_RS_WIDE
+#undef FLASHMOE_WGMMA_D_N32
+#undef FLASHMOE_WGMMA_REGS_N32
 #undef FLASHMOE_WGMMA_D_N96
 #undef FLASHMOE_WGMMA_D_N112
 #undef FLASHMOE_WGMMA_REGS_N112

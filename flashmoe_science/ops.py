@@ -154,7 +154,7 @@ BACKWARD_CONFIGS = {
     1: "64 keys x 64 queries a step, 4 warps (72.5 KB at d128: fits sm_86/sm_89)",
     2: "128 keys x 64 queries a step, 8 warps (112.5 KB at d128: sm_80, sm_90)",
     3: "128 keys x 128 (d64) or 64 (d128) queries a step, 2 warpgroups, wgmma (sm_90a build on a "
-    "9.0 GPU)",
+    "9.0 GPU); 64 x 64 at d192 and d256, dK and dV transposed",
 }
 _BACKWARD_CONFIG_TEXT = ", ".join(f"{i} = {text}" for i, text in BACKWARD_CONFIGS.items())
 # Built for compute capability 9.0 and newer only (ptxas spills these tiles on sm_80/sm_89); the

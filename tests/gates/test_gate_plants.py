@@ -528,12 +528,88 @@ def test_planted_tile_wide_maps_fail_the_padded_wgmma_gates_and_only_them(run_pl
 
 
 def test_the_padded_plants_cases_are_gate_cases():
-    """Plant 18's cases are GPU gate cases: the failing ones padded on configuration 5."""
-    failing, passing = PADDED_SM90A_PLANT
+    """Plant 18's and 26's cases are GPU gate cases: the failing ones padded on configuration 5;
+    plant 26's at 96, its controls at 80 (columns 80-95 zeros) and on the whole-tile extent."""
+    for failing, passing in (PADDED_SM90A_PLANT, MMA96_PLANT):
+        assert {*failing, *passing} <= {c.id for c in matrix.gate_cases("gpu")}
+        padded = [parse_case_id(case_id) for case_id in failing]
+        assert {c.config for c in padded} == {5}
+        assert {(c.head_dim, c.value_head_dim) for c in padded} <= set(
+            matrix.WGMMA_PADDED_HEAD_DIMS
+        )
+    failing, passing = MMA96_PLANT
+    assert {parse_case_id(c).head_dim for c in failing} == {96}
+    assert {(parse_case_id(c).head_dim, parse_case_id(c).value_head_dim) for c in passing} == {
+        (80, 80),
+        (128, 64),
+    }
+
+
+# Plant 26 (the padded tile's MMAs over 96 columns reading columns 96-111 in place of 80-95 in
+# S's last step): every case at 96 on configuration 5 fails (dense, split, features); at 80,
+# whose columns 80-95 are zeros, and at v's 64 under 128 (the whole tile's extent) they pass.
+MMA96_PLANT = (
+    (
+        "fwd-bf16-d96-h8kv2-b2-s1000-causal-cfg5",
+        "fwd-bf16-d96-h8kv2-b2-q113-k203-full-cfg5-cap5",
+    ),
+    ("fwd-bf16-d80-h8kv2-b2-s1000-causal-cfg5", "fwd-bf16-d128v64-h8kv1-b2-s1000-full-cfg5"),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
+)
+def test_planted_short_reduction_fails_the_96_column_padded_tile_and_only_it(run_planted):
+    """With FLASHMOE_PLANT_BUG=26 S's last step on the 96-column padded tile reads the wrong
+    columns: every case at 96 fails a gate, and those at 80 and on the whole tile pass."""
+    _check_plant(run_planted, 26, MMA96_PLANT)
+
+
+# Plant 27 (the wgmma forward's plain instantiation leaves the sinks out of its rows' epilogue):
+# sinks alone run that instantiation on configurations 5 to 7 (the padded and past-128 tiles
+# too) and fail; with a window or a softcap they run the features instantiation, split KV folds
+# them in the combine, and the mma.sync forward folds its own: those pass.
+PLAIN_SINKS_SM90A_PLANT = (
+    (
+        "fwd-fp16-d128-h8kv1-b2-s1000-full-cfg5-sinks",
+        "fwd-fp16-d64-h8kv1-b2-s1000-full-cfg6-sinks",
+        "fwd-fp16-d128-h8kv1-b2-s1000-full-cfg7-sinks",
+        "fwd-fp16-d96-h8-b2-s1000-full-cfg5-splits1-sinks",
+        "fwd-fp16-d256-h8-b2-s1000-full-cfg5-splits1-sinks",
+        "fwd-fp16-d192v128-h8-b2-s1000-full-cfg5-splits1-sinks",
+    ),
+    (
+        "fwd-fp16-d64-h8kv2-b2-q113-k203-causal-cfg5-win210_0-sinks",
+        "fwd-bf16-d128-h8kv1-b2-s1000-causal-cfg7-win16_0-cap50-sinks",
+        "fwd-fp16-d256-h8kv1-b2-s1000-full-cfg5-splits3-sinks",
+        "fwd-fp16-d128-h8kv1-b2-s1000-full-cfg1-sinks",
+    ),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
+)
+def test_planted_dropped_sinks_fail_the_plain_wgmma_gates_and_only_them(run_planted):
+    """With FLASHMOE_PLANT_BUG=27 (the plain wgmma forward leaves the sinks out) every sinks-only
+    case on configurations 5 to 7 fails a gate; the features kernel, split KV and mma.sync pass."""
+    _check_plant(run_planted, 27, PLAIN_SINKS_SM90A_PLANT)
+
+
+def test_the_plain_sinks_plants_cases_are_gate_cases():
+    """Plant 27's cases are GPU gate cases: the failing ones sinks alone, unsplit, on 5 to 7."""
+    failing, passing = PLAIN_SINKS_SM90A_PLANT
     assert {*failing, *passing} <= {c.id for c in matrix.gate_cases("gpu")}
-    padded = [parse_case_id(case_id) for case_id in failing]
-    assert {c.config for c in padded} == {5}
-    assert {(c.head_dim, c.value_head_dim) for c in padded} <= set(matrix.WGMMA_PADDED_HEAD_DIMS)
+    plain = [parse_case_id(case_id) for case_id in failing]
+    assert {c.config for c in plain} == {5, 6, 7}
+    for case in plain:
+        assert case.sinks and case.softcap == 0 and case.window == (-1, -1), case.id
+        assert case.num_splits in (0, 1), case.id
 
 
 # ---- the planted-bug scripts themselves ------------------------------------------------------

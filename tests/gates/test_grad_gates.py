@@ -57,8 +57,10 @@ def test_matrix_covers_the_issue():
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     assert set(matrix.SEQLENS) <= {c.seqlen_q for c in GPU_CASES if c.seqlen_q == c.seqlen_k}
+    # (v's 64 under 128 only forced, with the padded tiles)
+    head_dims = {*matrix.HEAD_DIMS, *matrix.PADDED_FORCED_BACKWARD}
     assert {(c.head_dim, c.value_head_dim, c.dtype, c.causal) for c in GPU_CASES} == {
-        (*d, t, m) for d in matrix.HEAD_DIMS for t in ("fp16", "bf16") for m in (False, True)
+        (*d, t, m) for d in head_dims for t in ("fp16", "bf16") for m in (False, True)
     }
     expected = {(s, s) for s in matrix.SEQLENS} | set(matrix.UNEQUAL)
     for head_dims in matrix.HEAD_DIMS:  # the whole sequence matrix, and deterministic calls
@@ -79,7 +81,38 @@ def test_matrix_covers_the_issue():
         assert {(c.dtype, c.causal) for c in forced} == {
             (t, m) for t in ("fp16", "bf16") for m in (False, True)
         }
-    assert {c.head_dim for c in GPU_CASES if c.config} == {64, 128, 192, 256}
+    # the padded tiles on every backward configuration (3: the wgmma tile padded), both dtypes
+    # and masks, one deterministic call of 3 each
+    for dims in matrix.PADDED_FORCED_BACKWARD:
+        forced = [c for c in GPU_CASES if c.config and (c.head_dim, c.value_head_dim) == dims]
+        assert {c.config for c in forced} == set(matrix.PADDED_BACKWARD_CONFIGS)
+        assert {(c.dtype, c.causal) for c in forced if c.config == 3} == {
+            (t, m) for t in ("fp16", "bf16") for m in (False, True)
+        }
+        assert any(c.deterministic for c in forced if c.config == 3)
+    # the wgmma backward past 128, forced on every forced shape, both dtypes and masks, with a
+    # deterministic call and windows, softcap and sinks of each
+    for dims in matrix.WGMMA_WIDE_FORCED_BACKWARD:
+        forced = [c for c in GPU_CASES if c.config == 3 and (c.head_dim, c.value_head_dim) == dims]
+        plain = [c for c in forced if not c.softcap]
+        assert {(c.dtype, c.causal, c.seqlen_q, c.seqlen_k) for c in plain} == {
+            (t, m, *pair)
+            for t in ("fp16", "bf16")
+            for m in (False, True)
+            for pair in matrix.FORCED_PAIRS
+        }
+        assert any(c.deterministic for c in plain)
+        featured = [c for c in forced if c.softcap]
+        assert {c.causal for c in featured} == {False, True}
+        assert all(c.sinks and c.window != (-1, -1) for c in featured)
+        # configuration 2, which a Hopper card's automatic choice no longer runs there, forced
+        mma_sync = [
+            c for c in GPU_CASES if c.config == 2 and (c.head_dim, c.value_head_dim) == dims
+        ]
+        assert {(c.dtype, c.causal) for c in mma_sync} == {
+            (t, m) for t in ("fp16", "bf16") for m in (False, True)
+        }
+    assert {c.head_dim for c in GPU_CASES if c.config} == {64, 80, 96, 128, 192, 256}
     assert any(c.deterministic for c in GPU_CASES) and any(c.deterministic for c in CPU_CASES)
     assert len({c.id for c in GPU_CASES}) == len(GPU_CASES)
 
@@ -210,9 +243,9 @@ PLANTS = {
 # (an H100), so the mma.sync kernel is shown catching it too, forced (CUDA tile configurations are
 # refused on CPU tensors, so these run on CUDA only).
 CUDA_PLANT_CASES = {
-    4: ("bwd-bf16-d128-h8-b2-s129-full-cfg2",),
-    5: ("bwd-bf16-d128-h8kv2-b2-s129-full-cfg2",),
-    6: ("bwd-fp16-d128-h8-b2-q17-k250-full-cfg2",),
+    4: ("bwd-bf16-d128-h8-b2-s129-full-cfg2", "bwd-bf16-d192v128-h8-b2-s1000-causal-cfg3"),
+    5: ("bwd-bf16-d128-h8kv2-b2-s129-full-cfg2", "bwd-bf16-d256-h8kv2-b2-s65-full-cfg3"),
+    6: ("bwd-fp16-d128-h8-b2-q17-k250-full-cfg2", "bwd-fp16-d256-h8-b2-s1000-full-cfg3"),
 }
 
 
@@ -227,6 +260,95 @@ def test_planted_backward_bug_fails_a_gate(device, bug, run_planted):
     assert sorted(result["results"]) == sorted(case_ids)
     for case_id, failures in result["results"].items():
         assert failures, f"planted bug {bug} passed the gates on {case_id}"
+
+
+# Plant 19 (the wgmma backward's padded tile copying q, k, v and dO at the tile's width): every
+# padded case forced onto configuration 3 fails, deterministic (its dK/dV kernel without dQ's
+# atomics) included; the whole tile on 3 and the padded head dims on the mma.sync configuration 2
+# pass.
+PADDED_SM90A_BACKWARD_PLANT = (
+    (
+        "bwd-fp16-d96-h8kv1-b2-s257-full-cfg3",
+        "bwd-bf16-d96-h8kv1-b1-q2048-k2047-causal-cfg3-det",
+        "bwd-bf16-d80-h8kv2-b2-q113-k203-full-cfg3",
+        "bwd-fp16-d128v64-h8-b2-s1000-causal-cfg3",
+    ),
+    ("bwd-bf16-d128-h8-b2-s1000-full-cfg3", "bwd-bf16-d96-h8kv2-b2-s65-causal-cfg2"),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_planted_tile_wide_copies_fail_the_padded_wgmma_backward_and_only_it(run_planted):
+    """With FLASHMOE_PLANT_BUG=19 every padded case on configuration 3 fails a gradient gate; the
+    whole 128 tile and the mma.sync path at the same head dims pass."""
+    _check_wgmma_backward_plant(run_planted, 19, PADDED_SM90A_BACKWARD_PLANT)
+
+
+def _check_wgmma_backward_plant(run_planted, bug: int, plant) -> None:
+    """Plant `bug` fails a gradient gate on every case of plant[0] and on none of plant[1] (the
+    wgmma backward, configuration 3: an sm_90a build on a 9.0 GPU, else a skip)."""
+    from flashmoe_science import ops
+
+    if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
+        pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
+    failing, passing = plant
+    results = run_planted(bug, PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
+    assert sorted(results) == sorted((*failing, *passing))
+    for case_id in failing:
+        assert results[case_id], f"planted bug {bug} passed the gates on {case_id}"
+    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+
+
+def test_the_padded_backward_plants_cases_are_gate_cases():
+    """Plant 19's cases are GPU gate cases: the failing ones padded on configuration 3."""
+    from flashmoe_science.pipeline.cases import parse_case_id
+
+    failing, passing = PADDED_SM90A_BACKWARD_PLANT
+    ids = {c.id for c in matrix.backward_cases("gpu")}
+    assert {*failing, *passing} <= ids
+    padded = [parse_case_id(case_id) for case_id in failing]
+    assert {c.config for c in padded} == {3} and any(c.deterministic for c in padded)
+    assert all((c.head_dim, c.value_head_dim) != (128, 128) for c in padded)
+
+
+# Plant 25 (the wgmma backward past 128 reading Q's first panel for every tile of dK^T): every case
+# forced onto configuration 3 at 192, 256 and v's 128 under 192 fails, deterministic included; the
+# same head dims on the mma.sync configuration 2 (forced: a Hopper card's automatic choice there is
+# 3) and the 128 tile on 3 pass.
+WIDE_SM90A_BACKWARD_PLANT = (
+    (
+        "bwd-fp16-d192-h8-b2-s1000-full-cfg3",
+        "bwd-bf16-d256-h8kv2-b2-q113-k203-causal-cfg3-det",
+        "bwd-bf16-d192v128-h8kv1-b1-q2048-k2047-causal-cfg3",
+    ),
+    ("bwd-bf16-d128-h8-b2-s1000-full-cfg3", "bwd-bf16-d192-h8-b2-s1000-causal-cfg2"),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_planted_first_panel_fails_the_wide_wgmma_backward_and_only_it(run_planted):
+    """With FLASHMOE_PLANT_BUG=25 every wide case on configuration 3 fails a gradient gate; the
+    128 tile on 3 and configuration 2 at 192 pass."""
+    _check_wgmma_backward_plant(run_planted, 25, WIDE_SM90A_BACKWARD_PLANT)
+
+
+def test_the_backward_plants_cases_are_gate_cases():
+    """Plant 25's cases are GPU gate cases, its failing ones forced onto configuration 3 past 128
+    (each wide kernel: 192, 256, v's 128 under 192), a deterministic one among them; plants 4 to 6
+    reach the wide kernel too, on gate cases of its own."""
+    from flashmoe_science.pipeline.cases import parse_case_id
+
+    failing, passing = WIDE_SM90A_BACKWARD_PLANT
+    ids = {c.id for c in matrix.backward_cases("gpu")}
+    cuda_cases = {c for cases in CUDA_PLANT_CASES.values() for c in cases if c.endswith("cfg3")}
+    assert len(cuda_cases) == 3 and {*failing, *passing, *cuda_cases} <= ids
+    wide = [parse_case_id(case_id) for case_id in failing]
+    assert {c.config for c in wide} == {3} and any(c.deterministic for c in wide)
+    assert {(c.head_dim, c.value_head_dim) for c in wide} == set(matrix.WGMMA_WIDE_FORCED_BACKWARD)
+    for cases in CUDA_PLANT_CASES.values():
+        assert any(parse_case_id(c).config == 3 and parse_case_id(c).head_dim > 128 for c in cases)
 
 
 # ---- the autograd contract --------------------------------------------------------------------

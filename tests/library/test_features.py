@@ -237,6 +237,27 @@ def test_cuda_operators_take_the_features_as_the_cpu_does(op, require_cuda_build
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2, msg=name)
 
 
+@pytest.mark.gpu
+def test_a_large_softcap_keeps_the_running_max_on_the_wgmma_forward(require_cuda_build):
+    """bf16 with softcap 200 (c = 200 * log2(e) = 288, past the fixed max's bound of 80 in
+    Sm90Rows) and scores near 150: exp2(t * c) against a fixed max of 0 would overflow fp32, so
+    the wgmma forward (configurations 5 to 7) keeps the running max and matches the CPU. (A build
+    without FLASHMOE_FWD_SOFTCAP_FIXED_MAX runs the running max for every softcap.)"""
+    require_cuda_build()
+    from flashmoe_science import ops
+
+    if not ops.config_supported(5, torch.cuda.get_device_capability()):
+        pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
+    torch.manual_seed(0)
+    q, k, v = qkv(b=1, sk=256, d=128, dtype=torch.bfloat16)
+    k = k * 40.0  # scores q . k / sqrt(128) of spread 40, up to ~150: t up to ~0.6
+    want = flash_attention_forward(q, k, v, softcap=200.0)
+    assert want.isfinite().all()
+    for config in (5, 6, 7):
+        got = flash_attention_forward(q.cuda(), k.cuda(), v.cuda(), softcap=200.0, config=config)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
 def test_opcheck_with_window_softcap_and_sinks():
     """Schemas, fakes, autograd registration and dispatch of every operator with the features."""
     lib = torch.ops.flashmoe_science

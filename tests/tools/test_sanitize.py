@@ -446,8 +446,11 @@ def test_workload_covers_every_code_path():
     # dims 192 and 256 (94), 575 since the padded head dims (34), 600 since windows, softcap and
     # sinks (the CPU gate tier's 20), 640 since every configuration forced with them (40; racecheck
     # took 110 s over 592 calls on an H100), 660 since the wgmma forward at 192 and 256 (20), 665
-    # since its kernel of v's 128 under 192 (2)
-    assert len(workload) <= 665
+    # since its kernel of v's 128 under 192 (2), 670 since the 128 tile padded (the forward's 2
+    # and 80 and 96 on backward configurations 2 and 3, the wgmma backward's tile padded: 8), 682
+    # since the wgmma backward past 128 (12), 690 since the automatic choice takes it (2 forced
+    # at 192 and 256: 8)
+    assert len(workload) <= 690
     from flashmoe_science.ops import BACKWARD_CONFIGS
 
     # every backward kernel: each configuration this GPU runs (all of them, wgmma included, for an
@@ -603,7 +606,8 @@ def test_workload_covers_wide_head_dims():
     one (5; 6 and 7 are its kernel there) and the automatic choice over odd lengths with forced
     and automatic splits, decode with a fused combine over short caches, the wgmma kernel's
     cp.async path (many query rows against a cache), paged decode, packed batches (on 5 too) and
-    their backward, and the backward (1 and automatic) with dQ by atomics and deterministic;
+    their backward, and the backward (automatic, 1, and 2 where the card runs it) with dQ by
+    atomics and deterministic;
     appended, so the other calls keep their order."""
     from flashmoe_science.pipeline.gates.paged import PagedCase
     from flashmoe_science.pipeline.gates.varlen import VarlenCase
@@ -637,8 +641,10 @@ def test_workload_covers_wide_head_dims():
         for p in pairs
     )
     bwd = [c for c in cases if c.kind == "backward"]
+    # 2 as well where the card runs it: a Hopper card's automatic choice is the wgmma kernel
+    backward = (0, 1, *(k for k in (2,) if k in sanitize.workload_backward_configs()))
     assert {(c.dtype, c.head_dim, c.config, c.deterministic) for c in bwd} == {
-        (t, d, k, det) for t, d in pairs for k in (0, 1) for det in (False, True)
+        (t, d, k, det) for t, d in pairs for k in backward for det in (False, True)
     }
     paged = [c for c in wide if isinstance(c, PagedCase)]
     assert {(c.dtype, c.head_dim) for c in paged} == pairs and {16, 64} <= {
@@ -650,6 +656,30 @@ def test_workload_covers_wide_head_dims():
     }
     backward = [c for c in wide if isinstance(c, sanitize.VarlenBackward)]
     assert {(c.forward.dtype, c.forward.head_dim) for c in backward} == pairs
+
+
+def test_workload_covers_the_wide_wgmma_backward_last():
+    """Backward configuration 3 past 128 (Sm90BwdWideTraits) where the card runs it: each of its
+    kernels (192, 256, v's 128 under 192; both dtypes; dQ by atomics and deterministic), causal
+    with rows that see no key, GQA, and the window, softcap and sinks; the workload's last block."""
+    from flashmoe_science.pipeline.gates import matrix
+
+    workload = sanitize.workload_cases()
+    wide = sanitize.wide_wgmma_backward_workload()
+    if 3 not in sanitize.workload_backward_configs():
+        assert wide == []
+        return
+    assert workload[len(workload) - len(wide) :] == wide
+    assert {(c.head_dim, c.value_head_dim, c.dtype, c.deterministic) for c in wide} == {
+        (*dims, t, det)
+        for dims in matrix.WGMMA_WIDE_FORCED_BACKWARD
+        for t in ("fp16", "bf16")
+        for det in (False, True)
+    }
+    assert all(c.config == 3 and c.heads_q > c.heads_kv for c in wide)
+    assert any(c.causal and c.seqlen_q > c.seqlen_k for c in wide)
+    featured = [c for c in wide if c.softcap and c.sinks and c.window != (-1, -1)]
+    assert {c.head_dim for c in featured} == {192, 256} and any(c.deterministic for c in featured)
 
 
 @pytest.fixture(scope="module")
@@ -1221,14 +1251,17 @@ const __half *, long, int, int, int)+0x1b70 in /work/main/csrc/flash_kernel_util
 def test_workload_covers_padded_head_dims_last():
     """80 and 96 on the 128 tile and v's 128 under 192: each mma.sync forward configuration the
     card runs and the automatic choice, split partials and their combine, decode with a fused
-    combine, the backward (1 and automatic, atomic and deterministic dQ), and paged decode and
-    packed batches where v's head dim is q's; appended after the wide head dims."""
+    combine, the backward (automatic, 1, 2 and the wgmma one where the card runs them, atomic and
+    deterministic dQ), and paged decode and
+    packed batches where v's head dim is q's; appended after the wide head dims, before the wide
+    wgmma backward's block."""
     from flashmoe_science.pipeline.gates.paged import PagedCase
     from flashmoe_science.pipeline.gates.varlen import VarlenCase
 
     workload = sanitize.workload_cases()
     padded = sanitize.padded_head_dim_workload(sanitize.workload_configs())
-    assert workload[-len(padded) :] == padded
+    end = len(workload) - len(sanitize.wide_wgmma_backward_workload())
+    assert workload[end - len(padded) : end] == padded
     assert sanitize.PADDED_HEAD_DIMS == ((80, 80), (96, 96), (192, 128))
     for dims in sanitize.PADDED_HEAD_DIMS:
         mine = [c for c in padded if isinstance(c, Case) and (c.head_dim, c.value_head_dim) == dims]
@@ -1246,7 +1279,11 @@ def test_workload_covers_padded_head_dims_last():
         ]
         assert decode == [*([(0, 5, True)] if wgmma else []), (7, 0, True)]
         bwd = {(c.config, c.deterministic) for c in mine if c.kind == "backward"}
-        assert bwd == {(0, False), (0, True), (1, False), (1, True)}
+        forced = sanitize.workload_backward_configs()
+        configs = {0, 1, *(c for c in (2,) if c in forced)}
+        if dims in sanitize.WGMMA_BWD_PADDED_FORCED and 3 in forced:
+            configs.add(3)  # the wgmma backward's 128 tile padded
+        assert bwd == {(c, d) for c in configs for d in (False, True)}
         others = [c for c in padded if not isinstance(c, Case) and c.head_dim == dims[0]]
         expected = {PagedCase, VarlenCase} if dims[0] == dims[1] else set()
         assert {type(c) for c in others} == expected

@@ -291,6 +291,13 @@ def _feature_cases_at(dims: Sequence[tuple[int, int]]) -> Iterator[Case]:
         head_dim, head_dim_v = dims[(index // 2) % len(dims)]
         case = dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v)
         yield _with_features(case, combo, index)
+    # Sinks alone on one split: the plain instantiation's rows' epilogue folds them (split KV
+    # leaves them to the combine, which the cases above cover).
+    index = len(FORCED_FEATURE_PAIRS) * len(FEATURE_COMBOS)
+    case = _turned_case("prefill", index, 1000, 1000, config=WGMMA_WIDE_MATRIX_CONFIG, num_splits=1)
+    head_dim, head_dim_v = dims[-1]
+    case = dataclasses.replace(case, head_dim=head_dim, head_dim_v=head_dim_v)
+    yield _with_features(case, ("sinks",), index)
 
 
 def _new_head_dim_matrix(kind: str, pairs: list[tuple[int, int]]) -> Iterator[Case]:
@@ -547,10 +554,25 @@ def cpu_tier_ids() -> frozenset[str]:
 FORCED_PAIRS = ((1, 1), (65, 65), (257, 257), (1000, 1000), (113, 203), (2048, 2047))
 # The head dims past 128 the CUDA kernels take, each with backward configuration 1 forced: its
 # warps share their keys (16 keys among 2 or 4 warps), and the automatic choice takes it only
-# where 2 does not fit (sm86/sm89), so an H100 gates it only here. 2 needs more shared memory than
-# an sm86/sm89 block has, and 3 (wgmma) takes 64 and 128 only: both run through the automatic
-# choice where they can.
+# where 2 does not fit (sm86/sm89), so an H100 gates it only here. 2 and 3 (the wgmma kernel past
+# 128, the automatic choice of a Hopper card with the sm_90a build) are forced in blocks of their
+# own below (WGMMA_WIDE_FORCED_BACKWARD).
 WIDE_FORCED_BACKWARD = ((192, 1), (256, 1))
+# The wgmma backward's 128 tile run padded (configuration 3: Sm90BwdPaddedTraits), which the
+# automatic choice of a Hopper card now takes at 80, 96, 112, v's 64 under 128, ...: each forced
+# on the forced shapes, with the mma.sync configurations those head dims ran before (2, and 1 as
+# an L4 runs it), so every card's choice stays gated on one card. Appended after every earlier
+# case, whose ids stay as they were.
+PADDED_FORCED_BACKWARD = ((96, 96), (80, 80), (128, 64))
+PADDED_BACKWARD_CONFIGS = (1, 2, 3)
+# The wgmma backward past 128 (configuration 3 runs Sm90BwdWideTraits there): forced on every
+# forced shape, both dtypes and masks, with a deterministic call and a windowed, soft-capped call
+# with sinks of each (its own mask and softcap code). Appended after every earlier case.
+WGMMA_WIDE_FORCED_BACKWARD = ((192, 192), (256, 256), (192, 128))
+# Configuration 2 at those head dims, which a Hopper card's automatic choice no longer runs: each
+# dtype and mask forced on the forced shapes in turn (the automatic cases of a card without the
+# sm_90a build run it over the whole matrix). Appended after the above.
+WIDE_MMA_SYNC_FORCED_BACKWARD_CONFIG = 2
 DETERMINISTIC_PAIRS = ((129, 129), (1000, 1000), (203, 113))
 DETERMINISTIC_PAIRS_CPU = ((129, 129), (203, 113))
 
@@ -603,6 +625,50 @@ def backward_cases(tier: str) -> Iterator[Case]:
     for (head_dim, config), dtype, causal, (seqlen_q, seqlen_k) in variants:
         yield case(dtype, head_dim, causal, seqlen_q, seqlen_k, config=config)
     yield from feature_cases("gpu", "backward")
+    variants = itertools.product(
+        PADDED_FORCED_BACKWARD, PADDED_BACKWARD_CONFIGS, DTYPES, (False, True)
+    )
+    for index, ((head_dim, head_dim_v), config, dtype, causal) in enumerate(variants):
+        seqlen_q, seqlen_k = FORCED_PAIRS[index % len(FORCED_PAIRS)]
+        yield case(
+            dtype,
+            head_dim,
+            causal,
+            seqlen_q,
+            seqlen_k,
+            config=config,
+            head_dim_v=head_dim_v,
+            deterministic=config == 3 and index % 4 == 3,
+        )
+    variants = itertools.product(WGMMA_WIDE_FORCED_BACKWARD, DTYPES, (False, True), FORCED_PAIRS)
+    for index, ((head_dim, head_dim_v), dtype, causal, (seqlen_q, seqlen_k)) in enumerate(variants):
+        yield case(
+            dtype,
+            head_dim,
+            causal,
+            seqlen_q,
+            seqlen_k,
+            config=3,
+            head_dim_v=head_dim_v,
+            deterministic=index % len(FORCED_PAIRS) == 4,
+        )
+    for index, ((head_dim, head_dim_v), causal) in enumerate(
+        itertools.product(WGMMA_WIDE_FORCED_BACKWARD, (False, True))
+    ):
+        forced = case("bf16", head_dim, causal, 257, 257, config=3, head_dim_v=head_dim_v)
+        yield _with_features(forced, ("window", "softcap", "sinks"), index)
+    variants = itertools.product(WGMMA_WIDE_FORCED_BACKWARD, DTYPES, (False, True))
+    for index, ((head_dim, head_dim_v), dtype, causal) in enumerate(variants):
+        seqlen_q, seqlen_k = FORCED_PAIRS[index % len(FORCED_PAIRS)]
+        yield case(
+            dtype,
+            head_dim,
+            causal,
+            seqlen_q,
+            seqlen_k,
+            config=WIDE_MMA_SYNC_FORCED_BACKWARD_CONFIG,
+            head_dim_v=head_dim_v,
+        )
 
 
 # ---- local attention, soft-capping and sinks ------------------------------------------------------

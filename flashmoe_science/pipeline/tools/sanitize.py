@@ -312,6 +312,7 @@ def _all_workload_cases() -> list:
         *feature_workload(),
         *forced_feature_workload(configs, workload_backward_configs()),
         *padded_head_dim_workload(configs),
+        *wide_wgmma_backward_workload(),
     ]
 
 
@@ -443,7 +444,8 @@ def wide_head_dim_workload(configs: Sequence[int]) -> list:
     automatic splits, GQA 4 and a strided view), decode with a fused split combine over short
     caches, the wgmma kernel's cp.async path (many query rows against a cache), paged decode (a
     small and a large block size), packed batches (the wgmma kernel's too) and their backward, and
-    the backward (1 and automatic) with dQ by atomics and deterministic."""
+    the backward (automatic, 1 and 2 where the card runs it) with dQ by atomics and
+    deterministic."""
     from ..cases import Case
     from ..gates.paged import PagedCase
     from ..gates.varlen import VarlenCase
@@ -501,23 +503,62 @@ def wide_head_dim_workload(configs: Sequence[int]) -> list:
             )
         lengths_q, lengths_k = VARLEN_LENGTHS[1]
         cases.append(VarlenBackward(VarlenCase(dtype, head_dim, 4, 1, lengths_q, lengths_k, False)))
-        for config, deterministic in itertools.product((0, 1), (False, True)):
-            cases.append(
-                Case(
-                    "backward",
-                    dtype,
-                    1,
-                    8,
-                    2,
-                    129,
-                    257 if deterministic else 65,
-                    head_dim,
-                    True,
-                    layout="bshd" if config else "bhsd",
-                    config=config,
-                    deterministic=deterministic,
-                )
+        # 0: on a Hopper card with the sm_90a build, the wgmma backward past 128 (its forced calls
+        # are the last block), so 2 (the mma.sync kernel elsewhere) is forced too
+        backward = (0, 1, *(c for c in (2,) if c in workload_backward_configs()))
+        for config, deterministic in itertools.product(backward, (False, True)):
+            layout = "bshd" if config else "bhsd"
+            cases.append(small_backward_case(dtype, head_dim, config, deterministic, layout=layout))
+    return cases
+
+
+def small_backward_case(dtype: str, head_dim: int, config: int, deterministic: bool, **options):
+    """A backward call of the workload's head-dim blocks: GQA 4 (8 query heads on 2), 129 queries
+    against 65 keys (causal: rows that see no key), or against 257 keys deterministic."""
+    from ..cases import Case
+
+    options.setdefault("causal", True)
+    return Case(
+        "backward",
+        dtype,
+        1,
+        8,
+        2,
+        129,
+        257 if deterministic else 65,
+        head_dim=head_dim,
+        config=config,
+        deterministic=deterministic,
+        **options,
+    )
+
+
+def wide_wgmma_backward_workload() -> list:
+    """The wgmma backward past 128 (backward configuration 3 at 192, 256 and v's 128 under 192:
+    Sm90BwdWideTraits) where this GPU runs it: each of its kernels (both dtypes, dQ by atomics
+    and deterministic), causal with rows that see no key, GQA 4, and a window, softcap and sinks
+    on a third of the calls; appended after every other block."""
+    from ..gates.matrix import WGMMA_WIDE_FORCED_BACKWARD
+
+    if 3 not in workload_backward_configs():
+        return []
+    cases = []
+    variants = itertools.product(WGMMA_WIDE_FORCED_BACKWARD, ("fp16", "bf16"), (False, True))
+    for index, ((head_dim, head_dim_v), dtype, deterministic) in enumerate(variants):
+        featured = index % 3 == 1
+        cases.append(
+            small_backward_case(
+                dtype,
+                head_dim,
+                3,
+                deterministic,
+                causal=not featured,
+                head_dim_v=head_dim_v,
+                window=(16, 3) if featured else (-1, -1),
+                softcap=5.0 if featured else 0.0,
+                sinks=featured,
             )
+        )
     return cases
 
 
@@ -528,12 +569,15 @@ PADDED_HEAD_DIMS = ((80, 80), (96, 96), (192, 128))
 # Those the wgmma forward (configuration 5) runs as well: v's 128 under q's and k's 192 (a kernel
 # of its own), 80 and 96 (its 128 tile run padded: Sm90PaddedTraits).
 WGMMA_PADDED_FORCED = ((192, 128), (80, 80), (96, 96))
+# Those the wgmma backward (configuration 3) runs, its 128 tile padded (Sm90BwdPaddedTraits).
+WGMMA_BWD_PADDED_FORCED = ((80, 80), (96, 96))
 
 
 def padded_head_dim_workload(configs: Sequence[int]) -> list:
     """PADDED_HEAD_DIMS in bf16: the mma.sync forward configurations this GPU runs and the
     automatic choice, with forced splits (the partials and the combine); decode with a fused
-    combine; the backward (1 and automatic) with dQ by atomics and deterministic; paged decode
+    combine; the backward (automatic, 1, 2, and 3 at 80 and 96 where this GPU runs it: the
+    wgmma backward's tile padded) with dQ by atomics and deterministic; paged decode
     and packed batches where v's head dim is q's (their cases have one head dim). v's 128 under
     q's and k's 192, 80 and 96 run on the wgmma forward too, where this GPU runs configuration 5
     (WGMMA_PADDED_FORCED: TMA with split partials, cp.async with cache lengths)."""
@@ -595,21 +639,14 @@ def padded_head_dim_workload(configs: Sequence[int]) -> list:
                 **dims,
             )
         )
-        for config, deterministic in itertools.product((0, 1), (False, True)):
+        # 0: on a Hopper card with the sm_90a build, 80 and 96 run the wgmma backward's 128 tile
+        # padded (Sm90BwdPaddedTraits), so 2 (their mma.sync kernel elsewhere) is forced too
+        backward = (0, 1, *(c for c in (2, 3) if c in workload_backward_configs()))
+        if (head_dim, head_dim_v) not in WGMMA_BWD_PADDED_FORCED:
+            backward = tuple(c for c in backward if c != 3)
+        for config, deterministic in itertools.product(backward, (False, True)):
             cases.append(
-                Case(
-                    "backward",
-                    "bf16",
-                    1,
-                    8,
-                    2,
-                    129,
-                    257 if deterministic else 65,
-                    causal=True,
-                    config=config,
-                    deterministic=deterministic,
-                    **dims,
-                )
+                small_backward_case("bf16", head_dim, config, deterministic, head_dim_v=head_dim_v)
             )
         if head_dim == head_dim_v:
             cases.append(PagedCase("bf16", head_dim, 8, 2, 1, PAGED_LENGTHS, 16, num_splits=3))
