@@ -59,6 +59,21 @@ def test_a_case_needs_the_kernel_of_its_configuration_and_splits(case_id, needs)
     assert kernels.needs(case) == {(op, case.dtype, case.head_dim, c) for op, c in needs}
 
 
+def test_the_combine_of_a_narrower_v_is_the_outputs_width():
+    """Under q's and k's 192 with v's 128 the split-KV combine runs at 128 (the output's width): a
+    build restricted to 192 lacks it, so its gates and sanitize calls with splits are not run there
+    (they failed with "not the combine kernel for bf16, head_dim 128" on an H100)."""
+    split = parse_case_id("fwd-bf16-d192v128-h8kv2-b2-q113-k203-causal-cfg5")
+    assert kernels.needs(split) == {("fwd_sm90a", "bf16", 192, 5), ("combine", "bf16", 128, 0)}
+    backward = parse_case_id("bwd-bf16-d192v128-h8-b2-s1000-causal-cfg2")
+    assert ("combine", "bf16", 128, 0) in kernels.needs(backward)
+    only_192 = _loader.Restriction(head_dim=(192,))
+    assert not kernels.holds(only_192, kernels.needs(split))
+    assert kernels.holds(_loader.Restriction(head_dim=(128, 192)), kernels.needs(split))
+    unsplit = parse_case_id("fwd-bf16-d192v128-h8-b2-s512-causal-cfg5-splits1")
+    assert kernels.holds(only_192, kernels.needs(unsplit))
+
+
 def test_varlen_and_paged_cases_need_their_kernel_and_the_dense_cross_check():
     varlen = dataclasses.replace(varlen_gates.varlen_cases("gpu")[0], config=4)
     assert ("varlen", varlen.dtype, varlen.head_dim, 4) in kernels.needs(varlen)

@@ -29,16 +29,19 @@ FORWARD_FAMILIES = {config: op for op in AUTO_FORWARD for config in ONLY_OPS[op]
 BACKWARD_FAMILIES = {config: op for op in AUTO_BACKWARD for config in ONLY_OPS[op][1]}
 
 
-def forward_needs(dtype: str, head_dim: int, config: int, num_splits: int) -> set[Need]:
+def forward_needs(
+    dtype: str, head_dim: int, config: int, num_splits: int, combine_head_dim: int | None = None
+) -> set[Need]:
     """One call of the dense forward (prefill or decode): the kernel of `config` (0: any the
     automatic choice takes), and the split-KV combine unless the splits are forced to 1 or the
-    decode kernel, which combines its own, runs."""
+    decode kernel, which combines its own, runs. The combine's tile is the output's (v's) width,
+    `combine_head_dim` (default: `head_dim`): 128 under q's and k's 192."""
     if config:
         needs = {(FORWARD_FAMILIES[config], dtype, head_dim, config)}
     else:
         needs = {(op, dtype, head_dim, None) for op in AUTO_FORWARD}
     if num_splits != 1 and config != 3:
-        needs.add(("combine", dtype, head_dim, 0))
+        needs.add(("combine", dtype, combine_head_dim or head_dim, 0))
     return needs
 
 
@@ -55,17 +58,19 @@ def needs(case: Case | VarlenCase | PagedCase) -> set[Need]:
     (80 and 96 run the 128 tile's kernels, q's and k's 192 with v's 128 the 192 tile's)."""
     dims = (case.head_dim, case.value_head_dim) if isinstance(case, Case) else (case.head_dim,)
     dtype, head_dim = case.dtype, tile_head_dim(*dims) or case.head_dim
+    combine = tile_head_dim(dims[-1]) or dims[-1]  # the split-KV combine's: the output's width
     if isinstance(case, VarlenCase):  # the packed call, then our dense forward per sequence
         packed = {("varlen", dtype, head_dim, case.config or None)}
         return packed | forward_needs(dtype, head_dim, 0, 0)
     if isinstance(case, PagedCase):  # the paged decode, then the decode of a contiguous copy
         paged = {("paged", dtype, head_dim, 3)}
-        return paged | forward_needs(dtype, head_dim, 0, case.num_splits)
+        return paged | forward_needs(dtype, head_dim, 0, case.num_splits, combine)
     if case.kind in ("prefill", "decode"):
-        return forward_needs(dtype, head_dim, case.config, case.num_splits)
+        return forward_needs(dtype, head_dim, case.config, case.num_splits, combine)
     # backward and train: autograd through flash_attention_forward (its configuration and splits
     # automatic; a backward case's -cfgN is the backward's)
-    return forward_needs(dtype, head_dim, 0, 0) | backward_needs(dtype, head_dim, case.config)
+    forward = forward_needs(dtype, head_dim, 0, 0, combine)
+    return forward | backward_needs(dtype, head_dim, case.config)
 
 
 def restriction_for(wanted: Iterable[Need]) -> Restriction:
