@@ -146,13 +146,14 @@ __device__ __forceinline__ void warpgroup_sync(int id) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
 // Every thread of a block whose warpgroups run different copies of one walk (the wide backward
-// where v's width differs from q's): a __syncthreads() there sits in code that diverges across the
-// block, which CUDA leaves undefined (and synccheck reports); a named barrier with the block's
-// thread count is defined from any site, as the forward's turns are.
+// where v's width differs from q's). __syncthreads() and bar.sync are aligned barriers: every
+// thread must reach the same instruction, which the copies break (synccheck: "Divergent thread(s)
+// in block", at __syncthreads and at bar.sync alike). barrier.sync without .aligned may be reached
+// from different sites; barrier 3 (0 is __syncthreads', 1 and 2 warpgroup_sync's).
 constexpr int kBlockBarrier = 3;
 template <int kThreads>
 __device__ __forceinline__ void block_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kBlockBarrier), "n"(kThreads) : "memory");
+  asm volatile("barrier.sync %0, %1;\n" ::"n"(kBlockBarrier), "n"(kThreads) : "memory");
 }
 template <int N = 0>
 __device__ __forceinline__ void prefetch_tensor_map(const void* map) {
