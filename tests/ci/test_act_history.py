@@ -182,13 +182,18 @@ def run_history(
 
 @pytest.mark.slow
 def test_each_push_adds_a_commit_with_its_bench_json_and_the_trend_grows(tmp_path, remote):
-    for n in range(1, 7):
+    """Pushes 1 and 2 (on an empty branch, then on it) and 6 run under act; main's runs 3 to 5 of
+    the l4 leg are stored as the job stores them (seed), so its sixth run has five before it."""
+    for n in (1, 2, 6):
+        if n == 6:
+            seed(remote, tmp_path, range(3, 6))
+        before = len(history_commits(remote))
         doc = bench_doc(n)
         rc, log, summary, comments = run_history(tmp_path, remote, n, doc)
         assert rc == 0, log[-4000:]
         assert not comments
         commits = history_commits(remote)
-        assert len(commits) == len(gpukinds.KINDS) * n, "a commit per push and GPU kind"
+        assert len(commits) == before + len(gpukinds.KINDS), "a commit per push and GPU kind"
         name = trend.point_name(trend.point_of(benchrecords.from_json(doc), sha_of(n)))
         newest = commits[: len(gpukinds.KINDS)]
         for commit, kind in zip(newest, reversed(gpukinds.KINDS), strict=True):  # newest first
