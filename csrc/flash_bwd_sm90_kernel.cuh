@@ -51,6 +51,32 @@ struct Sm90BwdPaddedTraits : Tiles {
   static constexpr bool kPadded = true;
 };
 
+#if FLASHMOE_BWD_DQ_TMA
+// A warpgroup's 64 x 64 fp32 dQ chunk (wgmma's m64n64 accumulators) into `stage` as the dQ map's
+// two boxes of 32 columns (rows of 128 bytes whose 16-byte chunks are swizzled by the row, as the
+// map's 128-byte swizzle reads them), made visible to the TMA unit. The warpgroup's leader first
+// waits until its previous reduce has read the stage; the caller's leader then issues the
+// reduces (sm90::tma_reduce_add_3d a box) and commits them. Named barrier 1 + wg.
+__device__ __forceinline__ void stage_dq_chunk(float* stage, const float (&acc_dq)[8][4], int wg,
+                                               bool leader, int row_in_wg, int lane) {
+  if (leader) sm90::bulk_wait_group_read<0>();
+  sm90::warpgroup_sync(1 + wg);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = row_in_wg + hh * 8;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int chunk = (nt & 3) * 2 + (lane & 3) / 2;  // 16-byte chunk of the box's row
+      float* dst =
+          stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ (row & 7)) * 4 + (lane & 1) * 2;
+      *reinterpret_cast<float2*>(dst) = make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
+    }
+  }
+  sm90::fence_proxy_async();  // the chunk's stores, visible to the TMA unit
+  sm90::warpgroup_sync(1 + wg);
+}
+#endif
+
 template <typename Traits, typename T, bool kAtomicDq>
 __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
@@ -303,28 +329,11 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
       sm90::fence_operands(acc_dv);
       sm90::fence_operands(acc_dk);
 #if FLASHMOE_BWD_DQ_TMA
-      // This warpgroup's 64 x 64 dQ tile through shared memory (two boxes of 32 columns, rows of
-      // 128 bytes whose 16-byte chunks are swizzled by the row, as the map's 128-byte swizzle
-      // reads them), then one TMA reduce-add a box into dq_accum: rows past Sq lie outside the
-      // map and are left alone. The leader waits until the previous step's reduce has read the
-      // tile before anyone writes it again.
+      // This warpgroup's 64 x 64 dQ tile through shared memory (stage_dq_chunk), then one TMA
+      // reduce-add a box into dq_accum: rows past Sq lie outside the map and are left alone.
       float* stage = sDq + wg * 64 * 64;
       const bool leader = tid % 128 == 0;
-      if (leader) sm90::bulk_wait_group_read<0>();
-      sm90::warpgroup_sync(1 + wg);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = row_in_wg + hh * 8;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const int chunk = (nt & 3) * 2 + (lane & 3) / 2;  // 16-byte chunk of the box's row
-          float* dst =
-              stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ (row & 7)) * 4 + (lane & 1) * 2;
-          *reinterpret_cast<float2*>(dst) = make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
-        }
-      }
-      sm90::fence_proxy_async();  // the tile's stores, visible to the TMA unit
-      sm90::warpgroup_sync(1 + wg);
+      stage_dq_chunk(stage, acc_dq, wg, leader, row_in_wg, lane);
       if (leader && add_dq) {
         const int bh = b * p.heads_q + step_head(step);
 #pragma unroll
@@ -676,30 +685,14 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
         sm90::wait_group<0>();
         sm90::fence_operands(acc_dq);
 #if FLASHMOE_BWD_DQ_TMA
-        // The 64 x 64 chunk through shared memory (two boxes of 32 columns, rows of 128 bytes
-        // whose 16-byte chunks are swizzled by the row, as the map reads them), then one TMA
-        // reduce-add a box into dq_accum (rows past Sq lie outside the map). The stage is this
-        // step's dO buffer (warpgroup 0) or Q buffer (1): their last reader, the warpgroup's own
-        // dV^T (dK^T), is done (wait_group above), and step + 2's copies into them wait for the
-        // reads (bulk_wait_group_read at the end of the step, before the next barrier).
+        // The 64 x 64 chunk through shared memory (stage_dq_chunk), then one TMA reduce-add a
+        // box into dq_accum (rows past Sq lie outside the map). The stage is this step's dO
+        // buffer (warpgroup 0) or Q buffer (1): their last reader, the warpgroup's own dV^T
+        // (dK^T), is done (wait_group above), and step + 2's copies into them wait for the reads
+        // (bulk_wait_group_read at the end of the step, before the next barrier).
         float* stage = reinterpret_cast<float*>(wg == 0 ? sdO + buf * BM * DV : sQ + buf * BM * D);
         const bool leader = tid % 128 == 0;
-        if (leader) sm90::bulk_wait_group_read<0>();  // the previous chunk's reduce has read it
-        sm90::warpgroup_sync(1 + wg);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = row_in_wg + hh * 8;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            const int chunk = (nt & 3) * 2 + (lane & 3) / 2;  // 16-byte chunk of the box's row
-            float* dst =
-                stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ (row & 7)) * 4 + (lane & 1) * 2;
-            *reinterpret_cast<float2*>(dst) =
-                make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
-          }
-        }
-        sm90::fence_proxy_async();  // the chunk's stores, visible to the TMA unit
-        sm90::warpgroup_sync(1 + wg);
+        stage_dq_chunk(stage, acc_dq, wg, leader, row_in_wg, lane);
         if (leader && add_dq) {
           const int bh = b * p.heads_q + step_head(step);
 #pragma unroll
