@@ -90,7 +90,8 @@ constexpr const char* kWgmmaHeadDimsText =
     "to 128, padded)";
 constexpr int kWgmmaBwdHeadDims[] = {64, 128, 192, 256};
 constexpr const char* kWgmmaBwdHeadDimsText =
-    "64, 128, 192 and 256 (v's equal), or every multiple of 8 up to 128 padded onto the 128 tile";
+    "64, 128, 192 and 256 (v's equal), or 192 with v's 128, or every multiple of 8 up to 128 "
+    "padded onto the 128 tile";
 template <size_t N>
 constexpr bool listed_head_dim(const int (&dims)[N], int head_dim) {
   for (const int d : dims) {
@@ -153,14 +154,12 @@ inline bool wgmma_head_dims(int64_t head_dim, int64_t head_dim_v, int64_t config
 inline bool wgmma_chosen(int64_t head_dim, int64_t head_dim_v) {
   return wgmma_whole_head_dims(head_dim, head_dim_v) || wgmma_padded(head_dim, head_dim_v);
 }
-// The head dims the wgmma backward (configuration 3) runs: 64, 128, 192 and 256 whole (192 and
-// 256 on Sm90BwdWideTraits), and those the 128 tile holds padded (wgmma_padded:
-// Sm90BwdPaddedTraits), as the forward's configuration 5 does. Not v's 128 under 192: its
-// Sm90BwdWideTraits<192, 128> (branch wgmma-bwd-wide) waits for its gates on a GPU
-// (benches/notes/backward.md, bwd v5.2).
+// The head dims the wgmma backward (configuration 3) runs: 64, 128, 192 and 256 whole, v's 128
+// under 192 (those two Sm90BwdWideTraits), and those the 128 tile holds padded (wgmma_padded:
+// Sm90BwdPaddedTraits), as the forward's configuration 5 does.
 inline bool wgmma_bwd_head_dims(int64_t head_dim, int64_t head_dim_v) {
   return (head_dim == head_dim_v && is_wgmma_bwd_head_dim(int(head_dim))) ||
-         wgmma_padded(head_dim, head_dim_v);
+         wgmma_narrow_v(head_dim, head_dim_v) || wgmma_padded(head_dim, head_dim_v);
 }
 // Whether a configuration has a packed-batch (varlen) kernel: not the decode kernel, 6 or 7
 // (visit_config compiles none for them; ops.NO_PACKED_CONFIGS is the Python side's copy).
@@ -1181,7 +1180,8 @@ template <int D>
 using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 
 // `padded`: the call's head dims are narrower than the tile D (configuration 3 then runs
-// Sm90BwdPaddedTraits at 128; the mma.sync kernels take any head dims the tile holds).
+// Sm90BwdPaddedTraits at 128, and Sm90BwdWideTraits<192, 128> at 192, v's 128 being the one it
+// takes there; the mma.sync kernels take any head dims the tile holds).
 template <typename T, int D, bool kAtomicDq, typename F>
 void visit_bwd_config(int config, F&& f, bool padded = false) {
   if (config == 1) {
@@ -1193,6 +1193,14 @@ void visit_bwd_config(int config, F&& f, bool padded = false) {
         using Traits = Sm90BwdPaddedTraits<Sm90BwdTraits<D>>;
         FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
                        &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+        return;
+      }
+    }
+    if constexpr (D == 192) {
+      if (padded) {  // v's 128 (the host takes no other head dims onto this tile)
+        using Traits = Sm90BwdWideTraits<D, 128>;
+        FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                       &flash_bwd_sm90_wide_kernel<Traits, T, kAtomicDq>);
         return;
       }
     }
@@ -1481,7 +1489,7 @@ void append_kernel_launches(std::string& out) {
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
     visit_bwd_config<T, D, false>(
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
-    if (config == kSm90aBwdConfig && D == 128) {  // padded
+    if (config == kSm90aBwdConfig && (D == 128 || D == 192)) {  // padded, v's 128 under 192
       visit_bwd_config<T, D, true>(
           config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), true);
       visit_bwd_config<T, D, false>(

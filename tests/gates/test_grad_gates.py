@@ -243,7 +243,7 @@ PLANTS = {
 # (an H100), so the mma.sync kernel is shown catching it too, forced (CUDA tile configurations are
 # refused on CPU tensors, so these run on CUDA only).
 CUDA_PLANT_CASES = {
-    4: ("bwd-bf16-d128-h8-b2-s129-full-cfg2", "bwd-bf16-d192-h8-b2-s1000-causal-cfg3"),
+    4: ("bwd-bf16-d128-h8-b2-s129-full-cfg2", "bwd-bf16-d192v128-h8-b2-s1000-causal-cfg3"),
     5: ("bwd-bf16-d128-h8kv2-b2-s129-full-cfg2", "bwd-bf16-d256-h8kv2-b2-s65-full-cfg3"),
     6: ("bwd-fp16-d128-h8-b2-q17-k250-full-cfg2", "bwd-fp16-d256-h8-b2-s1000-full-cfg3"),
 }
@@ -313,14 +313,14 @@ def test_the_padded_backward_plants_cases_are_gate_cases():
 
 
 # Plant 25 (the wgmma backward past 128 reading Q's first panel for every tile of dK^T): every case
-# forced onto configuration 3 at 192 and 256 fails, deterministic included; the
+# forced onto configuration 3 at 192, 256 and v's 128 under 192 fails, deterministic included; the
 # same head dims on the mma.sync configuration 2 (forced: a Hopper card's automatic choice there is
 # 3) and the 128 tile on 3 pass.
 WIDE_SM90A_BACKWARD_PLANT = (
     (
         "bwd-fp16-d192-h8-b2-s1000-full-cfg3",
         "bwd-bf16-d256-h8kv2-b2-q113-k203-causal-cfg3-det",
-        "bwd-bf16-d192-h8kv1-b1-q2048-k2047-causal-cfg3",
+        "bwd-bf16-d192v128-h8kv1-b1-q2048-k2047-causal-cfg3",
     ),
     ("bwd-bf16-d128-h8-b2-s1000-full-cfg3", "bwd-bf16-d192-h8-b2-s1000-causal-cfg2"),
 )
@@ -336,7 +336,7 @@ def test_planted_first_panel_fails_the_wide_wgmma_backward_and_only_it(run_plant
 
 def test_the_backward_plants_cases_are_gate_cases():
     """Plant 25's cases are GPU gate cases, its failing ones forced onto configuration 3 past 128
-    (each wide kernel: 192 and 256), a deterministic one among them; plants 4 to 6
+    (each wide kernel: 192, 256, v's 128 under 192), a deterministic one among them; plants 4 to 6
     reach the wide kernel too, on gate cases of its own."""
     from flashmoe_science.pipeline.cases import parse_case_id
 

@@ -567,15 +567,11 @@ PADDED_FORCED_BACKWARD = ((96, 96), (80, 80), (128, 64))
 PADDED_BACKWARD_CONFIGS = (1, 2, 3)
 # The wgmma backward past 128 (configuration 3 runs Sm90BwdWideTraits there): forced on every
 # forced shape, both dtypes and masks, with a deterministic call and a windowed, soft-capped call
-# with sinks of each (its own mask and softcap code). Appended after every earlier case. Not v's 128
-# under 192 (the CUDA backward refuses configuration 3 there): its kernel, on branch
-# wgmma-bwd-wide, waits for its gates on a GPU (benches/notes/backward.md, bwd v5.2).
-WGMMA_WIDE_FORCED_BACKWARD = ((192, 192), (256, 256))
-# Configuration 2 at the head dims past 128, which a Hopper card's automatic choice no longer
-# runs at 192 and 256: each dtype and mask forced on the forced shapes in turn (the automatic
-# cases of a card without the sm_90a build run it over the whole matrix). Appended after the
-# above.
-WIDE_MMA_SYNC_FORCED_BACKWARD = ((192, 192), (256, 256), (192, 128))
+# with sinks of each (its own mask and softcap code). Appended after every earlier case.
+WGMMA_WIDE_FORCED_BACKWARD = ((192, 192), (256, 256), (192, 128))
+# Configuration 2 at those head dims, which a Hopper card's automatic choice no longer runs: each
+# dtype and mask forced on the forced shapes in turn (the automatic cases of a card without the
+# sm_90a build run it over the whole matrix). Appended after the above.
 WIDE_MMA_SYNC_FORCED_BACKWARD_CONFIG = 2
 DETERMINISTIC_PAIRS = ((129, 129), (1000, 1000), (203, 113))
 DETERMINISTIC_PAIRS_CPU = ((129, 129), (203, 113))
@@ -661,7 +657,7 @@ def backward_cases(tier: str) -> Iterator[Case]:
     ):
         forced = case("bf16", head_dim, causal, 257, 257, config=3, head_dim_v=head_dim_v)
         yield _with_features(forced, ("window", "softcap", "sinks"), index)
-    variants = itertools.product(WIDE_MMA_SYNC_FORCED_BACKWARD, DTYPES, (False, True))
+    variants = itertools.product(WGMMA_WIDE_FORCED_BACKWARD, DTYPES, (False, True))
     for index, ((head_dim, head_dim_v), dtype, causal) in enumerate(variants):
         seqlen_q, seqlen_k = FORCED_PAIRS[index % len(FORCED_PAIRS)]
         yield case(

@@ -534,8 +534,8 @@ def small_backward_case(dtype: str, head_dim: int, config: int, deterministic: b
 
 
 def wide_wgmma_backward_workload() -> list:
-    """The wgmma backward past 128 (backward configuration 3 at 192 and 256: Sm90BwdWideTraits)
-    where this GPU runs it: each of its kernels (both dtypes, dQ by atomics
+    """The wgmma backward past 128 (backward configuration 3 at 192, 256 and v's 128 under 192:
+    Sm90BwdWideTraits) where this GPU runs it: each of its kernels (both dtypes, dQ by atomics
     and deterministic), causal with rows that see no key, GQA 4, and a window, softcap and sinks
     on a third of the calls; appended after every other block."""
     from ..gates.matrix import WGMMA_WIDE_FORCED_BACKWARD
