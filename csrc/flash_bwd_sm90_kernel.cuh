@@ -716,6 +716,14 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
 #endif
       }
 #if FLASHMOE_BWD_WIDE_DQ_TMA
+      // The warpgroup with fewer chunks (d=192: 1 and 2) meets its named barrier as often as the
+      // other: racecheck reported dK's staging against its copy out, across __syncthreads, only
+      // where the two counts differ (bwd v5.5).
+      constexpr int kMostChunks = kDqSplit > kTilesK - kDqSplit ? kDqSplit : kTilesK - kDqSplit;
+      for (int c = dq_last - dq_first; c < kMostChunks; ++c) {
+        sm90::warpgroup_sync(1 + wg);
+        sm90::warpgroup_sync(1 + wg);
+      }
       // this step's reduces have read their stages before step + 2's copies may land there (the
       // next step's barrier orders every warpgroup's wait before any copy is issued)
       if (tid % 128 == 0) sm90::bulk_wait_group_read<0>();

@@ -142,9 +142,9 @@ __device__ __forceinline__ void bulk_wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 // The 128 threads of one warpgroup at named barrier `id` (0 is __syncthreads'). barrier.sync, not
-// bar.sync: each warpgroup reaches its own sites (its own dQ chunks), and an aligned barrier
-// requires every thread of the block at the same instruction (racecheck reported the wide
-// backward's block barrier as crossed at d=192, where the two warpgroups stage 1 and 2 chunks).
+// bar.sync: each warpgroup reaches its own sites (its own dQ chunks). That alone did not clear
+// racecheck's report at d=192 (H100, sixteenth session); the wide backward now balances the
+// two warpgroups' counts (flash_bwd_sm90_wide_block).
 __device__ __forceinline__ void warpgroup_sync(int id) {
   asm volatile("barrier.sync %0, 128;\n" ::"r"(id) : "memory");
 }
