@@ -80,6 +80,13 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_DQ_TMA
 #define FLASHMOE_BWD_DQ_TMA 0
 #endif
+// The wide wgmma backward's (head dims past 128) dQ the same way, staged in the step's Q and dO
+// buffers: on (bwd v5.5: d=256 10% faster, the reductions its L2's bound, bwd v5.3);
+// -DFLASHMOE_BWD_WIDE_DQ_TMA=0 for the atomics.
+#ifndef FLASHMOE_BWD_WIDE_DQ_TMA
+#define FLASHMOE_BWD_WIDE_DQ_TMA 1
+#endif
+#define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA)
 // The wgmma backward's per-row lse and delta copied by cp.async with the step's tiles instead of
 // loaded and stored by the first warpgroup: off unless -DFLASHMOE_BWD_STATS_CP_ASYNC=1 (bwd v4.3).
 #ifndef FLASHMOE_BWD_STATS_CP_ASYNC
@@ -227,9 +234,9 @@ struct BwdParams {
   const float* sinks;
   float* dsinks;
   float softcap_scale;
-#if FLASHMOE_BWD_DQ_TMA
-  // The wgmma backward's dQ by TMA reduce-add (-DFLASHMOE_BWD_DQ_TMA=1, an experiment: backward.md
-  // bwd v4.2): the 3-D map {head dim columns, Sq rows, B * Hq} of dq_accum, boxes {32, 64, 1}.
+#if FLASHMOE_BWD_DQ_MAP
+  // The wgmma backward's dQ by TMA reduce-add (FLASHMOE_BWD_WIDE_DQ_TMA, FLASHMOE_BWD_DQ_TMA):
+  // the 3-D map {head dim columns, Sq rows, B * Hq} of dq_accum, boxes {32, 64, 1}.
   alignas(64) unsigned char dq_map[128];
 #endif
 };

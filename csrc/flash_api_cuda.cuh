@@ -527,7 +527,7 @@ inline bool encode_kv_map(unsigned char (&map)[128], const void* base, bool fp16
   return done == CUDA_SUCCESS;
 }
 
-#if FLASHMOE_BWD_DQ_TMA
+#if FLASHMOE_BWD_DQ_MAP
 // The 3-D map {head_dim columns, rows, heads} of dq_accum (fp32, contiguous) whose boxes {32, 64,
 // 1} the wgmma backward reduce-adds from shared memory (128-byte swizzle). False if the driver
 // refuses it (the caller then runs the deterministic dQ pass instead).
@@ -1337,8 +1337,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   auto dv = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dq_accum;  // the tile's head dim wide (a padded head dim's columns are the kernels')
   if (!deterministic) dq_accum = at::empty({q.size(0), q.size(1), q.size(2), head_dim}, f32);
-#if FLASHMOE_BWD_DQ_TMA
-  if (!deterministic && config == kSm90aBwdConfig &&
+#if FLASHMOE_BWD_DQ_MAP
+  // the wgmma backward's dQ by TMA reduce-add: the wide kernel's (past 128), and the 128 tile's
+  // under -DFLASHMOE_BWD_DQ_TMA=1
+  const bool dq_by_tma = head_dim > 128 ? FLASHMOE_BWD_WIDE_DQ_TMA : FLASHMOE_BWD_DQ_TMA;
+  if (!deterministic && config == kSm90aBwdConfig && dq_by_tma &&
       !encode_dq_map(p.dq_map, dq_accum.data_ptr<float>(), q.size(2), q.size(0) * q.size(1),
                      head_dim)) {
     deterministic = true;  // no map: dQ by the deterministic pass, which needs none

@@ -51,7 +51,7 @@ struct Sm90BwdPaddedTraits : Tiles {
   static constexpr bool kPadded = true;
 };
 
-#if FLASHMOE_BWD_DQ_TMA
+#if FLASHMOE_BWD_DQ_MAP
 // A warpgroup's 64 x 64 fp32 dQ chunk (wgmma's m64n64 accumulators) into `stage` as the dQ map's
 // two boxes of 32 columns (rows of 128 bytes whose 16-byte chunks are swizzled by the row, as the
 // map's 128-byte swizzle reads them), made visible to the TMA unit. The warpgroup's leader first
@@ -662,7 +662,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     if constexpr (kAtomicDq) {
       // planted 6: the last key block never reaches dQ
       const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
-#if !FLASHMOE_BWD_DQ_TMA
+#if !FLASHMOE_BWD_WIDE_DQ_TMA
       const int64_t row_base = (int64_t(b) * p.heads_q + step_head(step)) * p.seqlen_q;
 #endif
 #pragma unroll
@@ -684,7 +684,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
         sm90::commit_group();
         sm90::wait_group<0>();
         sm90::fence_operands(acc_dq);
-#if FLASHMOE_BWD_DQ_TMA
+#if FLASHMOE_BWD_WIDE_DQ_TMA
         // The 64 x 64 chunk through shared memory (stage_dq_chunk), then one TMA reduce-add a
         // box into dq_accum (rows past Sq lie outside the map). The stage is this step's dO
         // buffer (warpgroup 0) or Q buffer (1): their last reader, the warpgroup's own dV^T
@@ -715,7 +715,15 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
         }
 #endif
       }
-#if FLASHMOE_BWD_DQ_TMA
+#if FLASHMOE_BWD_WIDE_DQ_TMA
+      // The warpgroup with fewer chunks (d=192: 1 and 2) meets its named barrier as often as the
+      // other: racecheck reported dK's staging against its copy out, across __syncthreads, only
+      // where the two counts differ (bwd v5.5).
+      constexpr int kMostChunks = kDqSplit > kTilesK - kDqSplit ? kDqSplit : kTilesK - kDqSplit;
+      for (int c = dq_last - dq_first; c < kMostChunks; ++c) {
+        sm90::warpgroup_sync(1 + wg);
+        sm90::warpgroup_sync(1 + wg);
+      }
       // this step's reduces have read their stages before step + 2's copies may land there (the
       // next step's barrier orders every warpgroup's wait before any copy is issued)
       if (tid % 128 == 0) sm90::bulk_wait_group_read<0>();
@@ -727,7 +735,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
       sm90::fence_operands(acc[t]);
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
-#if FLASHMOE_BWD_DQ_TMA
+#if FLASHMOE_BWD_WIDE_DQ_TMA
   if constexpr (kAtomicDq) {
     if (tid % 128 == 0) sm90::bulk_wait_group<0>();  // its dQ reduces done before the block ends
   }
