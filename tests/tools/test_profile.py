@@ -4,6 +4,7 @@ permitted) and the driver with a stand-in ncu, all on the CPU; then, on a GPU, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -264,6 +265,75 @@ def test_ncu_command():
     )
 
 
+def test_ncu_command_against_a_baseline_profiles_the_nvtx_range_alone():
+    command = profile.ncu_command("/opt/ncu", PREFILL_ID, Path("/r/p"), against="sdpa-cudnn")
+    # a baseline's kernels have its own names, and its warm-up calls lie outside the range
+    assert "--kernel-name" not in command and "--launch-skip" not in command
+    assert "--launch-count" not in command
+    assert command[command.index("--nvtx-include") + 1] == f"{profile.AGAINST_RANGE}/"
+    assert "--nvtx" in command and command[command.index("--clock-control") + 1] == "none"
+    assert command[-6:-2] == ["--workload", PREFILL_ID, "--against", "sdpa-cudnn"]
+    assert "--against" not in profile.ncu_command("/opt/ncu", PREFILL_ID, Path("/r/p"))
+
+
+def _counting_sdpa(monkeypatch):
+    """Wraps the baselines' sdpa_call: each call of its callable records whether it ran inside
+    the profiled NVTX range."""
+    from flashmoe_science.pipeline.bench import baselines
+
+    inside, seen = [], []
+    real = baselines.sdpa_call
+
+    def counting(case, x):
+        fn, why = real(case, x)
+        if fn is None:
+            return fn, why
+
+        def call():
+            seen.append(bool(inside))
+            return fn()
+
+        return call, why
+
+    @contextlib.contextmanager
+    def recording(name):
+        assert name == profile.AGAINST_RANGE
+        inside.append(name)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(baselines, "sdpa_call", counting)
+    monkeypatch.setattr(profile, "nvtx_range", recording)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "case_id", ["fwd-bf16-d64-h2-b1-s64-full", "bwd-bf16-d64-h2-b1-s64-causal"]
+)
+def test_the_workload_against_a_baseline_runs_its_last_call_alone_in_the_range(
+    monkeypatch, case_id
+):
+    seen = _counting_sdpa(monkeypatch)
+    assert profile.run_workload(case_id, 8, "sdpa-default", device="cpu") == exitcodes.OK
+    # the first call (a backward case's forward among it) and the warm-up outside; one inside
+    assert seen == [False] * 7 + [True]
+
+
+def test_a_baseline_that_refuses_the_case_says_why_in_one_line(monkeypatch, capsys):
+    seen = _counting_sdpa(monkeypatch)
+    case_id = "fwd-bf16-d64-h2-b1-s64-full"
+    assert profile.run_workload(case_id, 8, "sdpa-cudnn", device="cpu") == exitcodes.GATE_FAILED
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"profile: sdpa-cudnn cannot run {case_id}: ")
+    assert seen == [False], "refused at its first call: nothing profiled"
+
+
+def test_an_unknown_baseline_is_a_usage_error_naming_the_supported(capsys):
+    assert profile.main([PREFILL_ID, "--against", "cudnn"]) == exitcodes.USAGE
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert "--against 'cudnn' is not a baseline; supported: sdpa-flash, sdpa-cudnn" in line
+
+
 def test_stored_ceilings_only_from_the_same_gpu(tmp_path):
     path = tmp_path / "bench.json"
     doc = {"gpu": {"name": "NVIDIA H100 80GB HBM3"}, "timestamp": "t", "ceilings": CEILINGS}
@@ -412,6 +482,43 @@ def test_nothing_profiled_fails(isolated, fake_gpu, fake_ncu, capsys):
     assert "no kernel in" in capsys.readouterr().out
 
 
+CUDNN_NAME = "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0"
+DOT_NAME = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>"
+BASELINE_CSV = f"""\
+{COLUMNS}
+{UNITS}
+"0","7001","python3.11","{HEAD}","{DOT_NAME}","1","7","(128, 1, 1)","(64, 1, 1)",{DEVICE},"0","1,048,576","20","20","6,000","0","0","128","64","32","16","16","16","32","0.1","100","2.20","1.04","0.02","3.17","0","0","0.01","0.45","1.10","0.80",""
+"1","7001","python3.11","{HEAD}","{CUDNN_NAME}","1","7","(384, 1, 1)","(16, 16, 1)",{DEVICE},"167,772,160","33,554,432","2.1","40.2","400,000","0","1,048,576","384","256","32","1","1","8","168","1.94","18.75","17.9","45.0","1.30","2.10","0.05","1.10","0.40","0.35","0.60","0.80",""
+"2","7001","python3.11","{HEAD}","{CUDNN_NAME}","1","7","(384, 1, 1)","(16, 16, 1)",{DEVICE},"167,772,160","33,554,432","2.1","40.2","410,000","0","1,048,576","384","256","32","1","1","8","168","1.94","18.75","17.9","45.0","1.30","2.10","0.05","1.10","0.40","0.35","0.60","0.80",""
+"""
+
+
+def test_profile_against_a_baseline_records_one_whole_call_beside_ours(
+    isolated, fake_gpu, fake_ncu, capsys
+):
+    out_dir = isolated / "prof"
+    (fake_ncu / "import.csv").write_text(BASELINE_CSV)
+    args = [PREFILL_ID, "--against", "sdpa-cudnn", "--output", str(out_dir), "--no-ceilings"]
+    assert profile.main(args) == exitcodes.OK
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "--nvtx-include" in (fake_ncu / "args").read_text()
+    assert lines[-1].startswith("profile: no profile of ours beside it") and "--output" in lines[-1]
+    doc = json.loads((out_dir / f"profile-{PREFILL_ID}-sdpa-cudnn.json").read_text())
+    assert doc["against"] == "sdpa-cudnn" and not (out_dir / f"profile-{PREFILL_ID}.json").exists()
+    # one call: the fill once and the kernel that ran twice, every launch counted (816 us)
+    assert doc["call"]["time_us"] == pytest.approx(816.0)
+    # ours, then the baseline again: the two calls side by side
+    (fake_ncu / "import.csv").write_text(PREFILL_CSV)
+    assert profile.main([PREFILL_ID, "--output", str(out_dir), "--no-ceilings"]) == exitcodes.OK
+    assert json.loads((out_dir / f"profile-{PREFILL_ID}.json").read_text())["against"] is None
+    (fake_ncu / "import.csv").write_text(BASELINE_CSV)
+    capsys.readouterr()
+    assert profile.main(args) == exitcodes.OK
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("profile: ours 5.21 ms per call (our kernels,"), last
+    assert last.endswith("sdpa-cudnn 816 us (every kernel of its call): sdpa-cudnn / ours 0.16x")
+
+
 def test_cli_lists_the_command():
     from flashmoe_science.pipeline import cli
 
@@ -453,3 +560,36 @@ def test_real_profile_of_a_small_case(tmp_path):
         "latency",
     )
     assert (tmp_path / f"profile-{case_id}.ncu-rep").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_real_profile_against_a_baseline_finds_its_kernels_in_the_range(tmp_path):
+    """ncu's NVTX filter on a real run (the syntax of --nvtx-include is ncu's to judge): SDPA's
+    flash kernel of one call profiled, and the side-by-side line with ours."""
+    case_id = "fwd-fp16-d64-h8-b1-s512-full"
+    env = dict(os.environ, FLASHMOE_REPORTS_DIR=str(tmp_path))
+    for against in ((), ("--against", "sdpa-flash")):
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flashmoe_science",
+                "profile",
+                case_id,
+                "--no-ceilings",
+                *against,
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if run.returncode == exitcodes.TOOL_MISSING:
+            pytest.skip(run.stdout.strip().splitlines()[-1])
+        assert run.returncode == exitcodes.OK, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads((tmp_path / f"profile-{case_id}-sdpa-flash.json").read_text())
+    assert any("flash" in k["kernel"].lower() for k in doc["kernels"]), doc["kernels"]
+    assert all(k["launches"] == 1 for k in doc["kernels"]), "one call: one launch a kernel"
+    assert "sdpa-flash / ours" in run.stdout.strip().splitlines()[-1]

@@ -4,6 +4,7 @@ benchmark case, a short summary per kernel, and a one-line verdict of what bound
     python -m flashmoe_science profile fwd-bf16-d128-h16-b1-s16384-causal
     python -m flashmoe_science profile dec-bf16-d128-h32-b1-q1-k131072 --output /tmp/prof
     python -m flashmoe_science profile CASE --import reports/profile-CASE.ncu-rep   # summary only
+    python -m flashmoe_science profile bwd-bf16-d128-h16-b8-s2048-causal --against sdpa-cudnn
 
 CASE is a bench case id (`python -m flashmoe_science bench --list`), parsed and given inputs exactly
 as bench does. ncu runs `python -m flashmoe_science.pipeline.tools.profile --workload CASE`, which calls our
@@ -15,6 +16,12 @@ and metrics (ncu_command, the one place to adjust them). The full report goes to
 <reports>/profile-CASE.ncu-rep (open it in Nsight Compute); the summary is read back with `ncu
 --import ... --csv --page raw --print-units base` (parse_ncu_csv) and written to
 <reports>/profile-CASE.json.
+
+`--against NAME` profiles a bench baseline (sdpa-cudnn, sdpa-flash, ...) on the same inputs
+instead of our operator: the workload's last call runs inside the NVTX range AGAINST_RANGE, and ncu
+profiles every kernel launched in it (`--nvtx --nvtx-include`; a baseline's kernel names are its
+own), so the record is a whole call of the baseline. Its files are profile-CASE-NAME.*, and when
+this folder holds our profile of the same case the summary ends with the two calls side by side.
 
 Per kernel: time; achieved TFLOP/s (the case's FLOPs over the forward kernel's time) and DRAM GB/s,
 each against the ceilings bench measures on this card (the large matmul and the large copy; read
@@ -45,6 +52,7 @@ the extension does not build; 126 ncu missing or not permitted to read the GPU's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -59,6 +67,7 @@ from pathlib import Path
 
 from ..._toolkit import find_cuda_tool, run_streaming
 from .. import exitcodes, paths
+from ..bench.records import BASELINE_NAMES
 from ..cli import program
 from ..provenance import provenance
 from .cudatools import UNUSABLE_PATTERNS, paths_display, short_kernel
@@ -74,6 +83,8 @@ WARMUP_CALLS = 3
 MAX_KERNELS_PER_CALL = 2  # flash_fwd_kernel, then split_kv_combine_kernel when the call splits
 # (flash_decode_kernel combines its splits itself: one launch per call)
 PROFILED_LAUNCHES = 2
+# --against: the baseline's last call runs in this NVTX range, the only one ncu profiles.
+AGAINST_RANGE = "flashmoe-profile"
 NCU_TIMEOUT_S = 600
 SECTIONS = (
     "SpeedOfLight",
@@ -148,19 +159,26 @@ def workload_calls() -> int:
     return MAX_KERNELS_PER_CALL * WARMUP_CALLS + PROFILED_LAUNCHES
 
 
-def ncu_command(ncu: str, case_id: str, report_base: Path) -> list[str]:
-    """The one place the profiling command line is put together (ncu adds .ncu-rep to -o)."""
+def ncu_command(ncu: str, case_id: str, report_base: Path, against: str | None = None) -> list[str]:
+    """The one place the profiling command line is put together (ncu adds .ncu-rep to -o).
+    Ours: our kernels by name, past the warm-up launches. `against` (a baseline): every kernel
+    of the one call inside AGAINST_RANGE (run_workload), whatever its names."""
     backward = case_id.startswith(("bwd-", "fwdbwd-"))
     per_call = BACKWARD_KERNELS_PER_CALL if backward else MAX_KERNELS_PER_CALL
     launches = BACKWARD_KERNELS_PER_CALL if backward else PROFILED_LAUNCHES
     command = [ncu, "--force-overwrite", "-o", str(report_base)]
-    command += ["--kernel-name", BACKWARD_FILTER if backward else KERNEL_FILTER]
-    command += ["--launch-skip", str(per_call * WARMUP_CALLS)]
-    command += ["--launch-count", str(launches), "--clock-control", "none"]
+    if against:
+        command += ["--nvtx", "--nvtx-include", f"{AGAINST_RANGE}/"]
+    else:
+        command += ["--kernel-name", BACKWARD_FILTER if backward else KERNEL_FILTER]
+        command += ["--launch-skip", str(per_call * WARMUP_CALLS)]
+        command += ["--launch-count", str(launches)]
+    command += ["--clock-control", "none"]
     for section in SECTIONS:
         command += ["--section", section]
     command += ["--metrics", ",".join(METRICS)]
     workload = ["-m", "flashmoe_science.pipeline.tools.profile", "--workload", case_id]
+    workload += ["--against", against] if against else []
     return [*command, sys.executable, *workload, "--calls", str(workload_calls())]
 
 
@@ -424,8 +442,12 @@ def classify_bound(fig: dict) -> dict:
     }
 
 
-def summarize(launches: list[dict], case, ceilings: dict, sm_count: int | None) -> dict:
-    """Group launches by kernel, compute the figures and verdict of each, and the call's totals."""
+def summarize(
+    launches: list[dict], case, ceilings: dict, sm_count: int | None, one_call: bool = False
+) -> dict:
+    """Group launches by kernel, compute the figures and verdict of each, and the call's totals.
+    one_call: the launches are one whole call (--against), so the call's time is their sum (a
+    kernel may run several times in it); else each kernel's mean launch, summed (ours)."""
     groups: dict[str, list[dict]] = {}
     for launch in launches:
         groups.setdefault(launch["kernel"], []).append(launch)
@@ -439,7 +461,10 @@ def summarize(launches: list[dict], case, ceilings: dict, sm_count: int | None) 
         )
         fig["verdict"] = classify_bound(fig)
         kernels.append(fig)
-    total_us = sum(k["time_us"] for k in kernels if k["time_us"] is not None)
+    if one_call:
+        total_us = sum(x["metrics"].get("gpu__time_duration.sum", 0.0) for x in launches) / 1e3
+    else:
+        total_us = sum(k["time_us"] for k in kernels if k["time_us"] is not None)
     seconds = total_us * 1e-6
     call = {
         "time_us": total_us or None,
@@ -556,6 +581,12 @@ def parser() -> argparse.ArgumentParser:
         help="summarize an existing .ncu-rep instead of profiling",
     )
     p.add_argument(
+        "--against",
+        metavar="NAME",
+        help="profile this bench baseline on the case's inputs instead of our operator, every "
+        f"kernel of one call ({', '.join(BASELINE_NAMES)})",
+    )
+    p.add_argument(
         "--no-ceilings", action="store_true", help="neither read nor measure the ceilings"
     )
     p.add_argument(
@@ -569,20 +600,52 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_workload(case_id: str, calls: int) -> int:
-    """What ncu watches: the case's inputs made as bench makes them, then `calls` calls."""
+def run_workload(case_id: str, calls: int, against: str | None = None, device: str = "cuda") -> int:
+    """What ncu watches: the case's inputs made as bench makes them, then `calls` calls of our
+    operator, or of baseline `against` (in its SDPA backend) with the last call inside the NVTX
+    range AGAINST_RANGE."""
     import torch
 
-    from ..bench.baselines import ops, our_call
+    from ..bench.baselines import BASELINES, backend_context, first_call, ops, our_call, sdpa_call
     from ..cases import make_inputs, parse_case_id
 
     case = parse_case_id(case_id)
-    ops().load_library()
-    fn = our_call(case, make_inputs(case, "cuda"))
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
+    x = make_inputs(case, device)
+    if against is None:
+        ops().load_library()
+        fn = our_call(case, x)
+        for _ in range(calls):
+            fn()
+    else:
+        fn, why = sdpa_call(case, x)
+        with backend_context(BASELINES[against]):
+            why = why or first_call(fn)  # a backward case's first call runs its forward too
+            if why:
+                _say(f"profile: {against} cannot run {case_id}: {why}")
+                return exitcodes.GATE_FAILED
+            for _ in range(calls - 2):
+                fn()
+            with nvtx_range(AGAINST_RANGE):
+                fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return exitcodes.OK
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str):
+    """An NVTX push/pop range around the block: ncu's `--nvtx-include NAME/` profiles the
+    kernels launched inside it (nothing to push without CUDA)."""
+    import torch
+
+    pushed = torch.cuda.is_available()
+    if pushed:
+        torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        if pushed:
+            torch.cuda.nvtx.range_pop()
 
 
 def _say(text: str) -> None:
@@ -602,12 +665,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     case = parse_case_arg("profile", args.case)
     if case is None:
         return exitcodes.USAGE
+    if args.against is not None and args.against not in BASELINE_NAMES:
+        _say(
+            f"profile: --against {args.against!r} is not a baseline; supported: "
+            f"{', '.join(BASELINE_NAMES)} (exit {exitcodes.USAGE})"
+        )
+        return exitcodes.USAGE
     if args.workload:
-        return run_workload(args.case, args.calls)
+        return run_workload(args.case, args.calls, args.against)
     out = args.output or paths.report_dir()
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile-{case.id}.json").unlink(missing_ok=True)  # never an older run's record
+    # never an older run's record
+    (out / f"{record_name(case.id, args.against)}.json").unlink(missing_ok=True)
     return run(args, case, out)
+
+
+def record_name(case_id: str, against: str | None = None) -> str:
+    """profile-CASE for ours, profile-CASE-NAME for a baseline's (the .ncu-rep, .json and .log)."""
+    return f"profile-{case_id}" + (f"-{against}" if against else "")
 
 
 def _gpu() -> tuple[str, int] | None:
@@ -636,7 +711,8 @@ def run(args, case, out: Path) -> int:
             f"ncu on PATH (exit {exitcodes.TOOL_MISSING})"
         )
         return exitcodes.TOOL_MISSING
-    report = args.import_report or out / f"profile-{case.id}.ncu-rep"
+    name = record_name(case.id, args.against)
+    report = args.import_report or out / f"{name}.ncu-rep"
     command = None
     ceilings: dict = {}
     if not args.import_report:
@@ -651,9 +727,10 @@ def run(args, case, out: Path) -> int:
             ceilings = (
                 stored_ceilings(paths.report_dir() / "bench.json", gpu[0]) or measure_ceilings()
             )
-        command = ncu_command(ncu, case.id, report.with_suffix(""))
-        _say(f"profile: {case.id} on {gpu[0]} with {ncu}")
-        log = out / f"profile-{case.id}.log"
+        command = ncu_command(ncu, case.id, report.with_suffix(""), args.against)
+        who = f" ({args.against}, one call)" if args.against else ""
+        _say(f"profile: {case.id}{who} on {gpu[0]} with {ncu}")
+        log = out / f"{name}.log"
         run = run_streaming(
             command,
             dict(os.environ),
@@ -688,14 +765,20 @@ def run(args, case, out: Path) -> int:
     launches = parse_ncu_csv(imported.stdout)
     if not launches:
         tail = (imported.stderr or imported.stdout).strip().splitlines()[-3:]
+        what = (
+            f"no kernel ran inside the NVTX range {AGAINST_RANGE!r}"
+            if args.against
+            else f"the filter {KERNEL_FILTER!r} matched nothing"
+        )
         _say(
-            f"profile: no kernel in {paths_display(report)} (the filter {KERNEL_FILTER!r} matched "
-            f"nothing, or the import failed: {' / '.join(tail)[:300]})"
+            f"profile: no kernel in {paths_display(report)} ({what}, or the import failed: "
+            f"{' / '.join(tail)[:300]})"
         )
         return exitcodes.GATE_FAILED
-    summary = summarize(launches, case, ceilings, gpu[1] if gpu else None)
+    summary = summarize(launches, case, ceilings, gpu[1] if gpu else None, bool(args.against))
     doc = {
         "schema": SCHEMA,
+        "against": args.against,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "provenance": provenance(),
         "case": case.id,
@@ -709,7 +792,7 @@ def run(args, case, out: Path) -> int:
         "report": paths_display(report),
         **summary,
     }
-    json_path = out / f"profile-{case.id}.json"
+    json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
 
     copy = (ceilings.get("copy") or {}).get("gbps")
@@ -731,7 +814,29 @@ def run(args, case, out: Path) -> int:
     for fig in summary["kernels"]:
         verdict = fig["verdict"]
         _say(f"  {fig['kernel']}: {verdict['bound']}-bound ({verdict['why']})")
+    if args.against:
+        _say(side_by_side(out / f"{record_name(case.id)}.json", args.against, summary))
     return exitcodes.OK
+
+
+def side_by_side(ours_json: Path, against: str, summary: dict) -> str:
+    """One line: our call's time (from our profile of the case in this folder) against the
+    baseline's, or how to get ours."""
+    theirs = summary["call"]["time_us"]
+    try:
+        ours = json.loads(ours_json.read_text())["call"]["time_us"]
+    except (OSError, ValueError, KeyError, TypeError):
+        ours = None
+    if not ours or not theirs:
+        return (
+            f"profile: no profile of ours beside it ({paths_display(ours_json)}); run `profile "
+            f"CASE` with the same --output to put the two calls side by side"
+        )
+    return (
+        f"profile: ours {_time(ours)} per call (our kernels, {paths_display(ours_json)}), "
+        f"{against} {_time(theirs)} (every kernel of its call): {against} / ours "
+        f"{theirs / ours:.2f}x"
+    )
 
 
 if __name__ == "__main__":
