@@ -81,8 +81,8 @@ namespace flashmoe {
 #define FLASHMOE_BWD_DQ_TMA 0
 #endif
 // The wide wgmma backward's (head dims past 128) dQ the same way, staged in the step's Q and dO
-// buffers: on (bwd v5.5: d=256 10% faster, the reductions its L2's bound, bwd v5.3);
-// -DFLASHMOE_BWD_WIDE_DQ_TMA=0 for the atomics.
+// buffers: on, since per-thread atomics made the L2's reductions that kernel's bound (measured in
+// benches/notes/backward.md, bwd v5.3 and v5.5); -DFLASHMOE_BWD_WIDE_DQ_TMA=0 for the atomics.
 #ifndef FLASHMOE_BWD_WIDE_DQ_TMA
 #define FLASHMOE_BWD_WIDE_DQ_TMA 1
 #endif

@@ -717,8 +717,8 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
       }
 #if FLASHMOE_BWD_WIDE_DQ_TMA
       // The warpgroup with fewer chunks (d=192: 1 and 2) meets its named barrier as often as the
-      // other: racecheck reported dK's staging against its copy out, across __syncthreads, only
-      // where the two counts differ (bwd v5.5).
+      // other: where the counts differ, racecheck reports dK's staging against its copy out
+      // across the __syncthreads that orders them.
       constexpr int kMostChunks = kDqSplit > kTilesK - kDqSplit ? kDqSplit : kTilesK - kDqSplit;
       for (int c = dq_last - dq_first; c < kMostChunks; ++c) {
         sm90::warpgroup_sync(1 + wg);

@@ -142,9 +142,9 @@ __device__ __forceinline__ void bulk_wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 // The 128 threads of one warpgroup at named barrier `id` (0 is __syncthreads'). barrier.sync, not
-// bar.sync: each warpgroup reaches its own sites (its own dQ chunks). That alone did not clear
-// racecheck's report at d=192 (H100, sixteenth session); the wide backward now balances the
-// two warpgroups' counts (flash_bwd_sm90_wide_block).
+// bar.sync: each warpgroup reaches its own sites (its own dQ chunks). A kernel whose warpgroups
+// meet their barriers a different number of times between two block barriers still confuses
+// racecheck, so the wide backward balances the counts (flash_bwd_sm90_wide_block).
 __device__ __forceinline__ void warpgroup_sync(int id) {
   asm volatile("barrier.sync %0, 128;\n" ::"r"(id) : "memory");
 }
