@@ -530,14 +530,11 @@ def test_cli_lists_the_command():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_real_profile_of_a_small_case(tmp_path):
-    case_id = "fwd-fp16-d64-h8-b1-s512-full"
+def _real_profile(reports: Path, case_id: str, *args: str) -> subprocess.CompletedProcess:
     run = subprocess.run(
-        [sys.executable, "-m", "flashmoe_science", "profile", case_id, "--no-ceilings"],
+        [sys.executable, "-m", "flashmoe_science", "profile", case_id, "--no-ceilings", *args],
         cwd=REPO_ROOT,
-        env=dict(os.environ, FLASHMOE_REPORTS_DIR=str(tmp_path)),
+        env=dict(os.environ, FLASHMOE_REPORTS_DIR=str(reports)),
         capture_output=True,
         text=True,
         timeout=900,
@@ -545,6 +542,14 @@ def test_real_profile_of_a_small_case(tmp_path):
     if run.returncode == exitcodes.TOOL_MISSING:
         pytest.skip(run.stdout.strip().splitlines()[-1])
     assert run.returncode == exitcodes.OK, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_real_profile_of_a_small_case_then_of_a_baseline_beside_it(tmp_path):
+    case_id = "fwd-fp16-d64-h8-b1-s512-full"
+    _real_profile(tmp_path, case_id)
     doc = json.loads((tmp_path / f"profile-{case_id}.json").read_text())
     # small grids run the 16-row decode kernel; larger ones the forward kernel
     (fwd,) = [
@@ -560,35 +565,9 @@ def test_real_profile_of_a_small_case(tmp_path):
         "latency",
     )
     assert (tmp_path / f"profile-{case_id}.ncu-rep").exists()
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_real_profile_against_a_baseline_finds_its_kernels_in_the_range(tmp_path):
-    """ncu's NVTX filter on a real run (the syntax of --nvtx-include is ncu's to judge): SDPA's
-    flash kernel of one call profiled, and the side-by-side line with ours."""
-    case_id = "fwd-fp16-d64-h8-b1-s512-full"
-    env = dict(os.environ, FLASHMOE_REPORTS_DIR=str(tmp_path))
-    for against in ((), ("--against", "sdpa-flash")):
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "flashmoe_science",
-                "profile",
-                case_id,
-                "--no-ceilings",
-                *against,
-            ],
-            cwd=REPO_ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        if run.returncode == exitcodes.TOOL_MISSING:
-            pytest.skip(run.stdout.strip().splitlines()[-1])
-        assert run.returncode == exitcodes.OK, run.stdout[-3000:] + run.stderr[-3000:]
+    # ncu's NVTX filter on a real run (the syntax of --nvtx-include is ncu's to judge): SDPA's
+    # flash kernel of one call, and the line that sets it beside ours
+    run = _real_profile(tmp_path, case_id, "--against", "sdpa-flash")
     doc = json.loads((tmp_path / f"profile-{case_id}-sdpa-flash.json").read_text())
     assert any("flash" in k["kernel"].lower() for k in doc["kernels"]), doc["kernels"]
     assert all(k["launches"] == 1 for k in doc["kernels"]), "one call: one launch a kernel"
