@@ -159,18 +159,27 @@ def workload_calls() -> int:
     return MAX_KERNELS_PER_CALL * WARMUP_CALLS + PROFILED_LAUNCHES
 
 
+def is_backward(case_id: str) -> bool:
+    return case_id.startswith(("bwd-", "fwdbwd-"))
+
+
+def kernel_filter(case_id: str) -> str:
+    """ncu's --kernel-name for our kernels of this case."""
+    return BACKWARD_FILTER if is_backward(case_id) else KERNEL_FILTER
+
+
 def ncu_command(ncu: str, case_id: str, report_base: Path, against: str | None = None) -> list[str]:
     """The one place the profiling command line is put together (ncu adds .ncu-rep to -o).
     Ours: our kernels by name, past the warm-up launches. `against` (a baseline): every kernel
     of the one call inside AGAINST_RANGE (run_workload), whatever its names."""
-    backward = case_id.startswith(("bwd-", "fwdbwd-"))
-    per_call = BACKWARD_KERNELS_PER_CALL if backward else MAX_KERNELS_PER_CALL
-    launches = BACKWARD_KERNELS_PER_CALL if backward else PROFILED_LAUNCHES
     command = [ncu, "--force-overwrite", "-o", str(report_base)]
     if against:
         command += ["--nvtx", "--nvtx-include", f"{AGAINST_RANGE}/"]
     else:
-        command += ["--kernel-name", BACKWARD_FILTER if backward else KERNEL_FILTER]
+        backward = is_backward(case_id)
+        per_call = BACKWARD_KERNELS_PER_CALL if backward else MAX_KERNELS_PER_CALL
+        launches = BACKWARD_KERNELS_PER_CALL if backward else PROFILED_LAUNCHES
+        command += ["--kernel-name", kernel_filter(case_id)]
         command += ["--launch-skip", str(per_call * WARMUP_CALLS)]
         command += ["--launch-count", str(launches)]
     command += ["--clock-control", "none"]
@@ -768,7 +777,7 @@ def run(args, case, out: Path) -> int:
         what = (
             f"no kernel ran inside the NVTX range {AGAINST_RANGE!r}"
             if args.against
-            else f"the filter {KERNEL_FILTER!r} matched nothing"
+            else f"the filter {kernel_filter(case.id)!r} matched nothing"
         )
         _say(
             f"profile: no kernel in {paths_display(report)} ({what}, or the import failed: "
