@@ -86,12 +86,18 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_WIDE_DQ_TMA
 #define FLASHMOE_BWD_WIDE_DQ_TMA 1
 #endif
-#define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA)
 // The wgmma backward's per-row lse and delta copied by cp.async with the step's tiles instead of
 // loaded and stored by the first warpgroup: off unless -DFLASHMOE_BWD_STATS_CP_ASYNC=1 (bwd v4.3).
 #ifndef FLASHMOE_BWD_STATS_CP_ASYNC
 #define FLASHMOE_BWD_STATS_CP_ASYNC 0
 #endif
+// The wgmma backward's 128 tile warp-specialized (Sm90BwdWsTraits: a producer warpgroup copies Q
+// and dO by TMA, loads lse and delta and adds dQ by TMA reduce-add): off unless built with
+// -DFLASHMOE_BWD_WS=1 until its gates and bench run on a GPU (benches/notes/backward.md, bwd v6).
+#ifndef FLASHMOE_BWD_WS
+#define FLASHMOE_BWD_WS 0
+#endif
+#define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
 // running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:
 // benches/notes/features.md, fv4).
@@ -238,6 +244,13 @@ struct BwdParams {
   // The wgmma backward's dQ by TMA reduce-add (FLASHMOE_BWD_WIDE_DQ_TMA, FLASHMOE_BWD_DQ_TMA):
   // the 3-D map {head dim columns, Sq rows, B * Hq} of dq_accum, boxes {32, 64, 1}.
   alignas(64) unsigned char dq_map[128];
+#endif
+#if FLASHMOE_BWD_WS
+  // The warp-specialized 128 tile's 5-D maps of q and dout (encode_kv_map, boxes of the step's
+  // rows); ws: the host encoded them and dq_map, so that tile runs.
+  alignas(64) unsigned char tma_q[128];
+  alignas(64) unsigned char tma_do[128];
+  bool ws;
 #endif
 };
 

@@ -1181,9 +1181,11 @@ using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 
 // `padded`: the call's head dims are narrower than the tile D (configuration 3 then runs
 // Sm90BwdPaddedTraits at 128, and Sm90BwdWideTraits<192, 128> at 192, v's 128 being the one it
-// takes there; the mma.sync kernels take any head dims the tile holds).
+// takes there; the mma.sync kernels take any head dims the tile holds). `ws`: configuration 3's
+// 128 tile warp-specialized (Sm90BwdWsTraits, with -DFLASHMOE_BWD_WS=1: whole head dims 64 and
+// 128, dQ by atomics, the host's maps encoded: BwdParams::ws).
 template <typename T, int D, bool kAtomicDq, typename F>
-void visit_bwd_config(int config, F&& f, bool padded = false) {
+void visit_bwd_config(int config, F&& f, bool padded = false, [[maybe_unused]] bool ws = false) {
   if (config == 1) {
     using Traits = Bwd1Traits<D>;
     FLASHMOE_VISIT(only::bwd, T, D, 1, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
@@ -1209,6 +1211,16 @@ void visit_bwd_config(int config, F&& f, bool padded = false) {
       FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
                      &flash_bwd_sm90_wide_kernel<Traits, T, kAtomicDq>);
     } else if constexpr (is_wgmma_bwd_head_dim(D)) {
+#if FLASHMOE_BWD_WS
+      if constexpr (kAtomicDq) {
+        if (ws && !padded) {
+          using Traits = Sm90BwdWsTraits<D>;
+          FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                         &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+          return;
+        }
+      }
+#endif
       using Traits = Sm90BwdTraits<D>;
       FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
                      &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
@@ -1249,6 +1261,11 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const bool padded = p.head_dim != D || p.head_dim_v != D;
+#if FLASHMOE_BWD_WS
+  const bool ws = p.ws;
+#else
+  constexpr bool ws = false;
+#endif
   if (deterministic) {
     visit_bwd_config<T, D, false>(config, launch_dkdv, padded);
     using DqTraits = BwdDqConfig<D>;
@@ -1258,7 +1275,7 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     kernel<<<grid, DqTraits::kNThreads, DqTraits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
-    visit_bwd_config<T, D, true>(config, launch_dkdv, padded);
+    visit_bwd_config<T, D, true>(config, launch_dkdv, padded, ws);
     const int64_t n = rows * D;  // dq_accum is the tile's D wide
     flash_bwd_convert_dq_kernel<T>
         <<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)), 256, 0, stream>>>(p, n, D);
@@ -1347,6 +1364,25 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
     deterministic = true;  // no map: dQ by the deterministic pass, which needs none
   }
 #endif
+#if FLASHMOE_BWD_WS
+  // The warp-specialized 128 tile (Sm90BwdWsTraits) where its maps encode: whole head dims 64
+  // and 128, dQ by atomics; elsewhere Sm90BwdTraits runs.
+  p.ws = false;
+  const bool ws_smem_ok = head_dim == 64 ? Sm90BwdWsTraits<64>::kSmemBytes <= smem_limit
+                                         : Sm90BwdWsTraits<128>::kSmemBytes <= smem_limit;
+  if (!deterministic && config == kSm90aBwdConfig && (head_dim == 64 || head_dim == 128) &&
+      q.size(3) == head_dim && v.size(3) == head_dim && ws_smem_ok) {
+    const bool fp16 = q.scalar_type() == at::kHalf;
+    const int box_rows = head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
+    p.ws =
+        encode_kv_map(p.tma_q, q.data_ptr(), fp16, q.size(2), q.size(1), q.size(0), p.q_row_stride,
+                      p.q_head_stride, p.q_batch_stride, head_dim, box_rows) &&
+        encode_kv_map(p.tma_do, dout.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
+                      p.do_row_stride, p.do_head_stride, p.do_batch_stride, head_dim, box_rows) &&
+        encode_dq_map(p.dq_map, dq_accum.data_ptr<float>(), q.size(2), q.size(0) * q.size(1),
+                      head_dim);
+  }
+#endif
   p.delta = row_stats.data_ptr<float>();
   p.lse2 = p.delta + q.size(0) * q.size(1) * q.size(2);
   p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
@@ -1395,6 +1431,8 @@ template <int D>
 struct IsSm90BwdTraits<Sm90BwdTraits<D>> : std::true_type {};
 template <typename Tiles>
 struct IsSm90BwdTraits<Sm90BwdPaddedTraits<Tiles>> : std::true_type {};
+template <int D>
+struct IsSm90BwdTraits<Sm90BwdWsTraits<D>> : std::true_type {};
 template <typename Traits>
 struct IsSm90BwdWideTraits : std::false_type {};
 template <int D, int DV>
@@ -1492,6 +1530,13 @@ void append_kernel_launches(std::string& out) {
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }));
     visit_bwd_config<T, D, false>(
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
+#if FLASHMOE_BWD_WS
+    if (config == kSm90aBwdConfig && (D == 64 || D == 128)) {  // warp-specialized
+      visit_bwd_config<T, D, true>(
+          config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), false,
+          true);
+    }
+#endif
     if (config == kSm90aBwdConfig && (D == 128 || D == 192)) {  // padded, v's 128 under 192
       visit_bwd_config<T, D, true>(
           config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), true);

@@ -40,6 +40,7 @@ struct Sm90BwdTraits {
   static_assert((kBlockM * kHeadDim * 2) % 1024 == 0 && (kBlockN * kBlockM * 2) % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle atom");
   static constexpr bool kPadded = false;
+  static constexpr bool kWs = false;  // Sm90BwdWsTraits
 };
 // The tile run at narrower head dims (80, 96, 112, v's 64 under 128, ...: wgmma_bwd_padded): q's,
 // k's, v's and dO's columns past their head dims zero-filled in shared memory (cp.async copies the
@@ -51,16 +52,47 @@ struct Sm90BwdPaddedTraits : Tiles {
   static constexpr bool kPadded = true;
 };
 
+// The tile warp-specialized (FLASHMOE_BWD_WS, FlashAttention-3's backward): warpgroups 0 and 1
+// compute as above with 240 registers each (setmaxnreg), warpgroup 2 keeps 24 and feeds them: its
+// warp 0 copies each step's Q and dO by TMA, warp 1 loads the rows' lse and delta, warp 2 adds
+// the math warpgroups' staged dQ tiles by TMA reduce-add. Q, dO, lse and delta sit in two stages
+// handed over by mbarriers (full: the TMA bytes and warp 1's 32 arrivals; empty: one arrival a
+// math warp), each warpgroup's dQ tile by named barriers; dS^T has two buffers, so the one
+// barrier of the math warpgroups a step (dS^T whole before dQ's product) also proves the other
+// buffer free. Unpadded head dims 64 and 128 with dQ by atomics only (the host falls back to
+// Sm90BwdTraits wherever the maps cannot be encoded).
+template <int kHeadDim_>
+struct Sm90BwdWsTraits : Sm90BwdTraits<kHeadDim_> {
+  using Base = Sm90BwdTraits<kHeadDim_>;
+  static constexpr bool kWs = true;
+  static constexpr int kNThreads = 384;
+  // K and V, Q and dO (two stages each), dS^T (two buffers), lse and delta (two stages each),
+  // each math warpgroup's 64 x 64 fp32 dQ tile (1024-byte aligned: everything before it is a
+  // multiple of 1 KB), then the stages' full and empty mbarriers.
+  static constexpr int kStatsOffset = (2 * Base::kBlockN + 4 * Base::kBlockM) * kHeadDim_ * 2 +
+                                      2 * Base::kBlockN * Base::kBlockM * 2;
+  static constexpr int kDqOffset = kStatsOffset + 4 * Base::kBlockM * 4;
+  static constexpr int kBarOffset = kDqOffset + 2 * 64 * 64 * 4;
+  static constexpr int kSmemBytes = kBarOffset + 4 * 8;
+  // The launch gives each of the 384 threads 168 registers; the producer gives up all but 24, so
+  // the math warpgroups may take 240 (128 x 24 + 256 x 240 = 168 x 384).
+  static constexpr int kProducerRegs = 24, kMathRegs = 240;
+  static_assert(
+      128 * kProducerRegs + 256 * kMathRegs <= 65536 / kNThreads / 8 * 8 * kNThreads,
+      "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
+  static_assert(kDqOffset % 1024 == 0, "the dQ tiles start on a 1024-byte swizzle atom");
+};
+// Named barriers of the warp-specialized tile: its math warpgroups' (256 threads), and per math
+// warpgroup w its dQ tile's full (kWsDqFull + w) and empty (kWsDqEmpty + w) with the writer warp
+// (160 threads).
+constexpr int kWsMathBarrier = 1, kWsDqFull = 2, kWsDqEmpty = 4;
+
 #if FLASHMOE_BWD_DQ_MAP
 // A warpgroup's 64 x 64 fp32 dQ chunk (wgmma's m64n64 accumulators) into `stage` as the dQ map's
 // two boxes of 32 columns (rows of 128 bytes whose 16-byte chunks are swizzled by the row, as the
-// map's 128-byte swizzle reads them), made visible to the TMA unit. The warpgroup's leader first
-// waits until its previous reduce has read the stage; the caller's leader then issues the
-// reduces (sm90::tma_reduce_add_3d a box) and commits them. Named barrier 1 + wg.
-__device__ __forceinline__ void stage_dq_chunk(float* stage, const float (&acc_dq)[8][4], int wg,
-                                               bool leader, int row_in_wg, int lane) {
-  if (leader) sm90::bulk_wait_group_read<0>();
-  sm90::warpgroup_sync(1 + wg);
+// map's 128-byte swizzle reads them).
+__device__ __forceinline__ void store_dq_chunk(float* stage, const float (&acc_dq)[8][4],
+                                               int row_in_wg, int lane) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = row_in_wg + hh * 8;
@@ -72,30 +104,122 @@ __device__ __forceinline__ void stage_dq_chunk(float* stage, const float (&acc_d
       *reinterpret_cast<float2*>(dst) = make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
     }
   }
+}
+// store_dq_chunk made visible to the TMA unit, by a warpgroup that issues its own reduces: its
+// leader first waits until its previous reduce has read the stage; the caller's leader then
+// issues the reduces (sm90::tma_reduce_add_3d a box) and commits them. Named barrier 1 + wg.
+__device__ __forceinline__ void stage_dq_chunk(float* stage, const float (&acc_dq)[8][4], int wg,
+                                               bool leader, int row_in_wg, int lane) {
+  if (leader) sm90::bulk_wait_group_read<0>();
+  sm90::warpgroup_sync(1 + wg);
+  store_dq_chunk(stage, acc_dq, row_in_wg, lane);
   sm90::fence_proxy_async();  // the chunk's stores, visible to the TMA unit
   sm90::warpgroup_sync(1 + wg);
+}
+#endif
+
+#if FLASHMOE_BWD_WS
+// The warp-specialized tile's mbarriers (Sm90BwdWsTraits): full[2], then empty[2].
+template <typename Traits>
+__device__ __forceinline__ uint64_t* ws_barriers(uint4* smem) {
+  return reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(smem) + Traits::kBarOffset);
+}
+
+// The warp-specialized tile's producer warpgroup, after its setmaxnreg. Step `step` uses stage
+// step % 2 for the (step / 2)-th time: its full barrier completes phase (step / 2) % 2, and the
+// producer waits for the empty one's previous phase (a fresh barrier passes the first wait).
+template <typename Traits, typename T, typename StepHead, typename StepM0>
+__device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T* sQ, T* sdO,
+                                                           float* sLse, float* sDelta, float* sDq,
+                                                           uint64_t* bars, int b, int steps,
+                                                           StepHead step_head, StepM0 step_m0) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM;
+  uint64_t* full = bars;
+  uint64_t* empty = bars + 2;
+  const int pwarp = threadIdx.x / 32 - 8, lane = threadIdx.x % 32;
+  if (pwarp == 0) {  // Q and dO by TMA, one box each (rows past Sq zero-filled)
+    if (lane != 0) return;
+    sm90::prefetch_tensor_map(p.tma_q);
+    sm90::prefetch_tensor_map(p.tma_do);
+#pragma unroll 1
+    for (int step = 0; step < steps; ++step) {
+      const int s = step & 1, h = step_head(step), m0 = step_m0(step);
+      sm90::mbar_wait(&empty[s], ((step >> 1) & 1) ^ 1);
+      sm90::mbar_arrive_expect_tx(&full[s], 2u * BM * D * 2);
+      sm90::tma_load_5d(sQ + s * BM * D, p.tma_q, &full[s], 0, m0, 0, h, b);
+      sm90::tma_load_5d(sdO + s * BM * D, p.tma_do, &full[s], 0, m0, 0, h, b);
+    }
+  } else if (pwarp == 1) {  // the rows' base-2 lse and delta (rows past Sq: lse +inf, so P = 0)
+#pragma unroll 1
+    for (int step = 0; step < steps; ++step) {
+      const int s = step & 1, h = step_head(step), m0 = step_m0(step);
+      sm90::mbar_wait(&empty[s], ((step >> 1) & 1) ^ 1);
+      const int64_t row0 = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+#pragma unroll
+      for (int r = lane; r < BM; r += 32) {
+        const bool valid = m0 + r < p.seqlen_q;
+        sLse[s * BM + r] = valid ? p.lse2[row0 + r] : INFINITY;
+        sDelta[s * BM + r] = valid ? p.delta[row0 + r] : 0.f;
+      }
+      sm90::mbar_arrive(&full[s]);
+    }
+  } else if (pwarp == 2) {  // dQ: each math warpgroup's staged tile, by TMA reduce-add
+    // planted 6: the last key block never reaches dQ
+    const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, Traits::kBlockN) - 1;
+#pragma unroll 1
+    for (int step = 0; step < steps; ++step) {
+      const int bh = b * p.heads_q + step_head(step), m0 = step_m0(step);
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        // warpgroup w's tile: queries [64w, 64w + 64) at d=64, columns [64w, 64w + 64) at 128
+        const int pq = D == 64 ? w : 0, pd = D == 64 ? 0 : w;
+        sm90::named_sync(kWsDqFull + w, 160);
+        if (lane == 0) {
+          if (add_dq) {
+#pragma unroll
+            for (int box = 0; box < 2; ++box)
+              sm90::tma_reduce_add_3d(p.dq_map, sDq + w * 64 * 64 + box * 64 * 32,
+                                      pd * 64 + box * 32, m0 + pq * 64, bh);
+            sm90::bulk_commit_group();
+          }
+          sm90::bulk_wait_group_read<0>();
+        }
+        __syncwarp();
+        // the tile is free again (the warpgroup's own first arrival stood for the first step)
+        if (step + 1 < steps) sm90::named_arrive(kWsDqEmpty + w, 160);
+      }
+    }
+    if (lane == 0) sm90::bulk_wait_group<0>();  // the adds done before the block ends
+  }
 }
 #endif
 
 template <typename Traits, typename T, bool kAtomicDq>
 __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
-  constexpr int MT = BM / 8, DT = D / 8, kThreads = Traits::kNThreads;
-  constexpr bool kPadded = Traits::kPadded;
+  constexpr int MT = BM / 8, DT = D / 8;
+  constexpr bool kPadded = Traits::kPadded, kWs = Traits::kWs;
+  // the threads that copy K and V and compute: every thread of the 256-thread tile, the math
+  // warpgroups of the warp-specialized one
+  constexpr int kMathThreads = 256;
+  static_assert(!kWs || (kAtomicDq && !kPadded), "the warp-specialized tile: dQ by atomics, whole");
 
   extern __shared__ __align__(1024) uint4 smem_buf[];
   T* sK = reinterpret_cast<T*>(smem_buf);
   T* sV = sK + BN * D;
-  T* sQ = sV + BN * D;                                    // [2][BM x D]
-  T* sdO = sQ + 2 * BM * D;                               // [2][BM x D]
-  T* sdS = sdO + 2 * BM * D;                              // dS^T: [BN keys][BM queries]
-  float* sLse = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM]
-  float* sDelta = sLse + 2 * BM;                          // [2][BM]
-  // FLASHMOE_BWD_DQ_TMA: [2 warpgroups][2 boxes of 32 columns][64 rows][32], 128-byte swizzled
-  // rows (1024-byte aligned: every region before it is a multiple of 1024 bytes)
+  T* sQ = sV + BN * D;        // [2][BM x D]
+  T* sdO = sQ + 2 * BM * D;   // [2][BM x D]
+  T* sdS = sdO + 2 * BM * D;  // dS^T: [BN keys][BM queries] (two buffers: kWs)
+  float* sLse = reinterpret_cast<float*>(sdS + (kWs ? 2 : 1) * BN * BM);  // [2][BM]
+  float* sDelta = sLse + 2 * BM;                                          // [2][BM]
+  // FLASHMOE_BWD_DQ_TMA and kWs: [2 warpgroups][2 boxes of 32 columns][64 rows][32], 128-byte
+  // swizzled rows (1024-byte aligned: every region before it is a multiple of 1024 bytes)
   [[maybe_unused]] float* sDq = sDelta + 2 * BM;
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  // kWs: the warp index through a shuffle from lane 0, so that the compiler knows it uniform and
+  // keeps the role branch and the wgmma descriptors in uniform registers (as the forward does)
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int warp = kWs ? __shfl_sync(0xffffffffu, tid / 32, 0) : tid / 32, wg = warp / 4;
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
@@ -110,10 +234,12 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   const bool tile_wide = !kPadded || planted(19);
   const int qk_chunks = tile_wide ? D / 8 : p.head_dim / 8;
   const int v_chunks = tile_wide ? D / 8 : p.head_dim_v / 8;
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k,
-                                                  qk_chunks, tid);
-  load_kv_tile<D, BN, kThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k,
-                                                  v_chunks, tid);
+  if (!kWs || warp < 8) {
+    load_kv_tile<D, BN, kMathThreads, /*kPanels=*/true>(sK, k_base, p.k_row_stride, n0, p.seqlen_k,
+                                                        qk_chunks, tid);
+    load_kv_tile<D, BN, kMathThreads, /*kPanels=*/true>(sV, v_base, p.v_row_stride, n0, p.seqlen_k,
+                                                        v_chunks, tid);
+  }
   cp_async_commit();
 
   // planted 5: only the group's first query head reaches dK and dV
@@ -121,16 +247,43 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   const int m_count = max(0, m_end - m_begin), steps = group * m_count;
   auto step_head = [&](int step) { return hkv * p.heads_ratio + step / m_count; };
   auto step_m0 = [&](int step) { return (m_begin + step % m_count) * BM; };
+  [[maybe_unused]] uint64_t* ws_bars = nullptr;  // kWs: full[2], empty[2]
+#if FLASHMOE_BWD_WS
+  if constexpr (kWs) {
+    ws_bars = ws_barriers<Traits>(smem_buf);
+    if (tid == 0) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        sm90::mbar_init(&ws_bars[s], 1 + 32);  // the TMA thread's expect_tx, the stats warp
+        sm90::mbar_init(&ws_bars[2 + s], 8);   // one arrival a math warp
+      }
+      sm90::mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp >= 8) {
+      sm90::setmaxnreg_dec<Traits::kProducerRegs>();
+      flash_bwd_sm90_ws_producer<Traits>(p, sQ, sdO, sLse, sDelta, sDq, ws_bars, b, steps,
+                                         step_head, step_m0);
+      return;
+    }
+    sm90::setmaxnreg_inc<Traits::kMathRegs>();
+    // each warpgroup's dQ tile starts empty: its first warp's arrival stands for the writer's
+    if (warp % 4 == 0 && steps > 0) sm90::named_arrive(kWsDqEmpty + wg, 160);
+    cp_async_wait<0>();
+    sm90::fence_proxy_async();              // K and V, visible to the tensor cores
+    sm90::named_sync(kWsMathBarrier, 256);  // both warpgroups' copies of them
+  }
+#endif
   // Step `step`'s Q and dO into buffer step % 2 (cp.async, one commit group), and its rows'
   // base-2 lse and delta (rows past the end: lse +inf, so P = 0).
   auto issue_step = [&](int step) {
     const int buf = step & 1, h = step_head(step), m0 = step_m0(step);
     const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
     const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
-    load_kv_tile<D, BM, kThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0, p.seqlen_q,
-                                        qk_chunks, tid);
-    load_kv_tile<D, BM, kThreads, true>(sdO + buf * BM * D, do_base, p.do_row_stride, m0,
-                                        p.seqlen_q, v_chunks, tid);
+    load_kv_tile<D, BM, kMathThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0,
+                                            p.seqlen_q, qk_chunks, tid);
+    load_kv_tile<D, BM, kMathThreads, true>(sdO + buf * BM * D, do_base, p.do_row_stride, m0,
+                                            p.seqlen_q, v_chunks, tid);
 #if FLASHMOE_BWD_STATS_CP_ASYNC
     // The rows' lse and delta by cp.async in the tiles' group: the first warpgroup no longer
     // waits a global load's latency here every step (rows past the end still stored directly).
@@ -168,6 +321,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   constexpr uint64_t kBufStep = uint64_t((BM * D * 2) >> 4);  // the other Q (dO) buffer
   const int pq = D == 64 ? wg : 0, pd = D == 64 ? 0 : wg;
   const uint64_t ds_desc = sm90::desc_mn_major<BN>(smem_u32(sdS + pq * BN * 64));
+  constexpr uint64_t kDsBufStep = uint64_t((BN * BM * 2) >> 4);  // kWs: the other dS^T buffer
   const uint64_t kt_desc = sm90::desc_mn_major<BN>(smem_u32(sK + pd * BN * 64));
 
   const int row_in_wg = 16 * (warp % 4) + lane / 4;  // + 8 * (e / 2): accumulator rows
@@ -180,12 +334,16 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     for (int e = 0; e < 4; ++e)
       acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
 
-  if (steps > 0) issue_step(0);
+  if (!kWs && steps > 0) issue_step(0);
   for (int step = 0; step < steps; ++step) {
     const int buf = step & 1, m0 = step_m0(step);
-    cp_async_wait<0>();
-    sm90::fence_proxy_async();  // this thread's copies, visible to the tensor cores
-    __syncthreads();            // the step's tiles have landed; step - 1 is done with buf ^ 1
+    if constexpr (kWs) {
+      sm90::mbar_wait(&ws_bars[buf], (step >> 1) & 1);  // the step's Q, dO, lse and delta
+    } else {
+      cp_async_wait<0>();
+      sm90::fence_proxy_async();  // this thread's copies, visible to the tensor cores
+      __syncthreads();            // the step's tiles have landed; step - 1 is done with buf ^ 1
+    }
 
     // S^T and dP^T, two commit groups: P^T is computed while dP^T is still running.
     float acc_s[MT][4], acc_dp[MT][4];
@@ -202,7 +360,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
       sm90::mma_ss<BM, T>(acc_dp, v_desc + sm90::k_major_step<BN>(kk),
                           do_desc + buf * kBufStep + sm90::k_major_step<BM>(kk), kk > 0);
     sm90::commit_group();
-    if (step + 1 < steps) issue_step(step + 1);  // lands while this step computes
+    if (!kWs && step + 1 < steps) issue_step(step + 1);  // lands while this step computes
 
     // P^T = exp2(S^T * scale_log2 - lse2) with keys past the end and outside the window (causal:
     // its right edge 0) at 0, then dS^T = P^T (dP^T - delta); the unmasked blocks skip the
@@ -284,11 +442,12 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     if constexpr (kAtomicDq) {
       // dS^T to shared memory for dQ: row = key, 8-query chunk nt (conflict-free: the 8 rows of
       // one store instruction land in 8 different chunks).
+      T* ds_buf = kWs ? sdS + buf * BN * BM : sdS;
 #pragma unroll
       for (int nt = 0; nt < MT; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<uint32_t*>(sdS + swizzle_panels<BN>(key_row0 + 8 * hh, nt) +
+          *reinterpret_cast<uint32_t*>(ds_buf + swizzle_panels<BN>(key_row0 + 8 * hh, nt) +
                                        (lane & 3) * 2) = ds_frag[nt / 2][(nt & 1) * 2 + hh];
     }
 
@@ -307,10 +466,16 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     sm90::commit_group();
 
     if constexpr (kAtomicDq) {
-      // planted 6: the last key block never reaches dQ
-      const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
+      // planted 6: the last key block never reaches dQ (kWs: the writer's)
+      [[maybe_unused]] const bool add_dq =
+          !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
       sm90::fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
-      __syncthreads();            // dS^T is whole (both warpgroups' keys)
+      // dS^T is whole (both warpgroups' keys); kWs: both are past step - 1's dQ product, which
+      // read the buffer step + 1 writes
+      if constexpr (kWs)
+        sm90::named_sync(kWsMathBarrier, 256);
+      else
+        __syncthreads();
       float acc_dq[8][4];
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
@@ -321,13 +486,30 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
       sm90::fence();
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        sm90::mma_ss<64, T, /*kMnMajor=*/true>(acc_dq, ds_desc + sm90::mn_major_step(kk),
-                                               kt_desc + sm90::mn_major_step(kk), kk > 0);
+        sm90::mma_ss<64, T, /*kMnMajor=*/true>(
+            acc_dq, ds_desc + (kWs ? buf * kDsBufStep : 0) + sm90::mn_major_step(kk),
+            kt_desc + sm90::mn_major_step(kk), kk > 0);
       sm90::commit_group();
       sm90::wait_group<0>();
       sm90::fence_operands(acc_dq);
       sm90::fence_operands(acc_dv);
       sm90::fence_operands(acc_dk);
+#if FLASHMOE_BWD_WS
+      if constexpr (kWs) {
+        // every product of the step is done: its stage goes back to the producer, and this
+        // warpgroup's dQ tile to the writer warp once the writer has read the last one
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(&ws_bars[2 + buf]);
+        sm90::named_sync(kWsDqEmpty + wg, 160);
+        // the tile's addresses computed here, not hoisted out of the loop (where they spilled)
+        int row = row_in_wg, col_lane = lane;
+        asm volatile("" : "+r"(row), "+r"(col_lane));
+        store_dq_chunk(sDq + wg * 64 * 64, acc_dq, row, col_lane);
+        sm90::fence_proxy_async();  // the tile's stores, visible to the TMA unit
+        sm90::named_arrive(kWsDqFull + wg, 160);
+        continue;
+      }
+#endif
 #if FLASHMOE_BWD_DQ_TMA
       // This warpgroup's 64 x 64 dQ tile through shared memory (stage_dq_chunk), then one TMA
       // reduce-add a box into dq_accum: rows past Sq lie outside the map and are left alone.

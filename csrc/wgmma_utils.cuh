@@ -158,6 +158,17 @@ template <int kThreads>
 __device__ __forceinline__ void block_sync() {
   asm volatile("barrier.sync %0, %1;\n" ::"n"(kBlockBarrier), "n"(kThreads) : "memory");
 }
+// `threads` threads at named barrier `id`, every one of them waiting (named_sync) or only counted
+// (named_arrive, which returns at once): a producer and its consumers hand a buffer over this
+// way, as FlashAttention-3's backward hands over its dQ tiles. Not aligned, so the two sides may
+// reach the barrier from different sites; `threads` is a multiple of 32 and every warp arrives
+// whole.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 template <int N = 0>
 __device__ __forceinline__ void prefetch_tensor_map(const void* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
