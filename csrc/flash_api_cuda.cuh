@@ -1183,7 +1183,7 @@ using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 // Sm90BwdPaddedTraits at 128, and Sm90BwdWideTraits<192, 128> at 192, v's 128 being the one it
 // takes there; the mma.sync kernels take any head dims the tile holds). `ws`: configuration 3's
 // 128 tile warp-specialized (Sm90BwdWsTraits, with -DFLASHMOE_BWD_WS=1: whole head dims 64 and
-// 128, dQ by atomics, the host's maps encoded: BwdParams::ws).
+// 128 and padded onto 128, dQ by atomics, the host's maps encoded: BwdParams::ws).
 template <typename T, int D, bool kAtomicDq, typename F>
 void visit_bwd_config(int config, F&& f, bool padded = false, [[maybe_unused]] bool ws = false) {
   if (config == 1) {
@@ -1191,6 +1191,16 @@ void visit_bwd_config(int config, F&& f, bool padded = false, [[maybe_unused]] b
     FLASHMOE_VISIT(only::bwd, T, D, 1, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
   } else if (config == kSm90aBwdConfig) {
     if constexpr (D == 128) {
+#if FLASHMOE_BWD_WS
+      if constexpr (kAtomicDq) {
+        if (padded && ws) {
+          using Traits = Sm90BwdPaddedTraits<Sm90BwdWsTraits<D>>;
+          FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                         &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+          return;
+        }
+      }
+#endif
       if (padded) {
         using Traits = Sm90BwdPaddedTraits<Sm90BwdTraits<D>>;
         FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
@@ -1365,22 +1375,25 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   }
 #endif
 #if FLASHMOE_BWD_WS
-  // The warp-specialized 128 tile (Sm90BwdWsTraits) where its maps encode: whole head dims 64
-  // and 128, dQ by atomics; elsewhere Sm90BwdTraits runs.
+  // The warp-specialized 128 tile (Sm90BwdWsTraits) where its maps encode: head dims 64 and 128,
+  // and those padded onto 128 (maps of q's and dout's own widths, a box a panel), dQ by atomics;
+  // elsewhere Sm90BwdTraits runs.
   p.ws = false;
   const bool ws_smem_ok = head_dim == 64 ? Sm90BwdWsTraits<64>::kSmemBytes <= smem_limit
                                          : Sm90BwdWsTraits<128>::kSmemBytes <= smem_limit;
-  if (!deterministic && config == kSm90aBwdConfig && (head_dim == 64 || head_dim == 128) &&
-      q.size(3) == head_dim && v.size(3) == head_dim && ws_smem_ok) {
+  const bool ws_padded = q.size(3) != head_dim || v.size(3) != head_dim;
+  if (!deterministic && config == kSm90aBwdConfig && (head_dim == 128 || !ws_padded) &&
+      (head_dim == 64 || head_dim == 128) && ws_smem_ok) {
     const bool fp16 = q.scalar_type() == at::kHalf;
     const int box_rows = head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
-    p.ws =
-        encode_kv_map(p.tma_q, q.data_ptr(), fp16, q.size(2), q.size(1), q.size(0), p.q_row_stride,
-                      p.q_head_stride, p.q_batch_stride, head_dim, box_rows) &&
-        encode_kv_map(p.tma_do, dout.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
-                      p.do_row_stride, p.do_head_stride, p.do_batch_stride, head_dim, box_rows) &&
-        encode_dq_map(p.dq_map, dq_accum.data_ptr<float>(), q.size(2), q.size(0) * q.size(1),
-                      head_dim);
+    p.ws = encode_kv_map(p.tma_q, q.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
+                         p.q_row_stride, p.q_head_stride, p.q_batch_stride,
+                         ws_padded ? int(q.size(3)) : head_dim, box_rows, ws_padded) &&
+           encode_kv_map(p.tma_do, dout.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
+                         p.do_row_stride, p.do_head_stride, p.do_batch_stride,
+                         ws_padded ? int(v.size(3)) : head_dim, box_rows, ws_padded) &&
+           encode_dq_map(p.dq_map, dq_accum.data_ptr<float>(), q.size(2), q.size(0) * q.size(1),
+                         head_dim);
   }
 #endif
   p.delta = row_stats.data_ptr<float>();
@@ -1531,10 +1544,15 @@ void append_kernel_launches(std::string& out) {
     visit_bwd_config<T, D, false>(
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
 #if FLASHMOE_BWD_WS
-    if (config == kSm90aBwdConfig && (D == 64 || D == 128)) {  // warp-specialized
+    if (config == kSm90aBwdConfig && (D == 64 || D == 128)) {  // warp-specialized (and padded)
       visit_bwd_config<T, D, true>(
           config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), false,
           true);
+      if (D == 128) {
+        visit_bwd_config<T, D, true>(
+            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), true,
+            true);
+      }
     }
 #endif
     if (config == kSm90aBwdConfig && (D == 128 || D == 192)) {  // padded, v's 128 under 192

@@ -59,8 +59,10 @@ struct Sm90BwdPaddedTraits : Tiles {
 // handed over by mbarriers (full: the TMA bytes and warp 1's 32 arrivals; empty: one arrival a
 // math warp), each warpgroup's dQ tile by named barriers; dS^T has two buffers, so the one
 // barrier of the math warpgroups a step (dS^T whole before dQ's product) also proves the other
-// buffer free. Unpadded head dims 64 and 128 with dQ by atomics only (the host falls back to
-// Sm90BwdTraits wherever the maps cannot be encoded).
+// buffer free. Head dims 64 and 128, and padded onto 128 (Sm90BwdPaddedTraits over it: Q and dO a
+// TMA box a 64-column panel from maps of their own widths, which zero-fill the columns past
+// them), with dQ by atomics only (the host falls back to Sm90BwdTraits wherever the maps cannot
+// be encoded).
 template <int kHeadDim_>
 struct Sm90BwdWsTraits : Sm90BwdTraits<kHeadDim_> {
   using Base = Sm90BwdTraits<kHeadDim_>;
@@ -137,7 +139,7 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
   uint64_t* full = bars;
   uint64_t* empty = bars + 2;
   const int pwarp = threadIdx.x / 32 - 8, lane = threadIdx.x % 32;
-  if (pwarp == 0) {  // Q and dO by TMA, one box each (rows past Sq zero-filled)
+  if (pwarp == 0) {  // Q and dO by TMA (rows past Sq, padded columns: zero-filled)
     if (lane != 0) return;
     sm90::prefetch_tensor_map(p.tma_q);
     sm90::prefetch_tensor_map(p.tma_do);
@@ -145,9 +147,18 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
     for (int step = 0; step < steps; ++step) {
       const int s = step & 1, h = step_head(step), m0 = step_m0(step);
       sm90::mbar_wait(&empty[s], ((step >> 1) & 1) ^ 1);
-      sm90::mbar_arrive_expect_tx(&full[s], 2u * BM * D * 2);
-      sm90::tma_load_5d(sQ + s * BM * D, p.tma_q, &full[s], 0, m0, 0, h, b);
-      sm90::tma_load_5d(sdO + s * BM * D, p.tma_do, &full[s], 0, m0, 0, h, b);
+      sm90::mbar_arrive_expect_tx(&full[s], 2u * BM * D * 2);  // whole boxes, zeros included
+      if constexpr (Traits::kPadded) {  // a box a panel, from maps of the tensors' own widths
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) {
+          sm90::tma_load_5d(sQ + s * BM * D + c * BM * 64, p.tma_q, &full[s], c * 64, m0, 0, h, b);
+          sm90::tma_load_5d(sdO + s * BM * D + c * BM * 64, p.tma_do, &full[s], c * 64, m0, 0, h,
+                            b);
+        }
+      } else {
+        sm90::tma_load_5d(sQ + s * BM * D, p.tma_q, &full[s], 0, m0, 0, h, b);
+        sm90::tma_load_5d(sdO + s * BM * D, p.tma_do, &full[s], 0, m0, 0, h, b);
+      }
     }
   } else if (pwarp == 1) {  // the rows' base-2 lse and delta (rows past Sq: lse +inf, so P = 0)
 #pragma unroll 1
@@ -177,9 +188,13 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
         if (lane == 0) {
           if (add_dq) {
 #pragma unroll
-            for (int box = 0; box < 2; ++box)
+            for (int box = 0; box < 2; ++box) {
+              if constexpr (Traits::kPadded) {  // dQ's columns past q's head dim: never read
+                if (pd * 64 + box * 32 >= p.head_dim) continue;
+              }
               sm90::tma_reduce_add_3d(p.dq_map, sDq + w * 64 * 64 + box * 64 * 32,
                                       pd * 64 + box * 32, m0 + pq * 64, bh);
+            }
             sm90::bulk_commit_group();
           }
           sm90::bulk_wait_group_read<0>();
@@ -202,7 +217,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   // the threads that copy K and V and compute: every thread of the 256-thread tile, the math
   // warpgroups of the warp-specialized one
   constexpr int kMathThreads = 256;
-  static_assert(!kWs || (kAtomicDq && !kPadded), "the warp-specialized tile: dQ by atomics, whole");
+  static_assert(!kWs || kAtomicDq, "the warp-specialized tile: dQ by atomics");
 
   extern __shared__ __align__(1024) uint4 smem_buf[];
   T* sK = reinterpret_cast<T*>(smem_buf);
