@@ -351,6 +351,119 @@ def test_the_backward_plants_cases_are_gate_cases():
         assert any(parse_case_id(c).config == 3 and parse_case_id(c).head_dim > 128 for c in cases)
 
 
+# bwd v6 (-DFLASHMOE_BWD_WS=1: configuration 3's 128 tile warp-specialized) stays off by default
+# until it is measured faster; meanwhile these gates keep it correct on every GPU run, from a build
+# of its own. Every case forced onto configuration 3 at 64, 128 and the head dims padded onto 128,
+# and one in eight of the automatic ones there (windows, softcap, sinks, GQA, odd lengths among
+# them), none deterministic (that keeps the dQ pass).
+def _warp_specialized_cases() -> tuple[str, ...]:
+    tile = [
+        c
+        for c in GPU_CASES
+        if c.config in (0, 3) and not c.deterministic and max(c.head_dim, c.value_head_dim) <= 128
+    ]
+    forced = [c.id for c in tile if c.config == 3]
+    automatic = [c.id for c in tile if c.config == 0]
+    return (*forced, *automatic[::8])
+
+
+WS_CASES = _warp_specialized_cases()
+WS_SCRIPT = """
+import json, sys
+import torch
+from torch.profiler import ProfilerActivity, profile
+from flashmoe_science import flash_attention_forward, ops
+from flashmoe_science.pipeline.cases import parse_case_id
+from flashmoe_science.pipeline.gates import backward as grad_gates
+kernels = {}
+for d in (64, 96, 128):
+    q, k, v = (torch.randn(1, 2, 200, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flash_attention_forward(q, k, v, True).sum().backward()
+        torch.cuda.synchronize()
+    kernels[d] = sorted({e.name for e in prof.events() if "flash_bwd_sm90_kernel" in e.name})
+results = {}
+for case_id in sys.argv[1:]:
+    results[case_id] = grad_gates.check_case(parse_case_id(case_id), "cuda").failures
+print(json.dumps({"planted": ops.planted_bug(), "kernels": kernels, "results": results}))
+"""
+# Plant 6 (dQ without the last key block: the writer warp's reduce-adds) must fail them too.
+WS_PLANT_CASES = ("bwd-fp16-d64-h8-b2-s1000-full-cfg3", "bwd-bf16-d128-h8-b2-s1000-full-cfg3")
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_the_warp_specialized_backward_passes_its_gradient_gates():
+    """A build with -DFLASHMOE_BWD_WS=1 (head dims 64 and 128 only, every plant compiled in) runs
+    the warp-specialized kernels at 64, 96 (padded) and 128; they pass WS_CASES' gradient gates,
+    and with plant 6 fail WS_PLANT_CASES'. One restricted build and about 130 gates: about a
+    minute of the GPU job, the price of a dormant kernel that cannot rot."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from flashmoe_science import ops
+    from flashmoe_science.pipeline.paths import REPO_ROOT
+
+    if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
+        pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
+    from flashmoe_science import _loader
+
+    def run(bug: int, case_ids) -> dict:
+        env = dict(
+            os.environ,
+            FLASHMOE_BUILD_DEFINES=f"FLASHMOE_BWD_WS=1,{_loader.PLANT_DEFINE}",
+            FLASHMOE_BUILD_ONLY="head_dim=64,128",
+            FLASHMOE_PLANT_BUG=str(bug),
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", WS_SCRIPT, *case_ids],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert out["planted"] == bug
+        for head_dim, names in out["kernels"].items():
+            assert any("Sm90BwdWsTraits" in name for name in names), (head_dim, names)
+        assert sorted(out["results"]) == sorted(case_ids)
+        return out["results"]
+
+    failed = {case_id: failures for case_id, failures in run(0, WS_CASES).items() if failures}
+    assert not failed, failed
+    planted = run(6, WS_PLANT_CASES)
+    assert all(planted.values()), planted
+
+
+def test_the_warp_specialized_cases_cover_its_tiles_and_features():
+    """WS_CASES reach each kernel of the warp-specialized tile (64, 128, padded onto 128, v's 64
+    under 128), both dtypes, causal both, GQA, windows, softcap and sinks, lengths past one tile,
+    and no deterministic call."""
+    cases = [parse_case_id(case_id) for case_id in WS_CASES]
+    assert 80 <= len(cases) <= 140
+    assert {(c.head_dim, c.value_head_dim) for c in cases} >= {
+        (64, 64),
+        (128, 128),
+        (80, 80),
+        (96, 96),
+        (128, 64),
+    }
+    assert {c.dtype for c in cases} == {"fp16", "bf16"} and {c.causal for c in cases} == {
+        True,
+        False,
+    }
+    assert any(c.heads_kv < c.heads_q for c in cases) and any(c.seqlen_k > 128 for c in cases)
+    assert any(c.window != (-1, -1) for c in cases) and any(c.softcap > 0 for c in cases)
+    assert any(c.sinks for c in cases) and not any(c.deterministic for c in cases)
+    assert set(WS_PLANT_CASES) <= set(WS_CASES)
+    assert all(parse_case_id(c).seqlen_k > 128 for c in WS_PLANT_CASES)  # more than one key block
+
+
 # ---- the autograd contract --------------------------------------------------------------------
 
 
