@@ -128,9 +128,17 @@ def record_gate(record_property):
     return record
 
 
-def planted_process_env(bug: int, device: str, case_ids: Sequence[str] = ()) -> dict[str, str]:
+def planted_process_env(
+    bug: int,
+    device: str,
+    case_ids: Sequence[str] = (),
+    defines: Sequence[str] = (),
+    only: str | None = None,
+) -> dict[str, str]:
     """The environment of a planted-bug process: its build carries bug `bug`, and the CPU device
-    hides the GPU. Its working directory is the repository root.
+    hides the GPU. Its working directory is the repository root. `defines`: more -D defines for
+    its build (a kernel behind a switch; the plant build then serves bug 0 too), `only`: the build
+    restricted to these kernels (FLASHMOE_BUILD_ONLY's spelling).
 
     Every plant of a device runs on that device's one plant build (every plant compiled in, the bug
     picked at run time from FLASHMOE_PLANT_BUG): the CPU's small unit, built for the CPU even where
@@ -143,11 +151,13 @@ def planted_process_env(bug: int, device: str, case_ids: Sequence[str] = ()) -> 
     env.pop(loader.ONLY_VAR, None)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    if not bug:  # bug 0: the unplanted build the checkout has already (no second compile)
+    if only:
+        env[loader.ONLY_VAR] = only
+    if not bug and not defines:  # the unplanted build the checkout has already (no second compile)
         return env
     if device == "cpu":
         env.pop("TORCH_CUDA_ARCH_LIST", None)
-    env["FLASHMOE_BUILD_DEFINES"] = loader.PLANT_DEFINE
+    env["FLASHMOE_BUILD_DEFINES"] = ",".join((*defines, loader.PLANT_DEFINE))
     env["FLASHMOE_PLANT_BUG"] = str(bug)
     return env
 
@@ -159,11 +169,18 @@ def run_planted():
     only the kernels those cases run (planted_process_env), with the GPU hidden for the CPU device,
     and returns the JSON its last line prints, after checking the bug is in the build."""
 
-    def run(bug: int, script: str, device: str, *case_ids: str) -> dict:
+    def run(
+        bug: int,
+        script: str,
+        device: str,
+        *case_ids: str,
+        defines: Sequence[str] = (),
+        only: str | None = None,
+    ) -> dict:
         done = subprocess.run(
             [sys.executable, "-c", script, device, *case_ids],
             cwd=REPO_ROOT,
-            env=planted_process_env(bug, device, case_ids),
+            env=planted_process_env(bug, device, case_ids, defines, only),
             capture_output=True,
             text=True,
             timeout=900,
@@ -174,6 +191,25 @@ def run_planted():
         return result
 
     return run
+
+
+@pytest.fixture
+def check_plant_split(run_planted):
+    """Runs a gate script with planted bug `bug` (run_planted) over `failing` and `passing` case
+    ids: each failing case fails a gate and no passing one does (the bug is caught, and only where
+    it can act)."""
+
+    def check(
+        bug: int, script: str, device: str, failing: Sequence[str], passing: Sequence[str], **kw
+    ) -> dict:
+        results = run_planted(bug, script, device, *failing, *passing, **kw)["results"]
+        assert sorted(results) == sorted((*failing, *passing))
+        for case_id in failing:
+            assert results[case_id], f"planted bug {bug} passed the gates on {case_id}"
+        assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+        return results
+
+    return check
 
 
 def pytest_collection_modifyitems(config, items):

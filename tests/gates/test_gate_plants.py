@@ -284,16 +284,12 @@ PADDED_PLANTS = {
 @pytest.mark.parametrize(
     "bug", sorted(PADDED_PLANTS), ids=[name for name, _, _ in PADDED_PLANTS.values()]
 )
-def test_planted_padded_head_dim_bug_fails_its_gates_and_only_them(bug, run_planted):
+def test_planted_padded_head_dim_bug_fails_its_gates_and_only_them(bug, check_plant_split):
     """Build the unit with a planted padded-tile bug (-DFLASHMOE_PLANT_BUG=14 or 15): every case
     whose head dims the bug touches fails a gate, and the same kernels at head dims it cannot
     touch (the tile's own width; v's equal to q's) pass."""
-    name, failing, passing = PADDED_PLANTS[bug]
-    results = run_planted(bug, PADDED_PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
-    assert sorted(results) == sorted((*failing, *passing))
-    for case_id in failing:
-        assert results[case_id], f"planted bug {bug} ({name}) passed the gates on {case_id}"
-    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+    _, failing, passing = PADDED_PLANTS[bug]
+    check_plant_split(bug, PADDED_PLANT_SCRIPT, "cuda", failing, passing)
 
 
 def test_the_padded_plants_cases_are_padded_where_they_must_fail():
@@ -436,15 +432,10 @@ WIDE_SM90A_PLANT = (
 @pytest.mark.skipif(
     not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
 )
-def test_planted_narrow_pv_fails_the_wide_wgmma_gates_and_only_them(run_planted):
+def test_planted_narrow_pv_fails_the_wide_wgmma_gates_and_only_them(check_plant_split):
     """Build the unit with -DFLASHMOE_PLANT_BUG=16 (P V issued with N = 128 at head dims 192 and
     256): every wide case fails a gate, the 128 cases pass."""
-    failing, passing = WIDE_SM90A_PLANT
-    results = run_planted(16, SM90A_PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
-    assert sorted(results) == sorted((*failing, *passing))
-    for case_id in failing:
-        assert results[case_id], f"planted bug 16 passed the gates on {case_id}"
-    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+    check_plant_split(16, SM90A_PLANT_SCRIPT, "cuda", *WIDE_SM90A_PLANT)
 
 
 def test_the_wide_plants_cases_are_gate_cases_of_each_wgmma_configuration():
@@ -473,13 +464,8 @@ DV_SM90A_PLANT = (
 )
 
 
-def _check_plant(run_planted, bug: int, plant: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
-    failing, passing = plant
-    results = run_planted(bug, SM90A_PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
-    assert sorted(results) == sorted((*failing, *passing))
-    for case_id in failing:
-        assert results[case_id], f"planted bug {bug} passed the gates on {case_id}"
-    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+def _check_plant(check_plant_split, bug: int, plant: tuple[tuple[str, ...], tuple[str, ...]]):
+    check_plant_split(bug, SM90A_PLANT_SCRIPT, "cuda", *plant)
 
 
 @pytest.mark.slow
@@ -487,10 +473,10 @@ def _check_plant(run_planted, bug: int, plant: tuple[tuple[str, ...], tuple[str,
 @pytest.mark.skipif(
     not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
 )
-def test_planted_v_from_k_fails_the_narrow_v_wgmma_gates_and_only_them(run_planted):
+def test_planted_v_from_k_fails_the_narrow_v_wgmma_gates_and_only_them(check_plant_split):
     """Build the unit with -DFLASHMOE_PLANT_BUG=17 (P V reads K's buffers at v's 128 under q's and
     k's 192): every (192, 128) case fails a gate, the others pass."""
-    _check_plant(run_planted, 17, DV_SM90A_PLANT)
+    _check_plant(check_plant_split, 17, DV_SM90A_PLANT)
 
 
 def test_the_narrow_v_plants_cases_are_gate_cases():
@@ -521,10 +507,10 @@ PADDED_SM90A_PLANT = (
 @pytest.mark.skipif(
     not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
 )
-def test_planted_tile_wide_maps_fail_the_padded_wgmma_gates_and_only_them(run_planted):
+def test_planted_tile_wide_maps_fail_the_padded_wgmma_gates_and_only_them(check_plant_split):
     """With FLASHMOE_PLANT_BUG=18 (a padded tile's panels all copied from its first) every padded
     case copied by TMA fails a gate; the cp.async path and the whole tile pass."""
-    _check_plant(run_planted, 18, PADDED_SM90A_PLANT)
+    _check_plant(check_plant_split, 18, PADDED_SM90A_PLANT)
 
 
 def test_the_padded_plants_cases_are_gate_cases():
@@ -562,10 +548,10 @@ MMA96_PLANT = (
 @pytest.mark.skipif(
     not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
 )
-def test_planted_short_reduction_fails_the_96_column_padded_tile_and_only_it(run_planted):
+def test_planted_short_reduction_fails_the_96_column_padded_tile_and_only_it(check_plant_split):
     """With FLASHMOE_PLANT_BUG=26 S's last step on the 96-column padded tile reads the wrong
     columns: every case at 96 fails a gate, and those at 80 and on the whole tile pass."""
-    _check_plant(run_planted, 26, MMA96_PLANT)
+    _check_plant(check_plant_split, 26, MMA96_PLANT)
 
 
 # Plant 27 (the wgmma forward's plain instantiation leaves the sinks out of its rows' epilogue):
@@ -595,10 +581,10 @@ PLAIN_SINKS_SM90A_PLANT = (
 @pytest.mark.skipif(
     not _runs_config_5(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
 )
-def test_planted_dropped_sinks_fail_the_plain_wgmma_gates_and_only_them(run_planted):
+def test_planted_dropped_sinks_fail_the_plain_wgmma_gates_and_only_them(check_plant_split):
     """With FLASHMOE_PLANT_BUG=27 (the plain wgmma forward leaves the sinks out) every sinks-only
     case on configurations 5 to 7 fails a gate; the features kernel, split KV and mma.sync pass."""
-    _check_plant(run_planted, 27, PLAIN_SINKS_SM90A_PLANT)
+    _check_plant(check_plant_split, 27, PLAIN_SINKS_SM90A_PLANT)
 
 
 def test_the_plain_sinks_plants_cases_are_gate_cases():

@@ -279,25 +279,20 @@ PADDED_SM90A_BACKWARD_PLANT = (
 
 @pytest.mark.slow
 @pytest.mark.gpu
-def test_planted_tile_wide_copies_fail_the_padded_wgmma_backward_and_only_it(run_planted):
+def test_planted_tile_wide_copies_fail_the_padded_wgmma_backward_and_only_it(check_plant_split):
     """With FLASHMOE_PLANT_BUG=19 every padded case on configuration 3 fails a gradient gate; the
     whole 128 tile and the mma.sync path at the same head dims pass."""
-    _check_wgmma_backward_plant(run_planted, 19, PADDED_SM90A_BACKWARD_PLANT)
+    _check_wgmma_backward_plant(check_plant_split, 19, PADDED_SM90A_BACKWARD_PLANT)
 
 
-def _check_wgmma_backward_plant(run_planted, bug: int, plant) -> None:
+def _check_wgmma_backward_plant(check_plant_split, bug: int, plant) -> None:
     """Plant `bug` fails a gradient gate on every case of plant[0] and on none of plant[1] (the
     wgmma backward, configuration 3: an sm_90a build on a 9.0 GPU, else a skip)."""
     from flashmoe_science import ops
 
     if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
         pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
-    failing, passing = plant
-    results = run_planted(bug, PLANT_SCRIPT, "cuda", *failing, *passing)["results"]
-    assert sorted(results) == sorted((*failing, *passing))
-    for case_id in failing:
-        assert results[case_id], f"planted bug {bug} passed the gates on {case_id}"
-    assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
+    check_plant_split(bug, PLANT_SCRIPT, "cuda", *plant)
 
 
 def test_the_padded_backward_plants_cases_are_gate_cases():
@@ -328,10 +323,10 @@ WIDE_SM90A_BACKWARD_PLANT = (
 
 @pytest.mark.slow
 @pytest.mark.gpu
-def test_planted_first_panel_fails_the_wide_wgmma_backward_and_only_it(run_planted):
+def test_planted_first_panel_fails_the_wide_wgmma_backward_and_only_it(check_plant_split):
     """With FLASHMOE_PLANT_BUG=25 every wide case on configuration 3 fails a gradient gate; the
     128 tile on 3 and configuration 2 at 192 pass."""
-    _check_wgmma_backward_plant(run_planted, 25, WIDE_SM90A_BACKWARD_PLANT)
+    _check_wgmma_backward_plant(check_plant_split, 25, WIDE_SM90A_BACKWARD_PLANT)
 
 
 def test_the_backward_plants_cases_are_gate_cases():
@@ -384,8 +379,8 @@ for d in (64, 96, 128):
         torch.cuda.synchronize()
     kernels[d] = sorted({e.name for e in prof.events() if "flash_bwd_sm90_kernel" in e.name})
 results = {}
-for case_id in sys.argv[1:]:
-    results[case_id] = grad_gates.check_case(parse_case_id(case_id), "cuda").failures
+for case_id in sys.argv[2:]:
+    results[case_id] = grad_gates.check_case(parse_case_id(case_id), sys.argv[1]).failures
 print(json.dumps({"planted": ops.planted_bug(), "kernels": kernels, "results": results}))
 """
 # Plant 6 (dQ without the last key block: the writer warp's reduce-adds) must fail them too.
@@ -394,50 +389,23 @@ WS_PLANT_CASES = ("bwd-fp16-d64-h8-b2-s1000-full-cfg3", "bwd-bf16-d128-h8-b2-s10
 
 @pytest.mark.slow
 @pytest.mark.gpu
-def test_the_warp_specialized_backward_passes_its_gradient_gates():
+def test_the_warp_specialized_backward_passes_its_gradient_gates(run_planted, check_plant_split):
     """A build with -DFLASHMOE_BWD_WS=1 (head dims 64 and 128 only, every plant compiled in) runs
     the warp-specialized kernels at 64, 96 (padded) and 128; they pass WS_CASES' gradient gates,
     and with plant 6 fail WS_PLANT_CASES'. One restricted build and about 130 gates: about a
     minute of the GPU job, the price of a dormant kernel that cannot rot."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from flashmoe_science import ops
-    from flashmoe_science.pipeline.paths import REPO_ROOT
 
     if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
         pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
-    from flashmoe_science import _loader
-
-    def run(bug: int, case_ids) -> dict:
-        env = dict(
-            os.environ,
-            FLASHMOE_BUILD_DEFINES=f"FLASHMOE_BWD_WS=1,{_loader.PLANT_DEFINE}",
-            FLASHMOE_BUILD_ONLY="head_dim=64,128",
-            FLASHMOE_PLANT_BUG=str(bug),
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", WS_SCRIPT, *case_ids],
-            cwd=REPO_ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        out = json.loads(done.stdout.strip().splitlines()[-1])
-        assert out["planted"] == bug
-        for head_dim, names in out["kernels"].items():
-            assert any("Sm90BwdWsTraits" in name for name in names), (head_dim, names)
-        assert sorted(out["results"]) == sorted(case_ids)
-        return out["results"]
-
-    failed = {case_id: failures for case_id, failures in run(0, WS_CASES).items() if failures}
+    build = {"defines": ("FLASHMOE_BWD_WS=1",), "only": "head_dim=64,128"}
+    out = run_planted(0, WS_SCRIPT, "cuda", *WS_CASES, **build)
+    for head_dim, names in out["kernels"].items():
+        assert any("Sm90BwdWsTraits" in name for name in names), (head_dim, names)
+    assert sorted(out["results"]) == sorted(WS_CASES)
+    failed = {case_id: failures for case_id, failures in out["results"].items() if failures}
     assert not failed, failed
-    planted = run(6, WS_PLANT_CASES)
-    assert all(planted.values()), planted
+    check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), **build)
 
 
 def test_the_warp_specialized_cases_cover_its_tiles_and_features():
