@@ -26,20 +26,18 @@ import torch
 
 from ..cases import (
     DTYPES,
-    SCORES,
     describe_features,
     draw_sinks,
     feature_suffix,
-    normal_window,
     ramp_keys,
 )
 from .forward import attention_pytorch_lowp, attention_reference, features, poisoned_outputs
 from .matrix import NEW_HEAD_DIMS, NEW_HEAD_DIMS_CPU
-from .ragged import RaggedResult, case_seed
+from .ragged import RaggedCaseParts, RaggedResult, case_seed
 
 
 @dataclass(frozen=True)
-class PagedCase:
+class PagedCase(RaggedCaseParts):
     dtype: str
     head_dim: int
     heads_q: int
@@ -56,19 +54,11 @@ class PagedCase:
     sinks: bool = False
 
     def __post_init__(self):
-        if self.head_dim_v == self.head_dim:
-            object.__setattr__(self, "head_dim_v", 0)  # one case, one id
-        object.__setattr__(self, "window", normal_window(self.window, self.causal))
-        if self.scores not in SCORES:
-            raise ValueError(
-                f"PagedCase scores={self.scores!r} is not supported: use one of {SCORES}"
-            )
+        self.normalise()
 
     @property
     def id(self) -> str:
-        heads = f"h{self.heads_q}" + (f"kv{self.heads_kv}" if self.heads_kv != self.heads_q else "")
-        dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else "")
-        parts = ["paged", self.dtype, dims, heads, f"q{self.seqlen_q}"]
+        parts = ["paged", self.dtype, self.dims_part(), self.heads_part(), f"q{self.seqlen_q}"]
         parts.append(f"page{self.page_size}")
         if self.num_splits:
             parts.append(f"splits{self.num_splits}")

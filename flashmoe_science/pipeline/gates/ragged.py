@@ -1,5 +1,6 @@
-"""What the varlen and paged gates share: a gate result over the sequences of one call, its row in
-reports/gates.json, its failure report and rerun commands, and the seed of a case.
+"""What the varlen and paged gates share: their cases' normalisation and id fragments, a gate result
+over the sequences of one call, its row in reports/gates.json, its failure report and rerun
+commands, and the seed of a case.
 
 A ragged call is judged per sequence: each sequence's rows go through gates.evaluate (both gates,
 the log-sum-exp, determinism) against the reference of that sequence alone (RaggedResult.gate),
@@ -15,8 +16,30 @@ import os
 import zlib
 from dataclasses import dataclass
 
-from ..cases import SEED_VAR
+from ..cases import SCORES, SEED_VAR, normal_window
 from .forward import GateResult, evaluate
+
+
+class RaggedCaseParts:
+    """For a frozen case dataclass with dtype, head_dim, head_dim_v, heads_q, heads_kv, causal,
+    scores and window fields (PagedCase, VarlenCase): one spelling of a case (v's head dim kept
+    only where it differs, the window normalised, the scores checked) and its id's fragments."""
+
+    def normalise(self) -> None:
+        if self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", 0)  # one case, one id
+        object.__setattr__(self, "window", normal_window(self.window, self.causal))
+        if self.scores not in SCORES:
+            raise ValueError(
+                f"{type(self).__name__} scores={self.scores!r} is not supported: use one of "
+                f"{SCORES}"
+            )
+
+    def heads_part(self) -> str:
+        return f"h{self.heads_q}" + (f"kv{self.heads_kv}" if self.heads_kv != self.heads_q else "")
+
+    def dims_part(self) -> str:
+        return f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else "")
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,9 @@ import torch
 
 from ..cases import (
     DTYPES,
-    SCORES,
     describe_features,
     draw_sinks,
     feature_suffix,
-    normal_window,
     ramp_keys,
 )
 from .forward import attention_pytorch_lowp, attention_reference, features, poisoned_outputs
@@ -37,11 +35,11 @@ from .matrix import (
     WGMMA_WIDE_HEAD_DIMS,
     WGMMA_WIDE_MATRIX_CONFIG,
 )
-from .ragged import RaggedResult, case_seed
+from .ragged import RaggedCaseParts, RaggedResult, case_seed
 
 
 @dataclass(frozen=True)
-class VarlenCase:
+class VarlenCase(RaggedCaseParts):
     dtype: str
     head_dim: int
     heads_q: int
@@ -57,13 +55,7 @@ class VarlenCase:
     sinks: bool = False
 
     def __post_init__(self):
-        if self.head_dim_v == self.head_dim:
-            object.__setattr__(self, "head_dim_v", 0)  # one case, one id
-        object.__setattr__(self, "window", normal_window(self.window, self.causal))
-        if self.scores not in SCORES:
-            raise ValueError(
-                f"VarlenCase scores={self.scores!r} is not supported: use one of {SCORES}"
-            )
+        self.normalise()
         if len(self.lengths_q) != len(self.lengths_k):
             raise ValueError(
                 f"VarlenCase needs one key length per query length, got {len(self.lengths_q)} "
@@ -72,12 +64,11 @@ class VarlenCase:
 
     @property
     def id(self) -> str:
-        heads = f"h{self.heads_q}" + (f"kv{self.heads_kv}" if self.heads_kv != self.heads_q else "")
         parts = [
             "varlen",
             self.dtype,
-            f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else ""),
-            heads,
+            self.dims_part(),
+            self.heads_part(),
             "q" + "_".join(map(str, self.lengths_q)),
             "k" + "_".join(map(str, self.lengths_k)),
             "causal" if self.causal else "full",
