@@ -247,9 +247,13 @@ struct BwdParams {
 #endif
 #if FLASHMOE_BWD_WS
   // The warp-specialized 128 tile's 5-D maps of q and dout (encode_kv_map, boxes of the step's
-  // rows); ws: the host encoded them and dq_map, so that tile runs.
+  // rows); ws: the host encoded them and dq_map, so that tile runs. dq_order (deterministic
+  // calls on it): one counter a (batch, query head, query block of the tile's rows), zeroed, of
+  // the key blocks whose dQ has been added to that block, which the key blocks add in a fixed
+  // order (the last first).
   alignas(64) unsigned char tma_q[128];
   alignas(64) unsigned char tma_do[128];
+  int* dq_order;
   bool ws;
 #endif
 };

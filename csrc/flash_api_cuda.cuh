@@ -1183,7 +1183,8 @@ using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 // Sm90BwdPaddedTraits at 128, and Sm90BwdWideTraits<192, 128> at 192, v's 128 being the one it
 // takes there; the mma.sync kernels take any head dims the tile holds). `ws`: configuration 3's
 // 128 tile warp-specialized (Sm90BwdWsTraits, with -DFLASHMOE_BWD_WS=1: whole head dims 64 and
-// 128 and padded onto 128, dQ by atomics, the host's maps encoded: BwdParams::ws).
+// 128 and padded onto 128, the host's maps encoded: BwdParams::ws; deterministic calls too, their
+// dQ added in order by its writer warp rather than by the dQ pass).
 template <typename T, int D, bool kAtomicDq, typename F>
 void visit_bwd_config(int config, F&& f, bool padded = false, [[maybe_unused]] bool ws = false) {
   if (config == 1) {
@@ -1192,13 +1193,11 @@ void visit_bwd_config(int config, F&& f, bool padded = false, [[maybe_unused]] b
   } else if (config == kSm90aBwdConfig) {
     if constexpr (D == 128) {
 #if FLASHMOE_BWD_WS
-      if constexpr (kAtomicDq) {
-        if (padded && ws) {
-          using Traits = Sm90BwdPaddedTraits<Sm90BwdWsTraits<D>>;
-          FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
-                         &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
-          return;
-        }
+      if (padded && ws) {
+        using Traits = Sm90BwdPaddedTraits<Sm90BwdWsTraits<D>>;
+        FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                       &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+        return;
       }
 #endif
       if (padded) {
@@ -1222,13 +1221,11 @@ void visit_bwd_config(int config, F&& f, bool padded = false, [[maybe_unused]] b
                      &flash_bwd_sm90_wide_kernel<Traits, T, kAtomicDq>);
     } else if constexpr (is_wgmma_bwd_head_dim(D)) {
 #if FLASHMOE_BWD_WS
-      if constexpr (kAtomicDq) {
-        if (ws && !padded) {
-          using Traits = Sm90BwdWsTraits<D>;
-          FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
-                         &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
-          return;
-        }
+      if (ws && !padded) {
+        using Traits = Sm90BwdWsTraits<D>;
+        FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                       &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+        return;
       }
 #endif
       using Traits = Sm90BwdTraits<D>;
@@ -1261,7 +1258,8 @@ inline int bwd_smem_bytes(int config, int head_dim, bool deterministic = false) 
 template <typename T, int D>
 void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  flash_bwd_preprocess_kernel<T, D><<<int((rows + 3) / 4), 128, 0, stream>>>(p, !deterministic);
+  flash_bwd_preprocess_kernel<T, D>
+      <<<int((rows + 3) / 4), 128, 0, stream>>>(p, p.dq_accum != nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto launch_dkdv = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
@@ -1276,7 +1274,7 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
 #else
   constexpr bool ws = false;
 #endif
-  if (deterministic) {
+  if (deterministic && !ws) {
     visit_bwd_config<T, D, false>(config, launch_dkdv, padded);
     using DqTraits = BwdDqConfig<D>;
     auto kernel = &flash_bwd_dq_kernel<DqTraits, T>;
@@ -1285,7 +1283,11 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     kernel<<<grid, DqTraits::kNThreads, DqTraits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
-    visit_bwd_config<T, D, true>(config, launch_dkdv, padded, ws);
+    if (deterministic) {
+      visit_bwd_config<T, D, false>(config, launch_dkdv, padded, ws);  // dQ in order (dq_order)
+    } else {
+      visit_bwd_config<T, D, true>(config, launch_dkdv, padded, ws);
+    }
     const int64_t n = rows * D;  // dq_accum is the tile's D wide
     flash_bwd_convert_dq_kernel<T>
         <<<int(ceil_div(int(std::min<int64_t>(n / 4, 1 << 30)), 256)), 256, 0, stream>>>(p, n, D);
@@ -1363,7 +1365,21 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   auto dk = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
   auto dv = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dq_accum;  // the tile's head dim wide (a padded head dim's columns are the kernels')
-  if (!deterministic) dq_accum = at::empty({q.size(0), q.size(1), q.size(2), head_dim}, f32);
+#if FLASHMOE_BWD_WS
+  // The warp-specialized 128 tile (Sm90BwdWsTraits) where its maps encode: head dims 64 and 128,
+  // and those padded onto 128 (maps of q's and dout's own widths, a box a panel); deterministic
+  // calls too (dQ added in order: dq_order). Elsewhere Sm90BwdTraits runs.
+  const bool ws_smem_ok = head_dim == 64 ? Sm90BwdWsTraits<64>::kSmemBytes <= smem_limit
+                                         : Sm90BwdWsTraits<128>::kSmemBytes <= smem_limit;
+  const bool ws_padded = q.size(3) != head_dim || v.size(3) != head_dim;
+  const bool ws_tile = config == kSm90aBwdConfig && (head_dim == 128 || !ws_padded) &&
+                       (head_dim == 64 || head_dim == 128) && ws_smem_ok;
+#else
+  constexpr bool ws_tile = false;
+#endif
+  if (!deterministic || ws_tile) {
+    dq_accum = at::empty({q.size(0), q.size(1), q.size(2), head_dim}, f32);
+  }
 #if FLASHMOE_BWD_DQ_MAP
   // the wgmma backward's dQ by TMA reduce-add: the wide kernel's (past 128), and the 128 tile's
   // under -DFLASHMOE_BWD_DQ_TMA=1
@@ -1375,15 +1391,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   }
 #endif
 #if FLASHMOE_BWD_WS
-  // The warp-specialized 128 tile (Sm90BwdWsTraits) where its maps encode: head dims 64 and 128,
-  // and those padded onto 128 (maps of q's and dout's own widths, a box a panel), dQ by atomics;
-  // elsewhere Sm90BwdTraits runs.
   p.ws = false;
-  const bool ws_smem_ok = head_dim == 64 ? Sm90BwdWsTraits<64>::kSmemBytes <= smem_limit
-                                         : Sm90BwdWsTraits<128>::kSmemBytes <= smem_limit;
-  const bool ws_padded = q.size(3) != head_dim || v.size(3) != head_dim;
-  if (!deterministic && config == kSm90aBwdConfig && (head_dim == 128 || !ws_padded) &&
-      (head_dim == 64 || head_dim == 128) && ws_smem_ok) {
+  p.dq_order = nullptr;
+  at::Tensor dq_order;
+  if (ws_tile) {
     const bool fp16 = q.scalar_type() == at::kHalf;
     const int box_rows = head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
     p.ws = encode_kv_map(p.tma_q, q.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
@@ -1394,11 +1405,23 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                          ws_padded ? int(v.size(3)) : head_dim, box_rows, ws_padded) &&
            encode_dq_map(p.dq_map, dq_accum.data_ptr<float>(), q.size(2), q.size(0) * q.size(1),
                          head_dim);
+    if (p.ws && deterministic) {  // a counter a query block of the tile's rows
+      const int64_t block_m =
+          head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
+      dq_order = at::zeros({q.size(0) * q.size(1) * ((q.size(2) + block_m - 1) / block_m)},
+                           q.options().dtype(at::kInt));
+      p.dq_order = dq_order.data_ptr<int>();
+    }
   }
 #endif
   p.delta = row_stats.data_ptr<float>();
   p.lse2 = p.delta + q.size(0) * q.size(1) * q.size(2);
-  p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
+#if FLASHMOE_BWD_WS
+  const bool dq_by_writer = p.ws;  // deterministic calls too: in order
+#else
+  constexpr bool dq_by_writer = false;
+#endif
+  p.dq_accum = !deterministic || dq_by_writer ? dq_accum.data_ptr<float>() : nullptr;
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   // (the pre-pass, the dQ pass and the dQ conversion serve both backward families)
   with_dtype(q.scalar_type(), [&](auto dt) {
@@ -1545,12 +1568,13 @@ void append_kernel_launches(std::string& out) {
         config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }));
 #if FLASHMOE_BWD_WS
     if (config == kSm90aBwdConfig && (D == 64 || D == 128)) {  // warp-specialized (and padded)
-      visit_bwd_config<T, D, true>(
-          config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), false,
-          true);
-      if (D == 128) {
+      for (const bool padded : {false, true}) {
+        if (padded && D != 128) continue;
         visit_bwd_config<T, D, true>(
-            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), true,
+            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), padded,
+            true);
+        visit_bwd_config<T, D, false>(
+            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }), padded,
             true);
       }
     }

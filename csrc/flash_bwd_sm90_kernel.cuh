@@ -130,12 +130,16 @@ __device__ __forceinline__ uint64_t* ws_barriers(uint4* smem) {
 // The warp-specialized tile's producer warpgroup, after its setmaxnreg. Step `step` uses stage
 // step % 2 for the (step / 2)-th time: its full barrier completes phase (step / 2) % 2, and the
 // producer waits for the empty one's previous phase (a fresh barrier passes the first wait).
-template <typename Traits, typename T, typename StepHead, typename StepM0>
+// kOrdered (deterministic calls): the writer adds a query block's dQ only after every key block
+// that adds to it before this one (those after it: the grid runs the key blocks from the last,
+// so it waits only on blocks started before it), then counts this one in (BwdParams::dq_order).
+template <typename Traits, bool kOrdered, typename T, typename StepHead, typename StepM0>
 __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T* sQ, T* sdO,
                                                            float* sLse, float* sDelta, float* sDq,
-                                                           uint64_t* bars, int b, int steps,
-                                                           StepHead step_head, StepM0 step_m0) {
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM;
+                                                           uint64_t* bars, int b, int key_block,
+                                                           int steps, StepHead step_head,
+                                                           StepM0 step_m0) {
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   uint64_t* full = bars;
   uint64_t* empty = bars + 2;
   const int pwarp = threadIdx.x / 32 - 8, lane = threadIdx.x % 32;
@@ -175,11 +179,29 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
       sm90::mbar_arrive(&full[s]);
     }
   } else if (pwarp == 2) {  // dQ: each math warpgroup's staged tile, by TMA reduce-add
+    const int n_blocks = ceil_div(p.seqlen_k, BN);
     // planted 6: the last key block never reaches dQ
-    const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, Traits::kBlockN) - 1;
+    const bool add_dq = !planted(6) || key_block != n_blocks - 1;
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
       const int bh = b * p.heads_q + step_head(step), m0 = step_m0(step);
+      [[maybe_unused]] int* counter = nullptr;
+      if constexpr (kOrdered) {
+        // the key blocks after this one whose query range (bwd_query_blocks) holds this block
+        const int m = m0 / BM, offset = p.seqlen_k - p.seqlen_q;
+        int before = 0;
+        for (int n = key_block + 1 + lane; n < n_blocks; n += 32) {
+          const int2 range = bwd_query_blocks<BM, BN>(p, n * BN, offset);
+          before += range.x <= m && m < range.y;
+        }
+        before = __reduce_add_sync(0xffffffffu, before);
+        counter = p.dq_order + int64_t(bh) * ceil_div(p.seqlen_q, BM) + m;
+        if (lane == 0) {
+          while (sm90::load_acquire(counter) < before)
+            __nanosleep(32);
+          sm90::fence_proxy_async_global();  // this block's reduce-adds after theirs
+        }
+      }
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
         // warpgroup w's tile: queries [64w, 64w + 64) at d=64, columns [64w, 64w + 64) at 128
@@ -203,6 +225,13 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
         // the tile is free again (the warpgroup's own first arrival stood for the first step)
         if (step + 1 < steps) sm90::named_arrive(kWsDqEmpty + w, 160);
       }
+      if constexpr (kOrdered) {
+        if (lane == 0) {  // both tiles' adds written before the next key block's may start
+          sm90::bulk_wait_group<0>();
+          sm90::fence_proxy_async_global();
+          sm90::release_add(counter, 1);
+        }
+      }
     }
     if (lane == 0) sm90::bulk_wait_group<0>();  // the adds done before the block ends
   }
@@ -214,10 +243,12 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
   constexpr int MT = BM / 8, DT = D / 8;
   constexpr bool kPadded = Traits::kPadded, kWs = Traits::kWs;
+  // dQ in this kernel: by atomics (the 256-thread tile), or by the writer warp (the
+  // warp-specialized one), in a fixed order where the call is deterministic (kOrderedDq)
+  constexpr bool kDq = kAtomicDq || kWs, kOrderedDq = kWs && !kAtomicDq;
   // the threads that copy K and V and compute: every thread of the 256-thread tile, the math
   // warpgroups of the warp-specialized one
   constexpr int kMathThreads = 256;
-  static_assert(!kWs || kAtomicDq, "the warp-specialized tile: dQ by atomics");
 
   extern __shared__ __align__(1024) uint4 smem_buf[];
   T* sK = reinterpret_cast<T*>(smem_buf);
@@ -235,7 +266,8 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   // keeps the role branch and the wgmma descriptors in uniform registers (as the forward does)
   const int tid = threadIdx.x, lane = tid % 32;
   const int warp = kWs ? __shfl_sync(0xffffffffu, tid / 32, 0) : tid / 32, wg = warp / 4;
-  const int n0 = blockIdx.x * BN;
+  // kOrderedDq: the key blocks from the last (the order of their dQ adds)
+  const int n0 = (kOrderedDq ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BN;
   const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
   const int2 query_blocks = bwd_query_blocks<BM, BN>(p, n0, offset);
@@ -277,8 +309,8 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     __syncthreads();
     if (warp >= 8) {
       sm90::setmaxnreg_dec<Traits::kProducerRegs>();
-      flash_bwd_sm90_ws_producer<Traits>(p, sQ, sdO, sLse, sDelta, sDq, ws_bars, b, steps,
-                                         step_head, step_m0);
+      flash_bwd_sm90_ws_producer<Traits, kOrderedDq>(p, sQ, sdO, sLse, sDelta, sDq, ws_bars, b,
+                                                     n0 / BN, steps, step_head, step_m0);
       return;
     }
     sm90::setmaxnreg_inc<Traits::kMathRegs>();
@@ -454,7 +486,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
       ds_frag[j][2] = pack2<T>(acc_dp[2 * j + 1][0], acc_dp[2 * j + 1][1]);
       ds_frag[j][3] = pack2<T>(acc_dp[2 * j + 1][2], acc_dp[2 * j + 1][3]);
     }
-    if constexpr (kAtomicDq) {
+    if constexpr (kDq) {
       // dS^T to shared memory for dQ: row = key, 8-query chunk nt (conflict-free: the 8 rows of
       // one store instruction land in 8 different chunks).
       T* ds_buf = kWs ? sdS + buf * BN * BM : sdS;
@@ -480,7 +512,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
                          1);
     sm90::commit_group();
 
-    if constexpr (kAtomicDq) {
+    if constexpr (kDq) {
       // planted 6: the last key block never reaches dQ (kWs: the writer's)
       [[maybe_unused]] const bool add_dq =
           !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;

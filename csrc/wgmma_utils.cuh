@@ -158,6 +158,20 @@ template <int kThreads>
 __device__ __forceinline__ void block_sync() {
   asm volatile("barrier.sync %0, %1;\n" ::"n"(kBlockBarrier), "n"(kThreads) : "memory");
 }
+// The ordered dQ of the warp-specialized backward's deterministic calls: a counter read with
+// acquire semantics, raised with release semantics (gpu scope), and the async proxy's global
+// writes (TMA reduce-adds) ordered against the generic proxy's on either side of them.
+__device__ __forceinline__ int load_acquire(const int* counter) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+__device__ __forceinline__ void release_add(int* counter, int value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(value) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
 // `threads` threads at named barrier `id`, every one of them waiting (named_sync) or only counted
 // (named_arrive, which returns at once): a producer and its consumers hand a buffer over this
 // way, as FlashAttention-3's backward hands over its dQ tiles. Not aligned, so the two sides may

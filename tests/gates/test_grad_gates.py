@@ -346,17 +346,14 @@ def test_the_backward_plants_cases_are_gate_cases():
         assert any(parse_case_id(c).config == 3 and parse_case_id(c).head_dim > 128 for c in cases)
 
 
-# bwd v6 (-DFLASHMOE_BWD_WS=1: configuration 3's 128 tile warp-specialized) stays off by default
-# until it is measured faster; meanwhile these gates keep it correct on every GPU run, from a build
-# of its own. Every case forced onto configuration 3 at 64, 128 and the head dims padded onto 128,
-# and one in eight of the automatic ones there (windows, softcap, sinks, GQA, odd lengths among
-# them), none deterministic (that keeps the dQ pass).
+# bwd v6 (-DFLASHMOE_BWD_WS=1: configuration 3's 128 tile warp-specialized, deterministic=True's
+# dQ added in order by its writer warp) stays off by default until it is measured faster;
+# meanwhile these gates keep it correct on every GPU run, from a build of its own. Every case
+# forced onto configuration 3 at 64, 128 and the head dims padded onto 128, deterministic ones
+# included (bit-identical over repeated calls), and one in eight of the automatic ones there
+# (windows, softcap, sinks, GQA, odd lengths among them).
 def _warp_specialized_cases() -> tuple[str, ...]:
-    tile = [
-        c
-        for c in GPU_CASES
-        if c.config in (0, 3) and not c.deterministic and max(c.head_dim, c.value_head_dim) <= 128
-    ]
+    tile = [c for c in GPU_CASES if c.config in (0, 3) and max(c.head_dim, c.value_head_dim) <= 128]
     forced = [c.id for c in tile if c.config == 3]
     automatic = [c.id for c in tile if c.config == 0]
     return (*forced, *automatic[::8])
@@ -383,8 +380,14 @@ for case_id in sys.argv[2:]:
     results[case_id] = grad_gates.check_case(parse_case_id(case_id), sys.argv[1]).failures
 print(json.dumps({"planted": ops.planted_bug(), "kernels": kernels, "results": results}))
 """
-# Plant 6 (dQ without the last key block: the writer warp's reduce-adds) must fail them too.
-WS_PLANT_CASES = ("bwd-fp16-d64-h8-b2-s1000-full-cfg3", "bwd-bf16-d128-h8-b2-s1000-full-cfg3")
+# Plant 6 (dQ without the last key block: the writer warp's reduce-adds, ordered or not) must fail
+# them too.
+WS_PLANT_CASES = (
+    "bwd-fp16-d64-h8-b2-s1000-full-cfg3",
+    "bwd-bf16-d128-h8-b2-s1000-full-cfg3",
+    "bwd-bf16-d64-h8kv2-b2-s1000-causal-det",
+    "bwd-bf16-d96-h8kv1-b1-q2048-k2047-causal-cfg3-det",
+)
 
 
 @pytest.mark.slow
@@ -410,10 +413,10 @@ def test_the_warp_specialized_backward_passes_its_gradient_gates(run_planted, ch
 
 def test_the_warp_specialized_cases_cover_its_tiles_and_features():
     """WS_CASES reach each kernel of the warp-specialized tile (64, 128, padded onto 128, v's 64
-    under 128), both dtypes, causal both, GQA, windows, softcap and sinks, lengths past one tile,
-    and no deterministic call."""
+    under 128; the default and deterministic=True), both dtypes, causal both, GQA, windows,
+    softcap and sinks, lengths past one tile."""
     cases = [parse_case_id(case_id) for case_id in WS_CASES]
-    assert 80 <= len(cases) <= 140
+    assert 100 <= len(cases) <= 200
     assert {(c.head_dim, c.value_head_dim) for c in cases} >= {
         (64, 64),
         (128, 128),
@@ -427,7 +430,9 @@ def test_the_warp_specialized_cases_cover_its_tiles_and_features():
     }
     assert any(c.heads_kv < c.heads_q for c in cases) and any(c.seqlen_k > 128 for c in cases)
     assert any(c.window != (-1, -1) for c in cases) and any(c.softcap > 0 for c in cases)
-    assert any(c.sinks for c in cases) and not any(c.deterministic for c in cases)
+    assert any(c.sinks for c in cases)
+    for deterministic in (False, True):
+        assert {c.head_dim for c in cases if c.deterministic == deterministic} >= {64, 96, 128}
     assert set(WS_PLANT_CASES) <= set(WS_CASES)
     assert all(parse_case_id(c).seqlen_k > 128 for c in WS_PLANT_CASES)  # more than one key block
 
