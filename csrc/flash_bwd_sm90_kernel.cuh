@@ -264,7 +264,8 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
 
   // kWs: the warp index through a shuffle from lane 0, so that the compiler knows it uniform and
   // keeps the role branch and the wgmma descriptors in uniform registers (as the forward does)
-  const int tid = threadIdx.x, lane = tid % 32;
+  const int tid = threadIdx.x;
+  int lane = tid % 32;  // kWs: read again past setmaxnreg (kept across it, it spilled)
   const int warp = kWs ? __shfl_sync(0xffffffffu, tid / 32, 0) : tid / 32, wg = warp / 4;
   // kOrderedDq: the key blocks from the last (the order of their dQ adds)
   const int n0 = (kOrderedDq ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BN;
@@ -314,6 +315,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
       return;
     }
     sm90::setmaxnreg_inc<Traits::kMathRegs>();
+    asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
     // each warpgroup's dQ tile starts empty: its first warp's arrival stands for the writer's
     if (warp % 4 == 0 && steps > 0) sm90::named_arrive(kWsDqEmpty + wg, 160);
     cp_async_wait<0>();
