@@ -254,6 +254,7 @@ struct BwdParams {
   alignas(64) unsigned char tma_q[128];
   alignas(64) unsigned char tma_do[128];
   int* dq_order;
+  int dq_order_rows;  // the query rows a counter of dq_order stands for (the tile's)
   bool ws;
 #endif
 };

@@ -1408,9 +1408,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
     if (p.ws && deterministic) {  // a counter a query block of the tile's rows
       const int64_t block_m =
           head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
-      dq_order = at::zeros({q.size(0) * q.size(1) * ((q.size(2) + block_m - 1) / block_m)},
+      // zeroed by the pre-pass (a kernel of ours, so that compute-sanitizer's initcheck sees it)
+      dq_order = at::empty({q.size(0) * q.size(1) * ((q.size(2) + block_m - 1) / block_m)},
                            q.options().dtype(at::kInt));
       p.dq_order = dq_order.data_ptr<int>();
+      p.dq_order_rows = int(block_m);
     }
   }
 #endif

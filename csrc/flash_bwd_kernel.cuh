@@ -89,6 +89,13 @@ __global__ void __launch_bounds__(128)
   const int i = int(row % p.seqlen_q);
   const int h = int((row / p.seqlen_q) % p.heads_q);
   const int b = int(row / (int64_t(p.seqlen_q) * p.heads_q));
+#if FLASHMOE_BWD_WS
+  // the warp-specialized tile's dQ order: each query block's counter zeroed by its first row
+  if (p.dq_order != nullptr && lane == 0 && i % p.dq_order_rows == 0) {
+    p.dq_order[(int64_t(b) * p.heads_q + h) * ceil_div(p.seqlen_q, p.dq_order_rows) +
+               i / p.dq_order_rows] = 0;
+  }
+#endif
   const T* o_row = static_cast<const T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride +
                    i * p.o_row_stride + lane * kPerLane;
   const T* do_row = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +

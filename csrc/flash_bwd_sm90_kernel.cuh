@@ -84,10 +84,13 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<kHeadDim_> {
       "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
   static_assert(kDqOffset % 1024 == 0, "the dQ tiles start on a 1024-byte swizzle atom");
 };
-// Named barriers of the warp-specialized tile: its math warpgroups' (256 threads), and per math
+// Named barriers of the warp-specialized tile: its math warpgroups' (256 threads); per math
 // warpgroup w its dQ tile's full (kWsDqFull + w) and empty (kWsDqEmpty + w) with the writer warp
-// (160 threads).
-constexpr int kWsMathBarrier = 1, kWsDqFull = 2, kWsDqEmpty = 4;
+// (160 threads); per stage s its lse and delta read (kWsStatsEmpty + s: the math warpgroups
+// arrive, the stats warp waits; 288 threads). A named barrier, not the stage's empty mbarrier,
+// hands lse and delta back: racecheck orders shared-memory accesses across barriers, not
+// across mbarriers.
+constexpr int kWsMathBarrier = 1, kWsDqFull = 2, kWsDqEmpty = 4, kWsStatsEmpty = 6;
 
 #if FLASHMOE_BWD_DQ_MAP
 // A warpgroup's 64 x 64 fp32 dQ chunk (wgmma's m64n64 accumulators) into `stage` as the dQ map's
@@ -168,7 +171,7 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
       const int s = step & 1, h = step_head(step), m0 = step_m0(step);
-      sm90::mbar_wait(&empty[s], ((step >> 1) & 1) ^ 1);
+      if (step >= 2) sm90::named_sync(kWsStatsEmpty + s, 288);  // step - 2 has read them
       const int64_t row0 = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
 #pragma unroll
       for (int r = lane; r < BM; r += 32) {
@@ -474,6 +477,9 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
         for (int e = 0; e < 4; ++e)
           acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - ((e & 1) ? delta.y : delta.x));
       }
+    }
+    if constexpr (kWs) {  // this step's lse and delta read: the stats warp refills their stage
+      if (step + 2 < steps) sm90::named_arrive(kWsStatsEmpty + buf, 288);
     }
     // Both to registers as 16-bit A operands (the fp32 P^T and dS^T die here).
     uint32_t p_frag[BM / 16][4], ds_frag[BM / 16][4];
