@@ -783,6 +783,7 @@ def test_the_plants_of_a_device_share_one_build_even_where_the_job_asks_for_cuda
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     monkeypatch.setenv(loader.ONLY_VAR, "op=paged")
+    monkeypatch.delenv(loader.DEFINES_VAR, raising=False)  # a run under a define has one set
     for device in ("cpu", "cuda"):
         envs = {
             bug: planted_process_env(bug, device, ("fwd-bf16-d64-h8-b2-s257-full",))
