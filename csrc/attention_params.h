@@ -97,6 +97,12 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_WS
 #define FLASHMOE_BWD_WS 0
 #endif
+// Its dQ tiles staged in one slot a math warpgroup, or two (-DFLASHMOE_BWD_WS_DQ_STAGES=2: the
+// math runs a step ahead of the writer, which waits on deterministic=True's order; 32 KB more
+// shared memory), until the two are timed against each other on a GPU.
+#ifndef FLASHMOE_BWD_WS_DQ_STAGES
+#define FLASHMOE_BWD_WS_DQ_STAGES 1
+#endif
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
 // running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:

@@ -74,7 +74,9 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<kHeadDim_> {
   static constexpr int kStatsOffset = (2 * Base::kBlockN + 4 * Base::kBlockM) * kHeadDim_ * 2 +
                                       2 * Base::kBlockN * Base::kBlockM * 2;
   static constexpr int kDqOffset = kStatsOffset + 4 * Base::kBlockM * 4;
-  static constexpr int kBarOffset = kDqOffset + 2 * 64 * 64 * 4;
+  static constexpr int kDqStages = FLASHMOE_BWD_WS_DQ_STAGES;  // [slot][warpgroup] tiles
+  static_assert(kDqStages == 1 || kDqStages == 2, "one or two dQ stages");
+  static constexpr int kBarOffset = kDqOffset + kDqStages * 2 * 64 * 64 * 4;
   static constexpr int kSmemBytes = kBarOffset + 4 * 8;
   // The launch gives each of the 384 threads 168 registers; the producer gives up all but 24, so
   // the math warpgroups may take 240 (128 x 24 + 256 x 240 = 168 x 384).
@@ -85,12 +87,12 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<kHeadDim_> {
   static_assert(kDqOffset % 1024 == 0, "the dQ tiles start on a 1024-byte swizzle atom");
 };
 // Named barriers of the warp-specialized tile: its math warpgroups' (256 threads); per math
-// warpgroup w its dQ tile's full (kWsDqFull + w) and empty (kWsDqEmpty + w) with the writer warp
-// (160 threads); per stage s its lse and delta read (kWsStatsEmpty + s: the math warpgroups
-// arrive, the stats warp waits; 288 threads). A named barrier, not the stage's empty mbarrier,
-// hands lse and delta back: racecheck orders shared-memory accesses across barriers, not
-// across mbarriers.
-constexpr int kWsMathBarrier = 1, kWsDqFull = 2, kWsDqEmpty = 4, kWsStatsEmpty = 6;
+// warpgroup w and dQ slot s its tile's full (kWsDqFull + 2s + w) and empty (kWsDqEmpty + 2s + w)
+// with the writer warp (160 threads); per stage s its lse and delta read (kWsStatsEmpty + s: the
+// math warpgroups arrive, the stats warp waits; 288 threads). A named barrier, not the stage's
+// empty mbarrier, hands lse and delta back: racecheck orders shared-memory accesses across
+// barriers, not across mbarriers.
+constexpr int kWsMathBarrier = 1, kWsDqFull = 2, kWsDqEmpty = 6, kWsStatsEmpty = 10;
 
 #if FLASHMOE_BWD_DQ_MAP
 // A warpgroup's 64 x 64 fp32 dQ chunk (wgmma's m64n64 accumulators) into `stage` as the dQ map's
@@ -205,11 +207,12 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
           sm90::fence_proxy_async_global();  // this block's reduce-adds after theirs
         }
       }
+      const int slot = Traits::kDqStages == 2 ? step & 1 : 0;
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
         // warpgroup w's tile: queries [64w, 64w + 64) at d=64, columns [64w, 64w + 64) at 128
-        const int pq = D == 64 ? w : 0, pd = D == 64 ? 0 : w;
-        sm90::named_sync(kWsDqFull + w, 160);
+        const int pq = D == 64 ? w : 0, pd = D == 64 ? 0 : w, tile = 2 * slot + w;
+        sm90::named_sync(kWsDqFull + tile, 160);
         if (lane == 0) {
           if (add_dq) {
 #pragma unroll
@@ -217,7 +220,7 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
               if constexpr (Traits::kPadded) {  // dQ's columns past q's head dim: never read
                 if (pd * 64 + box * 32 >= p.head_dim) continue;
               }
-              sm90::tma_reduce_add_3d(p.dq_map, sDq + w * 64 * 64 + box * 64 * 32,
+              sm90::tma_reduce_add_3d(p.dq_map, sDq + tile * 64 * 64 + box * 64 * 32,
                                       pd * 64 + box * 32, m0 + pq * 64, bh);
             }
             sm90::bulk_commit_group();
@@ -225,8 +228,8 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
           sm90::bulk_wait_group_read<0>();
         }
         __syncwarp();
-        // the tile is free again (the warpgroup's own first arrival stood for the first step)
-        if (step + 1 < steps) sm90::named_arrive(kWsDqEmpty + w, 160);
+        // the tile is free again (the warpgroup's own first arrivals stood for the first steps)
+        if (step + Traits::kDqStages < steps) sm90::named_arrive(kWsDqEmpty + tile, 160);
       }
       if constexpr (kOrdered) {
         if (lane == 0) {  // both tiles' adds written before the next key block's may start
@@ -319,8 +322,11 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     }
     sm90::setmaxnreg_inc<Traits::kMathRegs>();
     asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
-    // each warpgroup's dQ tile starts empty: its first warp's arrival stands for the writer's
-    if (warp % 4 == 0 && steps > 0) sm90::named_arrive(kWsDqEmpty + wg, 160);
+    // each warpgroup's dQ tiles start empty: its first warp's arrivals stand for the writer's
+    if (warp % 4 == 0) {
+      for (int slot = 0; slot < Traits::kDqStages && slot < steps; ++slot)
+        sm90::named_arrive(kWsDqEmpty + 2 * slot + wg, 160);
+    }
     cp_async_wait<0>();
     sm90::fence_proxy_async();              // K and V, visible to the tensor cores
     sm90::named_sync(kWsMathBarrier, 256);  // both warpgroups' copies of them
@@ -555,13 +561,14 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
         // warpgroup's dQ tile to the writer warp once the writer has read the last one
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(&ws_bars[2 + buf]);
-        sm90::named_sync(kWsDqEmpty + wg, 160);
+        const int tile = 2 * (Traits::kDqStages == 2 ? step & 1 : 0) + wg;
+        sm90::named_sync(kWsDqEmpty + tile, 160);
         // the tile's addresses computed here, not hoisted out of the loop (where they spilled)
         int row = row_in_wg, col_lane = lane;
         asm volatile("" : "+r"(row), "+r"(col_lane));
-        store_dq_chunk(sDq + wg * 64 * 64, acc_dq, row, col_lane);
+        store_dq_chunk(sDq + tile * 64 * 64, acc_dq, row, col_lane);
         sm90::fence_proxy_async();  // the tile's stores, visible to the TMA unit
-        sm90::named_arrive(kWsDqFull + wg, 160);
+        sm90::named_arrive(kWsDqFull + tile, 160);
         continue;
       }
 #endif
