@@ -1396,6 +1396,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   at::Tensor dq_order;
   if (ws_tile) {
     const bool fp16 = q.scalar_type() == at::kHalf;
+    // the tile's query rows a step: the boxes of q and dout, and a counter's rows
     const int box_rows = head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
     p.ws = encode_kv_map(p.tma_q, q.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
                          p.q_row_stride, p.q_head_stride, p.q_batch_stride,
@@ -1406,13 +1407,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
            encode_dq_map(p.dq_map, dq_accum.data_ptr<float>(), q.size(2), q.size(0) * q.size(1),
                          head_dim);
     if (p.ws && deterministic) {  // a counter a query block of the tile's rows
-      const int64_t block_m =
-          head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
       // zeroed by the pre-pass (a kernel of ours, so that compute-sanitizer's initcheck sees it)
-      dq_order = at::empty({q.size(0) * q.size(1) * ((q.size(2) + block_m - 1) / block_m)},
+      dq_order = at::empty({q.size(0) * q.size(1) * ((q.size(2) + box_rows - 1) / box_rows)},
                            q.options().dtype(at::kInt));
       p.dq_order = dq_order.data_ptr<int>();
-      p.dq_order_rows = int(block_m);
+      p.dq_order_rows = box_rows;
     }
   }
 #endif
