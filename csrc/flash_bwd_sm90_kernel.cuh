@@ -55,22 +55,23 @@ struct Sm90BwdPaddedTraits : Tiles {
 // The tile warp-specialized (FLASHMOE_BWD_WS, FlashAttention-3's backward): warpgroups 0 and 1
 // compute as above with 240 registers each (setmaxnreg), warpgroup 2 keeps 24 and feeds them: its
 // warp 0 copies each step's Q and dO by TMA, warp 1 loads the rows' lse and delta, warp 2 adds
-// the math warpgroups' staged dQ tiles by TMA reduce-add. Q, dO, lse and delta sit in two stages
-// handed over by mbarriers (full: the TMA bytes and warp 1's 32 arrivals; empty: one arrival a
-// math warp), each warpgroup's dQ tile by named barriers; dS^T has two buffers, so the one
+// the math warpgroups' staged dQ tiles by TMA reduce-add (deterministic calls: in the key
+// blocks' order, flash_bwd_sm90_ws_producer). Q, dO, lse and delta sit in two stages, filled
+// under the stage's full mbarrier (the TMA bytes and warp 1's 32 arrivals); Q and dO go back by
+// its empty mbarrier (one arrival a math warp), lse and delta by a named barrier
+// (kWsStatsEmpty); each warpgroup's dQ tiles by named barriers. dS^T has two buffers, so the one
 // barrier of the math warpgroups a step (dS^T whole before dQ's product) also proves the other
 // buffer free. Head dims 64 and 128, and padded onto 128 (Sm90BwdPaddedTraits over it: Q and dO a
 // TMA box a 64-column panel from maps of their own widths, which zero-fill the columns past
-// them), with dQ by atomics only (the host falls back to Sm90BwdTraits wherever the maps cannot
-// be encoded).
+// them); the host falls back to Sm90BwdTraits wherever the maps cannot be encoded.
 template <int kHeadDim_>
 struct Sm90BwdWsTraits : Sm90BwdTraits<kHeadDim_> {
   using Base = Sm90BwdTraits<kHeadDim_>;
   static constexpr bool kWs = true;
   static constexpr int kNThreads = 384;
   // K and V, Q and dO (two stages each), dS^T (two buffers), lse and delta (two stages each),
-  // each math warpgroup's 64 x 64 fp32 dQ tile (1024-byte aligned: everything before it is a
-  // multiple of 1 KB), then the stages' full and empty mbarriers.
+  // each math warpgroup's 64 x 64 fp32 dQ tile in each dQ stage (1024-byte aligned: everything
+  // before it is a multiple of 1 KB), then the stages' full and empty mbarriers.
   static constexpr int kStatsOffset = (2 * Base::kBlockN + 4 * Base::kBlockM) * kHeadDim_ * 2 +
                                       2 * Base::kBlockN * Base::kBlockM * 2;
   static constexpr int kDqOffset = kStatsOffset + 4 * Base::kBlockM * 4;
