@@ -197,15 +197,22 @@ def run_planted():
 def check_plant_split(run_planted):
     """Runs a gate script with planted bug `bug` (run_planted) over `failing` and `passing` case
     ids: each failing case fails a gate and no passing one does (the bug is caught, and only where
-    it can act)."""
+    it can act). `name`, what the bug plants, goes into the failure message."""
 
     def check(
-        bug: int, script: str, device: str, failing: Sequence[str], passing: Sequence[str], **kw
+        bug: int,
+        script: str,
+        device: str,
+        failing: Sequence[str],
+        passing: Sequence[str],
+        name: str = "",
+        **kw,
     ) -> dict:
         results = run_planted(bug, script, device, *failing, *passing, **kw)["results"]
         assert sorted(results) == sorted((*failing, *passing))
+        label = f"planted bug {bug}" + (f" ({name})" if name else "")
         for case_id in failing:
-            assert results[case_id], f"planted bug {bug} passed the gates on {case_id}"
+            assert results[case_id], f"{label} passed the gates on {case_id}"
         assert not any(results[case_id] for case_id in passing), {c: results[c] for c in passing}
         return results
 

@@ -288,8 +288,8 @@ def test_planted_padded_head_dim_bug_fails_its_gates_and_only_them(bug, check_pl
     """Build the unit with a planted padded-tile bug (-DFLASHMOE_PLANT_BUG=14 or 15): every case
     whose head dims the bug touches fails a gate, and the same kernels at head dims it cannot
     touch (the tile's own width; v's equal to q's) pass."""
-    _, failing, passing = PADDED_PLANTS[bug]
-    check_plant_split(bug, PADDED_PLANT_SCRIPT, "cuda", failing, passing)
+    name, failing, passing = PADDED_PLANTS[bug]
+    check_plant_split(bug, PADDED_PLANT_SCRIPT, "cuda", failing, passing, name)
 
 
 def test_the_padded_plants_cases_are_padded_where_they_must_fail():
