@@ -93,7 +93,8 @@ namespace flashmoe {
 #endif
 // The wgmma backward's 128 tile warp-specialized (Sm90BwdWsTraits: a producer warpgroup copies Q
 // and dO by TMA, loads lse and delta and adds dQ by TMA reduce-add): off unless built with
-// -DFLASHMOE_BWD_WS=1 until its gates and bench run on a GPU (benches/notes/backward.md, bwd v6).
+// -DFLASHMOE_BWD_WS=1 until racecheck passes on it (benches/notes/backward.md, bwd v6 on by
+// default, tried). In such a build FLASHMOE_BWD_WS=0 in the environment runs Sm90BwdTraits.
 #ifndef FLASHMOE_BWD_WS
 #define FLASHMOE_BWD_WS 0
 #endif

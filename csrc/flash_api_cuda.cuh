@@ -1179,6 +1179,19 @@ using Bwd1Traits = BwdTraits<D, 64, bwd1_keys(D), 4>;
 template <int D>
 using Bwd2Traits = BwdTraits<D, 64, D <= 128 ? 128 : 64, 8>;
 
+#if FLASHMOE_BWD_WS
+// FLASHMOE_BWD_WS=0 in the environment: the wgmma backward's 128 tile without its warp
+// specialization (Sm90BwdTraits, the tile before bwd v6), for the gates that keep it correct
+// and for timing one against the other on one build.
+inline bool bwd_ws_allowed() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("FLASHMOE_BWD_WS");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return allowed;
+}
+#endif
+
 // `padded`: the call's head dims are narrower than the tile D (configuration 3 then runs
 // Sm90BwdPaddedTraits at 128, and Sm90BwdWideTraits<192, 128> at 192, v's 128 being the one it
 // takes there; the mma.sync kernels take any head dims the tile holds). `ws`: configuration 3's
@@ -1373,7 +1386,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
                                          : Sm90BwdWsTraits<128>::kSmemBytes <= smem_limit;
   const bool ws_padded = q.size(3) != head_dim || v.size(3) != head_dim;
   const bool ws_tile = config == kSm90aBwdConfig && (head_dim == 128 || !ws_padded) &&
-                       (head_dim == 64 || head_dim == 128) && ws_smem_ok;
+                       (head_dim == 64 || head_dim == 128) && ws_smem_ok && bwd_ws_allowed();
 #else
   constexpr bool ws_tile = false;
 #endif

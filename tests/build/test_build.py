@@ -959,7 +959,7 @@ def traits_smem(kernel: str) -> int:
     """The shared memory a kernel's traits ask for, by the formulas of csrc/flash_fwd_kernel.cuh
     (FwdTraits::kSmemBytes), csrc/flash_fwd_sm90_kernel.cuh (Sm90FwdTraits), csrc/flash_decode_kernel.cuh
     (DecodeTraits::kSmemBytes), csrc/flash_bwd_kernel.cuh (BwdTraits, BwdDqTraits) and
-    csrc/flash_bwd_sm90_kernel.cuh (Sm90BwdTraits, Sm90BwdWideTraits)."""
+    csrc/flash_bwd_sm90_kernel.cuh (Sm90BwdTraits, Sm90BwdWsTraits, Sm90BwdWideTraits)."""
     if match := re.search(r"FwdTraits<(\d+), (\d+), (\d+), \d+, (?:true|false)>", kernel):
         head_dim, block_m, block_n = (int(g) for g in match.groups())
         return (block_m + 2 * block_n) * head_dim * 2  # Q tile + K and V tiles, 2-byte elements
@@ -989,6 +989,18 @@ def traits_smem(kernel: str) -> int:
             (block_n + 2 * block_m) * (head_dim + head_dim_v) * 2
             + 2 * block_m * block_n * 2
             + 4 * block_m * 4
+        )
+    if match := re.search(r"Sm90BwdWsTraits<(\d+)>", kernel):
+        head_dim = int(match.group(1))
+        block_n, block_m = 128, 128 if head_dim == 64 else 64
+        # K and V, Q and dO double-buffered, dS^T double-buffered, lse and delta double-buffered
+        # (fp32), one 64 x 64 fp32 dQ tile a math warpgroup, four mbarriers
+        return (
+            (2 * block_n + 4 * block_m) * head_dim * 2
+            + 2 * block_n * block_m * 2
+            + 4 * block_m * 4
+            + 2 * 64 * 64 * 4
+            + 4 * 8
         )
     if match := re.search(r"Sm90BwdTraits<(\d+)>", kernel):
         head_dim = int(match.group(1))
@@ -1207,19 +1219,23 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     # + configuration 5's 128 tile run padded, dense and packed, with their twins, + the wgmma
     # backward's 128 tile run padded, with and without dQ atomics, + the wgmma backward past 128
     # (at 192 whole and with v's 128, at 256), with and without dQ atomics, + configuration 5's
-    # padded tile with its MMAs over 96 columns, dense and packed, with their twins
+    # padded tile with its MMAs over 96 columns, dense and packed, with their twins, + in a build
+    # with -DFLASHMOE_BWD_WS=1 the wgmma backward's 128 tile warp-specialized (at 64, 128 and
+    # padded onto 128), with and without dQ atomics
+    ws = sum("Sm90BwdWsTraits" in name for name in table) // 2 if table else 0
+    assert ws in (0, 3 * 2)
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
     per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1 + 2
     assert table is not None
     assert len(table) == 2 * (
-        6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 10 + 4 + 2 * 4 + 2 + 6
+        6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 10 + 4 + 2 * 4 + 2 + 6 + ws
     )
     # (the padded tiles' twins among them: a padded tile names its Sm90FwdTraits)
     assert sum(name.endswith(", true>") and "Sm90FwdTraits" in name for name in table) == 2 * 13
     assert sum(name.endswith(", true>") and "Sm90FwdDvTraits" in name for name in table) == 2 * 2
     assert sum("Sm90PaddedTraits" in name for name in table) == 2 * 8
     assert sum("Sm90PaddedTraits" in name and ", 96>" in name for name in table) == 2 * 4
-    assert sum("Sm90BwdPaddedTraits" in name for name in table) == 2 * 2
+    assert sum("Sm90BwdPaddedTraits" in name for name in table) == 2 * (2 + ws // 3)
     assert sum("Sm90BwdWideTraits" in name for name in table) == 2 * 6
     assert {name: traits_smem(name) for name in table} == table
     kernels = json.loads((library.parent / build.KERNELS_NAME).read_text())["kernels"]

@@ -279,9 +279,15 @@ PADDED_SM90A_BACKWARD_PLANT = (
 
 @pytest.mark.slow
 @pytest.mark.gpu
-def test_planted_tile_wide_copies_fail_the_padded_wgmma_backward_and_only_it(check_plant_split):
+def test_planted_tile_wide_copies_fail_the_padded_wgmma_backward_and_only_it(
+    check_plant_split, monkeypatch
+):
     """With FLASHMOE_PLANT_BUG=19 every padded case on configuration 3 fails a gradient gate; the
-    whole 128 tile and the mma.sync path at the same head dims pass."""
+    whole 128 tile and the mma.sync path at the same head dims pass. The copies it plants are
+    Sm90BwdTraits' (FLASHMOE_BWD_WS=0 where the warp-specialized tile is built: that tile copies
+    Q and dO by TMA from maps of their own widths, and its K and V columns past the head dim meet
+    only Q's and dO's zeros)."""
+    monkeypatch.setenv("FLASHMOE_BWD_WS", "0")
     _check_wgmma_backward_plant(check_plant_split, 19, PADDED_SM90A_BACKWARD_PLANT)
 
 
@@ -361,7 +367,8 @@ def _warp_specialized_cases() -> tuple[str, ...]:
 
 WS_CASES = _warp_specialized_cases()
 WS_SCRIPT = """
-import json, sys
+import json, os, sys
+os.environ["FLASHMOE_BWD_WS"] = os.environ.get("WS_UNDER_TEST", "1")
 import torch
 from torch.profiler import ProfilerActivity, profile
 from flashmoe_science import flash_attention_forward, ops
@@ -392,11 +399,14 @@ WS_PLANT_CASES = (
 
 @pytest.mark.slow
 @pytest.mark.gpu
-def test_the_warp_specialized_backward_passes_its_gradient_gates(run_planted, check_plant_split):
+def test_the_warp_specialized_backward_passes_its_gradient_gates(
+    run_planted, check_plant_split, monkeypatch
+):
     """A build with -DFLASHMOE_BWD_WS=1 (head dims 64 and 128 only, every plant compiled in) runs
     the warp-specialized kernels at 64, 96 (padded) and 128; they pass WS_CASES' gradient gates,
-    and with plant 6 fail WS_PLANT_CASES'. One restricted build and about 130 gates: about a
-    minute of the GPU job, the price of a dormant kernel that cannot rot."""
+    and with plant 6 fail WS_PLANT_CASES'. FLASHMOE_BWD_WS=0 in the environment runs the tile
+    before it on the same build. One restricted build and about 130 gates: about a minute of the
+    GPU job, the price of a dormant kernel that cannot rot."""
     from flashmoe_science import ops
 
     if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
@@ -409,6 +419,9 @@ def test_the_warp_specialized_backward_passes_its_gradient_gates(run_planted, ch
     failed = {case_id: failures for case_id, failures in out["results"].items() if failures}
     assert not failed, failed
     check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), **build)
+    monkeypatch.setenv("WS_UNDER_TEST", "0")
+    off = run_planted(0, WS_SCRIPT, "cuda", **build)["kernels"]
+    assert all(names and not any("Ws" in name for name in names) for names in off.values()), off
 
 
 def test_the_warp_specialized_cases_cover_its_tiles_and_features():
