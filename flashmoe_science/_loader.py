@@ -384,6 +384,17 @@ def env_defines() -> tuple[str, ...]:
     return split_defines(os.environ.get(DEFINES_VAR, ""))
 
 
+def plant_defines(extra: Sequence[str] = ()) -> tuple[str, ...]:
+    """The plant unit's defines: this process's (FLASHMOE_BUILD_DEFINES), then `extra` (one of the
+    same name replaces the environment's), then PLANT_DEFINE. A test stage run under a switch
+    (FLASHMOE_BUILD_DEFINES=FLASHMOE_BWD_WS=1, say) then plants its bugs into the kernels it
+    gates, and `build --plants` builds the unit its planted-bug processes load."""
+    merged: dict[str, str] = {}
+    for define in (*env_defines(), *normalize_defines(extra), PLANT_DEFINE):
+        merged[define.split("=", 1)[0]] = define
+    return tuple(merged.values())
+
+
 def normalize_defines(defines: Sequence[str]) -> tuple[str, ...]:
     """Accept 'NAME', 'NAME=VAL' or '-DNAME=VAL'; keep order, drop repeats."""
     seen: dict[str, None] = {}

@@ -137,8 +137,9 @@ def planted_process_env(
 ) -> dict[str, str]:
     """The environment of a planted-bug process: its build carries bug `bug`, and the CPU device
     hides the GPU. Its working directory is the repository root. `defines`: more -D defines for
-    its build (a kernel behind a switch; the plant build then serves bug 0 too), `only`: the build
-    restricted to these kernels (FLASHMOE_BUILD_ONLY's spelling).
+    its build (a kernel behind a switch; the plant build then serves bug 0 too) beside those of
+    FLASHMOE_BUILD_DEFINES (loader.plant_defines: a stage under a switch plants into its kernels),
+    `only`: the build restricted to these kernels (FLASHMOE_BUILD_ONLY's spelling).
 
     Every plant of a device runs on that device's one plant build (every plant compiled in, the bug
     picked at run time from FLASHMOE_PLANT_BUG): the CPU's small unit, built for the CPU even where
@@ -157,7 +158,7 @@ def planted_process_env(
         return env
     if device == "cpu":
         env.pop("TORCH_CUDA_ARCH_LIST", None)
-    env["FLASHMOE_BUILD_DEFINES"] = ",".join((*defines, loader.PLANT_DEFINE))
+    env["FLASHMOE_BUILD_DEFINES"] = ",".join(loader.plant_defines(defines))
     env["FLASHMOE_PLANT_BUG"] = str(bug)
     return env
 

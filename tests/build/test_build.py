@@ -1327,6 +1327,7 @@ def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
     plant unit that fails fails the step with its log's end and what it breaks."""
     monkeypatch.setenv("FLASHMOE_BUILD_ROOT", str(tmp_path / "root"))
     monkeypatch.setenv(loader.ONLY_VAR, "op=fwd")
+    monkeypatch.delenv(loader.DEFINES_VAR, raising=False)
     FakeChild.calls = []
     monkeypatch.setattr(FakeChild, "own_s", 137.6)
     monkeypatch.setattr(build.subprocess, "Popen", FakeChild)
@@ -1343,6 +1344,14 @@ def test_plants_build_the_plant_unit_beside_and_the_report_stays_this_builds(
     assert "build: this unit done in" in out
     assert "build: the plant unit (-DFLASHMOE_PLANT_BUG=-1) done in 137.6 s" in out
     assert build.main(["--backend", "cpu"]) == exitcodes.OK and len(FakeChild.calls) == 1
+    # a job under a switch: the plant unit carries it too (the planted processes load that one)
+    monkeypatch.setenv(loader.DEFINES_VAR, "FLASHMOE_BWD_WS=1")
+    assert build.main(["--backend", "cpu", "--plants"]) == exitcodes.OK
+    assert FakeChild.calls[-1][0][-4:] == [
+        "--define", "FLASHMOE_BWD_WS=1", "--define", "FLASHMOE_PLANT_BUG=-1"
+    ]  # fmt: skip
+    capsys.readouterr()
+    monkeypatch.delenv(loader.DEFINES_VAR)
 
     def failing(command, stdout, env, **kwargs):
         return FakeChild(command, stdout, env, code=125, output="x.cu(3): error: planted\n")

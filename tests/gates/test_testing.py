@@ -799,3 +799,24 @@ def test_the_plants_of_a_device_share_one_build_even_where_the_job_asks_for_cuda
     assert cuda.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
     honest = planted_process_env(0, "cpu")
     assert "FLASHMOE_BUILD_DEFINES" not in honest and honest["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+
+
+def test_a_stage_under_a_switch_plants_into_the_kernels_it_gates(monkeypatch):
+    """Under FLASHMOE_BUILD_DEFINES (an experiment's switch) the plant build keeps the stage's
+    defines, so its plants act on the kernels the stage gates; a define a test names replaces the
+    environment's of the same name, and the plant define comes last."""
+    from conftest import planted_process_env
+
+    from flashmoe_science import _loader as loader
+
+    monkeypatch.setenv(loader.DEFINES_VAR, "FLASHMOE_BWD_WS=1,FLASHMOE_BWD_WS_DQ_STAGES=2")
+    env = planted_process_env(6, "cuda")
+    assert env[loader.DEFINES_VAR] == (
+        "FLASHMOE_BWD_WS=1,FLASHMOE_BWD_WS_DQ_STAGES=2," + loader.PLANT_DEFINE
+    )
+    env = planted_process_env(6, "cuda", defines=("-DFLASHMOE_BWD_WS_DQ_STAGES=1", "X"))
+    assert env[loader.DEFINES_VAR] == (
+        "FLASHMOE_BWD_WS=1,FLASHMOE_BWD_WS_DQ_STAGES=1,X," + loader.PLANT_DEFINE
+    )
+    honest = planted_process_env(0, "cuda")  # the stage's own build, its defines untouched
+    assert honest[loader.DEFINES_VAR] == "FLASHMOE_BWD_WS=1,FLASHMOE_BWD_WS_DQ_STAGES=2"

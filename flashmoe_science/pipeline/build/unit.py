@@ -368,15 +368,17 @@ class BesideBuild:
 
 
 def start_plant_build(args: argparse.Namespace, backend: str) -> BesideBuild:
-    """`build --define PLANT_DEFINE` for the same backend and targets, quiet, in a child whose
-    report (build.json) goes to a folder of its own: the report directory holds this build's."""
+    """`build --define PLANT_DEFINE` (with FLASHMOE_BUILD_DEFINES' defines: plant_defines) for the
+    same backend and targets, quiet, in a child whose report (build.json) goes to a folder of its
+    own: the report directory holds this build's."""
     root = _loader.build_root()
     root.mkdir(parents=True, exist_ok=True)
     log = root / "plants.log"
     command = [sys.executable, "-m", "flashmoe_science", "build", "--backend", backend, "--quiet"]
     for arch in args.arch or ():
         command += ["--arch", arch]
-    command += ["--define", _loader.PLANT_DEFINE]
+    for define in _loader.plant_defines():
+        command += ["--define", define]
     reports = root / "plants-reports"
     env = {**os.environ, REPORTS_VAR: str(reports)}
     env.pop(_loader.ONLY_VAR, None)
