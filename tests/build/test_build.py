@@ -1222,11 +1222,11 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     # padded tile with its MMAs over 96 columns, dense and packed, with their twins, + in a build
     # with -DFLASHMOE_BWD_WS=1 the wgmma backward's 128 tile warp-specialized (at 64, 128 and
     # padded onto 128), with and without dQ atomics
-    ws = sum("Sm90BwdWsTraits" in name for name in table) // 2 if table else 0
-    assert ws in (0, 3 * 2)
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
     per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1 + 2
     assert table is not None
+    ws = sum("Sm90BwdWsTraits" in name for name in table) // 2
+    assert ws in (0, 3 * 2)
     assert len(table) == 2 * (
         6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 10 + 4 + 2 * 4 + 2 + 6 + ws
     )
