@@ -92,11 +92,11 @@ namespace flashmoe {
 #define FLASHMOE_BWD_STATS_CP_ASYNC 0
 #endif
 // The wgmma backward's 128 tile warp-specialized (Sm90BwdWsTraits: a producer warpgroup copies Q
-// and dO by TMA, loads lse and delta and adds dQ by TMA reduce-add): off unless built with
-// -DFLASHMOE_BWD_WS=1 until racecheck passes on it (benches/notes/backward.md, bwd v6 on by
-// default, tried). In such a build FLASHMOE_BWD_WS=0 in the environment runs Sm90BwdTraits.
+// and dO by TMA, loads lse and delta and adds dQ by TMA reduce-add; benches/notes/backward.md,
+// bwd v6). FLASHMOE_BWD_WS=0 in the environment runs the tile before it (Sm90BwdTraits);
+// -DFLASHMOE_BWD_WS=0 leaves it out of the build.
 #ifndef FLASHMOE_BWD_WS
-#define FLASHMOE_BWD_WS 0
+#define FLASHMOE_BWD_WS 1
 #endif
 // Its dQ tiles staged in one slot a math warpgroup, or two (-DFLASHMOE_BWD_WS_DQ_STAGES=2: the
 // math runs a step ahead of the writer, which waits on deterministic=True's order; 32 KB more

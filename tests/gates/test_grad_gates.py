@@ -5,10 +5,12 @@ gates must catch; the autograd contract (opcheck, torch.compile, decode refuses,
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
+from flashmoe_science import _loader as loader
 from flashmoe_science.pipeline.cases import (
     Case,
     make_inputs,
@@ -352,12 +354,12 @@ def test_the_backward_plants_cases_are_gate_cases():
         assert any(parse_case_id(c).config == 3 and parse_case_id(c).head_dim > 128 for c in cases)
 
 
-# bwd v6 (-DFLASHMOE_BWD_WS=1: configuration 3's 128 tile warp-specialized, deterministic=True's
-# dQ added in order by its writer warp) stays off by default until it is measured faster;
-# meanwhile these gates keep it correct on every GPU run, from a build of its own. Every case
-# forced onto configuration 3 at 64, 128 and the head dims padded onto 128, deterministic ones
-# included (bit-identical over repeated calls), and one in eight of the automatic ones there
-# (windows, softcap, sinks, GQA, odd lengths among them).
+# bwd v6 (configuration 3's 128 tile warp-specialized, deterministic=True's dQ added in order by
+# its writer warp) is the default; the tile before it (Sm90BwdTraits) runs under FLASHMOE_BWD_WS=0
+# in the environment, and these gates keep it correct on every GPU run, on the stage's own build.
+# Every case forced onto configuration 3 at 64, 128 and the head dims padded onto 128,
+# deterministic ones included (bit-identical over repeated calls), and one in eight of the
+# automatic ones there (windows, softcap, sinks, GQA, odd lengths among them).
 def _warp_specialized_cases() -> tuple[str, ...]:
     tile = [c for c in GPU_CASES if c.config in (0, 3) and max(c.head_dim, c.value_head_dim) <= 128]
     forced = [c.id for c in tile if c.config == 3]
@@ -399,31 +401,31 @@ WS_PLANT_CASES = (
 
 @pytest.mark.slow
 @pytest.mark.gpu
-def test_the_warp_specialized_backward_passes_its_gradient_gates(
+def test_the_tile_before_the_warp_specialized_one_passes_its_gradient_gates(
     run_planted, check_plant_split, monkeypatch
 ):
-    """A build with -DFLASHMOE_BWD_WS=1 (head dims 64 and 128 only, every plant compiled in) runs
-    the warp-specialized kernels at 64, 96 (padded) and 128; they pass WS_CASES' gradient gates,
-    and with plant 6 fail WS_PLANT_CASES'. FLASHMOE_BWD_WS=0 in the environment runs the tile
-    before it on the same build. One restricted build and about 130 gates: about a minute of the
-    GPU job, the price of a dormant kernel that cannot rot."""
+    """FLASHMOE_BWD_WS=0 in the environment runs Sm90BwdTraits, the tile before bwd v6, at 64, 96
+    (padded) and 128 on the stage's own build: it passes WS_CASES' gradient gates; without it the
+    same build runs the warp-specialized kernels there. Plant 6 fails WS_PLANT_CASES' on either
+    tile. About 130 gates and one plant process a tile: the price of a fallback that cannot rot."""
     from flashmoe_science import ops
 
     if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
         pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
-    build = {"defines": ("FLASHMOE_BWD_WS=1",), "only": "head_dim=64,128"}
-    out = run_planted(0, WS_SCRIPT, "cuda", *WS_CASES, **build)
+    if "FLASHMOE_BWD_WS=0" in os.environ.get(loader.DEFINES_VAR, ""):
+        pytest.skip("this build leaves the warp-specialized tile out (-DFLASHMOE_BWD_WS=0)")
+    monkeypatch.setenv("WS_UNDER_TEST", "1")
+    on = run_planted(0, WS_SCRIPT, "cuda")["kernels"]
+    assert all(any("Sm90BwdWsTraits" in name for name in names) for names in on.values()), on
+    check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), "dQ without the last key block")
+    monkeypatch.setenv("WS_UNDER_TEST", "0")
+    out = run_planted(0, WS_SCRIPT, "cuda", *WS_CASES)
     for head_dim, names in out["kernels"].items():
-        assert any("Sm90BwdWsTraits" in name for name in names), (head_dim, names)
+        assert names and not any("Sm90BwdWsTraits" in name for name in names), (head_dim, names)
     assert sorted(out["results"]) == sorted(WS_CASES)
     failed = {case_id: failures for case_id, failures in out["results"].items() if failures}
     assert not failed, failed
-    check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), **build)
-    monkeypatch.setenv("WS_UNDER_TEST", "0")
-    off = run_planted(0, WS_SCRIPT, "cuda", **build)["kernels"]
-    assert all(
-        names and not any("Sm90BwdWsTraits" in name for name in names) for names in off.values()
-    ), off
+    check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), "dQ without the last key block")
 
 
 def test_the_warp_specialized_cases_cover_its_tiles_and_features():
