@@ -1120,7 +1120,7 @@ def test_a_clean_sanitize_says_per_tool_what_it_did_not_check(tmp_path):
     assert rc == exitcodes.OK and text.splitlines()[0] == "## ✅ flashmoe-science: passed"
     assert (
         "| ✅ | sanitize | clean; not checked: TMA (racecheck), wgmma (initcheck, racecheck), "
-        "mbarrier (memcheck, initcheck) | 5m 00s |"
+        "mbarrier (memcheck, initcheck), named barrier (memcheck, initcheck, racecheck) | 5m 00s |"
     ) in text
     assert text.count("| sanitize |") == 1  # the section stands for the stage's own row
     assert "| racecheck | pass | **not checked** | not documented | **not checked** |" in text

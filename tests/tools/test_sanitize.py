@@ -792,6 +792,10 @@ def test_sanitizer_command_and_environment():
     assert racecheck_env.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == os.environ.get(
         "PYTORCH_NO_CUDA_MEMORY_CACHING"
     )
+    # racecheck runs the tile before the warp-specialized backward (its handoffs by named
+    # barriers are hazards to racecheck); the other tools run what a user's call runs
+    assert racecheck_env["FLASHMOE_BWD_WS"] == "0"
+    assert "FLASHMOE_BWD_WS" not in env or env["FLASHMOE_BWD_WS"] == os.environ["FLASHMOE_BWD_WS"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -836,6 +840,7 @@ def test_coverage_rests_on_the_offered_options():
         "bulk_reduce": "not documented",
         "wgmma": "checked",
         "mbarrier": "not checked",
+        "named_barrier": "not checked",
     }
     old = sanitize_coverage.coverage("memcheck", set())
     assert [s["status"] for s in old if s["feature"] in ("tma", "wgmma")] == ["not checked"] * 2
@@ -856,7 +861,19 @@ def test_racecheck_never_claims_tma_or_wgmma():
         set(_statuses(tool, BOTH)) == set(sanitize_coverage.FEATURES) for tool in sanitize.TOOLS
     )
     line = sanitize_coverage.gap_line(sanitize_coverage.coverage("racecheck", BOTH))
-    assert line == "not checked: TMA, wgmma; not documented: bulk reduce, mbarrier"
+    assert line == "not checked: TMA, wgmma, named barrier; not documented: bulk reduce, mbarrier"
+
+
+def test_racecheck_leaves_the_named_barrier_handoffs_to_the_other_tools():
+    # the statement and the switch go together: racecheck says it does not check named barriers
+    # and says which tile it runs instead, and its runs (and only its) carry that tile's switch
+    racecheck = {s["feature"]: s for s in sanitize_coverage.coverage("racecheck", BOTH)}
+    assert racecheck["named_barrier"]["status"] == "not checked"
+    assert "RACECHECK_ENV" in racecheck["named_barrier"]["why"]
+    assert sanitize_coverage.RACECHECK_ENV == {"FLASHMOE_BWD_WS": "0"}
+    for tool in sanitize.TOOLS:
+        env = sanitize.tool_env(tool, ())
+        assert (env.get("FLASHMOE_BWD_WS") == "0") == (tool == "racecheck"), tool
 
 
 def _executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
@@ -1000,7 +1017,7 @@ while [ $# -gt 0 ]; do
   if [ "$1" = "--share" ]; then share=$2; fi
   shift
 done
-echo "tool=$tool caching=${PYTORCH_NO_CUDA_MEMORY_CACHING:-on} defines=$FLASHMOE_BUILD_DEFINES${share:+ share=$share}" >> "$FAKE_DIR/calls"
+echo "tool=$tool caching=${PYTORCH_NO_CUDA_MEMORY_CACHING:-on} ws=${FLASHMOE_BWD_WS:-on} defines=$FLASHMOE_BUILD_DEFINES${share:+ share=$share}" >> "$FAKE_DIR/calls"
 name=$tool
 [ -z "$share" ] || name="$tool.$(echo "$share" | tr / o)"
 if [ -n "${FAKE_BARRIER:-}" ]; then  # wait until FAKE_BARRIER runs have started: they run at once
@@ -1049,7 +1066,10 @@ def test_clean_tools_pass(isolated, fake_gpu, fake_sanitizer, capsys, monkeypatc
     assert doc["status"] == "pass" and list(doc["tools"]) == ["memcheck", "racecheck"]
     assert doc["tools"]["racecheck"]["errors"] == 0
     calls = (isolated / "fake" / "calls").read_text().splitlines()
-    assert calls == ["tool=memcheck caching=1 defines=", "tool=racecheck caching=on defines="]
+    assert calls == [
+        "tool=memcheck caching=1 ws=on defines=",
+        "tool=racecheck caching=on ws=0 defines=",
+    ]
     stages = json.loads((isolated / "reports" / "stages.json").read_text())["stages"]
     assert stages["sanitize"]["status"] == "ok"
 
@@ -1059,8 +1079,13 @@ def test_each_tool_says_what_its_pass_does_not_cover(isolated, fake_gpu, fake_sa
     fake_sanitizer("racecheck", RACECHECK_CLEAN)
     assert sanitize.main(["--tool", "memcheck,racecheck"]) == exitcodes.OK
     out = capsys.readouterr().out
-    assert "  racecheck: not checked: TMA, wgmma; not documented: bulk reduce, mbarrier\n" in out
-    assert "  memcheck: not checked: mbarrier; not documented: bulk reduce\n" in out
+    assert (
+        "  racecheck: not checked: TMA, wgmma, named barrier; not documented: bulk reduce, "
+        "mbarrier\n"
+    ) in out
+    assert "  memcheck: not checked: mbarrier, named barrier; not documented: bulk reduce\n" in out
+    calls = (isolated / "fake" / "calls").read_text()
+    assert "tool=racecheck caching=on ws=0 " in calls and "tool=memcheck caching=1 ws=on " in calls
     doc = json.loads((isolated / "reports" / "sanitize.json").read_text())
     assert doc["schema"] == "flashmoe-science/sanitize/2"
     assert doc["sanitizer_options"] == ["--check-bulk-copy", "--check-warpgroup-mma"]
@@ -1077,7 +1102,10 @@ def test_an_older_sanitizer_is_said_not_to_check_tma_or_wgmma(
     (isolated / "fake" / "help.txt").write_text(HELP_OLD)
     fake_sanitizer("memcheck", CLEAN)
     assert sanitize.main(["--tool", "memcheck"]) == exitcodes.OK
-    assert "  memcheck: not checked: TMA, bulk reduce, wgmma, mbarrier\n" in capsys.readouterr().out
+    assert (
+        "  memcheck: not checked: TMA, bulk reduce, wgmma, mbarrier, named barrier\n"
+        in capsys.readouterr().out
+    )
     doc = json.loads((isolated / "reports" / "sanitize.json").read_text())
     memcheck = doc["tools"]["memcheck"]
     assert doc["sanitizer_options"] == [] and "--check-" not in memcheck["command"]
@@ -1340,7 +1368,7 @@ def test_runs_go_at_once_and_each_tool_reports_over_its_shares(
     assert "waited alone" not in (isolated / "reports" / "sanitize-racecheck.log").read_text()
     calls = sorted((fake / "calls").read_text().splitlines())
     assert [c for c in calls if "racecheck" in c] == [
-        f"tool=racecheck caching=on defines= share={k}/4" for k in range(1, 5)
+        f"tool=racecheck caching=on ws=0 defines= share={k}/4" for k in range(1, 5)
     ]
     doc = json.loads((isolated / "reports" / "sanitize.json").read_text())
     racecheck = doc["tools"]["racecheck"]

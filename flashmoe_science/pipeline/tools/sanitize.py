@@ -45,10 +45,11 @@ its log holds each share's output in turn.
 Any finding fails the run: per tool, the check, the kernel, the source line, the thread and block,
 and the case, condensed from the tool's output (parse_sanitizer_output, a pure function); the full
 output is in <reports>/sanitize-<tool>.log. <reports>/sanitize.json holds, per tool, the status, the
-wall time, the findings and the coverage: for TMA, bulk reductions, wgmma and mbarriers, whether the
-tool checks them, does not, or is not documented to (sanitize_coverage.coverage), so a PASS says
-what it did not look at; the console summary and the PR report show what is not checked. stages.json
-gets a "sanitize" stage.
+wall time, the findings and the coverage: for TMA, bulk reductions, wgmma, mbarriers and named
+barriers, whether the tool checks them, does not, or is not documented to
+(sanitize_coverage.coverage), so a PASS says what it did not look at; the console summary and the
+PR report show what is not checked. racecheck runs the wgmma backward's tile before the
+warp-specialized one (sanitize_coverage.RACECHECK_ENV). stages.json gets a "sanitize" stage.
 
 Exit codes (flashmoe_science.pipeline.exitcodes): 0 every tool clean; 1 a finding (or the workload crashed,
 or a tool timed out); 2 usage; 125 the extension does not build; 126 compute-sanitizer is missing or
@@ -1082,6 +1083,8 @@ def tool_env(tool: str, defines: Sequence[str]) -> dict[str, str]:
     env = dict(os.environ, FLASHMOE_BUILD_DEFINES=",".join(defines), PYTHONUNBUFFERED="1")
     if tool in NO_CACHING_TOOLS:
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+    if tool == "racecheck":  # what it cannot see, left to the other tools (sanitize_coverage)
+        env.update(sanitize_coverage.RACECHECK_ENV)
     return env
 
 

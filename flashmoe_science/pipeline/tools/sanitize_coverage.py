@@ -1,5 +1,5 @@
 """What each compute-sanitizer tool checks of the Hopper features the sm_90a kernels use: TMA bulk
-tensor copies, wgmma and mbarriers, and bulk reductions for a kernel that would use them.
+tensor copies, wgmma, mbarriers and named barriers, and bulk reductions.
 
 Two things decide it. The installed tool's options: `compute-sanitizer --help` is read once
 (offered_options, a pure function over its text), and the Hopper options it offers are passed as
@@ -20,7 +20,8 @@ chapter of each tool):
 - racecheck checks shared memory only, between threads' accesses; its asynchronous-copy checks
   are documented for cp.async and cuda::memcpy_async, not for TMA, whose writes come from the
   copy engine rather than a thread, nor for wgmma, which reads shared memory through the async
-  proxy.
+  proxy. Named barriers between a producer warp and its consumers it gets wrong, measured: it
+  reports a correct handoff as hazards (RACECHECK_ENV says what it runs instead).
 
 coverage() turns both into one statement per feature and tool: checked, not checked, or not
 documented, with why. sanitize.json carries it per tool; the console summary and the report show
@@ -46,6 +47,7 @@ FEATURES = {
     "bulk_reduce": "bulk reduce",  # cp.reduce.async.bulk from shared into global memory
     "wgmma": "wgmma",  # reads its shared-memory operands through the async proxy
     "mbarrier": "mbarrier",  # init, arrive, expect_tx, try_wait.parity
+    "named_barrier": "named barrier",  # barrier.sync / barrier.arrive handing a buffer between warps
 }
 
 
@@ -77,6 +79,7 @@ FACTS: dict[str, dict[str, Fact]] = {
         "mbarrier": Fact(
             NOT_CHECKED, "phases and arrival counts are no memory access error: outside memcheck"
         ),
+        "named_barrier": Fact(NOT_CHECKED, "synchronization is outside memcheck"),
     },
     "initcheck": {
         "tma": Fact(
@@ -96,6 +99,7 @@ FACTS: dict[str, dict[str, Fact]] = {
             "(--initcheck-address-space global)",
         ),
         "mbarrier": Fact(NOT_CHECKED, "synchronization is outside initcheck"),
+        "named_barrier": Fact(NOT_CHECKED, "synchronization is outside initcheck"),
     },
     "synccheck": {
         "tma": Fact(
@@ -118,6 +122,11 @@ FACTS: dict[str, dict[str, Fact]] = {
         "mbarrier": Fact(
             UNDOCUMENTED,
             "documented for cuda::barrier; PTX mbarriers and waits on the wrong phase are not",
+        ),
+        "named_barrier": Fact(
+            UNDOCUMENTED,
+            "documented for __syncthreads and __syncwarp; a producer's barrier.sync against its "
+            "consumers' barrier.arrive is not",
         ),
     },
     "racecheck": {
@@ -142,8 +151,24 @@ FACTS: dict[str, dict[str, Fact]] = {
             "cuda::barrier waits are documented as synchronization; PTX mbarriers completed by "
             "TMA transaction bytes are not",
         ),
+        "named_barrier": Fact(
+            NOT_CHECKED,
+            "a correct handoff between a producer warp and its consumers by named barriers (or by "
+            "an mbarrier) is reported as hazards, so racecheck runs the wgmma backward's tile "
+            "before the warp-specialized one (RACECHECK_ENV)",
+        ),
     },
 }
+
+# The environment racecheck's runs add. The warp-specialized backward's stats warp hands lse and
+# delta to the math warpgroups and takes them back by named barriers; racecheck reports that
+# handoff as WAR hazards, and does the same for a 60-line program that hands two buffers over the
+# same way, correct by the PTX memory model, whether the consumers arrive or wait, by bar or
+# barrier, or by an mbarrier (benches/notes/backward.md, "racecheck and named barriers"). Its
+# other shared-memory traffic is TMA's and wgmma's, which racecheck does not see either. So
+# racecheck checks the tile before it (Sm90BwdTraits, the same schedule with every copy a thread's)
+# and the other three tools the warp-specialized one.
+RACECHECK_ENV = {"FLASHMOE_BWD_WS": "0"}
 
 
 def offered_options(help_text: str) -> frozenset[str]:
