@@ -1219,9 +1219,9 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     # + configuration 5's 128 tile run padded, dense and packed, with their twins, + the wgmma
     # backward's 128 tile run padded, with and without dQ atomics, + the wgmma backward past 128
     # (at 192 whole and with v's 128, at 256), with and without dQ atomics, + configuration 5's
-    # padded tile with its MMAs over 96 columns, dense and packed, with their twins, + in a build
-    # with -DFLASHMOE_BWD_WS=1 the wgmma backward's 128 tile warp-specialized (at 64, 128 and
-    # padded onto 128), with and without dQ atomics
+    # padded tile with its MMAs over 96 columns, dense and packed, with their twins, + the wgmma
+    # backward's 128 tile warp-specialized (at 64, 128 and padded onto 128), with and without dQ
+    # atomics (none in a build with -DFLASHMOE_BWD_WS=0)
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
     per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1 + 2
     assert table is not None
