@@ -270,7 +270,8 @@ def test_ncu_command_against_a_baseline_profiles_the_nvtx_range_alone():
     # a baseline's kernels have its own names, and its warm-up calls lie outside the range
     assert "--kernel-name" not in command and "--launch-skip" not in command
     assert "--launch-count" not in command
-    assert command[command.index("--nvtx-include") + 1] == f"{profile.AGAINST_RANGE}/"
+    # a start/end range (no trailing "/"): a backward call's kernels come from autograd's thread
+    assert command[command.index("--nvtx-include") + 1] == profile.AGAINST_RANGE
     assert "--nvtx" in command and command[command.index("--clock-control") + 1] == "none"
     assert command[-6:-2] == ["--workload", PREFILL_ID, "--against", "sdpa-cudnn"]
     assert "--against" not in profile.ncu_command("/opt/ncu", PREFILL_ID, Path("/r/p"))
@@ -572,3 +573,9 @@ def test_real_profile_of_a_small_case_then_of_a_baseline_beside_it(tmp_path):
     assert any("flash" in k["kernel"].lower() for k in doc["kernels"]), doc["kernels"]
     assert all(k["launches"] == 1 for k in doc["kernels"]), "one call: one launch a kernel"
     assert "sdpa-flash / ours" in run.stdout.strip().splitlines()[-1]
+    # a backward call: its kernels are launched by autograd's device thread, outside a push/pop
+    # range of the caller's (which profiled none of them)
+    backward = "bwd-bf16-d64-h8-b1-s512-full"
+    _real_profile(tmp_path, backward, "--against", "sdpa-flash")
+    doc = json.loads((tmp_path / f"profile-{backward}-sdpa-flash.json").read_text())
+    assert any("bwd" in k["kernel"].lower() for k in doc["kernels"]), doc["kernels"]

@@ -174,7 +174,7 @@ def ncu_command(ncu: str, case_id: str, report_base: Path, against: str | None =
     of the one call inside AGAINST_RANGE (run_workload), whatever its names."""
     command = [ncu, "--force-overwrite", "-o", str(report_base)]
     if against:
-        command += ["--nvtx", "--nvtx-include", f"{AGAINST_RANGE}/"]
+        command += ["--nvtx", "--nvtx-include", AGAINST_RANGE]  # a start/end range (nvtx_range)
     else:
         backward = is_backward(case_id)
         per_call = BACKWARD_KERNELS_PER_CALL if backward else MAX_KERNELS_PER_CALL
@@ -643,18 +643,18 @@ def run_workload(case_id: str, calls: int, against: str | None = None, device: s
 
 @contextlib.contextmanager
 def nvtx_range(name: str):
-    """An NVTX push/pop range around the block: ncu's `--nvtx-include NAME/` profiles the
-    kernels launched inside it (nothing to push without CUDA)."""
+    """An NVTX start/end range around the block: ncu's `--nvtx-include NAME` (no trailing `/`,
+    which would name a push/pop range) profiles the kernels launched inside it from any thread.
+    A push/pop range is the calling thread's, and a backward call's kernels are launched by
+    autograd's device thread: it profiled none of them. Nothing to start without CUDA."""
     import torch
 
-    pushed = torch.cuda.is_available()
-    if pushed:
-        torch.cuda.nvtx.range_push(name)
+    started = torch.cuda.nvtx.range_start(name) if torch.cuda.is_available() else None
     try:
         yield
     finally:
-        if pushed:
-            torch.cuda.nvtx.range_pop()
+        if started is not None:
+            torch.cuda.nvtx.range_end(started)
 
 
 def _say(text: str) -> None:
