@@ -61,6 +61,17 @@ class Fact:
     option: str | None = None
 
 
+# The environment racecheck's runs add. The warp-specialized backward's stats warp hands lse and
+# delta to the math warpgroups and takes them back by named barriers; racecheck reports that
+# handoff as WAR hazards, and does the same for a 60-line program that hands two buffers over the
+# same way, correct by the PTX memory model, whether the consumers arrive or wait, by bar or
+# barrier, or by an mbarrier (benches/notes/backward.md, "racecheck and named barriers"). Its
+# other shared-memory traffic is TMA's and wgmma's, which racecheck does not see either. So
+# racecheck checks the tile before it (Sm90BwdTraits, the same schedule with every copy a thread's)
+# and the other three tools the warp-specialized one.
+RACECHECK_ENV = {"FLASHMOE_BWD_WS": "0"}
+_RACECHECK_SWITCH = ", ".join(f"{name}={value}" for name, value in RACECHECK_ENV.items())
+
 _RACECHECK_SCOPE = "racecheck checks threads' shared-memory accesses"
 FACTS: dict[str, dict[str, Fact]] = {
     "memcheck": {
@@ -155,20 +166,10 @@ FACTS: dict[str, dict[str, Fact]] = {
             NOT_CHECKED,
             "a correct handoff between a producer warp and its consumers by named barriers (or by "
             "an mbarrier) is reported as hazards, so racecheck runs the wgmma backward's tile "
-            "before the warp-specialized one (RACECHECK_ENV)",
+            f"before the warp-specialized one ({_RACECHECK_SWITCH} on its runs)",
         ),
     },
 }
-
-# The environment racecheck's runs add. The warp-specialized backward's stats warp hands lse and
-# delta to the math warpgroups and takes them back by named barriers; racecheck reports that
-# handoff as WAR hazards, and does the same for a 60-line program that hands two buffers over the
-# same way, correct by the PTX memory model, whether the consumers arrive or wait, by bar or
-# barrier, or by an mbarrier (benches/notes/backward.md, "racecheck and named barriers"). Its
-# other shared-memory traffic is TMA's and wgmma's, which racecheck does not see either. So
-# racecheck checks the tile before it (Sm90BwdTraits, the same schedule with every copy a thread's)
-# and the other three tools the warp-specialized one.
-RACECHECK_ENV = {"FLASHMOE_BWD_WS": "0"}
 
 
 def offered_options(help_text: str) -> frozenset[str]:
