@@ -104,6 +104,12 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_WS_DQ_STAGES
 #define FLASHMOE_BWD_WS_DQ_STAGES 1
 #endif
+// The registers its producer warpgroup keeps (24 or 32; the math warpgroups get 240 or 232): with
+// 24 the deterministic writer spills (68 B at d=64) and the 128 tile 8 B, with 32 no kernel of
+// the tile spills (ptxas, sm_90a), until the two are timed against each other on a GPU.
+#ifndef FLASHMOE_BWD_WS_PRODUCER_REGS
+#define FLASHMOE_BWD_WS_PRODUCER_REGS 24
+#endif
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
 // running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:

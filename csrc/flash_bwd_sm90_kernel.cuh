@@ -79,9 +79,12 @@ struct Sm90BwdWsTraits : Sm90BwdTraits<kHeadDim_> {
   static_assert(kDqStages == 1 || kDqStages == 2, "one or two dQ stages");
   static constexpr int kBarOffset = kDqOffset + kDqStages * 2 * 64 * 64 * 4;
   static constexpr int kSmemBytes = kBarOffset + 4 * 8;
-  // The launch gives each of the 384 threads 168 registers; the producer gives up all but 24, so
-  // the math warpgroups may take 240 (128 x 24 + 256 x 240 = 168 x 384).
-  static constexpr int kProducerRegs = 24, kMathRegs = 240;
+  // The launch gives each of the 384 threads 168 registers; the producer gives up all but
+  // kProducerRegs, and the math warpgroups take what that frees (24: 240, as 128 x 24 + 256 x 240
+  // = 168 x 384; 32: 232).
+  static constexpr int kProducerRegs = FLASHMOE_BWD_WS_PRODUCER_REGS;
+  static constexpr int kMathRegs =
+      (65536 / kNThreads / 8 * 8 * kNThreads - 128 * kProducerRegs) / 256 / 8 * 8;
   static_assert(
       128 * kProducerRegs + 256 * kMathRegs <= 65536 / kNThreads / 8 * 8 * kNThreads,
       "setmaxnreg: the producer's and the math warpgroups' registers exceed the launch's");
