@@ -110,6 +110,13 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_WS_PRODUCER_REGS
 #define FLASHMOE_BWD_WS_PRODUCER_REGS 24
 #endif
+// The dQ tile's stores into shared memory with the odd rows' column tiles swapped in pairs
+// (nt ^ 2), so that a half-warp's eight float2 chunks land on distinct banks under the 128-byte
+// swizzle (one wavefront a half-warp, not two); off until timed against the plain order on a GPU
+// (benches/notes/backward.md, bwd v6d).
+#ifndef FLASHMOE_BWD_DQ_STORE_SWAP
+#define FLASHMOE_BWD_DQ_STORE_SWAP 0
+#endif
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
 // running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:

@@ -102,18 +102,26 @@ constexpr int kWsMathBarrier = 1, kWsDqFull = 2, kWsDqEmpty = 6, kWsStatsEmpty =
 #if FLASHMOE_BWD_DQ_MAP
 // A warpgroup's 64 x 64 fp32 dQ chunk (wgmma's m64n64 accumulators) into `stage` as the dQ map's
 // two boxes of 32 columns (rows of 128 bytes whose 16-byte chunks are swizzled by the row, as the
-// map's 128-byte swizzle reads them).
+// map's 128-byte swizzle reads them). A 64-bit store is served a half-warp (rows R = 0..3 or 4..7)
+// at a time; in column tile nt its lanes' chunks are (2 (nt & 3) + h) ^ R (h: the lane's half of
+// the tile), which rows R and R ^ 1 share, so each half takes two wavefronts. With
+// FLASHMOE_BWD_DQ_STORE_SWAP the odd rows write column tile nt ^ 2 when the even rows write nt:
+// their chunks move by 4, and the half-warp's eight are distinct (one wavefront each).
 __device__ __forceinline__ void store_dq_chunk(float* stage, const float (&acc_dq)[8][4],
                                                int row_in_wg, int lane) {
+  const bool swap = FLASHMOE_BWD_DQ_STORE_SWAP && (row_in_wg & 1);
+  // the row's swizzle, and column tile nt ^ 2's chunks for a swapped row (chunk ^ 4)
+  const int sw = (row_in_wg & 7) ^ (swap ? 4 : 0);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = row_in_wg + hh * 8;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int chunk = (nt & 3) * 2 + (lane & 3) / 2;  // 16-byte chunk of the box's row
-      float* dst =
-          stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ (row & 7)) * 4 + (lane & 1) * 2;
-      *reinterpret_cast<float2*>(dst) = make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
+      float* dst = stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ sw) * 4 + (lane & 1) * 2;
+      const float2 even = make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
+      const float2 odd = make_float2(acc_dq[nt ^ 2][2 * hh], acc_dq[nt ^ 2][2 * hh + 1]);
+      *reinterpret_cast<float2*>(dst) = swap ? odd : even;
     }
   }
 }
