@@ -110,15 +110,15 @@ constexpr int kWsMathBarrier = 1, kWsDqFull = 2, kWsDqEmpty = 6, kWsStatsEmpty =
 __device__ __forceinline__ void store_dq_chunk(float* stage, const float (&acc_dq)[8][4],
                                                int row_in_wg, int lane) {
   const bool swap = FLASHMOE_BWD_DQ_STORE_SWAP && (row_in_wg & 1);
-  // the row's swizzle, and column tile nt ^ 2's chunks for a swapped row (chunk ^ 4)
-  const int sw = (row_in_wg & 7) ^ (swap ? 4 : 0);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = row_in_wg + hh * 8;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const int chunk = (nt & 3) * 2 + (lane & 3) / 2;  // 16-byte chunk of the box's row
-      float* dst = stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ sw) * 4 + (lane & 1) * 2;
+      // 16-byte chunk of the box's row (column tile nt ^ 2's for a swapped row: chunk ^ 4)
+      const int chunk = ((nt & 3) * 2 + (lane & 3) / 2) ^ (swap ? 4 : 0);
+      float* dst =
+          stage + (nt >> 2) * 64 * 32 + row * 32 + (chunk ^ (row & 7)) * 4 + (lane & 1) * 2;
       const float2 even = make_float2(acc_dq[nt][2 * hh], acc_dq[nt][2 * hh + 1]);
       const float2 odd = make_float2(acc_dq[nt ^ 2][2 * hh], acc_dq[nt ^ 2][2 * hh + 1]);
       *reinterpret_cast<float2*>(dst) = swap ? odd : even;
