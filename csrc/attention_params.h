@@ -104,18 +104,18 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_WS_DQ_STAGES
 #define FLASHMOE_BWD_WS_DQ_STAGES 1
 #endif
-// The registers its producer warpgroup keeps (24 or 32; the math warpgroups get 240 or 232): with
-// 24 the deterministic writer spills (68 B at d=64) and the 128 tile 8 B, with 32 no kernel of
-// the tile spills (ptxas, sm_90a), until the two are timed against each other on a GPU.
+// The registers its producer warpgroup keeps (32 or 24; the math warpgroups get 232 or 240): with
+// 32 no kernel of the tile spills (ptxas, sm_90a), with 24 the deterministic writer spills (68 B
+// at d=64) and the 128 tile 8 B.
 #ifndef FLASHMOE_BWD_WS_PRODUCER_REGS
-#define FLASHMOE_BWD_WS_PRODUCER_REGS 24
+#define FLASHMOE_BWD_WS_PRODUCER_REGS 32
 #endif
 // The dQ tile's stores into shared memory with the odd rows' column tiles swapped in pairs
 // (nt ^ 2), so that a half-warp's eight float2 chunks land on distinct banks under the 128-byte
-// swizzle (one wavefront a half-warp, not two); off until timed against the plain order on a GPU
-// (benches/notes/backward.md, bwd v6d).
+// swizzle (one wavefront a half-warp, not two). With the 32 registers above: 2-8% faster on 24
+// bf16 backward cases, H100 (benches/notes/backward.md, bwd v6d); =0 is the plain order.
 #ifndef FLASHMOE_BWD_DQ_STORE_SWAP
-#define FLASHMOE_BWD_DQ_STORE_SWAP 0
+#define FLASHMOE_BWD_DQ_STORE_SWAP 1
 #endif
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
