@@ -117,6 +117,13 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_DQ_STORE_SWAP
 #define FLASHMOE_BWD_DQ_STORE_SWAP 1
 #endif
+// The warp-specialized tile's dK product issued after dQ's (FlashAttention-3's order): dQ's
+// tile goes to shared memory while dK runs on the tensor cores, and the step's Q and dO go back
+// once dK is done. Off until timed against dK before the barrier (benches/notes/backward.md, bwd
+// v7a).
+#ifndef FLASHMOE_BWD_DK_AFTER_DQ
+#define FLASHMOE_BWD_DK_AFTER_DQ 0
+#endif
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
 // running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:

@@ -265,6 +265,8 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   // dQ in this kernel: by atomics (the 256-thread tile), or by the writer warp (the
   // warp-specialized one), in a fixed order where the call is deterministic (kOrderedDq)
   constexpr bool kDq = kAtomicDq || kWs, kOrderedDq = kWs && !kAtomicDq;
+  // the warp-specialized tile's dK product after dQ's (FLASHMOE_BWD_DK_AFTER_DQ)
+  constexpr bool kDkAfterDq = kWs && FLASHMOE_BWD_DK_AFTER_DQ;
   // the threads that copy K and V and compute: every thread of the 256-thread tile, the math
   // warpgroups of the warp-specialized one
   constexpr int kMathThreads = 256;
@@ -525,7 +527,14 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
                                        (lane & 3) * 2) = ds_frag[nt / 2][(nt & 1) * 2 + hh];
     }
 
-    // dV += P^T dO and dK += dS^T Q, the step's queries as the reduction.
+    // dV += P^T dO and dK += dS^T Q, the step's queries as the reduction (kDkAfterDq: dK after
+    // dQ's product, below).
+    auto dk_product = [&] {
+#pragma unroll
+      for (int j = 0; j < BM / 16; ++j)
+        sm90::mma_rs<D, T>(acc_dk, ds_frag[j], q_mn_desc + buf * kBufStep + sm90::mn_major_step(j),
+                           1);
+    };
     sm90::fence_operands(acc_dv);
     sm90::fence_operands(acc_dk);
     sm90::fence();
@@ -533,10 +542,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     for (int j = 0; j < BM / 16; ++j)
       sm90::mma_rs<D, T>(acc_dv, p_frag[j], do_mn_desc + buf * kBufStep + sm90::mn_major_step(j),
                          1);
-#pragma unroll
-    for (int j = 0; j < BM / 16; ++j)
-      sm90::mma_rs<D, T>(acc_dk, ds_frag[j], q_mn_desc + buf * kBufStep + sm90::mn_major_step(j),
-                         1);
+    if constexpr (!kDkAfterDq) dk_product();
     sm90::commit_group();
 
     if constexpr (kDq) {
@@ -564,16 +570,26 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
             acc_dq, ds_desc + (kWs ? buf * kDsBufStep : 0) + sm90::mn_major_step(kk),
             kt_desc + sm90::mn_major_step(kk), kk > 0);
       sm90::commit_group();
-      sm90::wait_group<0>();
+      if constexpr (kDkAfterDq) {  // dV's and dQ's products done, dK's still running
+        sm90::fence();
+        dk_product();
+        sm90::commit_group();
+        sm90::wait_group<1>();
+      } else {
+        sm90::wait_group<0>();
+        sm90::fence_operands(acc_dk);
+      }
       sm90::fence_operands(acc_dq);
       sm90::fence_operands(acc_dv);
-      sm90::fence_operands(acc_dk);
 #if FLASHMOE_BWD_WS
       if constexpr (kWs) {
-        // every product of the step is done: its stage goes back to the producer, and this
-        // warpgroup's dQ tile to the writer warp once the writer has read the last one
-        __syncwarp();
-        if (lane == 0) sm90::mbar_arrive(&ws_bars[2 + buf]);
+        // this warpgroup's dQ tile to the writer warp once the writer has read the last one, and
+        // the step's stage back to the producer once every product of the step is done
+        auto release_stage = [&] {
+          __syncwarp();
+          if (lane == 0) sm90::mbar_arrive(&ws_bars[2 + buf]);
+        };
+        if constexpr (!kDkAfterDq) release_stage();
         const int tile = 2 * (Traits::kDqStages == 2 ? step & 1 : 0) + wg;
         sm90::named_sync(kWsDqEmpty + tile, 160);
         // the tile's addresses computed here, not hoisted out of the loop (where they spilled)
@@ -582,6 +598,11 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
         store_dq_chunk(sDq + tile * 64 * 64, acc_dq, row, col_lane);
         sm90::fence_proxy_async();  // the tile's stores, visible to the TMA unit
         sm90::named_arrive(kWsDqFull + tile, 160);
+        if constexpr (kDkAfterDq) {  // dK's product has read Q: the stage goes back
+          sm90::wait_group<0>();
+          sm90::fence_operands(acc_dk);
+          release_stage();
+        }
         continue;
       }
 #endif
