@@ -124,6 +124,14 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_DK_AFTER_DQ
 #define FLASHMOE_BWD_DK_AFTER_DQ 0
 #endif
+// The warp-specialized tile's causal calls on a 1-D grid, longest first: in sections of
+// (batch, KV head) pairs whose q, dout and dq_accum fit in 40 MB of L2 (BwdParams::lpt_pairs),
+// each section's key blocks from the first (the longest walk under the mask), so that the last
+// blocks to start are short ones. Off until timed against the (key block, head) grid
+// (benches/notes/backward.md, bwd v7b).
+#ifndef FLASHMOE_BWD_CAUSAL_LPT
+#define FLASHMOE_BWD_CAUSAL_LPT 0
+#endif
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
 // running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:
@@ -283,6 +291,11 @@ struct BwdParams {
   int* dq_order;
   int dq_order_rows;  // the query rows a counter of dq_order stands for (the tile's)
   bool ws;
+#if FLASHMOE_BWD_CAUSAL_LPT
+  // non-deterministic causal calls on the tile: the (batch, KV head) pairs a section of its 1-D
+  // grid (a power of 2); 0: the (key block, batch x KV head) grid
+  int lpt_pairs;
+#endif
 #endif
 };
 

@@ -1277,7 +1277,12 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
   auto launch_dkdv = [&](auto kernel, auto traits) {
     using Traits = decltype(traits);
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
-    const dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.batch * p.heads_kv);
+    dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.batch * p.heads_kv);
+#if FLASHMOE_BWD_WS && FLASHMOE_BWD_CAUSAL_LPT
+    if constexpr (requires { Traits::kWs; }) {
+      if (Traits::kWs && p.lpt_pairs > 0) grid = dim3(grid.x * grid.y);  // sections of pairs
+    }
+#endif
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
@@ -1427,6 +1432,21 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
       p.dq_order_rows = box_rows;
     }
   }
+#if FLASHMOE_BWD_CAUSAL_LPT
+  // causal (no left edge) and not deterministic (its writer waits on the key blocks after its
+  // own, which this order starts later): the longest key blocks first, in sections of the pairs
+  // whose q, dout and dq_accum fit in 40 MB of L2 (a power of 2, at least 1)
+  p.lpt_pairs = 0;
+  if (p.ws && !deterministic && p.window_right == 0 && p.window_left < 0) {
+    const int64_t pair_bytes = int64_t(p.heads_ratio) * q.size(2) *
+                               (q.size(3) * 2 + v.size(3) * 2 + int64_t(head_dim) * 4);
+    const int64_t fit =
+        std::max<int64_t>(1, (int64_t(40) << 20) / std::max<int64_t>(1, pair_bytes));
+    p.lpt_pairs = 1;
+    while (int64_t(p.lpt_pairs) * 2 <= fit && p.lpt_pairs < (1 << 20))
+      p.lpt_pairs *= 2;
+  }
+#endif
 #endif
   p.delta = row_stats.data_ptr<float>();
   p.lse2 = p.delta + q.size(0) * q.size(1) * q.size(2);

@@ -288,9 +288,24 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   const int tid = threadIdx.x;
   int lane = tid % 32;  // kWs: read again past setmaxnreg (kept across it, it spilled)
   const int warp = kWs ? __shfl_sync(0xffffffffu, tid / 32, 0) : tid / 32, wg = warp / 4;
+  // The block's key block and (batch, KV head) pair: the grid's x and y, or on the 1-D grid of
+  // FLASHMOE_BWD_CAUSAL_LPT (p.lpt_pairs) section blockIdx.x / (lpt_pairs x key blocks), in which
+  // key block i / count of pair first + i % count (count: the section's pairs).
+  unsigned grid_n = blockIdx.x, grid_pair = blockIdx.y;  // (unsigned, as the grid's indices)
+#if FLASHMOE_BWD_WS && FLASHMOE_BWD_CAUSAL_LPT
+  if constexpr (kWs && kAtomicDq) {
+    if (p.lpt_pairs > 0) {
+      const int n_blocks = ceil_div(p.seqlen_k, BN), pairs = p.batch * p.heads_kv;
+      const int first = int(blockIdx.x) / (p.lpt_pairs * n_blocks) * p.lpt_pairs;
+      const int count = min(p.lpt_pairs, pairs - first), i = int(blockIdx.x) - first * n_blocks;
+      grid_n = i / count;
+      grid_pair = first + i % count;
+    }
+  }
+#endif
   // kOrderedDq: the key blocks from the last (the order of their dQ adds)
-  const int n0 = (kOrderedDq ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BN;
-  const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
+  const int n0 = (kOrderedDq ? gridDim.x - 1 - grid_n : grid_n) * BN;
+  const int b = grid_pair / p.heads_kv, hkv = grid_pair % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
   const int2 query_blocks = bwd_query_blocks<BM, BN>(p, n0, offset);
   const int m_begin = query_blocks.x, m_end = query_blocks.y;
@@ -548,7 +563,7 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     if constexpr (kDq) {
       // planted 6: the last key block never reaches dQ (kWs: the writer's)
       [[maybe_unused]] const bool add_dq =
-          !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
+          !planted(6) || int(grid_n) != ceil_div(p.seqlen_k, BN) - 1;
       sm90::fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
       // dS^T is whole (both warpgroups' keys); kWs: both are past step - 1's dQ product, which
       // read the buffer step + 1 writes
@@ -658,8 +673,8 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
 
   // dK = scale * sum dS^T Q and dV: contiguous [B, Hkv, Sk, head dim], keys past the end not
   // written (padded: nor the tile's columns past each head dim).
-  const float dk_scale = planted(4) ? 1.f : p.softmax_scale;     // planted: dS without the scale
-  const int64_t kv_row_base = int64_t(blockIdx.y) * p.seqlen_k;  // y = b * heads_kv + hkv
+  const float dk_scale = planted(4) ? 1.f : p.softmax_scale;    // planted: dS without the scale
+  const int64_t kv_row_base = int64_t(grid_pair) * p.seqlen_k;  // b * heads_kv + hkv
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + key_row0 + hh * 8;
