@@ -293,7 +293,7 @@ struct BwdParams {
   bool ws;
 #if FLASHMOE_BWD_CAUSAL_LPT
   // non-deterministic causal calls on the tile: the (batch, KV head) pairs a section of its 1-D
-  // grid (a power of 2); 0: the (key block, batch x KV head) grid
+  // grid (at most the call's pairs); 0: the (key block, batch x KV head) grid
   int lpt_pairs;
 #endif
 #endif

@@ -1190,6 +1190,21 @@ inline bool bwd_ws_allowed() {
   }();
   return allowed;
 }
+#if FLASHMOE_BWD_CAUSAL_LPT
+// FLASHMOE_BWD_LPT_PAIRS=N in the environment: the causal 1-D grid's sections of N (batch, KV
+// head) pairs, whatever the L2 budget says (the gates make sections end short of a call's pairs
+// with it); unset: 0, the budget's. Read at every call, so that a test can set it.
+inline int64_t bwd_lpt_pairs_override() {
+  const char* env = std::getenv("FLASHMOE_BWD_LPT_PAIRS");
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(env, &end, 10);
+  FLASHMOE_CHECK_VALUE(*end == '\0' && value >= 1 && value <= (1 << 20),
+                       "FLASHMOE_BWD_LPT_PAIRS is '", env,
+                       "'; supported: a whole number of pairs from 1 to 1048576, or unset");
+  return value;
+}
+#endif
 #endif
 
 // `padded`: the call's head dims are narrower than the tile D (configuration 3 then runs
@@ -1280,7 +1295,8 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.batch * p.heads_kv);
 #if FLASHMOE_BWD_WS && FLASHMOE_BWD_CAUSAL_LPT
     if constexpr (requires { Traits::kWs; }) {
-      if (Traits::kWs && p.lpt_pairs > 0) grid = dim3(grid.x * grid.y);  // sections of pairs
+      // (the kernel remaps only where its dQ is not ordered: never deterministic)
+      if (Traits::kWs && !deterministic && p.lpt_pairs > 0) grid = dim3(grid.x * grid.y);
     }
 #endif
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
@@ -1435,16 +1451,20 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
 #if FLASHMOE_BWD_CAUSAL_LPT
   // causal (no left edge) and not deterministic (its writer waits on the key blocks after its
   // own, which this order starts later): the longest key blocks first, in sections of the pairs
-  // whose q, dout and dq_accum fit in 40 MB of L2 (a power of 2, at least 1)
+  // whose q, dout and dq_accum fit in 40 MB of L2 (a power of 2, at least 1), or of
+  // FLASHMOE_BWD_LPT_PAIRS; never more than the call's pairs (so that sections x key blocks
+  // stays within the grid)
   p.lpt_pairs = 0;
   if (p.ws && !deterministic && p.window_right == 0 && p.window_left < 0) {
     const int64_t pair_bytes = int64_t(p.heads_ratio) * q.size(2) *
                                (q.size(3) * 2 + v.size(3) * 2 + int64_t(head_dim) * 4);
     const int64_t fit =
         std::max<int64_t>(1, (int64_t(40) << 20) / std::max<int64_t>(1, pair_bytes));
-    p.lpt_pairs = 1;
-    while (int64_t(p.lpt_pairs) * 2 <= fit && p.lpt_pairs < (1 << 20))
-      p.lpt_pairs *= 2;
+    int64_t pairs = 1;
+    while (pairs * 2 <= fit)
+      pairs *= 2;
+    if (const int64_t forced = bwd_lpt_pairs_override(); forced > 0) pairs = forced;
+    p.lpt_pairs = int(std::min<int64_t>(pairs, int64_t(p.batch) * p.heads_kv));
   }
 #endif
 #endif

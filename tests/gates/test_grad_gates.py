@@ -428,6 +428,53 @@ def test_the_tile_before_the_warp_specialized_one_passes_its_gradient_gates(
     check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), "dQ without the last key block")
 
 
+# bwd v7b (-DFLASHMOE_BWD_CAUSAL_LPT=1, off by default): the tile's causal calls on a 1-D grid,
+# key blocks longest first in sections of (batch, KV head) pairs. The gate cases' pairs (4 to 16)
+# all fit one section of the L2 budget's, so FLASHMOE_BWD_LPT_PAIRS=3 makes sections end short
+# of them: full sections, then a short last one.
+LPT_CASES = tuple(
+    case_id
+    for case_id in WS_CASES
+    if (c := parse_case_id(case_id)).causal
+    and not c.deterministic
+    and c.window == (-1, -1)
+    and c.batch * c.heads_kv > 3
+)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_causal_longest_first_sections_pass_the_gradient_gates(run_planted, monkeypatch):
+    """With the longest-first grid built in, the causal gate cases on the warp-specialized tile
+    pass with sections of 3 pairs (a short last section on each), as they do on one."""
+    from flashmoe_science import ops
+
+    if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
+        pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
+    if "FLASHMOE_BWD_CAUSAL_LPT=1" not in os.environ.get(loader.DEFINES_VAR, ""):
+        pytest.skip(
+            "the stage's build leaves the longest-first grid out (add "
+            "FLASHMOE_BWD_CAUSAL_LPT=1 to FLASHMOE_BUILD_DEFINES to put it in)"
+        )
+    assert len(LPT_CASES) >= 8
+    monkeypatch.setenv("FLASHMOE_BWD_LPT_PAIRS", "3")
+    out = run_planted(0, WS_SCRIPT, "cuda", *LPT_CASES)
+    assert sorted(out["results"]) == sorted(LPT_CASES)
+    failed = {case_id: failures for case_id, failures in out["results"].items() if failures}
+    assert not failed, failed
+
+
+def test_the_longest_first_cases_end_their_sections_short():
+    """LPT_CASES are causal gate cases of the tile at 64, 128 and padded, whose pairs (4, 8, 16)
+    are no multiple of the 3 a section forced: each grid ends on a short section; some walk many
+    key blocks (the order within a section)."""
+    cases = [parse_case_id(case_id) for case_id in LPT_CASES]
+    assert len(cases) >= 8 and all(c.causal and not c.deterministic for c in cases)
+    assert {c.batch * c.heads_kv for c in cases} == {4, 8, 16}
+    assert {c.head_dim for c in cases} >= {64, 80, 96, 128}
+    assert max(math.ceil(c.seqlen_k / 128) for c in cases) >= 8
+
+
 def test_the_warp_specialized_cases_cover_its_tiles_and_features():
     """WS_CASES reach each kernel of the warp-specialized tile (64, 128, padded onto 128, v's 64
     under 128; the default and deterministic=True), both dtypes, causal both, GQA, windows,
