@@ -68,6 +68,10 @@ namespace flashmoe {
 //   25: every tile of dK^T reads Q's first 64-column panel: dK's columns past 64 come out wrong
 // and the wgmma forward's plain instantiation, which sinks alone run (has_score_features):
 //   27: its rows' epilogue leaves the sinks out (one split: their normaliser and lse lack them)
+// and the wgmma backward's padded 128 tile with its products over 96 columns
+// (Sm90BwdPadded96Traits, -DFLASHMOE_BWD_WS_MMA96=1):
+//   28: S^T's last 16-column step reads columns 96-111 (zeros) in place of 80-95: a head dim of
+//       96 loses them, one of 80 has none there
 // -DFLASHMOE_PLANT_BUG=-1 compiles every plant in and picks one at run time, from
 // $FLASHMOE_PLANT_BUG: the CPU implementation's (1, 2, 4-8, 13, 20-23) when the library loads, the
 // CUDA kernels' (planted in flash_kernel_utils.cuh) before their first launch on a device. One
@@ -131,6 +135,13 @@ namespace flashmoe {
 // (benches/notes/backward.md, bwd v7b).
 #ifndef FLASHMOE_BWD_CAUSAL_LPT
 #define FLASHMOE_BWD_CAUSAL_LPT 0
+#endif
+// The warp-specialized tile run padded at head dims up to 96 (q's, k's and v's) with its
+// products over the head dim spanning 96 of its 128 columns (Sm90BwdPadded96Traits): S^T's and
+// dP^T's reductions and dV's and dK's widths; dQ's stay 64 a warpgroup. Off until gated and
+// timed against the 128-column products (benches/notes/backward.md, bwd v7c).
+#ifndef FLASHMOE_BWD_WS_MMA96
+#define FLASHMOE_BWD_WS_MMA96 0
 #endif
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the

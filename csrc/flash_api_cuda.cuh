@@ -1214,13 +1214,22 @@ inline int64_t bwd_lpt_pairs_override() {
 // 128 and padded onto 128, the host's maps encoded: BwdParams::ws; deterministic calls too, their
 // dQ added in order by its writer warp rather than by the dQ pass).
 template <typename T, int D, bool kAtomicDq, typename F>
-void visit_bwd_config(int config, F&& f, bool padded = false, [[maybe_unused]] bool ws = false) {
+void visit_bwd_config(int config, F&& f, bool padded = false, [[maybe_unused]] bool ws = false,
+                      [[maybe_unused]] bool mma96 = false) {
   if (config == 1) {
     using Traits = Bwd1Traits<D>;
     FLASHMOE_VISIT(only::bwd, T, D, 1, f, Traits, &flash_bwd_dkdv_kernel<Traits, T, kAtomicDq>);
   } else if (config == kSm90aBwdConfig) {
     if constexpr (D == 128) {
 #if FLASHMOE_BWD_WS
+#if FLASHMOE_BWD_WS_MMA96
+      if (padded && ws && mma96) {  // the head dims all at most 96: products over 96 columns
+        using Traits = Sm90BwdPadded96Traits<Sm90BwdWsTraits<D>>;
+        FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
+                       &flash_bwd_sm90_kernel<Traits, T, kAtomicDq>);
+        return;
+      }
+#endif
       if (padded && ws) {
         using Traits = Sm90BwdPaddedTraits<Sm90BwdWsTraits<D>>;
         FLASHMOE_VISIT(only::bwd_sm90a, T, D, kSm90aBwdConfig, f, Traits,
@@ -1308,6 +1317,8 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
 #else
   constexpr bool ws = false;
 #endif
+  // (FLASHMOE_BWD_WS_MMA96: the padded tile's products over 96 columns where they hold the call)
+  const bool mma96 = p.head_dim <= 96 && p.head_dim_v <= 96;
   if (deterministic && !ws) {
     visit_bwd_config<T, D, false>(config, launch_dkdv, padded);
     using DqTraits = BwdDqConfig<D>;
@@ -1318,9 +1329,10 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     if (deterministic) {
-      visit_bwd_config<T, D, false>(config, launch_dkdv, padded, ws);  // dQ in order (dq_order)
+      // dQ in order (dq_order)
+      visit_bwd_config<T, D, false>(config, launch_dkdv, padded, ws, mma96);
     } else {
-      visit_bwd_config<T, D, true>(config, launch_dkdv, padded, ws);
+      visit_bwd_config<T, D, true>(config, launch_dkdv, padded, ws, mma96);
     }
     const int64_t n = rows * D;  // dq_accum is the tile's D wide
     flash_bwd_convert_dq_kernel<T>
@@ -1521,6 +1533,8 @@ template <int D>
 struct IsSm90BwdTraits<Sm90BwdTraits<D>> : std::true_type {};
 template <typename Tiles>
 struct IsSm90BwdTraits<Sm90BwdPaddedTraits<Tiles>> : std::true_type {};
+template <typename Tiles>
+struct IsSm90BwdTraits<Sm90BwdPadded96Traits<Tiles>> : std::true_type {};
 template <int D>
 struct IsSm90BwdTraits<Sm90BwdWsTraits<D>> : std::true_type {};
 template <typename Traits>
@@ -1631,6 +1645,16 @@ void append_kernel_launches(std::string& out) {
             config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }), padded,
             true);
       }
+#if FLASHMOE_BWD_WS_MMA96
+      if (D == 128) {  // padded with its products over 96 columns
+        visit_bwd_config<T, D, true>(
+            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "true"); }), true,
+            true, true);
+        visit_bwd_config<T, D, false>(
+            config, FLASHMOE_TRAITS_ONLY([&](auto, auto traits) { dkdv(traits, "false"); }), true,
+            true, true);
+      }
+#endif
     }
 #endif
     if (config == kSm90aBwdConfig && (D == 128 || D == 192)) {  // padded, v's 128 under 192

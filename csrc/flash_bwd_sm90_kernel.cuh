@@ -41,6 +41,8 @@ struct Sm90BwdTraits {
                 "every tile must start on a 1024-byte swizzle atom");
   static constexpr bool kPadded = false;
   static constexpr bool kWs = false;  // Sm90BwdWsTraits
+  // the columns of the head dim its products span (Sm90BwdPadded96Traits: 96)
+  static constexpr int kMmaHeadDim = kHeadDim;
 };
 // The tile run at narrower head dims (80, 96, 112, v's 64 under 128, ...: wgmma_bwd_padded): q's,
 // k's, v's and dO's columns past their head dims zero-filled in shared memory (cp.async copies the
@@ -50,6 +52,14 @@ struct Sm90BwdTraits {
 template <typename Tiles>
 struct Sm90BwdPaddedTraits : Tiles {
   static constexpr bool kPadded = true;
+};
+// The padded 128 tile at head dims up to 96 (FLASHMOE_BWD_WS_MMA96): S^T and dP^T reduce over 96
+// columns, dV and dK are 96 wide (their columns past it, K's and V's zeros, never computed);
+// dQ's products stay 64 columns a warpgroup (the second's past 96 are K's zeros, never added).
+template <typename Tiles>
+struct Sm90BwdPadded96Traits : Sm90BwdPaddedTraits<Tiles> {
+  static constexpr int kMmaHeadDim = 96;
+  static_assert(Tiles::kHeadDim == 128, "96 of the 128 tile's columns");
 };
 
 // The tile warp-specialized (FLASHMOE_BWD_WS, FlashAttention-3's backward): warpgroups 0 and 1
@@ -260,7 +270,8 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
 template <typename Traits, typename T, bool kAtomicDq>
 __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockM, BN = Traits::kBlockN;
-  constexpr int MT = BM / 8, DT = D / 8;
+  constexpr int MT = BM / 8, DT = Traits::kMmaHeadDim / 8;  // DT: dK's and dV's 8-column groups
+  constexpr int kMmaD = Traits::kMmaHeadDim;  // the head dim's columns the products span
   constexpr bool kPadded = Traits::kPadded, kWs = Traits::kWs;
   // dQ in this kernel: by atomics (the 256-thread tile), or by the writer warp (the
   // warp-specialized one), in a fixed order where the call is deterministic (kOrderedDq)
@@ -439,12 +450,16 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     sm90::fence_operands(acc_dp);
     sm90::fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk0 = 0; kk0 < kMmaD / 16; ++kk0) {
+      // planted 28: the 96-column products' last step of S^T reads columns 96-111 (zeros) in
+      // place of 80-95, so a head dim of 96 loses them and one of 80 does not
+      const int kk = kMmaD == 96 && kk0 == kMmaD / 16 - 1 && planted(28) ? kMmaD / 16 : kk0;
       sm90::mma_ss<BM, T>(acc_s, k_desc + sm90::k_major_step<BN>(kk),
                           q_desc + buf * kBufStep + sm90::k_major_step<BM>(kk), kk > 0);
+    }
     sm90::commit_group();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < kMmaD / 16; ++kk)
       sm90::mma_ss<BM, T>(acc_dp, v_desc + sm90::k_major_step<BN>(kk),
                           do_desc + buf * kBufStep + sm90::k_major_step<BM>(kk), kk > 0);
     sm90::commit_group();
@@ -547,16 +562,16 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
     auto dk_product = [&] {
 #pragma unroll
       for (int j = 0; j < BM / 16; ++j)
-        sm90::mma_rs<D, T>(acc_dk, ds_frag[j], q_mn_desc + buf * kBufStep + sm90::mn_major_step(j),
-                           1);
+        sm90::mma_rs<kMmaD, T>(acc_dk, ds_frag[j],
+                               q_mn_desc + buf * kBufStep + sm90::mn_major_step(j), 1);
     };
     sm90::fence_operands(acc_dv);
     sm90::fence_operands(acc_dk);
     sm90::fence();
 #pragma unroll
     for (int j = 0; j < BM / 16; ++j)
-      sm90::mma_rs<D, T>(acc_dv, p_frag[j], do_mn_desc + buf * kBufStep + sm90::mn_major_step(j),
-                         1);
+      sm90::mma_rs<kMmaD, T>(acc_dv, p_frag[j],
+                             do_mn_desc + buf * kBufStep + sm90::mn_major_step(j), 1);
     if constexpr (!kDkAfterDq) dk_product();
     sm90::commit_group();
 

@@ -428,6 +428,43 @@ def test_the_tile_before_the_warp_specialized_one_passes_its_gradient_gates(
     check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), "dQ without the last key block")
 
 
+# bwd v7c (-DFLASHMOE_BWD_WS_MMA96=1, off by default): the padded warp-specialized tile's
+# products over 96 columns where q's, k's and v's head dims are at most 96. Plant 28 (S^T's last
+# step reads columns 96-111 in place of 80-95) fails the gates at 96, default and deterministic;
+# at 80 (columns 80-95 zeros) and on the whole 128 tile they pass.
+MMA96_BACKWARD_PLANT = (
+    ("bwd-bf16-d96-h8kv1-b2-s255-causal", "bwd-fp16-d96-h8kv2-b2-s1000-causal-det"),
+    (
+        "bwd-bf16-d80-h8kv1-b2-s255-causal",
+        "bwd-fp16-d80-h8-b2-s129-full-det",
+        "bwd-bf16-d128-h8-b2-s1000-full-cfg3",
+    ),
+)
+
+
+def test_the_96_column_backward_plants_cases_are_gate_cases():
+    """Plant 28's cases are GPU gate cases of the warp-specialized tile: its failing ones at 96
+    (one deterministic), its passing ones at 80 and 128."""
+    failing, passing = MMA96_BACKWARD_PLANT
+    assert {*failing, *passing} <= set(WS_CASES)
+    assert {parse_case_id(c).head_dim for c in failing} == {96}
+    assert any(parse_case_id(c).deterministic for c in failing)
+    assert {parse_case_id(c).head_dim for c in passing} == {80, 128}
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_planted_short_reduction_fails_the_96_column_backward_and_only_it(check_plant_split):
+    """With FLASHMOE_PLANT_BUG=28 S^T's last step on the 96-column products reads the wrong
+    columns: the cases at 96 fail a gradient gate, those at 80 and 128 pass."""
+    if "FLASHMOE_BWD_WS_MMA96=1" not in os.environ.get(loader.DEFINES_VAR, ""):
+        pytest.skip(
+            "the stage's build leaves the 96-column backward out (add "
+            "FLASHMOE_BWD_WS_MMA96=1 to FLASHMOE_BUILD_DEFINES to put it in)"
+        )
+    _check_wgmma_backward_plant(check_plant_split, 28, MMA96_BACKWARD_PLANT)
+
+
 # bwd v7b (-DFLASHMOE_BWD_CAUSAL_LPT=1, off by default): the tile's causal calls on a 1-D grid,
 # key blocks longest first in sections of (batch, KV head) pairs. The gate cases' pairs (4 to 16)
 # all fit one section of the L2 budget's, so FLASHMOE_BWD_LPT_PAIRS=3 makes sections end short
