@@ -7,6 +7,7 @@ CUDA gate cases skip. Gate ids come from `--list`, never spelled out here."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import queue
@@ -762,6 +763,29 @@ def test_only_the_whole_suite_goes_to_the_workers_uncollected():
     assert not testing.is_whole_suite(None, ["tests/bench/"], [])
     for narrowing in (["-m", "gpu"], ["-mgpu"], ["--deselect", "tests/x.py::t"], ["--lf"]):
         assert not testing.is_whole_suite(None, [], narrowing), narrowing
+
+
+def test_a_selection_is_collected_once_and_runs_here_only_when_small():
+    """The stage's one session for a selection (-k, paths): at most SERIAL_MAX_TESTS tests run in
+    it, announced before pytest's output; a larger selection runs nothing there and shows nothing
+    (workers run it); one whose collection failed runs there, where pytest says why."""
+
+    class Session:
+        def __init__(self, tests: int, errors: int = 0):
+            self.items, self.testsfailed = [object()] * tests, errors
+
+    limit = testing.SERIAL_MAX_TESTS
+    for tests, errors, runs_here in ((limit, 0, True), (limit + 1, 0, False), (limit + 1, 1, True)):
+        shown, said = io.StringIO(), []
+        output = testing.HeldOutput(shown)
+        small = testing.SmallRun(limit, output, said.append)
+        output.write("pytest's first lines\n")
+        session = Session(tests, errors)
+        small.pytest_collection_finish(session)
+        output.write("the run\n")
+        assert small.too_many is not runs_here and len(session.items) == (tests if runs_here else 0)
+        assert said == ([None if errors else tests] if runs_here else [])
+        assert shown.getvalue() == ("pytest's first lines\nthe run\n" if runs_here else "")
 
 
 def test_gates_take_no_paths(capsys):
