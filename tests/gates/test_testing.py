@@ -278,7 +278,7 @@ def test_long_plant(run_planted):
 """
 
 
-LEFT_OUT = "1 test marked `long` left out: `--long` runs them (the scheduled GPU CI run does)"
+LEFT_OUT = "1 test marked `long` left out: `--long` runs them (the scheduled CI runs do)"
 
 
 def test_a_test_marked_long_runs_only_when_asked(tmp_path):
