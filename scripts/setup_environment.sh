@@ -56,6 +56,8 @@ Options:
                          wheel folder is not configured.
   --require-gpu          Passed to the environment check: fail unless a CUDA GPU is usable.
   --no-hooks             Do not install the git pre-commit hooks.
+  --no-check             Do not run the environment check (step 6): for a CI job whose next step
+                         runs it as its own stage (\`nox -s env\`), which records it.
   --no-install           Install nothing (a machine with no package index; $NO_INSTALL_VAR=1
                          does the same): torch and the tools must be importable already, from
                          --python's interpreter or PYTHONPATH. A missing tool is reported, not
@@ -146,6 +148,7 @@ WANT_CUDA=0
 TORCH_INDEX_URL=""
 REQUIRE_GPU=0
 HOOKS=1
+ENV_CHECK=1
 NO_INSTALL=0
 case "${!NO_INSTALL_VAR:-}" in "" | 0) ;; *) NO_INSTALL=1 ;; esac
 
@@ -162,6 +165,7 @@ while [[ $# -gt 0 ]]; do
     --torch-index-url) need_value "$@"; TORCH_INDEX_URL="$2"; shift 2 ;;
     --require-gpu) REQUIRE_GPU=1; shift ;;
     --no-hooks) HOOKS=0; shift ;;
+    --no-check) ENV_CHECK=0; shift ;;
     --no-install) NO_INSTALL=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage_error "unknown option '$1'" ;;
@@ -563,8 +567,12 @@ HINT="fix what the message above reports, then rerun this script (finished steps
 step "Validating the environment (python -m flashmoe_science env)" "$HINT"
 ENV_ARGS=()
 if ((REQUIRE_GPU)); then ENV_ARGS+=(--require-gpu); fi
-# With the venv's bin/ first on PATH, as when it is activated: the check finds the venv's ninja.
-PATH="$VENV/bin:$PATH" "$VENV_PY" -m flashmoe_science env "${ENV_ARGS[@]}"
+if ((!ENV_CHECK)); then
+  info "skipped (--no-check: the job's own env stage runs it)"
+else
+  # With the venv's bin/ first on PATH, as when it is activated: the check finds the venv's ninja.
+  PATH="$VENV/bin:$PATH" "$VENV_PY" -m flashmoe_science env "${ENV_ARGS[@]}"
+fi
 step_done
 
 echo "Environment ready in $(elapsed "$RUN_START"): activate it with 'source $VENV/bin/activate'."

@@ -870,6 +870,8 @@ def test_the_gpu_jobs_setup_step_installs_nothing_from_an_index(tmp_path):
     # --no-install makes the venv without a pip of its own (ensurepip: ~4 CPU-s of every GPU job)
     venvs = list((tmp_path / "temp").glob("*/lib/python*/site-packages"))
     assert venvs and not any((site / "pip").exists() for site in venvs), venvs
+    # --no-check: the job's `env` step runs the environment check (test_workflows.py), not this one
+    assert "skipped (--no-check" in run.stdout and "env: " not in run.stdout, run.stdout
 
 
 CACHE_FREE = ("gpu-ci.yml", "release.yml", "bench-history.yml", "pr-report.yml")

@@ -180,6 +180,21 @@ def test_cpu_ci_runs_the_long_tests_daily_and_only_then():
     assert any(step.startswith("actions/upload-artifact@") for step in tail)
 
 
+def test_a_setup_step_that_skips_the_environment_check_comes_before_the_env_stage():
+    """setup_environment.sh --no-check leaves the environment check to the job's env stage (it
+    ran twice in a row, ~4 s of every GPU job): every job whose setup passes it runs `nox -s env`
+    in a later step."""
+    skipping = 0
+    for name, _, job_id, job in all_jobs():
+        runs = [str(step.get("run", "")) for step in steps(job)]
+        for index, run in enumerate(runs):
+            if "setup_environment.sh" in run and "--no-check" in run:
+                skipping += 1
+                later = " ".join(runs[index + 1 :])
+                assert "nox -s env" in later, f"{name}:{job_id} never checks its environment"
+    assert skipping >= 2, "the GPU job and the CPU tests job skip it"
+
+
 def test_workflow_permissions_are_read_only_or_none():
     for name, workflow in all_workflows().items():
         assert workflow.get("permissions") in ({}, {"contents": "read"}), name
