@@ -56,6 +56,8 @@ Options:
                          wheel folder is not configured.
   --require-gpu          Passed to the environment check: fail unless a CUDA GPU is usable.
   --no-hooks             Do not install the git pre-commit hooks.
+  --no-check             Do not run the environment check (step 6): for a CI job whose next step
+                         runs it as its own stage (\`nox -s env\`), which records it.
   --no-install           Install nothing (a machine with no package index; $NO_INSTALL_VAR=1
                          does the same): torch and the tools must be importable already, from
                          --python's interpreter or PYTHONPATH. A missing tool is reported, not
@@ -146,6 +148,7 @@ WANT_CUDA=0
 TORCH_INDEX_URL=""
 REQUIRE_GPU=0
 HOOKS=1
+ENV_CHECK=1
 NO_INSTALL=0
 case "${!NO_INSTALL_VAR:-}" in "" | 0) ;; *) NO_INSTALL=1 ;; esac
 
@@ -162,6 +165,7 @@ while [[ $# -gt 0 ]]; do
     --torch-index-url) need_value "$@"; TORCH_INDEX_URL="$2"; shift 2 ;;
     --require-gpu) REQUIRE_GPU=1; shift ;;
     --no-hooks) HOOKS=0; shift ;;
+    --no-check) ENV_CHECK=0; shift ;;
     --no-install) NO_INSTALL=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage_error "unknown option '$1'" ;;
@@ -242,12 +246,29 @@ if [[ -x "$VENV_PY" ]]; then
 else
   [[ ! -e "$VENV" || -z "$(ls -A "$VENV")" ]] ||
     die "$VENV exists but is not a virtual environment" "remove it, or pick another --venv"
-  "$PYTHON" -m venv "$VENV"
-  info "created $VENV"
+  if ((NO_INSTALL)); then
+    # No pip of its own (ensurepip takes ~4 CPU-seconds, and a GPU job makes this venv every run):
+    # the reused interpreter's pip runs the offline editable install; see ensure_pip.
+    "$PYTHON" -m venv --without-pip "$VENV"
+    info "created $VENV (without pip of its own: --no-install)"
+  else
+    "$PYTHON" -m venv "$VENV"
+    info "created $VENV"
+  fi
 fi
 VENV_PY_VERSION="$("$VENV_PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 VENV_SITE="$("$VENV_PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
 step_done
+
+# ensure_pip [isolated]: the venv runs a pip (isolated: without the reused interpreter's, as the
+# installs below run it), else it gets one of its own from ensurepip's bundled wheel, offline. A
+# venv made under --no-install has none: a later run that installs adds it here.
+ensure_pip() {
+  local isolate="${1:-}"
+  env ${isolate:+"$ISOLATE_VAR=1"} "$VENV_PY" -c 'import pip' 2>/dev/null && return 0
+  info "the venv has no pip to run: adding its own (ensurepip, offline)"
+  env "$ISOLATE_VAR=1" "$VENV_PY" -I -m ensurepip --default-pip >/dev/null
+}
 
 # ---- 3. torch ----
 
@@ -351,6 +372,7 @@ EOF
       info "(no NVIDIA driver here, no nvidia-smi: --cpu would install a much smaller build)"
     fi
     check_free_space
+    ensure_pip isolated
     # Isolated, pip sees only the venv and installs into it alone.
     env "$ISOLATE_VAR=1" "$VENV_PY" -m pip install "${TORCH_INDEX[@]}" "$TORCH_SPEC"
     TORCH_CUDA="$("$VENV_PY" -W ignore -c 'import torch; print(torch.version.cuda or "")')"  # numpy comes in step 4
@@ -377,8 +399,10 @@ STAMP="$VENV/.flashmoe-setup.stamp"
 if ((NO_INSTALL)); then
   # What the venv can import counts: the reused interpreter's packages and PYTHONPATH included.
   CHECK_PY=("$VENV_PY")
+  ensure_pip  # the check below reads requirements with pip's packaging where none is installed
 else
   CHECK_PY=(env "$ISOLATE_VAR=1" "$VENV_PY" -I)
+  ensure_pip isolated
 fi
 CHECK_OUT="$("${CHECK_PY[@]}" - "$REPO_ROOT" "$SCRIPT_PATH" "$OPTIONS" <<'EOF'
 """Print key=<stamp key>, editable=yes|no, then one wanted requirement per line that is missing."""
@@ -543,8 +567,12 @@ HINT="fix what the message above reports, then rerun this script (finished steps
 step "Validating the environment (python -m flashmoe_science env)" "$HINT"
 ENV_ARGS=()
 if ((REQUIRE_GPU)); then ENV_ARGS+=(--require-gpu); fi
-# With the venv's bin/ first on PATH, as when it is activated: the check finds the venv's ninja.
-PATH="$VENV/bin:$PATH" "$VENV_PY" -m flashmoe_science env "${ENV_ARGS[@]}"
+if ((!ENV_CHECK)); then
+  info "skipped (--no-check: the job's own env stage runs it)"
+else
+  # With the venv's bin/ first on PATH, as when it is activated: the check finds the venv's ninja.
+  PATH="$VENV/bin:$PATH" "$VENV_PY" -m flashmoe_science env "${ENV_ARGS[@]}"
+fi
 step_done
 
 echo "Environment ready in $(elapsed "$RUN_START"): activate it with 'source $VENV/bin/activate'."

@@ -285,8 +285,14 @@ def run_bench(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.cpu
 def test_quick_run_on_cpu_writes_schema_valid_json_and_a_markdown_table(tmp_path):
+    """Long (~18 CPU-s, a tenth of the 2-core test stage: 19 cases and targets, each column timed
+    at least 16 times, transformers for the training step), so the scheduled runs have it; every
+    pull request still runs `bench --quick` on the CPU end to end for one case from an installed
+    wheel (tests/build/test_package.py) and head against base (below), and `.ci/run` runs the
+    whole quick matrix after the test stage."""
     # --retakes 0: the plumbing, not the figures (a loaded machine would retake every case twice)
     done = run_bench(
         ["--quick", "--backend", "cpu", "--rep-ms", "20", "--warmup-ms", "1", "--retakes", "0"],

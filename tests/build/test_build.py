@@ -8,6 +8,7 @@ tmp_path, and the CPU backend, so they run on any machine with a compiler and to
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import json
@@ -150,16 +151,12 @@ NVCC_FAILURE_LOG, GCC_FAILURE_LOG, LINK_FAILURE_LOG, PTXAS_FAILURE_LOG, LOAD_FAI
     )
 )
 
+# Without torch's headers (they cost ~6 CPU-s a compile on 2 cores): what the build tests check is
+# the build's output, its record and when it compiles again. A clean checkout's stage compiles two
+# units with them anyway (its own build, which its gates load, and the plant build).
 TINY_UNIT = """\
-#include <torch/library.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/mul.h>
 #include "twice.h"
-
-at::Tensor twice_cpu(const at::Tensor& x) { return at::mul(x, kFactor); }
-
-TORCH_LIBRARY(flashmoe_build_test, m) { m.def("twice(Tensor x) -> Tensor"); }
-TORCH_LIBRARY_IMPL(flashmoe_build_test, CPU, m) { m.impl("twice", &twice_cpu); }
+extern "C" int twice(int x) { return x * kFactor; }
 """
 
 # No torch headers: the compiler reaches the error in a fraction of a second.
@@ -714,11 +711,8 @@ def test_real_build_then_up_to_date_then_rebuild_on_change(
     assert "[2/2] link flashmoe_science_C.so" in capsys.readouterr().out
     assert (result.library.parent / "build.log").stat().st_size > 0
 
-    # the library works: the op is registered and computes
-    import torch
-
-    torch.ops.load_library(str(result.library))
-    assert torch.ops.flashmoe_build_test.twice(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    # the library loads and computes
+    assert ctypes.CDLL(str(result.library)).twice(21) == 42
 
     start = time.perf_counter()
     again = build.build(build.resolve_config("cpu", sources_dir=tiny_unit))
@@ -1246,11 +1240,6 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
 
 
 def test_first_use_shows_progress_on_stderr_and_writes_no_report(tiny_unit, tmp_path, capsys):
-    # a unit without torch's headers: what is checked is the build's output, not the library's
-    # use, and the headers cost 8 CPU-s of the 2-core test stage (the real build test has them)
-    (tiny_unit / "flashmoe_science.cpp").write_text(
-        '#include "twice.h"\nint twice(int x) { return x * kFactor; }\n'
-    )
     library = loader.ensure_built("cpu", sources_dir=tiny_unit)
     captured = capsys.readouterr()
     assert captured.out == ""  # a program's own output stays clean

@@ -23,6 +23,8 @@ import sys
 import pytest
 from actjobs import REPO, ROOT, Api, artifact_routes, run_job, skip_unless_act_runs
 
+from flashmoe_science.pipeline import gpukinds
+
 FIXTURE_SHA = "9c41e07b2d5a8f3e61b0c7d94a2e1f5b8c3d6a70"  # tests/fixtures/report's provenance
 MARKER = "<!-- flashmoe-science-report -->"
 pytestmark = skip_unless_act_runs()
@@ -303,15 +305,21 @@ def test_the_checkout_stand_in_checks_out_exactly_the_given_commit(tmp_path):
     shutil.which("nvidia-smi") is not None,
     reason="a GPU machine runs the whole leg (scripts/act/gpu-job.sh does that, for an hour)",
 )
+@pytest.mark.parametrize(
+    "legs",
+    [("h200",), pytest.param(("l4", "h200"), marks=pytest.mark.long)],
+    ids=["one-leg", "two-legs"],
+)
 def test_the_legs_asked_for_run_with_their_kinds_settings_and_make_one_comment(
-    tmp_path, monkeypatch, head_sha
+    tmp_path, monkeypatch, head_sha, legs
 ):
-    # gpu-ci.yml's `gpu` job on a push, two of its legs (act --matrix gpu:l4 --matrix gpu:h200;
+    # gpu-ci.yml's `gpu` job on a push, the legs asked for (act --matrix gpu:KIND;
     # scripts/act/gpu-job.sh asks for one): each leg starts with its kind's architecture and run
     # id, fails at `env` here (no GPU, --require-gpu), still reports and uploads under its kind's
-    # artifact name, which the act-only step checks; the leg not asked for does not run.
-    # pr-report.yml then renders the one comment from both. (Two legs, not the matrix's three:
-    # each leg is ~10 CPU-seconds; tests/ci/test_workflows.py checks the matrix holds every kind.)
+    # artifact name, which the act-only step checks; the legs not asked for do not run.
+    # pr-report.yml then renders the one comment from them. Every pull request runs one leg (~10
+    # CPU-seconds on 2 cores); the scheduled run (the test marked long) two at once, their
+    # artifacts side by side. tests/ci/test_workflows.py checks the matrix holds every kind.
     torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
     jsonschema = subprocess.run(["python3", "-c", "import jsonschema"], capture_output=True)
     if torch.returncode or jsonschema.returncode:
@@ -328,22 +336,21 @@ def test_the_legs_asked_for_run_with_their_kinds_settings_and_make_one_comment(
             "gpu",
             "push",
             None,
-            driver_args=("--matrix", "gpu:l4", "--matrix", "gpu:h200"),
+            driver_args=tuple(arg for kind in legs for arg in ("--matrix", f"gpu:{kind}")),
             python=sys.executable,
         )
     finally:
         api.close()
     assert rc != 0, "no GPU here: the env stage fails the legs"
-    assert "GPU kind l4: every build targets 8.9, records carry run gpu-1-1-l4" in log
-    assert "GPU kind h200: every build targets 9.0a, records carry run gpu-1-1-h200" in log
-    assert "GPU kind h100" not in log, "the legs asked for, and only they, run"
+    for kind, settings in gpukinds.KINDS.items():
+        said = f"GPU kind {kind}: every build targets {settings.arch}, records carry run gpu-1-1-{kind}"
+        assert (said in log) == (kind in legs), "the legs asked for, and only they, run"
     artifacts = out / "artifacts"
     assert sorted(p.name for p in artifacts.iterdir()) == [
         "gpu-ci-approval",
-        "gpu-ci-reports-h200",
-        "gpu-ci-reports-l4",
+        *(f"gpu-ci-reports-{kind}" for kind in sorted(legs)),
     ]
-    for kind in ("l4", "h200"):
+    for kind in legs:
         env = json.loads((artifacts / f"gpu-ci-reports-{kind}" / "env.json").read_text())
         assert env["provenance"]["run_id"] == f"gpu-1-1-{kind}" and env["passed"] is False
     assert "act artifact check: reports/ passed" in log
@@ -352,7 +359,7 @@ def test_the_legs_asked_for_run_with_their_kinds_settings_and_make_one_comment(
     (artifacts / "gpu-ci-approval" / "approval.json").write_text(
         json.dumps({**approval, "pr": 7, "sha": head_sha})  # as if the push had been PR 7's
     )
-    jobs = [{"name": f"GPU ({kind})", "conclusion": "failure"} for kind in ("l4", "h200")]
+    jobs = [{"name": f"GPU ({kind})", "conclusion": "failure"} for kind in legs]
     pull = {"number": 7, "head": {"sha": head_sha}, "base": {"repo": {"full_name": REPO}}}
     uploaded = {path.name: path for path in sorted(artifacts.iterdir())}
     api = Api(
@@ -371,13 +378,14 @@ def test_the_legs_asked_for_run_with_their_kinds_settings_and_make_one_comment(
     assert rc == 0, log[-4000:]
     comment = (report / "artifacts" / "comments" / "flashmoe-science-report-7.md").read_text()
     lines = comment.split("\n")
-    # every kind gets its line: the leg that did not run shows as failed, never as absent
+    # every kind gets its line: a leg that did not run shows as failed, never as absent
     assert lines[0] == "## ❌ flashmoe-science: l4 failed, h100 failed, h200 failed"
     assert lines[1] == MARKER
     for line, kind in zip(lines[3:6], ("l4", "h100", "h200"), strict=True):
         assert line.startswith(f"- ❌ **{kind}**")
-        if kind == "h100":
+        if kind not in legs:
             assert "no report: no job of this leg in the run, and there is no `gpu-ci-" in line
         else:
             assert "its job failed (its records: environment check failed (gpu))" in line
-    assert "**run** `gpu-1-1-l4`" in comment and "**run** `gpu-1-1-h200`" in comment
+    for kind in legs:
+        assert f"**run** `gpu-1-1-{kind}`" in comment

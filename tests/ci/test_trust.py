@@ -831,8 +831,8 @@ def test_the_gpu_jobs_setup_step_installs_nothing_from_an_index(tmp_path):
     """gpu-ci.yml's provisioning step, run as the runner runs it (bash -eo pipefail in the checkout,
     with the runner's interpreter), with a pip shim that records what it is asked to install:
     nothing may come from a package index. Every GPU job (pushes to main included) would otherwise
-    install whatever the index serves that day on the GPU runner, with no review. Takes ~10 s: the
-    step creates its venv."""
+    install whatever the index serves that day on the GPU runner, with no review. ~9 CPU-s: the
+    step's venv (without pip), its torch probe and its environment check."""
     has_torch = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
     if has_torch.returncode != 0:
         pytest.skip("the step reuses the runner interpreter's torch; this one has none")
@@ -867,6 +867,11 @@ def test_the_gpu_jobs_setup_step_installs_nothing_from_an_index(tmp_path):
     assert not from_index, f"asked to install from the index: {from_index}"
     for call in installs:  # offline, the checkout itself at most
         assert [a for a in call if not a.startswith("-")] == ["install", str(ROOT)], call
+    # --no-install makes the venv without a pip of its own (ensurepip: ~4 CPU-s of every GPU job)
+    venvs = list((tmp_path / "temp").glob("*/lib/python*/site-packages"))
+    assert venvs and not any((site / "pip").exists() for site in venvs), venvs
+    # --no-check: the job's `env` step runs the environment check (test_workflows.py), not this one
+    assert "skipped (--no-check" in run.stdout and "env: " not in run.stdout, run.stdout
 
 
 CACHE_FREE = ("gpu-ci.yml", "release.yml", "bench-history.yml", "pr-report.yml")

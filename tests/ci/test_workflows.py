@@ -159,6 +159,42 @@ def test_the_gpu_stages_limits_fit_the_h200_budget_with_margin():
     assert minutes(job["timeout-minutes"], "pull_request_target") <= 90
 
 
+def test_cpu_ci_runs_the_long_tests_daily_and_only_then():
+    """The tests marked long leave the CPU test stage of every pull request and push (3 minutes on
+    2 cores, issue 44) for CPU CI's daily scheduled run of main's head, which selects them
+    (FLASHMOE_LONG_TESTS, the stage's --long) with the time they need, in a concurrency group of
+    its own (never replacing a push's waiting run of the same commit), and reports and uploads
+    as every run does. tests/gates/test_testing.py runs the selection itself."""
+    workflow = load("cpu-ci.yml")
+    assert "schedule" in triggers(workflow)
+    assert "schedule" in workflow["concurrency"]["group"]
+    job = workflow["jobs"]["cpu-tests"]
+    assert job["env"]["FLASHMOE_LONG_TESTS"] == (
+        "${{ github.event_name == 'schedule' && '1' || '0' }}"
+    )
+    test = next(s for s in steps(job) if str(s.get("run", "")).strip() == "nox -s env build test")
+    assert minutes(test["timeout-minutes"], "schedule") >= 30, "the long tests have the time"
+    assert minutes(test["timeout-minutes"], "push") == 20
+    tail = [str(s.get("run") or s.get("uses")) for s in steps(job)[steps(job).index(test) :]]
+    assert any("flashmoe_science report" in step for step in tail)
+    assert any(step.startswith("actions/upload-artifact@") for step in tail)
+
+
+def test_a_setup_step_that_skips_the_environment_check_comes_before_the_env_stage():
+    """setup_environment.sh --no-check leaves the environment check to the job's env stage (it
+    ran twice in a row, ~4 s of every GPU job): every job whose setup passes it runs `nox -s env`
+    in a later step."""
+    skipping = 0
+    for name, _, job_id, job in all_jobs():
+        runs = [str(step.get("run", "")) for step in steps(job)]
+        for index, run in enumerate(runs):
+            if "setup_environment.sh" in run and "--no-check" in run:
+                skipping += 1
+                later = " ".join(runs[index + 1 :])
+                assert "nox -s env" in later, f"{name}:{job_id} never checks its environment"
+    assert skipping >= 2, "the GPU job and the CPU tests job skip it"
+
+
 def test_workflow_permissions_are_read_only_or_none():
     for name, workflow in all_workflows().items():
         assert workflow.get("permissions") in ({}, {"contents": "read"}), name

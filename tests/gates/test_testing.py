@@ -7,6 +7,7 @@ CUDA gate cases skip. Gate ids come from `--list`, never spelled out here."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import queue
@@ -68,16 +69,9 @@ def record(reports: Path) -> dict:
     return json.loads((reports / gate_plugin.RECORD).read_text())
 
 
-@pytest.fixture(scope="module")
-def gate_ids(tmp_path_factory) -> list[str]:
-    listed = run_stage(tmp_path_factory.mktemp("list"), "--list", "--all")
-    assert listed.returncode == 0, listed.stderr
-    return listed.stdout.split()
-
-
 def forward_gate_id(device: str) -> str:
     """A forward gate's id as tests/gates/test_gates.py parametrizes them, read from the matrix: the
-    stage's `--list --all` (the gate_ids fixture) costs a run of the command line of its own."""
+    stage's `--list --all` costs a run of the command line of its own."""
     from flashmoe_science.pipeline.gates import matrix
 
     tier = "cpu" if device == "cpu" else "gpu"
@@ -284,7 +278,7 @@ def test_long_plant(run_planted):
 """
 
 
-LEFT_OUT = "1 test marked `long` left out: `--long` runs them (the scheduled GPU CI run does)"
+LEFT_OUT = "1 test marked `long` left out: `--long` runs them (the scheduled CI runs do)"
 
 
 def test_a_test_marked_long_runs_only_when_asked(tmp_path):
@@ -568,51 +562,6 @@ def test_pytest_that_cannot_start_is_no_verdict(tmp_path):
     assert (rec["outcome"], rec["pytest_exit"]) == ("error", 4) and rec["provenance"]
 
 
-@pytest.mark.slow
-def test_listed_ids_are_what_k_selects(tmp_path, gate_ids):
-    assert len(gate_ids) == len(set(gate_ids)) > 10
-    assert all(i.endswith(("-cpu", "-cuda")) for i in gate_ids)
-    assert {forward_gate_id("cpu"), forward_gate_id("cuda")} <= set(gate_ids)  # the other tests'
-    one = forward_gate_id("cpu")
-    narrowed = run_stage(tmp_path, "--list", "-k", one)
-    assert narrowed.stdout.split() == [one]
-    assert not (tmp_path / gate_plugin.RECORD).exists()  # --list runs nothing
-    # a plugin that says which process ran pytest: the stage's own, a child of this test
-    (tmp_path / "whoran.py").write_text(
-        "import os\n\ndef pytest_sessionfinish(session):\n"
-        f"    open({str(tmp_path / 'ran')!r}, 'w').write(str(os.getppid()))\n"
-    )
-    run = run_stage(tmp_path, "--gates", "-k", one, "-p", "whoran", PYTHONPATH=str(tmp_path))
-    assert run.returncode == exitcodes.OK, run.stdout + run.stderr
-    assert "all gates passed (1 of 1)" in run.stdout
-    assert " -n 0 " in run.stdout  # one case: no pytest-xdist workers to start
-    # nor a second process: the stage, which collected the selection already, runs it itself
-    assert "(1 tests: this process, no worker start-up)" in run.stdout
-    assert "warning" not in run.stdout, "the gate plugin, imported already, is not a warning"
-    assert (tmp_path / "ran").read_text() == str(os.getpid())
-    rec = record(tmp_path)
-    assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 1
-    assert rec["cases"][0]["case_id"] + "-cpu" == one
-
-
-@pytest.mark.slow
-def test_without_a_gpu_list_shows_the_ids_that_run_here_and_says_how_many_it_hid(tmp_path):
-    """Two stage runs that collect the gate modules (3 to 5 s each: what is hidden is decided on
-    what pytest collects)."""
-    here = run_stage(tmp_path, "--list", "-k", "fwd-fp16-d64")
-    assert here.returncode == 0, here.stderr
-    ids = here.stdout.split()
-    assert ids and all(i.endswith("-cpu") for i in ids)
-    everything = run_stage(tmp_path, "--list", "--all", "-k", "fwd-fp16-d64")
-    cuda = [i for i in everything.stdout.split() if i.endswith("-cuda")]
-    assert cuda and sorted(ids + cuda) == sorted(everything.stdout.split())
-    assert (
-        f"test: {len(cuda):,} of {len(ids) + len(cuda):,} ids not listed: they need a GPU and "
-        "this machine has none (`--list --all` lists them)"
-    ) in here.stderr
-    assert "not listed" not in everything.stderr
-
-
 STRAY_PLUGIN = """
 import os
 
@@ -623,9 +572,37 @@ def pytest_configure(config):
 
 
 @pytest.mark.slow
-def test_plugins_of_the_interpreter_stay_out(tmp_path):
-    """A pytest plugin installed in the interpreter (an entry point, as pytest-benchmark's is)
-    loads in a plain pytest run but not in the stage's."""
+def test_listed_ids_are_what_k_selects_and_the_stage_runs_without_stray_plugins(tmp_path):
+    """Four stage runs, one each for what other tests would each run again (3 to 5 CPU-s a run on
+    2 cores): `--list --all` gives unique ids, and without a GPU `--list` the CPU ones and a count
+    of those it hid; `--list -k ID` gives that id alone; the gate it names runs in the stage's own
+    process, and a pytest plugin installed in the interpreter (an entry point, as pytest-benchmark's
+    is), which a plain pytest run loads, stays out of the stage's run."""
+    everything = run_stage(tmp_path, "--list", "--all")
+    assert everything.returncode == 0, everything.stderr
+    gate_ids = everything.stdout.split()
+    assert len(gate_ids) == len(set(gate_ids)) > 10
+    assert all(i.endswith(("-cpu", "-cuda")) for i in gate_ids)
+    assert {forward_gate_id("cpu"), forward_gate_id("cuda")} <= set(gate_ids)  # the other tests'
+    assert "not listed" not in everything.stderr
+
+    here = run_stage(tmp_path, "--list")
+    assert here.returncode == 0, here.stderr
+    ids = here.stdout.split()
+    assert ids and all(i.endswith("-cpu") for i in ids)
+    cuda = [i for i in gate_ids if i.endswith("-cuda")]
+    assert cuda and sorted(ids + cuda) == sorted(gate_ids)
+    assert (
+        f"test: {len(cuda):,} of {len(gate_ids):,} ids not listed: they need a GPU and "
+        "this machine has none (`--list --all` lists them)"
+    ) in here.stderr
+
+    one = forward_gate_id("cpu")
+    narrowed = run_stage(tmp_path, "--list", "-k", one)
+    assert narrowed.stdout.split() == [one]
+    assert not (tmp_path / gate_plugin.RECORD).exists()  # --list runs nothing
+
+    # the stray plugin is real: plain pytest loads it
     site = tmp_path / "site"
     (site / "stray_plugin-1.0.dist-info").mkdir(parents=True)
     (site / "stray_plugin-1.0.dist-info" / "METADATA").write_text(
@@ -636,10 +613,10 @@ def test_plugins_of_the_interpreter_stay_out(tmp_path):
     )
     (site / "stray_plugin.py").write_text(textwrap.dedent(STRAY_PLUGIN))
     mark = tmp_path / "mark"
-    path = os.pathsep.join([str(site), str(REPO_ROOT)])
+    path = os.pathsep.join([str(tmp_path), str(site), str(REPO_ROOT)])
     plain = subprocess.run(
         [sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", "-k", "x"],
-        cwd=tmp_path,
+        cwd=site,
         env={
             k: v
             for k, v in stage_env(tmp_path / "plain", PYTHONPATH=path, STRAY_MARK=str(mark)).items()
@@ -647,13 +624,28 @@ def test_plugins_of_the_interpreter_stay_out(tmp_path):
         },
         capture_output=True,
     )
-    assert mark.exists(), plain.stdout  # the stray plugin is real: plain pytest loads it
+    assert mark.exists(), plain.stdout
     mark.unlink()
+
+    # a plugin that says which process ran pytest: the stage's own, a child of this test
+    (tmp_path / "whoran.py").write_text(
+        "import os\n\ndef pytest_sessionfinish(session):\n"
+        f"    open({str(tmp_path / 'ran')!r}, 'w').write(str(os.getppid()))\n"
+    )
     run = run_stage(
-        tmp_path, "--gates", "-k", forward_gate_id("cpu"), PYTHONPATH=path, STRAY_MARK=str(mark)
+        tmp_path, "--gates", "-k", one, "-p", "whoran", PYTHONPATH=path, STRAY_MARK=str(mark)
     )
     assert run.returncode == exitcodes.OK, run.stdout + run.stderr
-    assert not mark.exists()
+    assert "all gates passed (1 of 1)" in run.stdout
+    assert " -n 0 " in run.stdout  # one case: no pytest-xdist workers to start
+    # nor a second process: the stage, which collected the selection already, runs it itself
+    assert "(1 tests: this process, no worker start-up)" in run.stdout
+    assert "warning" not in run.stdout, "the gate plugin, imported already, is not a warning"
+    assert (tmp_path / "ran").read_text() == str(os.getpid())
+    assert not mark.exists(), "the interpreter's plugin stayed out of the stage's run"
+    rec = record(tmp_path)
+    assert rec["outcome"] == "passed" and rec["tests"]["selected"] == 1
+    assert rec["cases"][0]["case_id"] + "-cpu" == one
 
 
 SLOW_AFTER_A_FAILURE = """
@@ -762,6 +754,29 @@ def test_only_the_whole_suite_goes_to_the_workers_uncollected():
     assert not testing.is_whole_suite(None, ["tests/bench/"], [])
     for narrowing in (["-m", "gpu"], ["-mgpu"], ["--deselect", "tests/x.py::t"], ["--lf"]):
         assert not testing.is_whole_suite(None, [], narrowing), narrowing
+
+
+def test_a_selection_is_collected_once_and_runs_here_only_when_small():
+    """The stage's one session for a selection (-k, paths): at most SERIAL_MAX_TESTS tests run in
+    it, announced before pytest's output; a larger selection runs nothing there and shows nothing
+    (workers run it); one whose collection failed runs there, where pytest says why."""
+
+    class Session:
+        def __init__(self, tests: int, errors: int = 0):
+            self.items, self.testsfailed = [object()] * tests, errors
+
+    limit = testing.SERIAL_MAX_TESTS
+    for tests, errors, runs_here in ((limit, 0, True), (limit + 1, 0, False), (limit + 1, 1, True)):
+        shown, said = io.StringIO(), []
+        output = testing.HeldOutput(shown)
+        small = testing.SmallRun(limit, output, said.append)
+        output.write("pytest's first lines\n")
+        session = Session(tests, errors)
+        small.pytest_collection_finish(session)
+        output.write("the run\n")
+        assert small.too_many is not runs_here and len(session.items) == (tests if runs_here else 0)
+        assert said == ([None if errors else tests] if runs_here else [])
+        assert shown.getvalue() == ("pytest's first lines\nthe run\n" if runs_here else "")
 
 
 def test_gates_take_no_paths(capsys):

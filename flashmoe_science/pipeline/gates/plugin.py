@@ -7,7 +7,8 @@ property. `--gates-only` deselects every other test, so a bisect step cannot be 
 that is not a gate.
 
 A test marked `long` (pyproject's markers) is deselected unless `--long` is given (or
-FLASHMOE_LONG_TESTS=1): pull requests and pushes leave it out, the scheduled GPU CI run selects it.
+FLASHMOE_LONG_TESTS=1): pull requests and pushes leave it out, the daily scheduled runs of GPU CI
+and CPU CI select it.
 No gate and no planted-bug test may be marked `long`: those run on every pull request, and a
 session that collects one is a usage error.
 
@@ -91,7 +92,7 @@ MARKER = "gate"
 # The short training run's losses (tests/library/test_training.py), {"ours": [first, last], "sdpa":
 # [first, last]}: recorded beside the gates so a run's record and its verdict line carry them.
 TRAINING = "training"
-LONG = "long"  # the marker of a test that runs only in the scheduled GPU CI run
+LONG = "long"  # the marker of a test that runs only in the scheduled CI runs (GPU's and CPU's)
 SLOW = "slow"  # the marker of a test that takes more than a few seconds: workers start those first
 CPU = "cpu"  # the marker of a test of the CPU implementation alone (cpu_twin)
 LONG_VAR = "FLASHMOE_LONG_TESTS"  # "1": select the tests marked long, as --long does
@@ -450,7 +451,7 @@ class GateRecorder:
             n = self.long_left_out
             terminalreporter.write_line(
                 f"{n:,} test{'' if n == 1 else 's'} marked `{LONG}` left out: `--long` runs them "
-                "(the scheduled GPU CI run does)"
+                "(the scheduled CI runs do)"
             )
 
     def reason(self, outcome: str, exitstatus: int, gates: dict, tests: dict) -> str | None:
@@ -508,8 +509,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--long",
         action="store_true",
         default=long_from_env(),
-        help=f"also run the tests marked `{LONG}` (deselected by default; the scheduled GPU CI "
-        f"run selects them; {LONG_VAR}=1 does the same)",
+        help=f"also run the tests marked `{LONG}` (deselected by default; the scheduled CI runs "
+        f"select them; {LONG_VAR}=1 does the same)",
     )
 
 

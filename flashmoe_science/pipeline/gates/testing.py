@@ -14,12 +14,12 @@ and passed:
 Selections: `--gates` collects the gate module alone and keeps only the gates, so a test that is
 not a gate cannot mark a bisect step bad; `--list` prints the gate ids (what `-k` selects) and runs
 nothing: on a machine without a GPU only those it can run, unless `--all`. A selection of at most
-SERIAL_MAX_TESTS tests runs in this process, which collected it: starting pytest-xdist workers (each
-imports torch and collects), or even one more process, costs more than such a run. A larger one
-runs on pytest-xdist workers spread over every GPU of the machine, one GPU each (devices.py); the
-whole suite (no -k, no paths) goes to them without being collected here first. pytest runs with
-its plugin autoload off, so plugins installed in a reused interpreter (pytest-benchmark, ...) stay
-out.
+SERIAL_MAX_TESTS tests runs in this process, in the one pytest session that collected it: starting
+pytest-xdist workers (each imports torch and collects), or even one more process or session,
+costs more than such a run. A larger one runs on pytest-xdist workers spread over every GPU of the
+machine, one GPU each (devices.py); the whole suite (no -k, no paths) goes to them without being
+collected here first. pytest runs with its plugin autoload off, so plugins installed in a reused
+interpreter (pytest-benchmark, ...) stay out.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import pytest
 
 from .. import exitcodes
 from ..cli import program
@@ -211,8 +213,6 @@ def _gate_id(item) -> str:
 
 def collect(pytest_args: list[str]) -> Collected:
     """Collect `pytest_args` in this process (torch is imported already) and run nothing."""
-    import pytest
-
     collected = Collected(exit=-1)
     sink = io.StringIO()
     argv = [*PLUGINS, *pytest_args, "--collect-only", "-qq", "-p", "no:cacheprovider"]
@@ -240,6 +240,69 @@ def as_the_stage(env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+class HeldOutput(io.TextIOBase):
+    """stdout for a session whose output is shown or dropped once it is known whether the session
+    runs its tests (SmallRun): held until then, then written through to `target`, or dropped."""
+
+    def __init__(self, target) -> None:
+        super().__init__()
+        self.target = target
+        self.held: list[str] | None = []  # None once decided
+        self.shown = True
+
+    def decide(self, show: bool) -> None:
+        if self.held is None:
+            return
+        held, self.held, self.shown = self.held, None, show
+        if show:
+            self.write("".join(held))
+            self.flush()
+
+    def write(self, text: str) -> int:
+        if self.held is not None:
+            self.held.append(text)
+        elif self.shown:
+            self.target.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.held is None and self.shown:
+            self.target.flush()
+
+    def isatty(self) -> bool:
+        return self.target.isatty()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.target, "encoding", None) or "utf-8"
+
+
+class SmallRun:
+    """The plugin of the stage's session for a selection that is not the whole suite. Once it is
+    collected, a selection of at most `limit` tests (or one that did not collect cleanly: the
+    session shows why) runs in this session, after `announce(tests)`; a larger one runs nothing
+    and shows nothing here (`too_many`), and the stage hands it to workers. One collection where
+    the stage used to collect twice, to count and then to run: a bisect step of one gate case took
+    4.9 CPU-s on 2 cores, 3.8 with one."""
+
+    def __init__(self, limit: int, output: HeldOutput, announce: Callable[[int | None], None]):
+        self.limit = limit
+        self.output = output
+        self.announce = announce
+        self.too_many = False
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session) -> None:
+        tests = len(session.items)
+        if tests > self.limit and not session.testsfailed:
+            self.too_many = True
+            session.items = []
+            self.output.decide(show=False)
+        else:
+            self.announce(None if session.testsfailed else tests)
+            self.output.decide(show=True)
+
+
 # pytest options that narrow a selection as -k and test paths do
 NARROWING = ("-m", "--deselect", "--lf", "--last-failed", "--sw", "--stepwise", "--ignore")
 
@@ -252,13 +315,16 @@ def is_whole_suite(keyword: str | None, paths: list[str], pytest_args: list[str]
     return keyword is None and not paths and not narrowed
 
 
-def run_here(pytest_argv: list[str], env: dict[str, str]) -> int:
-    """Run pytest in this process, which has imported torch and the extension and collected the
-    selection already: a second process would do all of that again before its first test (2-4 s
-    of a bisect step on 2 cores). Output is line-buffered, as PYTHONUNBUFFERED makes a child's, so
-    a failure reaches a piped log when instafail prints it."""
-    import pytest
-
+def run_here(
+    pytest_argv: list[str],
+    env: dict[str, str],
+    plugins: list = (),
+    stdout: HeldOutput | None = None,
+) -> int:
+    """Run pytest in this process, which has imported torch and the extension: a second process
+    would do that again before its first test (2-4 s of a bisect step on 2 cores). `plugins` join
+    the session and `stdout` takes its output. Output is line-buffered, as PYTHONUNBUFFERED makes
+    a child's, so a failure reaches a piped log when instafail prints it."""
     reconfigure = getattr(sys.stdout, "reconfigure", None)  # None: a stand-in stdout
     buffered = reconfigure is not None and not sys.stdout.line_buffering
     if buffered:
@@ -266,10 +332,13 @@ def run_here(pytest_argv: list[str], env: dict[str, str]) -> int:
     # The gate plugin is this module's import: pytest cannot rewrite its asserts (package code,
     # not a test's) and would say so in every such run's summary.
     quiet = f"ignore:Module already imported so cannot be rewritten; {gate_plugin.__name__}"
+    output = contextlib.redirect_stdout(stdout) if stdout else contextlib.nullcontext()
     try:
-        with as_the_stage(env):
-            return int(pytest.main(["-W", quiet, *pytest_argv]))
+        with as_the_stage(env), output:
+            return int(pytest.main(["-W", quiet, *pytest_argv], plugins=list(plugins)))
     finally:
+        if stdout:
+            stdout.decide(show=True)  # a session that stopped before its collection ended
         if buffered:
             reconfigure(line_buffering=False)
 
@@ -358,36 +427,19 @@ def main(argv: list[str]) -> int:
 
     workers = args.workers
     gpus = devices.visible_devices()
-    why = ""
+    env = isolated_env(dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else ""))
+    rc = None
     if workers is None and is_whole_suite(args.keyword, paths, pytest_args):
         workers = str(devices.worker_count(os.cpu_count(), gpus))
-    if workers is None:
-        collected = collect([*targets, *pytest_args])
-        if collected.exit == NO_TESTS_EXIT:
-            record = gate_plugin.write_record(
-                outcome=NO_TESTS_COLLECTED,
-                pytest_exit=collected.exit,
-                selected=selected,
-                reason="the selection matched no test",
-            )
-            return verdict(record, time.monotonic() - start, args.no_gates_ok)
-        small = collected.exit != 0 or collected.tests <= SERIAL_MAX_TESTS
-        workers = "0" if small else str(devices.worker_count(os.cpu_count(), gpus))
-        if small and collected.exit == 0:
-            why = f" ({collected.tests} tests: this process, no worker start-up)"
-    if workers.isdigit() and int(workers) > 0 and gpus:
-        why = f" ({devices.placement_text(int(workers), gpus)})"
-    cmd = pytest_command(targets, workers, pytest_args)
-    print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
-    env = isolated_env(dict(os.environ, FLASHMOE_REQUIRE_GPU="1" if args.require_gpu else ""))
-    if workers == "0":
-        rc = run_here(cmd[3:], env)
-    else:
-        with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
-            try:
-                rc = proc.wait()
-            except KeyboardInterrupt:  # pytest got the Ctrl-C too: let it write its record
-                rc = proc.wait()
+    if workers is None:  # a selection: collected here, and run here when it is small (SmallRun)
+        rc, workers = run_selection(targets, pytest_args, env, gpus)
+    if rc is None:
+        cmd = pytest_command(targets, workers, pytest_args)
+        why = ""
+        if workers.isdigit() and int(workers) > 0 and gpus:
+            why = f" ({devices.placement_text(int(workers), gpus)})"
+        print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
+        rc = run_here(cmd[3:], env) if workers == "0" else run_command(cmd, env)
     elapsed = time.monotonic() - start
     record = _read_record()
     if record is None:  # pytest stopped before its session ended (usage or internal error)
@@ -398,6 +450,41 @@ def main(argv: list[str]) -> int:
             reason=f"pytest exited {rc} ({gate_plugin.PYTEST_EXIT_NAMES.get(rc, 'crashed')})",
         )
     return verdict(record, elapsed, args.no_gates_ok)
+
+
+def run_selection(
+    targets: list[str], pytest_args: list[str], env: dict[str, str], gpus: list[str]
+) -> tuple[int | None, str]:
+    """A selection (-k, paths) in one session in this process: run there when it collects at most
+    SERIAL_MAX_TESTS tests, so (pytest's exit, "0"); else (None, the workers to run it on), its
+    session having run nothing and left no record."""
+    cmd = pytest_command(targets, "0", pytest_args)
+    output = HeldOutput(sys.stdout)
+
+    announced = []
+
+    def announce(tests: int | None) -> None:
+        why = f" ({tests} tests: this process, no worker start-up)" if tests else ""
+        print(f"test: {' '.join(cmd[2:])}{why}", file=output.target, flush=True)
+        announced.append(tests)
+
+    small = SmallRun(SERIAL_MAX_TESTS, output, announce)
+    rc = run_here(cmd[3:], env, plugins=[small], stdout=output)
+    if not small.too_many:
+        if not announced:  # pytest stopped before it collected (a usage error, said above)
+            announce(None)
+        return rc, "0"
+    clear_outputs(gate_plugin.RECORD)
+    return None, str(devices.worker_count(os.cpu_count(), gpus))
+
+
+def run_command(cmd: list[str], env: dict[str, str]) -> int:
+    """The stage's pytest on workers, in a process of its own."""
+    with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # pytest got the Ctrl-C too: let it write its record
+            return proc.wait()
 
 
 def _read_record() -> dict | None:
