@@ -368,6 +368,15 @@ def _warp_specialized_cases() -> tuple[str, ...]:
 
 
 WS_CASES = _warp_specialized_cases()
+
+
+def _assert_every_case_passed(out: dict, cases: tuple[str, ...]) -> None:
+    """WS_SCRIPT's results hold exactly `cases`, and none failed a gate."""
+    assert sorted(out["results"]) == sorted(cases)
+    failed = {case_id: failures for case_id, failures in out["results"].items() if failures}
+    assert not failed, failed
+
+
 WS_SCRIPT = """
 import json, os, sys
 os.environ["FLASHMOE_BWD_WS"] = os.environ.get("WS_UNDER_TEST", "1")
@@ -422,9 +431,7 @@ def test_the_tile_before_the_warp_specialized_one_passes_its_gradient_gates(
     out = run_planted(0, WS_SCRIPT, "cuda", *WS_CASES)
     for head_dim, names in out["kernels"].items():
         assert names and not any("Sm90BwdWsTraits" in name for name in names), (head_dim, names)
-    assert sorted(out["results"]) == sorted(WS_CASES)
-    failed = {case_id: failures for case_id, failures in out["results"].items() if failures}
-    assert not failed, failed
+    _assert_every_case_passed(out, WS_CASES)
     check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), "dQ without the last key block")
 
 
@@ -496,9 +503,7 @@ def test_causal_longest_first_sections_pass_the_gradient_gates(run_planted, monk
     assert len(LPT_CASES) >= 8
     monkeypatch.setenv("FLASHMOE_BWD_LPT_PAIRS", "3")
     out = run_planted(0, WS_SCRIPT, "cuda", *LPT_CASES)
-    assert sorted(out["results"]) == sorted(LPT_CASES)
-    failed = {case_id: failures for case_id, failures in out["results"].items() if failures}
-    assert not failed, failed
+    _assert_every_case_passed(out, LPT_CASES)
 
 
 def test_the_longest_first_cases_end_their_sections_short():
