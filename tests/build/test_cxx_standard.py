@@ -1,6 +1,6 @@
-"""The unit stays C++17: torch >= 2.4 is supported, and the older torches' cpp_extension compile
-it as C++17 while newer ones pass -std=c++20, so a C++20 construct builds on one machine and not
-on another (a requires-expression in the backward's launch did, twenty-fifth session). This scans
+"""The unit stays C++17: torch >= 2.4 is supported, and torch 2.11's cpp_extension (the GPU
+machine's) compiles it as C++17 while torch 2.14's passes -std=c++20, so a C++20 construct builds
+on one machine and not on another (a requires-expression in the backward's launch did). This scans
 csrc/ with comments and string literals removed for the C++20-only keywords, operators, headers
 and attributes the unit could reach for."""
 
@@ -63,6 +63,6 @@ def test_the_unit_is_cxx17():
         if (uses := cxx20_uses(path.read_text(errors="replace")))
     }
     assert not found, (
-        f"C++20 in the unit, which torch < 2.10's builds compile as C++17: {found}; "
+        f"C++20 in the unit, which torch 2.11's build compiles as C++17: {found}; "
         "rewrite it in C++17"
     )
