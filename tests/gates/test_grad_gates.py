@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -370,10 +372,17 @@ def _warp_specialized_cases() -> tuple[str, ...]:
 WS_CASES = _warp_specialized_cases()
 
 
-def _switched_off(define: str) -> bool:
-    """Whether the stage's build turns a default-on kernel switch off (FLASHMOE_BUILD_DEFINES
-    has `<define>=0`)."""
-    return f"{define}=0" in loader.env_defines()
+def _built_with(define: str) -> bool:
+    """Whether the stage's build has a kernel switch on: `<define>=N` in FLASHMOE_BUILD_DEFINES,
+    else its default in csrc/attention_params.h (`#define <define> N`)."""
+    for entry in loader.env_defines():
+        name, _, value = entry.partition("=")
+        if name == define:
+            return value not in ("", "0")
+    header = (Path(__file__).resolve().parents[2] / "csrc" / "attention_params.h").read_text()
+    default = re.search(rf"^#define {define} (\d+)$", header, re.M)
+    assert default, f"no default for {define} in csrc/attention_params.h"
+    return default.group(1) != "0"
 
 
 def _assert_every_case_passed(out: dict, cases: tuple[str, ...]) -> None:
@@ -441,7 +450,7 @@ def test_the_tile_before_the_warp_specialized_one_passes_its_gradient_gates(
     check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), "dQ without the last key block")
 
 
-# bwd v7c (FLASHMOE_BWD_WS_MMA96, on unless built =0): the padded warp-specialized tile's
+# bwd v7c (FLASHMOE_BWD_WS_MMA96): the padded warp-specialized tile's
 # products over 96 columns where q's, k's and v's head dims are at most 96. Plant 28 (S^T's last
 # step reads columns 96-111 in place of 80-95) fails the gates at 96, default and deterministic;
 # at 80 (columns 80-95 zeros) and on the whole 128 tile they pass.
@@ -470,12 +479,12 @@ def test_the_96_column_backward_plants_cases_are_gate_cases():
 def test_planted_short_reduction_fails_the_96_column_backward_and_only_it(check_plant_split):
     """With FLASHMOE_PLANT_BUG=28 S^T's last step on the 96-column products reads the wrong
     columns: the cases at 96 fail a gradient gate, those at 80 and 128 pass."""
-    if _switched_off("FLASHMOE_BWD_WS_MMA96"):
-        pytest.skip("the stage's build has FLASHMOE_BWD_WS_MMA96=0: no 96-column backward")
+    if not _built_with("FLASHMOE_BWD_WS_MMA96"):
+        pytest.skip("the stage's build has FLASHMOE_BWD_WS_MMA96 off: no 96-column backward")
     _check_wgmma_backward_plant(check_plant_split, 28, MMA96_BACKWARD_PLANT)
 
 
-# bwd v7b (FLASHMOE_BWD_CAUSAL_LPT, on unless built =0): the tile's causal calls on a 1-D grid,
+# bwd v7b (FLASHMOE_BWD_CAUSAL_LPT): the tile's causal calls on a 1-D grid,
 # key blocks longest first in sections of (batch, KV head) pairs. The gate cases' pairs (4 to 16)
 # all fit one section of the L2 budget's, so FLASHMOE_BWD_LPT_PAIRS=3 makes sections end short
 # of them: full sections, then a short last one.
@@ -498,8 +507,8 @@ def test_causal_longest_first_sections_pass_the_gradient_gates(run_planted, monk
 
     if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
         pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
-    if _switched_off("FLASHMOE_BWD_CAUSAL_LPT"):
-        pytest.skip("the stage's build has FLASHMOE_BWD_CAUSAL_LPT=0: no longest-first grid")
+    if not _built_with("FLASHMOE_BWD_CAUSAL_LPT"):
+        pytest.skip("the stage's build has FLASHMOE_BWD_CAUSAL_LPT off: no longest-first grid")
     assert len(LPT_CASES) >= 8
     monkeypatch.setenv("FLASHMOE_BWD_LPT_PAIRS", "3")
     out = run_planted(0, WS_SCRIPT, "cuda", *LPT_CASES)
