@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -372,19 +370,6 @@ def _warp_specialized_cases() -> tuple[str, ...]:
 WS_CASES = _warp_specialized_cases()
 
 
-def _built_with(define: str) -> bool:
-    """Whether the stage's build has a kernel switch on: `<define>=N` in FLASHMOE_BUILD_DEFINES,
-    else its default in csrc/attention_params.h (`#define <define> N`)."""
-    for entry in loader.env_defines():
-        name, _, value = entry.partition("=")
-        if name == define:
-            return value not in ("", "0")
-    header = (Path(__file__).resolve().parents[2] / "csrc" / "attention_params.h").read_text()
-    default = re.search(rf"^#define {define} (\d+)$", header, re.M)
-    assert default, f"no default for {define} in csrc/attention_params.h"
-    return default.group(1) != "0"
-
-
 def _assert_every_case_passed(out: dict, cases: tuple[str, ...]) -> None:
     """WS_SCRIPT's results hold exactly `cases`, and none failed a gate."""
     assert sorted(out["results"]) == sorted(cases)
@@ -479,7 +464,7 @@ def test_the_96_column_backward_plants_cases_are_gate_cases():
 def test_planted_short_reduction_fails_the_96_column_backward_and_only_it(check_plant_split):
     """With FLASHMOE_PLANT_BUG=28 S^T's last step on the 96-column products reads the wrong
     columns: the cases at 96 fail a gradient gate, those at 80 and 128 pass."""
-    if not _built_with("FLASHMOE_BWD_WS_MMA96"):
+    if not loader.switch_on("FLASHMOE_BWD_WS_MMA96"):
         pytest.skip("the stage's build has FLASHMOE_BWD_WS_MMA96 off: no 96-column backward")
     _check_wgmma_backward_plant(check_plant_split, 28, MMA96_BACKWARD_PLANT)
 
@@ -507,7 +492,7 @@ def test_causal_longest_first_sections_pass_the_gradient_gates(run_planted, monk
 
     if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
         pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
-    if not _built_with("FLASHMOE_BWD_CAUSAL_LPT"):
+    if not loader.switch_on("FLASHMOE_BWD_CAUSAL_LPT"):
         pytest.skip("the stage's build has FLASHMOE_BWD_CAUSAL_LPT off: no longest-first grid")
     assert len(LPT_CASES) >= 8
     monkeypatch.setenv("FLASHMOE_BWD_LPT_PAIRS", "3")
