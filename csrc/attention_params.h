@@ -69,7 +69,7 @@ namespace flashmoe {
 // and the wgmma forward's plain instantiation, which sinks alone run (has_score_features):
 //   27: its rows' epilogue leaves the sinks out (one split: their normaliser and lse lack them)
 // and the wgmma backward's padded 128 tile with its products over 96 columns
-// (Sm90BwdPadded96Traits, -DFLASHMOE_BWD_WS_MMA96=1):
+// (Sm90BwdPadded96Traits, FLASHMOE_BWD_WS_MMA96):
 //   28: S^T's last 16-column step reads columns 96-111 (zeros) in place of 80-95: a head dim of
 //       96 loses them, one of 80 has none there
 // -DFLASHMOE_PLANT_BUG=-1 compiles every plant in and picks one at run time, from
@@ -121,25 +121,26 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_DQ_STORE_SWAP
 #define FLASHMOE_BWD_DQ_STORE_SWAP 1
 #endif
-// The warp-specialized tile's dK product issued after dQ's (FlashAttention-3's order): dQ's
-// tile goes to shared memory while dK runs on the tensor cores, and the step's Q and dO go back
-// once dK is done. Off until timed against dK before the barrier (benches/notes/backward.md, bwd
-// v7a).
+// The warp-specialized tile's dK product issued after dQ's (FlashAttention-3's order) on the
+// 128-column tile: dQ's tile goes to shared memory while dK runs on the tensor cores, and the
+// step's Q and dO go back once dK is done (benches/notes/backward.md, bwd v7a: 2-6% at d=128).
+// Off until the gate matrix passes with it on a GPU (bwd v7a-v7c measured together).
 #ifndef FLASHMOE_BWD_DK_AFTER_DQ
 #define FLASHMOE_BWD_DK_AFTER_DQ 0
 #endif
-// The warp-specialized tile's causal calls on a 1-D grid, longest first: in sections of
-// (batch, KV head) pairs whose q, dout and dq_accum fit in 40 MB of L2 (BwdParams::lpt_pairs),
-// each section's key blocks from the first (the longest walk under the mask), so that the last
-// blocks to start are short ones. Off until timed against the (key block, head) grid
-// (benches/notes/backward.md, bwd v7b).
+// The warp-specialized tile's causal calls on a 1-D grid, longest first, at head dims past 64
+// and 2,048 keys or more (where it was measured faster; FLASHMOE_BWD_LPT_PAIRS forces it on any
+// causal call): in sections of (batch, KV head) pairs whose q, dout and dq_accum fit in 40 MB of
+// L2 (BwdParams::lpt_pairs), each section's key blocks from the first (the longest walk under the
+// mask), so that the last blocks to start are short ones (backward.md, bwd v7b). Off until the
+// gate matrix passes with it on a GPU.
 #ifndef FLASHMOE_BWD_CAUSAL_LPT
 #define FLASHMOE_BWD_CAUSAL_LPT 0
 #endif
 // The warp-specialized tile run padded at head dims up to 96 (q's, k's and v's) with its
 // products over the head dim spanning 96 of its 128 columns (Sm90BwdPadded96Traits): S^T's and
-// dP^T's reductions and dV's and dK's widths; dQ's stay 64 a warpgroup. Off until gated and
-// timed against the 128-column products (benches/notes/backward.md, bwd v7c).
+// dP^T's reductions and dV's and dK's widths; dQ's stay 64 a warpgroup (backward.md, bwd v7c:
+// 8-14% at d=96). Off until the gate matrix passes with it on a GPU.
 #ifndef FLASHMOE_BWD_WS_MMA96
 #define FLASHMOE_BWD_WS_MMA96 0
 #endif

@@ -1292,6 +1292,14 @@ inline int bwd_smem_bytes(int config, int head_dim, bool deterministic = false) 
   return bytes;
 }
 
+#if FLASHMOE_BWD_WS && FLASHMOE_BWD_CAUSAL_LPT
+// Whether a backward traits type has kWs (the sm_90a tiles); the sm_80 tiles do not (C++17).
+template <typename Traits, typename = void>
+struct HasWsFlag : std::false_type {};
+template <typename Traits>
+struct HasWsFlag<Traits, std::void_t<decltype(Traits::kWs)>> : std::true_type {};
+#endif
+
 template <typename T, int D>
 void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
@@ -1303,7 +1311,7 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
     allow_dynamic_smem(kernel, Traits::kSmemBytes);
     dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.batch * p.heads_kv);
 #if FLASHMOE_BWD_WS && FLASHMOE_BWD_CAUSAL_LPT
-    if constexpr (requires { Traits::kWs; }) {
+    if constexpr (HasWsFlag<Traits>::value) {
       // (the kernel remaps only where its dQ is not ordered: never deterministic)
       if (Traits::kWs && !deterministic && p.lpt_pairs > 0) grid = dim3(grid.x * grid.y);
     }
@@ -1465,9 +1473,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   // own, which this order starts later): the longest key blocks first, in sections of the pairs
   // whose q, dout and dq_accum fit in 40 MB of L2 (a power of 2, at least 1), or of
   // FLASHMOE_BWD_LPT_PAIRS; never more than the call's pairs (so that sections x key blocks
-  // stays within the grid)
+  // stays within the grid). Unforced, only past head dim 64 and from 2,048 keys: at 64 it gained
+  // nothing, and 512 keys ran 10-12% slower than the 2-D grid (backward.md, bwd v7b measured).
   p.lpt_pairs = 0;
-  if (p.ws && !deterministic && p.window_right == 0 && p.window_left < 0) {
+  const int64_t forced_lpt_pairs = bwd_lpt_pairs_override();
+  if (p.ws && !deterministic && p.window_right == 0 && p.window_left < 0 &&
+      (forced_lpt_pairs > 0 || (head_dim > 64 && p.seqlen_k >= 2048))) {
     const int64_t pair_bytes = int64_t(p.heads_ratio) * q.size(2) *
                                (q.size(3) * 2 + v.size(3) * 2 + int64_t(head_dim) * 4);
     const int64_t fit =
@@ -1475,7 +1486,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
     int64_t pairs = 1;
     while (pairs * 2 <= fit)
       pairs *= 2;
-    if (const int64_t forced = bwd_lpt_pairs_override(); forced > 0) pairs = forced;
+    if (forced_lpt_pairs > 0) pairs = forced_lpt_pairs;
     p.lpt_pairs = int(std::min<int64_t>(pairs, int64_t(p.batch) * p.heads_kv));
   }
 #endif

@@ -384,6 +384,25 @@ def env_defines() -> tuple[str, ...]:
     return split_defines(os.environ.get(DEFINES_VAR, ""))
 
 
+def switch_on(define: str, defines: Sequence[str] | None = None) -> bool:
+    """Whether a build with `defines` (default: env_defines()) has kernel switch `define` on: its
+    `NAME=VAL` there (0 or empty is off), else its default, `#define NAME VAL` in
+    csrc/attention_params.h. Tests of a switch's code run where it is built in."""
+    for entry in normalize_defines(env_defines() if defines is None else defines):
+        name, _, value = entry.partition("=")
+        if name == define:
+            return value not in ("", "0")
+    header = (default_sources_dir() / "attention_params.h").read_text()
+    default = re.search(rf"^#define {re.escape(define)} (\d+)$", header, re.M)
+    if default is None:
+        raise ConfigError(
+            f"{define} has no default in csrc/attention_params.h; name a kernel switch defined "
+            "there (`#define NAME VAL`)",
+            USAGE,
+        )
+    return default.group(1) != "0"
+
+
 def plant_defines(extra: Sequence[str] = ()) -> tuple[str, ...]:
     """The plant unit's defines: this process's (FLASHMOE_BUILD_DEFINES), then `extra` (one of the
     same name replaces the environment's), then PLANT_DEFINE. A test stage run under a switch

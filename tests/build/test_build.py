@@ -1214,13 +1214,14 @@ def test_dynamic_smem_is_what_each_launch_asks_for():
     # backward's 128 tile run padded, with and without dQ atomics, + the wgmma backward past 128
     # (at 192 whole and with v's 128, at 256), with and without dQ atomics, + configuration 5's
     # padded tile with its MMAs over 96 columns, dense and packed, with their twins, + the wgmma
-    # backward's 128 tile warp-specialized (at 64, 128 and padded onto 128), with and without dQ
-    # atomics (none in a build with -DFLASHMOE_BWD_WS=0)
+    # backward's 128 tile warp-specialized (at 64, 128, padded onto 128 and padded with its
+    # products over 96 columns), with and without dQ atomics (none in a build with
+    # -DFLASHMOE_BWD_WS=0)
     per_head_dim = 4 + 1 + 1 + 1 + 3 * 2 + 1 + 1
     per_wide_head_dim = 3 + 2 + 1 + 1 + 1 + 2 * 2 + 1 + 1 + 2
     assert table is not None
     ws = sum("Sm90BwdWsTraits" in name for name in table) // 2
-    assert ws in (0, 3 * 2)
+    assert ws in (0, (3 + loader.switch_on("FLASHMOE_BWD_WS_MMA96", ())) * 2)
     assert len(table) == 2 * (
         6 + 6 + 2 * per_head_dim + 2 * per_wide_head_dim + 1 + 10 + 4 + 2 * 4 + 2 + 6 + ws
     )
@@ -1399,3 +1400,24 @@ def test_build_builds_the_library_the_other_commands_load(monkeypatch):
     monkeypatch.delenv("FLASHMOE_BUILD_DEFINES")
     assert build.main([]) == 2
     assert seen == [("FLASHMOE_PLANT_BUG=3", "FLASHMOE_X=1"), ("FLASHMOE_Y=2",), ()]
+
+
+def test_a_kernel_switch_is_on_by_its_define_else_by_the_headers_default(monkeypatch):
+    """switch_on reads NAME=VAL from the defines given (or FLASHMOE_BUILD_DEFINES), else the
+    `#define NAME VAL` default of csrc/attention_params.h; a name with no default is an error."""
+    header = (loader.default_sources_dir() / "attention_params.h").read_text()
+
+    def default(name):
+        return re.search(rf"^#define {name} (\d+)$", header, re.M).group(1) != "0"
+
+    monkeypatch.delenv(loader.DEFINES_VAR, raising=False)
+    for name in ("FLASHMOE_BWD_WS_MMA96", "FLASHMOE_BWD_CAUSAL_LPT", "FLASHMOE_PLANT_BUG"):
+        assert loader.switch_on(name) is default(name), name
+    assert loader.switch_on("FLASHMOE_PLANT_BUG") is False  # (a default of 0 is off)
+    assert loader.switch_on("FLASHMOE_BWD_WS_MMA96", ("FLASHMOE_BWD_WS_MMA96=0",)) is False
+    assert loader.switch_on("FLASHMOE_BWD_WS_MMA96", ("-DFLASHMOE_BWD_WS_MMA96=1",)) is True
+    monkeypatch.setenv(loader.DEFINES_VAR, "FLASHMOE_BWD_WS=1,FLASHMOE_BWD_CAUSAL_LPT=0")
+    assert loader.switch_on("FLASHMOE_BWD_CAUSAL_LPT") is False
+    assert loader.switch_on("FLASHMOE_BWD_CAUSAL_LPT", ()) is default("FLASHMOE_BWD_CAUSAL_LPT")
+    with pytest.raises(loader.ConfigError, match="FLASHMOE_NO_SUCH_SWITCH has no default"):
+        loader.switch_on("FLASHMOE_NO_SUCH_SWITCH", ())

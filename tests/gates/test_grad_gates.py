@@ -435,7 +435,7 @@ def test_the_tile_before_the_warp_specialized_one_passes_its_gradient_gates(
     check_plant_split(6, WS_SCRIPT, "cuda", WS_PLANT_CASES, (), "dQ without the last key block")
 
 
-# bwd v7c (-DFLASHMOE_BWD_WS_MMA96=1, off by default): the padded warp-specialized tile's
+# bwd v7c (FLASHMOE_BWD_WS_MMA96): the padded warp-specialized tile's
 # products over 96 columns where q's, k's and v's head dims are at most 96. Plant 28 (S^T's last
 # step reads columns 96-111 in place of 80-95) fails the gates at 96, default and deterministic;
 # at 80 (columns 80-95 zeros) and on the whole 128 tile they pass.
@@ -464,15 +464,12 @@ def test_the_96_column_backward_plants_cases_are_gate_cases():
 def test_planted_short_reduction_fails_the_96_column_backward_and_only_it(check_plant_split):
     """With FLASHMOE_PLANT_BUG=28 S^T's last step on the 96-column products reads the wrong
     columns: the cases at 96 fail a gradient gate, those at 80 and 128 pass."""
-    if "FLASHMOE_BWD_WS_MMA96=1" not in os.environ.get(loader.DEFINES_VAR, ""):
-        pytest.skip(
-            "the stage's build leaves the 96-column backward out (add "
-            "FLASHMOE_BWD_WS_MMA96=1 to FLASHMOE_BUILD_DEFINES to put it in)"
-        )
+    if not loader.switch_on("FLASHMOE_BWD_WS_MMA96"):
+        pytest.skip("the stage's build has FLASHMOE_BWD_WS_MMA96 off: no 96-column backward")
     _check_wgmma_backward_plant(check_plant_split, 28, MMA96_BACKWARD_PLANT)
 
 
-# bwd v7b (-DFLASHMOE_BWD_CAUSAL_LPT=1, off by default): the tile's causal calls on a 1-D grid,
+# bwd v7b (FLASHMOE_BWD_CAUSAL_LPT): the tile's causal calls on a 1-D grid,
 # key blocks longest first in sections of (batch, KV head) pairs. The gate cases' pairs (4 to 16)
 # all fit one section of the L2 budget's, so FLASHMOE_BWD_LPT_PAIRS=3 makes sections end short
 # of them: full sections, then a short last one.
@@ -495,11 +492,8 @@ def test_causal_longest_first_sections_pass_the_gradient_gates(run_planted, monk
 
     if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
         pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
-    if "FLASHMOE_BWD_CAUSAL_LPT=1" not in os.environ.get(loader.DEFINES_VAR, ""):
-        pytest.skip(
-            "the stage's build leaves the longest-first grid out (add "
-            "FLASHMOE_BWD_CAUSAL_LPT=1 to FLASHMOE_BUILD_DEFINES to put it in)"
-        )
+    if not loader.switch_on("FLASHMOE_BWD_CAUSAL_LPT"):
+        pytest.skip("the stage's build has FLASHMOE_BWD_CAUSAL_LPT off: no longest-first grid")
     assert len(LPT_CASES) >= 8
     monkeypatch.setenv("FLASHMOE_BWD_LPT_PAIRS", "3")
     out = run_planted(0, WS_SCRIPT, "cuda", *LPT_CASES)
