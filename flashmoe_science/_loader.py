@@ -386,12 +386,13 @@ def env_defines() -> tuple[str, ...]:
 
 def switch_on(define: str, defines: Sequence[str] | None = None) -> bool:
     """Whether a build with `defines` (default: env_defines()) has kernel switch `define` on: its
-    `NAME=VAL` there (0 or empty is off), else its default, `#define NAME VAL` in
-    csrc/attention_params.h. Tests of a switch's code run where it is built in."""
+    `NAME=VAL` there (0 or empty is off; a bare NAME is 1, as -DNAME is), else its default,
+    `#define NAME VAL` in csrc/attention_params.h. Tests of a switch's code run where it is built
+    in."""
     for entry in normalize_defines(env_defines() if defines is None else defines):
-        name, _, value = entry.partition("=")
+        name, assigned, value = entry.partition("=")
         if name == define:
-            return value not in ("", "0")
+            return value not in ("", "0") if assigned else True
     header = (default_sources_dir() / "attention_params.h").read_text()
     default = re.search(rf"^#define {re.escape(define)} (\d+)$", header, re.M)
     if default is None:

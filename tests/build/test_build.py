@@ -1416,6 +1416,7 @@ def test_a_kernel_switch_is_on_by_its_define_else_by_the_headers_default(monkeyp
     assert loader.switch_on("FLASHMOE_PLANT_BUG") is False  # (a default of 0 is off)
     assert loader.switch_on("FLASHMOE_BWD_WS_MMA96", ("FLASHMOE_BWD_WS_MMA96=0",)) is False
     assert loader.switch_on("FLASHMOE_BWD_WS_MMA96", ("-DFLASHMOE_BWD_WS_MMA96=1",)) is True
+    assert loader.switch_on("FLASHMOE_BWD_WS_MMA96", ("FLASHMOE_BWD_WS_MMA96",)) is True  # (-DNAME)
     monkeypatch.setenv(loader.DEFINES_VAR, "FLASHMOE_BWD_WS=1,FLASHMOE_BWD_CAUSAL_LPT=0")
     assert loader.switch_on("FLASHMOE_BWD_CAUSAL_LPT") is False
     assert loader.switch_on("FLASHMOE_BWD_CAUSAL_LPT", ()) is default("FLASHMOE_BWD_CAUSAL_LPT")
