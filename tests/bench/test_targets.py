@@ -173,10 +173,16 @@ def test_mixed_lengths_add_up_stay_in_range_and_repeat():
 
 
 def test_varlen_work_is_the_dense_cases_work():
-    for causal in (False, True):
-        target = VarlenTarget("bf16", 128, 16, 16, 16384, 128, 4096, causal)
-        dense = [Case("prefill", "bf16", 1, 16, 16, n, n, 128, causal) for n in target.lengths]
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (True, (127, 0))):
+        target = VarlenTarget("bf16", 128, 16, 16, 16384, 128, 4096, causal, window=window)
+        dense = [
+            Case("prefill", "bf16", 1, 16, 16, n, n, 128, causal, window=window)
+            for n in target.lengths
+        ]
         assert target.flops == sum(c.flops for c in dense)
+    windowed = VarlenTarget("bf16", 64, 4, 4, 1024, 16, 256, True, window=(15, 0))
+    assert windowed.flops < VarlenTarget("bf16", 64, 4, 4, 1024, 16, 256, True).flops
+    assert windowed.id == "varlen-bf16-d64-h4-t1024-len16_256-causal-win15_0"
     paged = PagedTarget("bf16", 128, 32, 8, 4, 8192, 64)
     assert paged.contiguous.id == "dec-bf16-d128-h32kv8-b4-q1-k8192"
     assert paged.kv_bytes == paged.contiguous.kv_bytes == 128 * MIB
@@ -195,12 +201,12 @@ def measured(ms: float) -> Measured:
     return Measured(ms, ms, ms, 0.0, 10, 1.0, 1.0, None, None, None)
 
 
-def varlen_record(ratio: float | None, ours=None) -> VarlenRecord:
-    target = VarlenTarget("bf16", 128, 16, 16, 16384, 128, 4096, True)
+def varlen_record(ratio: float | None, ours=None, window=(-1, -1)) -> VarlenRecord:
+    target = VarlenTarget("bf16", 128, 16, 16, 16384, 128, 4096, True, window=window)
     ours = ours or measured(1.0)
     return VarlenRecord(
         target.id, "varlen", "bf16", 128, 16, 16, True, list(target.lengths), target.flops,
-        ours, measured(ratio or 1.0), ratio,
+        ours, measured(ratio or 1.0), ratio, list(window) if window != (-1, -1) else None,
     )  # fmt: skip
 
 
@@ -239,6 +245,7 @@ def target_validator() -> jsonschema.Draft202012Validator:
 def test_target_records_round_trip_and_the_schema_rejects_bad_ones():
     records = [
         varlen_record(0.97),
+        varlen_record(0.9, window=(127, 0)),
         paged_record(64, 0.99, 0.92),
         paged_record(16, 0.9, None),
         paged_record(64, 0.99, 0.92, orders=[0.98, 1.0, None]),
@@ -260,14 +267,19 @@ def test_target_records_round_trip_and_the_schema_rejects_bad_ones():
             {**doc, "ours": {"status": "ok"}},
         ):
             assert list(validator.iter_errors(bad)), bad
-    paged = benchrecords.to_json(records[3])
+    paged = benchrecords.to_json(records[4])
     assert list(validator.iter_errors({**paged, "orders_ms": []}))
     assert list(validator.iter_errors({**paged, "orders_ms": [-1.0]}))
-    host = benchrecords.to_json(records[4])
+    host = benchrecords.to_json(records[5])
     assert list(validator.iter_errors({**host, "call": "prefill"}))
     assert list(validator.iter_errors({**host, "ratio": -1}))
     varlen = benchrecords.to_json(records[0])
     assert list(validator.iter_errors({**varlen, "id": "fwd-bf16-d128-h16-b4-s4096-causal"}))
+    assert "window" not in varlen  # (no window: the record reads as before it had one)
+    windowed = benchrecords.to_json(records[1])
+    assert windowed["window"] == [127, 0] and windowed["id"].endswith("-causal-win127_0")
+    assert list(validator.iter_errors({**windowed, "window": [127]}))
+    assert list(validator.iter_errors({**windowed, "window": [-2, 0]}))
 
 
 def test_a_bench_record_with_targets_is_written_and_loaded(tmp_path):
@@ -985,9 +997,21 @@ def test_report_leaves_the_section_out_when_nothing_is_judged(tmp_path, fixture_
 # --------------------------------------------------------------------------------------------------
 
 
-def test_varlen_and_its_dense_baseline_compute_the_same_attention():
-    target = VarlenTarget("bf16", 64, 4, 4, 700, 16, 256, True)
+@pytest.mark.parametrize("window", [(-1, -1), (15, 0)], ids=["no-window", "window"])
+def test_varlen_and_its_dense_baseline_compute_the_same_attention(window):
+    """Both sides of a varlen target on the CPU, window included: the same attention, and with a
+    window not the attention without it (each side takes it)."""
+    target = VarlenTarget("bf16", 64, 4, 4, 700, 16, 256, True, window=window)
     packed, dense = targetmeasure.varlen_calls(target, "cpu")
+    if window != (-1, -1):
+        plain_packed, plain_dense = targetmeasure.varlen_calls(
+            dataclasses.replace(target, window=(-1, -1)), "cpu"
+        )
+        assert not torch.allclose(packed().float(), plain_packed().float(), atol=2e-2)
+        assert not all(
+            torch.allclose(a.float(), b.float(), atol=2e-2)
+            for a, b in zip(dense(), plain_dense(), strict=True)
+        )
     out = packed()
     by_length = {o.shape[2]: o for o in dense()}  # [n, H, L, D] per distinct length
     seen = dict.fromkeys(by_length, 0)

@@ -278,6 +278,8 @@ class VarlenRecord:
     ours: Result
     dense: Result
     ratio: float | None  # dense time / ours: varlen's throughput over the dense kernel's
+    # window_size (left, right) of both sides, where the target has one
+    window: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
 
 
 @dataclasses.dataclass

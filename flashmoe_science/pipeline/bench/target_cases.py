@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from ..cases import ELEMENT_BYTES, FLOP_FACTORS, Case
+from ..cases import ELEMENT_BYTES, FLOP_FACTORS, Case, feature_suffix, normal_window
+from ..masks import visible_pairs
 from .smallmodel import swiglu_width
 
 HOST_CALLS = ("decode", "decode-lens", "paged64", "varlen")
@@ -60,7 +61,8 @@ def _heads(heads_q: int, heads_kv: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class VarlenTarget:
     """flash_attention_varlen_forward on a packed batch against flash_attention_forward on the same
-    sequences, one dense call per distinct length."""
+    sequences, one dense call per distinct length; both with `window` (window_size) where given,
+    so that the packed features kernels are timed against the dense ones."""
 
     dtype: str
     head_dim: int
@@ -71,6 +73,10 @@ class VarlenTarget:
     longest: int
     causal: bool
     kind: str = "varlen"
+    window: tuple[int, int] = (-1, -1)
+
+    def __post_init__(self):
+        object.__setattr__(self, "window", normal_window(self.window, self.causal))
 
     @property
     def id(self) -> str:
@@ -78,6 +84,7 @@ class VarlenTarget:
         return (
             f"varlen-{self.dtype}-d{self.head_dim}-{_heads(self.heads_q, self.heads_kv)}"
             f"-t{self.total}-len{self.shortest}_{self.longest}-{mask}"
+            + feature_suffix(self.window, 0.0, False)
         )
 
     @property
@@ -86,7 +93,11 @@ class VarlenTarget:
 
     @property
     def flops(self) -> int:
-        """The dense cases' accounting summed over the sequences (halved for causal, Sq == Sk)."""
+        """The dense cases' accounting summed over the sequences (halved for causal, Sq == Sk;
+        with a window, the (query, key) pairs it lets through)."""
+        if self.window != (-1, -1):
+            pairs = sum(visible_pairs(n, n, self.causal, self.window) for n in self.lengths)
+            return 4 * self.heads_q * pairs * self.head_dim
         per = [4 * self.heads_q * n * n * self.head_dim for n in self.lengths]
         return sum(f // 2 if self.causal else f for f in per)
 

@@ -93,7 +93,8 @@ def varlen_calls(
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """(the packed call, the dense calls): flash_attention_varlen_forward on the packed batch, and
     flash_attention_forward once per distinct length on those sequences stacked as [n, H, L, D]
-    (the dense kernel's own layout), run back to back in one callable."""
+    (the dense kernel's own layout), run back to back in one callable; both with the target's
+    window."""
     lengths = target.lengths
     seed = case_seed(target.id)
     q = _randn((target.total, target.heads_q, target.head_dim), target.dtype, device, seed)
@@ -109,13 +110,18 @@ def varlen_calls(
             return torch.stack([t[s : s + length] for s in rows]).transpose(1, 2).contiguous()
 
         groups.append((stack(q), stack(k), stack(v)))
-    api, causal, longest = ops(), target.causal, max(lengths)
+    api, causal, longest, window = ops(), target.causal, max(lengths), target.window
 
     def packed():
-        return api.flash_attention_varlen_forward(q, k, v, cu, cu, longest, longest, causal)
+        return api.flash_attention_varlen_forward(
+            q, k, v, cu, cu, longest, longest, causal, window_size=window
+        )
 
     def dense():
-        return [api.flash_attention_forward(qg, kg, vg, causal) for qg, kg, vg in groups]
+        return [
+            api.flash_attention_forward(qg, kg, vg, causal, window_size=window)
+            for qg, kg, vg in groups
+        ]
 
     return packed, dense
 
@@ -150,6 +156,7 @@ def run_varlen(
         ours=_without_samples(ours),
         dense=_without_samples(baseline),
         ratio=_time_ratio(baseline, ours),
+        window=list(target.window) if target.window != (-1, -1) else None,
     )
 
 
