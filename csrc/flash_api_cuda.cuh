@@ -1476,18 +1476,18 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   // stays within the grid). Unforced, only past head dim 64 and from 2,048 keys: at 64 it gained
   // nothing, and 512 keys ran 10-12% slower than the 2-D grid (backward.md, bwd v7b measured).
   p.lpt_pairs = 0;
-  const int64_t forced_lpt_pairs = bwd_lpt_pairs_override();
-  if (p.ws && !deterministic && p.window_right == 0 && p.window_left < 0 &&
-      (forced_lpt_pairs > 0 || (head_dim > 64 && p.seqlen_k >= 2048))) {
-    const int64_t pair_bytes = int64_t(p.heads_ratio) * q.size(2) *
-                               (q.size(3) * 2 + v.size(3) * 2 + int64_t(head_dim) * 4);
-    const int64_t fit =
-        std::max<int64_t>(1, (int64_t(40) << 20) / std::max<int64_t>(1, pair_bytes));
-    int64_t pairs = 1;
-    while (pairs * 2 <= fit)
-      pairs *= 2;
-    if (forced_lpt_pairs > 0) pairs = forced_lpt_pairs;
-    p.lpt_pairs = int(std::min<int64_t>(pairs, int64_t(p.batch) * p.heads_kv));
+  if (p.ws && !deterministic && p.window_right == 0 && p.window_left < 0) {
+    int64_t pairs = bwd_lpt_pairs_override();
+    if (pairs == 0 && head_dim > 64 && p.seqlen_k >= 2048) {
+      const int64_t pair_bytes = int64_t(p.heads_ratio) * q.size(2) *
+                                 (q.size(3) * 2 + v.size(3) * 2 + int64_t(head_dim) * 4);
+      const int64_t fit =
+          std::max<int64_t>(1, (int64_t(40) << 20) / std::max<int64_t>(1, pair_bytes));
+      pairs = 1;
+      while (pairs * 2 <= fit)
+        pairs *= 2;
+    }
+    if (pairs > 0) p.lpt_pairs = int(std::min<int64_t>(pairs, int64_t(p.batch) * p.heads_kv));
   }
 #endif
 #endif

@@ -30,11 +30,12 @@ def cxx20_uses(text: str) -> list[str]:
     """'line N: what' for every C++20-only construct in C++ source `text`, comments and string
     literals left out (line numbers kept)."""
     code = COMMENT_OR_STRING.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), text)
-    found = []
-    for pattern, what in CXX20_ONLY.items():
-        for match in re.finditer(pattern, code):
-            found.append(f"line {code.count(chr(10), 0, match.start()) + 1}: {what}")
-    return sorted(found, key=lambda s: int(s.split()[1].rstrip(":")))
+    found = sorted(
+        (code.count("\n", 0, match.start()) + 1, what)
+        for pattern, what in CXX20_ONLY.items()
+        for match in re.finditer(pattern, code)
+    )
+    return [f"line {line}: {what}" for line, what in found]
 
 
 def test_the_scan_catches_cxx20_and_leaves_comments_alone():
