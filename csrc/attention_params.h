@@ -132,17 +132,17 @@ namespace flashmoe {
 // and 2,048 keys or more (where it was measured faster; FLASHMOE_BWD_LPT_PAIRS forces it on any
 // causal call): in sections of (batch, KV head) pairs whose q, dout and dq_accum fit in 40 MB of
 // L2 (BwdParams::lpt_pairs), each section's key blocks from the first (the longest walk under the
-// mask), so that the last blocks to start are short ones (backward.md, bwd v7b). Off until the
-// gate matrix passes with it on a GPU.
+// mask), so that the last blocks to start are short ones (backward.md, bwd v7b).
+// -DFLASHMOE_BWD_CAUSAL_LPT=0 is the 2-D grid on every call.
 #ifndef FLASHMOE_BWD_CAUSAL_LPT
-#define FLASHMOE_BWD_CAUSAL_LPT 0
+#define FLASHMOE_BWD_CAUSAL_LPT 1
 #endif
 // The warp-specialized tile run padded at head dims up to 96 (q's, k's and v's) with its
 // products over the head dim spanning 96 of its 128 columns (Sm90BwdPadded96Traits): S^T's and
 // dP^T's reductions and dV's and dK's widths; dQ's stay 64 a warpgroup (backward.md, bwd v7c:
-// 8-14% at d=96). Off until the gate matrix passes with it on a GPU.
+// 8-14% at d=96). -DFLASHMOE_BWD_WS_MMA96=0 runs them over all 128.
 #ifndef FLASHMOE_BWD_WS_MMA96
-#define FLASHMOE_BWD_WS_MMA96 0
+#define FLASHMOE_BWD_WS_MMA96 1
 #endif
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
