@@ -80,3 +80,16 @@ def test_nox_s_report_exits_2_on_an_unreadable_input_and_says_nothing_of_uv(tmp_
     assert done.returncode == exitcodes.USAGE, output
     assert "gates.json is unreadable" in output
     assert "uv binary not found" not in output
+
+
+def test_nox_s_build_builds_the_plant_unit_too_and_passes_the_users_arguments(noxfile, monkeypatch):
+    """The test stage's planted-bug tests load the plant unit: the build session compiles it beside
+    the library's (on 2 cores the cold test stage waited ~6 s for it otherwise)."""
+    ran = []
+    monkeypatch.setattr(noxfile.subprocess, "call", lambda cmd, cwd: ran.append(cmd) or 0)
+    session = Session()
+    session.posargs = ["--backend", "cpu"]
+    noxfile.build(session)
+    assert ran == [
+        [noxfile.PYTHON, "-m", "flashmoe_science", "build", "--plants", "--backend", "cpu"]
+    ]
