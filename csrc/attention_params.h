@@ -144,6 +144,15 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_WS_MMA96
 #define FLASHMOE_BWD_WS_MMA96 1
 #endif
+// The wgmma backward past head dim 128 (Sm90BwdWideTraits) copying each step's Q and dO by TMA
+// (one thread, an mbarrier a buffer; the maps of the warp-specialized tile's tma_q and tma_do)
+// instead of cp.async by all 256 threads, whose address arithmetic was about a quarter of its main
+// loop's instructions (benches/notes/backward.md, bwd v5.9). Off until the gates and a bench pass
+// with it on a GPU; it needs FLASHMOE_BWD_WS (the maps).
+#ifndef FLASHMOE_BWD_WIDE_TMA
+#define FLASHMOE_BWD_WIDE_TMA 0
+#endif
+#define FLASHMOE_BWD_WIDE_QDO_TMA (FLASHMOE_BWD_WIDE_TMA && FLASHMOE_BWD_WS)
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
 // running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:
@@ -303,6 +312,9 @@ struct BwdParams {
   int* dq_order;
   int dq_order_rows;  // the query rows a counter of dq_order stands for (the tile's)
   bool ws;
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+  bool wide_tma;  // the wide kernel's q and dout maps (boxes of its 64 query rows) encoded
+#endif
 #if FLASHMOE_BWD_CAUSAL_LPT
   // non-deterministic causal calls on the tile: the (batch, KV head) pairs a section of its 1-D
   // grid (at most the call's pairs); 0: the (key block, batch x KV head) grid

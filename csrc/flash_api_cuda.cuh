@@ -1448,6 +1448,16 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   p.ws = false;
   p.dq_order = nullptr;
   at::Tensor dq_order;
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+  // the wide kernel's Q and dO by TMA where the driver encodes their maps (else cp.async)
+  p.wide_tma =
+      config == kSm90aBwdConfig && head_dim > 128 && q.size(3) == head_dim && v.size(3) % 64 == 0 &&
+      encode_kv_map(p.tma_q, q.data_ptr(), q.scalar_type() == at::kHalf, q.size(2), q.size(1),
+                    q.size(0), p.q_row_stride, p.q_head_stride, p.q_batch_stride, head_dim, 64) &&
+      encode_kv_map(p.tma_do, dout.data_ptr(), q.scalar_type() == at::kHalf, q.size(2), q.size(1),
+                    q.size(0), p.do_row_stride, p.do_head_stride, p.do_batch_stride, int(v.size(3)),
+                    64);
+#endif
   if (ws_tile) {
     const bool fp16 = q.scalar_type() == at::kHalf;
     // the tile's query rows a step: the boxes of q and dout, and a counter's rows

@@ -748,7 +748,8 @@ struct Sm90BwdWideTraits {
   // each). dK and dV are staged in Q's and dO's buffers at the end.
   static constexpr int kTileBytes =
       (kBlockN + 2 * kBlockM) * (kHeadDim + kHeadDimV) * 2 + 2 * kBlockM * kBlockN * 2;
-  static constexpr int kSmemBytes = kTileBytes + 4 * kBlockM * 4;
+  // + two mbarriers where Q and dO come by TMA (FLASHMOE_BWD_WIDE_TMA), after lse and delta
+  static constexpr int kSmemBytes = kTileBytes + 4 * kBlockM * 4 + 16 * FLASHMOE_BWD_WIDE_QDO_TMA;
   // Rows of the staged dK (dV): padded by 8 elements, so the transposing stores hit 32 banks.
   static constexpr int kStagePitch = kHeadDim + 8, kStagePitchV = kHeadDimV + 8;
   static_assert((kHeadDim == 192 || kHeadDim == 256) &&
@@ -782,6 +783,12 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
   T* sdS = sP + BM * BN;                                  // [BM queries][BN keys]
   float* sLse = reinterpret_cast<float*>(sdS + BM * BN);  // [2][BM]
   float* sDelta = sLse + 2 * BM;                          // [2][BM]
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+  // Q and dO by TMA (p.wide_tma): buffer s's copies complete its mbarrier, whose k-th phase is
+  // the buffer's k-th step (steps s, s + 2, ...)
+  uint64_t* qdo_full = reinterpret_cast<uint64_t*>(sDelta + 2 * BM);  // [2]
+  const bool qdo_tma = p.wide_tma;
+#endif
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wg = kRole >= 0 ? kRole : warp / 4;
@@ -812,13 +819,25 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
   auto step_m0 = [&](int step) { return (m_begin + step % m_count) * BM; };
   auto issue_step = [&](int step) {
     const int buf = step & 1, h = step_head(step), m0 = step_m0(step);
-    const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-    const T* do_base = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
-    load_kv_tile<D, BM, kThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0, p.seqlen_q,
-                                        D / 8, tid);
-    load_kv_tile<DV, BM, kThreads, true>(sdO + buf * BM * DV, do_base, p.do_row_stride, m0,
-                                         p.seqlen_q, DV / 8, tid);
-    cp_async_commit();
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+    if (qdo_tma) {  // whole boxes, rows past Sq zero-filled; the panels as load_kv_tile lays them
+      if (tid == 0) {
+        sm90::mbar_arrive_expect_tx(&qdo_full[buf], uint32_t(BM * (D + DV) * 2));
+        sm90::tma_load_5d(sQ + buf * BM * D, p.tma_q, &qdo_full[buf], 0, m0, 0, h, b);
+        sm90::tma_load_5d(sdO + buf * BM * DV, p.tma_do, &qdo_full[buf], 0, m0, 0, h, b);
+      }
+    } else
+#endif
+    {
+      const T* q_base = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+      const T* do_base =
+          static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+      load_kv_tile<D, BM, kThreads, true>(sQ + buf * BM * D, q_base, p.q_row_stride, m0, p.seqlen_q,
+                                          D / 8, tid);
+      load_kv_tile<DV, BM, kThreads, true>(sdO + buf * BM * DV, do_base, p.do_row_stride, m0,
+                                           p.seqlen_q, DV / 8, tid);
+      cp_async_commit();
+    }
     if (tid < BM) {
       const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0 + tid;
       const bool valid = m0 + tid < p.seqlen_q;
@@ -859,11 +878,26 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
       for (int e = 0; e < 4; ++e)
         acc[t][nt][e] = 0.f;
 
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+  if (qdo_tma) {
+    if (tid == 0) {
+      sm90::prefetch_tensor_map(p.tma_q);
+      sm90::prefetch_tensor_map(p.tma_do);
+      sm90::mbar_init(&qdo_full[0], 1);  // the copying thread's expect_tx
+      sm90::mbar_init(&qdo_full[1], 1);
+      sm90::mbar_init_fence();
+    }
+    sync_block();
+  }
+#endif
   if (steps > 0) issue_step(0);
   for (int step = 0; step < steps; ++step) {
     const int buf = step & 1, m0 = step_m0(step);
     cp_async_wait<0>();
     sm90::fence_proxy_async();
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+    if (qdo_tma) sm90::mbar_wait(&qdo_full[buf], (step >> 1) & 1);
+#endif
     sync_block();  // the step's tiles have landed; step - 1 is done with buf ^ 1, P and dS
 
     float acc_s[4][4], acc_dp[4][4];

@@ -978,11 +978,13 @@ def traits_smem(kernel: str) -> int:
         head_dim, head_dim_v = (int(g) for g in match.groups())
         block_n = block_m = 64
         # K and V, Q and dO double-buffered (q's and k's head dim, v's), P and dS (queries x keys),
-        # then lse and delta double-buffered (fp32)
+        # then lse and delta double-buffered (fp32), and where Q and dO come by TMA two mbarriers
+        tma = loader.switch_on("FLASHMOE_BWD_WIDE_TMA") and loader.switch_on("FLASHMOE_BWD_WS")
         return (
             (block_n + 2 * block_m) * (head_dim + head_dim_v) * 2
             + 2 * block_m * block_n * 2
             + 4 * block_m * 4
+            + 2 * 8 * tma
         )
     if match := re.search(r"Sm90BwdWsTraits<(\d+)>", kernel):
         head_dim = int(match.group(1))
