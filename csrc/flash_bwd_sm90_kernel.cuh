@@ -896,7 +896,8 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     cp_async_wait<0>();
     sm90::fence_proxy_async();
 #if FLASHMOE_BWD_WIDE_QDO_TMA
-    if (qdo_tma) sm90::mbar_wait(&qdo_full[buf], (step >> 1) & 1);
+    // planted 29: the other phase, which has completed already (a read before the copy lands)
+    if (qdo_tma) sm90::mbar_wait(&qdo_full[buf], ((step >> 1) & 1) ^ int(planted(29)));
 #endif
     sync_block();  // the step's tiles have landed; step - 1 is done with buf ^ 1, P and dS
 

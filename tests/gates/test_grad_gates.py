@@ -337,6 +337,20 @@ def test_planted_first_panel_fails_the_wide_wgmma_backward_and_only_it(check_pla
     _check_wgmma_backward_plant(check_plant_split, 25, WIDE_SM90A_BACKWARD_PLANT)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_planted_early_read_fails_the_wide_backward_by_tma_and_only_it(check_plant_split):
+    """With FLASHMOE_PLANT_BUG=29 the wide kernel's steps wait on the wrong phase of their Q and
+    dO copies' mbarrier (bwd v5.9, FLASHMOE_BWD_WIDE_TMA) and read the buffers before the copies
+    land: every wide case on configuration 3 fails a gradient gate; the 128 tile on 3 and
+    configuration 2 at 192 pass."""
+    if not loader.switch_on("FLASHMOE_BWD_WIDE_TMA"):
+        pytest.skip(
+            "the stage's build has FLASHMOE_BWD_WIDE_TMA off: the wide kernel's copies are cp.async"
+        )
+    _check_wgmma_backward_plant(check_plant_split, 29, WIDE_SM90A_BACKWARD_PLANT)
+
+
 def test_the_backward_plants_cases_are_gate_cases():
     """Plant 25's cases are GPU gate cases, its failing ones forced onto configuration 3 past 128
     (each wide kernel: 192, 256, v's 128 under 192), a deterministic one among them; plants 4 to 6
