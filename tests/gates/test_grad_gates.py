@@ -344,9 +344,10 @@ def test_planted_early_read_fails_the_wide_backward_by_tma_and_only_it(check_pla
     dO copies' mbarrier (bwd v5.9, FLASHMOE_BWD_WIDE_TMA) and read the buffers before the copies
     land: every wide case on configuration 3 fails a gradient gate; the 128 tile on 3 and
     configuration 2 at 192 pass."""
-    if not loader.switch_on("FLASHMOE_BWD_WIDE_TMA"):
+    if not (loader.switch_on("FLASHMOE_BWD_WIDE_TMA") and loader.switch_on("FLASHMOE_BWD_WS")):
         pytest.skip(
-            "the stage's build has FLASHMOE_BWD_WIDE_TMA off: the wide kernel's copies are cp.async"
+            "the stage's build has FLASHMOE_BWD_WIDE_TMA (or FLASHMOE_BWD_WS, whose maps it uses) "
+            "off: the wide kernel's copies are cp.async"
         )
     _check_wgmma_backward_plant(check_plant_split, 29, WIDE_SM90A_BACKWARD_PLANT)
 
