@@ -1448,26 +1448,27 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   p.ws = false;
   p.dq_order = nullptr;
   at::Tensor dq_order;
+  // q's and dout's maps (p.tma_q, p.tma_do) of `q_cols` and `dout_cols` columns in boxes of
+  // `box_rows` rows: the warp-specialized tile's, or the wide kernel's (FLASHMOE_BWD_WIDE_TMA)
+  auto encode_q_dout_maps = [&](int q_cols, int dout_cols, int box_rows, bool by_panel) {
+    const bool fp16 = q.scalar_type() == at::kHalf;
+    return encode_kv_map(p.tma_q, q.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
+                         p.q_row_stride, p.q_head_stride, p.q_batch_stride, q_cols, box_rows,
+                         by_panel) &&
+           encode_kv_map(p.tma_do, dout.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
+                         p.do_row_stride, p.do_head_stride, p.do_batch_stride, dout_cols, box_rows,
+                         by_panel);
+  };
 #if FLASHMOE_BWD_WIDE_QDO_TMA
   // the wide kernel's Q and dO by TMA where the driver encodes their maps (else cp.async)
-  p.wide_tma =
-      config == kSm90aBwdConfig && head_dim > 128 && q.size(3) == head_dim && v.size(3) % 64 == 0 &&
-      encode_kv_map(p.tma_q, q.data_ptr(), q.scalar_type() == at::kHalf, q.size(2), q.size(1),
-                    q.size(0), p.q_row_stride, p.q_head_stride, p.q_batch_stride, head_dim, 64) &&
-      encode_kv_map(p.tma_do, dout.data_ptr(), q.scalar_type() == at::kHalf, q.size(2), q.size(1),
-                    q.size(0), p.do_row_stride, p.do_head_stride, p.do_batch_stride, int(v.size(3)),
-                    64);
+  p.wide_tma = config == kSm90aBwdConfig && head_dim > 128 && q.size(3) == head_dim &&
+               v.size(3) % 64 == 0 && encode_q_dout_maps(head_dim, int(v.size(3)), 64, false);
 #endif
   if (ws_tile) {
-    const bool fp16 = q.scalar_type() == at::kHalf;
     // the tile's query rows a step: the boxes of q and dout, and a counter's rows
     const int box_rows = head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
-    p.ws = encode_kv_map(p.tma_q, q.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
-                         p.q_row_stride, p.q_head_stride, p.q_batch_stride,
-                         ws_padded ? int(q.size(3)) : head_dim, box_rows, ws_padded) &&
-           encode_kv_map(p.tma_do, dout.data_ptr(), fp16, q.size(2), q.size(1), q.size(0),
-                         p.do_row_stride, p.do_head_stride, p.do_batch_stride,
-                         ws_padded ? int(v.size(3)) : head_dim, box_rows, ws_padded) &&
+    p.ws = encode_q_dout_maps(ws_padded ? int(q.size(3)) : head_dim,
+                              ws_padded ? int(v.size(3)) : head_dim, box_rows, ws_padded) &&
            encode_dq_map(p.dq_map, dq_accum.data_ptr<float>(), q.size(2), q.size(0) * q.size(1),
                          head_dim);
     if (p.ws && deterministic) {  // a counter a query block of the tile's rows
