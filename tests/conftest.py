@@ -74,13 +74,15 @@ def require_cuda_build(has_cuda_kernels):
     it; a forced tile configuration (forward or backward) this GPU or build cannot run skips,
     saying what it needs (ops.config_unsupported_reason, ops.backward_config_unsupported_reason),
     and so do head dims the CUDA kernels do not take (ops.head_dims_unsupported_reason: q's and
-    k's `head_dim`, v's `head_dim_v`, 0 for the same)."""
+    k's `head_dim`, v's `head_dim_v`, 0 for the same), and a gate `case` whose kernels a
+    restricted build left out (gates.kernels.outside_reason)."""
 
     def require(
         config: int = 0,
         backward_config: int = 0,
         head_dim: int = 64,
         head_dim_v: int = 0,
+        case=None,
     ) -> None:
         if not has_cuda_kernels:
             pytest.fail(
@@ -101,6 +103,10 @@ def require_cuda_build(has_cuda_kernels):
             or config_unsupported_reason(config, capability)
             or backward_config_unsupported_reason(backward_config, capability)
         )
+        if not reason and case is not None:
+            from flashmoe_science.pipeline.gates import kernels
+
+            reason = kernels.outside_reason(case, kernels.build_restriction())
         if reason:
             pytest.skip(reason)
 

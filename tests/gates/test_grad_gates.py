@@ -48,6 +48,7 @@ def test_grad_gate_cuda(case, record_gate, require_cuda_build):
         backward_config=case.config,
         head_dim=case.head_dim,
         head_dim_v=case.head_dim_v,
+        case=case,
     )
     _run(case, "cuda", record_gate)
 

@@ -173,3 +173,35 @@ def test_every_gate_case_is_found_by_its_id():
         assert kernels.gate_case(case.id) == case
     with pytest.raises(ValueError, match="no varlen or paged gate case has the id 'varlen-x'"):
         kernels.gate_case("varlen-x")
+
+
+def test_a_restricted_build_runs_the_gates_it_holds_and_skips_the_rest_saying_why(monkeypatch):
+    """A CUDA gate on a restricted build (FLASHMOE_BUILD_ONLY, or FLASHMOE_ONLY_* defines) skips,
+    naming a kernel the build left out, where its case runs one (a backward gate's automatic
+    forward may take the mma.sync or the decode kernel); the full build skips none of the matrix."""
+    full = _loader.Restriction()
+    assert not [case.id for case in ALL_GATE_CASES if kernels.outside_reason(case, full)]
+
+    wide = parse_case_id("bwd-bf16-d256-h8-b2-s129-full")
+    narrow = parse_case_id("bwd-bf16-d64-h8-b2-s129-full")
+    by_op = _loader.Restriction.parse("op=fwd_sm90a,bwd_sm90a head_dim=192,256")
+    assert kernels.outside_reason(wide, by_op) == (
+        "outside this restricted build ('op=fwd_sm90a,bwd_sm90a head_dim=192,256'): the case "
+        "also runs bwd (bf16, head_dim 256), combine (bf16, head_dim 256), decode (bf16, "
+        "head_dim 256), fwd (bf16, head_dim 256); unset FLASHMOE_BUILD_ONLY and rebuild for the "
+        "whole matrix"
+    )
+    by_dim = _loader.Restriction.parse("head_dim=192,256")
+    assert kernels.outside_reason(wide, by_dim) is None
+    assert "bwd (bf16, head_dim 64)" in kernels.outside_reason(narrow, by_dim)
+    forced = parse_case_id("bwd-bf16-d256-h8-b2-s129-full-cfg3")
+    assert "also runs combine (bf16, head_dim 256), decode" in kernels.outside_reason(forced, by_op)
+    split_v = parse_case_id("bwd-bf16-d192v128-h8-b2-s129-full")  # its combine is v's width
+    assert "also runs combine (bf16, head_dim 128);" in kernels.outside_reason(split_v, by_dim)
+
+    monkeypatch.setenv(_loader.ONLY_VAR, "head_dim=192,256 dtype=bf16")
+    assert kernels.build_restriction().text() == "head_dim=192,256 dtype=bf16"
+    monkeypatch.delenv(_loader.ONLY_VAR)
+    monkeypatch.setenv(_loader.DEFINES_VAR, "FLASHMOE_ONLY_HEAD_DIMS=64")
+    assert kernels.build_restriction().text() == "head_dim=64"
+    assert kernels.build_restriction(()).text() == ""

@@ -37,7 +37,7 @@ def test_gate_paged_cpu(case, record_gate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_gate_paged_cuda(case, record_gate, require_cuda_build):
-    require_cuda_build(head_dim=case.head_dim, head_dim_v=case.head_dim_v)
+    require_cuda_build(head_dim=case.head_dim, head_dim_v=case.head_dim_v, case=case)
     _run(case, "cuda", record_gate)
 
 

@@ -182,6 +182,27 @@ def test_gates_json_counts_gates_apart_from_tests(tmp_path):
     assert (rec["total"], rec["failed"], rec["worst_case"]) == (2, 0, "c2")
     assert rec["provenance"]["commit"] == provenance.commit()
     assert rec["provenance"]["run_id"]
+    assert rec["restriction"] is None  # the full build
+
+
+def test_gates_skipped_on_a_restricted_build_are_said_to_be(tmp_path, capsys):
+    """gates.json names the restriction the gates ran on, and the verdict says the skipped ones
+    may be its left-out kernels' and how to run them; the full build's verdict stays as it was."""
+    rec = run_suite(tmp_path, env={"FLASHMOE_BUILD_ONLY": "head_dim=192,256 dtype=bf16"})
+    assert (rec["outcome"], rec["restriction"]) == ("passed", "head_dim=192,256 dtype=bf16")
+    assert testing.verdict(rec, 1.0) == exitcodes.OK
+    said = capsys.readouterr().out
+    assert (
+        "test: all gates passed (2 of 2; 1 skipped: a GPU they need or kernels this build "
+        "restricted to 'head_dim=192,256 dtype=bf16' left out (unset FLASHMOE_BUILD_ONLY for the "
+        "whole matrix))"
+    ) in said
+    g, t = counts((0, 0, 4, 0), (0, 0, 0, 4))
+    skipped = {"outcome": "gates-skipped-need-gpu", "gates": g, "tests": t, "selection": {}}
+    assert testing.verdict({**skipped, "restriction": "head_dim=64"}, 1.0) == exitcodes.ENV_BROKEN
+    assert "holds, or unset FLASHMOE_BUILD_ONLY and rebuild" in capsys.readouterr().err
+    testing.verdict(skipped, 1.0)
+    assert "Run it on a GPU machine" in capsys.readouterr().err
 
 
 def test_a_failing_gate_and_a_failing_other_test_are_told_apart(tmp_path, capsys):

@@ -35,7 +35,7 @@ def test_gate_varlen_cpu(case, record_gate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c.id}-cuda")
 def test_gate_varlen_cuda(case, record_gate, require_cuda_build):
-    require_cuda_build(case.config, head_dim=case.head_dim, head_dim_v=case.head_dim_v)
+    require_cuda_build(case.config, head_dim=case.head_dim, head_dim_v=case.head_dim_v, case=case)
     _run(case, "cuda", record_gate)
 
 

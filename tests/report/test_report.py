@@ -662,6 +662,20 @@ def test_gates_and_tests_are_counted_apart(tmp_path):
     assert "| ✅ | test | 692 of 692 gates passed · 1,008 tests passed |" in text
 
 
+def test_gates_skipped_on_a_restricted_build_say_so_in_the_stage_row(tmp_path):
+    reports = copy_fixture("passing", tmp_path)
+    rewrite(
+        reports / "gates.json",
+        gates={"ran": 24, "passed": 24, "failed": 0, "skipped": 438},
+        tests={"passed": 24, "failed": 0, "skipped": 438},
+        restriction="head_dim=192,256",
+    )
+    _, text = render_dir(reports)
+    assert (
+        "| test | 24 of 24 gates passed, 438 skipped (a build restricted to `head_dim=192,256`)"
+    ) in text
+
+
 def test_a_run_with_the_tests_marked_long_says_so(tmp_path):
     reports = copy_fixture("passing", tmp_path)
     rewrite(reports / "gates.json", selection={"keyword": None, "gates_only": False, "long": True})

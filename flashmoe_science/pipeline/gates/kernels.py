@@ -2,7 +2,8 @@
 flashmoe_science._loader.Restriction; csrc/build_only.cuh).
 
 A planted-bug test on the GPU builds only the kernels its cases' gates run (restriction_for), and
-a restricted build runs only the cases it holds (holds). A case's needs are what its gate calls:
+a restricted build runs only the cases it holds (holds): the sanitizer's workload keeps those, and
+a CUDA gate whose case needs a kernel the build left out skips, saying which (outside_reason). A case's needs are what its gate calls:
 the operator under test and the gate's own cross-checks (a varlen or paged gate also runs our dense
 forward on the same inputs). Where a case leaves the tile configuration or the split count to the
 automatic choice, which depends on the GPU, it needs every kernel that choice may take.
@@ -10,9 +11,9 @@ automatic choice, which depends on the GPU, it needs every kernel that choice ma
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from ..._loader import ONLY_OPS, Restriction, tile_head_dim
+from ..._loader import ONLY_OPS, Restriction, env_defines, env_restriction, tile_head_dim
 from ..cases import Case, parse_case_id
 from .paged import PagedCase, paged_cases
 from .varlen import VarlenCase, varlen_cases
@@ -97,6 +98,35 @@ def restriction_for_cases(cases: Iterable[Case | VarlenCase | PagedCase]) -> Res
 def holds(restriction: Restriction, wanted: Iterable[Need]) -> bool:
     """Whether a build restricted so runs every need (the full build runs all)."""
     return all(restriction.holds(*need) for need in wanted)
+
+
+def build_restriction(defines: Sequence[str] | None = None) -> Restriction:
+    """The restriction of the build this process loads: FLASHMOE_BUILD_ONLY's, or that of the
+    FLASHMOE_ONLY_* defines among `defines` (default: FLASHMOE_BUILD_DEFINES')."""
+    return env_restriction() or Restriction.from_defines(
+        env_defines() if defines is None else defines
+    )
+
+
+def outside_reason(case: Case | VarlenCase | PagedCase, restriction: Restriction) -> str | None:
+    """Why a build so restricted cannot run the case's gate, in one line naming a kernel it lacks
+    and what to do; None where it holds every kernel the case runs (the full build holds all)."""
+    missing = sorted(
+        (need for need in needs(case) if not restriction.holds(*need)),
+        key=lambda need: (need[0], need[1], need[2], need[3] or 0),
+    )
+    if not missing:
+        return None
+
+    def named(need: Need) -> str:
+        op, dtype, head_dim, config = need
+        return f"{op} ({dtype}, head_dim {head_dim}{f', config {config}' if config else ''})"
+
+    return (
+        f"outside this restricted build ({restriction.text()!r}): the case also runs "
+        f"{', '.join(map(named, missing))}; unset FLASHMOE_BUILD_ONLY and rebuild for the whole "
+        "matrix"
+    )
 
 
 def gate_case(case_id: str) -> Case | VarlenCase | PagedCase:

@@ -44,6 +44,9 @@ that far (the build failed, pytest could not start). Schema "flashmoe-science/ga
                 (ci/selection.py): {"sha", "run_id", "run_url", "key", "timestamp"} of main's
                 run whose verdict this pull request's leg reused; its counts and worst figures
                 are that run's, and no case rows come with them
+  restriction   the build restriction the gates ran on (FLASHMOE_BUILD_ONLY's spelling,
+                gates.kernels.build_restriction), whose left-out kernels' gates skipped; null for
+                the full build
   workers       one row per process that ran tests, in id order: {"id": pytest-xdist's worker id
                 ("gw0", ...) or "main" (no workers), "cuda_visible_devices": the GPU it was
                 given (devices.py; null: not pinned), "gpu": the device name it saw (null: none),
@@ -56,7 +59,8 @@ OUTCOMES, and what `python -m flashmoe_science test` exits with for each:
   no-gates-selected           tests ran (and passed), none of them a gate             255
                               (0 with --no-gates-ok)
   gates-skipped-need-gpu      every selected gate was skipped (a CUDA case without     255
-                              a GPU, or an sm_90 configuration on an older card)
+                              a GPU, an sm_90 configuration on an older card, or
+                              kernels a restricted build left out)
   no-tests-collected          the selection matched nothing (pytest exit 5)           255
   interrupted                 pytest was interrupted, or collection failed            255
   error                       pytest failed to run (usage or internal error), or the  255
@@ -214,13 +218,15 @@ def write_record(
     workers: Iterable[dict] = (),
     reused: dict | None = None,
     worst: dict | None = None,
+    restriction: str | None = None,
     tree: Path = REPO_ROOT,
 ) -> dict:
     """Write gates.json into the report directory (atomically) and return what was written.
     Counts left out are zero: the stage stopped before any test ran. `training`: the training
     run's losses and outcome where it ran (TRAINING), else null. `workers`: the processes that
     ran tests and the GPU each used. `reused` and `worst`: main's run whose verdict stands in
-    for a test run, and its worst figures (ci/selection.py). `tree`: the checkout it describes."""
+    for a test run, and its worst figures (ci/selection.py). `restriction`: the restricted build's
+    spelling, None for the full build. `tree`: the checkout it describes."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome={outcome!r}; supported: {', '.join(OUTCOMES)}")
     if gates is None or tests is None:
@@ -245,6 +251,7 @@ def write_record(
         "worst_ratio": max((r.get("ratio") or 0.0) for r in rows) if rows else None,
         "cases": sorted(rows, key=lambda r: (r.get("outcome") == "passed", r.get("case_id", ""))),
         "training": training,
+        "restriction": restriction or None,
         "workers": sorted(workers, key=lambda w: _worker_order(str(w.get("id")))),
     }
     if reused is not None:
@@ -257,6 +264,13 @@ def write_record(
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
     return doc
+
+
+def _restriction_text() -> str | None:
+    """The spelling of the restriction of the build the gates ran on; None for the full build."""
+    from . import kernels
+
+    return kernels.build_restriction().text() or None
 
 
 def _worker_order(worker_id: str) -> tuple[int, str]:
@@ -438,6 +452,7 @@ class GateRecorder:
             reason=self.reason(outcome, int(exitstatus), gates, tests),
             training=self.training,
             workers=self.workers.values(),
+            restriction=_restriction_text(),
         )
 
     def pytest_terminal_summary(self, terminalreporter) -> None:

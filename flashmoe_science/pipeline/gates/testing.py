@@ -523,8 +523,14 @@ def verdict(record: dict, elapsed: float, no_gates_ok: bool = False) -> int:
     passed_tests = _plural(tests["passed"], "test") + " passed"
     other_failed = tests["failed"] + tests["errors"] - gates["failed"]
     code = EXIT_CODES[outcome]
+    restriction = record.get("restriction")
     if outcome == PASSED:
         skipped = f"; {gates['skipped']:,} skipped, need a GPU" if gates["skipped"] else ""
+        if gates["skipped"] and restriction:
+            skipped = (
+                f"; {gates['skipped']:,} skipped: a GPU they need or kernels this build restricted "
+                f"to {restriction!r} left out (unset FLASHMOE_BUILD_ONLY for the whole matrix)"
+            )
         counts = f"{gates['passed']:,} of {gates['ran']:,}{skipped}"
         line = f"test: all gates passed ({counts}) · {passed_tests} {took}"
     elif outcome == FAILED:
@@ -553,6 +559,13 @@ def verdict(record: dict, elapsed: float, no_gates_ok: bool = False) -> int:
                 f"test: {passed_tests}; no gate selected, so no verdict on correctness (exit "
                 f"{code}). Select gates ({LIST_HINT}) or pass --no-gates-ok if that was meant"
             )
+    elif outcome == GATES_SKIPPED_NEED_GPU and restriction:
+        line = (
+            f"test: every selected gate ({gates['skipped']:,}) was skipped: "
+            f"{record.get('reason') or 'skipped'}; no verdict on this commit (exit {code}). Select "
+            f"gates whose kernels the build restricted to {restriction!r} holds, or unset "
+            "FLASHMOE_BUILD_ONLY and rebuild"
+        )
     elif outcome == GATES_SKIPPED_NEED_GPU:
         line = (
             f"test: every selected gate ({gates['skipped']:,}) was skipped: "

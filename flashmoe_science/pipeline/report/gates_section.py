@@ -74,8 +74,9 @@ def _count(block: Any, key: str) -> int:
 
 
 def gates_text(gates: dict) -> str:
-    """'692 of 692 gates passed', '3 of 24 gates failed', 'no gate ran, 1 skipped'. The case rows
-    count too: a failed row is never hidden behind counts that say otherwise."""
+    """'692 of 692 gates passed', '3 of 24 gates failed', 'no gate ran, 1 skipped'; on a
+    restricted build, the skipped ones say so. The case rows count too: a failed row is never
+    hidden behind counts that say otherwise."""
     g = gates.get("gates")
     rows = [c for c in gates.get("cases") or [] if isinstance(c, dict)]
     ran = max(_count(g, "ran"), len([c for c in rows if c.get("outcome") != "skipped"]))
@@ -87,6 +88,9 @@ def gates_text(gates: dict) -> str:
         text = f"{failed:,} of {ran:,} gates failed"
     else:
         text = f"{_count(g, 'passed'):,} of {ran:,} gates passed"
+    restriction = gates.get("restriction")
+    if skipped and isinstance(restriction, str) and restriction:
+        return f"{text}, {skipped:,} skipped (a build restricted to {md.code(restriction, 120)})"
     return text + (f", {skipped:,} skipped" if skipped else "")
 
 

@@ -190,6 +190,7 @@ GATES = _record(
         "worst_max_diff": _NUMBER,
         "worst_ratio": _NUMBER,
         "worst_case": _SHORT,
+        "restriction": _SHORT,
         "cases": _list(_CASE),
         "reused": {
             "type": ["object", "null"],

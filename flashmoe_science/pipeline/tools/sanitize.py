@@ -179,20 +179,14 @@ def workload_cases(restriction: _loader.Restriction | None = None) -> list:
     the causal mask over odd lengths, then the decode paths, the backward, packed batches and paged
     decode. Shapes rotate through GQA ratios 1 and 4, batch 1 and 2, both layouts and forced or
     automatic split counts. On a restricted build (`restriction`; None: this process's,
-    build_restriction), the cases whose kernels it holds, in the same order."""
+    gates.kernels.build_restriction), the cases whose kernels it holds, in the same order."""
     from ..gates import kernels
 
-    restriction = build_restriction(_loader.env_defines()) if restriction is None else restriction
+    restriction = kernels.build_restriction() if restriction is None else restriction
     cases = _all_workload_cases()
     if restriction:
         cases = [case for case in cases if kernels.holds(restriction, case_needs(case))]
     return cases
-
-
-def build_restriction(defines: Sequence[str]) -> _loader.Restriction:
-    """The restriction of the build the workload runs on: FLASHMOE_BUILD_ONLY's, or that of the
-    FLASHMOE_ONLY_* defines among `defines`."""
-    return _loader.env_restriction() or _loader.Restriction.from_defines(defines)
 
 
 def case_needs(case) -> set:
@@ -1287,7 +1281,9 @@ def run(args, tools: list[str]) -> int:
     if isinstance(library, int):
         return library
 
-    restriction = build_restriction(defines)
+    from ..gates import kernels
+
+    restriction = kernels.build_restriction(defines)
     total = len(workload_cases(restriction))
     with_defines = f" with -D{' -D'.join(defines)}" if defines else ""
     if restriction:  # the calls are the workload's cases this build holds
