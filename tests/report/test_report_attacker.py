@@ -108,10 +108,13 @@ def test_free_text_that_fits_the_schema_is_escaped(folder):
     _dump(env, folder / "env.json")
     gates = _load(folder / "gates.json")
     gates["worst_case"] = HOSTILE[:900]
+    gates["restriction"] = HOSTILE[:900]  # said where gates skipped
+    gates["gates"]["skipped"] = 3
     _dump(gates, folder / "gates.json")
     code, text = render(folder)
     assert_safe(text, code)
     assert code == exitcodes.OK
+    assert "skipped (a build restricted to `" in text
     assert "&lt;img src=x" in text and "@\u200bocto" in text and "\\[click\\]" in text
 
 
