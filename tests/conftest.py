@@ -172,8 +172,9 @@ def planted_process_env(
 # A gate script's process ends once its verdict is printed, without the interpreter's finalization:
 # on an H100 (torch 2.11), 2 to 3 of 20 such processes run five at a time aborted in it after
 # printing a complete verdict ("terminate called without an active exception", no Python frame
-# on the stack), with and without the bwd v7 switches (benches/notes/harness.md, v5.20). A
-# script that raises never reaches this line, so its failure still shows.
+# on the stack), with and without the bwd v7 switches (benches/notes/harness.md, v5.20; likely
+# torch's autograd device thread at exit, pytorch/pytorch#38228). A script that raises never
+# reaches this line, so its failure still shows.
 PLANT_SCRIPT_EXIT = "\nimport os, sys\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n"
 
 
