@@ -170,6 +170,30 @@ def test_prefill_summary_is_latency_bound_on_registers():
     assert lines[5].startswith("    verdict: latency-bound (")
 
 
+def test_the_l2s_throughput_and_bytes_by_operation_where_the_report_has_them():
+    """The L2's figures come from the report's sections (no metric asked for by name that an ncu
+    could refuse): all sources' sectors where present, else the SMs' (srcunit_tex), 32 bytes
+    each; the summary line says them, and a report without them leaves the line out."""
+    metrics = {
+        "gpu__time_duration.sum": 1e6,
+        "lts__throughput.avg.pct_of_peak_sustained_elapsed": 84.2,
+        "lts__t_sectors_op_read.sum": 4e6,
+        "lts__t_sectors_srcunit_tex_op_read.sum": 1.0,  # the all-sources count wins
+        "lts__t_sectors_srcunit_tex_op_red.sum": 2e6,
+    }
+    assert profile.l2_figures(metrics) == (84.2, {"read": 128e6, "red": 64e6})
+    assert profile.l2_figures({"gpu__time_duration.sum": 1.0}) == (None, {})
+    launch = {"kernel": "flash_bwd_sm90_wide_block", "name": "k", "metrics": metrics}
+    fig = profile.kernel_figures([launch], None, CEILINGS, 132)
+    fig["verdict"] = profile.classify_bound(fig)
+    lines = profile.format_kernel(fig)
+    assert "    L2 84% of peak; by operation: read 128 MB, red 64 MB" in lines
+    summary = profile.summarize(
+        profile.parse_ncu_csv(PREFILL_CSV), bench.parse_case_id(PREFILL_ID), CEILINGS, None
+    )
+    assert not [line for line in profile.format_kernel(summary["kernels"][0]) if "L2" in line]
+
+
 def test_decode_summary_memory_then_launch():
     case = bench.parse_case_id(DECODE_ID)
     summary = profile.summarize(profile.parse_ncu_csv(DECODE_CSV), case, CEILINGS, 132)

@@ -115,6 +115,16 @@ METRICS = (
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
 )
+# The L2's figures where the report holds them (the sections' own breakdowns; not asked for by
+# name, so an ncu that lacks one still profiles): its throughput, and its sectors (32 bytes) by
+# operation, all sources or the SMs' alone, whichever the report has: reads, writes, reductions
+# (the backward's dQ adds) and atomics.
+L2_PCT_METRICS = (
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "lts__t_sectors.avg.pct_of_peak_sustained_elapsed",
+)
+L2_OPS = ("read", "write", "red", "atom")
+L2_SECTOR_BYTES = 32
 NCU_UNUSABLE = (
     re.compile(r"ERR_NVGPUCTRPERM"),
     re.compile(r"Failed to initialize the profiler", re.IGNORECASE),
@@ -331,6 +341,19 @@ def _pct(value: float | None, ceiling: float | None) -> float | None:
     return 100.0 * value / ceiling if value is not None and ceiling else None
 
 
+def l2_figures(metrics: dict) -> tuple[float | None, dict[str, float]]:
+    """(the L2's throughput in % of its peak, bytes by operation) from one launch's metrics; None
+    and {} where the report has none of them."""
+    pct = next((metrics[name] for name in L2_PCT_METRICS if name in metrics), None)
+    by_op = {}
+    for op in L2_OPS:
+        for name in (f"lts__t_sectors_op_{op}.sum", f"lts__t_sectors_srcunit_tex_op_{op}.sum"):
+            if name in metrics:
+                by_op[op] = metrics[name] * L2_SECTOR_BYTES
+                break
+    return pct, by_op
+
+
 def kernel_figures(
     launches: list[dict], flops: int | None, ceilings: dict, sm_count: int | None
 ) -> dict:
@@ -356,6 +379,7 @@ def kernel_figures(
     matmul_tflops = (ceilings.get("matmul") or {}).get("tflops")
     if sm_count is None and "device__attribute_multiprocessor_count" in metrics:
         sm_count = int(metrics["device__attribute_multiprocessor_count"])
+    l2_pct, l2_bytes = l2_figures(metrics)
     return {
         "kernel": launches[0]["kernel"],
         "name": launches[0]["name"],
@@ -385,6 +409,8 @@ def kernel_figures(
         "bank_conflicts_st": metrics.get(
             "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
         ),
+        "l2_pct_of_peak": l2_pct,
+        "l2_bytes": l2_bytes,
         "top_stalls": top_stalls(metrics),
     }
 
@@ -526,6 +552,9 @@ def format_kernel(fig: dict) -> list[str]:
         f"    shared-memory bank conflicts: {_g(fig['bank_conflicts_ld'])} on loads, "
         f"{_g(fig['bank_conflicts_st'])} on stores"
     )
+    if fig.get("l2_pct_of_peak") is not None or fig.get("l2_bytes"):
+        ops = ", ".join(f"{op} {_g(b / 1e6)} MB" for op, b in fig["l2_bytes"].items()) or "-"
+        lines.append(f"    L2 {_g(fig.get('l2_pct_of_peak'), 2, '%')} of peak; by operation: {ops}")
     stalls = ", ".join(f"{r} {v:.3g}" for r, v in fig["top_stalls"]) or "-"
     lines.append(f"    top stalls (cycles per issued instruction): {stalls}")
     verdict = fig["verdict"]
