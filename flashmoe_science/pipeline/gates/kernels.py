@@ -5,8 +5,9 @@ A planted-bug test on the GPU builds only the kernels its cases' gates run (rest
 a restricted build runs only the cases it holds (holds): the sanitizer's workload keeps those, and
 a CUDA gate whose case needs a kernel the build left out skips, saying which (outside_reason). A
 case's needs are what its gate calls: the operator under test and the gate's own cross-checks (a
-varlen or paged gate also runs our dense forward on the same inputs). Where a case leaves the tile configuration or the split count to the
-automatic choice, which depends on the GPU, it needs every kernel that choice may take.
+varlen or paged gate also runs our dense forward on the same inputs). Where a case leaves the tile
+configuration or the split count to the automatic choice, which depends on the GPU, it needs every
+kernel that choice may take.
 """
 
 from __future__ import annotations
