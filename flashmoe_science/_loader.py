@@ -594,6 +594,14 @@ def env_restriction() -> Restriction:
     return Restriction.parse(os.environ.get(ONLY_VAR, ""))
 
 
+def build_restriction(defines: Sequence[str] | None = None) -> Restriction:
+    """The restriction of the build this process loads: FLASHMOE_BUILD_ONLY's, or that of the
+    FLASHMOE_ONLY_* defines among `defines` (default: FLASHMOE_BUILD_DEFINES', env_defines)."""
+    return env_restriction() or Restriction.from_defines(
+        env_defines() if defines is None else defines
+    )
+
+
 def restricted_defines(defines: Sequence[str], only: str | None) -> tuple[str, ...]:
     """`defines` with the restriction's: `only` (a FLASHMOE_BUILD_ONLY text; None: the
     variable's), or FLASHMOE_ONLY_* defines given by hand, checked and spelt one way; given both

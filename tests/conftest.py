@@ -106,7 +106,7 @@ def require_cuda_build(has_cuda_kernels):
         if not reason and case is not None:
             from flashmoe_science.pipeline.gates import kernels
 
-            reason = kernels.outside_reason(case, kernels.build_restriction())
+            reason = kernels.outside_reason(case, loader.build_restriction())
         if reason:
             pytest.skip(reason)
 

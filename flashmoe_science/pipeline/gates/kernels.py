@@ -12,9 +12,9 @@ kernel that choice may take.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from ..._loader import ONLY_OPS, Restriction, env_defines, env_restriction, tile_head_dim
+from ..._loader import ONLY_OPS, Restriction, tile_head_dim
 from ..cases import Case, parse_case_id
 from .paged import PagedCase, paged_cases
 from .varlen import VarlenCase, varlen_cases
@@ -99,14 +99,6 @@ def restriction_for_cases(cases: Iterable[Case | VarlenCase | PagedCase]) -> Res
 def holds(restriction: Restriction, wanted: Iterable[Need]) -> bool:
     """Whether a build restricted so runs every need (the full build runs all)."""
     return all(restriction.holds(*need) for need in wanted)
-
-
-def build_restriction(defines: Sequence[str] | None = None) -> Restriction:
-    """The restriction of the build this process loads: FLASHMOE_BUILD_ONLY's, or that of the
-    FLASHMOE_ONLY_* defines among `defines` (default: FLASHMOE_BUILD_DEFINES')."""
-    return env_restriction() or Restriction.from_defines(
-        env_defines() if defines is None else defines
-    )
 
 
 def outside_reason(case: Case | VarlenCase | PagedCase, restriction: Restriction) -> str | None:

@@ -45,7 +45,7 @@ that far (the build failed, pytest could not start). Schema "flashmoe-science/ga
                 run whose verdict this pull request's leg reused; its counts and worst figures
                 are that run's, and no case rows come with them
   restriction   the build restriction the gates ran on (FLASHMOE_BUILD_ONLY's spelling,
-                gates.kernels.build_restriction), whose left-out kernels' gates skipped; null for
+                _loader.build_restriction), whose left-out kernels' gates skipped; null for
                 the full build
   workers       one row per process that ran tests, in id order: {"id": pytest-xdist's worker id
                 ("gw0", ...) or "main" (no workers), "cuda_visible_devices": the GPU it was
@@ -267,10 +267,11 @@ def write_record(
 
 
 def _restriction_text() -> str | None:
-    """The spelling of the restriction of the build the gates ran on; None for the full build."""
-    from . import kernels
+    """The spelling of the restriction of the build the gates ran on; None for the full build.
+    (From the loader, which imports no torch: this runs at the end of every session.)"""
+    from ... import _loader
 
-    return kernels.build_restriction().text() or None
+    return _loader.build_restriction().text() or None
 
 
 def _worker_order(worker_id: str) -> tuple[int, str]:

@@ -179,10 +179,10 @@ def workload_cases(restriction: _loader.Restriction | None = None) -> list:
     the causal mask over odd lengths, then the decode paths, the backward, packed batches and paged
     decode. Shapes rotate through GQA ratios 1 and 4, batch 1 and 2, both layouts and forced or
     automatic split counts. On a restricted build (`restriction`; None: this process's,
-    gates.kernels.build_restriction), the cases whose kernels it holds, in the same order."""
+    _loader.build_restriction), the cases whose kernels it holds, in the same order."""
     from ..gates import kernels
 
-    restriction = kernels.build_restriction() if restriction is None else restriction
+    restriction = _loader.build_restriction() if restriction is None else restriction
     cases = _all_workload_cases()
     if restriction:
         cases = [case for case in cases if kernels.holds(restriction, case_needs(case))]
@@ -1281,9 +1281,7 @@ def run(args, tools: list[str]) -> int:
     if isinstance(library, int):
         return library
 
-    from ..gates import kernels
-
-    restriction = kernels.build_restriction(defines)
+    restriction = _loader.build_restriction(defines)
     total = len(workload_cases(restriction))
     with_defines = f" with -D{' -D'.join(defines)}" if defines else ""
     if restriction:  # the calls are the workload's cases this build holds
