@@ -185,6 +185,20 @@ def test_gates_json_counts_gates_apart_from_tests(tmp_path):
     assert rec["restriction"] is None  # the full build
 
 
+def test_the_end_of_a_session_imports_no_torch():
+    """The plugin ends every pytest session, the stage's small subprocess ones too, so what it reads
+    there (the build's restriction) comes from the loader, never through torch (~3 s a session on
+    2 cores)."""
+    check = (
+        "import sys; from flashmoe_science.pipeline.gates import plugin; "
+        "plugin._restriction_text(); assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_gates_skipped_on_a_restricted_build_are_said_to_be(tmp_path, capsys):
     """gates.json names the restriction the gates ran on, and the verdict says the skipped ones
     may be its left-out kernels' and how to run them; the full build's verdict stays as it was."""
