@@ -199,6 +199,15 @@ def test_the_end_of_a_session_imports_no_torch():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_the_record_names_the_restriction_even_one_the_build_refuses(monkeypatch):
+    monkeypatch.setenv("FLASHMOE_BUILD_ONLY", "head_dim=256 op=bwd_sm90a")
+    assert gate_plugin._restriction_text() == "op=bwd_sm90a head_dim=256"
+    monkeypatch.setenv("FLASHMOE_BUILD_ONLY", "head_dim=96")  # not a tile: the build refuses it
+    assert gate_plugin._restriction_text() == "head_dim=96"
+    monkeypatch.delenv("FLASHMOE_BUILD_ONLY")
+    assert gate_plugin._restriction_text() is None
+
+
 def test_gates_skipped_on_a_restricted_build_are_said_to_be(tmp_path, capsys):
     """gates.json names the restriction the gates ran on, and the verdict says the skipped ones
     may be its left-out kernels' and how to run them; the full build's verdict stays as it was."""

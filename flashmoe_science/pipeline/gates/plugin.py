@@ -271,7 +271,10 @@ def _restriction_text() -> str | None:
     (From the loader, which imports no torch: this runs at the end of every session.)"""
     from ... import _loader
 
-    return _loader.build_restriction().text() or None
+    try:
+        return _loader.build_restriction().text() or None
+    except _loader.ConfigError:  # a spelling the build refuses: recorded as given, never a crash
+        return os.environ.get(_loader.ONLY_VAR) or None
 
 
 def _worker_order(worker_id: str) -> tuple[int, str]:
