@@ -41,6 +41,63 @@ def _hermetic_require_gpu(monkeypatch):
     monkeypatch.delenv("FLASHMOE_REQUIRE_GPU", raising=False)
 
 
+class TritonProbeState:
+    """torch.utils._triton.has_triton as this process first saw it, and whether its cached answer
+    has been checked against a fresh one (see _leaves_tritons_probe_alone)."""
+
+    def __init__(self) -> None:
+        self.original = None
+        self.checked = False
+
+
+_TRITON_PROBE = TritonProbeState()
+
+
+def triton_probe_left_wrong(modules=sys.modules, state: TritonProbeState = _TRITON_PROBE):
+    """Why torch's Triton probe is now wrong for the rest of this process (repaired); None when it
+    is right. Two ways a test can leave it wrong, each seen as a TritonMissing from a later
+    torch.compile on a GPU in the same worker: (1) torch._inductor.scheduler was first imported
+    while has_triton was patched, and bound the patch at its import; (2) has_triton caches its
+    answer (functools.cache) and was first called while CUDA looked unavailable (a patched
+    torch.cuda.is_available), so it holds False."""
+    probe = modules.get("torch.utils._triton")
+    if probe is None:
+        return None
+    if state.original is None:
+        state.original = probe.has_triton
+    original = state.original
+    scheduler = modules.get("torch._inductor.scheduler")
+    bound = getattr(scheduler, "has_triton", original)
+    if bound is not original and probe.has_triton is original:
+        scheduler.has_triton = original
+        return (
+            f"torch._inductor.scheduler.has_triton is {bound!r}: inductor was first imported while "
+            "torch.utils._triton.has_triton was patched; patch the module's own seam instead"
+        )
+    info = getattr(original, "cache_info", None)
+    if info is None or state.checked or not info().currsize:
+        return None
+    state.checked = True
+    if not original() and original.__wrapped__():
+        original.cache_clear()
+        return (
+            "torch.utils._triton.has_triton() was first called while CUDA looked unavailable and "
+            "cached False; call it (or torch.compile) outside the patch"
+        )
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _leaves_tritons_probe_alone():
+    """A test that leaves torch's Triton probe wrong fails, named, instead of a later
+    torch.compile on the same worker (test_opcheck_and_compile_of_forward_and_backward failed
+    with TritonMissing in a GPU job on a host whose Triton worked: benches/notes/harness.md)."""
+    yield
+    why = triton_probe_left_wrong()
+    if why:
+        pytest.fail(f"this test left torch's Triton probe wrong for its worker: {why}")
+
+
 @pytest.fixture(autouse=True)
 def _hermetic_reports(tmp_path_factory, monkeypatch):
     # A test that runs a pipeline command (build, bench, ...) writes and clears reports in a folder

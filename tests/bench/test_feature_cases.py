@@ -198,9 +198,7 @@ def test_where_flex_cannot_run_the_column_says_why_in_one_line(monkeypatch):
     ):
         fn, reason = flex.flex_call(parse_case_id(case_id), None, "cpu")
         assert fn is None and words in reason and "\n" not in reason
-    import torch.utils._triton as triton_check
-
-    monkeypatch.setattr(triton_check, "has_triton", lambda: False)
+    monkeypatch.setattr(flex, "triton_ready", lambda: False)
     assert "Triton is not installed" in flex.problem(window, "cuda")
     # a compile failure is the first line of its error, a record, not a crash
     x = make_inputs(window, "cpu")

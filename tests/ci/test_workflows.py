@@ -129,6 +129,18 @@ def test_every_job_has_a_timeout_and_explicit_permissions():
                     )
 
 
+def test_the_test_stage_stops_itself_before_its_step_is_killed():
+    """The GPU job's test step sets the stage's time limit (timelimit.py) inside its timeout, with
+    room for the stacks, the names and the record: a hung run names its tests in the log."""
+    from flashmoe_science.pipeline.gates import timelimit
+
+    test = next(s for s in steps(load("gpu-ci.yml")["jobs"]["gpu"]) if s.get("id") == "test")
+    limit = test["env"][timelimit.LIMIT_VAR]
+    for event in EVENTS:
+        margin = 60 * minutes(test["timeout-minutes"], event) - minutes(limit, event)
+        assert timelimit.GRACE_S + 15 <= margin <= 60, (event, margin)
+
+
 def test_long_gpu_steps_have_timeouts_that_leave_room_for_the_upload():
     job = load("gpu-ci.yml")["jobs"]["gpu"]
     for step in steps(job):

@@ -15,12 +15,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from flashmoe_science.pipeline import exitcodes, provenance
-from flashmoe_science.pipeline.gates import devices, testing
+from flashmoe_science.pipeline.gates import devices, testing, timelimit
 from flashmoe_science.pipeline.gates import plugin as gate_plugin
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
@@ -755,6 +756,74 @@ def test_a_failure_is_named_before_the_run_ends(tmp_path):
             assert proc.poll() is None, "the failure must be printed while the run goes on"
         finally:
             proc.kill()
+
+
+HANGS = """
+import time
+
+def test_passes():
+    pass
+
+def test_hangs_in_a_call():
+    time.sleep(600)
+"""
+HANG_LIMIT_S = 10.0  # time for two workers to start and begin both tests on a loaded 2-core CI
+
+
+@pytest.mark.slow
+def test_a_run_past_the_time_limit_names_the_tests_it_is_stuck_in(tmp_path, capfd):
+    """A run on workers that hangs stops at the stage's limit (timelimit.py) with the hung test
+    named by the controller and in the record, and its worker's stack printed; it does not wait
+    for the test. Slow (~11 s, mostly asleep): the one test that stops real pytest-xdist workers."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(
+        'pytest_plugins = ("flashmoe_science.pipeline.gates.plugin",)\n'
+    )
+    (suite / "test_hang.py").write_text(HANGS)
+    reports = tmp_path / "reports"
+    env = stage_env(
+        reports, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **{timelimit.LIMIT_VAR: f"{HANG_LIMIT_S:g}"}
+    )
+    cmd = [sys.executable, "-m", "pytest", "-p", "xdist.plugin", "-n", "2", "-q"]
+    start = time.monotonic()
+    rc = timelimit.run([*cmd, "-p", "no:cacheprovider", str(suite)], suite, env, HANG_LIMIT_S)
+    took = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert rc == 2
+    assert took < HANG_LIMIT_S + timelimit.GRACE_S / 2, (
+        "the controller exits once it has named them"
+    )
+    hung = "test_hang.py::test_hangs_in_a_call"
+    assert f"still running at the time limit: {hung} (for " in err, err
+    assert "in test_hangs_in_a_call" in err, "the worker's stack (faulthandler) names the function"
+    rec = record(reports)
+    assert rec["outcome"] == "interrupted" and rec["pytest_exit"] == 2
+    assert (
+        f"ran out ({HANG_LIMIT_S:g} s, {timelimit.LIMIT_VAR}) with 1 test still running: "
+        in (rec["reason"])
+    )
+    assert hung in rec["reason"] and rec["tests"]["passed"] == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
+def test_a_time_limit_that_is_not_a_positive_number_is_refused_in_one_line(value):
+    with pytest.raises(timelimit.LimitError) as raised:
+        timelimit.limit_from_env({timelimit.LIMIT_VAR: value})
+    message = str(raised.value)
+    assert "\n" not in message and repr(value) in message and "positive number" in message
+    assert timelimit.limit_from_env({timelimit.LIMIT_VAR: " 450 "}) == 450.0
+    assert timelimit.limit_from_env({timelimit.LIMIT_VAR: ""}) is None
+    assert timelimit.limit_from_env({}) is None
+
+
+def test_the_reason_names_the_longest_running_tests_first_and_counts_the_rest():
+    running = {f"t::{n}": 100.0 + n for n in range(7)}  # t::0 started first
+    lines = timelimit.running_text(running, now=200.0)
+    assert lines[0] == "t::0 (for 100 s)" and lines[-1] == "t::6 (for 94 s)"
+    text = timelimit.reason("450", lines)
+    assert "with 7 tests still running: t::0 (for 100 s)" in text and "; and 2 more" in text
+    assert "t::5" not in text and "no test running" in timelimit.reason("450", [])
 
 
 def test_commands_write_each_line_as_it_comes():

@@ -4,6 +4,7 @@ torch.library.opcheck; CUDA work runs on the current stream."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -671,6 +672,48 @@ def test_torch_compile(device):
         lambda q, k, v: flash_attention_forward(q, k, v, causal=True) * 2, fullgraph=True
     )
     torch.testing.assert_close(compiled(q, k, v), flash_attention_forward(q, k, v, causal=True) * 2)
+
+
+def test_a_test_that_leaves_tritons_probe_wrong_is_caught_and_the_probe_repaired():
+    """tests/conftest.py's guard against a test that breaks torch.compile for the rest of its
+    worker, on stand-ins for torch's modules: inductor's scheduler bound to a patched probe, and a
+    cached False where a fresh probe says True (a GPU with Triton)."""
+    from types import SimpleNamespace
+
+    from conftest import TritonProbeState, triton_probe_left_wrong
+
+    def has_triton():
+        return True
+
+    patched = SimpleNamespace(has_triton=lambda: False)
+    modules = {
+        "torch.utils._triton": SimpleNamespace(has_triton=has_triton),
+        "torch._inductor.scheduler": patched,
+    }
+    why = triton_probe_left_wrong(modules, TritonProbeState())
+    assert "inductor was first imported while" in why and patched.has_triton is has_triton
+
+    answers = iter([False, True])  # its first call under a patch, then a fresh one
+
+    @functools.cache
+    def cached():
+        return next(answers)
+
+    assert cached() is False
+    why = triton_probe_left_wrong(
+        {"torch.utils._triton": SimpleNamespace(has_triton=cached)}, TritonProbeState()
+    )
+    assert "cached False" in why and cached.cache_info().currsize == 0
+    # right answers, cached or not: nothing to say (a CPU machine's False included)
+    for answer in (True, False):
+        cached = functools.cache(lambda answer=answer: answer)
+        cached()
+        assert (
+            triton_probe_left_wrong(
+                {"torch.utils._triton": SimpleNamespace(has_triton=cached)}, TritonProbeState()
+            )
+            is None
+        )
 
 
 @pytest.mark.gpu

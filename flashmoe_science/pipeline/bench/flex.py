@@ -85,6 +85,15 @@ def softcap_mod(softcap: float) -> Callable:
     return capped
 
 
+def triton_ready() -> bool:
+    """Whether torch finds a working Triton for this machine's GPU (what Flex compiles to). A test
+    patches this, not torch's probe: inductor binds torch's at its first import, so a patch of it
+    in force then would outlive the test."""
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
 def problem(case: Case, device: str) -> str | None:
     """Why compiled Flex cannot time this case here; None when it can try."""
     try:
@@ -92,9 +101,7 @@ def problem(case: Case, device: str) -> str | None:
     except ImportError:
         return f"FlexAttention needs torch 2.5 or newer; this torch is {torch.__version__}"
     if device == "cuda":
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
+        if not triton_ready():
             return "FlexAttention compiles to Triton on CUDA and Triton is not installed here"
         return None
     if case.kind != "prefill":

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -80,7 +81,7 @@ import pytest
 
 from ..paths import REPO_ROOT, report_dir
 from ..provenance import provenance
-from . import devices
+from . import devices, timelimit
 
 SCHEMA = "flashmoe-science/gates/2"
 RECORD = "gates.json"
@@ -312,6 +313,25 @@ class GateRecorder:
         self.twins_left_out = 0  # CPU twins this run leaves out (--no-cpu-twins)
         # worker id -> {"id", "cuda_visible_devices", "gpu", "gates", "tests"}
         self.workers: dict[str, dict] = {}
+        self.running: dict[str, float] = {}  # nodeid -> when it started (time.monotonic)
+
+    def pytest_runtest_logstart(self, nodeid: str, location) -> None:
+        # on the controller under pytest-xdist too: the tests a time limit names (timelimit.py)
+        self.running[nodeid] = time.monotonic()
+
+    def pytest_runtest_logfinish(self, nodeid: str, location) -> None:
+        self.running.pop(nodeid, None)
+
+    def stopped_at_the_limit(self) -> None:
+        """The controller's part of a run stopped at the stage's time limit: the tests still
+        running, on stderr and as the reason of an interrupted record."""
+        lines = timelimit.running_text(self.running)
+        for line in lines:
+            print(f"test: still running at the time limit: {line}", file=sys.stderr, flush=True)
+        for nodeid in self.running:  # begun, never finished: neither passed nor failed
+            self.outcomes.pop(nodeid, None)
+        limit = os.environ.get(timelimit.LIMIT_VAR, "").strip()
+        self.write(INTERRUPTED, 2, timelimit.reason(limit, lines))
 
     def _worker(self, worker_id: str) -> dict:
         return self.workers.setdefault(
@@ -440,9 +460,15 @@ class GateRecorder:
             self.workers[MAIN].update(here, gpu=devices.gpu_name())
         gates, tests = self.counts()
         outcome = classify(int(exitstatus), gates, tests, self.collection_errors)
+        self.write(outcome, int(exitstatus), self.reason(outcome, int(exitstatus), gates, tests))
+
+    def write(self, outcome: str, exitstatus: int, reason: str | None) -> None:
+        """gates.json for this session's tests so far."""
+        config = self.config
+        gates, tests = self.counts()
         write_record(
             outcome=outcome,
-            pytest_exit=int(exitstatus),
+            pytest_exit=exitstatus,
             selected=selection(
                 config.option.keyword,
                 config.option.markexpr,
@@ -453,7 +479,7 @@ class GateRecorder:
             gates=gates,
             tests=tests,
             rows=self.rows,
-            reason=self.reason(outcome, int(exitstatus), gates, tests),
+            reason=reason,
             training=self.training,
             workers=self.workers.values(),
             restriction=_restriction_text(),
@@ -545,4 +571,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"{CPU}: tests the CPU implementation alone, on any machine (--no-cpu-twins leaves it out)",
     )
-    config.pluginmanager.register(GateRecorder(config), "flashmoe-gate-recorder")
+    recorder = GateRecorder(config)
+    config.pluginmanager.register(recorder, "flashmoe-gate-recorder")
+    if os.environ.get(timelimit.LIMIT_VAR, "").strip() and not config.option.collectonly:
+        watch = timelimit.Watch(hasattr(config, "workerinput"), recorder.stopped_at_the_limit)
+        watch.install()
+        config.add_cleanup(watch.uninstall)

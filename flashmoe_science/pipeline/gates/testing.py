@@ -19,7 +19,8 @@ pytest-xdist workers (each imports torch and collects), or even one more process
 costs more than such a run. A larger one runs on pytest-xdist workers spread over every GPU of the
 machine, one GPU each (devices.py); the whole suite (no -k, no paths) goes to them without being
 collected here first. pytest runs with its plugin autoload off, so plugins installed in a reused
-interpreter (pytest-benchmark, ...) stay out.
+interpreter (pytest-benchmark, ...) stay out. FLASHMOE_TEST_TIME_LIMIT (seconds) stops a run on
+workers that hangs, naming the tests it is stuck in and printing their stacks (timelimit.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .. import exitcodes
 from ..cli import program
 from ..paths import REPO_ROOT, report_dir, require_gpu_from_env
 from ..provenance import clear_outputs
-from . import devices
+from . import devices, timelimit
 from . import plugin as gate_plugin
 from .plugin import (
     ERROR,
@@ -396,6 +397,11 @@ def main(argv: list[str]) -> int:
         return code
 
     try:
+        limit = timelimit.limit_from_env()
+    except timelimit.LimitError as exc:
+        print(f"test: {exc}", file=sys.stderr)
+        return stopped(exitcodes.ENV_BROKEN, str(exc))
+    try:
         import torch
     except ImportError as exc:
         print(
@@ -439,7 +445,7 @@ def main(argv: list[str]) -> int:
         if workers.isdigit() and int(workers) > 0 and gpus:
             why = f" ({devices.placement_text(int(workers), gpus)})"
         print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
-        rc = run_here(cmd[3:], env) if workers == "0" else run_command(cmd, env)
+        rc = run_here(cmd[3:], env) if workers == "0" else run_command(cmd, env, limit)
     elapsed = time.monotonic() - start
     record = _read_record()
     if record is None:  # pytest stopped before its session ended (usage or internal error)
@@ -478,8 +484,11 @@ def run_selection(
     return None, str(devices.worker_count(os.cpu_count(), gpus))
 
 
-def run_command(cmd: list[str], env: dict[str, str]) -> int:
-    """The stage's pytest on workers, in a process of its own."""
+def run_command(cmd: list[str], env: dict[str, str], limit: float | None = None) -> int:
+    """The stage's pytest on workers, in a process of its own; stopped past `limit` seconds with
+    the tests it is stuck in named (timelimit.py)."""
+    if limit is not None:
+        return timelimit.run(cmd, REPO_ROOT, env, limit)
     with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
         try:
             return proc.wait()

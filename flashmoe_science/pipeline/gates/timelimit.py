@@ -1,0 +1,153 @@
+"""The test stage's time limit: a run that hangs names the tests it is stuck in before it stops.
+
+A CI step that runs out of time is killed with everything under it, so a hung test (a kernel that
+never returns, a child process that never exits) leaves a log that ends in a line of dots and a
+report that says only that the stage did not finish. With FLASHMOE_TEST_TIME_LIMIT set to a number
+of seconds, the stage's run on pytest-xdist workers (testing.run_command) stops itself first:
+
+  1. it sends SIGNAL to pytest's process group (pytest runs in a session of its own);
+  2. each worker prints every thread's stack to stderr (faulthandler, which needs no cooperation
+     from a thread stuck in C); the controller names each test still running and for how long,
+     writes gates.json as interrupted with those names as its reason, and exits;
+  3. after GRACE_S, whatever is left of the group is killed.
+
+The stage then exits 255 (no verdict), its last line naming the tests. The GPU job sets the limit
+below its step's timeout-minutes (tests/ci/test_workflows.py checks the margin). A selection small
+enough to run in the stage's own process (testing.SERIAL_MAX_TESTS) runs without the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+LIMIT_VAR = "FLASHMOE_TEST_TIME_LIMIT"
+SIGNAL = signal.SIGUSR1
+GRACE_S = 10.0  # after SIGNAL: time for the stacks, the names and the record, then SIGKILL
+NAMED_MAX = 5  # tests named in the record's reason; the stage's output lists them all
+
+
+class LimitError(ValueError):
+    """FLASHMOE_TEST_TIME_LIMIT holds something other than a positive number of seconds."""
+
+
+def limit_from_env(env: dict[str, str] | None = None) -> float | None:
+    """The limit in seconds; None where LIMIT_VAR is unset or empty. Raises LimitError (one line)
+    for anything else that is not a positive number."""
+    text = (os.environ if env is None else env).get(LIMIT_VAR, "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise LimitError(
+            f"{LIMIT_VAR}={text!r}: supported: a positive number of seconds (e.g. 450), or unset "
+            "for no limit"
+        )
+    return seconds
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str], limit: float) -> int:
+    """Run `cmd` (pytest on workers) in a session of its own; past `limit` seconds, stop it as the
+    module's docstring says and return pytest's interrupted status (2) unless it exited itself."""
+    with subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True) as proc:
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            print(
+                f"test: the time limit ran out ({limit:g} s, {LIMIT_VAR}): every worker prints its "
+                "threads' stacks and the tests still running are named below",
+                file=sys.stderr,
+                flush=True,
+            )
+            _signal_group(proc.pid, SIGNAL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=GRACE_S)
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return 2
+        except KeyboardInterrupt:  # Ctrl-C reaches this process alone: pass it on to pytest's
+            _signal_group(proc.pid, signal.SIGINT)
+            return proc.wait()
+        finally:
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def running_text(running: dict[str, float], now: float | None = None) -> list[str]:
+    """`nodeid (for N s)`, longest running first."""
+    now = time.monotonic() if now is None else now
+    order = sorted(running.items(), key=lambda item: item[1])
+    return [f"{nodeid} (for {now - started:.0f} s)" for nodeid, started in order]
+
+
+def reason(limit_text: str, lines: list[str]) -> str:
+    """The record's one-line reason for a run stopped at the limit."""
+    if not lines:
+        return (
+            f"the stage's time limit ran out ({limit_text} s, {LIMIT_VAR}) with no test running "
+            "(a worker starting or ending); the workers' stacks are in the stage's output"
+        )
+    shown = "; ".join(lines[:NAMED_MAX])
+    more = f"; and {len(lines) - NAMED_MAX} more" if len(lines) > NAMED_MAX else ""
+    return (
+        f"the stage's time limit ran out ({limit_text} s, {LIMIT_VAR}) with "
+        f"{len(lines)} test{'' if len(lines) == 1 else 's'} still running: {shown}{more}; "
+        "their stacks are in the stage's output"
+    )
+
+
+class Watch:
+    """Installed by the gate plugin where LIMIT_VAR is set: on a worker, SIGNAL prints every
+    thread's stack to the stderr pytest started with; on the controller, it calls `on_signal`
+    (which names the running tests and writes the record) and exits the process."""
+
+    def __init__(self, worker: bool, on_signal: Callable[[], None]) -> None:
+        self.worker = worker
+        self.on_signal = on_signal
+        self.fd: int | None = None
+        self.installed = False
+        self.previous = None
+
+    def install(self) -> None:
+        if self.worker:
+            # fd 2 is the real stderr here (pytest's capture starts per test, later); a test's
+            # capture would swallow a dump written to the fd it redirects
+            self.fd = os.dup(2)
+            faulthandler.register(SIGNAL, file=self.fd, all_threads=True)
+            return
+        try:
+            self.previous = signal.signal(SIGNAL, self._handle)
+            self.installed = True
+        except ValueError:  # not the main thread (pytest.main from a thread): no limit here
+            pass
+
+    def _handle(self, signum, frame) -> None:
+        try:
+            self.on_signal()
+        finally:
+            sys.stderr.flush()
+            os._exit(2)
+
+    def uninstall(self) -> None:
+        if self.worker and self.fd is not None:
+            faulthandler.unregister(SIGNAL)
+            os.close(self.fd)
+            self.fd = None
+        elif self.installed:
+            signal.signal(SIGNAL, self.previous if self.previous is not None else signal.SIG_DFL)
+            self.installed = False
