@@ -806,6 +806,42 @@ def test_a_run_past_the_time_limit_names_the_tests_it_is_stuck_in(tmp_path, capf
     assert hung in rec["reason"] and rec["tests"]["passed"] == 1
 
 
+SESSION_PARENT = """
+import os, sys
+from pathlib import Path
+from flashmoe_science.pipeline.gates import timelimit
+
+child = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+sys.exit(timelimit.run([sys.executable, "-c", child], Path("."), dict(os.environ), 600))
+"""
+
+
+def test_sigterm_to_the_stage_takes_pytests_session_down_with_it(tmp_path):
+    """pytest runs in a session of its own under the time limit, out of reach of a signal to the
+    stage's process group: a cancelled CI step's SIGTERM to the stage must still end it, or a
+    worker would hold the runner's GPU after the job."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    with subprocess.Popen(
+        [sys.executable, "-c", SESSION_PARENT],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as stage:
+        child = int(stage.stdout.readline())
+        stage.terminate()
+        assert stage.wait(timeout=30) == 143
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        pytest.fail("the stage exited and left its pytest session running")
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
 def test_a_time_limit_that_is_not_a_positive_number_is_refused_in_one_line(value):
     with pytest.raises(timelimit.LimitError) as raised:

@@ -56,31 +56,53 @@ def limit_from_env(env: dict[str, str] | None = None) -> float | None:
     return seconds
 
 
+class Terminated(Exception):
+    """This process got SIGTERM (a cancelled CI step) while pytest ran in its own session."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def run(cmd: list[str], cwd: Path, env: dict[str, str], limit: float) -> int:
     """Run `cmd` (pytest on workers) in a session of its own; past `limit` seconds, stop it as the
-    module's docstring says and return pytest's interrupted status (2) unless it exited itself."""
-    with subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True) as proc:
-        try:
-            return proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            print(
-                f"test: the time limit ran out ({limit:g} s, {LIMIT_VAR}): every worker prints its "
-                "threads' stacks and the tests still running are named below",
-                file=sys.stderr,
-                flush=True,
-            )
-            _signal_group(proc.pid, SIGNAL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=GRACE_S)
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return 2
-        except KeyboardInterrupt:  # Ctrl-C reaches this process alone: pass it on to pytest's
-            _signal_group(proc.pid, signal.SIGINT)
-            return proc.wait()
-        finally:
-            if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGKILL)
+    module's docstring says and return pytest's interrupted status (2) unless it exited itself.
+    Its own session keeps a signal to this process from reaching it, so Ctrl-C is passed on, and
+    SIGTERM takes the session down before this process exits (143): a cancelled job leaves no
+    worker holding the GPU."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminated)
+    except ValueError:  # not the main thread: SIGTERM stays as it was
+        previous = None
+    try:
+        with subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True) as proc:
+            try:
+                return proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                print(
+                    f"test: the time limit ran out ({limit:g} s, {LIMIT_VAR}): every worker prints "
+                    "its threads' stacks and the tests still running are named below",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _signal_group(proc.pid, SIGNAL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=GRACE_S)
+                return 2
+            except KeyboardInterrupt:  # Ctrl-C reaches this process alone: pass it on to pytest's
+                _signal_group(proc.pid, signal.SIGINT)
+                return proc.wait()
+            except Terminated:
+                _signal_group(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=GRACE_S)
+                raise SystemExit(128 + signal.SIGTERM) from None
+            finally:
+                _signal_group(proc.pid, signal.SIGKILL)  # what is left of the session
+                proc.wait()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
