@@ -73,8 +73,8 @@ namespace flashmoe {
 //   28: S^T's last 16-column step reads columns 96-111 (zeros) in place of 80-95: a head dim of
 //       96 loses them, one of 80 has none there
 // and the wgmma backward past head dim 128 with Q and dO copied by TMA (FLASHMOE_BWD_WIDE_TMA):
-//   29: a step waits on the other phase of its buffer's mbarrier, so it reads Q and dO before
-//       their copy lands
+//   29: a step does not wait for its Q and dO copy, which it issues only after its S and dP
+//       products have read the buffers: they read the tiles of two steps before (or nothing)
 // -DFLASHMOE_PLANT_BUG=-1 compiles every plant in and picks one at run time, from
 // $FLASHMOE_PLANT_BUG: the CPU implementation's (1, 2, 4-8, 13, 20-23) when the library loads, the
 // CUDA kernels' (planted in flash_kernel_utils.cuh) before their first launch on a device. One

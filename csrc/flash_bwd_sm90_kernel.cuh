@@ -817,15 +817,29 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
   const int m_count = max(0, m_end - m_begin), steps = group * m_count;
   auto step_head = [&](int step) { return hkv * p.heads_ratio + step / m_count; };
   auto step_m0 = [&](int step) { return (m_begin + step % m_count) * BM; };
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+  // a step's Q and dO by TMA: whole boxes, rows past Sq zero-filled; the panels as load_kv_tile
+  // lays them
+  auto copy_step = [&](int step) {
+    const int buf = step & 1, h = step_head(step), m0 = step_m0(step);
+    if (tid == 0) {
+      sm90::mbar_arrive_expect_tx(&qdo_full[buf], uint32_t(BM * (D + DV) * 2));
+      sm90::tma_load_5d(sQ + buf * BM * D, p.tma_q, &qdo_full[buf], 0, m0, 0, h, b);
+      sm90::tma_load_5d(sdO + buf * BM * DV, p.tma_do, &qdo_full[buf], 0, m0, 0, h, b);
+    }
+  };
+  // planted 29, a read before the copy lands: no wait, and the step's copies issued only once its
+  // S and dP products have read the buffers (so the read is early every time, not by chance). The
+  // copy still completes its phase at the step's end, before the buffer is armed again and before
+  // the block ends: a barrier armed again mid-phase, or a copy landing in the next block's shared
+  // memory, would hang a later wait instead of failing the gates.
+  const bool late_copy = qdo_tma && planted(29);
+#endif
   auto issue_step = [&](int step) {
     const int buf = step & 1, h = step_head(step), m0 = step_m0(step);
 #if FLASHMOE_BWD_WIDE_QDO_TMA
-    if (qdo_tma) {  // whole boxes, rows past Sq zero-filled; the panels as load_kv_tile lays them
-      if (tid == 0) {
-        sm90::mbar_arrive_expect_tx(&qdo_full[buf], uint32_t(BM * (D + DV) * 2));
-        sm90::tma_load_5d(sQ + buf * BM * D, p.tma_q, &qdo_full[buf], 0, m0, 0, h, b);
-        sm90::tma_load_5d(sdO + buf * BM * DV, p.tma_do, &qdo_full[buf], 0, m0, 0, h, b);
-      }
+    if (qdo_tma) {
+      if (!late_copy) copy_step(step);
     } else
 #endif
     {
@@ -896,8 +910,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     cp_async_wait<0>();
     sm90::fence_proxy_async();
 #if FLASHMOE_BWD_WIDE_QDO_TMA
-    // planted 29: the other phase, which has completed already (a read before the copy lands)
-    if (qdo_tma) sm90::mbar_wait(&qdo_full[buf], ((step >> 1) & 1) ^ int(planted(29)));
+    if (qdo_tma && !late_copy) sm90::mbar_wait(&qdo_full[buf], (step >> 1) & 1);
 #endif
     sync_block();  // the step's tiles have landed; step - 1 is done with buf ^ 1, P and dS
 
@@ -972,6 +985,9 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
         for (int e = 0; e < 4; ++e)
           acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - delta[e >> 1]);
     }
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+    if (late_copy) copy_step(step);  // planted 29: after the products that should have waited
+#endif
     // P and dS to shared memory as [query][key] (conflict-free: the 8 rows of one store
     // instruction land in 8 different chunks).
 #pragma unroll
@@ -1077,6 +1093,9 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
 #pragma unroll
     for (int t = 0; t < kTiles; ++t)
       sm90::fence_operands(acc[t]);
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+    if (late_copy) sm90::mbar_wait(&qdo_full[buf], (step >> 1) & 1);  // planted 29's copy landed
+#endif
   }
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
 #if FLASHMOE_BWD_WIDE_DQ_TMA

@@ -341,10 +341,13 @@ def test_planted_first_panel_fails_the_wide_wgmma_backward_and_only_it(check_pla
 @pytest.mark.slow
 @pytest.mark.gpu
 def test_planted_early_read_fails_the_wide_backward_by_tma_and_only_it(check_plant_split):
-    """With FLASHMOE_PLANT_BUG=29 the wide kernel's steps wait on the wrong phase of their Q and
-    dO copies' mbarrier (bwd v5.9, FLASHMOE_BWD_WIDE_TMA) and read the buffers before the copies
-    land: every wide case on configuration 3 fails a gradient gate; the 128 tile on 3 and
-    configuration 2 at 192 pass."""
+    """With FLASHMOE_PLANT_BUG=29 the wide kernel's steps (bwd v5.9, FLASHMOE_BWD_WIDE_TMA) read
+    their Q and dO buffers before the copies land, every step (no wait, the copies issued after the
+    products): every wide case on configuration 3 fails a gradient gate; the 128 tile on 3 and
+    configuration 2 at 192 pass. The plant's copies still complete before their buffers are armed
+    again: its first form waited on the other phase, re-armed barriers mid-phase and let blocks end
+    with copies in flight, a hang rather than a failure (benches/notes/backward.md, "bwd v5.9's
+    landing call")."""
     if not (loader.switch_on("FLASHMOE_BWD_WIDE_TMA") and loader.switch_on("FLASHMOE_BWD_WS")):
         pytest.skip(
             "the stage's build has FLASHMOE_BWD_WIDE_TMA (or FLASHMOE_BWD_WS, whose maps it uses) "
