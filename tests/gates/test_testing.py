@@ -842,6 +842,26 @@ def test_sigterm_to_the_stage_takes_pytests_session_down_with_it(tmp_path):
         pytest.fail("the stage exited and left its pytest session running")
 
 
+def test_a_session_inside_a_test_leaves_the_processs_watch_in_place():
+    """A pytest session run by a test inside a worker loads the gate plugin with the limit in its
+    environment: its Watch must neither replace the worker's handler nor, at its end, remove it."""
+    import signal
+
+    before = signal.getsignal(timelimit.SIGNAL)
+    outer = timelimit.Watch(False, lambda: None)
+    outer.install()
+    try:
+        assert signal.getsignal(timelimit.SIGNAL) == outer._handle
+        inner = timelimit.Watch(False, lambda: None)
+        inner.install()
+        assert signal.getsignal(timelimit.SIGNAL) == outer._handle
+        inner.uninstall()
+        assert signal.getsignal(timelimit.SIGNAL) == outer._handle
+    finally:
+        outer.uninstall()
+    assert signal.getsignal(timelimit.SIGNAL) == before and timelimit.Watch.active is None
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
 def test_a_time_limit_that_is_not_a_positive_number_is_refused_in_one_line(value):
     with pytest.raises(timelimit.LimitError) as raised:

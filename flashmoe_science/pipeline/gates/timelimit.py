@@ -136,7 +136,11 @@ def reason(limit_text: str, lines: list[str]) -> str:
 class Watch:
     """Installed by the gate plugin where LIMIT_VAR is set: on a worker, SIGNAL prints every
     thread's stack to the stderr pytest started with; on the controller, it calls `on_signal`
-    (which names the running tests and writes the record) and exits the process."""
+    (which names the running tests and writes the record) and exits the process. One a process:
+    a pytest session that a test runs inside a worker (LIMIT_VAR is in its environment too)
+    leaves the worker's in place."""
+
+    active: Watch | None = None  # the process's installed one
 
     def __init__(self, worker: bool, on_signal: Callable[[], None]) -> None:
         self.worker = worker
@@ -146,6 +150,9 @@ class Watch:
         self.previous = None
 
     def install(self) -> None:
+        if Watch.active is not None:
+            return
+        Watch.active = self
         if self.worker:
             # fd 2 is the real stderr here (pytest's capture starts per test, later); a test's
             # capture would swallow a dump written to the fd it redirects
@@ -156,7 +163,7 @@ class Watch:
             self.previous = signal.signal(SIGNAL, self._handle)
             self.installed = True
         except ValueError:  # not the main thread (pytest.main from a thread): no limit here
-            pass
+            Watch.active = None
 
     def _handle(self, signum, frame) -> None:
         try:
@@ -166,6 +173,9 @@ class Watch:
             os._exit(2)
 
     def uninstall(self) -> None:
+        if Watch.active is not self:
+            return
+        Watch.active = None
         if self.worker and self.fd is not None:
             faulthandler.unregister(SIGNAL)
             os.close(self.fd)
