@@ -603,3 +603,39 @@ def test_real_profile_of_a_small_case_then_of_a_baseline_beside_it(tmp_path):
     _real_profile(tmp_path, backward, "--against", "sdpa-flash")
     doc = json.loads((tmp_path / f"profile-{backward}-sdpa-flash.json").read_text())
     assert any("bwd" in k["kernel"].lower() for k in doc["kernels"]), doc["kernels"]
+
+
+def test_l1_and_the_busiest_pipes_say_which_unit_a_kernel_waits_on():
+    """A kernel that DRAM does not bound waits on one of the SM's units: the summary gives L1 and
+    shared memory's throughput and the three busiest pipes (busy cycles, else instructions issued),
+    from the sections, and leaves both lines out where the report has neither."""
+    metrics = {
+        "gpu__time_duration.sum": 1e6,
+        "l1tex__throughput.avg.pct_of_peak_sustained_elapsed": 71.5,
+        "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum": 2.5e7,
+        "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": 31.0,
+        "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": 12.25,
+        "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active": 18.0,
+        "sm__pipe_xu_cycles_active.avg.pct_of_peak_sustained_active": 4.0,
+        "sm__pipe_uniform_cycles_active.avg.pct_of_peak_sustained_active": 0.0,
+        "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active": 90.0,  # the other family
+    }
+    assert profile.busiest_pipes(metrics) == [
+        ("tensor_op_gmma", 31.0),
+        ("alu", 18.0),
+        ("fma", 12.25),
+    ]
+    assert profile.busiest_pipes(
+        {"sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active": 90.0}
+    ) == [("lsu", 90.0)]
+    launch = {"kernel": "flash_bwd_sm90_wide_block", "name": "k", "metrics": metrics}
+    fig = profile.kernel_figures([launch], None, CEILINGS, 132)
+    fig["verdict"] = profile.classify_bound(fig)
+    lines = profile.format_kernel(fig)
+    assert "    L1 and shared memory 72% of peak; shared wavefronts 2.5e+07" in lines
+    assert "    busiest pipes (% of peak): tensor_op_gmma 31%, alu 18%, fma 12%" in lines
+    summary = profile.summarize(
+        profile.parse_ncu_csv(PREFILL_CSV), bench.parse_case_id(PREFILL_ID), CEILINGS, None
+    )
+    kept = profile.format_kernel(summary["kernels"][0])
+    assert not [line for line in kept if "L1 and shared" in line or "busiest pipes" in line]

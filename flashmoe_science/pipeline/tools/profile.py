@@ -27,8 +27,10 @@ Per kernel: time; achieved TFLOP/s (the case's FLOPs over the forward kernel's t
 each against the ceilings bench measures on this card (the large matmul and the large copy; read
 from <reports>/bench.json when it was measured on this GPU model, else measured here first);
 achieved and theoretical occupancy and what limits it (the smallest of ncu's blocks-per-SM limits:
-registers, shared memory, blocks, warps); shared-memory bank conflicts; the top 3 warp stall
-reasons; then the verdict, by this decision tree (classify_bound):
+registers, shared memory, blocks, warps); shared-memory bank conflicts; where the report holds
+them, the L2's and L1's throughput (the L2's bytes by operation) and the three busiest pipes (which
+of the SM's units a kernel that DRAM does not bound waits on); the top 3 warp stall reasons; then
+the verdict, by this decision tree (classify_bound):
 
     1. launch   time < 10 us and the grid is less than one wave (fewer blocks than SMs)
                 lever: more work per launch (batch heads or sequences, split along KV to fill the
@@ -93,6 +95,7 @@ SECTIONS = (
     "WarpStateStats",
     "MemoryWorkloadAnalysis",
     "MemoryWorkloadAnalysis_Tables",
+    "ComputeWorkloadAnalysis",
 )
 # Named explicitly so the summary finds them whatever the sections hold in this ncu version.
 METRICS = (
@@ -124,6 +127,14 @@ L2_PCT_METRICS = (
     "lts__t_sectors.avg.pct_of_peak_sustained_elapsed",
 )
 L2_OPS = ("read", "write", "red", "atom")
+# L1 and shared memory (one unit on the SM), and the pipes' busy cycles (ComputeWorkloadAnalysis):
+# with the L2's, they say which of the SM's units a kernel that is not DRAM-bound waits on.
+L1_PCT_METRIC = "l1tex__throughput.avg.pct_of_peak_sustained_elapsed"
+SHARED_WAVEFRONTS_METRIC = "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"
+_PIPE_FAMILIES = (  # busy cycles preferred; then instructions issued
+    re.compile(r"^sm__pipe_(?P<p>\w+?)_cycles_active\.avg\.pct_of_peak_sustained_active$"),
+    re.compile(r"^sm__inst_executed_pipe_(?P<p>\w+?)\.avg\.pct_of_peak_sustained_active$"),
+)
 L2_SECTOR_BYTES = 32
 NCU_UNUSABLE = (
     re.compile(r"ERR_NVGPUCTRPERM"),
@@ -315,6 +326,16 @@ def top_stalls(metrics: dict, count: int = 3) -> list[tuple[str, float]]:
     return []
 
 
+def busiest_pipes(metrics: dict, count: int = 3) -> list[tuple[str, float]]:
+    """The `count` busiest pipes (% of their peak) from the first metric family present."""
+    for family in _PIPE_FAMILIES:
+        found = {m["p"]: value for name, value in metrics.items() if (m := family.match(name))}
+        if found:
+            ranked = sorted(found.items(), key=lambda kv: kv[1], reverse=True)
+            return [(pipe, value) for pipe, value in ranked[:count] if value > 0]
+    return []
+
+
 def occupancy_limiter(metrics: dict) -> tuple[str | None, dict[str, float]]:
     """(what limits blocks per SM, the limits): the smallest of ncu's per-resource limits."""
     limits = {
@@ -411,6 +432,9 @@ def kernel_figures(
         ),
         "l2_pct_of_peak": l2_pct,
         "l2_bytes": l2_bytes,
+        "l1_pct_of_peak": metrics.get(L1_PCT_METRIC),
+        "shared_wavefronts": metrics.get(SHARED_WAVEFRONTS_METRIC),
+        "busiest_pipes": busiest_pipes(metrics),
         "top_stalls": top_stalls(metrics),
     }
 
@@ -555,6 +579,14 @@ def format_kernel(fig: dict) -> list[str]:
     if fig.get("l2_pct_of_peak") is not None or fig.get("l2_bytes"):
         ops = ", ".join(f"{op} {_g(b / 1e6)} MB" for op, b in fig["l2_bytes"].items()) or "-"
         lines.append(f"    L2 {_g(fig.get('l2_pct_of_peak'), 2, '%')} of peak; by operation: {ops}")
+    if fig.get("l1_pct_of_peak") is not None or fig.get("shared_wavefronts") is not None:
+        lines.append(
+            f"    L1 and shared memory {_g(fig.get('l1_pct_of_peak'), 2, '%')} of peak; "
+            f"shared wavefronts {_g(fig.get('shared_wavefronts'))}"
+        )
+    if fig.get("busiest_pipes"):
+        pipes = ", ".join(f"{p} {v:.2g}%" for p, v in fig["busiest_pipes"])
+        lines.append(f"    busiest pipes (% of peak): {pipes}")
     stalls = ", ".join(f"{r} {v:.3g}" for r, v in fig["top_stalls"]) or "-"
     lines.append(f"    top stalls (cycles per issued instruction): {stalls}")
     verdict = fig["verdict"]
