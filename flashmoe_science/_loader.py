@@ -226,19 +226,23 @@ class BuildResult:
 def resolve_config(
     backend: str = "auto",
     arch_list: str | Sequence[str] | None = None,
-    defines: Sequence[str] = (),
+    defines: Sequence[str] | None = None,
     sources_dir: Path | None = None,
     name: str = LIBRARY_NAME,
     only: str | None = None,
 ) -> BuildConfig:
     """Pick the unit and targets. auto builds CUDA when torch, nvcc and a target agree, else says why not.
 
-    `only` restricts a CUDA build to some kernels (Restriction; None: FLASHMOE_BUILD_ONLY's); the
-    CPU-only unit has no kernels to leave out, and its build ignores it."""
+    `defines` are the extra -D defines (None: FLASHMOE_BUILD_DEFINES', env_defines: the library
+    this process's commands load). `only` restricts a CUDA build to some kernels (Restriction;
+    None: FLASHMOE_BUILD_ONLY's); the CPU-only unit has no kernels to leave out, and its build
+    ignores it."""
     if backend not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"unknown backend {backend!r}: use auto, cuda or cpu", USAGE)
     torch_version, torch_cuda = torch_versions()
-    defines = restricted_defines(normalize_defines(defines), only)
+    defines = restricted_defines(
+        normalize_defines(env_defines() if defines is None else defines), only
+    )
     # FLASHMOE_SM90A follows the targets (compile_flags adds it): given by hand it would promise
     # wgmma kernels to a host whose device code has none, so it only says sm_90a was meant.
     wants_sm90a = any(d.split("=", 1)[0] == SM90A_DEFINE for d in defines)

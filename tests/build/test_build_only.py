@@ -31,7 +31,12 @@ def cuda_machine(monkeypatch):
         loader, "find_cuda_toolkit", lambda: loader.CudaToolkit("/cuda/bin/nvcc", "/cuda", "13.0")
     )
     monkeypatch.setattr(loader, "visible_gpu_archs", list)
-    for name in ("TORCH_CUDA_ARCH_LIST", "FLASHMOE_BUILD_ROOT", loader.ONLY_VAR):
+    for name in (
+        "TORCH_CUDA_ARCH_LIST",
+        "FLASHMOE_BUILD_ROOT",
+        loader.ONLY_VAR,
+        loader.DEFINES_VAR,
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -70,6 +75,35 @@ def test_build_only_is_the_build_commands_option(cuda_machine):
     )
     assert config.defines == ("FLASHMOE_ONLY_OPS=fwd+combine", "FLASHMOE_ONLY_DTYPES=bf16")
     assert loader.only_arg(build._parser().parse_args([]).only) is None  # not given: the variable
+
+
+def test_every_stage_builds_the_library_the_environments_defines_name(
+    cuda_machine, monkeypatch, tmp_path
+):
+    """FLASHMOE_BUILD_DEFINES names the library every command of the process loads: the build
+    command, the test stage's own build and the selection's key all take it (an experiment's
+    switch or a stage under a define). The test stage once built the plain unit beside it, minutes
+    of nvcc for a library no test loaded, and the selection keyed the plain build."""
+    from flashmoe_science.pipeline.ci import selection
+    from flashmoe_science.pipeline.gates import testing
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
+    monkeypatch.setenv(loader.DEFINES_VAR, "FLASHMOE_BWD_WIDE_TMA=1")
+    wanted = build.resolve_config("cuda", defines=["FLASHMOE_BWD_WIDE_TMA=1"])
+    assert wanted.key != build.resolve_config("cuda", defines=()).key
+    assert build.resolve_config("cuda").key == wanted.key
+    built = []
+
+    def no_compile(config, **kwargs):
+        built.append(config)
+        raise build.BuildError("not compiled here")
+
+    monkeypatch.setattr(build, "build", no_compile)
+    assert build.main(["--backend", "cuda"]) == exitcodes.BUILD_FAILED
+    assert testing.main(["-k", "nothing"]) == exitcodes.BUILD_FAILED
+    assert [config.key for config in built] == [wanted.key, wanted.key]
+    assert selection.cuda_build() == (wanted.key, "13.0")
 
 
 @pytest.mark.parametrize(
