@@ -140,6 +140,15 @@ namespace flashmoe {
 #ifndef FLASHMOE_BWD_CAUSAL_LPT
 #define FLASHMOE_BWD_CAUSAL_LPT 1
 #endif
+// deterministic=True on the warp-specialized tile without a mask (no causal edge, no window):
+// each key block starts its walk at its own query block, rotated by its launch position
+// (BwdParams::dq_rotate), and dQ is added to a query block in the order the blocks reach it, so
+// that in a pair's lockstep no block waits on another's add to the block it is at; the walk from
+// query block 0 makes key block n wait for the n blocks launched before it at every query block
+// (backward.md, bwd v5.11). Off until timed and gated on a GPU.
+#ifndef FLASHMOE_BWD_DET_ROTATE
+#define FLASHMOE_BWD_DET_ROTATE 0
+#endif
 // The warp-specialized tile run padded at head dims up to 96 (q's, k's and v's) with its
 // products over the head dim spanning 96 of its 128 columns (Sm90BwdPadded96Traits): S^T's and
 // dP^T's reductions and dV's and dK's widths; dQ's stay 64 a warpgroup (backward.md, bwd v7c:
@@ -314,6 +323,11 @@ struct BwdParams {
   alignas(64) unsigned char tma_do[128];
   int* dq_order;
   int dq_order_rows;  // the query rows a counter of dq_order stands for (the tile's)
+#if FLASHMOE_BWD_DET_ROTATE
+  // dq_order's key blocks walk rotated (every key block sees every query block, and a pair's
+  // key blocks fit the GPU at once, so none waits on a block that cannot start)
+  bool dq_rotate;
+#endif
   bool ws;
 #if FLASHMOE_BWD_WIDE_QDO_TMA
   bool wide_tma;  // the wide kernel's q and dout maps (boxes of its 64 query rows) encoded

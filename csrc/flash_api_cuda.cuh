@@ -1479,6 +1479,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
       p.dq_order_rows = box_rows;
     }
   }
+#if FLASHMOE_BWD_DET_ROTATE
+  p.dq_rotate = p.dq_order != nullptr && p.window_left < 0 && p.window_right < 0 &&
+                ceil_div(p.seqlen_k, Sm90BwdTraits<128>::kBlockN) <= dev.sm_count;
+#endif
 #if FLASHMOE_BWD_CAUSAL_LPT
   // causal (no left edge) and not deterministic (its writer waits on the key blocks after its
   // own, which this order starts later): the longest key blocks first, in sections of the pairs

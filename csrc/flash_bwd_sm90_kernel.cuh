@@ -148,6 +148,29 @@ __device__ __forceinline__ void stage_dq_chunk(float* stage, const float (&acc_d
 }
 #endif
 
+#if FLASHMOE_BWD_DET_ROTATE
+// The rotated walk of deterministic=True (BwdParams::dq_rotate): the key block launched
+// `launched`-th of `n_blocks` starts at query block launched * m_count / n_blocks of the m_count
+// that every key block walks, and reaches query block m at its step (m - start) mod m_count.
+__device__ __forceinline__ int dq_rotation(int launched, int m_count, int n_blocks) {
+  return launched * m_count / n_blocks;
+}
+// How many key blocks add to the query block that key block `launched` reaches at `step` (of
+// its head's walk) before it: those that reach it at an earlier step, and those that reach it at
+// the same step (the same start) launched before it. A total order a query block; in a pair's
+// lockstep the block just before reached it a step earlier. The starts are nondecreasing in the
+// launch position, so the earlier ones are those whose start lies in the `step` query blocks
+// after this one's, cyclically, counted in closed form (one lane, no loop).
+__device__ __forceinline__ int dq_adds_before(int launched, int step, int m_count, int n_blocks) {
+  // the key blocks whose start is at most x >= 0: r * m_count < (x + 1) * n_blocks
+  auto starts_to = [&](int x) { return min(n_blocks, ceil_div((x + 1) * n_blocks, m_count)); };
+  const int start = dq_rotation(launched, m_count, n_blocks), end = start + step;
+  const int earlier = end < m_count ? starts_to(end) - starts_to(start)
+                                    : n_blocks - starts_to(start) + starts_to(end - m_count);
+  return earlier + launched - ceil_div(start * n_blocks, m_count);
+}
+#endif
+
 #if FLASHMOE_BWD_WS
 // The warp-specialized tile's mbarriers (Sm90BwdWsTraits): full[2], then empty[2].
 template <typename Traits>
@@ -218,9 +241,18 @@ __device__ __forceinline__ void flash_bwd_sm90_ws_producer(const BwdParams& p, T
         // the key blocks after this one whose query range (bwd_query_blocks) holds this block
         const int m = m0 / BM, offset = p.seqlen_k - p.seqlen_q;
         int before = 0;
-        for (int n = key_block + 1 + lane; n < n_blocks; n += 32) {
-          const int2 range = bwd_query_blocks<BM, BN>(p, n * BN, offset);
-          before += range.x <= m && m < range.y;
+#if FLASHMOE_BWD_DET_ROTATE
+        if (p.dq_rotate) {  // every key block's walk holds m: those that reach it first
+          const int m_count = ceil_div(p.seqlen_q, BM);
+          if (lane == 0)
+            before = dq_adds_before(n_blocks - 1 - key_block, step % m_count, m_count, n_blocks);
+        } else
+#endif
+        {
+          for (int n = key_block + 1 + lane; n < n_blocks; n += 32) {
+            const int2 range = bwd_query_blocks<BM, BN>(p, n * BN, offset);
+            before += range.x <= m && m < range.y;
+          }
         }
         before = __reduce_add_sync(0xffffffffu, before);
         counter = p.dq_order + int64_t(bh) * ceil_div(p.seqlen_q, BM) + m;
@@ -342,7 +374,22 @@ __device__ __forceinline__ void flash_bwd_sm90_block(const BwdParams& p) {
   const int group = planted(5) ? 1 : p.heads_ratio;
   const int m_count = max(0, m_end - m_begin), steps = group * m_count;
   auto step_head = [&](int step) { return hkv * p.heads_ratio + step / m_count; };
-  auto step_m0 = [&](int step) { return (m_begin + step % m_count) * BM; };
+#if FLASHMOE_BWD_DET_ROTATE
+  // deterministic=True without a mask (p.dq_rotate): the walk starts at query block
+  // dq_rotation(launch position) and wraps (dq_adds_before gives the order of the adds)
+  const int rotation =
+      kOrderedDq && p.dq_rotate ? dq_rotation(int(grid_n), m_count, int(gridDim.x)) : 0;
+#endif
+  auto step_m0 = [&](int step) {
+    int i = step % m_count;
+#if FLASHMOE_BWD_DET_ROTATE
+    if constexpr (kOrderedDq) {
+      i += rotation;
+      if (i >= m_count) i -= m_count;
+    }
+#endif
+    return (m_begin + i) * BM;
+  };
   [[maybe_unused]] uint64_t* ws_bars = nullptr;  // kWs: full[2], empty[2]
 #if FLASHMOE_BWD_WS
   if constexpr (kWs) {
