@@ -530,6 +530,58 @@ def test_the_longest_first_cases_end_their_sections_short():
     assert max(math.ceil(c.seqlen_k / 128) for c in cases) >= 8
 
 
+# bwd v5.11 (FLASHMOE_BWD_DET_ROTATE): deterministic=True without a mask walks each key block's
+# query blocks from its own start (its launch position's share of them) and adds dQ in the order
+# the blocks reach a query block. The gate matrix's unmasked deterministic cases have at most two
+# key blocks; these add many, more key blocks than query blocks (blocks that share a start: the
+# ties of the order), fewer, a walk that wraps, GQA, both dtypes and the tile's head dims.
+ROTATED_CASES = (
+    "bwd-bf16-d64-h8-b2-s2048-full-det",
+    "bwd-bf16-d64-h4kv1-b1-q333-k4096-full-det",
+    "bwd-fp16-d128-h4kv2-b2-q1000-k1900-full-det",
+    "bwd-bf16-d128-h2-b1-q3000-k700-full-det",
+    "bwd-fp16-d96-h4-b1-q700-k3001-full-det",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_the_rotated_deterministic_walk_passes_the_gradient_gates(run_planted):
+    """With the rotated walk built in, ROTATED_CASES pass their gradient gates, each one's
+    deterministic calls bit-identical: a wrong place in the order races (calls differ) or waits
+    for a count that never comes (the stage's time limit names the test)."""
+    from flashmoe_science import ops
+
+    if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
+        pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
+    if not loader.switch_on("FLASHMOE_BWD_DET_ROTATE"):
+        pytest.skip("the stage's build has FLASHMOE_BWD_DET_ROTATE off: no rotated walk")
+    out = run_planted(0, WS_SCRIPT, "cuda", *ROTATED_CASES)
+    _assert_every_case_passed(out, ROTATED_CASES)
+
+
+def test_the_rotated_cases_reach_the_orders_ties_and_wraps():
+    """ROTATED_CASES run the warp-specialized tile deterministic without a mask, with several key
+    blocks (128 keys each) against several query blocks (128 rows at d=64, 64 above): more key
+    blocks than query blocks (shared starts), fewer (a wrapping walk), equal, GQA, both dtypes,
+    and no more key blocks than an H100 or H200 runs at once (the rotation's condition)."""
+    cases = [parse_case_id(case_id) for case_id in ROTATED_CASES]
+    assert all(c.deterministic and not c.causal and c.window == (-1, -1) for c in cases)
+    shape = [
+        (math.ceil(c.seqlen_k / 128), math.ceil(c.seqlen_q / (128 if c.head_dim == 64 else 64)))
+        for c in cases
+    ]
+    assert all(2 <= n <= 132 for n, _ in shape)
+    assert any(n > m for n, m in shape) and any(n < m for n, m in shape)
+    assert any(n == m for n, m in shape) and max(n for n, _ in shape) >= 16
+    assert any(c.heads_kv < c.heads_q for c in cases) and {c.dtype for c in cases} == {
+        "fp16",
+        "bf16",
+    }
+    assert {c.head_dim for c in cases} >= {64, 96, 128}
+    assert not set(ROTATED_CASES) & set(WS_CASES)
+
+
 def test_the_warp_specialized_cases_cover_its_tiles_and_features():
     """WS_CASES reach each kernel of the warp-specialized tile (64, 128, padded onto 128, v's 64
     under 128; the default and deterministic=True), both dtypes, causal both, GQA, windows,
