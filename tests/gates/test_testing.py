@@ -806,6 +806,59 @@ def test_a_run_past_the_time_limit_names_the_tests_it_is_stuck_in(tmp_path, capf
     assert hung in rec["reason"] and rec["tests"]["passed"] == 1
 
 
+class StageClock:
+    """testing.time's stand-in: monotonic() reads `now`, which the stage's fake build moves on."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("build_s", [100.0, 500.0])
+def test_the_time_limit_counts_the_stages_own_build(monkeypatch, tmp_path, capsys, build_s):
+    """The limit is the stage's: a build inside it (nothing to do after a build step; minutes when
+    it compiles, as a stage under a define once did beside its build step's library) comes out of
+    it, so the limit set inside a CI step's timeout still fires first. Where the build spent it
+    all, the stage stops before starting pytest, with a record and a line saying what to do."""
+    from flashmoe_science.pipeline.build import unit
+
+    clock = StageClock()
+    monkeypatch.setattr(testing, "time", clock)
+    monkeypatch.setattr(unit, "build", lambda config: setattr(clock, "now", clock.now + build_s))
+    runs = []
+    monkeypatch.setattr(
+        testing, "run_command", lambda cmd, env, limit, spent: runs.append((limit, spent)) or 0
+    )
+    monkeypatch.setenv("FLASHMOE_REPORTS_DIR", str(tmp_path))
+    monkeypatch.setenv(timelimit.LIMIT_VAR, "450")
+    monkeypatch.delenv("FLASHMOE_REQUIRE_GPU", raising=False)
+    code = testing.main([])
+    if build_s < 450:
+        assert runs == [(450.0, build_s)]
+        return
+    assert runs == [] and code == exitcodes.ENV_BROKEN
+    said = (
+        "the stage's time limit ran out (450 s, FLASHMOE_TEST_TIME_LIMIT) before its tests started"
+    )
+    assert said in capsys.readouterr().err
+    rec = record(tmp_path)
+    assert rec["outcome"] == "interrupted" and rec["reason"].startswith(said)
+    assert "took 500 s; build first (python -m flashmoe_science build)" in rec["reason"]
+
+
+def test_the_limits_wait_is_what_the_stage_has_left(tmp_path, capfd):
+    """timelimit.run waits the limit less what the stage spent before it, and says so."""
+    child = [sys.executable, "-c", "import time; time.sleep(600)"]
+    start = time.monotonic()
+    assert timelimit.run(child, tmp_path, dict(os.environ), 60.0, spent=59.5) == 2
+    assert time.monotonic() - start < 10
+    assert f"ran out (60 s, {timelimit.LIMIT_VAR}; 60 s of it before the tests started)" in (
+        capfd.readouterr().err
+    )
+
+
 SESSION_PARENT = """
 import os, sys
 from pathlib import Path

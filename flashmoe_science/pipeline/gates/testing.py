@@ -445,7 +445,15 @@ def main(argv: list[str]) -> int:
         if workers.isdigit() and int(workers) > 0 and gpus:
             why = f" ({devices.placement_text(int(workers), gpus)})"
         print(f"test: {' '.join(cmd[2:])}{why}", flush=True)
-        rc = run_here(cmd[3:], env) if workers == "0" else run_command(cmd, env, limit)
+        spent = time.monotonic() - start  # the build and collection: the limit is the stage's
+        if limit is not None and workers != "0" and spent >= limit:
+            reason = timelimit.before_tests(limit, spent)
+            print(f"test: {reason}", file=sys.stderr, flush=True)
+            record = gate_plugin.write_record(
+                outcome=INTERRUPTED, pytest_exit=None, selected=selected, reason=reason
+            )
+            return verdict(record, spent, args.no_gates_ok)
+        rc = run_here(cmd[3:], env) if workers == "0" else run_command(cmd, env, limit, spent)
     elapsed = time.monotonic() - start
     record = _read_record()
     if record is None:  # pytest stopped before its session ended (usage or internal error)
@@ -484,11 +492,13 @@ def run_selection(
     return None, str(devices.worker_count(os.cpu_count(), gpus))
 
 
-def run_command(cmd: list[str], env: dict[str, str], limit: float | None = None) -> int:
-    """The stage's pytest on workers, in a process of its own; stopped past `limit` seconds with
-    the tests it is stuck in named (timelimit.py)."""
+def run_command(
+    cmd: list[str], env: dict[str, str], limit: float | None = None, spent: float = 0.0
+) -> int:
+    """The stage's pytest on workers, in a process of its own; stopped past `limit` seconds of the
+    stage (`spent` of them gone before it) with the tests it is stuck in named (timelimit.py)."""
     if limit is not None:
-        return timelimit.run(cmd, REPO_ROOT, env, limit)
+        return timelimit.run(cmd, REPO_ROOT, env, limit, spent)
     with subprocess.Popen(cmd, cwd=REPO_ROOT, env=env) as proc:
         try:
             return proc.wait()

@@ -11,9 +11,12 @@ of seconds, the stage's run on pytest-xdist workers (testing.run_command) stops 
      writes gates.json as interrupted with those names as its reason, and exits;
   3. after GRACE_S, whatever is left of the group is killed.
 
-The stage then exits 255 (no verdict), its last line naming the tests. The GPU job sets the limit
-below its step's timeout-minutes (tests/ci/test_workflows.py checks the margin). A selection small
-enough to run in the stage's own process (testing.SERIAL_MAX_TESTS) runs without the limit.
+The stage then exits 255 (no verdict), its last line naming the tests. The limit counts from the
+stage's start: its own build (nothing to do after a build step, minutes where it compiles) and
+collection come out of it, so a limit set inside a CI step's timeout fires first; one that runs
+out before the tests start stops the stage there, saying so (before_tests). The GPU job sets the
+limit below its step's timeout-minutes (tests/ci/test_workflows.py checks the margin). A selection
+small enough to run in the stage's own process (testing.SERIAL_MAX_TESTS) runs without the limit.
 """
 
 from __future__ import annotations
@@ -64,9 +67,19 @@ def _terminated(signum, frame) -> None:
     raise Terminated
 
 
-def run(cmd: list[str], cwd: Path, env: dict[str, str], limit: float) -> int:
-    """Run `cmd` (pytest on workers) in a session of its own; past `limit` seconds, stop it as the
-    module's docstring says and return pytest's interrupted status (2) unless it exited itself.
+def before_tests(limit: float, spent: float) -> str:
+    """The one-line reason of a stage whose limit ran out before its tests started."""
+    return (
+        f"the stage's time limit ran out ({limit:g} s, {LIMIT_VAR}) before its tests started: its "
+        f"build and collection took {spent:.0f} s; build first (python -m flashmoe_science build) "
+        "or raise the limit"
+    )
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str], limit: float, spent: float = 0.0) -> int:
+    """Run `cmd` (pytest on workers) in a session of its own; past `limit` seconds of the stage, of
+    which `spent` went before this call (its build, its collection), stop it as the module's
+    docstring says and return pytest's interrupted status (2) unless it exited itself.
     Its own session keeps a signal to this process from reaching it, so Ctrl-C is passed on, and
     SIGTERM takes the session down before this process exits (143): a cancelled job leaves no
     worker holding the GPU."""
@@ -77,11 +90,12 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str], limit: float) -> int:
     try:
         with subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True) as proc:
             try:
-                return proc.wait(timeout=limit)
+                return proc.wait(timeout=max(0.0, limit - spent))
             except subprocess.TimeoutExpired:
+                before = f"; {spent:.0f} s of it before the tests started" if spent >= 1 else ""
                 print(
-                    f"test: the time limit ran out ({limit:g} s, {LIMIT_VAR}): every worker prints "
-                    "its threads' stacks and the tests still running are named below",
+                    f"test: the time limit ran out ({limit:g} s, {LIMIT_VAR}{before}): every "
+                    "worker prints its threads' stacks and the tests still running are named below",
                     file=sys.stderr,
                     flush=True,
                 )
