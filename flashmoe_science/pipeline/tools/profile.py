@@ -321,9 +321,14 @@ def top_stalls(metrics: dict, count: int = 3) -> list[tuple[str, float]]:
             if match and not match["r"].endswith("_not_issued") and match["r"] not in _NOT_STALLS:
                 found[match["r"]] = value
         if found:
-            ranked = sorted(found.items(), key=lambda kv: kv[1], reverse=True)
-            return [(reason, value) for reason, value in ranked[:count] if value > 0]
+            return _largest(found, count)
     return []
+
+
+def _largest(found: dict[str, float], count: int) -> list[tuple[str, float]]:
+    """The `count` largest positive values of `found`, largest first, with their names."""
+    ranked = sorted(found.items(), key=lambda kv: kv[1], reverse=True)
+    return [(name, value) for name, value in ranked[:count] if value > 0]
 
 
 def busiest_pipes(metrics: dict, count: int = 3) -> list[tuple[str, float]]:
@@ -331,8 +336,7 @@ def busiest_pipes(metrics: dict, count: int = 3) -> list[tuple[str, float]]:
     for family in _PIPE_FAMILIES:
         found = {m["p"]: value for name, value in metrics.items() if (m := family.match(name))}
         if found:
-            ranked = sorted(found.items(), key=lambda kv: kv[1], reverse=True)
-            return [(pipe, value) for pipe, value in ranked[:count] if value > 0]
+            return _largest(found, count)
     return []
 
 
