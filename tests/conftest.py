@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from flashmoe_science import _loader as loader
+from flashmoe_science.pipeline.gates import timelimit
 from flashmoe_science.pipeline.paths import REPO_ROOT
 
 # torch is imported where a hook or fixture needs it, not here: pytest-xdist's controller loads this
@@ -233,6 +234,11 @@ def planted_process_env(
 # torch's autograd device thread at exit, pytorch/pytorch#38228). A script that raises never
 # reaches this line, so its failure still shows.
 PLANT_SCRIPT_EXIT = "\nimport os, sys\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n"
+# ... and starts by taking the stage's time limit from its worker (timelimit.child_watch): at the
+# limit it prints its stacks beside the worker's rather than ending unseen.
+PLANT_SCRIPT_WATCH = (
+    "from flashmoe_science.pipeline.gates.timelimit import watch_as_child\nwatch_as_child()\n"
+)
 
 
 @pytest.fixture
@@ -250,10 +256,18 @@ def run_planted():
         defines: Sequence[str] = (),
         only: str | None = None,
     ) -> dict:
+        watch_env, watch_fds = timelimit.child_watch()  # a hang names the child's stack too
         done = subprocess.run(
-            [sys.executable, "-c", script + PLANT_SCRIPT_EXIT, device, *case_ids],
+            [
+                sys.executable,
+                "-c",
+                PLANT_SCRIPT_WATCH + script + PLANT_SCRIPT_EXIT,
+                device,
+                *case_ids,
+            ],
             cwd=REPO_ROOT,
-            env=planted_process_env(bug, device, case_ids, defines, only),
+            env={**planted_process_env(bug, device, case_ids, defines, only), **watch_env},
+            pass_fds=watch_fds,
             capture_output=True,
             text=True,
             timeout=900,

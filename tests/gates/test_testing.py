@@ -759,13 +759,25 @@ def test_a_failure_is_named_before_the_run_ends(tmp_path):
 
 
 HANGS = """
-import time
+import os, subprocess, sys
+
+from flashmoe_science.pipeline.gates import timelimit
+
+CHILD = (
+    "from flashmoe_science.pipeline.gates.timelimit import watch_as_child\\n"
+    "watch_as_child()\\n"
+    "import time\\n"
+    "def sleeps_in_the_child():\\n"
+    "    time.sleep(600)\\n"
+    "sleeps_in_the_child()\\n"
+)
 
 def test_passes():
     pass
 
 def test_hangs_in_a_call():
-    time.sleep(600)
+    env, fds = timelimit.child_watch()
+    subprocess.run([sys.executable, "-c", CHILD], env={**os.environ, **env}, pass_fds=fds)
 """
 HANG_LIMIT_S = 10.0  # time for two workers to start and begin both tests on a loaded 2-core CI
 
@@ -773,8 +785,9 @@ HANG_LIMIT_S = 10.0  # time for two workers to start and begin both tests on a l
 @pytest.mark.slow
 def test_a_run_past_the_time_limit_names_the_tests_it_is_stuck_in(tmp_path, capfd):
     """A run on workers that hangs stops at the stage's limit (timelimit.py) with the hung test
-    named by the controller and in the record, and its worker's stack printed; it does not wait
-    for the test. Slow (~11 s, mostly asleep): the one test that stops real pytest-xdist workers."""
+    named by the controller and in the record, and its worker's stack printed, and the stack of
+    the child process it waits on (as a planted-bug test's gate script); it does not wait for the
+    test. Slow (~11 s, mostly asleep): the one test that stops real pytest-xdist workers."""
     suite = tmp_path / "suite"
     suite.mkdir()
     (suite / "conftest.py").write_text(
@@ -797,6 +810,7 @@ def test_a_run_past_the_time_limit_names_the_tests_it_is_stuck_in(tmp_path, capf
     hung = "test_hang.py::test_hangs_in_a_call"
     assert f"still running at the time limit: {hung} (for " in err, err
     assert "in test_hangs_in_a_call" in err, "the worker's stack (faulthandler) names the function"
+    assert "in sleeps_in_the_child" in err, "so does the child's it handed the limit to"
     rec = record(reports)
     assert rec["outcome"] == "interrupted" and rec["pytest_exit"] == 2
     assert (

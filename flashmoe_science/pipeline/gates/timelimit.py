@@ -11,6 +11,10 @@ of seconds, the stage's run on pytest-xdist workers (testing.run_command) stops 
      writes gates.json as interrupted with those names as its reason, and exits;
   3. after GRACE_S, whatever is left of the group is killed.
 
+A test's own child process (a planted-bug build's gate script) is in that group too: started with
+child_watch()'s environment and descriptor and calling watch_as_child() first, it prints its stacks
+beside its worker's; otherwise the signal ends it silently.
+
 The stage then exits 255 (no verdict), its last line naming the tests. The limit counts from the
 stage's start: its own build (nothing to do after a build step, minutes where it compiles) and
 collection come out of it, so a limit set inside a CI step's timeout fires first; one that runs
@@ -32,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 LIMIT_VAR = "FLASHMOE_TEST_TIME_LIMIT"
+STACK_FD_VAR = "FLASHMOE_STACK_FD"  # a child's: the descriptor its worker prints stacks to
 SIGNAL = signal.SIGUSR1
 GRACE_S = 10.0  # after SIGNAL: time for the stacks, the names and the record, then SIGKILL
 NAMED_MAX = 5  # tests named in the record's reason; the stage's output lists them all
@@ -197,3 +202,21 @@ class Watch:
         elif self.installed:
             signal.signal(SIGNAL, self.previous if self.previous is not None else signal.SIG_DFL)
             self.installed = False
+
+
+def child_watch() -> tuple[dict[str, str], tuple[int, ...]]:
+    """What a test hands a child process it starts (environment entries and subprocess's pass_fds)
+    so that the child, calling watch_as_child() first, prints its stacks at the limit where its
+    worker does. Nothing outside a worker watched under a limit."""
+    watch = Watch.active
+    if watch is None or not watch.worker or watch.fd is None:
+        return {}, ()
+    return {STACK_FD_VAR: str(watch.fd)}, (watch.fd,)
+
+
+def watch_as_child() -> None:
+    """In a child started with child_watch()'s hand-over: SIGNAL prints every thread's stack to the
+    worker's stderr (faulthandler, as the worker's own Watch) instead of ending the process."""
+    fd = os.environ.get(STACK_FD_VAR, "")
+    if fd.isdigit():
+        faulthandler.register(SIGNAL, file=int(fd), all_threads=True)
