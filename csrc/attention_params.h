@@ -165,6 +165,14 @@ namespace flashmoe {
 #define FLASHMOE_BWD_WIDE_TMA 0
 #endif
 #define FLASHMOE_BWD_WIDE_QDO_TMA (FLASHMOE_BWD_WIDE_TMA && FLASHMOE_BWD_WS)
+// The wide wgmma backward's next step's S and dP issued under this step's dQ chunks, where its
+// accumulators leave room (d=192 and (192, 128)) and Q and dO come by TMA: off unless
+// -DFLASHMOE_BWD_WIDE_PIPE=1 (benches/notes/backward.md, bwd v5.12; unmeasured).
+#ifndef FLASHMOE_BWD_WIDE_PIPE
+#define FLASHMOE_BWD_WIDE_PIPE 0
+#endif
+#define FLASHMOE_BWD_WIDE_PIPE_ON \
+  (FLASHMOE_BWD_WIDE_PIPE && FLASHMOE_BWD_WIDE_QDO_TMA && FLASHMOE_BWD_WIDE_DQ_TMA)
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
 // running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:

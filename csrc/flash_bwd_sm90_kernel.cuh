@@ -951,17 +951,14 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     sync_block();
   }
 #endif
-  if (steps > 0) issue_step(0);
-  for (int step = 0; step < steps; ++step) {
-    const int buf = step & 1, m0 = step_m0(step);
-    cp_async_wait<0>();
-    sm90::fence_proxy_async();
-#if FLASHMOE_BWD_WIDE_QDO_TMA
-    if (qdo_tma && !late_copy) sm90::mbar_wait(&qdo_full[buf], (step >> 1) & 1);
-#endif
-    sync_block();  // the step's tiles have landed; step - 1 is done with buf ^ 1, P and dS
-
-    float acc_s[4][4], acc_dp[4][4];
+#if FLASHMOE_BWD_WIDE_PIPE_ON
+  // bwd v5.12 (FLASHMOE_BWD_WIDE_PIPE): step + 1's S and dP issued under this step's dQ, so that
+  // the tensor cores run them while the warpgroup stages its dQ chunks and meets the step's
+  // barrier. Where the accumulators leave room (d=192 and (192, 128): dK^T's three tiles, S, dP
+  // and a dQ chunk live at once) and Q and dO come by TMA; elsewhere the loop below.
+  // S = Q K^T and dP = dO V^T of `step`, this warpgroup's 32 keys: two wgmma groups
+  auto issue_products = [&](int step, float (&acc_s)[4][4], float (&acc_dp)[4][4]) {
+    const int buf = step & 1;
     sm90::fence_operands(acc_s);
     sm90::fence_operands(acc_dp);
     sm90::fence();
@@ -975,8 +972,10 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
       sm90::mma_ss<32, T>(acc_dp, do_desc + buf * kDoBufStep + sm90::k_major_step<BM>(kk),
                           v_desc + sm90::k_major_step<BN>(kk), kk > 0);
     sm90::commit_group();
-    if (step + 1 < steps) issue_step(step + 1);
-
+  };
+  // P and dS of `step` from its S and dP (waiting for both groups), in acc_s and acc_dp
+  auto softmax_step = [&](int step, float (&acc_s)[4][4], float (&acc_dp)[4][4]) {
+    const int buf = step & 1, m0 = step_m0(step);
     // P = exp2(S * scale_log2 - lse2) with keys past the end and outside the window at 0, then
     // dS = P (dP - delta); this thread's rows are queries row_in_wg and row_in_wg + 8.
     const bool need_mask = bwd_step_needs_mask<BM, BN>(p, n0, m0, offset);
@@ -1032,11 +1031,10 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
         for (int e = 0; e < 4; ++e)
           acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - delta[e >> 1]);
     }
-#if FLASHMOE_BWD_WIDE_QDO_TMA
-    if (late_copy) copy_step(step);  // planted 29: after the products that should have waited
-#endif
-    // P and dS to shared memory as [query][key] (conflict-free: the 8 rows of one store
-    // instruction land in 8 different chunks).
+  };
+  // P and dS to shared memory as [query][key] (conflict-free: the 8 rows of one store
+  // instruction land in 8 different chunks).
+  auto store_p_ds = [&](const float (&acc_s)[4][4], const float (&acc_dp)[4][4]) {
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -1047,10 +1045,10 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
             pack2<T>(acc_dp[nt][2 * hh], acc_dp[nt][2 * hh + 1]);
       }
     sm90::fence_proxy_async();  // this thread's P and dS stores, visible to the tensor cores
-    sync_block();               // P and dS are whole (both warpgroups' keys)
-
-    // dV^T += dO^T P (warpgroup 0), dK^T += Q^T dS (1): the step's queries as the reduction.
-    // planted 25: dK^T's every tile reads Q's first panel (the columns of dK past 64 wrong)
+  };
+  // dV^T += dO^T P (warpgroup 0), dK^T += Q^T dS (1): the step's queries as the reduction.
+  // planted 25: dK^T's every tile reads Q's first panel (the columns of dK past 64 wrong)
+  auto issue_dkv = [&](int buf) {
 #pragma unroll
     for (int t = 0; t < kTiles; ++t)
       sm90::fence_operands(acc[t]);
@@ -1065,48 +1063,270 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
             kv_b_desc + sm90::mn_major_step(kk), 1);
     }
     sm90::commit_group();
-
-    if constexpr (kAtomicDq) {
-      // planted 6: the last key block never reaches dQ
-      const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
-#if !FLASHMOE_BWD_WIDE_DQ_TMA
-      const int64_t row_base = (int64_t(b) * p.heads_q + step_head(step)) * p.seqlen_q;
-#endif
+  };
+  constexpr bool kPipe = kAtomicDq && kTilesK <= 3;
+  if (kPipe && qdo_tma && steps > 0) {
+    float acc_s[4][4], acc_dp[4][4];  // issued a step ahead
+    // Waited for where no wgmma runs: a spin loop among in-flight groups serializes them (ptxas).
+    auto wait_landed = [&](int step) {
+      if (!late_copy) sm90::mbar_wait(&qdo_full[step & 1], (step >> 1) & 1);
+    };
+    // Planted 29 (no wait): the step's copies issued once its products have read the buffers.
+    auto products = [&](int step) {
+      issue_products(step, acc_s, acc_dp);
+      if (late_copy) {
+        sm90::wait_group<0>();
+        sm90::fence_operands(acc_s);
+        sm90::fence_operands(acc_dp);
+        copy_step(step);
+        sm90::mbar_wait(&qdo_full[step & 1], (step >> 1) & 1);
+      }
+    };
+    constexpr int kMostChunks = kDqSplit > kTilesK - kDqSplit ? kDqSplit : kTilesK - kDqSplit;
+    const bool leader = tid % 128 == 0;
+    // planted 6: the last key block never reaches dQ
+    const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
+    issue_step(0);
+    if (steps > 1) issue_step(1);
+    cp_async_wait<0>();
+    sm90::fence_proxy_async();
+    sync_block();  // K and V have landed; steps 0 and 1's lse and delta are written
+    wait_landed(0);
+    products(0);
+    // dQ chunk c's product, then (dq_out) its stage and TMA reduce-add, as in the loop below
+    auto dq_product = [&](int c, float (&acc_dq)[8][4]) {
 #pragma unroll
-      for (int c = 0; c < kTilesK; ++c) {
-        if (c < dq_first || c >= dq_last) continue;
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc_dq[nt][e] = 0.f;
+      sm90::fence_operands(acc_dq);
+      sm90::fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        sm90::mma_ss<64, T, /*kMnMajor=*/false, /*kMnMajorB=*/true>(
+            acc_dq, ds_desc + sm90::k_major_step<BM>(kk),
+            kt_desc + c * kKPanelStep + sm90::mn_major_step(kk), kk > 0);
+      sm90::commit_group();
+    };
+    auto dq_out = [&](int c, int step, float (&acc_dq)[8][4]) {
+      sm90::fence_operands(acc_dq);
+      const int buf = step & 1;
+      float* stage = reinterpret_cast<float*>(wg == 0 ? sdO + buf * BM * DV : sQ + buf * BM * D);
+      stage_dq_chunk(stage, acc_dq, wg, leader, row_in_wg, lane);
+      if (leader && add_dq) {
+        const int bh = b * p.heads_q + step_head(step);
+#pragma unroll
+        for (int box = 0; box < 2; ++box)
+          sm90::tma_reduce_add_3d(p.dq_map, stage + box * 64 * 32, c * 64 + box * 32, step_m0(step),
+                                  bh);
+        sm90::bulk_commit_group();
+      }
+    };
+    // One step; kAhead: a step follows, whose products go in under this one's last dQ chunk.
+    // Compile-time, as is the last chunk's place: a wgmma on a path the compiler cannot prove
+    // uniform, or a register of an accumulator written while one runs, serializes them (ptxas).
+    auto run_step = [&](int step, auto ahead) {
+      constexpr bool kAhead = decltype(ahead)::value;
+      softmax_step(step, acc_s, acc_dp);
+      store_p_ds(acc_s, acc_dp);
+      sync_block();  // A: P and dS are whole (step - 1's readers of them passed barrier B)
+      if constexpr (kAhead) wait_landed(step + 1);  // copied since step - 1's barrier B
+      issue_dkv(step & 1);
+#pragma unroll 1
+      for (int c = dq_first; c < dq_last - 1; ++c) {  // all but the last of this warpgroup's
         float acc_dq[8][4];
+        dq_product(c, acc_dq);
+        sm90::wait_group<0>();
+        dq_out(c, step, acc_dq);
+      }
+      {
+        float acc_dq[8][4];
+        dq_product(dq_last - 1, acc_dq);
+        if constexpr (kAhead) {
+          products(step + 1);
+          sm90::wait_group<2>();  // dV^T (dK^T) and the chunk; step + 1's S and dP run on
+        } else {
+          sm90::wait_group<0>();
+        }
+        dq_out(dq_last - 1, step, acc_dq);
+      }
+      // as many named barriers as the other warpgroup (the loop below says why)
+      for (int c = dq_last - dq_first; c < kMostChunks; ++c) {
+        sm90::warpgroup_sync(1 + wg);
+        sm90::warpgroup_sync(1 + wg);
+      }
+      if (leader) sm90::bulk_wait_group_read<0>();  // the stages read before step + 2's copies
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+      for (int t = 0; t < kTiles; ++t)
+        sm90::fence_operands(acc[t]);
+      sync_block();  // B: every warpgroup is done with P, dS and the step's Q and dO buffers
+      if (step + 2 < steps) issue_step(step + 2);
+    };
+    for (int step = 0; step + 1 < steps; ++step)
+      run_step(step, BoolConstant<true>{});
+    run_step(steps - 1, BoolConstant<false>{});
+  } else {
+#endif
+    if (steps > 0) issue_step(0);
+    for (int step = 0; step < steps; ++step) {
+      const int buf = step & 1, m0 = step_m0(step);
+      cp_async_wait<0>();
+      sm90::fence_proxy_async();
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+      if (qdo_tma && !late_copy) sm90::mbar_wait(&qdo_full[buf], (step >> 1) & 1);
+#endif
+      sync_block();  // the step's tiles have landed; step - 1 is done with buf ^ 1, P and dS
+
+      float acc_s[4][4], acc_dp[4][4];
+      sm90::fence_operands(acc_s);
+      sm90::fence_operands(acc_dp);
+      sm90::fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        sm90::mma_ss<32, T>(acc_s, q_desc + buf * kQBufStep + sm90::k_major_step<BM>(kk),
+                            k_desc + sm90::k_major_step<BN>(kk), kk > 0);
+      sm90::commit_group();
+#pragma unroll
+      for (int kk = 0; kk < DV / 16; ++kk)
+        sm90::mma_ss<32, T>(acc_dp, do_desc + buf * kDoBufStep + sm90::k_major_step<BM>(kk),
+                            v_desc + sm90::k_major_step<BN>(kk), kk > 0);
+      sm90::commit_group();
+      if (step + 1 < steps) issue_step(step + 1);
+
+      // P = exp2(S * scale_log2 - lse2) with keys past the end and outside the window at 0, then
+      // dS = P (dP - delta); this thread's rows are queries row_in_wg and row_in_wg + 8.
+      const bool need_mask = bwd_step_needs_mask<BM, BN>(p, n0, m0, offset);
+      const float lse[2] = {sLse[buf * BM + row_in_wg], sLse[buf * BM + row_in_wg + 8]};
+      const float delta[2] = {sDelta[buf * BM + row_in_wg], sDelta[buf * BM + row_in_wg + 8]};
+      auto probs = [&](auto mask, auto capped) {
+        constexpr bool kMask = decltype(mask)::value, kCapped = decltype(capped)::value;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float prob = exp2f(fmaf(acc_s[nt][e], p.scale_log2, -lse[e >> 1]));
+            if constexpr (kMask) {
+              const int key = n0 + key_col0 + nt * 8 + (e & 1);
+              const int i = m0 + row_in_wg + (e >> 1) * 8;
+              if (key >= window_key_end(p, i, offset, p.seqlen_k) ||
+                  key < window_first_key(p, i, offset))
+                prob = 0.f;
+            }
+            acc_s[nt][e] = prob;
+            if constexpr (kCapped) acc_dp[nt][e] *= prob;
+          }
+      };
+      if (p.softcap > 0.f) {  // both products first: dS needs t, which P replaces
+        sm90::wait_group<0>();
+        sm90::fence_operands(acc_s);
+        sm90::fence_operands(acc_dp);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          apply_softcap(acc_s[nt], p);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float t = acc_s[nt][e];
+            acc_dp[nt][e] = (acc_dp[nt][e] - delta[e >> 1]) * (1.f - t * t);
+          }
+        }
+        if (need_mask)
+          probs(BoolConstant<true>{}, BoolConstant<true>{});
+        else
+          probs(BoolConstant<false>{}, BoolConstant<true>{});
+      } else {  // P while dP is still running
+        sm90::wait_group<1>();
+        sm90::fence_operands(acc_s);
+        if (need_mask)
+          probs(BoolConstant<true>{}, BoolConstant<false>{});
+        else
+          probs(BoolConstant<false>{}, BoolConstant<false>{});
+        sm90::wait_group<0>();
+        sm90::fence_operands(acc_dp);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            acc_dq[nt][e] = 0.f;
-        sm90::fence_operands(acc_dq);
-        sm90::fence();
+            acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - delta[e >> 1]);
+      }
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+      if (late_copy) copy_step(step);  // planted 29: after the products that should have waited
+#endif
+      // P and dS to shared memory as [query][key] (conflict-free: the 8 rows of one store
+      // instruction land in 8 different chunks).
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-          sm90::mma_ss<64, T, /*kMnMajor=*/false, /*kMnMajorB=*/true>(
-              acc_dq, ds_desc + sm90::k_major_step<BM>(kk),
-              kt_desc + c * kKPanelStep + sm90::mn_major_step(kk), kk > 0);
-        sm90::commit_group();
-        sm90::wait_group<0>();
-        sm90::fence_operands(acc_dq);
-#if FLASHMOE_BWD_WIDE_DQ_TMA
-        // The 64 x 64 chunk through shared memory (stage_dq_chunk), then one TMA reduce-add a
-        // box into dq_accum (rows past Sq lie outside the map). The stage is this step's dO
-        // buffer (warpgroup 0) or Q buffer (1): their last reader, the warpgroup's own dV^T
-        // (dK^T), is done (wait_group above), and step + 2's copies into them wait for the reads
-        // (bulk_wait_group_read at the end of the step, before the next barrier).
-        float* stage = reinterpret_cast<float*>(wg == 0 ? sdO + buf * BM * DV : sQ + buf * BM * D);
-        const bool leader = tid % 128 == 0;
-        stage_dq_chunk(stage, acc_dq, wg, leader, row_in_wg, lane);
-        if (leader && add_dq) {
-          const int bh = b * p.heads_q + step_head(step);
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-          for (int box = 0; box < 2; ++box)
-            sm90::tma_reduce_add_3d(p.dq_map, stage + box * 64 * 32, c * 64 + box * 32, m0, bh);
-          sm90::bulk_commit_group();
+        for (int hh = 0; hh < 2; ++hh) {
+          const int at = swizzle_panels<BM>(row_in_wg + 8 * hh, 4 * wg + nt) + (lane & 3) * 2;
+          *reinterpret_cast<uint32_t*>(sP + at) =
+              pack2<T>(acc_s[nt][2 * hh], acc_s[nt][2 * hh + 1]);
+          *reinterpret_cast<uint32_t*>(sdS + at) =
+              pack2<T>(acc_dp[nt][2 * hh], acc_dp[nt][2 * hh + 1]);
         }
+      sm90::fence_proxy_async();  // this thread's P and dS stores, visible to the tensor cores
+      sync_block();               // P and dS are whole (both warpgroups' keys)
+
+      // dV^T += dO^T P (warpgroup 0), dK^T += Q^T dS (1): the step's queries as the reduction.
+      // planted 25: dK^T's every tile reads Q's first panel (the columns of dK past 64 wrong)
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t)
+        sm90::fence_operands(acc[t]);
+      sm90::fence();
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        const int panel = wg == 1 && planted(25) ? 0 : t;
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+          sm90::mma_ss<64, T, /*kMnMajor=*/true>(
+              acc[t],
+              kv_a_desc + buf * kv_a_buf_step + panel * kPanelStep + sm90::mn_major_step(kk),
+              kv_b_desc + sm90::mn_major_step(kk), 1);
+      }
+      sm90::commit_group();
+
+      if constexpr (kAtomicDq) {
+        // planted 6: the last key block never reaches dQ
+        const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
+#if !FLASHMOE_BWD_WIDE_DQ_TMA
+        const int64_t row_base = (int64_t(b) * p.heads_q + step_head(step)) * p.seqlen_q;
+#endif
+#pragma unroll
+        for (int c = 0; c < kTilesK; ++c) {
+          if (c < dq_first || c >= dq_last) continue;
+          float acc_dq[8][4];
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              acc_dq[nt][e] = 0.f;
+          sm90::fence_operands(acc_dq);
+          sm90::fence();
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk)
+            sm90::mma_ss<64, T, /*kMnMajor=*/false, /*kMnMajorB=*/true>(
+                acc_dq, ds_desc + sm90::k_major_step<BM>(kk),
+                kt_desc + c * kKPanelStep + sm90::mn_major_step(kk), kk > 0);
+          sm90::commit_group();
+          sm90::wait_group<0>();
+          sm90::fence_operands(acc_dq);
+#if FLASHMOE_BWD_WIDE_DQ_TMA
+          // The 64 x 64 chunk through shared memory (stage_dq_chunk), then one TMA reduce-add a
+          // box into dq_accum (rows past Sq lie outside the map). The stage is this step's dO
+          // buffer (warpgroup 0) or Q buffer (1): their last reader, the warpgroup's own dV^T
+          // (dK^T), is done (wait_group above), and step + 2's copies into them wait for the reads
+          // (bulk_wait_group_read at the end of the step, before the next barrier).
+          float* stage =
+              reinterpret_cast<float*>(wg == 0 ? sdO + buf * BM * DV : sQ + buf * BM * D);
+          const bool leader = tid % 128 == 0;
+          stage_dq_chunk(stage, acc_dq, wg, leader, row_in_wg, lane);
+          if (leader && add_dq) {
+            const int bh = b * p.heads_q + step_head(step);
+#pragma unroll
+            for (int box = 0; box < 2; ++box)
+              sm90::tma_reduce_add_3d(p.dq_map, stage + box * 64 * 32, c * 64 + box * 32, m0, bh);
+            sm90::bulk_commit_group();
+          }
 #else
         if (add_dq) {
 #pragma unroll
@@ -1121,29 +1341,32 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
           }
         }
 #endif
-      }
+        }
 #if FLASHMOE_BWD_WIDE_DQ_TMA
-      // The warpgroup with fewer chunks (d=192: 1 and 2) meets its named barrier as often as the
-      // other: where the counts differ, racecheck reports dK's staging against its copy out
-      // across the __syncthreads that orders them.
-      constexpr int kMostChunks = kDqSplit > kTilesK - kDqSplit ? kDqSplit : kTilesK - kDqSplit;
-      for (int c = dq_last - dq_first; c < kMostChunks; ++c) {
-        sm90::warpgroup_sync(1 + wg);
-        sm90::warpgroup_sync(1 + wg);
+        // The warpgroup with fewer chunks (d=192: 1 and 2) meets its named barrier as often as the
+        // other: where the counts differ, racecheck reports dK's staging against its copy out
+        // across the __syncthreads that orders them.
+        constexpr int kMostChunks = kDqSplit > kTilesK - kDqSplit ? kDqSplit : kTilesK - kDqSplit;
+        for (int c = dq_last - dq_first; c < kMostChunks; ++c) {
+          sm90::warpgroup_sync(1 + wg);
+          sm90::warpgroup_sync(1 + wg);
+        }
+        // this step's reduces have read their stages before step + 2's copies may land there (the
+        // next step's barrier orders every warpgroup's wait before any copy is issued)
+        if (tid % 128 == 0) sm90::bulk_wait_group_read<0>();
+#endif
       }
-      // this step's reduces have read their stages before step + 2's copies may land there (the
-      // next step's barrier orders every warpgroup's wait before any copy is issued)
-      if (tid % 128 == 0) sm90::bulk_wait_group_read<0>();
+      sm90::wait_group<0>();
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t)
+        sm90::fence_operands(acc[t]);
+#if FLASHMOE_BWD_WIDE_QDO_TMA
+      if (late_copy) sm90::mbar_wait(&qdo_full[buf], (step >> 1) & 1);  // planted 29's copy landed
 #endif
     }
-    sm90::wait_group<0>();
-#pragma unroll
-    for (int t = 0; t < kTiles; ++t)
-      sm90::fence_operands(acc[t]);
-#if FLASHMOE_BWD_WIDE_QDO_TMA
-    if (late_copy) sm90::mbar_wait(&qdo_full[buf], (step >> 1) & 1);  // planted 29's copy landed
-#endif
+#if FLASHMOE_BWD_WIDE_PIPE_ON
   }
+#endif
   cp_async_wait<0>();  // no block leaves with copies in flight (no query block saw these keys)
 #if FLASHMOE_BWD_WIDE_DQ_TMA
   if constexpr (kAtomicDq) {
