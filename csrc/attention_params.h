@@ -173,6 +173,14 @@ namespace flashmoe {
 #endif
 #define FLASHMOE_BWD_WIDE_PIPE_ON \
   (FLASHMOE_BWD_WIDE_PIPE && FLASHMOE_BWD_WIDE_QDO_TMA && FLASHMOE_BWD_WIDE_DQ_TMA)
+// The wide wgmma backward's causal calls on FLASHMOE_BWD_CAUSAL_LPT's longest-first 1-D grid (from
+// 2,048 keys, in L2-sized sections of pairs), as the 128 tile's: off unless
+// -DFLASHMOE_BWD_WIDE_LPT=1 (benches/notes/backward.md, bwd v5.13; unmeasured).
+#ifndef FLASHMOE_BWD_WIDE_LPT
+#define FLASHMOE_BWD_WIDE_LPT 0
+#endif
+#define FLASHMOE_BWD_WIDE_LPT_ON \
+  (FLASHMOE_BWD_WIDE_LPT && FLASHMOE_BWD_CAUSAL_LPT && FLASHMOE_BWD_WS)
 #define FLASHMOE_BWD_DQ_MAP (FLASHMOE_BWD_DQ_TMA || FLASHMOE_BWD_WIDE_DQ_TMA || FLASHMOE_BWD_WS)
 // The wgmma forward's softmax with a softcap in bf16 subtracting a fixed max of 0 instead of the
 // running row max: off unless built with -DFLASHMOE_FWD_SOFTCAP_FIXED_MAX=1 (an experiment:

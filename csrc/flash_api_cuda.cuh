@@ -1316,6 +1316,11 @@ void launch_backward(const BwdParams& p, int config, bool deterministic, cudaStr
       if (Traits::kWs && !deterministic && p.lpt_pairs > 0) grid = dim3(grid.x * grid.y);
     }
 #endif
+#if FLASHMOE_BWD_WIDE_LPT_ON
+    if constexpr (IsSm90BwdWide<Traits>::value) {
+      if (!deterministic && p.lpt_pairs > 0) grid = dim3(grid.x * grid.y);
+    }
+#endif
     kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
@@ -1491,7 +1496,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_back
   // stays within the grid). Unforced, only past head dim 64 and from 2,048 keys: at 64 it gained
   // nothing, and 512 keys ran 10-12% slower than the 2-D grid (backward.md, bwd v7b measured).
   p.lpt_pairs = 0;
-  if (p.ws && !deterministic && p.window_right == 0 && p.window_left < 0) {
+#if FLASHMOE_BWD_WIDE_LPT_ON
+  const bool lpt_kernel = p.ws || (config == kSm90aBwdConfig && head_dim > 128);  // or the wide
+#else
+  const bool lpt_kernel = p.ws;
+#endif
+  if (lpt_kernel && !deterministic && p.window_right == 0 && p.window_left < 0) {
     int64_t pairs = bwd_lpt_pairs_override();
     if (pairs == 0 && head_dim > 64 && p.seqlen_k >= 2048) {
       const int64_t pair_bytes = int64_t(p.heads_ratio) * q.size(2) *

@@ -846,8 +846,22 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     else
       __syncthreads();
   };
-  const int n0 = blockIdx.x * BN;
-  const int b = blockIdx.y / p.heads_kv, hkv = blockIdx.y % p.heads_kv;
+  // The block's key block and (batch, KV head) pair: the grid's x and y, or as the 128 tile takes
+  // them on the longest-first 1-D grid (FLASHMOE_BWD_WIDE_LPT: p.lpt_pairs).
+  unsigned grid_n = blockIdx.x, grid_pair = blockIdx.y;  // (unsigned, as the grid's indices)
+#if FLASHMOE_BWD_WIDE_LPT_ON
+  if constexpr (kAtomicDq) {
+    if (p.lpt_pairs > 0) {
+      const int n_blocks = ceil_div(p.seqlen_k, BN), pairs = p.batch * p.heads_kv;
+      const int first = int(blockIdx.x) / (p.lpt_pairs * n_blocks) * p.lpt_pairs;
+      const int count = min(p.lpt_pairs, pairs - first), i = int(blockIdx.x) - first * n_blocks;
+      grid_n = i / count;
+      grid_pair = first + i % count;
+    }
+  }
+#endif
+  const int n0 = grid_n * BN;
+  const int b = grid_pair / p.heads_kv, hkv = grid_pair % p.heads_kv;
   const int offset = p.seqlen_k - p.seqlen_q;
   const int2 query_blocks = bwd_query_blocks<BM, BN>(p, n0, offset);
   const int m_begin = query_blocks.x, m_end = query_blocks.y;
@@ -1085,7 +1099,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     constexpr int kMostChunks = kDqSplit > kTilesK - kDqSplit ? kDqSplit : kTilesK - kDqSplit;
     const bool leader = tid % 128 == 0;
     // planted 6: the last key block never reaches dQ
-    const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
+    const bool add_dq = !planted(6) || int(grid_n) != ceil_div(p.seqlen_k, BN) - 1;
     issue_step(0);
     if (steps > 1) issue_step(1);
     cp_async_wait<0>();
@@ -1287,7 +1301,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
 
       if constexpr (kAtomicDq) {
         // planted 6: the last key block never reaches dQ
-        const bool add_dq = !planted(6) || int(blockIdx.x) != ceil_div(p.seqlen_k, BN) - 1;
+        const bool add_dq = !planted(6) || int(grid_n) != ceil_div(p.seqlen_k, BN) - 1;
 #if !FLASHMOE_BWD_WIDE_DQ_TMA
         const int64_t row_base = (int64_t(b) * p.heads_q + step_head(step)) * p.seqlen_q;
 #endif
@@ -1397,7 +1411,7 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
       }
   }
   sync_block();
-  const int64_t kv_row_base = int64_t(blockIdx.y) * p.seqlen_k;  // y = b * heads_kv + hkv
+  const int64_t kv_row_base = int64_t(grid_pair) * p.seqlen_k;  // b * heads_kv + hkv
   auto copy_out = [&](const T* from, int from_pitch, void* to, int width) {
     const int chunks = width / 8;
     for (int c = tid; c < BN * chunks; c += kThreads) {
@@ -1411,6 +1425,12 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
   copy_out(sdK, Traits::kStagePitch, p.dk, D);
   copy_out(sdV, Traits::kStagePitchV, p.dv, DV);
 }
+
+// Whether a backward traits type is the wide kernel's (the launch's longest-first grid).
+template <typename Traits>
+struct IsSm90BwdWide : std::false_type {};
+template <int D, int Dv>
+struct IsSm90BwdWide<Sm90BwdWideTraits<D, Dv>> : std::true_type {};
 
 template <typename Traits, typename T, bool kAtomicDq>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)

@@ -530,6 +530,62 @@ def test_the_longest_first_cases_end_their_sections_short():
     assert max(math.ceil(c.seqlen_k / 128) for c in cases) >= 8
 
 
+# bwd v5.13 (FLASHMOE_BWD_WIDE_LPT): the wide kernel's causal calls on the same longest-first grid
+# (64-key blocks). Its automatic causal gate cases (192, 256, v's 128 under 192) whose pairs (4, 8,
+# 16) are no multiple of 3 and that walk at least 4 key blocks, one dtype a head dim in turn.
+def _wide_longest_first_cases() -> tuple[str, ...]:
+    wide = [
+        c
+        for c in GPU_CASES
+        if c.config == 0
+        and (c.head_dim, c.value_head_dim) in matrix.WGMMA_WIDE_FORCED_BACKWARD
+        and c.causal
+        and not c.deterministic
+        and c.window == (-1, -1)
+        and not c.softcap
+        and c.batch * c.heads_kv > 3
+        and math.ceil(c.seqlen_k / 64) >= 4
+    ]
+    dims = sorted({(c.head_dim, c.value_head_dim) for c in wide})
+    return tuple(
+        c.id
+        for c in wide
+        if c.dtype == ("bf16", "fp16")[dims.index((c.head_dim, c.value_head_dim)) % 2]
+    )
+
+
+WIDE_LPT_CASES = _wide_longest_first_cases()
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_the_wide_kernels_longest_first_sections_pass_the_gradient_gates(run_planted, monkeypatch):
+    """With the wide kernel's longest-first grid built in, WIDE_LPT_CASES pass their gradient gates
+    with sections of 3 pairs (a short last section on each): a wrong key block or pair from the
+    1-D grid's index leaves some dK, dV or dQ rows unwritten or written twice."""
+    from flashmoe_science import ops
+
+    if not ops.backward_config_supported(3, torch.cuda.get_device_capability()):
+        pytest.skip("needs an sm_90a build on a compute capability 9.0 GPU")
+    if not loader.switch_on("FLASHMOE_BWD_WIDE_LPT"):
+        pytest.skip("the stage's build has FLASHMOE_BWD_WIDE_LPT off: the wide kernel's 2-D grid")
+    monkeypatch.setenv("FLASHMOE_BWD_LPT_PAIRS", "3")
+    out = run_planted(0, WS_SCRIPT, "cuda", *WIDE_LPT_CASES)
+    _assert_every_case_passed(out, WIDE_LPT_CASES)
+
+
+def test_the_wide_longest_first_cases_end_their_sections_short():
+    """WIDE_LPT_CASES reach each wide kernel (192, 256, v's 128 under 192) in one dtype or the
+    other, with pairs that 3 does not divide (each grid ends on a short section), Sq != Sk, and
+    walks of many key blocks (the order within a section)."""
+    cases = [parse_case_id(case_id) for case_id in WIDE_LPT_CASES]
+    assert 12 <= len(cases) <= 40 and all(c.causal and not c.deterministic for c in cases)
+    assert {(c.head_dim, c.value_head_dim) for c in cases} == set(matrix.WGMMA_WIDE_FORCED_BACKWARD)
+    assert {c.batch * c.heads_kv for c in cases} == {4, 8, 16}
+    assert any(c.seqlen_q != c.seqlen_k for c in cases)
+    assert max(math.ceil(c.seqlen_k / 64) for c in cases) >= 16
+
+
 # bwd v5.11 (FLASHMOE_BWD_DET_ROTATE): deterministic=True without a mask walks each key block's
 # query blocks from its own start (its launch position's share of them) and adds dQ in the order
 # the blocks reach a query block. The gate matrix's unmasked deterministic cases have at most two
