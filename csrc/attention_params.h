@@ -135,8 +135,9 @@ namespace flashmoe {
 // and 2,048 keys or more (where it was measured faster; FLASHMOE_BWD_LPT_PAIRS forces it on any
 // causal call): in sections of (batch, KV head) pairs whose q, dout and dq_accum fit in 40 MB of
 // L2 (BwdParams::lpt_pairs), each section's key blocks from the first (the longest walk under the
-// mask), so that the last blocks to start are short ones (backward.md, bwd v7b).
-// -DFLASHMOE_BWD_CAUSAL_LPT=0 is the 2-D grid on every call.
+// mask), so that the last blocks to start are short ones (backward.md, bwd v7b); the wide
+// kernel's too with -DFLASHMOE_BWD_WIDE_LPT=1. -DFLASHMOE_BWD_CAUSAL_LPT=0 is the 2-D grid on every
+// call.
 #ifndef FLASHMOE_BWD_CAUSAL_LPT
 #define FLASHMOE_BWD_CAUSAL_LPT 1
 #endif
@@ -349,8 +350,9 @@ struct BwdParams {
   bool wide_tma;  // the wide kernel's q and dout maps (boxes of its 64 query rows) encoded
 #endif
 #if FLASHMOE_BWD_CAUSAL_LPT
-  // non-deterministic causal calls on the tile: the (batch, KV head) pairs a section of its 1-D
-  // grid (at most the call's pairs); 0: the (key block, batch x KV head) grid
+  // non-deterministic causal calls on the tile (and the wide kernel under FLASHMOE_BWD_WIDE_LPT):
+  // the (batch, KV head) pairs a section of its 1-D grid (at most the call's pairs); 0: the
+  // (key block, batch x KV head) grid
   int lpt_pairs;
 #endif
 #endif

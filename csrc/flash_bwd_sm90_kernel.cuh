@@ -1079,6 +1079,8 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
     sm90::commit_group();
   };
   constexpr bool kPipe = kAtomicDq && kTilesK <= 3;
+  static_assert(!kPipe || (kDqSplit >= 1 && kTilesK - kDqSplit >= 1),
+                "each warpgroup has a dQ chunk: the last one's product goes before step + 1's");
   if (kPipe && qdo_tma && steps > 0) {
     float acc_s[4][4], acc_dp[4][4];  // issued a step ahead
     // Waited for where no wgmma runs: a spin loop among in-flight groups serializes them (ptxas).
@@ -1145,7 +1147,8 @@ __device__ __forceinline__ void flash_bwd_sm90_wide_block(const BwdParams& p) {
       softmax_step(step, acc_s, acc_dp);
       store_p_ds(acc_s, acc_dp);
       sync_block();  // A: P and dS are whole (step - 1's readers of them passed barrier B)
-      if constexpr (kAhead) wait_landed(step + 1);  // copied since step - 1's barrier B
+      if constexpr (kAhead)
+        wait_landed(step + 1);  // issued after step - 1's barrier B (or before step 0)
       issue_dkv(step & 1);
 #pragma unroll 1
       for (int c = dq_first; c < dq_last - 1; ++c) {  // all but the last of this warpgroup's
