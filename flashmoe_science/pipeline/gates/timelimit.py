@@ -216,7 +216,9 @@ def child_watch() -> tuple[dict[str, str], tuple[int, ...]]:
 
 def watch_as_child() -> None:
     """In a child started with child_watch()'s hand-over: SIGNAL prints every thread's stack to the
-    worker's stderr (faulthandler, as the worker's own Watch) instead of ending the process."""
-    fd = os.environ.get(STACK_FD_VAR, "")
+    worker's stderr (faulthandler, as the worker's own Watch) instead of ending the process. The
+    variable goes: a process this one starts does not hold the descriptor, whose number may name
+    another file there."""
+    fd = os.environ.pop(STACK_FD_VAR, "")
     if fd.isdigit():
         faulthandler.register(SIGNAL, file=int(fd), all_threads=True)
